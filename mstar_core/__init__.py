@@ -1,0 +1,7 @@
+"""M*: serve composite multimodal models as Walk Graphs on one asyncio runtime."""
+
+__version__ = "0.1.0"
+
+from mstar_core.errors import GraphValidationError, MStarError, RequestError  # noqa: E402
+
+__all__ = ["GraphValidationError", "MStarError", "RequestError", "__version__"]

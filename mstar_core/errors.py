@@ -1,0 +1,65 @@
+"""Exceptions shared across the core; each message says what to do next."""
+
+
+class MStarError(Exception):
+    """Base class for every error M* raises on purpose."""
+
+
+class GraphValidationError(MStarError):
+    """A graph or walk is malformed; raised when the model is built, never at request time."""
+
+    def __init__(self, message: str, *, walk: str | None = None, node: str | None = None):
+        where = []
+        if walk is not None:
+            where.append(f"walk '{walk}'")
+        if node is not None:
+            where.append(f"node '{node}'")
+        prefix = f"[{', '.join(where)}] " if where else ""
+        super().__init__(prefix + message)
+        self.walk = walk
+        self.node = node
+
+
+class ConfigError(MStarError):
+    """A configuration file or settings mapping has an unknown key or a bad value."""
+
+
+class RegistryLookupError(MStarError, KeyError):
+    """A name was not found in a plugin registry; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class RequestError(MStarError):
+    """A request was rejected or failed; `status` maps to an HTTP status code."""
+
+    status: int = 400
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class NodeExecutionError(RequestError):
+    """A node raised while running one request's invocation."""
+
+    status = 500
+
+    def __init__(self, node: str, request_id: str, cause: BaseException):
+        super().__init__(f"node '{node}' failed for request {request_id}: {type(cause).__name__}: {cause}")
+        self.node = node
+        self.cause = cause
+
+
+class RequestCancelled(RequestError):
+    """The request was cancelled by its caller."""
+
+    status = 499
+
+
+class RequestTimeout(RequestError):
+    """The request ran past its deadline."""
+
+    status = 504

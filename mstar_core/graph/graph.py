@@ -1,0 +1,271 @@
+"""Graph: the computation graph G (nodes) plus its named walks W, validated when built."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from mstar_core.errors import GraphValidationError
+from mstar_core.graph.node import GraphEdge, GraphNode
+from mstar_core.graph.walk import (
+    DynamicLoop,
+    Loop,
+    NodeCall,
+    Parallel,
+    Sequential,
+    Step,
+    Walk,
+    iter_calls,
+)
+
+Plan = Callable[[Mapping[str, Any]], Sequence[str]]
+
+
+@attrs.frozen
+class Graph:
+    """An immutable model spec: nodes, walks, and the plan mapping a request to its walks.
+
+    Build it with `Graph.build(...)`, which validates every walk. `plan(inputs)` returns the walk
+    names a request takes, in order; the default runs the only walk, or the one named by the
+    request's `walk` input.
+    """
+
+    name: str
+    nodes: Mapping[str, GraphNode]
+    walks: Mapping[str, Walk]
+    plan_fn: Plan | None = attrs.field(default=None, eq=False)
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        nodes: Iterable[GraphNode],
+        walks: Iterable[Walk],
+        plan: Plan | None = None,
+    ) -> Graph:
+        node_map: dict[str, GraphNode] = {}
+        for node in nodes:
+            if node.name in node_map:
+                raise GraphValidationError(f"duplicate node name '{node.name}'", node=node.name)
+            if len(set(node.all_inputs)) != len(node.all_inputs):
+                raise GraphValidationError("duplicate input name", node=node.name)
+            if len(set(node.outputs)) != len(node.outputs):
+                raise GraphValidationError("duplicate output name", node=node.name)
+            node_map[node.name] = node
+        walk_map: dict[str, Walk] = {}
+        for walk in walks:
+            if walk.name in walk_map:
+                raise GraphValidationError(f"duplicate walk name '{walk.name}'", walk=walk.name)
+            walk_map[walk.name] = walk
+        if not walk_map:
+            raise GraphValidationError(f"model '{name}' declares no walks")
+        from types import MappingProxyType
+
+        graph = cls(name, MappingProxyType(node_map), MappingProxyType(walk_map), plan)
+        for walk in walk_map.values():
+            _WalkChecker(graph, walk).check()
+        return graph
+
+    def plan(self, inputs: Mapping[str, Any]) -> list[str]:
+        """The walk names a request with these inputs takes, checked against the graph."""
+        if self.plan_fn is not None:
+            names = list(self.plan_fn(inputs))
+        elif "walk" in inputs:
+            names = [inputs["walk"]]
+        elif len(self.walks) == 1:
+            names = list(self.walks)
+        else:
+            raise GraphValidationError(
+                f"model '{self.name}' has several walks ({', '.join(self.walks)}) and no plan; "
+                "pass a 'walk' input"
+            )
+        for n in names:
+            if n not in self.walks:
+                raise KeyError(f"plan chose unknown walk '{n}'; walks: {', '.join(self.walks)}")
+        return names
+
+    def edges(self, walk: str) -> list[GraphEdge]:
+        """Data edges of a walk: each node input linked to the latest call that produced it."""
+        return _derive_edges(self, self.walks[walk])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class _WalkChecker:
+    """Static checks of one walk; every error names the walk and the node."""
+
+    def __init__(self, graph: Graph, walk: Walk):
+        self.graph = graph
+        self.walk = walk
+        self.calls = list(iter_calls(walk.body))
+
+    def fail(self, message: str, node: str | None = None) -> None:
+        raise GraphValidationError(message, walk=self.walk.name, node=node)
+
+    def check(self) -> None:
+        for call in self.calls:
+            self.check_call_ports(call)
+        produced = self.step(self.walk.body, set(self.walk.inputs), loop_depth=0)
+        for edge in self.walk.streams:
+            produced |= self.check_stream(edge, produced)
+        for name in self.walk.emit:
+            if name not in produced:
+                self.fail(f"emit names '{name}', which no step or stream of the walk produces")
+        for name in self.walk.outputs:
+            if name not in produced:
+                self.fail(f"output '{name}' is never produced; produced: {sorted(produced)}")
+
+    def node(self, name: str) -> GraphNode:
+        try:
+            return self.graph.nodes[name]
+        except KeyError:
+            known = ", ".join(sorted(self.graph.nodes)) or "(none)"
+            self.fail(f"unknown node '{name}'; known nodes: {known}", node=name)
+            raise  # unreachable, for type checkers
+
+    def check_call_ports(self, call: NodeCall) -> None:
+        node = self.node(call.node)
+        for port in call.inputs:
+            if port not in node.all_inputs:
+                self.fail(f"renames input '{port}', but the node's inputs are {list(node.all_inputs)}", call.node)
+        for port in call.outputs:
+            if port not in node.outputs:
+                self.fail(f"renames output '{port}', but the node's outputs are {list(node.outputs)}", call.node)
+
+    def step(self, step: Step, avail: set[str], loop_depth: int) -> set[str]:
+        """Return the names available after `step`, given those available before it."""
+        if isinstance(step, NodeCall):
+            node = self.graph.nodes[step.node]
+            for port in node.inputs:
+                name = step.env_input(port)
+                if name not in avail and not (loop_depth and name == "loop_index"):
+                    self.missing_input(step, port, name)
+            return avail | {step.env_output(o) for o in node.outputs}
+        if isinstance(step, Sequential):
+            for s in step.steps:
+                avail = self.step(s, avail, loop_depth)
+            return avail
+        if isinstance(step, Parallel):
+            if not step.branches:
+                self.fail("Parallel() has no branches")
+            joined = set(avail)
+            owner: dict[str, int] = {}
+            for i, branch in enumerate(step.branches):
+                out = self.step(branch, set(avail), loop_depth) - avail
+                for name in out:
+                    if name in owner:
+                        self.fail(
+                            f"duplicate name '{name}': Parallel branches {owner[name]} and {i} both "
+                            "write it; rename one branch's output"
+                        )
+                    owner[name] = i
+                joined |= out
+            return joined
+        if isinstance(step, Loop | DynamicLoop):
+            return self.loop(step, avail, loop_depth)
+        raise TypeError(step)
+
+    def loop(self, loop: Loop | DynamicLoop, avail: set[str], loop_depth: int) -> set[str]:
+        first_call = next(iter_calls(loop.body), None)
+        where = first_call.node if first_call else None
+        if isinstance(loop, Loop):
+            if isinstance(loop.iters, int) and loop.iters < 0:
+                self.fail(f"Loop iters must be >= 0, got {loop.iters}", where)
+            if isinstance(loop.iters, str) and loop.iters not in avail:
+                self.fail(f"Loop iters names '{loop.iters}', which is not available before the loop", where)
+        else:
+            if loop.until is None:
+                self.fail("loop without exit: DynamicLoop needs an `until` condition", where)
+            if loop.max_iters is None:
+                self.fail("loop without exit: DynamicLoop needs a `max_iters` ceiling", where)
+            if isinstance(loop.max_iters, str) and loop.max_iters not in avail:
+                self.fail(f"DynamicLoop max_iters names '{loop.max_iters}', which is not available", where)
+        inner = set(avail) | {loop.index_name}
+        after = self.step(loop.body, inner, loop_depth + 1)
+        for out, into in loop.carry.items():
+            if out not in after:
+                self.fail(f"carry source '{out}' is not produced by the loop body", where)
+            if into not in avail:
+                self.fail(
+                    f"carry target '{into}' has no value for the first iteration; produce it before the loop",
+                    where,
+                )
+        for name in loop.accumulate:
+            if name not in after:
+                self.fail(f"accumulate names '{name}', which the loop body does not produce", where)
+        return (after - {loop.index_name}) | avail
+
+    def missing_input(self, call: NodeCall, port: str, name: str) -> None:
+        index = next(i for i, c in enumerate(self.calls) if c is call)
+        later = [c for c in self.calls[index + 1 :] if name in _call_outputs(self.graph, c)]
+        if later:
+            producer = later[0]
+            reach = set(_call_outputs(self.graph, call))
+            for c in self.calls[index + 1 :]:
+                if _call_inputs(self.graph, c) & reach:
+                    if c is producer:
+                        self.fail(
+                            f"cycle outside a loop: input '{port}' (env '{name}') comes from node "
+                            f"'{producer.node}', which depends on this node's output; wrap the cycle in "
+                            "a Loop or DynamicLoop with `carry`",
+                            call.node,
+                        )
+                    reach |= _call_outputs(self.graph, c)
+            self.fail(
+                f"input '{port}' (env '{name}') is produced only later, by node '{producer.node}'; reorder the steps",
+                call.node,
+            )
+        self.fail(
+            f"unconnected input '{port}' (env '{name}'): not a walk input and no earlier step produces it",
+            call.node,
+        )
+
+    def check_stream(self, edge: Any, produced: set[str]) -> set[str]:
+        if edge.policy is None:
+            self.fail(f"streaming edge {edge.src} -> {edge.dst} has no chunk policy", edge.dst_node)
+        src = self.node(edge.src_node)
+        dst = self.node(edge.dst_node)
+        if edge.src_output not in src.outputs:
+            self.fail(f"streaming edge source '{edge.src}': node outputs are {list(src.outputs)}", src.name)
+        if not any(c.node == src.name for c in self.calls):
+            self.fail(f"streaming edge source node '{src.name}' is not called in this walk", src.name)
+        if edge.dst_input not in dst.all_inputs:
+            self.fail(f"streaming edge target '{edge.dst}': node inputs are {list(dst.all_inputs)}", dst.name)
+        for port in dst.inputs:
+            if port != edge.dst_input and port not in produced:
+                self.fail(f"streaming consumer input '{port}' is not available in the walk", dst.name)
+        for port in edge.outputs:
+            if port not in dst.outputs:
+                self.fail(f"streaming edge renames output '{port}', node outputs are {list(dst.outputs)}", dst.name)
+        return {edge.outputs.get(o, o) for o in dst.outputs}
+
+
+def _call_outputs(graph: Graph, call: NodeCall) -> set[str]:
+    return {call.env_output(o) for o in graph.nodes[call.node].outputs}
+
+
+def _call_inputs(graph: Graph, call: NodeCall) -> set[str]:
+    return {call.env_input(i) for i in graph.nodes[call.node].all_inputs}
+
+
+def _derive_edges(graph: Graph, walk: Walk) -> list[GraphEdge]:
+    edges: list[GraphEdge] = []
+    last_writer: dict[str, tuple[str, str]] = {}
+    calls = list(iter_calls(walk.body))
+    # two passes so loop back-edges (a later call feeding an earlier one) show up too
+    for pass_no in range(2):
+        for call in calls:
+            node = graph.nodes[call.node]
+            if pass_no == 1:
+                for port in node.all_inputs:
+                    src = last_writer.get(call.env_input(port))
+                    if src is not None:
+                        edge = GraphEdge(src[0], src[1], call.node, port, walk.name)
+                        if edge not in edges:
+                            edges.append(edge)
+            for out in node.outputs:
+                last_writer[call.env_output(out)] = (call.node, out)
+    return edges

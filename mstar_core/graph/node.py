@@ -1,0 +1,60 @@
+"""GraphNode: one component of a composite model, bound to one engine kind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+def _str_tuple(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class GraphNode:
+    """A named component: declared inputs and outputs, the engine kind that runs it, a module factory.
+
+    `module` builds the node's `torch.nn.Module` (or any callable the engine accepts); it is called
+    once per worker that hosts the node. `options` are engine-specific and static; per-call options
+    come from the walk (`NodeCall.options`).
+    """
+
+    name: str
+    inputs: tuple[str, ...] = attrs.field(converter=_str_tuple)
+    outputs: tuple[str, ...] = attrs.field(converter=_str_tuple)
+    engine: str = "function"
+    module: Callable[[], Any] | None = attrs.field(default=None, eq=False)
+    optional_inputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, eq=False)
+
+    @property
+    def all_inputs(self) -> tuple[str, ...]:
+        return self.inputs + self.optional_inputs
+
+
+@attrs.frozen
+class GraphEdge:
+    """Data flowing from one node's output to another node's input (derived from the walks)."""
+
+    src: str
+    src_output: str
+    dst: str
+    dst_input: str
+    walk: str
+
+
+def parse_port(port: str, what: str) -> tuple[str, str]:
+    """Split 'node.port' into its two names."""
+    node, sep, name = port.partition(".")
+    if not sep or not node or not name:
+        raise ValueError(f"{what} must look like 'node.port', got {port!r}")
+    return node, name

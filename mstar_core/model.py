@@ -1,0 +1,50 @@
+"""What a model plugin provides: a `ModelSpec` that loads into a `LoadedModel`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from mstar_core.graph.graph import Graph
+
+
+@attrs.frozen
+class LoadOptions:
+    """How to load a model: a checkpoint directory, or a named preset built from seeded random weights."""
+
+    checkpoint: str | None = None
+    preset: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # "float32", "bfloat16", ...; None = the model's default for the device
+
+
+@attrs.define
+class LoadedModel:
+    """A model ready to serve: its validated graph plus what adapters need (tokenizer, config).
+
+    `prepare(inputs)` turns a request's raw inputs into the env the first walk reads, raising
+    `RequestError` with a message that says what to fix. `engine_settings` gives per-node
+    defaults (e.g. KV pages) that placement files may override.
+    """
+
+    name: str
+    graph: Graph
+    random_weights: bool = False
+    prepare: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    engine_settings: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+    def prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(inputs) if self.prepare is None else self.prepare(inputs)
+
+
+@attrs.frozen
+class ModelSpec:
+    """A model family as a plugin registers it (`mstar_register_models`)."""
+
+    name: str
+    load: Callable[[LoadOptions], LoadedModel] = attrs.field(eq=False)
+    presets: tuple[str, ...] = ("tiny",)
+    description: str = ""

@@ -1,0 +1,36 @@
+"""Every hook M* calls, in one module. Plugins implement them with `mstar_core.hookimpl`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mstar")
+hookimpl = pluggy.HookimplMarker("mstar")
+
+
+@hookspec
+def mstar_register_models(register: Callable[[Any], None]) -> None:
+    """Register model families: call `register(spec)` with a `mstar_core.model.ModelSpec`."""
+
+
+@hookspec
+def mstar_register_engines(register: Callable[[str, type], None]) -> None:
+    """Register engine kinds: call `register(kind, EngineClass)`."""
+
+
+@hookspec
+def mstar_register_transports(register: Callable[[str, Any], None]) -> None:
+    """Register transports: call `register(name, TransportClass)`."""
+
+
+@hookspec
+def mstar_register_attention_backends(register: Callable[[str, Any], None]) -> None:
+    """Register attention backends: call `register(name, BackendClass)`."""
+
+
+@hookspec
+def mstar_register_api_adapters(register: Callable[[Any], None]) -> None:
+    """Register API adapters that map OpenAI-style routes onto a model's walks: `register(adapter)`."""

@@ -1,0 +1,155 @@
+"""Plugin discovery through entry points (group `mstar`) and the registries the hooks fill."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Iterable
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from mstar_core.errors import RegistryLookupError
+from mstar_core.plugins import hookspecs
+
+log = logging.getLogger("mstar.plugins")
+
+ENTRY_POINT_GROUP = "mstar"
+#: Comma-separated entry-point names to load; unset loads every plugin found.
+PLUGINS_ENV = "MSTAR_PLUGINS"
+
+
+@attrs.define
+class PluginInfo:
+    """One discovered plugin: where it came from and whether it loaded."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    error: str | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.error is None
+
+
+class NamedRegistry:
+    """Name -> object map whose failed lookups list the names it knows."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._items: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}
+
+    def add(self, name: str, obj: Any, origin: str = "?") -> None:
+        if name in self._items and self._items[name] is not obj:
+            raise ValueError(
+                f"{self.what} '{name}' registered twice (by {self.origin[name]} and {origin}); "
+                f"uninstall one or restrict plugins with {PLUGINS_ENV}"
+            )
+        self._items[name] = obj
+        self.origin[name] = origin
+
+    def get(self, name: str) -> Any:
+        try:
+            return self._items[name]
+        except KeyError:
+            known = ", ".join(sorted(self._items)) or "none"
+            raise RegistryLookupError(f"unknown {self.what} '{name}'; known: {known}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def __iter__(self):
+        return iter(sorted(self._items))
+
+    def items(self):
+        return sorted(self._items.items())
+
+
+class Registry:
+    """What the loaded plugins provide: models, engines, transports, attention backends, API adapters."""
+
+    def __init__(self, pm: pluggy.PluginManager, plugins: list[PluginInfo]):
+        self.pm = pm
+        self.plugins = plugins
+        self.models = NamedRegistry("model")
+        self.engines = NamedRegistry("engine")
+        self.transports = NamedRegistry("transport")
+        self.attention_backends = NamedRegistry("attention backend")
+        self.api_adapters: list[Any] = []
+        self._collect()
+
+    def _collect(self) -> None:
+        hook = self.pm.hook
+        for impl in hook.mstar_register_models.get_hookimpls():
+            origin = impl.plugin_name
+            impl.function(register=lambda spec, o=origin: self.models.add(spec.name, spec, o))
+        for name, reg in (
+            ("mstar_register_engines", self.engines),
+            ("mstar_register_transports", self.transports),
+            ("mstar_register_attention_backends", self.attention_backends),
+        ):
+            for impl in getattr(hook, name).get_hookimpls():
+                impl.function(register=lambda key, obj, r=reg, o=impl.plugin_name: r.add(key, obj, o))
+        for impl in hook.mstar_register_api_adapters.get_hookimpls():
+            impl.function(register=self.api_adapters.append)
+
+    def failed(self) -> list[PluginInfo]:
+        return [p for p in self.plugins if not p.loaded]
+
+
+def _allowed() -> set[str] | None:
+    raw = os.environ.get(PLUGINS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def discover(extra_modules: Iterable[Any] = ()) -> Registry:
+    """Load every `mstar` entry point (as limited by MSTAR_PLUGINS) and build the registry.
+
+    A plugin that fails to import is recorded with its distribution and error; the rest load.
+    `extra_modules` are registered too (objects or import paths), for tests and embedding.
+    """
+    pm = pluggy.PluginManager("mstar")
+    pm.add_hookspecs(hookspecs)
+    allowed = _allowed()
+    infos: list[PluginInfo] = []
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        info = PluginInfo(ep.name, dist, version, ep.value)
+        if allowed is not None and ep.name not in allowed:
+            continue
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the others down
+            info.error = f"{type(exc).__name__}: {exc}"
+            log.warning("plugin %s from distribution %s failed to load: %s", ep.name, dist, info.error)
+        infos.append(info)
+    for extra in extra_modules:
+        module = importlib.import_module(extra) if isinstance(extra, str) else extra
+        name = getattr(module, "__name__", repr(module))
+        if not pm.is_registered(module):
+            pm.register(module, name=name)
+        infos.append(PluginInfo(name, "(registered in process)", "-", name))
+    return Registry(pm, infos)
+
+
+_default: Registry | None = None
+
+
+def default_registry() -> Registry:
+    """The process-wide registry, discovered on first use."""
+    global _default
+    if _default is None:
+        _default = discover()
+    return _default

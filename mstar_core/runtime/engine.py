@@ -1,0 +1,100 @@
+"""The engine contract: what an engine is given, what it returns, how it frees a request.
+
+The runtime's micro-scheduler owns one engine per (worker, node). It hands the engine
+`Invocation`s as requests reach the node, then calls `step()` on the worker's device thread
+while `has_work()` is true. `step()` returns the invocations it finished, each with its outputs
+or the exception that failed it; unfinished ones stay inside the engine (a paged-KV engine may
+spread one long prefill over several steps). `release(request_id)` drops everything the engine
+holds for a request; the scheduler only calls it between steps, never during one.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from mstar_core.graph.node import GraphNode
+    from mstar_core.plugins.manager import Registry
+
+
+@attrs.define(eq=False, slots=True)
+class Invocation:
+    """One request's call of one node.
+
+    `inputs` maps the node's input names to values (tensors, ints, lists, `Chunk`s, request
+    parameters). `options` are the node's static options overlaid with the walk's per-call ones
+    (e.g. `cache_label`, `write_cache`). `call_index` counts this request's calls of this node,
+    so an engine can tell a first call (prefill) from later ones if it needs to.
+    """
+
+    request_id: str
+    node: str
+    inputs: dict[str, Any]
+    options: Mapping[str, Any]
+    call_index: int = 0
+    priority: float = 0.0
+    arrival: float = 0.0
+
+
+Result = tuple[Invocation, "dict[str, Any] | BaseException"]
+
+
+@attrs.frozen
+class EngineContext:
+    """What a worker tells an engine about where it runs."""
+
+    worker: str
+    device: torch.device
+    settings: Mapping[str, Any]
+    registry: Registry | None = None
+
+
+class Engine(abc.ABC):
+    """Base class of every engine plugin (built-in ones included)."""
+
+    kind: ClassVar[str]
+    #: Run `step()` on the event loop thread instead of the device thread (cheap python nodes).
+    inline: ClassVar[bool] = False
+
+    def __init__(self, node: GraphNode, module: Any, context: EngineContext):
+        self.node = node
+        self.module = module
+        self.context = context
+
+    @property
+    def max_batch_size(self) -> int:
+        """How many invocations one `step()` may take; the scheduler never adds more than it can hold."""
+        return int(self.context.settings.get("max_batch_size", 64))
+
+    @abc.abstractmethod
+    def add(self, invocation: Invocation) -> None:
+        """Accept an invocation; it is answered by a later `step()`."""
+
+    @abc.abstractmethod
+    def step(self) -> list[Result]:
+        """Run one batch; return the invocations finished by it (outputs or exception each)."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """Whether `step()` has anything to do."""
+
+    @abc.abstractmethod
+    def release(self, request_id: str) -> None:
+        """Forget a request: drop its queued invocations and free its caches and buffers."""
+
+    @abc.abstractmethod
+    def active_requests(self) -> set[str]:
+        """Requests the engine holds any state for (queued work, KV pages, buffers)."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for metrics (e.g. `kv_pages_used`); empty by default."""
+        return {}
+
+    def close(self) -> None:
+        """Free the engine's memory when the model is unloaded."""
