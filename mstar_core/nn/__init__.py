@@ -1,0 +1,1 @@
+"""Shared torch building blocks that model packages import (norms, rotary, attention, MLPs, MoE)."""
