@@ -1,0 +1,198 @@
+"""API adapters: how a model plugs into the OpenAI-shaped routes without model code in the server.
+
+A model package registers adapter objects with the `mstar_register_api_adapters` hook. Each adapter
+names the model it serves (`model`) and the routes it can answer (`routes`, among `speech`, `chat`,
+`images`). The server validates the request body against the route's schema, then asks the adapter
+to turn it into the model's raw inputs (`speech_inputs`, `chat_inputs`, `image_inputs`); those go to
+`AsyncEngine.submit`. Outputs named in the walk's `emit` come back through the per-route output
+hooks (`audio_output`, `token_output`, ...). Subclass `ApiAdapter` to inherit sane defaults.
+
+Example (a speech model)::
+
+    class OrpheusAdapter(ApiAdapter):
+        model = "orpheus"
+        routes = {"speech"}
+        voices = ["tara", "leah"]
+        sample_rate = 24000
+
+        def speech_inputs(self, body):
+            return {"text": body["input"], "voice": body["voice"]}
+
+Every hook may raise `mstar_core.errors.RequestError` (status 4xx) with a message that says what to
+fix; the server answers it in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from mstar_core.errors import RequestError
+
+ROUTES = frozenset({"speech", "chat", "images"})
+
+
+@runtime_checkable
+class ApiAdapterProtocol(Protocol):
+    """The minimum a registered adapter provides; everything else falls back to `ApiAdapter`'s defaults."""
+
+    model: str
+    routes: set[str]
+
+
+class ApiAdapter:
+    """Base class for adapters: per-route hooks with defaults that suit most models."""
+
+    model: str = ""
+    routes: ClassVar[set[str]] | set[str] = set()
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def bind(self, loaded: Any) -> None:
+        """Called once the model is loaded (a `LoadedModel`); keep what the hooks need (tokenizer, config)."""
+        self.loaded = loaded
+
+    # --- speech (/v1/audio/speech) -----------------------------------------------------------------------
+
+    #: Voices the model accepts; the server rejects others with a 400 listing these. Empty = any.
+    voices: Sequence[str] = ()
+    #: Sample rate of the audio the model emits, in Hz.
+    sample_rate: int = 24000
+    #: Name of the emitted output that carries audio chunks (1-D float in [-1, 1] or int16 tensors).
+    audio_output: str = "audio"
+    #: Whether `speed` other than 1.0 is honoured; if not, the server rejects it.
+    supports_speed: bool = False
+
+    def speech_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Turn a validated speech body (`input`, `voice`, `speed`, extras) into the model's raw inputs."""
+        raise RequestError(f"model '{self.model}' does not serve /v1/audio/speech", status=404)
+
+    def audio_chunk(self, value: Any) -> np.ndarray:
+        """Convert one emitted audio value into mono int16 PCM samples."""
+        return to_int16_pcm(value)
+
+    # --- chat (/v1/chat/completions) ----------------------------------------------------------------------
+
+    #: Name of the emitted output that carries one generated token id per value.
+    token_output: str = "next_token"
+
+    def chat_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Turn a validated chat body (`messages`, sampling fields) into the model's raw inputs."""
+        raise RequestError(f"model '{self.model}' does not serve /v1/chat/completions", status=404)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text for a sequence of generated token ids (special tokens dropped)."""
+        raise NotImplementedError
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether a generated id ends the reply and is not part of it (EOS)."""
+        return False
+
+    def prompt_tokens(self, env: Mapping[str, Any], inputs: Mapping[str, Any]) -> int:
+        """How many prompt tokens the request used, for `usage` (from the final env or the raw inputs)."""
+        for source in (env, inputs):
+            ids = source.get("input_ids") if isinstance(source, Mapping) else None
+            if ids is not None:
+                return len(ids)
+        return 0
+
+    # --- images (/v1/images/generations and /v1/images/edits) ---------------------------------------------
+
+    #: Name of the output (in the final env) that holds the generated image(s).
+    image_output: str = "image"
+
+    def image_inputs(self, body: Mapping[str, Any], *, edit: bool) -> dict[str, Any]:
+        """Turn a validated images body (`prompt`, `size`, `seed`, extras; `image` bytes for edits) into inputs."""
+        route = "/v1/images/edits" if edit else "/v1/images/generations"
+        raise RequestError(f"model '{self.model}' does not serve {route}", status=404)
+
+    def images_from_env(self, env: Mapping[str, Any]) -> list[bytes]:
+        """PNG bytes of each generated image, from the request's final env."""
+        return [to_png(img) for img in _as_list(env.get(self.image_output))]
+
+
+def validate_adapter(adapter: Any) -> None:
+    """Check a registered adapter's declared shape; raise ValueError naming what is wrong."""
+    if not isinstance(adapter, ApiAdapterProtocol):
+        raise ValueError(f"API adapter {adapter!r} must have `model: str` and `routes: set[str]`")
+    unknown = set(adapter.routes) - ROUTES
+    if unknown:
+        raise ValueError(f"API adapter for '{adapter.model}' declares unknown routes {sorted(unknown)}; known: {sorted(ROUTES)}")
+
+
+def with_defaults(adapter: Any) -> ApiAdapter:
+    """Return an `ApiAdapter` view of any protocol-conforming object (missing hooks take the defaults)."""
+    if isinstance(adapter, ApiAdapter):
+        return adapter
+    return _Wrapped(adapter)
+
+
+class _Wrapped(ApiAdapter):
+    """Delegates to a duck-typed adapter, falling back to `ApiAdapter` for what it lacks."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            inner = object.__getattribute__(self, "_inner")
+            if hasattr(inner, name):
+                return getattr(inner, name)
+        return object.__getattribute__(self, name)
+
+
+# --- conversions shared by the defaults --------------------------------------------------------------------
+
+
+def to_int16_pcm(value: Any) -> np.ndarray:
+    """Mono int16 samples from a tensor/array/list: float data is taken as [-1, 1] and clipped."""
+    if hasattr(value, "detach"):
+        value = value.detach().to("cpu")
+        if str(value.dtype) == "torch.bfloat16" or str(value.dtype) == "torch.float16":
+            value = value.float()
+        value = value.numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.dtype == np.int16:
+        return arr
+    if np.issubdtype(arr.dtype, np.floating):
+        return (np.clip(arr, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+    if np.issubdtype(arr.dtype, np.integer):
+        return np.clip(arr, -32768, 32767).astype(np.int16)
+    raise TypeError(f"cannot turn {arr.dtype} values into audio samples")
+
+
+def to_png(image: Any) -> bytes:
+    """PNG bytes of an image given as PIL image, HxWxC uint8/float array or CxHxW tensor in [0, 1]."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(image, bytes | bytearray):
+        return bytes(image)
+    if not isinstance(image, Image.Image):
+        arr = image.detach().float().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+        if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+            arr = np.moveaxis(arr, 0, -1)
+        if np.issubdtype(arr.dtype, np.floating):
+            arr = (np.clip(arr, 0.0, 1.0) * 255.0).round()
+        arr = arr.astype(np.uint8)
+        if arr.ndim == 3 and arr.shape[-1] == 1:
+            arr = arr[..., 0]
+        image = Image.fromarray(arr)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    if hasattr(value, "dim") and value.dim() == 4:
+        return list(value)
+    return [value]
