@@ -77,12 +77,9 @@ class Graph:
         elif len(self.walks) == 1:
             names = list(self.walks)
         else:
-            raise GraphValidationError(
-                f"model '{self.name}' has several walks ({', '.join(self.walks)}) and no plan; "
-                "pass a 'walk' input"
-            )
+            raise KeyError(f"model '{self.name}' has several walks ({', '.join(self.walks)}) and no plan; pass a 'walk' input")
         for n in names:
-            if n not in self.walks:
+            if not isinstance(n, str) or n not in self.walks:
                 raise KeyError(f"plan chose unknown walk '{n}'; walks: {', '.join(self.walks)}")
         return names
 
@@ -196,7 +193,7 @@ class _WalkChecker:
         for name in loop.accumulate:
             if name not in after:
                 self.fail(f"accumulate names '{name}', which the loop body does not produce", where)
-        return (after - {loop.index_name}) | avail
+        return (after - {loop.index_name}) | avail | set(loop.accumulate.values())
 
     def missing_input(self, call: NodeCall, port: str, name: str) -> None:
         index = next(i for i, c in enumerate(self.calls) if c is call)

@@ -87,7 +87,9 @@ def _loops(step: Step):
             yield from _loops(s)
 
 
-def _walk_tree(step: Step, layout: _Layout, visit_call: Callable, open_group: Callable, close: Callable, k=[0]):
+def _walk_tree(step: Step, layout: _Layout, visit_call: Callable, open_group: Callable, close: Callable, k=None):
+    if k is None:
+        k = [0]
     if isinstance(step, NodeCall):
         visit_call(step)
         return

@@ -32,6 +32,13 @@ class NodeCall:
         return self.outputs.get(name, name)
 
 
+def _accumulate_map(value: Any) -> Mapping[str, str]:
+    """`accumulate` is names (each list stored under the same name) or a map name -> list name."""
+    if isinstance(value, Mapping):
+        return _frozen_mapping(value)
+    return _frozen_mapping({name: name for name in _str_tuple(value)})
+
+
 def _as_step(step: Any) -> Step:
     if isinstance(step, str):
         return NodeCall(step)
@@ -69,14 +76,15 @@ class Loop:
     """Run `body` a fixed number of times.
 
     `iters` is an int or the env name of an int. `carry` maps an output name of one iteration to
-    the input name it feeds in the next. Each name in `accumulate` collects its per-iteration
-    values into a list stored under the same name. The env name `loop_index` holds the iteration.
+    the input name it feeds in the next. `accumulate` collects per-iteration values into lists:
+    names (the list replaces the value under the same name after the loop) or a map
+    name -> list name. The env name `loop_index` holds the iteration.
     """
 
     body: Step = attrs.field(converter=_as_step)
     iters: int | str
     carry: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
-    accumulate: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    accumulate: Mapping[str, str] = attrs.field(factory=dict, converter=_accumulate_map)
     index_name: str = "loop_index"
 
 
@@ -92,7 +100,7 @@ class DynamicLoop:
     until: Callable[[Mapping[str, Any]], bool] | None
     max_iters: int | str | Callable[[Mapping[str, Any]], int] | None
     carry: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
-    accumulate: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    accumulate: Mapping[str, str] = attrs.field(factory=dict, converter=_accumulate_map)
     index_name: str = "loop_index"
 
 

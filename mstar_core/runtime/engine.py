@@ -98,3 +98,4 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Free the engine's memory when the model is unloaded."""
+        return None

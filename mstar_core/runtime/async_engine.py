@@ -1,0 +1,249 @@
+"""AsyncEngine: the embedding API. Load models, submit requests, stream their outputs.
+
+It runs inside the caller's event loop (plain asyncio or uvloop) and installs no loop policy.
+Tensor work runs on one device thread per engine, so the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from mstar_core.errors import RequestCancelled, RequestError, RequestTimeout
+from mstar_core.model import LoadedModel, LoadOptions
+from mstar_core.plugins.manager import Registry, default_registry
+from mstar_core.runtime.conductor import Conductor
+from mstar_core.runtime.engine import Engine, EngineContext
+from mstar_core.runtime.request import Output, RequestHandle
+from mstar_core.runtime.scheduler import NodeScheduler
+
+
+class _ModelRuntime:
+    def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, NodeScheduler]):
+        self.loaded = loaded
+        self.engines = engines
+        self.schedulers = schedulers
+        self.conductor = Conductor(loaded.graph, schedulers)
+
+
+class AsyncEngine:
+    """Serve one or more models in this process.
+
+    `max_running` caps requests executing at once; up to `max_queued` more wait for a slot, and
+    beyond that `submit` raises `RequestError(status=503)` so callers can shed load.
+    """
+
+    def __init__(
+        self,
+        registry: Registry | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        max_running: int = 256,
+        max_queued: int = 1024,
+        worker: str = "local",
+    ):
+        self.registry = registry if registry is not None else default_registry()
+        self.device = torch.device(device)
+        self.worker = worker
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self._models: dict[str, _ModelRuntime] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{worker}")
+        self._slots: asyncio.Semaphore | None = None
+        self._ids = itertools.count()
+        self._id_prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:6]}"
+        self.running = 0
+        self.waiting = 0
+        self._handles: dict[str, RequestHandle] = {}
+        self.on_finish = None  # callable(handle, status: str, seconds: float), set by metrics
+
+    # -- models --------------------------------------------------------------------------------
+
+    async def load_model(
+        self,
+        name: str,
+        options: LoadOptions | None = None,
+        settings: Mapping[str, Mapping[str, Any]] | None = None,
+        alias: str | None = None,
+    ) -> LoadedModel:
+        """Load a registered model family (weights loaded off the event loop) and start its engines."""
+        spec = self.registry.models.get(name)
+        options = options or LoadOptions(device=str(self.device))
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(self._executor, spec.load, options)
+        return await self.add_model(loaded, settings=settings, alias=alias)
+
+    async def add_model(
+        self,
+        loaded: LoadedModel,
+        settings: Mapping[str, Mapping[str, Any]] | None = None,
+        alias: str | None = None,
+    ) -> LoadedModel:
+        """Serve an already built `LoadedModel` (models built in process, tests)."""
+        name = alias or loaded.name
+        if name in self._models:
+            raise ValueError(f"a model named '{name}' is already loaded; pass alias=")
+        settings = dict(settings or {})
+        unknown = set(settings) - set(loaded.graph.nodes)
+        if unknown:
+            raise RequestError(
+                f"engine settings name unknown nodes {sorted(unknown)}; nodes of '{name}': {sorted(loaded.graph.nodes)}"
+            )
+        loop = asyncio.get_running_loop()
+        engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings)
+        schedulers = {n: NodeScheduler(e, self._executor) for n, e in engines.items()}
+        self._models[name] = _ModelRuntime(loaded, engines, schedulers)
+        return loaded
+
+    def _build_engines(self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]]) -> dict[str, Engine]:
+        engines = {}
+        for node in loaded.graph.nodes.values():
+            engine_cls = self.registry.engines.get(node.engine)
+            merged = {**loaded.engine_settings.get(node.name, {}), **settings.get(node.name, {})}
+            context = EngineContext(self.worker, self.device, merged, self.registry)
+            module = node.module() if node.module is not None else None
+            engines[node.name] = engine_cls(node, module, context)
+        return engines
+
+    @property
+    def models(self) -> dict[str, LoadedModel]:
+        return {name: rt.loaded for name, rt in self._models.items()}
+
+    def _runtime(self, model: str) -> _ModelRuntime:
+        try:
+            return self._models[model]
+        except KeyError:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise RequestError(f"model '{model}' is not loaded; loaded models: {known}", status=404) from None
+
+    def node_engines(self, model: str) -> dict[str, Engine]:
+        return dict(self._runtime(model).engines)
+
+    def node_schedulers(self, model: str) -> dict[str, NodeScheduler]:
+        return dict(self._runtime(model).schedulers)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        prepared: bool = False,
+    ) -> RequestHandle:
+        """Start a request; returns its handle at once. Bad input raises `RequestError` here."""
+        runtime = self._runtime(model)
+        if self.waiting >= self.max_queued and self.running >= self.max_running:
+            raise RequestError(
+                f"server is at capacity ({self.running} running, {self.waiting} queued); retry later", status=503
+            )
+        env = dict(inputs) if prepared else runtime.loaded.prepare_inputs(inputs)
+        graph = runtime.loaded.graph
+        try:
+            walks = graph.plan(env)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RequestError(f"cannot plan the request: {exc.args[0] if exc.args else exc}") from None
+        missing = [n for n in graph.walks[walks[0]].inputs if n not in env] if walks else []
+        if missing:
+            raise RequestError(f"walk '{walks[0]}' of model '{model}' needs inputs {missing}; got {sorted(env)}")
+        rid = request_id or f"{self._id_prefix}-{next(self._ids)}"
+        if rid in self._handles:
+            raise RequestError(f"request id '{rid}' is already in use")
+        handle = RequestHandle(rid, model)
+        handle.submitted_at = time.perf_counter()
+        self._handles[rid] = handle
+        self.waiting += 1
+        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout), name=f"mstar-req-{rid}")
+        handle._attach(task)
+        return handle
+
+    async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None) -> dict:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_running)
+        status = "ok"
+        admitted = False
+
+        def emit(output: Output) -> None:
+            if handle.first_output_at is None:
+                handle.first_output_at = time.perf_counter()
+            handle._emit(output)
+
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._slots:
+                    self.waiting -= 1
+                    self.running += 1
+                    admitted = True
+                    try:
+                        return await runtime.conductor.run(handle.request_id, env, emit)
+                    finally:
+                        self.running -= 1
+        except TimeoutError:
+            status = "timeout"
+            raise RequestTimeout(f"request {handle.request_id} ran past its {timeout}s timeout") from None
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except BaseException:
+            status = "error"
+            raise
+        finally:
+            if not admitted:
+                self.waiting -= 1
+            self._handles.pop(handle.request_id, None)
+            if self.on_finish is not None:
+                self.on_finish(handle, status, time.perf_counter() - handle.submitted_at)
+
+    async def generate(self, model: str, inputs: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
+        """Submit and wait for the final env."""
+        return await self.submit(model, inputs, **kw).result()
+
+    def cancel(self, request_id: str) -> bool:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return False
+        handle.cancel()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Request counts and every engine's gauges, by model and node."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "models": {
+                name: {node: eng.stats() for node, eng in rt.engines.items()} for name, rt in self._models.items()
+            },
+        }
+
+    async def close(self) -> None:
+        """Cancel in-flight requests, stop the schedulers, free the engines."""
+        for handle in list(self._handles.values()):
+            handle.cancel()
+        for handle in list(self._handles.values()):
+            try:
+                await handle.result()
+            except (RequestCancelled, Exception):
+                pass
+        for rt in self._models.values():
+            for sched in rt.schedulers.values():
+                await sched.close()
+            for eng in rt.engines.values():
+                eng.close()
+        self._models.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

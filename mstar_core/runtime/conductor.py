@@ -1,0 +1,226 @@
+"""The conductor: runs a request's walks over its env, node calls going through the schedulers.
+
+Everything per request lives here (env, loop counters, stream buffers, which nodes it touched);
+the graph objects are only read. One `Conductor` serves one loaded model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mstar_core.graph.graph import Graph
+from mstar_core.graph.walk import (
+    DynamicLoop,
+    Loop,
+    NodeCall,
+    Parallel,
+    Sequential,
+    Step,
+    StreamingGraphEdge,
+    Walk,
+)
+from mstar_core.runtime.engine import Invocation
+from mstar_core.runtime.request import Output
+from mstar_core.runtime.scheduler import NodeScheduler
+from mstar_core.streaming.policies import Chunk
+
+_STREAM_END = object()
+
+
+class Conductor:
+    """Interprets walks for one model; `run(request_id, env, emit)` is one request's whole life."""
+
+    def __init__(self, graph: Graph, schedulers: Mapping[str, NodeScheduler]):
+        self.graph = graph
+        self.schedulers = schedulers
+        # merged static + per-call options, computed once per call site (graphs are immutable)
+        self._call_options: dict[int, Mapping[str, Any]] = {}
+        # the consumer side of each streaming edge, as a call site of its own
+        self._stream_calls: dict[int, NodeCall] = {
+            id(edge): NodeCall(edge.dst_node, outputs=edge.outputs)
+            for walk in graph.walks.values()
+            for edge in walk.streams
+        }
+
+    async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
+        state = _RequestState(request_id, emit)
+        try:
+            for walk_name in self.graph.plan(env):
+                await self._run_walk(state, self.graph.walks[walk_name], env)
+            return env
+        finally:
+            for node in state.touched:
+                self.schedulers[node].release(request_id)
+
+    # -- walks ---------------------------------------------------------------------------------
+
+    async def _run_walk(self, state: _RequestState, walk: Walk, env: dict[str, Any]) -> None:
+        missing = [name for name in walk.inputs if name not in env]
+        if missing:
+            from mstar_core.errors import RequestError
+
+            raise RequestError(f"walk '{walk.name}' needs inputs {missing}; got {sorted(env)}")
+        frame = _WalkFrame(walk, set(walk.emit))
+        consumers = []
+        for edge in walk.streams:
+            stream = _Stream(edge, asyncio.Queue())
+            frame.streams.setdefault(edge.src_node, []).append(stream)
+            for out in self.graph.nodes[edge.dst_node].outputs:
+                env[edge.outputs.get(out, out)] = []
+            consumers.append(asyncio.ensure_future(self._consume(state, frame, stream, env)))
+        try:
+            await self._step(state, frame, walk.body, env)
+            for streams in frame.streams.values():
+                for stream in streams:
+                    for chunk in stream.state.close():
+                        stream.queue.put_nowait(chunk)
+                    stream.queue.put_nowait(_STREAM_END)
+            if consumers:
+                await asyncio.gather(*consumers)
+        finally:
+            for task in consumers:
+                if not task.done():
+                    task.cancel()
+
+    async def _consume(self, state: _RequestState, frame: _WalkFrame, stream: _Stream, env: dict[str, Any]) -> None:
+        edge = stream.edge
+        call = self._stream_calls[id(edge)]
+        while True:
+            chunk = await stream.queue.get()
+            if chunk is _STREAM_END:
+                return
+            outputs = await self._invoke(state, call, env, {edge.dst_input: chunk})
+            for port, value in outputs.items():
+                name = edge.outputs.get(port, port)
+                env[name].append(value)
+                if name in frame.emit:
+                    state.emit(Output(name, value, frame.walk.name))
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    async def _step(self, state: _RequestState, frame: _WalkFrame, step: Step, env: dict[str, Any]) -> None:
+        if isinstance(step, NodeCall):
+            outputs = await self._invoke(state, step, env)
+            node = self.graph.nodes[step.node]
+            for port in node.outputs:
+                name = step.env_output(port)
+                value = outputs[port]
+                env[name] = value
+                if name in frame.emit:
+                    state.emit(Output(name, value, frame.walk.name))
+            streams = frame.streams.get(step.node)
+            if streams:
+                for stream in streams:
+                    value = outputs[stream.edge.src_output]
+                    if stream.edge.keep is None or stream.edge.keep(value):
+                        for chunk in stream.state.push(value):
+                            stream.queue.put_nowait(chunk)
+        elif isinstance(step, Sequential):
+            for sub in step.steps:
+                await self._step(state, frame, sub, env)
+        elif isinstance(step, Parallel):
+            await self._parallel(state, frame, step, env)
+        elif isinstance(step, Loop):
+            iters = env[step.iters] if isinstance(step.iters, str) else step.iters
+            await self._loop(state, frame, step, env, int(iters), None)
+        elif isinstance(step, DynamicLoop):
+            limit = step.max_iters
+            if isinstance(limit, str):
+                limit = env[limit]
+            elif callable(limit):
+                limit = limit(env)
+            await self._loop(state, frame, step, env, int(limit), step.until)
+        else:  # pragma: no cover - validated at build time
+            raise TypeError(step)
+
+    async def _loop(self, state, frame, loop: Loop | DynamicLoop, env, limit: int, until) -> None:
+        accumulated = {name: [] for name in loop.accumulate}
+        for i in range(limit):
+            env[loop.index_name] = i
+            await self._step(state, frame, loop.body, env)
+            for name, values in accumulated.items():
+                values.append(env[name])
+            for out, into in loop.carry.items():
+                env[into] = env[out]
+            if until is not None and until(env):
+                break
+        env.pop(loop.index_name, None)
+        for name, values in accumulated.items():
+            env[loop.accumulate[name]] = values
+
+    async def _parallel(self, state, frame, step: Parallel, env: dict[str, Any]) -> None:
+        branch_envs = [dict(env) for _ in step.branches]
+        tasks = [
+            asyncio.ensure_future(self._step(state, frame, branch, benv))
+            for branch, benv in zip(step.branches, branch_envs, strict=True)
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        for benv in branch_envs:
+            for name, value in benv.items():
+                if name not in env or env[name] is not value:
+                    env[name] = value
+
+    async def _invoke(
+        self, state: _RequestState, call: NodeCall, env: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        node = self.graph.nodes[call.node]
+        inputs = {}
+        for port in node.inputs:
+            if extra is not None and port in extra:
+                inputs[port] = extra[port]
+            else:
+                inputs[port] = env[call.env_input(port)]
+        for port in node.optional_inputs:
+            if extra is not None and port in extra:
+                inputs[port] = extra[port]
+            else:
+                name = call.env_input(port)
+                if name in env:
+                    inputs[port] = env[name]
+        options = self._call_options.get(id(call))
+        if options is None:
+            options = {**node.options, **call.options} if call.options else node.options
+            self._call_options[id(call)] = options
+        count = state.call_counts.get(call.node, 0)
+        state.call_counts[call.node] = count + 1
+        state.touched.add(call.node)
+        invocation = Invocation(state.request_id, call.node, inputs, options, count)
+        return await self.schedulers[call.node].submit(invocation)
+
+
+class _RequestState:
+    __slots__ = ("call_counts", "emit", "request_id", "touched")
+
+    def __init__(self, request_id: str, emit: Callable[[Output], None]):
+        self.request_id = request_id
+        self.emit = emit
+        self.touched: set[str] = set()
+        self.call_counts: dict[str, int] = {}
+
+
+class _WalkFrame:
+    __slots__ = ("emit", "streams", "walk")
+
+    def __init__(self, walk: Walk, emit: set[str]):
+        self.walk = walk
+        self.emit = emit
+        self.streams: dict[str, list[_Stream]] = {}
+
+
+class _Stream:
+    __slots__ = ("edge", "queue", "state")
+
+    def __init__(self, edge: StreamingGraphEdge, queue: asyncio.Queue):
+        self.edge = edge
+        self.queue = queue
+        self.state = edge.policy.open()
+
+
+__all__ = ["Chunk", "Conductor"]

@@ -1,0 +1,84 @@
+"""A request's handle: an async iterator of outputs, `result()`, `cancel()`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import attrs
+
+from mstar_core.errors import RequestCancelled
+
+_END = object()
+
+
+@attrs.frozen
+class Output:
+    """A value the walk emitted: the env name, the value, and the walk that produced it."""
+
+    name: str
+    value: Any
+    walk: str
+
+
+class RequestHandle:
+    """What `AsyncEngine.submit` returns.
+
+    Iterate it (`async for out in handle`) to receive outputs as they are produced; await
+    `result()` for the final env; `cancel()` to stop the request and free what it holds.
+    """
+
+    def __init__(self, request_id: str, model: str):
+        self.request_id = request_id
+        self.model = model
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self.submitted_at = 0.0
+        self.first_output_at: float | None = None
+
+    def _attach(self, task: asyncio.Task) -> None:
+        self._task = task
+        task.add_done_callback(lambda _t: self._queue.put_nowait(_END))
+
+    def _emit(self, output: Output) -> None:
+        self._queue.put_nowait(output)
+
+    @property
+    def done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    def cancel(self) -> None:
+        """Stop the request; every engine it touched frees its state."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Output:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # later iterations end too
+            await self._raise_if_failed()
+            raise StopAsyncIteration
+        return item
+
+    async def _raise_if_failed(self) -> None:
+        task = self._task
+        if task is None:
+            return
+        if task.cancelled():
+            raise RequestCancelled(f"request {self.request_id} was cancelled")
+        exc = task.exception()
+        if exc is not None:
+            raise exc
+
+    async def result(self) -> dict[str, Any]:
+        """Wait for the request to finish; return its final env (raises what failed it)."""
+        assert self._task is not None
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if self._task.cancelled():
+                raise RequestCancelled(f"request {self.request_id} was cancelled") from None
+            raise

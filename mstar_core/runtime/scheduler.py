@@ -1,0 +1,144 @@
+"""The micro-scheduler: one per (worker, node); batches ready invocations across requests.
+
+It hands every invocation that reaches the node to the engine and calls `engine.step()` on the
+worker's device thread while the engine has work, so the event loop stays free. Invocations
+that arrive while a step runs are batched into the next one. Releases (finished, failed or
+cancelled requests) are applied between steps, never during one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import Executor
+
+from mstar_core.errors import NodeExecutionError
+from mstar_core.runtime.engine import Engine, Invocation
+
+log = logging.getLogger("mstar.scheduler")
+
+
+class NodeScheduler:
+    """Feeds one engine and resolves each invocation's future when the engine finishes it."""
+
+    def __init__(self, engine: Engine, executor: Executor | None):
+        self.engine = engine
+        self.executor = executor
+        self.inline = executor is None or engine.inline or bool(engine.node.options.get("inline", False))
+        self._pending: deque[tuple[Invocation, asyncio.Future]] = deque()
+        self._inflight: dict[int, tuple[Invocation, asyncio.Future]] = {}
+        self._releases: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        # observability
+        self.steps = 0
+        self.invocations = 0
+        self.last_batch_size = 0
+        self.last_step_seconds = 0.0
+        self.step_observer = None  # callable(node, batch_size, seconds), set by metrics
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._run(), name=f"mstar-node-{self.engine.node.name}")
+
+    def submit(self, invocation: Invocation) -> asyncio.Future:
+        """Queue an invocation; the returned future resolves to its outputs dict."""
+        if self._closed:
+            raise RuntimeError(f"node '{self.engine.node.name}' is shut down")
+        self._ensure_started()
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((invocation, future))
+        self._wakeup.set()
+        return future
+
+    def release(self, request_id: str) -> None:
+        """Forget a request: drop its queued invocations now, free engine state before the next step."""
+        if any(inv.request_id == request_id for inv, _ in self._pending):
+            self._pending = deque((i, f) for i, f in self._pending if i.request_id != request_id)
+        self._releases.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        elif self._task is None:
+            self._apply_releases()
+
+    def _apply_releases(self) -> None:
+        releases, self._releases = self._releases, set()
+        for rid in releases:
+            for key in [k for k, (inv, _) in self._inflight.items() if inv.request_id == rid]:
+                _, fut = self._inflight.pop(key)
+                if not fut.done():
+                    fut.cancel()
+            try:
+                self.engine.release(rid)
+            except Exception:  # a release must never take the scheduler down
+                log.exception("engine %s failed to release request %s", self.engine.node.name, rid)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        while not self._closed:
+            if self._releases:
+                self._apply_releases()
+            while self._pending:
+                inv, fut = self._pending.popleft()
+                if fut.done():  # cancelled while queued
+                    continue
+                engine.add(inv)
+                self._inflight[id(inv)] = (inv, fut)
+            if not engine.has_work():
+                self._wakeup.clear()
+                if not self._pending and not self._releases:
+                    await self._wakeup.wait()
+                continue
+            started = time.perf_counter()
+            try:
+                if self.inline:
+                    results = engine.step()
+                else:
+                    results = await loop.run_in_executor(self.executor, engine.step)
+            except Exception as exc:  # the whole step failed: fail what was in flight, keep serving
+                log.exception("node %s: step failed", engine.node.name)
+                failed = list(self._inflight.values())
+                self._inflight.clear()
+                for inv, fut in failed:
+                    if not fut.done():
+                        fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
+                    self._releases.add(inv.request_id)
+                continue
+            elapsed = time.perf_counter() - started
+            self.steps += 1
+            self.last_batch_size = len(results)
+            self.last_step_seconds = elapsed
+            self.invocations += len(results)
+            if self.step_observer is not None:
+                self.step_observer(engine.node.name, len(results), elapsed)
+            for inv, out in results:
+                entry = self._inflight.pop(id(inv), None)
+                if entry is None:
+                    continue  # released meanwhile
+                fut = entry[1]
+                if fut.done():
+                    continue
+                if isinstance(out, BaseException):
+                    fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
+                else:
+                    fut.set_result(out)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for _, fut in list(self._pending) + list(self._inflight.values()):
+            if not fut.done():
+                fut.cancel()
+        self._pending.clear()
+        self._inflight.clear()
