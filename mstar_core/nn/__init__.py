@@ -1,1 +1,29 @@
 """Shared torch building blocks that model packages import (norms, rotary, attention, MLPs, MoE)."""
+
+from mstar_core.nn.attention import AttentionContext, DenseAttention
+from mstar_core.nn.llama import LlamaForCausalLM, load_llama
+from mstar_core.nn.llama_config import LlamaConfig
+from mstar_core.nn.mlp import MLP, GatedMLP, SwiGLU
+from mstar_core.nn.moe import FusedExperts, TopKMoE
+from mstar_core.nn.norm import LayerNorm, RMSNorm
+from mstar_core.nn.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from mstar_core.nn.self_attention import GroupedQueryAttention
+
+__all__ = [
+    "MLP",
+    "AttentionContext",
+    "DenseAttention",
+    "FusedExperts",
+    "GatedMLP",
+    "GroupedQueryAttention",
+    "LayerNorm",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "TopKMoE",
+    "apply_rotary",
+    "load_llama",
+    "rope_parameters",
+]

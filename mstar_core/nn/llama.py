@@ -1,0 +1,132 @@
+"""Generic Llama / Qwen2 / Qwen3-style causal LM over packed tokens, configured from a HF `config.json`.
+
+Parameter names equal the HF checkpoint names, so a HF state dict loads without renaming. With
+tied embeddings there is no `lm_head` parameter at all: logits use `embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.llama_config import LlamaConfig
+from mstar_core.nn.mlp import GatedMLP
+from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.rotary import RotaryEmbedding
+from mstar_core.nn.self_attention import GroupedQueryAttention
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GroupedQueryAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            layer_idx,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.rms_norm_eps,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, context)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF prefix `model.`)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder the engines run: `forward` on packed tokens -> hidden `[T, H]`; `compute_logits` on chosen rows."""
+
+    def __init__(self, cfg: LlamaConfig | Mapping[str, Any]):
+        super().__init__()
+        self.config = cfg if isinstance(cfg, LlamaConfig) else LlamaConfig.from_hf(cfg)
+        self.model = LlamaModel(self.config)
+        self.lm_head = None
+        if not self.config.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[T, H]` (models that splice in image/audio embeddings start here)."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        context: AttentionContext,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed `input_ids` `[T]` (or `input_embeds` `[T, H]`) at `positions` `[T]` -> final hidden `[T, H]`."""
+        if input_embeds is None:
+            if input_ids is None:
+                raise ValueError("forward needs input_ids or input_embeds")
+            input_embeds = self.embed(input_ids)
+        x = input_embeds
+        rope = self.model.rotary_emb(positions)
+        for layer in self.model.layers:
+            x = layer(x, rope, context)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden `[N, H]` -> logits `[N, vocab]`."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+
+def llama_weight_mapping(cfg: LlamaConfig):
+    """HF names already match; drop stale rotary buffers and a duplicated `lm_head` when embeddings are tied."""
+    from mstar_core.checkpoint.mapping import RuleMapping
+
+    skip = [r"\.rotary_emb\.inv_freq$"]
+    if cfg.tie_word_embeddings:
+        skip.append(r"^lm_head\.weight$")
+    return RuleMapping(skip=skip)
+
+
+def load_llama(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    """Load a HF Llama/Qwen2/Qwen3 checkpoint directory (config + safetensors or torch files)."""
+    from mstar_core.checkpoint import build_and_load, open_checkpoint, read_config
+
+    cfg = LlamaConfig.from_hf(read_config(directory))
+    return build_and_load(
+        lambda: LlamaForCausalLM(cfg),
+        open_checkpoint(directory),
+        llama_weight_mapping(cfg),
+        dtype=dtype,
+        device=device,
+        progress=progress,
+    )

@@ -1,0 +1,54 @@
+"""Feed-forward blocks: gated SwiGLU (Llama/Qwen) and a plain two-layer GELU MLP (ViT/connector)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    """Look up an activation by its HF `hidden_act` name."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))`; with `act="silu"` this is SwiGLU. Names match HF checkpoints."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+SwiGLU = GatedMLP
+
+
+class MLP(nn.Module):
+    """`fc2(act(fc1(x)))`, GELU by default (ViT blocks, vision connectors)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "gelu", bias: bool = True, out: int | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, intermediate, bias=bias)
+        self.fc2 = nn.Linear(intermediate, out or hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))

@@ -1,0 +1,61 @@
+"""Grouped-query self-attention over packed tokens, bound to the engine's `AttentionContext`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.rotary import apply_rotary
+
+
+class GroupedQueryAttention(nn.Module):
+    """Projects q/k/v, applies optional per-head qk-norm and RoPE, lets the context attend, projects out.
+
+    Parameter names follow HF Llama/Qwen checkpoints (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    `q_norm`, `k_norm`). The layer never sees the KV cache: `context.attend(layer_idx, ...)` does.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        context: AttentionContext,
+    ) -> torch.Tensor:
+        """`x` `[T, hidden]`, `rope` = `(cos, sin)` for these tokens' positions -> `[T, hidden]`."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = context.attend(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
