@@ -174,7 +174,12 @@ def to_png(image: Any) -> bytes:
     if isinstance(image, bytes | bytearray):
         return bytes(image)
     if not isinstance(image, Image.Image):
-        arr = image.detach().float().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+        if hasattr(image, "detach"):
+            image = image.detach().cpu()
+            image = image.float() if image.dtype.is_floating_point else image
+            arr = image.numpy()
+        else:
+            arr = np.asarray(image)
         if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
             arr = np.moveaxis(arr, 0, -1)
         if np.issubdtype(arr.dtype, np.floating):

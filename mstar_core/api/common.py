@@ -1,0 +1,134 @@
+"""What every route shares: model/adapter lookup, submission with error mapping, disconnect handling, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import orjson
+from fastapi import Request
+
+from mstar_core.api.errors import ApiError, error_body, from_request_error
+from mstar_core.errors import RequestCancelled, RequestError
+
+log = logging.getLogger("mstar.api")
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event carrying JSON (or a literal string such as [DONE])."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"
+
+
+def adapter_call(fn: Callable[..., Any], *args: Any, what: str, **kw: Any) -> Any:
+    """Run an adapter hook; bad-input exceptions become 400s naming the hook, RequestError keeps its status."""
+    try:
+        return fn(*args, **kw)
+    except RequestError as exc:
+        raise from_request_error(exc) from None
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise ApiError(400, f"{what} rejected the request: {type(exc).__name__}: {exc}") from None
+
+
+def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
+    """`AsyncEngine.submit` with its errors mapped: RequestError keeps its status (503 gets Retry-After)."""
+    if state.draining:
+        raise ApiError(503, "the server is shutting down; retry against another instance",
+                       headers={"Retry-After": "5"})
+    limit = state.config.max_inflight
+    if limit and state.inflight >= limit:
+        raise ApiError(503, f"the server is at capacity ({state.inflight} requests in flight); retry later",
+                       headers={"Retry-After": "1"})
+    try:
+        # prepare here (not in submit) so routes keep the prepared inputs, e.g. prompt ids for `usage`
+        prepared = state.engine.models[model].prepare_inputs(inputs)
+        handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True)
+    except RequestError as exc:
+        raise from_request_error(exc) from None
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        # a model's prepare() choking on an input is still the input's fault
+        raise ApiError(400, f"model '{model}' rejected the inputs: {type(exc).__name__}: {exc}") from None
+    handle.prepared = prepared
+    state.track(handle)
+    return handle
+
+
+async def watch_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def result_or_disconnect(request: Request, handle: Any) -> dict[str, Any]:
+    """The request's final env; if the client disconnects first, cancel it (freeing its pages) and raise."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    result = asyncio.ensure_future(handle.result())
+    try:
+        done, _ = await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
+        if result in done:
+            return map_result(result)
+        handle.cancel()
+        raise ApiError(499, "client disconnected")
+    finally:
+        watcher.cancel()
+        if not result.done():
+            handle.cancel()
+            result.cancel()
+
+
+def map_result(task: asyncio.Future) -> Any:
+    try:
+        return task.result()
+    except RequestError as exc:
+        raise from_request_error(exc) from None
+
+
+async def first_then_rest(request: Request, handle: Any) -> tuple[Any, AsyncIterator[Any]]:
+    """Wait for the first output (errors before it still get a proper status), then iterate the rest.
+
+    Returns (first output or None if the request ended without output, iterator over the rest).
+    """
+    iterator = handle.__aiter__()
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    nxt = asyncio.ensure_future(iterator.__anext__())
+    try:
+        done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt not in done:
+            handle.cancel()
+            raise ApiError(499, "client disconnected")
+        try:
+            first = nxt.result()
+        except StopAsyncIteration:
+            first = None
+        except RequestError as exc:
+            raise from_request_error(exc) from None
+        return first, iterator
+    finally:
+        watcher.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            handle.cancel()
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_exit(handle: Any):
+    """Whatever ends a streaming body (done, client gone, server stopping), the request is cancelled."""
+    try:
+        yield
+    finally:
+        handle.cancel()
+
+
+def stream_error_payload(exc: BaseException) -> dict[str, Any]:
+    """An error to put inside an already started stream (the status line has gone out)."""
+    if isinstance(exc, RequestCancelled):
+        return error_body(499, "request cancelled")
+    if isinstance(exc, RequestError):
+        return error_body(int(getattr(exc, "status", 500)), str(exc))
+    log.exception("error inside a stream", exc_info=exc)
+    return error_body(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,60 @@
+"""The deploy file for `mstar serve --config`: server options and per-model loading, strictly checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mstar_core.api.server import ModelToServe, ServerConfig
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+
+_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout"}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines"}
+
+
+def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{section} must be a mapping, got {type(data).__name__}")
+    unknown = set(data) - allowed
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section}; allowed: {sorted(allowed)}")
+    return data
+
+
+def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServe]]:
+    """Read a deploy file: (server options, models by name). Unknown keys are errors naming the key.
+
+    Shape::
+
+        server: {host: 0.0.0.0, port: 8000, max_running: 64, max_queued: 256}
+        models:
+          orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}}}
+    """
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    top = _check(f"{path}", raw, {"server", "models"})
+    server = _check(f"{path}: server", top.get("server"), _SERVER_KEYS)
+    models: dict[str, ModelToServe] = {}
+    for name, spec in _check(f"{path}: models", top.get("models"), set(top.get("models") or {})).items():
+        spec = _check(f"{path}: models.{name}", spec, _MODEL_KEYS)
+        engines = spec.get("engines") or {}
+        if not isinstance(engines, dict) or not all(isinstance(v, dict) for v in engines.values()):
+            raise ConfigError(f"{path}: models.{name}.engines must map node names to settings mappings")
+        options = LoadOptions(
+            checkpoint=spec.get("checkpoint"),
+            preset=spec.get("preset") if spec.get("checkpoint") is None else None,
+            device=spec.get("device", "cpu"),
+            dtype=spec.get("dtype"),
+        )
+        models[name] = ModelToServe(name, options, {k: dict(v) for k, v in engines.items()})
+    return server, models
+
+
+def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
+    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout"):
+        if key in options:
+            setattr(config, key, options[key])

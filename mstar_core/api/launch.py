@@ -1,0 +1,183 @@
+"""`mstar serve`: turn CLI flags and a deploy file into a running uvicorn server on uvloop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from mstar_core.api.server import ModelToServe, ServerConfig, create_app
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+
+API_KEY_ENV = "MSTAR_API_KEY"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="*", metavar="MODEL", help="model families to serve (see `mstar plugins`)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="[MODEL=]PATH",
+                   help="checkpoint directory; MODEL= prefix when serving several (default: the tiny preset)")
+    p.add_argument("--preset", action="append", default=[], metavar="[MODEL=]NAME",
+                   help="preset to build when no checkpoint is given (default: tiny)")
+    p.add_argument("--config", metavar="deploy.yaml", help="deploy file: server options, per-model placement/settings")
+    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    p.add_argument("--device", default="cpu", help="device for models without a deploy entry")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 16 MiB)")
+    p.add_argument("--max-running", type=int, default=None, help="requests executing at once (default 256)")
+    p.add_argument("--max-queued", type=int, default=None, help="requests waiting beyond that; then 503 (default 1024)")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is cut (default 600)")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="also register this importable module as a plugin (not installed as a distribution)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _per_model(values: list[str], models: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if sep and name in models:
+            out[name] = rest
+        elif len(models) == 1:
+            out[models[0]] = value
+        else:
+            raise ConfigError(f"{flag} {value!r}: with several models write {flag} MODEL=VALUE (models: {', '.join(models)})")
+    return out
+
+
+def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
+    """ServerConfig, host and port from flags over the deploy file over defaults."""
+    from mstar_core.api.deploy import apply_server_options, load_deploy
+
+    server_opts: dict[str, Any] = {}
+    deployed: dict[str, ModelToServe] = {}
+    if args.config:
+        server_opts, deployed = load_deploy(args.config)
+    names = list(dict.fromkeys(list(args.models) or list(deployed)))
+    if not names:
+        raise ConfigError("name at least one model to serve: `mstar serve MODEL` (see `mstar plugins`)")
+    checkpoints = _per_model(args.checkpoint, names, "--checkpoint")
+    presets = _per_model(args.preset, names, "--preset")
+    models = []
+    for name in names:
+        item = deployed.get(name) or ModelToServe(name, LoadOptions(device=args.device))
+        if name in checkpoints:
+            item.options = LoadOptions(checkpoint=checkpoints[name], device=item.options.device, dtype=item.options.dtype)
+        elif item.options.checkpoint is None:
+            preset = presets.get(name) or item.options.preset or "tiny"
+            item.options = LoadOptions(preset=preset, device=item.options.device, dtype=item.options.dtype)
+        models.append(item)
+    config = ServerConfig(models=models)
+    apply_server_options(config, server_opts)
+    overrides = {"max_body_bytes": args.max_body_bytes, "max_running": args.max_running,
+                 "max_queued": args.max_queued, "request_timeout": args.request_timeout}
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(config, key, value)
+    config.api_key = args.api_key or os.environ.get(API_KEY_ENV) or config.api_key
+    host = args.host or server_opts.get("host") or "127.0.0.1"
+    port = args.port if args.port is not None else int(server_opts.get("port", 8000))
+    return config, host, port
+
+
+def banner(config: ServerConfig, host: str, port: int, models: dict[str, Any], routes: dict[str, list[str]],
+           adapters: dict[str, Any] | None = None) -> str:
+    """What `mstar serve` prints once the models are in: the URL and ready-to-paste examples."""
+    adapters = adapters or {}
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{port}"
+    auth = ' -H "Authorization: Bearer $MSTAR_API_KEY"' if config.api_key else ""
+    key = "os.environ['MSTAR_API_KEY']" if config.api_key else '"none"'
+    lines = [f"M* serving at {url}   (OpenAPI: {url}/docs, metrics: {url}/metrics)"]
+    for name, loaded in models.items():
+        src = next((m.options for m in config.models if m.name == name), None)
+        origin = src.checkpoint if src and src.checkpoint else f"preset '{src.preset if src else '?'}'"
+        warn = "  ** RANDOM WEIGHTS: output is noise **" if loaded.random_weights else ""
+        lines.append(f"  model {name}: {origin}; routes: {', '.join(routes.get(name, [])) or 'native only'}{warn}")
+    for name in models:
+        r = routes.get(name, [])
+        if "speech" in r:
+            voices = list(getattr(adapters.get(name), "voices", None) or ["default"])
+            voice = voices[0]
+            lines += ["", "  curl:",
+                      f"    curl {url}/v1/audio/speech{auth} -H 'Content-Type: application/json' \\",
+                      f"      -d '{{\"model\": \"{name}\", \"input\": \"Hello there!\", \"voice\": \"{voice}\", "
+                      f"\"response_format\": \"wav\"}}' -o speech.wav",
+                      "  openai:",
+                      f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
+                      f"    c.audio.speech.create(model='{name}', voice='{voice}', input='Hello there!', "
+                      "response_format='wav').write_to_file('speech.wav')"]
+        if "chat" in r:
+            lines += ["", "  curl:",
+                      f"    curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+                      f"      -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
+                      "  openai:",
+                      f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
+                      f"    print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
+                      ".choices[0].message.content)"]
+        if not r:
+            lines += ["", f"  curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{{\"inputs\": {{}}}}'"]
+    return "\n".join(lines)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; in-flight requests get `--drain-timeout` seconds, then are cancelled."""
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config, host, port = build_config(args)
+    except (ConfigError, OSError) as exc:
+        print(f"mstar serve: {exc}", file=sys.stderr)
+        return 2
+    from mstar_core.plugins.manager import discover
+
+    registry = discover(extra_modules=args.plugin)
+    for info in registry.failed():
+        print(f"warning: plugin {info.name} ({info.distribution}) failed to load: {info.error}", file=sys.stderr)
+    for item in config.models:
+        if item.name not in registry.models:
+            print(f"mstar serve: unknown model '{item.name}'; installed: {', '.join(registry.models) or 'none'}",
+                  file=sys.stderr)
+            return 2
+
+    def engine_factory():
+        from mstar_core.runtime import AsyncEngine
+
+        return AsyncEngine(registry, max_running=config.max_running, max_queued=config.max_queued)
+
+    app_box: list[Any] = []
+
+    def on_ready() -> None:
+        state = app_box[0].state.mstar
+        routes = {name: state.routes_of(name) for name in state.engine.models}
+        speech = {m: a for (m, r), a in state.adapters.items() if r == "speech"}
+        print(banner(config, host, port, state.engine.models, routes, speech), flush=True)
+
+    failed: list[str] = []
+
+    def on_error(message: str) -> None:
+        # a server without its models is useless: say why and stop (SIGTERM runs uvicorn's clean shutdown)
+        print(f"mstar serve: loading models failed: {message}", file=sys.stderr, flush=True)
+        failed.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app = create_app(config, engine_factory, on_ready=on_ready, on_error=on_error)
+    app_box.append(app)
+    loop = "uvloop" if _has_uvloop() else "asyncio"
+    uvicorn.run(app, host=host, port=port, loop=loop, log_level=args.log_level, access_log=args.log_level == "debug",
+                timeout_graceful_shutdown=args.drain_timeout, server_header=False)
+    return 1 if failed else 0
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True

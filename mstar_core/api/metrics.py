@@ -1,0 +1,100 @@
+"""Prometheus metrics (`mstar_` prefix): request counters and latency histograms, engine gauges at scrape time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# engine stat keys exported under their own metric names; every numeric stat also goes to mstar_node_stat
+_NAMED_STATS = {
+    "kv_pages_used": ("mstar_kv_pages_used", "KV cache pages in use"),
+    "kv_pages_free": ("mstar_kv_pages_free", "KV cache pages free"),
+    "prefix_cache_hit_rate": ("mstar_prefix_cache_hit_rate", "fraction of prompt tokens served from the prefix cache"),
+}
+
+
+class Metrics:
+    """All metrics of one server, in their own registry (so several servers can live in one process)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mstar_requests", "HTTP requests by model, route and status", ["model", "route", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "mstar_time_to_first_token_seconds", "time from request to first generated token", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ttfa = Histogram(
+            "mstar_time_to_first_audio_seconds", "time from request to first audio bytes", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.latency = Histogram(
+            "mstar_request_latency_seconds", "end-to-end request latency", ["model", "route"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine))
+
+    def observe_request(self, model: str, route: str, status: int, seconds: float | None = None) -> None:
+        self.requests.labels(model, route, str(status)).inc()
+        if seconds is not None and status < 400:
+            self.latency.labels(model, route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads `AsyncEngine` state when Prometheus scrapes: queue, running, per-node engine and scheduler gauges."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine = self.engine
+        queue = GaugeMetricFamily("mstar_queue_depth", "requests waiting for a running slot")
+        running = GaugeMetricFamily("mstar_running_requests", "requests executing")
+        queue.add_metric([], float(getattr(engine, "waiting", 0)))
+        running.add_metric([], float(getattr(engine, "running", 0)))
+        yield queue
+        yield running
+        named = {key: GaugeMetricFamily(name, doc, labels=["model", "node"]) for key, (name, doc) in _NAMED_STATS.items()}
+        every = GaugeMetricFamily("mstar_node_stat", "every numeric gauge an engine reports", labels=["model", "node", "stat"])
+        batch = GaugeMetricFamily("mstar_node_batch_size", "invocations in the node's last step", labels=["model", "node"])
+        step = GaugeMetricFamily("mstar_node_step_latency_seconds", "duration of the node's last step", labels=["model", "node"])
+        steps = GaugeMetricFamily("mstar_node_steps", "steps the node has run", labels=["model", "node"])
+        for model in list(getattr(engine, "models", {}) or {}):
+            try:
+                engines = engine.node_engines(model)
+            except Exception:  # model unloading while scraped
+                continue
+            for node, eng in engines.items():
+                try:
+                    stats = eng.stats() or {}
+                except Exception:
+                    stats = {}
+                for key, value in stats.items():
+                    if not isinstance(value, int | float) or isinstance(value, bool):
+                        continue
+                    if key in named:
+                        named[key].add_metric([model, node], float(value))
+                    every.add_metric([model, node, key], float(value))
+            schedulers = engine.node_schedulers(model) if hasattr(engine, "node_schedulers") else {}
+            for node, sched in schedulers.items():
+                batch.add_metric([model, node], float(getattr(sched, "last_batch_size", 0)))
+                step.add_metric([model, node], float(getattr(sched, "last_step_seconds", 0.0)))
+                steps.add_metric([model, node], float(getattr(sched, "steps", 0)))
+        yield from named.values()
+        yield every
+        yield batch
+        yield step
+        yield steps

@@ -1,0 +1,218 @@
+"""The FastAPI app: server state, model loading at startup, /v1/models, /health, /metrics, and the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import ORJSONResponse, Response
+
+from mstar_core.api import chat, images, native, speech
+from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
+from mstar_core.api.chat_adapter import TokenizerChatAdapter
+from mstar_core.api.errors import ApiError, install_error_handlers
+from mstar_core.api.metrics import Metrics
+from mstar_core.api.middleware import GuardMiddleware
+from mstar_core.api.schemas import Health, ModelList
+from mstar_core.model import LoadOptions
+
+log = logging.getLogger("mstar.api")
+
+_ROUTE_LABELS = {
+    "/v1/audio/speech": "speech",
+    "/v1/chat/completions": "chat",
+    "/v1/images/generations": "images",
+    "/v1/images/edits": "images_edit",
+    "/v1/models": "models",
+}
+
+
+@attrs.define
+class ModelToServe:
+    """One model the server loads at startup."""
+
+    name: str
+    options: LoadOptions = attrs.field(factory=lambda: LoadOptions(preset="tiny"))
+    settings: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+
+@attrs.define
+class ServerConfig:
+    """Server options (CLI flags or the `server:` section of a deploy file)."""
+
+    models: list[ModelToServe] = attrs.field(factory=list)
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_running: int = 256
+    max_queued: int = 1024
+    request_timeout: float | None = 600.0
+
+    @property
+    def max_inflight(self) -> int:
+        return self.max_running + self.max_queued
+
+
+class ServerState:
+    """What the routes share: the engine, adapters by (model, route), metrics, in-flight requests."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.engine: Any = None
+        self.metrics: Metrics | None = None
+        self.adapters: dict[tuple[str, str], ApiAdapter] = {}
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self._inflight: set[Any] = set()
+
+    # -- lookups used by routes ----------------------------------------------------------------
+
+    def loaded(self, model: str) -> Any:
+        if not self.ready:
+            raise ApiError(503, "models are still loading; retry shortly (GET /health says when ready)",
+                           headers={"Retry-After": "2"})
+        models = self.engine.models
+        if model not in models:
+            raise ApiError(404, f"model '{model}' is not loaded; loaded models: {', '.join(sorted(models)) or 'none'}",
+                           param="model", code="model_not_found")
+        return models[model]
+
+    def adapter(self, model: str, route: str) -> ApiAdapter:
+        self.loaded(model)
+        adapter = self.adapters.get((model, route))
+        if adapter is None:
+            serving = sorted(m for (m, r) in self.adapters if r == route)
+            raise ApiError(404, f"model '{model}' does not serve the {route} route; models that do: "
+                                f"{', '.join(serving) or 'none'} (its walks are at /v1/walks/{model})",
+                           param="model", code="route_not_supported")
+        return adapter
+
+    def routes_of(self, model: str) -> list[str]:
+        return sorted(r for (m, r) in self.adapters if m == model)
+
+    @staticmethod
+    def route_label(path: str) -> str:
+        if path.startswith("/v1/walks/"):
+            return "walks"
+        return _ROUTE_LABELS.get(path, "other")
+
+    # -- in-flight bookkeeping -----------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def track(self, handle: Any) -> None:
+        self._inflight.add(handle)
+        task = getattr(handle, "_task", None)
+        if task is not None:
+            task.add_done_callback(lambda _t: self._inflight.discard(handle))
+
+    # -- startup -------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Create the engine, load every model, bind the adapters; `ready` flips when all are in."""
+        self.engine = self.engine_factory()
+        self.metrics = Metrics(self.engine)
+        for item in self.config.models:
+            what = item.options.checkpoint or f"preset '{item.options.preset}' (random weights)"
+            log.info("loading model %s from %s", item.name, what)
+            t0 = time.perf_counter()
+            loaded = await self.engine.load_model(item.name, item.options, settings=item.settings, alias=item.name)
+            log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
+                     " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
+            self.bind_adapters(item.name, loaded)
+        self.ready = True
+
+    def bind_adapters(self, name: str, loaded: Any) -> None:
+        registry = getattr(self.engine, "registry", None)
+        for raw in list(getattr(registry, "api_adapters", []) or []):
+            if getattr(raw, "model", None) not in (name, loaded.name):
+                continue
+            validate_adapter(raw)
+            adapter = with_defaults(raw)
+            adapter.bind(loaded)
+            for route in adapter.routes:
+                self.adapters[(name, route)] = adapter
+        if (name, "chat") not in self.adapters and "tokenizer" in (loaded.extras or {}):
+            self.adapters[(name, "chat")] = TokenizerChatAdapter(name, loaded)
+
+    async def close(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            await self.engine.close()
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_ready: Callable[[], None] | None = None,
+               on_error: Callable[[str], None] | None = None) -> FastAPI:
+    """Build the app; models load in the background at startup (GET /health answers 503 until then)."""
+    state = ServerState(config, engine_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        async def load():
+            try:
+                await state.load()
+                if on_ready is not None:
+                    on_ready()
+            except Exception as exc:
+                state.load_error = f"{type(exc).__name__}: {exc}"
+                log.exception("loading models failed")
+                if on_error is not None:
+                    on_error(state.load_error)
+        loader = asyncio.ensure_future(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await state.close()
+
+    app = FastAPI(title="M*", version=_version(), default_response_class=ORJSONResponse, lifespan=lifespan,
+                  description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")
+    app.state.mstar = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health():
+        if state.load_error:
+            return ORJSONResponse({"status": "loading", "models": [], "error": state.load_error}, status_code=503)
+        if not state.ready or state.draining:
+            return ORJSONResponse({"status": "loading", "models": []}, status_code=503)
+        return {"status": "ok", "models": sorted(state.engine.models)}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(request: Request):
+        request.state.model = "-"
+        if not state.ready:
+            return {"object": "list", "data": []}
+        data = []
+        for name, loaded in sorted(state.engine.models.items()):
+            data.append({"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
+                         "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
+                         "random_weights": bool(loaded.random_weights)})
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics():
+        if state.metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    for module in (speech, chat, images, native):
+        app.include_router(module.router)
+    return app
+
+
+def _version() -> str:
+    from mstar_core import __version__
+
+    return __version__

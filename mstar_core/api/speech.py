@@ -1,0 +1,104 @@
+"""POST /v1/audio/speech: text in, audio streamed out as the model produces it (WAV/PCM bytes or SSE)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from mstar_core.api.audio import AudioEncoder
+from mstar_core.api.common import (
+    adapter_call,
+    cancel_on_exit,
+    first_then_rest,
+    sse,
+    stream_error_payload,
+    submit,
+)
+from mstar_core.api.errors import ApiError
+from mstar_core.api.schemas import ErrorResponse, SpeechRequest
+
+router = APIRouter()
+
+_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
+
+
+@router.post(
+    "/v1/audio/speech",
+    responses={
+        200: {"content": {"audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "text/event-stream": {}},
+              "description": "audio bytes as produced, or SSE `speech.audio.delta` / `speech.audio.done` events"},
+        **_ERRORS,
+    },
+    response_class=Response,
+    summary="Text to speech (OpenAI-compatible)",
+)
+async def create_speech(body: SpeechRequest, request: Request) -> Response:
+    state = request.app.state.mstar
+    request.state.model = body.model
+    adapter = state.adapter(body.model, "speech")
+    if adapter.voices and body.voice not in adapter.voices:
+        raise ApiError(400, f"voice '{body.voice}' is not available for model '{body.model}'; "
+                            f"choose one of: {', '.join(adapter.voices)}", param="voice")
+    if body.speed != 1.0 and not adapter.supports_speed:
+        raise ApiError(400, f"model '{body.model}' only speaks at speed 1.0; drop 'speed'", param="speed")
+    payload = body.model_dump()
+    inputs = adapter_call(adapter.speech_inputs, payload, what=f"the speech adapter of '{body.model}'")
+    started = time.perf_counter()
+    handle = submit(state, body.model, inputs)
+    streaming = (payload.get("stream") is not False) or body.stream_format == "sse"
+    encoder = AudioEncoder(body.response_format, int(adapter.sample_rate), stream=streaming)
+    first, rest = await first_then_rest(request, handle)
+    metrics = state.metrics
+
+    def audio_bytes(out: Any) -> bytes:
+        if out is None or out.name != adapter.audio_output:
+            return b""
+        pcm = adapter.audio_chunk(out.value)
+        if encoder.samples == 0 and pcm.size and metrics is not None:
+            metrics.ttfa.labels(body.model).observe(time.perf_counter() - started)
+        return encoder.chunk(pcm)
+
+    async def audio_stream():
+        async with cancel_on_exit(handle):
+            yield audio_bytes(first)
+            async for out in rest:
+                data = audio_bytes(out)
+                if data:
+                    yield data
+            yield encoder.finish()
+
+    async def sse_stream():
+        async with cancel_on_exit(handle):
+            try:
+                outs = [first] if first is not None else []
+                for out in outs:
+                    data = audio_bytes(out)
+                    if data:
+                        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                async for out in rest:
+                    data = audio_bytes(out)
+                    if data:
+                        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                tail = encoder.finish()
+                if tail:
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+                env = await handle.result()
+                yield sse({"type": "speech.audio.done", "usage": _usage(adapter, env, handle.prepared)})
+            except Exception as exc:
+                yield sse({"type": "error", **stream_error_payload(exc)})
+
+    headers = {"X-Sample-Rate": str(adapter.sample_rate), "Cache-Control": "no-cache"}
+    if body.stream_format == "sse":
+        return StreamingResponse(sse_stream(), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(audio_stream(), media_type=encoder.media_type, headers=headers)
+
+
+def _usage(adapter: Any, env: dict[str, Any], inputs: dict[str, Any]) -> dict[str, int]:
+    prompt = adapter.prompt_tokens(env, inputs)
+    generated = env.get(adapter.token_output)
+    output = len(generated) if isinstance(generated, list) else int(env.get("num_generated", 0) or 0)
+    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output}

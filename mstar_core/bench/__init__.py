@@ -1,0 +1,1 @@
+"""Load generators and benchmark helpers shipped with the CLI."""
