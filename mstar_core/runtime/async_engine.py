@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.config.placement import Placement
 from mstar_core.errors import RequestCancelled, RequestError, RequestTimeout
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
@@ -27,7 +28,7 @@ from mstar_core.runtime.scheduler import NodeScheduler
 
 
 class _ModelRuntime:
-    def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, NodeScheduler]):
+    def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, Any]):
         self.loaded = loaded
         self.engines = engines
         self.schedulers = schedulers
@@ -64,6 +65,7 @@ class AsyncEngine:
         self.waiting = 0
         self._handles: dict[str, RequestHandle] = {}
         self.on_finish = None  # callable(handle, status: str, seconds: float), set by metrics
+        self.cluster = None  # the worker processes, once a placement puts nodes on them
 
     # -- models --------------------------------------------------------------------------------
 
@@ -73,13 +75,61 @@ class AsyncEngine:
         options: LoadOptions | None = None,
         settings: Mapping[str, Mapping[str, Any]] | None = None,
         alias: str | None = None,
+        placement: Placement | None = None,
     ) -> LoadedModel:
-        """Load a registered model family (weights loaded off the event loop) and start its engines."""
+        """Load a registered model family (weights loaded off the event loop) and start its engines.
+
+        With a `placement`, nodes it assigns to workers run in worker processes (spawned here, or
+        joining from other hosts); the rest run in this process.
+        """
         spec = self.registry.models.get(name)
         options = options or LoadOptions(device=str(self.device))
         loop = asyncio.get_running_loop()
         loaded = await loop.run_in_executor(self._executor, spec.load, options)
-        return await self.add_model(loaded, settings=settings, alias=alias)
+        if placement is None or not placement.remote:
+            if placement is not None:
+                placement.check_nodes(name, loaded.graph.nodes)
+                settings = {**placement.engine_settings, **(settings or {})}
+            return await self.add_model(loaded, settings=settings, alias=alias)
+        return await self._add_placed_model(spec.name, loaded, options, placement, settings or {}, alias)
+
+    async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
+        from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
+        from mstar_core.wire import LoadModel
+        from mstar_core.wire.auth import secret_from_env
+
+        name = alias or loaded.name
+        graph = loaded.graph
+        placement.check_nodes(name, graph.nodes)
+        settings = {**placement.engine_settings, **settings}
+        if self.cluster is None:
+            joins_by_hand = any(not w.spawned for w in placement.workers.values())
+            self.cluster = Cluster(
+                bind=placement.bind,
+                heartbeat_interval=placement.heartbeat_interval,
+                secret=secret_from_env() if joins_by_hand or placement.bind else None,
+            )
+            await self.cluster.start()
+        local = {n for n in graph.nodes if placement.worker_of(n) == "local"}
+        loop = asyncio.get_running_loop()
+        engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings, local)
+        schedulers: dict[str, Any] = {n: NodeScheduler(e, self._executor) for n, e in engines.items()}
+        by_worker: dict[str, list[str]] = {}
+        for node in graph.nodes:
+            if node not in local:
+                by_worker.setdefault(placement.worker_of(node), []).append(node)
+        for group, nodes in by_worker.items():
+            spec = placement.workers[group]
+            replicas = spec.replica_names()
+            await asyncio.gather(*(self.cluster.ensure_worker(r, spec) for r in replicas))
+            msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
+                            checkpoint=options.checkpoint, dtype=options.dtype,
+                            settings={n: dict(settings.get(n, {})) for n in nodes})
+            await asyncio.gather(*(self.cluster.load(r, msg) for r in replicas))
+            for node in nodes:
+                schedulers[node] = RemoteNodeScheduler(self.cluster, family, node, replicas)
+        self._models[name] = _ModelRuntime(loaded, engines, schedulers)
+        return loaded
 
     async def add_model(
         self,
@@ -103,9 +153,13 @@ class AsyncEngine:
         self._models[name] = _ModelRuntime(loaded, engines, schedulers)
         return loaded
 
-    def _build_engines(self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]]) -> dict[str, Engine]:
+    def _build_engines(
+        self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]], only: set[str] | None = None
+    ) -> dict[str, Engine]:
         engines = {}
         for node in loaded.graph.nodes.values():
+            if only is not None and node.name not in only:
+                continue
             engine_cls = self.registry.engines.get(node.engine)
             merged = {**loaded.engine_settings.get(node.name, {}), **settings.get(node.name, {})}
             context = EngineContext(self.worker, self.device, merged, self.registry)
@@ -226,7 +280,7 @@ class AsyncEngine:
         }
 
     async def close(self) -> None:
-        """Cancel in-flight requests, stop the schedulers, free the engines."""
+        """Cancel in-flight requests, stop the schedulers, free the engines (idempotent)."""
         for handle in list(self._handles.values()):
             handle.cancel()
         for handle in list(self._handles.values()):
@@ -240,6 +294,9 @@ class AsyncEngine:
             for eng in rt.engines.values():
                 eng.close()
         self._models.clear()
+        if self.cluster is not None:
+            await self.cluster.close()
+            self.cluster = None
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncEngine:

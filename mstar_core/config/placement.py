@@ -1,0 +1,149 @@
+"""Placement files: which worker process runs which node, with what engine settings.
+
+```yaml
+workers:
+  codec: {device: cpu}                    # spawned on this host
+  lm: {device: cuda:0, replicas: 2}        # two processes; a request sticks to one replica
+  far: {device: cuda:0, host: 10.0.0.7}    # joins by hand: `mstar worker --join ... --name far`
+nodes:
+  snac: codec                              # nodes not listed run in the serving process
+engine_settings:
+  lm: {num_pages: 4096, page_size: 16}
+control:
+  bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory
+  heartbeat_interval: 0.5
+```
+
+The same model runs colocated (no file, or no `nodes`) or disaggregated by changing only this
+file. Unknown keys, nodes and workers are errors that name the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from mstar_core.errors import ConfigError
+
+LOCAL = "local"
+
+
+def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    if not isinstance(allowed, _AnyKey):
+        allowed = set(allowed)
+    for key in data:
+        if key not in allowed:
+            if isinstance(allowed, _AnyKey):
+                raise ConfigError(f"{where}: keys must be names (strings), got {key!r}")
+            raise ConfigError(f"{where}: unknown key '{key}'; allowed: {', '.join(sorted(allowed))}")
+    return dict(data)
+
+
+@attrs.frozen
+class WorkerSpec:
+    """One worker group: its device, host (None = spawned here) and replica count."""
+
+    name: str
+    device: str = "cpu"
+    host: str | None = None
+    replicas: int = 1
+    transport: str = "zmq"
+
+    @property
+    def spawned(self) -> bool:
+        return self.host is None
+
+    def replica_names(self) -> list[str]:
+        return [self.name] if self.replicas == 1 else [f"{self.name}.{i}" for i in range(self.replicas)]
+
+
+@attrs.frozen
+class Placement:
+    """Parsed placement: workers, node -> worker group, per-node engine settings, control socket."""
+
+    workers: Mapping[str, WorkerSpec] = attrs.field(factory=dict)
+    nodes: Mapping[str, str] = attrs.field(factory=dict)
+    engine_settings: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    bind: str | None = None
+    heartbeat_interval: float = 0.5
+    source: str = "<dict>"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
+        top = _check_keys(source, data, ("workers", "nodes", "engine_settings", "control"))
+        workers = {}
+        for name, raw in _check_keys(f"{source}: workers", top.get("workers"), _AnyKey()).items():
+            if name == LOCAL:
+                raise ConfigError(f"{source}: workers: '{LOCAL}' is reserved for the serving process")
+            spec = _check_keys(f"{source}: workers.{name}", raw, ("device", "host", "replicas", "transport"))
+            replicas = spec.get("replicas", 1)
+            if not isinstance(replicas, int) or replicas < 1:
+                raise ConfigError(f"{source}: workers.{name}.replicas must be an integer >= 1, got {replicas!r}")
+            workers[name] = WorkerSpec(
+                name=str(name),
+                device=str(spec.get("device", "cpu")),
+                host=spec.get("host"),
+                replicas=replicas,
+                transport=str(spec.get("transport", "zmq")),
+            )
+        nodes = {}
+        for node, worker in _check_keys(f"{source}: nodes", top.get("nodes"), _AnyKey()).items():
+            if worker != LOCAL and worker not in workers:
+                known = ", ".join(sorted(workers)) or "none"
+                raise ConfigError(f"{source}: nodes.{node} names unknown worker '{worker}'; workers: {known}, {LOCAL}")
+            nodes[str(node)] = str(worker)
+        settings = {
+            str(node): dict(_check_keys(f"{source}: engine_settings.{node}", value, _AnyKey()))
+            for node, value in _check_keys(f"{source}: engine_settings", top.get("engine_settings"), _AnyKey()).items()
+        }
+        control = _check_keys(f"{source}: control", top.get("control"), ("bind", "heartbeat_interval"))
+        interval = control.get("heartbeat_interval", 0.5)
+        if not isinstance(interval, int | float) or interval <= 0:
+            raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
+        return cls(workers, nodes, settings, control.get("bind"), float(interval), source)
+
+    def check_nodes(self, model: str, nodes: Iterable[str]) -> None:
+        """Every node the file names must exist in the model."""
+        known = set(nodes)
+        for key in list(self.nodes) + list(self.engine_settings):
+            if key not in known:
+                raise ConfigError(
+                    f"{self.source}: unknown node '{key}' for model '{model}'; nodes: {', '.join(sorted(known))}"
+                )
+
+    def worker_of(self, node: str) -> str:
+        return self.nodes.get(node, LOCAL)
+
+    @property
+    def remote(self) -> bool:
+        return any(w != LOCAL for w in self.nodes.values())
+
+
+class _AnyKey:
+    """Allows every key (for maps keyed by user names)."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str)
+
+    def __iter__(self):
+        return iter(())
+
+
+def load_placement(path: str | Path) -> Placement:
+    """Read and validate a placement YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"placement file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return Placement.from_dict(data, str(path))

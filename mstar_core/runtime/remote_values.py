@@ -1,0 +1,68 @@
+"""Structured runtime values (chunks, sampling parameters) as plain wire values, explicitly.
+
+Only the types listed here cross a process boundary besides plain values and tensors; each is
+rebuilt field by field from its own tag, so nothing on the wire can name a class to construct.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from mstar_core.streaming.policies import Chunk
+from mstar_core.wire.errors import WireError
+
+TYPE_KEY = "__mstar_type__"
+
+
+def _structured_types() -> dict[str, type]:
+    types: dict[str, type] = {"chunk": Chunk}
+    try:
+        from mstar_core.sampling import SamplingParams
+
+        types["sampling"] = SamplingParams
+    except ImportError:  # pragma: no cover - sampling ships with the core
+        pass
+    return types
+
+
+_TYPES = _structured_types()
+_TAGS = {cls: tag for tag, cls in _TYPES.items()}
+
+
+def to_wire(value: Any) -> Any:
+    """Replace structured values (recursively) by tagged dicts the wire codec can carry."""
+    tag = _TAGS.get(type(value))
+    if tag is not None:
+        fields = {f.name: to_wire(getattr(value, f.name)) for f in attrs.fields(type(value))}
+        return {TYPE_KEY: tag, "fields": fields}
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_wire(v) for v in value]
+    return value
+
+
+def from_wire(value: Any) -> Any:
+    """Inverse of `to_wire`; unknown tags are a WireError, never a guess."""
+    if isinstance(value, dict):
+        if TYPE_KEY in value:
+            tag = value[TYPE_KEY]
+            cls = _TYPES.get(tag)
+            if cls is None or set(value) != {TYPE_KEY, "fields"} or not isinstance(value["fields"], dict):
+                raise WireError(f"unknown or malformed structured value {tag!r}; known: {sorted(_TYPES)}")
+            fields = {k: from_wire(v) for k, v in value["fields"].items()}
+            names = {f.name for f in attrs.fields(cls)}
+            if set(fields) - names:
+                raise WireError(f"structured value '{tag}' has unknown fields {sorted(set(fields) - names)}")
+            if cls is Chunk:
+                fields["items"] = tuple(fields["items"])
+            try:
+                return cls(**fields)
+            except (TypeError, ValueError) as exc:
+                raise WireError(f"structured value '{tag}' is invalid: {exc}") from None
+        return {k: from_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_wire(v) for v in value]
+    return value

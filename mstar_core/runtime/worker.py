@@ -1,0 +1,180 @@
+"""A worker process: joins a coordinator, hosts engines for the nodes placed on it, runs their steps.
+
+    MSTAR_SECRET=... python -m mstar_core.runtime.worker --join tcp://HOST:PORT --name NAME
+
+The control plane is one ZeroMQ DEALER socket carrying wire-codec messages (typed JSON header,
+tensors as raw frames; no pickle). Invocations are batched by the same `NodeScheduler` as in the
+serving process, on this process's own device thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import zmq
+import zmq.asyncio
+
+from mstar_core.model import LoadOptions
+from mstar_core.plugins.manager import default_registry
+from mstar_core.runtime.engine import EngineContext, Invocation
+from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.runtime.scheduler import NodeScheduler
+from mstar_core.wire import (
+    ErrorReport,
+    Heartbeat,
+    InvokeNode,
+    LoadModel,
+    ModelLoaded,
+    NodeResult,
+    Release,
+    Shutdown,
+    decode,
+    encode,
+)
+from mstar_core.wire.auth import make_hello, secret_from_env, verify_welcome
+
+log = logging.getLogger("mstar.worker")
+
+
+class Worker:
+    """One worker's state: its socket, its engines keyed 'model/node', its device thread."""
+
+    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None):
+        self.name = name
+        self.join = join
+        self.secret = secret
+        self.parent_pid = parent_pid
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{name}")
+        self.schedulers: dict[str, NodeScheduler] = {}
+        self.heartbeat_interval = 0.5
+        self._stop = asyncio.Event()
+        self._pending: set[asyncio.Task] = set()
+
+    async def send(self, msg) -> None:
+        await self.sock.send_multipart(encode(msg), copy=False)
+
+    async def recv(self, timeout: float | None = None):
+        frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout)
+        return decode([f.buffer for f in frames])
+
+    async def run(self) -> None:
+        self.sock.connect(self.join)
+        hello = make_hello(self.secret, self.name)
+        await self.send(hello)
+        try:
+            welcome = await self.recv(timeout=float(os.environ.get("MSTAR_JOIN_TIMEOUT", "15")))
+        except TimeoutError:
+            raise SystemExit(f"worker {self.name}: no answer from {self.join} (wrong address or wrong secret?)") from None
+        verify_welcome(self.secret, hello, welcome)
+        self.heartbeat_interval = welcome.heartbeat_interval
+        beat = asyncio.ensure_future(self._heartbeat())
+        try:
+            while not self._stop.is_set():
+                msg = await self.recv()
+                if isinstance(msg, InvokeNode):
+                    self._invoke(msg)
+                elif isinstance(msg, Release):
+                    for sched in self.schedulers.values():
+                        sched.release(msg.request_id)
+                elif isinstance(msg, LoadModel):
+                    task = asyncio.ensure_future(self._load(msg))
+                    self._pending.add(task)
+                    task.add_done_callback(self._pending.discard)
+                elif isinstance(msg, Shutdown):
+                    break
+        finally:
+            beat.cancel()
+            for sched in self.schedulers.values():
+                await sched.close()
+            self.sock.close(0)
+            self.ctx.term()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _heartbeat(self) -> None:
+        seq = 0
+        while True:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.warning("worker %s: serving process %s is gone; exiting", self.name, self.parent_pid)
+                os._exit(0)
+            seq += 1
+            await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time()))
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _load(self, msg: LoadModel) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            registry = default_registry()
+            spec = registry.models.get(msg.model)
+            options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype)
+            loaded = await loop.run_in_executor(self.executor, spec.load, options)
+            device = torch.device(msg.device)
+            for node_name in msg.nodes:
+                node = loaded.graph.nodes[node_name]
+                settings = {**loaded.engine_settings.get(node_name, {}), **msg.settings.get(node_name, {})}
+                engine_cls = registry.engines.get(node.engine)
+                context = EngineContext(self.name, device, settings, registry)
+                module = node.module() if node.module is not None else None
+                engine = await loop.run_in_executor(self.executor, engine_cls, node, module, context)
+                self.schedulers[f"{msg.model}/{node_name}"] = NodeScheduler(engine, self.executor)
+            await self.send(ModelLoaded(worker=self.name, model=msg.model, nodes=list(msg.nodes)))
+        except Exception as exc:
+            log.exception("worker %s failed to load %s", self.name, msg.model)
+            await self.send(ErrorReport(worker=self.name, message=f"loading {msg.model}: {exc}", error_type=type(exc).__name__))
+
+    def _invoke(self, msg: InvokeNode) -> None:
+        sched = self.schedulers.get(msg.node)
+        if sched is None:
+            asyncio.ensure_future(self._reply_error(msg, KeyError(f"worker {self.name} hosts no node '{msg.node}'")))
+            return
+        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], from_wire(msg.inputs), msg.options, msg.call_index)
+        future = sched.submit(inv)
+        future.add_done_callback(lambda f, m=msg: asyncio.ensure_future(self._reply(m, f)))
+
+    async def _reply(self, msg: InvokeNode, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return  # released: nobody waits for it
+        exc = future.exception()
+        if exc is not None:
+            cause = getattr(exc, "cause", exc)
+            await self._reply_error(msg, cause)
+            return
+        result = NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
+                            outputs=to_wire(future.result()))
+        await self.send(result)
+
+    async def _reply_error(self, msg: InvokeNode, exc: BaseException) -> None:
+        await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
+                                   error=str(exc), error_type=type(exc).__name__))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="mstar worker", description="Join an M* server as a worker process.")
+    parser.add_argument("--join", required=True, help="the server's control address, e.g. tcp://10.0.0.2:7100")
+    parser.add_argument("--name", required=True, help="the worker name the placement file gives this worker")
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
+    secret = secret_from_env()
+    torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
+    try:
+        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid).run())
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

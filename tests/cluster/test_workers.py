@@ -1,0 +1,140 @@
+"""Multi-process serving: worker processes, identical results, supervision, hand-joined workers."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mstar_core.config import Placement
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from mstar_core.runtime.cluster import WorkerLost
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def run(engine, start, stop, model="fixture-stream"):
+    handle = engine.submit(model, {"start": start, "stop": stop})
+    tokens, totals = [], []
+    async for out in handle:
+        if out.name == "token":
+            tokens.append(out.value)
+        else:
+            totals.append(out.value.clone())
+    return tokens, totals
+
+
+def shm_segments():
+    return sorted(p for p in os.listdir("/dev/shm") if "mstar" in p) if os.path.isdir("/dev/shm") else []
+
+
+async def test_colocated_and_disaggregated_give_identical_outputs():
+    shm_before = shm_segments()
+    colocated = AsyncEngine(discover())
+    await colocated.load_model("fixture-stream", LoadOptions(preset="tiny"))
+    expected = [await run(colocated, s, s + 9) for s in (0, 5)]
+    await colocated.close()
+
+    placement = Placement.from_dict({"workers": {"gen": {}, "codec": {}}, "nodes": {"gen": "gen", "sum": "codec"}})
+    split = AsyncEngine(discover())
+    await split.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
+    got = [await run(split, s, s + 9) for s in (0, 5)]
+    procs = [w.process for w in split.cluster.workers.values()]
+    assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    await split.close()
+    for (t1, s1), (t2, s2) in zip(expected, got, strict=True):
+        assert t1 == t2
+        assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True)) and len(s1) == len(s2)
+    assert all(p.poll() is not None for p in procs)  # workers exit with the server
+    assert shm_segments() == shm_before
+
+
+async def test_killed_worker_fails_its_requests_fast_and_comes_back():
+    placement = Placement.from_dict(
+        {
+            "workers": {"gen": {"replicas": 2}},
+            "nodes": {"gen": "gen"},
+            "engine_settings": {"gen": {"step_delay": 0.02}},
+            "control": {"heartbeat_interval": 0.2},
+        }
+    )
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
+    sched = engine.node_schedulers("fixture-stream")["gen"]
+    handles = [engine.submit("fixture-stream", {"start": 0, "stop": 10_000}, request_id=f"r{i}") for i in range(8)]
+    short = [engine.submit("fixture-stream", {"start": 0, "stop": 60}, request_id=f"s{i}") for i in range(8)]
+    victims = {h.request_id for h in handles + short if sched.replica_for(h.request_id) == "gen.0"}
+    assert victims and len(victims) < 16  # both replicas serve some requests
+    await asyncio.sleep(0.3)
+    killed_at = time.monotonic()
+    engine.cluster.kill("gen.0")
+    for h in handles + short:
+        if h.request_id in victims:
+            with pytest.raises(WorkerLost, match="worker .gen.0. exited"):
+                await h.result()
+            assert time.monotonic() - killed_at < 2.0
+    for h in short:
+        if h.request_id not in victims:
+            assert (await h.result())["token"] == 60  # the other replica kept serving
+    for h in handles:
+        h.cancel()
+    deadline = time.monotonic() + 30
+    while not engine.cluster.workers["gen.0"].ready and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.cluster.workers["gen.0"].restarts == 1
+    # new requests succeed on both replicas, the restarted one included
+    new = [engine.submit("fixture-stream", {"start": 3, "stop": 9}, request_id=f"n{i}") for i in range(6)]
+    assert {sched.replica_for(h.request_id) for h in new} == {"gen.0", "gen.1"}
+    for h in new:
+        assert (await h.result())["token"] == 9
+    await engine.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(address, name, secret):
+    env = {**os.environ, "MSTAR_SECRET": secret, "MSTAR_JOIN_TIMEOUT": "3"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", name],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+async def test_hand_joined_worker_on_another_address_and_a_peer_without_the_secret(monkeypatch):
+    secret = "correct horse battery staple"
+    monkeypatch.setenv("MSTAR_SECRET", secret)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    placement = Placement.from_dict(
+        {"workers": {"far": {"host": "127.0.0.2"}}, "nodes": {"gen": "far"}, "control": {"bind": address}}
+    )
+    intruder = _join(address, "far", "not the secret at all!!")
+    worker = None
+    engine = AsyncEngine(discover())
+    load = asyncio.ensure_future(engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement))
+    await asyncio.sleep(1.0)
+    assert not load.done()  # the intruder did not count as the worker joining
+    worker = _join(address, "far", secret)
+    try:
+        await asyncio.wait_for(load, 60)
+        tokens, _ = await run(engine, 1, 6)
+        assert tokens == [1, 2, 3, 4, 5, 6]
+        out, _ = await asyncio.to_thread(intruder.communicate, timeout=30)
+        assert intruder.returncode != 0 and "no answer" in out
+        assert engine.cluster.refused >= 1
+        await engine.close()
+        assert await asyncio.to_thread(worker.wait, 10) == 0  # the worker left when the server shut down
+    finally:
+        await engine.close()
+        for p in (intruder, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
