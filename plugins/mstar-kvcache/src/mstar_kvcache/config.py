@@ -1,0 +1,105 @@
+"""Engine settings (strict: unknown keys are errors), the model's KV shape, and attention-backend choice."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from mstar_core.errors import ConfigError
+from mstar_kvcache.pool import PagePool
+
+DEFAULT_NUM_PAGES = 512
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheSettings:
+    """`num_pages` (or `kv_cache_bytes`, a memory budget) pages of `page_size` tokens; batching limits."""
+
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    max_batch_size: int | None = None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"kvcache engine: unknown setting(s) {unknown}; known: {sorted(known)}")
+        for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = values.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
+        if values.get("num_pages") is not None and values.get("kv_cache_bytes") is not None:
+            raise ConfigError("kvcache engine: give either 'num_pages' or 'kv_cache_bytes', not both")
+        return cls(**values)
+
+    def resolve_num_pages(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Pages to preallocate: explicit, from the memory budget, or the default."""
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.kv_cache_bytes is not None:
+            per_page = PagePool.bytes_per_page(self.page_size, layers, kv_heads, head_dim, dtype)
+            pages = self.kv_cache_bytes // per_page
+            if pages < 1:
+                raise ConfigError(
+                    f"kvcache engine: kv_cache_bytes={self.kv_cache_bytes} is less than one page ({per_page} bytes)"
+                )
+            return pages
+        return DEFAULT_NUM_PAGES
+
+
+def kv_shape(module: Any) -> tuple[int, int, int, int, int | None]:
+    """`(layers, kv_heads, head_dim, vocab_size, hidden_size)` from `module.kv_cache_spec()` or its HF-style config."""
+    if hasattr(module, "kv_cache_spec"):
+        return tuple(module.kv_cache_spec())  # type: ignore[return-value]
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise ConfigError(
+            f"kvcache engine: module {type(module).__name__} has no `config` (num_hidden_layers, num_key_value_heads, "
+            "head_dim, vocab_size) and no kv_cache_spec(); give it one of them"
+        )
+    get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    head_dim = get("head_dim") or hidden // heads
+    return (get("num_hidden_layers"), get("num_key_value_heads") or heads, head_dim, get("vocab_size"), hidden)
+
+
+def select_backend(name: str, device: torch.device, registry: Any) -> Any:
+    """Instantiate the named attention backend; "auto" = flashinfer on CUDA when importable, else torch."""
+    backends = getattr(registry, "attention_backends", None)
+
+    def lookup(key: str) -> Any:
+        if backends is not None and key in backends:
+            return backends.get(key)
+        if key == "torch":
+            from mstar_attn_torch import TorchPagedAttention
+
+            return TorchPagedAttention
+        if key == "flashinfer":
+            from mstar_attn_flashinfer import FlashInferPagedAttention
+
+            return FlashInferPagedAttention
+        known = ", ".join(sorted(backends)) if backends is not None else "torch, flashinfer"
+        raise ConfigError(f"kvcache engine: unknown attention_backend '{key}'; known: {known}")
+
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                if lookup("flashinfer").available(device):
+                    name = "flashinfer"
+            except ImportError:
+                pass
+    cls = lookup(name)
+    if not cls.available(device):
+        raise ConfigError(f"kvcache engine: attention backend '{name}' cannot run on {device}; use 'torch'")
+    return cls(device)

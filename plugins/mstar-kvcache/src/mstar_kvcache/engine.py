@@ -1,0 +1,283 @@
+"""`KVCacheEngine` (kind `kvcache`): continuous batching of autoregressive calls over a paged KV pool."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Any
+
+import torch
+
+from mstar_core.errors import RequestError
+from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
+from mstar_kvcache.batch import build_batch
+from mstar_kvcache.blocks import BlockManager
+from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
+from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
+from mstar_kvcache.pool import PagePool
+from mstar_kvcache.sampler import sample
+from mstar_kvcache.scheduler import Scheduler
+from mstar_kvcache.sequence import Sequence
+
+
+class KVCacheEngine(Engine):
+    """Each invocation appends `input_ids` to the request's sequence for its cache label, then samples.
+
+    Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), `logprob`, plus
+    `top_logprobs` when the sampling params ask, and `logits` / `hidden` (last position) when the
+    node declares those outputs. Options: `cache_label` (default "main"), `write_cache` (False:
+    attend to the cache without keeping this call's tokens), `fork_from` (a new label starts as a
+    copy-on-write fork of that label), `bidirectional` (this call's tokens form one bidirectional
+    block), `frame_size` (frame-causal mask). Larger `Invocation.priority` is scheduled first.
+    """
+
+    kind = "kvcache"
+
+    def __init__(self, node: Any, module: Any, context: EngineContext):
+        super().__init__(node, module, context)
+        self.settings = KVCacheSettings.from_mapping(context.settings)
+        self.device = torch.device(context.device)
+        layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
+        dtype = next(iter(module.parameters())).dtype if hasattr(module, "parameters") else torch.float32
+        num_pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
+        self.pool = PagePool(num_pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
+        self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
+        self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
+        self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        self.seqs: dict[tuple[str, str], Sequence] = {}
+        self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
+        self.failed: list[Result] = []
+        self._order = itertools.count()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.context.settings.get("max_batch_size", 4 * self.settings.max_num_seqs))
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def add(self, invocation: Invocation) -> None:
+        try:
+            parsed = parse_invocation(invocation, self.vocab_size, self.hidden_size)
+            seq = self._sequence(invocation, parsed)
+        except RequestError as exc:
+            self.failed.append((invocation, exc))
+            return
+        if seq.pending is not None:
+            self.backlog.append(invocation)
+            return
+        try:
+            self._attach(seq, invocation, parsed)
+        except RequestError as exc:
+            self.failed.append((invocation, exc))
+
+    def has_work(self) -> bool:
+        return bool(self.failed) or any(s.pending is not None for s in self.seqs.values())
+
+    def step(self) -> list[Result]:
+        results, self.failed = self.failed, []
+        pending = [s for s in self.seqs.values() if s.pending is not None]
+        if not pending:
+            return results
+        plan = self.scheduler.schedule(pending, self.seqs.values)
+        self.num_preemptions += len(plan.preempted)
+        for seq in plan.too_large:
+            need = self.blocks.total_pages(seq)
+            results.append(self._fail(seq, RequestError(
+                f"node '{self.node.name}': sequence needs {need} KV pages but the pool has {self.pool.num_pages}; "
+                "raise the node's num_pages (or kv_cache_bytes) setting or send a shorter input", status=413)))
+        if not plan.work:
+            return results
+        self.num_steps += 1
+        try:
+            hidden = self._forward(plan.work)
+        except Exception as exc:  # a failed forward fails this batch only; the pool stays consistent
+            for seq, _ in plan.work:
+                results.append(self._fail(seq, exc))
+            return results
+        done: list[tuple[Sequence, int]] = []
+        row = 0
+        for seq, n in plan.work:
+            row += n
+            seq.num_computed += n
+            if seq.pending.options.get("write_cache", True):
+                self.blocks.commit(seq)
+            if seq.remaining == 0:
+                done.append((seq, row - 1))
+        if done:
+            results.extend(self._finish(done, hidden))
+        return results
+
+    def release(self, request_id: str) -> None:
+        for key in [k for k in self.seqs if k[0] == request_id]:
+            self.blocks.free(self.seqs.pop(key))
+        self.backlog = deque(inv for inv in self.backlog if inv.request_id != request_id)
+        self.failed = [r for r in self.failed if r[0].request_id != request_id]
+
+    def active_requests(self) -> set[str]:
+        return {k[0] for k in self.seqs} | {i.request_id for i in self.backlog} | {r[0].request_id for r in self.failed}
+
+    def stats(self) -> dict[str, float]:
+        pending = [s for s in self.seqs.values() if s.pending is not None]
+        return {
+            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_used": self.pool.num_used,
+            "kv_pages_cached": self.pool.num_cached,
+            "kv_page_copies": self.pool.copies,
+            "kv_prefix_hit_pages": self.pool.hits,
+            "num_preemptions": self.num_preemptions,
+            "num_running": sum(1 for s in pending if s.pages),
+            "num_waiting": sum(1 for s in pending if not s.pages),
+        }
+
+    def close(self) -> None:
+        for seq in self.seqs.values():
+            self.blocks.free(seq)
+        self.seqs.clear()
+
+    def fork(self, request_id: str, src_label: str, dst_label: str) -> None:
+        """Share `src_label`'s cache under `dst_label` copy-on-write (CFG branches, samples, n > 1)."""
+        src = self.seqs.get((request_id, src_label))
+        if src is None:
+            raise RequestError(f"node '{self.node.name}': request {request_id} has no cache label '{src_label}' to fork")
+        if (request_id, dst_label) in self.seqs:
+            raise RequestError(f"node '{self.node.name}': cache label '{dst_label}' already exists for {request_id}")
+        if src.pending is not None:
+            raise RequestError(f"node '{self.node.name}': cannot fork '{src_label}' while a call on it is in flight")
+        clone = self.blocks.fork(src, dst_label)
+        clone.order = next(self._order)
+        self.seqs[clone.key] = clone
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _sequence(self, inv: Invocation, parsed: ParsedInvocation) -> Sequence:
+        key = (inv.request_id, parsed.label)
+        seq = self.seqs.get(key)
+        if seq is None:
+            if parsed.fork_from is not None:
+                self.fork(inv.request_id, parsed.fork_from, parsed.label)
+                return self.seqs[key]
+            seq = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival)
+            self.seqs[key] = seq
+        return seq
+
+    def _attach(self, seq: Sequence, inv: Invocation, parsed: ParsedInvocation) -> None:
+        start = len(seq.tokens)
+        if self.max_model_len is not None and start + len(parsed.ids) > self.max_model_len:
+            raise RequestError(
+                f"node '{self.node.name}': sequence would reach {start + len(parsed.ids)} tokens, "
+                f"over the model's limit of {self.max_model_len}; send a shorter input or fewer max_tokens"
+            )
+        limits = mask_limits(start, len(parsed.ids), parsed.bidirectional, parsed.frame_size)
+        if limits is not None or seq.limits is not None:
+            if seq.limits is None:
+                seq.limits = list(range(1, start + 1))
+            seq.limits.extend(limits or range(start + 1, start + len(parsed.ids) + 1))
+            seq.cacheable = False  # page contents depend on the mask, not just the tokens
+        if parsed.embeds is not None:
+            seq.embeds.append((start, parsed.embeds.to(self.device)))
+            seq.cacheable = False
+        seq.chunkable = limits is None
+        seq.tokens.extend(parsed.ids)
+        seq.pending, seq.pending_start = inv, start
+        seq.priority = inv.priority
+        if parsed.sampling is not None:
+            if seq.sampling is None or parsed.sampling.seed != seq.sampling.seed:
+                seq.generator = self._generator(parsed.sampling.seed)
+            seq.sampling = parsed.sampling
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        ids, batch = build_batch(work, self.pool.page_size, self.device)
+        embeds = self._splice_embeds(work, ids)
+        context = self.backend.begin(batch, self.pool.kv)
+        with torch.inference_mode():
+            if embeds is None:
+                return self.module(ids, batch.positions, context)
+            return self.module(None, batch.positions, context, input_embeds=embeds)
+
+    def _splice_embeds(self, work: list[tuple[Sequence, int]], ids: torch.Tensor) -> torch.Tensor | None:
+        if not any(seq.embeds for seq, _ in work):
+            return None
+        with torch.inference_mode():
+            embeds = self.module.embed(ids)
+        row = 0
+        for seq, n in work:
+            lo, hi = seq.num_computed, seq.num_computed + n
+            for start, rows in seq.embeds:
+                a, b = max(lo, start), min(hi, start + rows.shape[0])
+                if a < b:
+                    embeds[row + a - lo : row + b - lo] = rows[a - start : b - start].to(embeds.dtype)
+            row += n
+        return embeds
+
+    def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
+        rows = torch.tensor([r for _, r in done], device=hidden.device)
+        last = hidden[rows]
+        with torch.inference_mode():
+            logits = self.module.compute_logits(last)
+        seqs = [s for s, _ in done]
+        picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs])
+        results: list[Result] = []
+        for i, seq in enumerate(seqs):
+            inv = seq.pending
+            token = picked.tokens[i]
+            keep = inv.options.get("write_cache", True)
+            if keep:
+                seq.generated.append(token)
+            out: dict[str, Any] = {
+                "next_token": token,
+                "finish_reason": self._finish_reason(seq, token),
+                "logprob": picked.logprobs[i],
+            }
+            if picked.top_logprobs[i] is not None:
+                out["top_logprobs"] = picked.top_logprobs[i]
+            if "logits" in self.node.outputs:
+                out["logits"] = logits[i]
+            if "hidden" in self.node.outputs:
+                out["hidden"] = last[i]
+            if not keep:
+                self.blocks.truncate(seq, seq.pending_start)
+            seq.pending = None
+            results.append((inv, out))
+            self._attach_backlog(seq)
+        return results
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling
+        if params is None:
+            return None
+        if token in params.stop_token_ids:
+            return "stop"
+        for stop in params.stop_sequences:
+            if len(seq.generated) >= len(stop) and tuple(seq.generated[-len(stop) :]) == stop:
+                return "stop"
+        if len(seq.generated) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> Result:
+        inv = seq.pending
+        self.blocks.truncate(seq, seq.pending_start)
+        seq.pending = None
+        self._attach_backlog(seq)
+        return (inv, exc)
+
+    def _attach_backlog(self, seq: Sequence) -> None:
+        for inv in list(self.backlog):
+            if inv.request_id == seq.request_id and inv.options.get("cache_label", "main") == seq.label:
+                self.backlog.remove(inv)
+                try:
+                    self._attach(seq, inv, parse_invocation(inv, self.vocab_size, self.hidden_size))
+                except RequestError as exc:
+                    self.failed.append((inv, exc))
+                    continue
+                return

@@ -1,0 +1,115 @@
+"""The paged KV pool: preallocated pages, reference counts, a prefix-cache index with LRU eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """No free or evictable page is left (the scheduler preempts or waits; users never see this)."""
+
+
+class PagePool:
+    """Fixed-size KV pages allocated once, as one tensor `[layers, 2 (k/v), pages, page_size, kv_heads, head_dim]`.
+
+    A page is *used* while some sequence references it. A full page may also be *cached* under
+    the chained hash of its tokens; when its last reference goes it stays cached but evictable
+    (least recently released first), so a later request with the same prefix reuses it.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.refcount = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self.copies = 0  # copy-on-write page copies, for stats and tests
+        self.hits = 0  # pages reused from the prefix cache
+
+    @staticmethod
+    def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Memory one page takes across all layers (keys and values)."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_available(self) -> int:
+        """Pages that can be handed out now (free, or cached but unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Pages referenced by at least one sequence."""
+        return self.num_pages - self.num_available
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
+    def allocate(self) -> int:
+        """Take a page (never-cached first, then the least recently released cached one)."""
+        if self._free:
+            page = self._free.popleft()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(page)]
+        else:
+            raise OutOfPages("KV pool exhausted")
+        self.refcount[page] = 1
+        return page
+
+    def incref(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            self._evictable.pop(page)  # only cached pages can be revived from zero references
+        self.refcount[page] += 1
+
+    def decref(self, page: int) -> None:
+        count = self.refcount[page] - 1
+        if count < 0:
+            raise AssertionError(f"page {page} released more often than referenced")
+        self.refcount[page] = count
+        if count == 0:
+            if page in self._hash_of:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def lookup(self, key: int) -> int | None:
+        """The cached page holding the tokens hashed to `key`, if any."""
+        return self._by_hash.get(key)
+
+    def register(self, page: int, key: int) -> None:
+        """Index a full page under its chained hash (a page already cached under it wins)."""
+        if key in self._by_hash or page in self._hash_of:
+            return
+        self._by_hash[key] = page
+        self._hash_of[page] = key
+
+    def copy(self, src: int) -> int:
+        """Copy-on-write: a new page with `src`'s keys and values in every layer."""
+        dst = self.allocate()
+        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.copies += 1
+        return dst
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (used ones stay allocated)."""
+        for page in list(self._evictable):
+            self._free.append(page)
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()

@@ -1,0 +1,112 @@
+"""Continuous-batching policy: which sequences run this step and how many tokens each (no model code)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from mstar_kvcache.blocks import BlockManager
+from mstar_kvcache.sequence import Sequence
+
+
+@attrs.define
+class Schedule:
+    """One step's work: `(sequence, tokens to run)` in batch order, and who was preempted to make room."""
+
+    work: list[tuple[Sequence, int]] = attrs.field(factory=list)
+    preempted: list[Sequence] = attrs.field(factory=list)
+    too_large: list[Sequence] = attrs.field(factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.work)
+
+
+def _rank(seq: Sequence) -> tuple[float, int]:
+    # higher priority first, then first come first served
+    return (-seq.priority, seq.order)
+
+
+class Scheduler:
+    """Fills a token budget: sequences that already hold pages first (decodes, chunked prefills), then new ones.
+
+    A sequence that cannot get pages preempts the lowest-ranked holder of pages that is not in this
+    step (its cache is dropped and recomputed later); new sequences only wait, except that when
+    nothing at all can run, idle holders are preempted so the engine never deadlocks.
+    """
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def schedule(self, pending: Iterable[Sequence], holders: Callable[[], Iterable[Sequence]]) -> Schedule:
+        """Plan a step over sequences with work (`pending`); `holders()` lists every sequence holding pages."""
+        out = Schedule()
+        chosen: set[int] = set()
+        budget = self.max_num_batched_tokens
+        ordered = sorted(pending, key=_rank)
+        running = [s for s in ordered if s.pages]
+        waiting = [s for s in ordered if not s.pages]
+        for seq in running:
+            if len(out.work) >= self.max_num_seqs or budget <= 0:
+                break
+            if not seq.pages:  # preempted earlier in this step to make room
+                continue
+            n = self._chunk(seq, budget, bool(out.work))
+            if n == 0:
+                continue
+            while not self.blocks.reserve(seq, n):
+                victim = self._victim(holders(), chosen, exclude=seq)
+                if victim is None or (victim.pending is not None and _rank(victim) < _rank(seq)):
+                    self._preempt(seq, out)
+                    break
+                self._preempt(victim, out)
+            else:
+                out.work.append((seq, n))
+                chosen.add(id(seq))
+                budget -= n
+        for seq in waiting:
+            if out.preempted or len(out.work) >= self.max_num_seqs or budget <= 0:
+                break
+            if self.blocks.total_pages(seq) > self.blocks.pool.num_pages:
+                out.too_large.append(seq)
+                continue
+            self.blocks.match_prefix(seq)
+            n = self._chunk(seq, budget, bool(out.work))
+            if n == 0:
+                self.blocks.free(seq)
+                break
+            admitted = self.blocks.reserve(seq, n)
+            while not admitted and not out.work:
+                victim = self._victim(holders(), chosen, exclude=seq, idle_only=True)
+                if victim is None:
+                    break
+                self._preempt(victim, out)
+                admitted = self.blocks.reserve(seq, n)
+            if not admitted:
+                self.blocks.free(seq)
+                break  # FIFO: later arrivals do not jump the queue
+            out.work.append((seq, n))
+            chosen.add(id(seq))
+            budget -= n
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int, batch_nonempty: bool) -> int:
+        if seq.chunkable:
+            return min(seq.remaining, budget)
+        # a non-causal block must be computed in one piece; it may overrun the budget only alone
+        return seq.remaining if seq.remaining <= budget or not batch_nonempty else 0
+
+    def _victim(self, holders: Iterable[Sequence], chosen: set[int], exclude: Sequence, idle_only: bool = False):
+        candidates = [
+            s for s in holders if s.pages and id(s) not in chosen and s is not exclude and not (idle_only and s.pending)
+        ]
+        return max(candidates, key=_rank, default=None)
+
+    def _preempt(self, seq: Sequence, out: Schedule) -> None:
+        self.blocks.free(seq)
+        out.preempted.append(seq)

@@ -1,0 +1,55 @@
+"""One request's token sequence under one cache label, and what the engine tracks about it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from mstar_core.runtime.engine import Invocation
+    from mstar_core.sampling import SamplingParams
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """Tokens appended so far, the pages holding their keys and values, and the invocation in flight.
+
+    Invariant between steps: `len(pages) == ceil(num_computed / page_size)`. Tokens past
+    `num_computed` are waiting to be run (a prefill, a chunk of one, a decode, or a recompute after
+    preemption). `hashes[i]` is the chained hash of full page `i` once it is known.
+    """
+
+    request_id: str
+    label: str
+    tokens: list[int] = attrs.field(factory=list)
+    pages: list[int] = attrs.field(factory=list)
+    num_computed: int = 0
+    hashes: list[int] = attrs.field(factory=list)
+    #: False once the sequence holds media embeddings or non-causal masks: its pages are not keyed by tokens alone.
+    cacheable: bool = True
+    #: Per-token exclusive limit on visible key positions for non-causal masks; None = plain causal.
+    limits: list[int] | None = None
+    #: `(start position, [n, hidden] tensor)` rows that replace the token embeddings there.
+    embeds: list[tuple[int, torch.Tensor]] = attrs.field(factory=list)
+    generated: list[int] = attrs.field(factory=list)
+    generator: torch.Generator | None = None
+    sampling: SamplingParams | None = None
+    pending: Invocation | None = None
+    pending_start: int = 0
+    #: Whether the pending invocation may be split over several steps (False for non-causal blocks).
+    chunkable: bool = True
+    arrival: float = 0.0
+    priority: float = 0.0
+    order: int = 0  # admission order, for FIFO ties
+
+    @property
+    def remaining(self) -> int:
+        """Tokens appended but not yet in the cache."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.request_id, self.label)
