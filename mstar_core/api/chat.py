@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from mstar_core.api.common import (
     adapter_call,
@@ -19,6 +19,7 @@ from mstar_core.api.common import (
     submit,
 )
 from mstar_core.api.errors import ApiError
+from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ChatCompletion, ChatRequest, ErrorResponse
 from mstar_core.api.text import TextAssembler
 
@@ -78,7 +79,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
         handle.cancel()
         text.close(env)
         usage = _usage(adapter, env, handle.prepared, text)
-        return ORJSONResponse({
+        return OrjsonResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": body.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text},
                          "finish_reason": text.finish_reason}],

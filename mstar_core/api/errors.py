@@ -7,9 +7,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mstar_core.api.responses import OrjsonResponse
 from mstar_core.errors import RequestError
 
 log = logging.getLogger("mstar.api")
@@ -50,8 +50,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> ORJSONResponse:
-    return ORJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None) -> OrjsonResponse:
+    return OrjsonResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def from_request_error(exc: RequestError) -> ApiError:

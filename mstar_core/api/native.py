@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from mstar_core.api.common import (
     cancel_on_exit,
@@ -16,6 +16,7 @@ from mstar_core.api.common import (
     submit,
 )
 from mstar_core.api.errors import ApiError
+from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ErrorResponse, WalkRequest
 from mstar_core.api.tensors import decode_inputs, encode_value
 from mstar_core.errors import RequestError
@@ -57,7 +58,7 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
     if not body.stream:
         env = await result_or_disconnect(request, handle)
         try:
-            return ORJSONResponse({"outputs": _outputs(loaded, env, body.outputs)})
+            return OrjsonResponse({"outputs": _outputs(loaded, env, body.outputs)})
         except RequestError as exc:
             raise ApiError(400, str(exc), param="outputs") from None
     first, rest = await first_then_rest(request, handle)

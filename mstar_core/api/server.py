@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 
 from mstar_core.api import chat, images, native, speech
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
@@ -19,6 +19,7 @@ from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers
 from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
+from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
 from mstar_core.model import LoadOptions
 
@@ -175,7 +176,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             loader.cancel()
             await state.close()
 
-    app = FastAPI(title="M*", version=_version(), default_response_class=ORJSONResponse, lifespan=lifespan,
+    app = FastAPI(title="M*", version=_version(), default_response_class=OrjsonResponse, lifespan=lifespan,
                   description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")
     app.state.mstar = state
     install_error_handlers(app)
@@ -184,9 +185,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
         if state.load_error:
-            return ORJSONResponse({"status": "loading", "models": [], "error": state.load_error}, status_code=503)
+            return OrjsonResponse({"status": "loading", "models": [], "error": state.load_error}, status_code=503)
         if not state.ready or state.draining:
-            return ORJSONResponse({"status": "loading", "models": []}, status_code=503)
+            return OrjsonResponse({"status": "loading", "models": []}, status_code=503)
         return {"status": "ok", "models": sorted(state.engine.models)}
 
     @app.get("/v1/models", response_model=ModelList)
