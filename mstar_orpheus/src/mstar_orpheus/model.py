@@ -1,0 +1,91 @@
+"""`ModelSpec("orpheus")`: load a checkpoint (or the tiny preset) into a served `LoadedModel`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_orpheus.graph import build_graph
+from mstar_orpheus.prompt import VOICES, OrpheusVocab, PromptBuilder
+from mstar_orpheus.snac import load_snac
+from mstar_orpheus.snac_node import SNACWindowDecoder
+
+SNAC_ENV = "MSTAR_ORPHEUS_SNAC"
+
+
+def snac_directory(checkpoint: Path) -> Path:
+    """SNAC lives in `<checkpoint>/snac/`, or wherever `$MSTAR_ORPHEUS_SNAC` points."""
+    if (checkpoint / "snac" / "config.json").is_file():
+        return checkpoint / "snac"
+    if os.environ.get(SNAC_ENV):
+        return Path(os.environ[SNAC_ENV])
+    raise ConfigError(
+        f"no SNAC codec for {checkpoint}: put hubertsiuzdak/snac_24khz (config.json + pytorch_model.bin) "
+        f"in {checkpoint / 'snac'} or set {SNAC_ENV} to its directory"
+    )
+
+
+def _dtype(options: LoadOptions) -> torch.dtype | None:
+    if options.dtype is None:
+        return torch.bfloat16 if str(options.device).startswith("cuda") else torch.float32
+    try:
+        return getattr(torch, options.dtype)
+    except AttributeError:
+        raise ConfigError(f"unknown dtype {options.dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def load_orpheus(
+    options: LoadOptions, *, lm_engine: str = "kvcache", snac_engine: str = "stateless", progress: bool = True
+) -> LoadedModel:
+    """Load Orpheus from `options.checkpoint` (HF Llama dir + `snac/`) or the `tiny` preset."""
+    from mstar_core.checkpoint import load_tokenizer
+    from mstar_core.nn.llama import load_llama
+
+    if options.checkpoint and options.preset:
+        raise ConfigError("orpheus: pass a checkpoint or a preset, not both")
+    if options.checkpoint:
+        directory, random_weights = Path(options.checkpoint), False
+    else:
+        from mstar_orpheus.preset import ensure_preset
+
+        directory, random_weights = ensure_preset(options.preset or "tiny"), True
+    lm = load_llama(directory, dtype=_dtype(options), device=options.device, progress=progress)
+    tokenizer = load_tokenizer(directory)
+    snac = load_snac(snac_directory(directory), device=options.device)  # the codec always runs in fp32
+    vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)
+    if vocab.audio.end > lm.config.vocab_size:
+        raise ConfigError(
+            f"orpheus: audio tokens need ids up to {vocab.audio.end - 1}, but the LM vocab_size is "
+            f"{lm.config.vocab_size}; the SNAC codebook_size ({snac.config.codebook_size}) does not fit this LM"
+        )
+    graph = build_graph(lm, SNACWindowDecoder(snac, vocab.audio), vocab.audio, lm_engine=lm_engine, snac_engine=snac_engine)
+    return LoadedModel(
+        name="orpheus",
+        graph=graph,
+        random_weights=random_weights,
+        prepare=PromptBuilder(tokenizer, vocab),
+        engine_settings={"snac": {"max_batch_size": 64}},
+        extras={
+            "sample_rate": snac.config.sampling_rate,
+            "voices": list(VOICES),
+            "tokenizer": tokenizer,
+            "vocab": vocab,
+            "checkpoint": str(directory),
+        },
+    )
+
+
+def _load(options: LoadOptions) -> LoadedModel:
+    return load_orpheus(options)
+
+
+SPEC = ModelSpec(
+    name="orpheus",
+    load=_load,
+    presets=("tiny",),
+    description="Orpheus TTS: Llama LM streaming SNAC audio tokens, decoded to 24 kHz speech while generating",
+)

@@ -1,0 +1,95 @@
+"""The Orpheus prompt format, voices, special token ids and per-request inputs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mstar_core.errors import RequestError
+from mstar_core.sampling import SamplingParams
+from mstar_orpheus.codes import AudioTokenMap
+
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+EMOTION_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groan>", "<yawn>", "<gasp>")
+DEFAULT_SAMPLING = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}
+DEFAULT_MAX_TOKENS = 1200  # the orpheus-speech package's default
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+_KNOWN_INPUTS = {"text", "voice", "max_tokens", *_SAMPLING_FIELDS}
+
+
+@attrs.frozen
+class OrpheusVocab:
+    """Token ids the prompt and the stop rule use; special tokens sit right above the audio base."""
+
+    audio: AudioTokenMap
+    end_of_text: int = 128009  # <|eot_id|>
+
+    start_of_speech = property(lambda self: self.audio.base + 1)
+    end_of_speech = property(lambda self: self.audio.base + 2)
+    start_of_human = property(lambda self: self.audio.base + 3)
+    end_of_human = property(lambda self: self.audio.base + 4)
+    start_of_ai = property(lambda self: self.audio.base + 5)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, codebook_size: int) -> OrpheusVocab:
+        """Read `<custom_token_0>` and `<|eot_id|>` from the tokenizer, falling back to Orpheus' ids."""
+        base = tokenizer.token_to_id("<custom_token_0>")
+        eot = tokenizer.token_to_id("<|eot_id|>")
+        return cls(
+            AudioTokenMap(base=128256 if base is None else base, codebook_size=codebook_size),
+            end_of_text=128009 if eot is None else eot,
+        )
+
+
+@attrs.define
+class PromptBuilder:
+    """`prepare(inputs)`: raw request inputs -> the env of the `prefill` walk.
+
+    Inputs: `text` (str), `voice` (one of VOICES), optional `max_tokens` and sampling fields.
+    The prompt is `[start_of_human] + tok("{voice}: {text}") + [eot, end_of_human, start_of_ai,
+    start_of_speech]`; prefill takes all but the last id, so that `decode` feeds start_of_speech
+    and every generated token (the first included) comes out of the decode walk's stream.
+    """
+
+    tokenizer: Any
+    vocab: OrpheusVocab
+    voices: tuple[str, ...] = VOICES
+    max_tokens_limit: int = 4096
+
+    def prompt_ids(self, text: str, voice: str) -> list[int]:
+        """The full prompt token ids for one utterance."""
+        v = self.vocab
+        body = self.tokenizer.encode(f"{voice}: {text}").ids
+        return [v.start_of_human, *body, v.end_of_text, v.end_of_human, v.start_of_ai, v.start_of_speech]
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(inputs) - _KNOWN_INPUTS)
+        if unknown:
+            raise RequestError(f"orpheus: unknown input(s) {unknown}; known: {sorted(_KNOWN_INPUTS)}")
+        text = inputs.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError("orpheus: 'text' must be a non-empty string")
+        voice = inputs.get("voice", self.voices[0])
+        if voice not in self.voices:
+            raise RequestError(f"orpheus: unknown voice {voice!r}; choose one of {', '.join(self.voices)}")
+        max_tokens = inputs.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.max_tokens_limit:
+            raise RequestError(f"orpheus: 'max_tokens' must be an integer in [1, {self.max_tokens_limit}], got {max_tokens!r}")
+        fields = {**DEFAULT_SAMPLING, **{k: inputs[k] for k in _SAMPLING_FIELDS if k in inputs}}
+        seed = fields.get("seed")
+        # +1: the engine also counts prefill's sample, which decode discards (see the docstring)
+        sampling = SamplingParams.from_mapping(
+            {**fields, "max_tokens": max_tokens + 1, "stop_token_ids": (self.vocab.end_of_speech,)}
+        )
+        ids = self.prompt_ids(text, voice)
+        return {
+            "prompt_ids": ids[:-1],
+            "decode_ids": ids[-1:],
+            "sampling": sampling,
+            "max_tokens": max_tokens,
+            # without a seed the codec noise is random per request, as in the reference decoder
+            "noise_seed": random.randrange(2**31) if seed is None else int(seed),
+        }
