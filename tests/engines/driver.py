@@ -6,10 +6,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from mstar_kvcache import KVCacheEngine
 
 from mstar_core.graph import GraphNode
 from mstar_core.runtime.engine import EngineContext, Invocation
-from mstar_kvcache import KVCacheEngine
 
 LM_NODE = GraphNode(
     "lm",

@@ -209,14 +209,14 @@ class KVCacheEngine(Engine):
             return None
         with torch.inference_mode():
             embeds = self.module.embed(ids)
-        row = 0
-        for seq, n in work:
-            lo, hi = seq.num_computed, seq.num_computed + n
-            for start, rows in seq.embeds:
-                a, b = max(lo, start), min(hi, start + rows.shape[0])
-                if a < b:
-                    embeds[row + a - lo : row + b - lo] = rows[a - start : b - start].to(embeds.dtype)
-            row += n
+            row = 0
+            for seq, n in work:
+                lo, hi = seq.num_computed, seq.num_computed + n
+                for start, rows in seq.embeds:
+                    a, b = max(lo, start), min(hi, start + rows.shape[0])
+                    if a < b:
+                        embeds[row + a - lo : row + b - lo] = rows[a - start : b - start].to(embeds.dtype)
+                row += n
         return embeds
 
     def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
