@@ -27,9 +27,13 @@ log = logging.getLogger("mstar.transport.zmq")
 ZERO_COPY_MIN = 64 * 1024
 
 
+_IPC_DIRS: set[str] = set()  # private dirs made by ipc_address, removed when their socket closes
+
+
 def ipc_address(tag: str = "mstar") -> str:
-    """A fresh IPC endpoint in a private (0700) temporary directory."""
+    """A fresh IPC endpoint in a private (0700) temporary directory (removed when the binder closes)."""
     d = tempfile.mkdtemp(prefix=f"{tag}-{os.getpid()}-")
+    _IPC_DIRS.add(d)
     return f"ipc://{d}/sock"
 
 
@@ -49,6 +53,7 @@ class ZmqTransport(Transport):
         self._router = False
         self._peer: bytes | None = None
         self._closed = False
+        self._ipc_path: str | None = None
 
     def _socket(self, kind: int) -> zmq.Socket:
         if self._sock is not None:
@@ -73,6 +78,8 @@ class ZmqTransport(Transport):
             s.bind(address)
         except zmq.ZMQError as e:
             raise TransportError(f"cannot bind {address}: {e}") from None
+        if address.startswith("ipc://"):
+            self._ipc_path = address[len("ipc://"):]
         return s.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, address: str) -> None:
@@ -157,3 +164,12 @@ class ZmqTransport(Transport):
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+        if self._ipc_path is not None:
+            d = os.path.dirname(self._ipc_path)
+            try:
+                os.unlink(self._ipc_path)
+                if d in _IPC_DIRS:
+                    _IPC_DIRS.discard(d)
+                    os.rmdir(d)
+            except OSError:
+                pass
