@@ -116,3 +116,22 @@ def test_config_defaults():
     cfg = LlamaConfig.from_hf({**BASE, "model_type": "qwen2", "eos_token_id": [3, 4]})
     assert (cfg.head_dim, cfg.num_key_value_heads, cfg.qkv_bias, cfg.o_bias) == (4, 2, True, False)
     assert cfg.eos_token_ids == (3, 4)
+
+
+def test_layernorm_and_gelu_mlp_match_torch_references():
+    from mstar_core.nn import MLP, LayerNorm, RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 16)
+    ln = LayerNorm(16)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    ref = torch.nn.LayerNorm(16)
+    ref.load_state_dict(ln.state_dict())
+    torch.testing.assert_close(ln(x), ref(x))
+    mlp = MLP(16, 32, act="gelu_pytorch_tanh")
+    want = mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x), approximate="tanh"))
+    torch.testing.assert_close(mlp(x), want)
+    rms = RMSNorm(16, eps=1e-6)
+    torch.testing.assert_close(rms(x), torch.nn.functional.rms_norm(x, (16,), rms.weight, 1e-6))
