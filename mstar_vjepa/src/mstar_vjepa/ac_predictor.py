@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mstar_vjepa.config import ACPredictorConfig
 from mstar_vjepa.encoder import Mlp
 from mstar_vjepa.kv import DenseFrameCache, FrameCache
 from mstar_vjepa.rope import rotate_3d, rotate_time_only
-from torch import nn
 
 COND_TOKENS = 2  # action and state tokens lead each time step
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mstar_vjepa.config import VJEPA2Config
 from mstar_vjepa.rope import grid_positions, rotate_3d
-from torch import nn
 
 
 class RopeSelfAttention(nn.Module):

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from mstar_vjepa.ac_predictor import ACPredictor
 from mstar_vjepa.rollout import Rollout, check_horizon, prefill_prefix
 

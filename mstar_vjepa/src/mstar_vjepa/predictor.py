@@ -7,10 +7,11 @@ original position, so tokens need no sorting: the result is permutation-equivari
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mstar_vjepa.config import VJEPA2Config
 from mstar_vjepa.encoder import RopeBlock, VJEPA2Encoder
 from mstar_vjepa.rope import grid_positions
-from torch import nn
 
 
 def gather_tokens(x: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:

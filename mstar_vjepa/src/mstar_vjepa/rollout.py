@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from mstar_vjepa.ac_predictor import ACPredictor
 from mstar_vjepa.kv import DenseFrameCache
 from mstar_vjepa.pose import compute_new_pose, poses_to_actions

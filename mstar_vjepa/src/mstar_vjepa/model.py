@@ -1,0 +1,187 @@
+"""Model specs: `vjepa2` (encode, predict) and `vjepa2-ac` (encode, rollout, plan), graphs and input checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mstar_core.errors import RequestError
+from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_vjepa import checkpoint as ckpt
+from mstar_vjepa.nodes import FrameEncoderNode, MaskedPredictorNode, PlannerNode, VideoEncoderNode
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tensor(inputs: Mapping[str, Any], name: str, ndims: tuple[int, ...], what: str) -> torch.Tensor:
+    if name not in inputs:
+        raise RequestError(f"missing input '{name}': {what}")
+    try:
+        t = torch.as_tensor(inputs[name])
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"input '{name}' is not a numeric array ({exc}); expected {what}") from None
+    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+        raise RequestError(f"input '{name}' has dtype {t.dtype}; expected a float array: {what}")
+    if t.dim() not in ndims:
+        raise RequestError(f"input '{name}' has shape {tuple(t.shape)}; expected {what}")
+    return t.float()
+
+
+def _int(inputs: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = inputs.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise RequestError(f"input '{name}' must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _frames(inputs, name, cfg) -> torch.Tensor:
+    what = f"float frames [T, {cfg.in_chans}, {cfg.crop_size}, {cfg.crop_size}]"
+    t = _tensor(inputs, name, (3, 4), what)
+    t = t[None] if t.dim() == 3 else t
+    if tuple(t.shape[1:]) != (cfg.in_chans, cfg.crop_size, cfg.crop_size) or t.shape[0] < 1:
+        raise RequestError(f"input '{name}' has shape {tuple(t.shape)}; expected {what}")
+    return t
+
+
+def _pick_walk(inputs, graph: Graph, default: str) -> str:
+    walk = inputs.get("walk", default)
+    if walk not in graph.walks:
+        raise RequestError(f"input 'walk' must be one of {sorted(graph.walks)}, got {walk!r}")
+    return walk
+
+
+# -- vjepa2: HF encoder + masked predictor -------------------------------------------------------
+
+
+def _hf_graph(model) -> Graph:
+    nodes = [
+        GraphNode("encoder", inputs="video", outputs="latents", module=lambda: VideoEncoderNode(model)),
+        GraphNode("predictor", inputs="latents", outputs="predicted", optional_inputs=("context_mask", "target_mask"),
+                  module=lambda: MaskedPredictorNode(model)),
+    ]
+    walks = [
+        Walk(name="encode", body="encoder", inputs="video", outputs="latents", description="video -> patch latents"),
+        Walk(name="predict", body=Sequential("encoder", "predictor"), inputs="video", outputs=("latents", "predicted"),
+             description="encode, then predict the target positions from the context positions"),
+    ]
+    return Graph.build("vjepa2", nodes, walks, plan=lambda env: [env["walk"]])
+
+
+def load_vjepa2(options: LoadOptions) -> LoadedModel:
+    """Load a HF `facebook/vjepa2-*` checkpoint, or the `tiny` preset written in that layout."""
+    directory, random = _resolve(options, "vjepa2-tiny", ckpt.write_hf_preset, "config.json")
+    model = ckpt.load_hf(directory, options.device, _DTYPES.get(options.dtype or "float32"))
+    graph = _hf_graph(model)
+    cfg = model.cfg
+
+    def prepare(inputs: Mapping[str, Any]) -> dict[str, Any]:
+        env: dict[str, Any] = {"walk": _pick_walk(inputs, graph, "encode"), "video": _frames(inputs, "video", cfg)}
+        n = (max(env["video"].shape[0], cfg.tubelet_size) // cfg.tubelet_size) * cfg.grid_size**2
+        for name in ("context_mask", "target_mask"):
+            if name in inputs:
+                idx = torch.as_tensor(inputs[name])
+                if idx.dim() != 1 or idx.is_floating_point() or idx.numel() == 0 or idx.min() < 0 or idx.max() >= n:
+                    raise RequestError(f"input '{name}' must be a non-empty 1-D list of token indices in [0, {n})")
+                env[name] = idx.long()
+        if ("context_mask" in env) != ("target_mask" in env):
+            raise RequestError("pass both 'context_mask' and 'target_mask', or neither (full coverage)")
+        return env
+
+    return LoadedModel("vjepa2", graph, random_weights=random, prepare=prepare, extras={"config": cfg})
+
+
+# -- vjepa2-ac: encoder + action-conditioned predictor --------------------------------------------
+
+
+def _ac_graph(encoder, predictor) -> Graph:
+    nodes = [
+        GraphNode("encoder", inputs="frames", outputs="latents", module=lambda: FrameEncoderNode(encoder)),
+        GraphNode("ac_predictor", inputs=("context", "states", "actions", "loop_index"), outputs=("latent", "state"),
+                  engine="vjepa_ac", module=lambda: predictor),
+        GraphNode("planner", inputs=("context", "states", "goal_latents", "horizon", "cem", "seed"),
+                  outputs=("plan", "costs", "best_actions", "best_cost"), module=lambda: PlannerNode(predictor)),
+    ]
+    encode_ctx = NodeCall("encoder", outputs={"latents": "context"})
+    walks = [
+        Walk(name="encode", body="encoder", inputs="frames", outputs="latents", description="frames -> latents"),
+        Walk(
+            name="rollout",
+            body=Sequential(encode_ctx, DynamicLoop(
+                body=NodeCall("ac_predictor"), until=lambda env: env["loop_index"] + 1 >= env["horizon"],
+                max_iters="horizon", accumulate=("latent", "state"),
+            )),
+            inputs=("frames", "states", "actions", "horizon"), outputs=("latent", "state"), emit=("latent",),
+            description="encode the context once, then one cached predictor step per horizon step",
+        ),
+        Walk(
+            name="plan",
+            body=Sequential(encode_ctx, NodeCall("encoder", inputs={"frames": "goal"}, outputs={"latents": "goal_latents"}),
+                            "planner"),
+            inputs=("frames", "states", "goal", "horizon", "cem", "seed"), outputs=("plan", "costs", "best_actions"),
+            description="CEM over action sequences scored by L1 to the goal latent",
+        ),
+    ]
+    return Graph.build("vjepa2-ac", nodes, walks, plan=lambda env: [env["walk"]])
+
+
+def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
+    """Load upstream's AC `.pt` checkpoint, or the `tiny` preset written in that layout."""
+    directory, random = _resolve(options, "vjepa2-ac-tiny", ckpt.write_ac_preset, ckpt.AC_FILE)
+    encoder, predictor = ckpt.load_ac(directory, options.device, _DTYPES.get(options.dtype or "float32"))
+    graph = _ac_graph(encoder, predictor)
+    ecfg, pcfg = encoder.cfg, predictor.cfg
+    return LoadedModel("vjepa2-ac", graph, random_weights=random, prepare=lambda raw: prepare_ac(raw, graph, ecfg, pcfg),
+                       extras={"encoder_config": ecfg, "predictor_config": pcfg})
+
+
+def prepare_ac(inputs: Mapping[str, Any], graph: Graph, ecfg, pcfg) -> dict[str, Any]:
+    """Validate an AC request; the walk defaults to `plan` with a goal, `rollout` with actions, else `encode`."""
+    default = "plan" if "goal" in inputs else "rollout" if "actions" in inputs else "encode"
+    walk = _pick_walk(inputs, graph, default)
+    env: dict[str, Any] = {"walk": walk, "frames": _frames(inputs, "frames", ecfg)}
+    if walk == "encode":
+        return env
+    n_ctx = env["frames"].shape[0]
+    states = _tensor(inputs, "states", (1, 2), f"states [7] or [{n_ctx}, 7] (xyz, euler xyz, gripper)")
+    states = states[None] if states.dim() == 1 else states
+    if tuple(states.shape) != (n_ctx, 7):
+        raise RequestError(f"input 'states' has shape {tuple(states.shape)}; expected [{n_ctx}, 7], one per frame")
+    env["states"] = states
+    max_h = pcfg.max_frames - n_ctx + 1
+    if max_h < 1:
+        raise RequestError(f"input 'frames' has {n_ctx} frames; at most {pcfg.max_frames} fit the predictor's mask")
+    if walk == "rollout":
+        actions = _tensor(inputs, "actions", (2,), "actions [H, 7]")
+        if actions.shape[1] != 7 or not 1 <= actions.shape[0] <= max_h:
+            raise RequestError(f"input 'actions' has shape {tuple(actions.shape)}; expected [H, 7] with 1 <= H <= {max_h}")
+        env.update(actions=actions, horizon=actions.shape[0])
+        return env
+    env["goal"] = _frames(inputs, "goal", ecfg)[-1:]
+    env["horizon"] = _int(inputs, "horizon", 1, 1, max_h)
+    samples = _int(inputs, "samples", 64, 1, 4096)
+    env["cem"] = {"samples": samples, "topk": _int(inputs, "topk", min(10, samples), 1, samples),
+                  "iterations": _int(inputs, "iterations", 10, 1, 1000)}
+    env["seed"] = _int(inputs, "seed", 0, 0, 2**63 - 1)
+    return env
+
+
+def _resolve(options: LoadOptions, preset_name: str, writer, marker: str):
+    """The checkpoint directory to load, writing the preset (seeded random weights) on first use."""
+    if options.checkpoint is not None:
+        return options.checkpoint, False
+    if options.preset not in (None, "tiny", preset_name):
+        raise RequestError(f"unknown preset {options.preset!r}; this model has 'tiny' ({preset_name})")
+    directory = ckpt.preset_dir(preset_name)
+    if not (directory / marker).is_file():
+        writer(directory)
+    return directory, True
+
+
+SPECS = (
+    ModelSpec("vjepa2", load_vjepa2, presets=("tiny",), description="V-JEPA 2 video encoder + masked predictor"),
+    ModelSpec("vjepa2-ac", load_vjepa2_ac, presets=("tiny",),
+              description="V-JEPA 2-AC world model: cached rollouts and CEM planning"),
+)

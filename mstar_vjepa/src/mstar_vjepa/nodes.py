@@ -1,0 +1,132 @@
+"""Node modules (batch-aware callables for the `function` engine) and the per-request AC rollout engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mstar_core.runtime.engine import Engine, Invocation, Result
+from mstar_vjepa.ac_predictor import ACPredictor
+from mstar_vjepa.encoder import VJEPA2Encoder
+from mstar_vjepa.planner import CEMSettings, plan_cem
+from mstar_vjepa.predictor import VJEPA2Model
+from mstar_vjepa.rollout import Rollout, normalize, prefill_prefix
+
+
+class VideoEncoderNode:
+    """`video [T, C, H, W]` -> `latents [N, hidden]` (HF encoder); same-shaped videos run as one batch."""
+
+    def __init__(self, model: VJEPA2Model):
+        self.model = model
+
+    @torch.no_grad()
+    def forward_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        videos = torch.stack([b["video"] for b in batch])
+        return [{"latents": z} for z in self.model.encode(videos)]
+
+    def __call__(self, video: torch.Tensor) -> dict[str, Any]:
+        return self.forward_batch([{"video": video}])[0]
+
+
+class MaskedPredictorNode:
+    """`latents [N, hidden]` (+ optional `context_mask`/`target_mask` index lists) -> `predicted [K, hidden]`."""
+
+    def __init__(self, model: VJEPA2Model):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor, context_mask=None, target_mask=None) -> dict[str, Any]:
+        ctx = None if context_mask is None else [context_mask[None]]
+        tgt = None if target_mask is None else [target_mask[None]]
+        return {"predicted": self.model.predict(latents[None], ctx, tgt)[0]}
+
+
+class FrameEncoderNode:
+    """AC encoding: each frame `[C, H, W]` becomes a 2-frame tubelet -> `[P, D]`, then a parameter-free norm."""
+
+    def __init__(self, encoder: VJEPA2Encoder):
+        self.encoder = encoder
+
+    @torch.no_grad()
+    def forward_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        frames = [b["frames"] for b in batch]
+        counts = [f.shape[0] for f in frames]
+        clips = torch.cat(frames).unsqueeze(1).expand(-1, self.encoder.cfg.tubelet_size, -1, -1, -1)
+        latents = normalize(self.encoder(clips)).split(counts)
+        return [{"latents": z} for z in latents]
+
+    def __call__(self, frames: torch.Tensor) -> dict[str, Any]:
+        return self.forward_batch([{"frames": frames}])[0]
+
+
+class PlannerNode:
+    """Server-side CEM: context latents, states, goal latent -> plan `[H, 7]`, per-iteration costs, best sample."""
+
+    def __init__(self, predictor: ACPredictor):
+        self.predictor = predictor
+
+    def __call__(self, context, states, goal_latents, horizon, cem, seed) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(int(seed))
+        out = plan_cem(self.predictor, context[None], states[None], goal_latents[-1], int(horizon), CEMSettings(**cem), gen)
+        return {k: out[k] for k in ("plan", "costs", "best_actions", "best_cost")}
+
+
+class ACRolloutEngine(Engine):
+    """Kind `vjepa_ac`: one frame KV cache per request; call k of the rollout loop runs only frame k's tokens.
+
+    Loop index 0 caches the context frames (all but the last, whose action is the first requested one) and
+    predicts step 0; every later call feeds the previous prediction with the next action. `release` drops the
+    request's cache.
+    """
+
+    kind = "vjepa_ac"
+
+    def __init__(self, node, module: ACPredictor, context):
+        super().__init__(node, module, context)
+        self.queue: list[Invocation] = []
+        self.rollouts: dict[str, Rollout] = {}
+
+    def add(self, invocation: Invocation) -> None:
+        self.queue.append(invocation)
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    @torch.no_grad()
+    def _run(self, inv: Invocation) -> dict[str, Any]:
+        x = inv.inputs
+        k = int(x["loop_index"])
+        if k == 0:
+            ctx, states = x["context"][None], x["states"][None]
+            cache = prefill_prefix(self.module, ctx, states)
+            self.rollouts[inv.request_id] = Rollout(self.module, cache, ctx[:, -1], states[:, -1])
+        roll = self.rollouts.get(inv.request_id)
+        if roll is None:
+            raise RuntimeError(f"request {inv.request_id} has no rollout cache; the loop must start at index 0")
+        latent, state = roll.step(x["actions"][k][None])
+        if k == x["actions"].shape[0] - 1:  # last step: the cache is no longer needed
+            del self.rollouts[inv.request_id]
+        return {"latent": latent[0], "state": state[0]}
+
+    def step(self) -> list[Result]:
+        batch, self.queue = self.queue, []
+        results: list[Result] = []
+        for inv in batch:
+            try:
+                results.append((inv, self._run(inv)))
+            except Exception as exc:  # one bad request must not fail the others
+                self.rollouts.pop(inv.request_id, None)
+                results.append((inv, exc))
+        return results
+
+    def release(self, request_id: str) -> None:
+        self.queue = [inv for inv in self.queue if inv.request_id != request_id]
+        self.rollouts.pop(request_id, None)
+
+    def active_requests(self) -> set[str]:
+        return {inv.request_id for inv in self.queue} | set(self.rollouts)
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout_caches": float(len(self.rollouts)),
+                "rollout_cache_bytes": float(sum(r.cache.nbytes() for r in self.rollouts.values()))}
