@@ -210,7 +210,39 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
 
     for module in (speech, chat, images, native):
         app.include_router(module.router)
+
+    def openapi() -> dict[str, Any]:
+        # once models are in, `model` fields list the models that serve each route, so the schema is exact
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = FastAPI.openapi(app)
+        if state.ready:
+            _pin_models(schema, state)
+        else:
+            app.openapi_schema = None  # rebuild after loading
+        return schema
+
+    app.openapi = openapi
     return app
+
+
+def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
+    """Put the served model names into the schema as enums (per route) and into the walks path parameter."""
+    components = schema.get("components", {}).get("schemas", {})
+    by_route = {"SpeechRequest": "speech", "ChatRequest": "chat", "ImageRequest": "images", "ImageEditRequest": "images"}
+    for name, route in by_route.items():
+        models = sorted(m for (m, r) in state.adapters if r == route)
+        prop = components.get(name, {}).get("properties", {}).get("model")
+        if prop is not None and models:
+            prop["enum"] = models
+    voices = [a.voices for (m, r), a in state.adapters.items() if r == "speech"]
+    voice = components.get("SpeechRequest", {}).get("properties", {}).get("voice")
+    if voice is not None and voices and all(voices):
+        voice["enum"] = sorted({v for vs in voices for v in vs})
+    walk_op = schema.get("paths", {}).get("/v1/walks/{model}", {}).get("post", {})
+    for param in walk_op.get("parameters", []):
+        if param.get("name") == "model" and state.engine.models:
+            param["schema"]["enum"] = sorted(state.engine.models)
 
 
 def _version() -> str:
