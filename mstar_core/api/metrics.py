@@ -83,6 +83,7 @@ class _EngineCollector:
                     stats = eng.stats() or {}
                 except Exception:
                     stats = {}
+                stats = _derived(stats)
                 for key, value in stats.items():
                     if not isinstance(value, int | float) or isinstance(value, bool):
                         continue
@@ -101,3 +102,15 @@ class _EngineCollector:
         yield step
         yield steps
         yield calls
+
+
+def _derived(stats: dict[str, Any]) -> dict[str, Any]:
+    """Fill the standard gauges from what engines report under other names (free = total - used, hit rate)."""
+    out = dict(stats)
+    if "kv_pages_free" not in out and "kv_pages_total" in out and "kv_pages_used" in out:
+        out["kv_pages_free"] = out["kv_pages_total"] - out["kv_pages_used"]
+    if "prefix_cache_hit_rate" not in out:
+        hits, lookups = out.get("kv_prefix_hit_pages"), out.get("kv_prefix_lookup_pages")
+        if isinstance(hits, int | float) and isinstance(lookups, int | float) and lookups > 0:
+            out["prefix_cache_hit_rate"] = hits / lookups
+    return out

@@ -41,7 +41,7 @@ def _adapter(registry: Any, name: str, loaded: Any, route: str) -> Any:
             adapter = with_defaults(raw)
             adapter.bind(loaded)
             return adapter
-    if route == "chat" and "tokenizer" in (loaded.extras or {}):
+    if route == "chat" and {"tokenizer", "chat_template"} <= set(loaded.extras or {}):
         return TokenizerChatAdapter(name, loaded)
     raise MStarError(f"model '{name}' has no {route} adapter; use --inputs to run its walks directly")
 

@@ -143,7 +143,7 @@ class ServerState:
             adapter.bind(loaded)
             for route in adapter.routes:
                 self.adapters[(name, route)] = adapter
-        if (name, "chat") not in self.adapters and "tokenizer" in (loaded.extras or {}):
+        if (name, "chat") not in self.adapters and {"tokenizer", "chat_template"} <= set(loaded.extras or {}):
             self.adapters[(name, "chat")] = TokenizerChatAdapter(name, loaded)
 
     async def close(self) -> None:

@@ -150,7 +150,7 @@ def load_chat(options):
               inputs=("reply", "max_tokens", "eos"), outputs=("finish_reason",), emit=("next_token",))],
     )
     return LoadedModel(name="toy-chat", graph=graph, random_weights=True, prepare=_chat_prepare,
-                       extras={"tokenizer": _TOK, "eos_token_ids": [_TOK.token_to_id("<|eos|>")]})
+                       extras={"tokenizer": _TOK, "chat_template": "<{role}>{content}\n", "eos_token_ids": [_TOK.token_to_id("<|eos|>")]})
 
 
 # --- toy-image: a flat colour picked by the seed -------------------------------------------------------------
