@@ -23,7 +23,7 @@ from mstar_orpheus.codes import TOKENS_PER_FRAME, AudioTokenMap
 from mstar_orpheus.prompt import EMOTION_TAGS, VOICES
 from mstar_orpheus.snac import SNACConfig, SNACDecoder, save_snac
 
-PRESET_VERSION = 3
+PRESET_VERSION = 4
 TINY_SNAC = SNACConfig(
     sampling_rate=24000, encoder_dim=8, encoder_rates=(2, 2), decoder_dim=16, decoder_rates=(2, 2),
     codebook_size=16, codebook_dim=4, vq_strides=(4, 2, 1), noise=True, depthwise=True,
@@ -86,11 +86,15 @@ def random_lm_state(cfg: dict[str, Any], audio: AudioTokenMap, seed: int) -> dic
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
+    residual_scale = (2 * cfg["num_hidden_layers"]) ** -0.5  # GPT-2's scaled init of residual outputs
     for name, p in model.named_parameters():
         if p.dim() < 2:
             continue
+        std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std *= residual_scale
         with torch.no_grad():
-            p.normal_(0.0, 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5)
+            p.normal_(0.0, std)
     with torch.no_grad():
         emb, head = model.model.embed_tokens.weight, model.lm_head.weight
         # every residual stream carries +3 along dim 0, and the audio rows of the head read it

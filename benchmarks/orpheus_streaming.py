@@ -1,0 +1,268 @@
+"""Orpheus streaming TTS: M* (paged-KV LM streaming into batched SNAC windows) vs the no-serving-system pipeline.
+
+Reference pipeline (what a user writes without a serving system): `transformers` `generate` over
+all requests as one left-padded batch, then every 28-token window of every request decoded by the
+`snac` package in batches of 16, keeping the reference slice. Same weights, same run.
+
+Reported per concurrency (1, 4, 16): time to first audio (TTFA), real-time factor (request wall
+time / its audio duration) and audio-seconds per second. `ttfa_ratio_c1` divides M*'s TTFA at
+concurrency 1 by the compute floor timed here: prefill + 28 decode steps with a dense KV cache +
+one SNAC window, with no runtime around them. Final line: JSON.
+
+    python benchmarks/orpheus_streaming.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXTS = [
+    "Hey there, my name is Tara, and I speak in real time.",
+    "Streaming audio keeps the first sound early <laugh> even for long replies.",
+    "The quick brown fox jumps over the lazy dog.",
+    "How vexingly quick daft zebras jump!",
+]
+SNAC_WINDOW_BATCH = 16
+
+
+def bench_config(quick: bool):
+    """A small but structurally real Orpheus: Llama with llama3 rope + SNAC 24 kHz layout (hop 512, 4096 codes)."""
+    from mstar_orpheus.snac import SNACConfig
+
+    snac = SNACConfig(
+        sampling_rate=24000, encoder_dim=8, encoder_rates=(2, 4, 8, 8), decoder_dim=64 if quick else 128,
+        decoder_rates=(8, 8, 4, 2), codebook_size=4096, codebook_dim=8, vq_strides=(4, 2, 1),
+    )
+    lm = (
+        {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4}
+        if quick
+        else {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 4}
+    )
+    return snac, lm
+
+
+class DenseKVCache:
+    """One sequence's KV cache in plain tensors: the compute floor's attention, no paging, no runtime."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer, q, k, v, scale):
+        if layer in self.k:
+            k = torch.cat([self.k[layer], k])
+            v = torch.cat([self.v[layer], v])
+        self.k[layer], self.v[layer] = k, v
+        hq, hkv = q.shape[1], k.shape[1]
+        kh = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        vh = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        causal = q.shape[0] > 1  # prefill starts from an empty cache, so plain causal is right
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, is_causal=causal, scale=scale)
+        return out.transpose(0, 1)
+
+
+def sample_like_orpheus(logits: torch.Tensor, seen: torch.Tensor) -> int:
+    """Repetition penalty 1.3, temperature 0.6, top-p 0.8: the work every implementation does per token."""
+    picked = logits[seen]
+    logits = logits.clone()
+    logits[seen] = torch.where(picked > 0, picked / 1.3, picked * 1.3)
+    probs = torch.softmax(logits / 0.6, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = (sorted_probs.cumsum(0) - sorted_probs) < 0.8
+    sorted_probs = sorted_probs * keep
+    return int(order[torch.multinomial(sorted_probs, 1)])
+
+
+@torch.inference_mode()
+def compute_floor(lm, snac_node, prompt: list[int], repeats: int) -> float:
+    """Seconds for prefill + 28 decode steps (same sampling rules) + one SNAC window, median of repeats."""
+    from mstar_orpheus.codes import WINDOW_TOKENS
+
+    audio = snac_node.tokens
+    window = [audio.first + (i % 7) * audio.codebook_size + 1 for i in range(WINDOW_TOKENS)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        cache = DenseKVCache()
+        ids = torch.tensor(prompt[:-1])
+        hidden = lm(ids, torch.arange(len(ids)), cache)
+        pos = len(ids)
+        token = prompt[-1]
+        seen = torch.tensor(prompt)
+        for _ in range(WINDOW_TOKENS):
+            hidden = lm(torch.tensor([token]), torch.tensor([pos]), cache)
+            token = sample_like_orpheus(lm.compute_logits(hidden[-1:])[0], seen)
+            seen = torch.cat([seen, torch.tensor([token])])
+            pos += 1
+        snac_node.decode_windows([(window, 0, 0)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def request_lengths(concurrency: int, shortest: int, longest: int) -> list[int]:
+    """Tokens per request: utterances differ in length (spread evenly, whole frames, deterministic)."""
+    frames = (longest - shortest) // 7
+    return [shortest + 7 * ((i * 5) % (frames + 1)) for i in range(concurrency)]
+
+
+async def run_mstar(engine, lengths: list[int], rate: int) -> dict:
+    """Submit one request per entry of `lengths` at once; TTFA = first non-empty audio chunk."""
+    t0 = time.perf_counter()
+    handles = [
+        engine.submit("orpheus", {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i})
+        for i, n in enumerate(lengths)
+    ]
+
+    async def one(handle):
+        first, samples = None, 0
+        async for out in handle:
+            if out.name == "audio" and out.value.numel():
+                first = first if first is not None else time.perf_counter() - t0
+                samples += out.value.numel()
+        await handle.result()
+        return first, time.perf_counter() - t0, samples
+
+    results = await asyncio.gather(*(one(h) for h in handles))
+    wall = time.perf_counter() - t0
+    return _summary([r[0] for r in results], [r[1] for r in results], [r[2] for r in results], wall, rate)
+
+
+def _summary(ttfa, ends, samples, wall, rate) -> dict:
+    audio_s = [s / rate for s in samples]
+    return {
+        "ttfa_s": statistics.mean(ttfa),
+        "rtf": statistics.mean(e / a for e, a in zip(ends, audio_s, strict=True) if a > 0),
+        "audio_s_per_s": sum(audio_s) / wall,
+        "audio_s": sum(audio_s),
+        "wall_s": wall,
+    }
+
+
+def load_reference(directory: Path):
+    """HF `LlamaForCausalLM` and the `snac` package's SNAC, from the same checkpoint files."""
+    import snac
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    cfg = json.loads((directory / "snac" / "config.json").read_text())
+    ref = snac.SNAC(**cfg).eval()
+    missing, unexpected = ref.load_state_dict(load_file(str(directory / "snac" / "model.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith("encoder.") or ".in_proj." in k for k in missing), missing
+    return hf, ref
+
+
+@torch.inference_mode()
+def run_reference(hf, snac_ref, prompts: list[list[int]], lengths: list[int], vocab, rate: int) -> dict:
+    """HF generate over the left-padded batch, then all windows through SNAC in batches.
+
+    The batch runs until its longest request is done; each row is then cut to its own length,
+    as an end-of-speech token would cut it.
+    """
+    max_tokens = max(lengths)
+    from mstar_orpheus.codes import reference_windows, tokens_to_codes, window_slice
+
+    t0 = time.perf_counter()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.6, top_p=0.8, repetition_penalty=1.3,
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=vocab.end_of_speech, pad_token_id=0,
+    )
+    windows = []  # (request, codes)
+    for r, row in enumerate(out[:, width:].tolist()):
+        for start, window in reference_windows(row[: lengths[r]], vocab.audio):
+            codes = tokens_to_codes(window, start, vocab.audio)
+            if codes is not None:
+                windows.append((r, codes))
+    cut = window_slice(int(snac_ref.hop_length))
+    samples = [0] * len(prompts)
+    first = None
+    for i in range(0, len(windows), SNAC_WINDOW_BATCH):
+        group = windows[i : i + SNAC_WINDOW_BATCH]
+        audio = snac_ref.decode([torch.cat([c[lv] for _, c in group]) for lv in range(3)])[:, 0, cut]
+        first = first if first is not None else time.perf_counter() - t0
+        for (r, _), _row in zip(group, audio, strict=True):
+            samples[r] += cut.stop - cut.start
+    wall = time.perf_counter() - t0
+    # nothing is heard before the batch finishes: every request's first audio is the first SNAC batch
+    return _summary([first] * len(prompts), [wall] * len(prompts), samples, wall, rate)
+
+
+async def main_async(args) -> dict:
+    from mstar_orpheus.model import load_orpheus
+    from mstar_orpheus.preset import write_tiny
+
+    from mstar_core.model import LoadOptions
+    from mstar_core.runtime import AsyncEngine
+
+    torch.manual_seed(0)
+    snac_cfg, lm_cfg = bench_config(args.quick)
+    shortest, longest = (35, 98) if args.quick else (63, 210)  # 2..11 and 6..27 windows of audio
+    levels = (1, 4, 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_tiny(Path(tmp), seed=0, snac=snac_cfg, **lm_cfg)
+        loaded = load_orpheus(LoadOptions(checkpoint=str(directory)), progress=False)
+        hf, snac_ref = load_reference(directory)
+    vocab, rate = loaded.extras["vocab"], loaded.extras["sample_rate"]
+    prompts = [loaded.prepare.prompt_ids(t, "tara") for t in TEXTS]
+    lm, snac_node = loaded.graph.nodes["lm"].module(), loaded.graph.nodes["snac"].module()
+
+    engine = AsyncEngine()
+    await engine.add_model(loaded, settings={"lm": {"num_pages": 1024}})
+    await run_mstar(engine, [35, 35], rate)  # warm-up (allocations, first-call paths)
+    run_reference(hf, snac_ref, prompts[:2], [35, 35], vocab, rate)
+
+    floor = compute_floor(lm, snac_node, prompts[0], repeats=3)
+    mstar, ref = {}, {}
+    for c in levels:
+        # concurrency 1 uses the longest utterance, so its TTFA and RTF are not flattered by a short one
+        lengths = [longest] if c == 1 else request_lengths(c, shortest, longest)
+        mstar[c] = await run_mstar(engine, lengths, rate)
+        ref[c] = run_reference(hf, snac_ref, [prompts[i % len(prompts)] for i in range(c)], lengths, vocab, rate)
+        print(f"c={c:2d}  M*: TTFA {mstar[c]['ttfa_s'] * 1e3:7.1f} ms  RTF {mstar[c]['rtf']:.3f}  "
+              f"{mstar[c]['audio_s_per_s']:.2f} audio-s/s   reference: TTFA {ref[c]['ttfa_s'] * 1e3:7.1f} ms  "
+              f"RTF {ref[c]['rtf']:.3f}  {ref[c]['audio_s_per_s']:.2f} audio-s/s", flush=True)
+    # floor again after the runs, so a noisy neighbour at the start does not decide the ratio
+    floor = min(floor, compute_floor(lm, snac_node, prompts[0], repeats=3))
+    await engine.close()
+    print(f"compute floor (prefill + 28 decode steps + 1 SNAC window): {floor * 1e3:.1f} ms")
+    return {
+        "benchmark": "orpheus_streaming",
+        "quick": args.quick,
+        "tokens_per_request": [shortest, longest],
+        "ttfa_ratio_c1": mstar[1]["ttfa_s"] / floor,
+        "throughput_vs_reference_c16": mstar[16]["audio_s_per_s"] / ref[16]["audio_s_per_s"],
+        "reference_ttfa_s_c1": ref[1]["ttfa_s"],
+        "mstar_ttfa_s_c1": mstar[1]["ttfa_s"],
+        "compute_floor_s": floor,
+        "mstar": {str(c): mstar[c] for c in levels},
+        "reference": {str(c): ref[c] for c in levels},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model and fewer tokens (< 60 s on 2 CPU cores)")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
