@@ -63,8 +63,10 @@ def test_rollout_walk_matches_direct_cached_rollout():
             frames, states = _frames(2), torch.rand(2, 7) * 0.1
             actions = torch.randn(4, 7) * 0.02
             env = await engine.submit("vjepa2-ac", {"frames": frames, "states": states, "actions": actions}).result()
-            engines = engine.node_engines("vjepa2-ac")
-            assert not engines["ac_predictor"].active_requests()  # cache freed when the loop ends
+            ac = engine.node_engines("vjepa2-ac")["ac_predictor"]
+            assert not ac.active_requests()  # cache freed when the loop ends
+            if ac.pool is not None:  # paged KV pool: every page back
+                assert ac.pool.num_used == 0 and ac.stats()["kv_pages_used"] == 0
             return loaded, env, frames, states, actions
 
     loaded, env, frames, states, actions = _run(go())
@@ -128,3 +130,28 @@ def test_prepare_names_the_bad_field(inputs, field):
     loaded = load_vjepa2_ac(LoadOptions(preset="tiny"))
     with pytest.raises(RequestError, match=f"'{field}'"):
         loaded.prepare_inputs(inputs)
+
+
+def test_cancelled_rollout_frees_its_pages():
+    async def go():
+        async with AsyncEngine() as engine:
+            await engine.load_model("vjepa2-ac", LoadOptions(preset="tiny"))
+            ac = engine.node_engines("vjepa2-ac")["ac_predictor"]
+            req = {"frames": _frames(1), "states": torch.rand(7) * 0.1, "actions": torch.randn(8, 7) * 0.02}
+            handle = engine.submit("vjepa2-ac", req)
+            async for out in handle:
+                assert out.name == "latent"
+                held = ac.stats().get("kv_pages_used", 1.0)
+                handle.cancel()
+                break
+            for _ in range(50):
+                if not ac.active_requests():
+                    break
+                await asyncio.sleep(0.02)
+            return ac, held
+
+    ac, held = _run(go())
+    assert held > 0
+    assert not ac.active_requests()
+    if ac.pool is not None:
+        assert ac.pool.num_used == 0

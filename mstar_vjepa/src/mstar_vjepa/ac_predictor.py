@@ -14,7 +14,7 @@ from torch import nn
 from mstar_vjepa.config import ACPredictorConfig
 from mstar_vjepa.encoder import Mlp
 from mstar_vjepa.kv import DenseFrameCache, FrameCache
-from mstar_vjepa.rope import rotate_3d, rotate_time_only
+from mstar_vjepa.rope import apply_rotation, rotation_tables
 
 COND_TOKENS = 2  # action and state tokens lead each time step
 
@@ -29,28 +29,19 @@ def frame_causal_mask(new_frames: int, cached_frames: int, tokens_per_frame: int
 class ACAttention(nn.Module):
     """Fused-qkv attention; patch tokens get 3-D RoPE, action/state tokens are rotated on the time axis only."""
 
-    def __init__(self, dim: int, heads: int, grid: int, qkv_bias: bool = True):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool = True):
         super().__init__()
         self.heads = heads
         self.head_dim = dim // heads
-        self.grid = grid
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def _rotate(self, t: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        """t `[B, H, n, 2+P, D]` with absolute frame indices `frames [n]`."""
-        n, p = t.shape[2], t.shape[3] - COND_TOKENS
-        ids = torch.arange(p, device=t.device)
-        row, col = (ids // self.grid).expand(n, p), (ids % self.grid).expand(n, p)
-        cond = rotate_time_only(t[..., :COND_TOKENS, :], frames[:, None].expand(n, COND_TOKENS))
-        patches = rotate_3d(t[..., COND_TOKENS:, :], frames[:, None].expand(n, p), row, col)
-        return torch.cat([cond, patches], dim=3)
-
-    def forward(self, x: torch.Tensor, frames: torch.Tensor, layer: int, cache: FrameCache, mask) -> torch.Tensor:
-        """x `[B, n, 2+P, dim]` for n new frames at absolute indices `frames`."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, cache: FrameCache,
+                mask) -> torch.Tensor:
+        """x `[B, n, 2+P, dim]` for n new frames; rope = cos/sin tables `[n, 2+P, head_dim]`."""
         b, n, tpf, dim = x.shape
         qkv = self.qkv(x).view(b, n, tpf, 3, self.heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
-        q, k = self._rotate(qkv[0], frames), self._rotate(qkv[1], frames)
+        q, k = apply_rotation(qkv[0], *rope), apply_rotation(qkv[1], *rope)
         q, k, v = (t.reshape(b, self.heads, n * tpf, self.head_dim) for t in (q, k, qkv[2]))
         k, v = cache.extend(layer, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
@@ -64,12 +55,12 @@ class ACBlock(nn.Module):
         super().__init__()
         dim = cfg.predictor_embed_dim
         self.norm1 = nn.LayerNorm(dim, eps=cfg.layer_norm_eps)
-        self.attn = ACAttention(dim, cfg.num_heads, cfg.grid_size, cfg.qkv_bias)
+        self.attn = ACAttention(dim, cfg.num_heads, cfg.qkv_bias)
         self.norm2 = nn.LayerNorm(dim, eps=cfg.layer_norm_eps)
         self.mlp = Mlp(dim, int(dim * cfg.mlp_ratio))
 
-    def forward(self, x, frames, layer, cache, mask):
-        x = x + self.attn(self.norm1(x), frames, layer, cache, mask)
+    def forward(self, x, rope, layer, cache, mask):
+        x = x + self.attn(self.norm1(x), rope, layer, cache, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -96,6 +87,17 @@ class ACPredictor(nn.Module):
             cfg.tokens_per_frame + COND_TOKENS, cfg.max_frames, dtype or p.dtype, device or p.device,
         )
 
+    def rope_tables(self, start: int, n: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[n, 2+P, head_dim]`: action/state tokens rotate on time only, patches on (time, row, col)."""
+        cfg, p = self.cfg, self.cfg.tokens_per_frame
+        hd = cfg.predictor_embed_dim // cfg.num_heads
+        frames = torch.arange(start, start + n, device=device)
+        ids = torch.arange(p, device=device)
+        cond = rotation_tables(hd, frames[:, None].expand(n, COND_TOKENS), None, None, dtype)
+        patches = rotation_tables(hd, frames[:, None].expand(n, p), (ids // cfg.grid_size).expand(n, p),
+                                  (ids % cfg.grid_size).expand(n, p), dtype)
+        return torch.cat([cond[0], patches[0]], 1), torch.cat([cond[1], patches[1]], 1)
+
     def forward(
         self, latents: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, cache: FrameCache | None = None
     ) -> torch.Tensor:
@@ -112,10 +114,10 @@ class ACPredictor(nn.Module):
         a = self.action_encoder(actions).unsqueeze(2)
         s = self.state_encoder(states).unsqueeze(2)
         x = torch.cat([a, s, x], dim=2)  # [B, n, 2+P, D]
-        frames = torch.arange(start, start + n, device=x.device)
+        rope = self.rope_tables(start, n, x.dtype, x.device)
         # a single new frame sees everything cached plus itself: no mask needed
         mask = None if n == 1 else frame_causal_mask(n, start, p + COND_TOKENS, x.device)
         for i, block in enumerate(self.predictor_blocks):
-            x = block(x, frames, i, cache, mask)
+            x = block(x, rope, i, cache, mask)
         cache.commit(n)
         return self.predictor_proj(self.predictor_norm(x[:, :, COND_TOKENS:]))

@@ -86,6 +86,27 @@ class ACRolloutEngine(Engine):
         super().__init__(node, module, context)
         self.queue: list[Invocation] = []
         self.rollouts: dict[str, Rollout] = {}
+        self.pool = None
+        if context.settings.get("paged", True):
+            try:  # back the caches with the paged KV pool when the kvcache plugin is installed
+                from mstar_vjepa.paged import frame_pool
+            except ImportError:
+                frame_pool = None
+            if frame_pool is not None:
+                pages = int(context.settings.get("num_pages", 8 * module.cfg.max_frames))
+                self.pool = frame_pool(module, pages)
+
+    def _new_cache(self):
+        if self.pool is None:
+            return None
+        from mstar_vjepa.paged import PagedFrameCache
+
+        return PagedFrameCache(self.pool, 1)
+
+    def _drop(self, request_id: str) -> None:
+        roll = self.rollouts.pop(request_id, None)
+        if roll is not None:
+            getattr(roll.cache, "free", lambda: None)()
 
     def add(self, invocation: Invocation) -> None:
         self.queue.append(invocation)
@@ -99,14 +120,15 @@ class ACRolloutEngine(Engine):
         k = int(x["loop_index"])
         if k == 0:
             ctx, states = x["context"][None], x["states"][None]
-            cache = prefill_prefix(self.module, ctx, states)
+            self._drop(inv.request_id)
+            cache = prefill_prefix(self.module, ctx, states, self._new_cache())
             self.rollouts[inv.request_id] = Rollout(self.module, cache, ctx[:, -1], states[:, -1])
         roll = self.rollouts.get(inv.request_id)
         if roll is None:
             raise RuntimeError(f"request {inv.request_id} has no rollout cache; the loop must start at index 0")
         latent, state = roll.step(x["actions"][k][None])
         if k == x["actions"].shape[0] - 1:  # last step: the cache is no longer needed
-            del self.rollouts[inv.request_id]
+            self._drop(inv.request_id)
         return {"latent": latent[0], "state": state[0]}
 
     def step(self) -> list[Result]:
@@ -116,17 +138,24 @@ class ACRolloutEngine(Engine):
             try:
                 results.append((inv, self._run(inv)))
             except Exception as exc:  # one bad request must not fail the others
-                self.rollouts.pop(inv.request_id, None)
+                self._drop(inv.request_id)
                 results.append((inv, exc))
         return results
 
     def release(self, request_id: str) -> None:
         self.queue = [inv for inv in self.queue if inv.request_id != request_id]
-        self.rollouts.pop(request_id, None)
+        self._drop(request_id)
 
     def active_requests(self) -> set[str]:
         return {inv.request_id for inv in self.queue} | set(self.rollouts)
 
     def stats(self) -> dict[str, float]:
-        return {"rollout_caches": float(len(self.rollouts)),
-                "rollout_cache_bytes": float(sum(r.cache.nbytes() for r in self.rollouts.values()))}
+        out = {"rollout_caches": float(len(self.rollouts))}
+        if self.pool is not None:
+            out["kv_pages_used"] = float(self.pool.num_used)
+            out["kv_pages_total"] = float(self.pool.num_pages)
+        return out
+
+    def close(self) -> None:
+        for rid in list(self.rollouts):
+            self._drop(rid)

@@ -58,13 +58,18 @@ def plan_cem(
     settings: CEMSettings,
     generator: torch.Generator | None = None,
     share: str = "fork",
+    prefix_cache=None,
 ) -> dict[str, Any]:
-    """context `[1, C, P, D]`, states `[1, C, 7]`, goal `[P, D]` -> plan, costs per iteration, best sampled plan."""
+    """context `[1, C, P, D]`, states `[1, C, 7]`, goal `[P, D]` -> plan, costs per iteration, best sampled plan.
+
+    `prefix_cache` (an empty single-sequence cache, e.g. a `PagedFrameCache`) replaces the dense default;
+    caches with a `free()` are freed when done.
+    """
     if share not in ("fork", "copy"):
         raise ValueError(f"share must be 'fork' or 'copy', got {share!r}")
     check_horizon(predictor, context.shape[1], horizon)
     s, dev, dt = settings.samples, context.device, context.dtype
-    prefix = prefill_prefix(predictor, context, states)  # computed once, shared by every sample and iteration
+    prefix = prefill_prefix(predictor, context, states, prefix_cache)  # once, shared by every sample and iteration
     mean = torch.zeros(horizon, 4, device=dev, dtype=dt)
     std = torch.cat([torch.full((horizon, 3), settings.maxnorm), torch.ones(horizon, 1)], -1).to(dev, dt)
     last_frame = context[:, -1].expand(s, -1, -1)
@@ -80,6 +85,7 @@ def plan_cem(
         roll = Rollout(predictor, cache, last_frame, last_state)
         for k in range(horizon):
             final, _ = roll.step(actions[:, k])
+        getattr(cache, "free", lambda: None)()
         cost = (final.flatten(1) - goal.flatten()[None]).abs().mean(-1)
         top = cost.topk(settings.topk, largest=False).indices
         costs.append(cost[top[0]].item())
@@ -88,6 +94,7 @@ def plan_cem(
         chosen = sampled[top]
         mean = _blend(chosen.mean(0), mean, settings.momentum_mean, settings.momentum_mean_gripper)
         std = _blend(chosen.std(0), std, settings.momentum_std, settings.momentum_std_gripper)
+    getattr(prefix, "free", lambda: None)()
     grip = torch.where(mean[:, 3:].abs() < 0.25, torch.zeros_like(mean[:, 3:]), mean[:, 3:])
     plan = _to_actions(torch.cat([mean[:, :3], grip], -1))
     return {

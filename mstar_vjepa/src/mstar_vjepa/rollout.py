@@ -32,9 +32,10 @@ def check_horizon(predictor: ACPredictor, context_frames: int, horizon: int) -> 
         )
 
 
-def prefill_prefix(predictor: ACPredictor, context: torch.Tensor, states: torch.Tensor) -> DenseFrameCache:
-    """Cache every context frame but the last (their actions are known from the states)."""
-    cache = predictor.new_cache(context.shape[0], context.device, context.dtype)
+def prefill_prefix(predictor: ACPredictor, context: torch.Tensor, states: torch.Tensor, cache=None) -> DenseFrameCache:
+    """Cache every context frame but the last (their actions are known from the states), in `cache` if given."""
+    if cache is None:
+        cache = predictor.new_cache(context.shape[0], context.device, context.dtype)
     if context.shape[1] > 1:
         predictor(context[:, :-1], poses_to_actions(states), states[:, :-1], cache=cache)
     return cache

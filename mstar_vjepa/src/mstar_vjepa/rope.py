@@ -53,3 +53,35 @@ def grid_positions(ids: torch.Tensor, grid_h: int, grid_w: int) -> tuple[torch.T
     rest = ids - frame * per_frame
     row = rest // grid_w
     return frame, row, rest - row * grid_w
+
+
+def _tiled(pos: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    half = dim // 2
+    omega = 1.0 / 10000 ** (torch.arange(half, dtype=dtype, device=pos.device) / half)
+    angle = pos.to(dtype).unsqueeze(-1) * omega
+    return torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+
+
+def rotation_tables(
+    head_dim: int, frame: torch.Tensor, row: torch.Tensor | None, col: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[..., head_dim]` equal to `rotate_3d` (or `rotate_time_only` when row/col are None).
+
+    Built once per forward and shared by every layer; unrotated channels get cos 1, sin 0.
+    """
+    d = axis_dim(head_dim)
+    parts = [_tiled(frame, d, dtype)]
+    if row is not None and col is not None:
+        parts += [_tiled(row, d, dtype), _tiled(col, d, dtype)]
+    used = d * len(parts)
+    if used < head_dim:
+        ones = torch.ones(*frame.shape, head_dim - used, dtype=dtype, device=frame.device)
+        parts.append((ones, torch.zeros_like(ones)))
+    return torch.cat([c for c, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of `x [..., D]` with precomputed tables (see `rotation_tables`)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return x * cos + swapped * sin
