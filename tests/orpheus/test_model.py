@@ -140,3 +140,15 @@ async def test_cancel_frees_kv_pages(preset_cache):
     lm = engine.node_engines("orpheus")["lm"]
     assert lm.stats()["kv_pages_used"] == 0 and not lm.active_requests()
     await engine.close()
+
+
+def test_synthesize_to_wav(preset_cache, tmp_path):
+    import wave
+
+    from mstar_orpheus import synthesize_to_wav
+
+    path = synthesize_to_wav(None, "Hello there.", "tara", tmp_path / "speech.wav", progress=False, max_tokens=49, seed=1)
+    with wave.open(str(path)) as f:
+        assert f.getframerate() == 24000 and f.getsampwidth() == 2 and f.getnchannels() == 1
+        # 49 audio tokens -> windows after 28, 35, 42, 49 kept tokens, 16 samples each at the tiny hop of 4
+        assert f.getnframes() == 4 * 16

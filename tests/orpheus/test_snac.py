@@ -107,6 +107,26 @@ def test_misshaped_and_unexpected_tensors_are_named(reference_snac):
         map_snac_state(state, cfg)
 
 
+@torch.no_grad()
+def test_24khz_shaped_config_matches_reference():
+    """The real codec's layout (hop 512, rates 8-8-4-2, 4096 codes, depthwise, noise) at narrow width."""
+    snac = pytest.importorskip("snac")
+    cfg = {**TINY_SNAC, "encoder_rates": [2, 4, 8, 8], "decoder_rates": [8, 8, 4, 2], "decoder_dim": 32,
+           "codebook_size": 4096, "codebook_dim": 8}
+    torch.manual_seed(1)
+    ref = snac.SNAC(**cfg).eval()
+    ours = SNACDecoder(SNACConfig.from_dict(cfg))
+    ours.load_state_dict(map_snac_state(ref.state_dict(), ours.config), strict=True)
+    ours.fold_weight_norm().eval()
+    codes = [torch.randint(0, 4096, (2, 4 * n), generator=torch.Generator().manual_seed(6)) for n in (1, 2, 4)]
+    got = ours.decode(codes, seeds=[21, 22])
+    assert got.shape == (2, 1, 4 * 4 * 512)
+    for i, seed in enumerate((21, 22)):
+        torch.manual_seed(seed)
+        expected = ref.decode([c[i : i + 1] for c in codes])
+        assert (got[i : i + 1] - expected).abs().max().item() <= 1e-5
+
+
 def test_unknown_config_key_is_named():
     from mstar_core.errors import ConfigError
 

@@ -20,7 +20,7 @@ async def synthesize(
     """Run one request on a running `AsyncEngine`; return (int16 samples, sample rate)."""
     from tqdm.auto import tqdm
 
-    loaded = engine.models()[model]
+    loaded = engine.models[model]
     rate = int(loaded.extras.get("sample_rate", 24000))
     handle = engine.submit(model, {"text": text, "voice": voice, **inputs})
     chunks: list[torch.Tensor] = []
