@@ -91,11 +91,12 @@ class ApiAdapter:
         return False
 
     def prompt_tokens(self, env: Mapping[str, Any], inputs: Mapping[str, Any]) -> int:
-        """How many prompt tokens the request used, for `usage` (from the final env or the raw inputs)."""
-        for source in (env, inputs):
-            ids = source.get("input_ids") if isinstance(source, Mapping) else None
-            if ids is not None:
-                return len(ids)
+        """Prompt tokens of the request, for `usage` (`input_ids`/`prompt_ids` of the prepared inputs or final env)."""
+        for source in (inputs, env):
+            for key in ("input_ids", "prompt_ids"):
+                ids = source.get(key) if isinstance(source, Mapping) else None
+                if ids is not None:
+                    return len(ids)
         return 0
 
     # --- images (/v1/images/generations and /v1/images/edits) ---------------------------------------------

@@ -54,7 +54,11 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     first, rest = await first_then_rest(request, handle)
     metrics = state.metrics
 
+    generated = [0]
+
     def audio_bytes(out: Any) -> bytes:
+        if out is not None and out.name == adapter.token_output:
+            generated[0] += 1
         if out is None or out.name != adapter.audio_output:
             return b""
         pcm = adapter.audio_chunk(out.value)
@@ -87,7 +91,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
                 if tail:
                     yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
                 env = await handle.result()
-                yield sse({"type": "speech.audio.done", "usage": _usage(adapter, env, handle.prepared)})
+                yield sse({"type": "speech.audio.done", "usage": _usage(adapter, env, handle.prepared, generated[0])})
             except Exception as exc:
                 yield sse({"type": "error", **stream_error_payload(exc)})
 
@@ -97,8 +101,6 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     return StreamingResponse(audio_stream(), media_type=encoder.media_type, headers=headers)
 
 
-def _usage(adapter: Any, env: dict[str, Any], inputs: dict[str, Any]) -> dict[str, int]:
+def _usage(adapter: Any, env: dict[str, Any], inputs: dict[str, Any], generated: int) -> dict[str, int]:
     prompt = adapter.prompt_tokens(env, inputs)
-    generated = env.get(adapter.token_output)
-    output = len(generated) if isinstance(generated, list) else int(env.get("num_generated", 0) or 0)
-    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output}
+    return {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated}

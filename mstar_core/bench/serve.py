@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-format", choices=["pcm", "wav"], default="pcm")
     p.add_argument("--sample-rate", type=int, default=None,
                    help="PCM sample rate if the server sends no X-Sample-Rate header or WAV header (default 24000)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="chat: max_tokens of each request")
+    p.add_argument("--extra", default="{}", help="JSON object merged into every request body (model parameters)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON report")
@@ -51,7 +52,8 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 async def _speech_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
-    body = {"model": args.model, "input": args.input, "voice": args.voice, "response_format": args.response_format}
+    body = {"model": args.model, "input": args.input, "voice": args.voice, "response_format": args.response_format,
+            **json.loads(args.extra)}
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []  # (seconds since start, bytes of audio in this read)
     header = b""
@@ -90,7 +92,7 @@ async def _speech_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 async def _chat_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": args.model, "messages": [{"role": "user", "content": args.input}], "stream": True,
-            "max_tokens": args.max_tokens, "stream_options": {"include_usage": True}}
+            "max_tokens": args.max_tokens, "stream_options": {"include_usage": True}, **json.loads(args.extra)}
     t0 = time.perf_counter()
     ttft = None
     pieces = 0
