@@ -35,7 +35,9 @@ class TokenizerChatAdapter(ApiAdapter):
         self.eos_ids = {int(t) for t in extras.get("eos_token_ids", ()) or ()}
 
     def chat_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        messages = [{"role": m["role"], "content": _text_of(m.get("content"))} for m in body["messages"]]
+        # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system"
+        messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_of(m.get("content"))}
+                    for m in body["messages"]]
         inputs: dict[str, Any] = {"messages": messages}
         for name in SAMPLING_FIELDS:
             if body.get(name) is not None:
