@@ -38,10 +38,15 @@ class PagedFrameCache:
         kv = self.pool.kv[layer]
         kv[0, new] = k.transpose(1, 2).reshape(b * n, tpf, h, d)
         kv[1, new] = v.transpose(1, 2).reshape(b * n, tpf, h, d)
-        pages = torch.tensor([t[: self.num_frames + n] for t in self.tables], device=k.device)  # [B, F]
-        keys = kv[0, pages].reshape(b, -1, h, d).transpose(1, 2)
-        values = kv[1, pages].reshape(b, -1, h, d).transpose(1, 2)
-        return keys, values
+        frames = self.num_frames + n
+        first = self.tables[0][0]
+        if b == 1 and self.tables[0] == list(range(first, first + frames)):
+            # pages handed out in order (the common single-sequence case): a view, no gather
+            keys, values = kv[0, first : first + frames], kv[1, first : first + frames]
+        else:
+            pages = torch.tensor([t[:frames] for t in self.tables], device=k.device)  # [B, F]
+            keys, values = kv[0, pages], kv[1, pages]
+        return keys.reshape(b, -1, h, d).transpose(1, 2), values.reshape(b, -1, h, d).transpose(1, 2)
 
     def commit(self, frames: int) -> None:
         self.num_frames += frames
