@@ -12,7 +12,7 @@ import orjson
 from fastapi import Request
 
 from mstar_core.api.errors import ApiError, error_body, from_request_error
-from mstar_core.errors import RequestCancelled, RequestError
+from mstar_core.errors import MStarError, RequestCancelled, RequestError
 
 log = logging.getLogger("mstar.api")
 
@@ -48,8 +48,8 @@ def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
         handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True)
     except RequestError as exc:
         raise from_request_error(exc) from None
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        # a model's prepare() choking on an input is still the input's fault
+    except (ValueError, TypeError, KeyError, IndexError, MStarError) as exc:
+        # a model's prepare() or plan choking on an input is still the input's fault
         raise ApiError(400, f"model '{model}' rejected the inputs: {type(exc).__name__}: {exc}") from None
     handle.prepared = prepared
     state.track(handle)
