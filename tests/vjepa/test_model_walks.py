@@ -155,3 +155,25 @@ def test_cancelled_rollout_frees_its_pages():
     assert not ac.active_requests()
     if ac.pool is not None:
         assert ac.pool.num_used == 0
+
+
+def test_concurrent_rollouts_batch_and_stay_exact():
+    reqs = [{"frames": _frames(1, seed=i), "states": torch.rand(7) * 0.1, "actions": torch.randn(h, 7) * 0.02}
+            for i, h in enumerate((5, 5, 3, 6))]
+
+    async def go():
+        async with AsyncEngine() as engine:
+            loaded = await engine.load_model("vjepa2-ac", LoadOptions(preset="tiny"))
+            envs = await asyncio.gather(*(engine.submit("vjepa2-ac", r).result() for r in reqs))
+            ac = engine.node_engines("vjepa2-ac")["ac_predictor"]
+            return loaded, envs, ac
+
+    loaded, envs, ac = _run(go())
+    enc = loaded.graph.nodes["encoder"].module()
+    for req, env in zip(reqs, envs, strict=True):
+        ctx = enc(req["frames"])["latents"]
+        z, _ = rollout_cached(ac.module, ctx[None], req["states"][None, None], req["actions"][None])
+        assert (torch.stack(env["latent"]) - z[0]).abs().max() <= 1e-5
+    if ac.pool is not None:
+        assert ac.largest_batch > 1  # requests at the same step shared predictor passes
+        assert ac.pool.num_used == 0

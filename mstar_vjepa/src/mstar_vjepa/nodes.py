@@ -11,7 +11,7 @@ from mstar_vjepa.ac_predictor import ACPredictor
 from mstar_vjepa.encoder import VJEPA2Encoder
 from mstar_vjepa.planner import CEMSettings, plan_cem
 from mstar_vjepa.predictor import VJEPA2Model
-from mstar_vjepa.rollout import Rollout, normalize, prefill_prefix
+from mstar_vjepa.rollout import Rollout, normalize, prefill_prefix, step_together
 
 
 class VideoEncoderNode:
@@ -86,6 +86,7 @@ class ACRolloutEngine(Engine):
         super().__init__(node, module, context)
         self.queue: list[Invocation] = []
         self.rollouts: dict[str, Rollout] = {}
+        self.largest_batch = 0  # most requests advanced by one predictor pass so far (stats, tests)
         self.pool = None
         if context.settings.get("paged", True):
             try:  # back the caches with the paged KV pool when the kvcache plugin is installed
@@ -114,32 +115,44 @@ class ACRolloutEngine(Engine):
     def has_work(self) -> bool:
         return bool(self.queue)
 
-    @torch.no_grad()
-    def _run(self, inv: Invocation) -> dict[str, Any]:
-        x = inv.inputs
-        k = int(x["loop_index"])
-        if k == 0:
-            ctx, states = x["context"][None], x["states"][None]
-            self._drop(inv.request_id)
-            cache = prefill_prefix(self.module, ctx, states, self._new_cache())
-            self.rollouts[inv.request_id] = Rollout(self.module, cache, ctx[:, -1], states[:, -1])
-        roll = self.rollouts.get(inv.request_id)
-        if roll is None:
-            raise RuntimeError(f"request {inv.request_id} has no rollout cache; the loop must start at index 0")
-        latent, state = roll.step(x["actions"][k][None])
-        if k == x["actions"].shape[0] - 1:  # last step: the cache is no longer needed
-            self._drop(inv.request_id)
-        return {"latent": latent[0], "state": state[0]}
+    def _start(self, inv: Invocation) -> None:
+        """Loop index 0: cache the context frames (all but the last) for this request."""
+        ctx, states = inv.inputs["context"][None], inv.inputs["states"][None]
+        self._drop(inv.request_id)
+        cache = prefill_prefix(self.module, ctx, states, self._new_cache())
+        self.rollouts[inv.request_id] = Rollout(self.module, cache, ctx[:, -1], states[:, -1])
 
+    @torch.no_grad()
     def step(self) -> list[Result]:
         batch, self.queue = self.queue, []
         results: list[Result] = []
+        ready: dict[int, list[Invocation]] = {}
         for inv in batch:
             try:
-                results.append((inv, self._run(inv)))
+                if int(inv.inputs["loop_index"]) == 0:
+                    self._start(inv)
+                if inv.request_id not in self.rollouts:
+                    raise RuntimeError(f"request {inv.request_id} has no rollout cache; the loop must start at index 0")
+                ready.setdefault(self.rollouts[inv.request_id].cache.num_frames, []).append(inv)
             except Exception as exc:  # one bad request must not fail the others
                 self._drop(inv.request_id)
                 results.append((inv, exc))
+        # requests at the same history length share one predictor pass (continuous batching of rollouts)
+        for group in ready.values():
+            rolls = [self.rollouts[inv.request_id] for inv in group]
+            self.largest_batch = max(self.largest_batch, len(group))
+            actions = [inv.inputs["actions"][int(inv.inputs["loop_index"])][None] for inv in group]
+            try:
+                outs = step_together(rolls, actions)
+            except Exception as exc:
+                for inv in group:
+                    self._drop(inv.request_id)
+                    results.append((inv, exc))
+                continue
+            for inv, (latent, state) in zip(group, outs, strict=True):
+                if int(inv.inputs["loop_index"]) == inv.inputs["actions"].shape[0] - 1:
+                    self._drop(inv.request_id)  # last step: the cache is no longer needed
+                results.append((inv, {"latent": latent[0], "state": state[0]}))
         return results
 
     def release(self, request_id: str) -> None:
@@ -150,7 +163,7 @@ class ACRolloutEngine(Engine):
         return {inv.request_id for inv in self.queue} | set(self.rollouts)
 
     def stats(self) -> dict[str, float]:
-        out = {"rollout_caches": float(len(self.rollouts))}
+        out = {"rollout_caches": float(len(self.rollouts)), "rollout_largest_batch": float(self.largest_batch)}
         if self.pool is not None:
             out["kv_pages_used"] = float(self.pool.num_used)
             out["kv_pages_total"] = float(self.pool.num_pages)

@@ -48,8 +48,22 @@ class PagedFrameCache:
             keys, values = kv[0, pages], kv[1, pages]
         return keys.reshape(b, -1, h, d).transpose(1, 2), values.reshape(b, -1, h, d).transpose(1, 2)
 
+    @classmethod
+    def batch_of(cls, caches: list[PagedFrameCache]) -> PagedFrameCache:
+        """One batch over several single-sequence caches of equal length (e.g. different requests' rollouts).
+
+        The batch shares their page tables, so new pages land in each member; `commit` advances them all.
+        """
+        if any(c.batch != 1 or c.num_frames != caches[0].num_frames or c.pool is not caches[0].pool for c in caches):
+            raise ValueError("batch_of needs single-sequence caches of one pool with the same number of frames")
+        view = cls(caches[0].pool, len(caches), [c.tables[0] for c in caches])
+        view.members = caches
+        return view
+
     def commit(self, frames: int) -> None:
         self.num_frames += frames
+        for member in getattr(self, "members", ()):
+            member.num_frames += frames
 
     def fork(self, n: int) -> PagedFrameCache:
         """n sequences sharing this (single-sequence) cache's pages; nothing is copied."""

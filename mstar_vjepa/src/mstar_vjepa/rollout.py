@@ -58,6 +58,25 @@ class Rollout:
         return self.frame, self.state
 
 
+def step_together(rolls: list[Rollout], actions: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Advance several single-sequence rollouts with equal history in one predictor pass.
+
+    Needs caches that can be viewed as one batch (`batch_of`, e.g. paged ones); otherwise steps them one by one.
+    """
+    batch_of = getattr(type(rolls[0].cache), "batch_of", None)
+    if len(rolls) == 1 or batch_of is None:
+        return [r.step(a) for r, a in zip(rolls, actions, strict=True)]
+    cache = batch_of([r.cache for r in rolls])
+    action = torch.cat(actions)
+    frame = torch.cat([r.frame for r in rolls])
+    state = torch.cat([r.state for r in rolls])
+    out = rolls[0].predictor(frame[:, None], action[:, None], state[:, None], cache=cache)
+    frames, states = normalize(out[:, -1]), compute_new_pose(state, action)
+    for i, r in enumerate(rolls):
+        r.frame, r.state = frames[i : i + 1], states[i : i + 1]
+    return [(r.frame, r.state) for r in rolls]
+
+
 @torch.no_grad()
 def rollout_cached(
     predictor: ACPredictor, context: torch.Tensor, states: torch.Tensor, actions: torch.Tensor
