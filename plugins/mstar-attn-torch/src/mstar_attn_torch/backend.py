@@ -50,19 +50,19 @@ class TorchPagedContext:
         device = batch.slot_mapping.device
         limits = batch.limits
         decode = [i for i, n in enumerate(batch.q_lens) if n == 1]
-        self.decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.decode: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
         if decode:
+            # decodes gather whole pages (one contiguous block per page, much cheaper than per-slot rows)
             rows = torch.tensor([starts[i] for i in decode], device=device)
-            lens = [batch.kv_lens[i] for i in decode]
-            longest = max(lens)
-            slots, pos = _key_slots(batch, decode, longest)
+            table = batch.page_table if len(decode) == batch.num_seqs else batch.page_table[torch.tensor(decode, device=device)]
+            width = table.shape[1] * batch.page_size
+            bound = torch.tensor([batch.kv_lens[i] for i in decode], device=device)
+            if limits is not None:
+                bound = torch.minimum(bound, limits[rows])
             mask = None
-            if min(lens) != longest or limits is not None:
-                bound = torch.tensor(lens, device=device)
-                if limits is not None:
-                    bound = torch.minimum(bound, limits[rows])
-                mask = (pos[None, :] < bound[:, None])[:, None, None, :]
-            self.decode = (rows, slots, mask)
+            if width != int(bound.min()) or int(bound.max()) != width:
+                mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
+            self.decode = (rows, table.reshape(-1), width, mask)
         # longer chunks (prefills) run one sequence at a time: few per step, and no padding waste
         self.prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for i, n in enumerate(batch.q_lens):
@@ -94,10 +94,13 @@ class TorchPagedContext:
         else:
             out = torch.empty_like(q)
         if self.decode is not None:
-            rows, slots, mask = self.decode
+            rows, pages, width, mask = self.decode
             qd = q if out is None else q[rows]
-            keys = k_cache[slots].transpose(1, 2)  # [G, Hkv, K, D]
-            vals = v_cache[slots].transpose(1, 2)
+            g = qd.shape[0]
+            # keys and values of every needed page in one gather: [2, pages, page_size * heads * dim]
+            layer_kv = self.kv[layer].view(2, self.kv.shape[2], -1)
+            both = layer_kv.index_select(1, pages).view(2, g, width, hkv, dim)
+            keys, vals = both[0].transpose(1, 2), both[1].transpose(1, 2)
             res = F.scaled_dot_product_attention(
                 qd.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
             ).squeeze(2)

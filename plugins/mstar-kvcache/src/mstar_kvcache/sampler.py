@@ -59,7 +59,9 @@ def sample(
     """Pick one token per row of `logits` `[N, vocab]`; `history` feeds the repetition penalty."""
     logits = logits.float()
     params = [p or GREEDY for p in params]
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    # logprob of the pick = logit - logsumexp: avoids materialising a full log-softmax every step
+    normaliser = torch.logsumexp(logits, dim=-1)
+    raw = logits
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
         apply_repetition_penalty(logits, history, [p.repetition_penalty for p in params])
@@ -71,11 +73,12 @@ def sample(
         for j, i in enumerate(stochastic):
             pick = torch.multinomial(probs[j], 1, generator=generators[i])
             chosen[i] = order[j, pick[0]]
-    picked = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    picked = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser
     tops: list[list[tuple[int, float]] | None] = [None] * len(params)
     wanted = [p.logprobs or 0 for p in params]
     if max(wanted) > 0:
-        values, ids = logprobs_all.topk(max(wanted), dim=-1)
+        values, ids = raw.topk(max(wanted), dim=-1)
+        values = values - normaliser.unsqueeze(1)
         for i, k in enumerate(wanted):
             if k:
                 tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
