@@ -121,3 +121,20 @@ def test_speech_sse_deltas_and_usage(server):
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     np.testing.assert_array_equal(np.frombuffer(pcm, dtype="<i2"), expected_audio("sse!", 220.0))
     assert events[-1] == {"type": "speech.audio.done", "usage": {"input_tokens": 4, "output_tokens": 0, "total_tokens": 4}}
+
+
+def test_images_generate_through_adapter(client):
+    from PIL import Image
+
+    result = client.images.generate(model="toy-image", prompt="a flat colour", size="8x4", n=2,
+                                    response_format="b64_json", extra_body={"seed": 5})
+    colours = []
+    for i, item in enumerate(result.data):
+        img = np.asarray(Image.open(io.BytesIO(base64.b64decode(item.b64_json))))
+        assert img.shape == (4, 8, 3) and (img == img[0, 0]).all()
+        import torch
+
+        expected = torch.randint(0, 256, (3,), generator=torch.Generator().manual_seed(5 + i), dtype=torch.uint8)
+        assert img[0, 0].tolist() == expected.tolist()
+        colours.append(tuple(img[0, 0]))
+    assert colours[0] != colours[1]  # n images get distinct seeds

@@ -1,0 +1,103 @@
+"""Pieces without a server: incremental detokenization, the tensor JSON codec, audio encoders, deploy files."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from mstar_core.api.adapters import ApiAdapter, to_int16_pcm
+from mstar_core.api.audio import AudioEncoder
+from mstar_core.api.deploy import load_deploy
+from mstar_core.api.tensors import DTYPES, decode_inputs, encode_value
+from mstar_core.api.text import TextAssembler
+from mstar_core.errors import ConfigError, RequestError
+
+
+class ByteAdapter(ApiAdapter):
+    """Token id = one UTF-8 byte; 999 = EOS."""
+
+    def detokenize(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def is_stop_token(self, token_id):
+        return token_id == 999
+
+
+def run(text: str, stops=(), max_tokens=None, eos=True):
+    asm = TextAssembler(ByteAdapter(), stops, max_tokens)
+    pieces = [asm.feed(b) for b in text.encode()] + ([asm.feed(999)] if eos else [])
+    pieces.append(asm.close({}))
+    return pieces, asm
+
+
+def test_multibyte_characters_are_never_split():
+    pieces, asm = run("aé✓b")
+    assert "".join(pieces) == "aé✓b" and all("\ufffd" not in p for p in pieces)
+    assert asm.finish_reason == "stop" and asm.generated == len("aé✓b".encode()) + 1
+
+
+def test_stop_string_across_tokens_is_held_back_and_cut():
+    pieces, asm = run("hello STOP world", stops=["STOP"])
+    assert "".join(pieces) == "hello " and asm.finish_reason == "stop" and asm.text == "hello "
+    assert not any("ST" in p for p in pieces)
+    pieces, asm = run("a STx", stops=["STOP"])  # a prefix that never completes is released
+    assert "".join(pieces) == "a STx"
+
+
+def test_max_tokens_gives_length():
+    pieces, asm = run("abcdef", max_tokens=4, eos=False)
+    assert "".join(pieces) == "abcd" and asm.finish_reason == "length" and asm.generated == 4
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_tensor_codec_round_trips_every_dtype(dtype):
+    t = (torch.arange(24) % 5).reshape(2, 3, 4).to(DTYPES[dtype])
+    back = decode_inputs({"a": [encode_value(t)]})["a"][0]
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensor_codec_rejects_bad_tensors_by_name():
+    good = encode_value(torch.zeros(2, 2))
+    with pytest.raises(RequestError, match=r"'inputs\.x\.dtype'"):
+        decode_inputs({"x": {**good, "dtype": "complex7"}})
+    with pytest.raises(RequestError, match=r"'inputs\.x\.data' has 4 bytes"):
+        decode_inputs({"x": {**good, "data": base64.b64encode(b"1234").decode()}})
+    with pytest.raises(RequestError, match="base64"):
+        decode_inputs({"x": {**good, "data": "***"}})
+
+
+def test_audio_encoders():
+    pcm = to_int16_pcm(torch.tensor([0.0, 0.5, -1.0, 2.0]))
+    assert pcm.tolist() == [0, 16384, -32767, 32767]
+    enc = AudioEncoder("wav", 8000, stream=True)
+    data = enc.chunk(pcm) + enc.chunk(pcm) + enc.finish()
+    assert struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF and np.frombuffer(data[44:], "<i2").tolist() == pcm.tolist() * 2
+    enc = AudioEncoder("wav", 8000, stream=False)
+    assert enc.chunk(pcm) == b""
+    audio, rate = soundfile.read(io.BytesIO(enc.finish()), dtype="int16")
+    assert rate == 8000 and audio.tolist() == pcm.tolist()
+    enc = AudioEncoder("flac", 8000, stream=True)  # flac always buffers
+    assert enc.chunk(pcm) == b""
+    audio, rate = soundfile.read(io.BytesIO(enc.finish()), dtype="int16")
+    assert rate == 8000 and audio.tolist() == pcm.tolist()
+
+
+def test_deploy_file_is_strict(tmp_path):
+    good = tmp_path / "ok.yaml"
+    good.write_text("server: {port: 9000, max_running: 8}\nmodels:\n  orpheus: {preset: tiny, engines: {lm: {num_pages: 64}}}\n")
+    server, models = load_deploy(good)
+    assert server == {"port": 9000, "max_running": 8}
+    assert models["orpheus"].options.preset == "tiny" and models["orpheus"].settings == {"lm": {"num_pages": 64}}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  orpheus: {presett: tiny}\n")
+    with pytest.raises(ConfigError, match="presett"):
+        load_deploy(bad)
+    bad.write_text("server: {prot: 1}\n")
+    with pytest.raises(ConfigError, match="prot"):
+        load_deploy(bad)
