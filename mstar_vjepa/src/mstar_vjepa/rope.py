@@ -40,12 +40,6 @@ def rotate_3d(x: torch.Tensor, frame: torch.Tensor, row: torch.Tensor, col: torc
     return torch.cat(parts, dim=-1)
 
 
-def rotate_time_only(x: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
-    """Action/state tokens: only the depth third is rotated (by the frame index)."""
-    d = axis_dim(x.shape[-1])
-    return torch.cat([rotate(x[..., :d], frame), x[..., d:]], dim=-1)
-
-
 def grid_positions(ids: torch.Tensor, grid_h: int, grid_w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split flat token ids (frame-major, then row, then column) into (frame, row, col)."""
     per_frame = grid_h * grid_w
