@@ -59,7 +59,7 @@ def _tiled(pos: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tenso
 def rotation_tables(
     head_dim: int, frame: torch.Tensor, row: torch.Tensor | None, col: torch.Tensor | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[..., head_dim]` equal to `rotate_3d` (or `rotate_time_only` when row/col are None).
+    """cos/sin `[..., head_dim]` equal to `rotate_3d` (time axis only when row/col are None).
 
     Built once per forward and shared by every layer; unrotated channels get cos 1, sin 0.
     """
