@@ -66,4 +66,5 @@ async def test_64_streams_half_disconnected_free_all_pages(server):
     assert metric(server, "mstar_running_requests") == 0 and metric(server, "mstar_queue_depth") == 0
     # the dropped half was cancelled, not run to the end: far fewer than 64 x 40 chunk invocations
     calls = metric(server, "mstar_node_invocations", model="toy-tts", node="gen") - calls_before
-    assert 32 * len(text) <= calls < 0.85 * 64 * len(text)
+    print(f"gen invocations: {calls:.0f} of {64 * len(text)} if nobody disconnected")
+    assert 32 * len(text) <= calls < 0.85 * 64 * len(text), calls
