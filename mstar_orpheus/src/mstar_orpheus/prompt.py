@@ -27,11 +27,30 @@ class OrpheusVocab:
     audio: AudioTokenMap
     end_of_text: int = 128009  # <|eot_id|>
 
-    start_of_speech = property(lambda self: self.audio.base + 1)
-    end_of_speech = property(lambda self: self.audio.base + 2)
-    start_of_human = property(lambda self: self.audio.base + 3)
-    end_of_human = property(lambda self: self.audio.base + 4)
-    start_of_ai = property(lambda self: self.audio.base + 5)
+    @property
+    def start_of_speech(self) -> int:
+        """`<custom_token_1>` (128257): the prompt's last id; audio tokens follow it."""
+        return self.audio.base + 1
+
+    @property
+    def end_of_speech(self) -> int:
+        """`<custom_token_2>` (128258): generation stops here."""
+        return self.audio.base + 2
+
+    @property
+    def start_of_human(self) -> int:
+        """`<custom_token_3>` (128259): opens the prompt."""
+        return self.audio.base + 3
+
+    @property
+    def end_of_human(self) -> int:
+        """`<custom_token_4>` (128260): closes the user turn."""
+        return self.audio.base + 4
+
+    @property
+    def start_of_ai(self) -> int:
+        """`<custom_token_5>` (128261): opens the model turn."""
+        return self.audio.base + 5
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, codebook_size: int) -> OrpheusVocab:

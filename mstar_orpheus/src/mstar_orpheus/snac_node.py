@@ -12,8 +12,6 @@ from torch import nn
 from mstar_orpheus.codes import AudioTokenMap, tokens_to_codes, window_slice
 from mstar_orpheus.snac import SNACDecoder
 
-_EMPTY = torch.zeros(0, dtype=torch.float32)
-
 
 def window_seed(noise_seed: int, start: int) -> int:
     """Seed of one window's noise: fixed by the request's seed and the window's position in the stream."""
@@ -41,7 +39,7 @@ class SNACWindowDecoder(nn.Module):
     @torch.inference_mode()
     def decode_windows(self, windows: Sequence[tuple[Sequence[int], int, int]]) -> list[torch.Tensor]:
         """(token ids, kept-index start, noise seed) per window -> emitted samples (empty if invalid)."""
-        out: list[torch.Tensor] = [_EMPTY] * len(windows)
+        out = [torch.zeros(0, dtype=torch.float32) for _ in windows]
         groups: dict[int, list[tuple[int, list[torch.Tensor], int]]] = defaultdict(list)
         for i, (ids, start, seed) in enumerate(windows):
             codes = tokens_to_codes(ids, start, self.tokens)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mstar_core.errors import MStarError
+from mstar_core.checkpoint.errors import CheckpointError
 from mstar_orpheus.snac.config import SNACConfig
 from mstar_orpheus.snac.model import SNACDecoder
 
@@ -20,7 +20,7 @@ _WN = ("parametrizations.weight.original0", "parametrizations.weight.original1")
 _SKIPPED_PREFIXES = ("encoder.",)
 
 
-class SNACCheckpointError(MStarError):
+class SNACCheckpointError(CheckpointError):
     """A SNAC checkpoint is missing files or has missing, unexpected or mis-shaped tensors."""
 
 
