@@ -1,4 +1,4 @@
-"""The `mstar` command: serve, run, plugins, graph, bench serve."""
+"""The `mstar` command: serve, run, worker, plugins, graph, bench serve."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def _graph(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from mstar_core.runtime.worker import main as worker_main
+
+    worker_main(args.worker_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mstar_core import __version__
     from mstar_core.api import launch, offline
@@ -80,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE", help="also register this module")
     p.set_defaults(func=_graph)
 
+    p = sub.add_parser("worker", help="join a server as a worker process (multi-process or multi-host placement)",
+                       add_help=False)
+    p.set_defaults(func=_worker)
+
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)
     b = bench.add_parser("serve", help="load-test an OpenAI-compatible speech or chat endpoint")
@@ -90,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mstar` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:  # the worker parses its own flags (and prints its own --help)
+        return _worker(argparse.Namespace(worker_args=argv[1:])) or 0
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

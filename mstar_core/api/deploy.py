@@ -8,11 +8,12 @@ from typing import Any
 import yaml
 
 from mstar_core.api.server import ModelToServe, ServerConfig
+from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
 _SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout"}
-_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines"}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement"}
 
 
 def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
@@ -33,9 +34,15 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
 
         server: {host: 0.0.0.0, port: 8000, max_running: 64, max_queued: 256}
         models:
-          orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}}}
+          orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}},
+                    placement: placement/orpheus-disaggregated.yaml}   # a file (relative to this one) or inline
+
+    A deploy file may also be a bare placement file (top-level `workers`/`nodes`/...): it then
+    applies to every model named on the command line.
     """
     raw = yaml.safe_load(Path(path).read_text()) or {}
+    if isinstance(raw, dict) and raw and set(raw) <= PLACEMENT_KEYS:
+        return {}, {"*": ModelToServe("*", LoadOptions(), {}, Placement.from_dict(raw, str(path)))}
     top = _check(f"{path}", raw, {"server", "models"})
     server = _check(f"{path}: server", top.get("server"), _SERVER_KEYS)
     models: dict[str, ModelToServe] = {}
@@ -50,8 +57,18 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
             device=spec.get("device", "cpu"),
             dtype=spec.get("dtype"),
         )
-        models[name] = ModelToServe(name, options, {k: dict(v) for k, v in engines.items()})
+        models[name] = ModelToServe(
+            name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement"))
+        )
     return server, models
+
+
+def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return load_placement(Path(path).parent / value)
+    return Placement.from_dict(value, f"{path}: models.{model}.placement")
 
 
 def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     deployed: dict[str, ModelToServe] = {}
     if args.config:
         server_opts, deployed = load_deploy(args.config)
+    shared = deployed.pop("*", None)  # a bare placement file applies to every model served
     names = list(dict.fromkeys(list(args.models) or list(deployed)))
     if not names:
         raise ConfigError("name at least one model to serve: `mstar serve MODEL` (see `mstar plugins`)")
@@ -66,6 +67,8 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     models = []
     for name in names:
         item = deployed.get(name) or ModelToServe(name, LoadOptions(device=args.device))
+        if shared is not None and item.placement is None:
+            item.placement = shared.placement
         if name in checkpoints:
             item.options = LoadOptions(checkpoint=checkpoints[name], device=item.options.device, dtype=item.options.dtype)
         elif item.options.checkpoint is None:
@@ -170,9 +173,25 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(config, engine_factory, on_ready=on_ready, on_error=on_error)
     app_box.append(app)
     loop = "uvloop" if _has_uvloop() else "asyncio"
-    uvicorn.run(app, host=host, port=port, loop=loop, log_level=args.log_level, access_log=args.log_level == "debug",
-                timeout_graceful_shutdown=args.drain_timeout, server_header=False)
+
+    def _stopped(signum, frame):  # uvicorn re-raises the signal it drained on: make that a clean exit
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app, host=host, port=port, loop=loop, log_level=args.log_level,
+                    access_log=args.log_level == "debug", timeout_graceful_shutdown=args.drain_timeout,
+                    server_header=False)
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if failed else 0
+
+
+class _Stopped(BaseException):
+    """Raised by our SIGINT/SIGTERM handler once uvicorn has finished its graceful shutdown."""
 
 
 def _has_uvloop() -> bool:

@@ -21,6 +21,7 @@ from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
+from mstar_core.config.placement import Placement
 from mstar_core.model import LoadOptions
 
 log = logging.getLogger("mstar.api")
@@ -41,6 +42,7 @@ class ModelToServe:
     name: str
     options: LoadOptions = attrs.field(factory=lambda: LoadOptions(preset="tiny"))
     settings: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    placement: Placement | None = None
 
 
 @attrs.define
@@ -127,7 +129,9 @@ class ServerState:
             what = item.options.checkpoint or f"preset '{item.options.preset}' (random weights)"
             log.info("loading model %s from %s", item.name, what)
             t0 = time.perf_counter()
-            loaded = await self.engine.load_model(item.name, item.options, settings=item.settings, alias=item.name)
+            loaded = await self.engine.load_model(
+                item.name, item.options, settings=item.settings, alias=item.name, placement=item.placement
+            )
             log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
                      " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
             self.bind_adapters(item.name, loaded)

@@ -30,6 +30,7 @@ import yaml
 from mstar_core.errors import ConfigError
 
 LOCAL = "local"
+PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
 
 
 def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
@@ -78,7 +79,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
-        top = _check_keys(source, data, ("workers", "nodes", "engine_settings", "control"))
+        top = _check_keys(source, data, PLACEMENT_KEYS)
         workers = {}
         for name, raw in _check_keys(f"{source}: workers", top.get("workers"), _AnyKey()).items():
             if name == LOCAL:

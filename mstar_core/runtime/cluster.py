@@ -47,8 +47,10 @@ from mstar_core.wire.transport import check_bind_address
 
 log = logging.getLogger("mstar.cluster")
 
-#: How long a worker may stay silent (in heartbeat intervals) before it is declared dead.
-MISSED_BEATS = 3
+#: How long a worker may stay silent (in heartbeat intervals) before it is declared dead. Generous,
+#: because a busy host (weights loading, a long step holding the GIL) delays beats; a spawned
+#: worker's exit is caught at once by polling its process, whatever this says.
+MISSED_BEATS = 10
 
 
 class WorkerLost(RequestError):
@@ -121,7 +123,9 @@ class Cluster:
         env = {**os.environ, SECRET_ENV: self.secret.decode()}
         cmd = [sys.executable, "-m", "mstar_core.runtime.worker", "--join", self.address, "--name", state.name,
                "--parent-pid", str(os.getpid())]
-        state.process = subprocess.Popen(cmd, env=env, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL)
+        # a session of its own: Ctrl-C in a terminal reaches the server, which then shuts the workers down
+        state.process = subprocess.Popen(cmd, env=env, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         os.close(fd)
         state.joined.clear()
 

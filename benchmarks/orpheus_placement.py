@@ -1,0 +1,81 @@
+"""Tiny Orpheus colocated vs disaggregated (LM and SNAC codec in their own worker processes).
+
+Same weights, same seeded requests, same run: time to first audio (median) at concurrency 1 and
+audio-seconds per second at concurrency C. The disaggregated side pays for the control plane
+(ZeroMQ + wire codec per decode step) and gains a second process for the codec.
+
+    python benchmarks/orpheus_placement.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mstar_core.config import load_placement
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "placement"
+SAMPLE_RATE = 24000
+
+
+async def one(engine: AsyncEngine, seed: int, max_tokens: int) -> tuple[float, int]:
+    started = time.perf_counter()
+    first, samples = None, 0
+    async for out in engine.submit("orpheus", {"text": "The quick brown fox.", "voice": "tara", "seed": seed,
+                                               "max_tokens": max_tokens}):
+        if out.name == "audio":
+            first = first or time.perf_counter() - started
+            samples += int(out.value.numel())
+    return first or float("nan"), samples
+
+
+async def measure(placement_file: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
+    engine = AsyncEngine(discover())
+    await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLES / placement_file))
+    try:
+        await one(engine, 0, max_tokens)  # warm up
+        ttfa = [(await one(engine, seed, max_tokens))[0] for seed in range(1, 6)]
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(seed: int) -> tuple[float, int]:
+            async with sem:
+                return await one(engine, seed, max_tokens)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(limited(100 + i) for i in range(requests)))
+        wall = time.perf_counter() - started
+        audio_seconds = sum(s for _, s in results) / SAMPLE_RATE
+        return {"ttfa_ms_c1": statistics.median(ttfa) * 1e3, "audio_s_per_s": audio_seconds / wall}
+    finally:
+        await engine.close()
+
+
+async def main(quick: bool) -> dict[str, float]:
+    concurrency = 8
+    requests, max_tokens = (16, 200) if quick else (64, 400)
+    colocated = await measure("orpheus-colocated.yaml", concurrency, requests, max_tokens)
+    split = await measure("orpheus-disaggregated.yaml", concurrency, requests, max_tokens)
+    for name, fig in (("colocated", colocated), ("disaggregated", split)):
+        print(f"{name:14s} TTFA(c=1) {fig['ttfa_ms_c1']:7.1f} ms   throughput(c={concurrency}) "
+              f"{fig['audio_s_per_s']:6.2f} audio-s/s", flush=True)
+    return {
+        "colocated_ttfa_ms": round(colocated["ttfa_ms_c1"], 1),
+        "disaggregated_ttfa_ms": round(split["ttfa_ms_c1"], 1),
+        "colocated_audio_s_per_s": round(colocated["audio_s_per_s"], 2),
+        "disaggregated_audio_s_per_s": round(split["audio_s_per_s"], 2),
+        "ttfa_ratio_split_over_colocated": round(split["ttfa_ms_c1"] / colocated["ttfa_ms_c1"], 2),
+        "throughput_ratio_split_over_colocated": round(split["audio_s_per_s"] / colocated["audio_s_per_s"], 2),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    print(json.dumps(asyncio.run(main(parser.parse_args().quick))))

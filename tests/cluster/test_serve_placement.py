@@ -1,0 +1,47 @@
+"""`mstar serve orpheus --config <placement>`: the disaggregated model behind the real HTTP server."""
+
+import io
+import signal
+import wave
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import Server
+
+pytest.importorskip("mstar_orpheus")
+pytestmark = pytest.mark.timeout(180)
+
+PLACEMENT = Path(__file__).resolve().parents[2] / "examples" / "placement" / "orpheus-disaggregated.yaml"
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", "mstar_core.runtime.worker"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in map(int, out.split()):
+        try:
+            if f"--parent-pid\x00{server_pid}" in Path(f"/proc/{pid}/cmdline").read_text():
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_serve_with_a_placement_file_and_stop_cleanly():
+    srv = Server(["orpheus"], "--config", str(PLACEMENT), api_key=None)
+    try:
+        assert len(worker_pids(srv.proc.pid)) == 2
+        body = {"model": "orpheus", "input": "Hello there", "voice": "tara", "response_format": "wav", "seed": 3}
+        r = httpx.post(f"{srv.url}/v1/audio/speech", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getframerate() == 24000 and w.getnframes() > 0
+    finally:
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.proc.wait(timeout=60)
+    assert code == 0, srv.output()[-3000:]
+    assert "Traceback" not in srv.output(), srv.output()[-3000:]
+    assert worker_pids(srv.proc.pid) == []
