@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from mstar_core.errors import GraphValidationError, MStarError, RequestError  # noqa: E402
+from mstar_core.errors import GraphValidationError, MStarError, RequestError
 
 __all__ = ["GraphValidationError", "MStarError", "RequestError", "__version__"]
