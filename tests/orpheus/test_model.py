@@ -152,3 +152,10 @@ def test_synthesize_to_wav(preset_cache, tmp_path):
         assert f.getframerate() == 24000 and f.getsampwidth() == 2 and f.getnchannels() == 1
         # 49 audio tokens -> windows after 28, 35, 42, 49 kept tokens, 16 samples each at the tiny hop of 4
         assert f.getnframes() == 4 * 16
+
+
+def test_model_is_registered_by_entry_point():
+    from mstar_core.plugins import discover
+
+    spec = discover().models.get("orpheus")
+    assert spec.presets == ("tiny",)
