@@ -159,3 +159,20 @@ def test_model_is_registered_by_entry_point():
 
     spec = discover().models.get("orpheus")
     assert spec.presets == ("tiny",)
+
+
+@torch.no_grad()
+def test_preset_lm_is_a_real_hf_llama_checkpoint(tmp_path):
+    """`transformers` reads the preset dir as written, and its logits match the loaded M* decoder."""
+    transformers = pytest.importorskip("transformers")
+    from mstar_core.nn.attention import DenseAttention
+
+    write_tiny(tmp_path, seed=2)
+    loaded = load_orpheus(LoadOptions(checkpoint=str(tmp_path)), progress=False)
+    env = loaded.prepare_inputs({"text": "Hello <sigh> world", "voice": "mia"})
+    ids = torch.tensor(env["prompt_ids"] + env["decode_ids"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    expected = hf(ids.unsqueeze(0)).logits[0]
+    lm = loaded.graph.nodes["lm"].module()
+    got = lm.compute_logits(lm(ids, torch.arange(len(ids)), DenseAttention()))
+    assert (got - expected).abs().max().item() <= 1e-4
