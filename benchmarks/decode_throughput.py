@@ -2,7 +2,8 @@
 
 A Llama of realistic CPU shape (hidden 512, 8 layers, GQA 8/4, vocab 16384) with seeded random
 weights, written in HF layout and loaded by both sides. Three comparisons, all in this run:
-  * mixed prompt/output lengths at 1, 8 and 32 concurrent requests (a client keeps N requests
+  * mixed prompt/output lengths (prompts 16-64 tokens, outputs 16-256; --quick: 8-32 and 8-96)
+    at 1, 8 and 32 concurrent requests (a client keeps N requests
     in flight over 2 waves of N): M* (continuous batching: a finished request's slot is
     refilled at once) against HF `generate` on the same requests in batches of N with left
     padding (each batch runs to its longest output; tokens/s counts only the tokens asked for);
@@ -179,9 +180,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     hf, ours = load_models()
     if args.quick:
-        prompt_range, output_range, lock, waves = (8, 32), (8, 48), (16, 32), 2
+        prompt_range, output_range, lock, waves = (8, 32), (8, 96), (16, 32), 2
     else:
-        prompt_range, output_range, lock, waves = (16, 128), (32, 128), (32, 128), 2
+        prompt_range, output_range, lock, waves = (16, 64), (16, 256), (32, 128), 2
     figures: dict[str, float] = {}
     run_mstar(ours, *workload(2, (4, 8), (2, 4), 99))  # warm-up
     for n in (1, 8, 32):

@@ -46,6 +46,7 @@ class TorchPagedContext:
     def __init__(self, batch: Any, kv: torch.Tensor):
         self.kv = kv
         self.slots = batch.slot_mapping
+        self.gather_buf: torch.Tensor | None = None
         starts = batch.q_start.tolist()
         device = batch.slot_mapping.device
         limits = batch.limits
@@ -99,7 +100,9 @@ class TorchPagedContext:
             g = qd.shape[0]
             # keys and values of every needed page in one gather: [2, pages, page_size * heads * dim]
             layer_kv = self.kv[layer].view(2, self.kv.shape[2], -1)
-            both = layer_kv.index_select(1, pages).view(2, g, width, hkv, dim)
+            if self.gather_buf is None:  # one buffer reused by every layer: no per-layer allocation
+                self.gather_buf = layer_kv.new_empty(2, pages.shape[0], layer_kv.shape[2])
+            both = torch.index_select(layer_kv, 1, pages, out=self.gather_buf).view(2, g, width, hkv, dim)
             keys, vals = both[0].transpose(1, 2), both[1].transpose(1, 2)
             res = F.scaled_dot_product_attention(
                 qd.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
