@@ -17,7 +17,7 @@ from mstar_vjepa import checkpoint as ckpt
 
 @pytest.fixture(autouse=True)
 def _preset_dir(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("MSTAR_PRESET_DIR", str(tmp_path_factory.getbasetemp() / "presets"))
+    monkeypatch.setenv("MSTAR_CACHE", str(tmp_path_factory.getbasetemp() / "mstar-cache"))
 
 
 def _run(coro):

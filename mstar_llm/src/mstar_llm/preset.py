@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import ConfigError
 from mstar_llm.chat import CHATML
 
@@ -39,11 +37,6 @@ _CORPUS = [
     "M* serves composite multimodal models: walks, graphs, loops and streams.",
     "def add(a, b):\n    return a + b\n",
 ]
-
-
-def cache_root() -> Path:
-    """Where presets are written: `$MSTAR_CACHE/presets` or `~/.cache/mstar/presets`."""
-    return Path(os.environ.get("MSTAR_CACHE", Path.home() / ".cache" / "mstar")) / "presets"
 
 
 def build_tokenizer(vocab_size: int = 512) -> Any:
@@ -102,21 +95,7 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
 
 def ensure_tiny() -> Path:
     """The tiny preset directory, written once per cache (atomically, so concurrent loaders never see half)."""
-    target = cache_root() / f"llama-tiny-v{PRESET_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="llama-tiny-", dir=target.parent))
-    try:
-        write_tiny(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return ensure_preset(f"llama-tiny-v{PRESET_VERSION}", "config.json", write_tiny)
 
 
 def smollm2_gguf() -> Path:

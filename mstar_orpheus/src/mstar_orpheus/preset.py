@@ -11,14 +11,12 @@ everything else is plain seeded random init. The speech is noise.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mstar_core.checkpoint.presets import ensure_preset as write_once
 from mstar_orpheus.codes import TOKENS_PER_FRAME, AudioTokenMap
 from mstar_orpheus.prompt import EMOTION_TAGS, VOICES
 from mstar_orpheus.snac import SNACConfig, SNACDecoder, save_snac
@@ -36,11 +34,6 @@ _CORPUS = [
     "{v}: The quick brown fox jumps over the lazy dog. How vexingly quick daft zebras jump!",
     "{v}: Streaming audio while the tokens are still being generated keeps the first sound early.",
 ]
-
-
-def cache_root() -> Path:
-    """Where presets are written: `$MSTAR_CACHE/presets` or `~/.cache/mstar/presets`."""
-    return Path(os.environ.get("MSTAR_CACHE", Path.home() / ".cache" / "mstar")) / "presets"
 
 
 def build_tokenizer(codebook_size: int, vocab_size: int = 320) -> Any:
@@ -139,17 +132,4 @@ def ensure_preset(name: str = "tiny") -> Path:
     """The preset's directory, written once (atomically, so concurrent processes do not race)."""
     if name != "tiny":
         raise ValueError(f"unknown orpheus preset {name!r}; presets: tiny")
-    target = cache_root() / f"orpheus-tiny-v{PRESET_VERSION}"
-    if (target / "orpheus_preset.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".orpheus-tiny-", dir=target.parent))
-    try:
-        write_tiny(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(f"orpheus-tiny-v{PRESET_VERSION}", "orpheus_preset.json", write_tiny)

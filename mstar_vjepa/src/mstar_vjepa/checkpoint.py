@@ -6,7 +6,6 @@ Presets are written in those same layouts from seeded random weights, then loade
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +19,7 @@ from mstar_core.checkpoint import (
     build_and_load,
     save_hf_checkpoint,
 )
+from mstar_core.checkpoint.presets import preset_root
 from mstar_vjepa.ac_predictor import ACPredictor
 from mstar_vjepa.config import VIT_SIZES, ACPredictorConfig, VJEPA2Config
 from mstar_vjepa.encoder import VJEPA2Encoder
@@ -125,9 +125,8 @@ def to_upstream_encoder(encoder: VJEPA2Encoder) -> dict[str, torch.Tensor]:
 
 
 def preset_dir(name: str) -> Path:
-    """Where presets are written: $MSTAR_PRESET_DIR, else ~/.cache/mstar/presets."""
-    root = os.environ.get("MSTAR_PRESET_DIR") or Path.home() / ".cache" / "mstar" / "presets"
-    return Path(root) / name
+    """Where preset `name` is written (see `mstar_core.checkpoint.presets.preset_root`)."""
+    return preset_root() / name
 
 
 TINY_HF = VJEPA2Config(crop_size=16, patch_size=16, frames_per_clip=2, tubelet_size=2, hidden_size=32,

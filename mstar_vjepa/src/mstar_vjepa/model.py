@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import RequestError
 from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
@@ -174,10 +175,7 @@ def _resolve(options: LoadOptions, preset_name: str, writer, marker: str):
         return options.checkpoint, False
     if options.preset not in (None, "tiny", preset_name):
         raise RequestError(f"unknown preset {options.preset!r}; this model has 'tiny' ({preset_name})")
-    directory = ckpt.preset_dir(preset_name)
-    if not (directory / marker).is_file():
-        writer(directory)
-    return directory, True
+    return ensure_preset(preset_name, marker, writer), True
 
 
 SPECS = (
