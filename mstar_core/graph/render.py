@@ -2,180 +2,179 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import attrs
 
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Parallel, Sequential, Step, Walk, iter_calls
 
 
-def _label_of(step: Step) -> str:
+def _group_label(step: Step) -> str:
     if isinstance(step, Loop):
         return f"Loop x{step.iters}"
     if isinstance(step, DynamicLoop):
         until = getattr(step.until, "__name__", "until")
-        return f"DynamicLoop until {until}, max {step.max_iters if not callable(step.max_iters) else 'f(env)'}"
-    if isinstance(step, Parallel):
-        return "Parallel"
-    return "Sequential"
+        limit = "f(env)" if callable(step.max_iters) else step.max_iters
+        return f"DynamicLoop until {until}, max {limit}"
+    return "Parallel"
 
 
-class _Layout:
-    """Call ids, cluster nesting, and call-level data edges of one walk."""
-
-    def __init__(self, graph: Graph, walk: Walk):
-        self.graph = graph
-        self.walk = walk
-        self.calls = list(iter_calls(walk.body))
-        self.ids = {id(c): f"c{i}" for i, c in enumerate(self.calls)}
-        self.edges: list[tuple[str, str, str, bool]] = []  # (src id, dst id, label, back edge)
-        writer: dict[str, str] = {name: f"in_{name}" for name in walk.inputs}
-        seen: set[tuple[str, str, str]] = set()
-        first_writer: dict[str, str] = {}
-        for call in self.calls:
-            for out in graph.nodes[call.node].outputs:
-                first_writer.setdefault(call.env_output(out), self.ids[id(call)])
-        for call in self.calls:
-            node = graph.nodes[call.node]
-            cid = self.ids[id(call)]
-            for port in node.all_inputs:
-                name = call.env_input(port)
-                src = writer.get(name)
-                if src is not None and (src, cid, name) not in seen:
-                    seen.add((src, cid, name))
-                    self.edges.append((src, cid, name, False))
-            for out in node.outputs:
-                writer[call.env_output(out)] = cid
-        # back edges of loops: a later call writes a name an earlier call in the same loop reads
-        for step in _loops(walk.body):
-            body_calls = list(iter_calls(step.body))
-            for i, call in enumerate(body_calls):
-                for port in graph.nodes[call.node].all_inputs:
-                    name = step.carry.get(call.env_input(port), call.env_input(port))
-                    for later in body_calls[i:]:
-                        outs = {later.env_output(o) for o in graph.nodes[later.node].outputs}
-                        carried = {step.carry.get(o, o) for o in outs}
-                        if call.env_input(port) in outs | carried and name:
-                            key = (self.ids[id(later)], self.ids[id(call)], call.env_input(port))
-                            if key not in seen:
-                                seen.add(key)
-                                self.edges.append((*key, True))
-        self.streams = []
-        for k, edge in enumerate(walk.streams):
-            src = [c for c in self.calls if c.node == edge.src_node]
-            policy = type(edge.policy).__name__ if edge.policy is not None else "NO POLICY"
-            args = ", ".join(f"{v}" for v in _policy_args(edge.policy))
-            self.streams.append((self.ids[id(src[-1])] if src else f"in_{edge.src_node}", f"s{k}", edge, f"{policy}({args})"))
-
-
-def _policy_args(policy) -> list:
+def _policy_label(policy) -> str:
     if policy is None:
-        return []
-    import attrs
-
-    return [getattr(policy, f.name) for f in attrs.fields(type(policy))]
+        return "NO POLICY"
+    args = ", ".join(str(getattr(policy, f.name)) for f in attrs.fields(type(policy)))
+    return f"{type(policy).__name__}({args})"
 
 
 def _loops(step: Step):
     if isinstance(step, Loop | DynamicLoop):
         yield step
         yield from _loops(step.body)
-    elif isinstance(step, Sequential):
-        for s in step.steps:
-            yield from _loops(s)
-    elif isinstance(step, Parallel):
-        for s in step.branches:
+    elif isinstance(step, Sequential | Parallel):
+        for s in step.steps if isinstance(step, Sequential) else step.branches:
             yield from _loops(s)
 
 
-def _walk_tree(step: Step, layout: _Layout, visit_call: Callable, open_group: Callable, close: Callable, k=None):
-    if k is None:
-        k = [0]
-    if isinstance(step, NodeCall):
-        visit_call(step)
-        return
-    children = step.steps if isinstance(step, Sequential) else step.branches if isinstance(step, Parallel) else (step.body,)
-    grouped = not isinstance(step, Sequential)
-    if grouped:
-        k[0] += 1
-        open_group(f"g{k[0]}", _label_of(step))
-    for child in children:
-        _walk_tree(child, layout, visit_call, open_group, close, k)
-    if grouped:
-        close()
+class _Layout:
+    """Call ids, call-level data edges (back edges of loops flagged), and stream consumers of one walk."""
+
+    def __init__(self, graph: Graph, walk: Walk):
+        self.graph, self.walk = graph, walk
+        calls = list(iter_calls(walk.body))
+        self.ids = {id(c): f"c{i}" for i, c in enumerate(calls)}
+        self.edges: list[tuple[str, str, str, bool]] = []  # (src, dst, env name, back edge)
+        writer = {name: f"in_{name}" for name in walk.inputs}
+        for call in calls:
+            for port in graph.nodes[call.node].all_inputs:
+                self._edge(writer.get(call.env_input(port)), self.ids[id(call)], call.env_input(port), False)
+            for out in graph.nodes[call.node].outputs:
+                writer[call.env_output(out)] = self.ids[id(call)]
+        for loop in _loops(walk.body):
+            body = list(iter_calls(loop.body))
+            for i, reader in enumerate(body):  # a later call's output (or its carry) read again next iteration
+                for port in graph.nodes[reader.node].all_inputs:
+                    name = reader.env_input(port)
+                    for later in body[i:]:
+                        outs = {later.env_output(o) for o in graph.nodes[later.node].outputs}
+                        if name in outs | {loop.carry.get(o, o) for o in outs}:
+                            self._edge(self.ids[id(later)], self.ids[id(reader)], name, True)
+        self.streams = []
+        for k, edge in enumerate(walk.streams):
+            src = [c for c in calls if c.node == edge.src_node]
+            src_id = self.ids[id(src[-1])] if src else f"in_{edge.src_node}"
+            self.streams.append((src_id, f"s{k}", edge, _policy_label(edge.policy)))
+
+    def _edge(self, src: str | None, dst: str, name: str, back: bool) -> None:
+        if src is not None and not any(e[:3] == (src, dst, name) for e in self.edges):
+            self.edges.append((src, dst, name, back))
+
+    def label(self, call: NodeCall) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in call.options.items())
+        return f"{call.node} [{self.graph.nodes[call.node].engine}]" + (f" {opts}" if opts else "")
+
+    def stream_label(self, edge) -> str:
+        return f"{edge.dst_node} [{self.graph.nodes[edge.dst_node].engine}] (stream)"
 
 
-def _node_label(layout: _Layout, call: NodeCall) -> str:
-    node = layout.graph.nodes[call.node]
-    opts = ", ".join(f"{k}={v}" for k, v in call.options.items())
-    return f"{call.node} [{node.engine}]" + (f" {opts}" if opts else "")
+class _Writer:
+    """Walks the step tree once; subclasses say how a box, a group and an edge look."""
+
+    def __init__(self, layout: _Layout):
+        self.layout = layout
+        self.lines: list[str] = []
+        self.depth = 1
+        self.groups = 0
+
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def tree(self, step: Step) -> None:
+        if isinstance(step, NodeCall):
+            self.box(self.layout.ids[id(step)], self.layout.label(step), rounded=False)
+            return
+        children = step.steps if isinstance(step, Sequential) else step.branches if isinstance(step, Parallel) else (step.body,)
+        grouped = not isinstance(step, Sequential)
+        if grouped:
+            self.groups += 1
+            self.open_group(f"g{self.groups}", _group_label(step))
+            self.depth += 1
+        for child in children:
+            self.tree(child)
+        if grouped:
+            self.depth -= 1
+            self.close_group()
+
+    def render(self) -> str:
+        walk = self.layout.walk
+        for name in walk.inputs:
+            self.box(f"in_{name}", name, rounded=True)
+        self.tree(walk.body)
+        for _src, sid, edge, _policy in self.layout.streams:
+            self.box(sid, self.layout.stream_label(edge), rounded=False)
+        self.end_walk()
+        for src, dst, name, back in self.layout.edges:
+            self.edge(src, dst, f"{name} (next iter)" if back else name, "back" if back else "data")
+        for src, sid, edge, policy in self.layout.streams:
+            self.edge(src, sid, f"{edge.src_output} ~ {policy}", "stream")
+        return "\n".join(self.lines) + "\n"
+
+
+class _Mermaid(_Writer):
+    ARROWS = {"data": '-- "{}" -->', "back": '-. "{}" .->', "stream": '== "{}" ==>'}
+
+    def __init__(self, layout: _Layout):
+        super().__init__(layout)
+        self.lines = ["flowchart TD", f'  subgraph walk_{layout.walk.name}["walk: {layout.walk.name}"]']
+        self.depth = 2
+
+    def box(self, node_id: str, label: str, rounded: bool) -> None:
+        self.emit(f'{node_id}(["{label}"])' if rounded else f'{node_id}["{label}"]')
+
+    def open_group(self, gid: str, label: str) -> None:
+        self.emit(f'subgraph {gid}["{label}"]')
+
+    def close_group(self) -> None:
+        self.emit("end")
+
+    def end_walk(self) -> None:
+        self.lines.append("  end")
+        self.depth = 1
+
+    def edge(self, src: str, dst: str, label: str, kind: str) -> None:
+        self.emit(f"{src} {self.ARROWS[kind].format(label)} {dst}")
+
+
+class _Dot(_Writer):
+    STYLES = {"data": "", "back": ", style=dashed, constraint=false", "stream": ", style=bold"}
+
+    def __init__(self, layout: _Layout):
+        super().__init__(layout)
+        self.lines = [f'digraph "{layout.walk.name}" {{', "  rankdir=TB;", "  node [shape=box];"]
+
+    def box(self, node_id: str, label: str, rounded: bool) -> None:
+        self.emit(f'{node_id} [label="{label}"' + (", shape=ellipse];" if rounded else "];"))
+
+    def open_group(self, gid: str, label: str) -> None:
+        self.emit(f"subgraph cluster_{gid} {{")
+        self.lines.append("  " * (self.depth + 1) + f'label="{label}";')
+
+    def close_group(self) -> None:
+        self.emit("}")
+
+    def end_walk(self) -> None:
+        pass
+
+    def edge(self, src: str, dst: str, label: str, kind: str) -> None:
+        self.emit(f'{src} -> {dst} [label="{label}"{self.STYLES[kind]}];')
+
+    def render(self) -> str:
+        return super().render() + "}\n"
 
 
 def to_mermaid(graph: Graph, walk_name: str) -> str:
     """Mermaid flowchart of one walk."""
-    layout = _Layout(graph, graph.walks[walk_name])
-    lines = ["flowchart TD", f'  subgraph walk_{walk_name}["walk: {walk_name}"]']
-    depth = [2]
-
-    def pad() -> str:
-        return "  " * depth[0]
-
-    for name in layout.walk.inputs:
-        lines.append(f'{pad()}in_{name}(["{name}"])')
-
-    def visit(call: NodeCall) -> None:
-        lines.append(f'{pad()}{layout.ids[id(call)]}["{_node_label(layout, call)}"]')
-
-    def open_group(gid: str, label: str) -> None:
-        lines.append(f'{pad()}subgraph {gid}["{label}"]')
-        depth[0] += 1
-
-    def close() -> None:
-        depth[0] -= 1
-        lines.append(f"{pad()}end")
-
-    _walk_tree(layout.walk.body, layout, visit, open_group, close, [0])
-    for _src, sid, edge, _label in layout.streams:
-        lines.append(f'{pad()}{sid}["{edge.dst_node} [{graph.nodes[edge.dst_node].engine}] (stream)"]')
-    lines.append("  end")
-    for src, dst, label, back in layout.edges:
-        arrow = f'-. "{label} (next iter)" .->' if back else f'-- "{label}" -->'
-        lines.append(f"  {src} {arrow} {dst}")
-    for src, sid, edge, policy in layout.streams:
-        lines.append(f'  {src} == "{edge.src_output} ~ {policy}" ==> {sid}')
-    return "\n".join(lines) + "\n"
+    return _Mermaid(_Layout(graph, graph.walks[walk_name])).render()
 
 
 def to_dot(graph: Graph, walk_name: str) -> str:
     """Graphviz DOT digraph of one walk."""
-    layout = _Layout(graph, graph.walks[walk_name])
-    lines = [f'digraph "{walk_name}" {{', "  rankdir=TB;", "  node [shape=box];"]
-    depth = [1]
-
-    def pad() -> str:
-        return "  " * depth[0]
-
-    for name in layout.walk.inputs:
-        lines.append(f'{pad()}in_{name} [label="{name}", shape=ellipse];')
-
-    def visit(call: NodeCall) -> None:
-        lines.append(f'{pad()}{layout.ids[id(call)]} [label="{_node_label(layout, call)}"];')
-
-    def open_group(gid: str, label: str) -> None:
-        lines.append(f'{pad()}subgraph cluster_{gid} {{')
-        depth[0] += 1
-        lines.append(f'{pad()}label="{label}";')
-
-    def close() -> None:
-        depth[0] -= 1
-        lines.append(f"{pad()}}}")
-
-    _walk_tree(layout.walk.body, layout, visit, open_group, close, [0])
-    for _src, sid, edge, _label in layout.streams:
-        lines.append(f'{pad()}{sid} [label="{edge.dst_node} [{graph.nodes[edge.dst_node].engine}] (stream)"];')
-    for src, dst, label, back in layout.edges:
-        style = ', style=dashed, constraint=false' if back else ""
-        lines.append(f'  {src} -> {dst} [label="{label}"{style}];')
-    for src, sid, edge, policy in layout.streams:
-        lines.append(f'  {src} -> {sid} [label="{edge.src_output} ~ {policy}", style=bold];')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return _Dot(_Layout(graph, graph.walks[walk_name])).render()
