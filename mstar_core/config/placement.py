@@ -5,6 +5,8 @@ workers:
   codec: {device: cpu}                    # spawned on this host
   lm: {device: cuda:0, replicas: 2}        # two processes; a request sticks to one replica
   far: {device: cuda:0, host: 10.0.0.7}    # joins by hand: `mstar worker --join ... --name far`
+  big: {device: cuda:0, launcher: ray, num_cpus: 2}  # one Ray actor per replica on a Ray cluster
+  snac: {transport: shm}                    # tensors above 64 KiB through a shared-memory arena
 nodes:
   snac: codec                              # nodes not listed run in the serving process
 engine_settings:
@@ -12,7 +14,12 @@ engine_settings:
 control:
   bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory
   heartbeat_interval: 0.5
+  ray_address: auto                        # default: a Ray cluster on this machine, or a new local one
 ```
+
+`launcher` is `spawn` (a subprocess here; the default), `ray` (an actor on a Ray cluster), or
+`manual` (implied by `host`: the worker joins by hand). `transport` is how tensors travel between
+the server and the worker: `zmq` (the control socket; the default) or `shm` (spawned workers only).
 
 The same model runs colocated (no file, or no `nodes`) or disaggregated by changing only this
 file. Unknown keys, nodes and workers are errors that name the key.
@@ -31,6 +38,10 @@ from mstar_core.errors import ConfigError
 
 LOCAL = "local"
 PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
+WORKER_KEYS = ("device", "host", "replicas", "transport", "launcher", "num_cpus")
+LAUNCHERS = ("spawn", "ray", "manual")
+#: Transports a worker's data path can use; `nccl` moves device tensors between peers, not worker control.
+TRANSPORTS = ("zmq", "shm")
 
 
 def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
@@ -50,17 +61,26 @@ def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
 
 @attrs.frozen
 class WorkerSpec:
-    """One worker group: its device, host (None = spawned here) and replica count."""
+    """One worker group: its device, launcher, host (manual workers), replica count and transport."""
 
     name: str
     device: str = "cpu"
     host: str | None = None
     replicas: int = 1
     transport: str = "zmq"
+    launcher: str = "spawn"
+    num_cpus: float = 1.0
+    ray_address: str | None = None  # from `control.ray_address`; used by the ray launcher only
 
     @property
     def spawned(self) -> bool:
-        return self.host is None
+        """Started (and restarted) by the server itself, as a subprocess or a Ray actor."""
+        return self.launcher != "manual"
+
+    @property
+    def num_gpus(self) -> int:
+        """Accelerators one replica needs (for the Ray launcher's resource request)."""
+        return 0 if self.device.split(":")[0] in ("cpu", "meta") else 1
 
     def replica_names(self) -> list[str]:
         return [self.name] if self.replicas == 1 else [f"{self.name}.{i}" for i in range(self.replicas)]
@@ -80,21 +100,19 @@ class Placement:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
         top = _check_keys(source, data, PLACEMENT_KEYS)
+        control = _check_keys(f"{source}: control", top.get("control"), ("bind", "heartbeat_interval", "ray_address"))
+        ray_address = control.get("ray_address")
+        if ray_address is not None and not isinstance(ray_address, str):
+            raise ConfigError(f"{source}: control.ray_address must be a string (e.g. auto, ray://host:10001)")
         workers = {}
         for name, raw in _check_keys(f"{source}: workers", top.get("workers"), _AnyKey()).items():
             if name == LOCAL:
                 raise ConfigError(f"{source}: workers: '{LOCAL}' is reserved for the serving process")
-            spec = _check_keys(f"{source}: workers.{name}", raw, ("device", "host", "replicas", "transport"))
+            spec = _check_keys(f"{source}: workers.{name}", raw, WORKER_KEYS)
             replicas = spec.get("replicas", 1)
             if not isinstance(replicas, int) or replicas < 1:
                 raise ConfigError(f"{source}: workers.{name}.replicas must be an integer >= 1, got {replicas!r}")
-            workers[name] = WorkerSpec(
-                name=str(name),
-                device=str(spec.get("device", "cpu")),
-                host=spec.get("host"),
-                replicas=replicas,
-                transport=str(spec.get("transport", "zmq")),
-            )
+            workers[name] = _worker(source, str(name), spec, replicas, ray_address)
         nodes = {}
         for node, worker in _check_keys(f"{source}: nodes", top.get("nodes"), _AnyKey()).items():
             if worker != LOCAL and worker not in workers:
@@ -105,7 +123,6 @@ class Placement:
             str(node): dict(_check_keys(f"{source}: engine_settings.{node}", value, _AnyKey()))
             for node, value in _check_keys(f"{source}: engine_settings", top.get("engine_settings"), _AnyKey()).items()
         }
-        control = _check_keys(f"{source}: control", top.get("control"), ("bind", "heartbeat_interval"))
         interval = control.get("heartbeat_interval", 0.5)
         if not isinstance(interval, int | float) or interval <= 0:
             raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
@@ -126,6 +143,33 @@ class Placement:
     @property
     def remote(self) -> bool:
         return any(w != LOCAL for w in self.nodes.values())
+
+
+def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str | None) -> WorkerSpec:
+    """Validate one worker entry's launcher, host, transport and resources."""
+    where = f"{source}: workers.{name}"
+    host = spec.get("host")
+    launcher = spec.get("launcher", "manual" if host is not None else "spawn")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"{where}.launcher: unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
+    if host is not None and launcher != "manual":
+        raise ConfigError(f"{where}: 'host' means the worker joins by hand; drop it or use launcher: manual, not {launcher}")
+    transport = spec.get("transport", "zmq")
+    if transport == "nccl":
+        raise ConfigError(f"{where}.transport: nccl is not supported for worker control yet; use one of: "
+                          f"{', '.join(TRANSPORTS)}")
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"{where}.transport: unknown transport {transport!r}; known: {', '.join(TRANSPORTS)}")
+    if transport == "shm" and launcher != "spawn":
+        raise ConfigError(f"{where}.transport: shm needs a worker spawned on this host (launcher: spawn), "
+                          f"not launcher: {launcher}")
+    num_cpus = spec.get("num_cpus", 1)
+    if isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or num_cpus < 0:
+        raise ConfigError(f"{where}.num_cpus must be a number >= 0, got {num_cpus!r}")
+    if "num_cpus" in spec and launcher != "ray":
+        raise ConfigError(f"{where}.num_cpus is a Ray resource request; it needs launcher: ray")
+    return WorkerSpec(name=name, device=str(spec.get("device", "cpu")), host=host, replicas=replicas,
+                      transport=transport, launcher=launcher, num_cpus=float(num_cpus), ray_address=ray_address)
 
 
 class _AnyKey:

@@ -3,7 +3,9 @@
 The serving process binds one ZeroMQ ROUTER socket (an IPC socket in a private directory by
 default, or loopback TCP; any other address must be configured explicitly). Workers join with an
 HMAC-signed Hello. Heartbeats and process polling detect a dead worker; its in-flight requests
-fail at once with a 503-style error, the worker is restarted and its models reloaded.
+fail at once with a 503-style error, the worker is restarted and its models reloaded. Workers are
+started by a launcher (`mstar_core.runtime.launchers`: a subprocess, or a Ray actor); a worker
+with `transport: shm` moves big tensor frames through shared memory (`launchers.shm_path`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -26,6 +26,8 @@ import zmq.asyncio
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, NodeExecutionError, RequestError
 from mstar_core.runtime.engine import Invocation
+from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.launchers.spawn import spawn_worker
 from mstar_core.runtime.remote_values import from_wire, to_wire
 from mstar_core.wire import (
     AuthError,
@@ -42,7 +44,7 @@ from mstar_core.wire import (
     decode,
     encode,
 )
-from mstar_core.wire.auth import SECRET_ENV, HelloVerifier
+from mstar_core.wire.auth import HelloVerifier
 from mstar_core.wire.transport import check_bind_address
 
 log = logging.getLogger("mstar.cluster")
@@ -68,7 +70,8 @@ class _WorkerState:
         self.name = name
         self.spec = spec
         self.identity: bytes | None = None
-        self.process: subprocess.Popen | None = None
+        self.process: Any = None  # a subprocess.Popen, or a launcher's handle with the same interface
+        self.link: shm_path.ShmLink | None = None  # the shm data path, for `transport: shm`
         self.log_path: str | None = None
         self.last_seen = 0.0
         self.joined = asyncio.Event()
@@ -118,20 +121,28 @@ class Cluster:
             self.workers[name] = _WorkerState(name, spec)
         return self.workers[name]
 
-    def _spawn(self, state: _WorkerState) -> None:
-        fd, state.log_path = tempfile.mkstemp(prefix=f"mstar-worker-{state.name}-", suffix=".log")
-        env = {**os.environ, SECRET_ENV: self.secret.decode()}
-        cmd = [sys.executable, "-m", "mstar_core.runtime.worker", "--join", self.address, "--name", state.name,
-               "--parent-pid", str(os.getpid())]
-        # a session of its own: Ctrl-C in a terminal reaches the server, which then shuts the workers down
-        state.process = subprocess.Popen(cmd, env=env, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        os.close(fd)
+    async def _launch(self, state: _WorkerState) -> None:
         state.joined.clear()
+        if state.spec.launcher == "ray":
+            from mstar_core.runtime.launchers.ray_actor import launch_ray_worker
+
+            state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
+                                                    state.spec)
+        else:
+            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.transport)
+
+    def tcp_address(self) -> str:
+        """A TCP endpoint of the control socket (Ray actors need one): the bind address, or an added loopback one."""
+        if self.address.startswith("tcp://"):
+            return self.address
+        if not hasattr(self, "_tcp"):
+            self.sock.bind("tcp://127.0.0.1:0")
+            self._tcp = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self._tcp
 
     def _log_tail(self, state: _WorkerState, lines: int = 15) -> str:
         if not state.log_path:
-            return ""
+            return getattr(state.process, "error", "")
         try:
             with open(state.log_path, errors="replace") as f:
                 return "".join(f.readlines()[-lines:])
@@ -144,7 +155,7 @@ class Cluster:
         if state.alive:
             return
         if spec.spawned and (state.process is None or state.process.poll() is not None):
-            self._spawn(state)
+            await self._launch(state)
         deadline = time.monotonic() + timeout
         while not state.joined.is_set():
             if state.process is not None and state.process.poll() is not None:
@@ -173,7 +184,17 @@ class Cluster:
     async def _send(self, state: _WorkerState, msg: Any) -> None:
         if state.identity is None:
             raise WorkerLost(f"worker '{state.name}' is not connected")
-        await self.sock.send_multipart([state.identity, *encode(msg)], copy=False)
+        frames = encode(msg)
+        if state.link is not None:
+            frames = state.link.pack(frames)
+            await self._flush(state)
+        await self.sock.send_multipart([state.identity, *frames], copy=False)
+
+    async def _flush(self, state: _WorkerState) -> None:
+        """Tell an shm worker which of its slots we released and which segments we mapped."""
+        ctl = state.link.control() if state.link is not None and state.identity is not None else None
+        if ctl is not None:
+            await self.sock.send_multipart([state.identity, *ctl], copy=False)
 
     # -- invocations ---------------------------------------------------------------------------
 
@@ -213,12 +234,18 @@ class Cluster:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
+            state = self._by_identity.get(identity)
             try:
+                if body and shm_path.kind(body) is not None:
+                    if state is None or state.link is None:
+                        continue  # shared memory is only for authenticated shm workers
+                    body = state.link.unpack(body)
+                    if body is None:
+                        continue  # a control message: slots released, segments mapped
                 msg = decode(body)
             except WireError as exc:
                 log.warning("dropping a malformed message from %r: %s", identity, exc)
                 continue
-            state = self._by_identity.get(identity)
             if isinstance(msg, Hello):
                 await self._on_hello(identity, msg)
                 continue
@@ -262,6 +289,8 @@ class Cluster:
             self._by_identity.pop(state.identity, None)
         state.identity = identity
         self._by_identity[identity] = state
+        if state.spec.transport == "shm" and state.link is None:
+            state.link = shm_path.ShmLink()
         state.last_seen = time.monotonic()
         await self.sock.send_multipart([identity, *encode(welcome)])
         state.alive = True
@@ -276,6 +305,7 @@ class Cluster:
             for state in list(self.workers.values()):
                 if not state.alive:
                     continue
+                await self._flush(state)
                 exited = state.process is not None and state.process.poll() is not None
                 silent = now - state.last_seen > MISSED_BEATS * self.heartbeat_interval
                 if exited or silent:
@@ -292,6 +322,8 @@ class Cluster:
         if state.identity is not None:
             self._by_identity.pop(state.identity, None)
             state.identity = None
+        if state.link is not None:
+            state.link.peer_lost()
         inflight, state.inflight = state.inflight, {}
         for fut in inflight.values():
             if not fut.done():
@@ -338,6 +370,9 @@ class Cluster:
                     os.unlink(state.log_path)
                 except OSError:
                     pass
+            if state.link is not None:
+                state.link.peer_lost()  # also unlinks what a worker killed above left behind
+                state.link.close()
             for fut in state.inflight.values():
                 if not fut.done():
                     fut.cancel()

@@ -4,7 +4,8 @@
 
 The control plane is one ZeroMQ DEALER socket carrying wire-codec messages (typed JSON header,
 tensors as raw frames; no pickle). Invocations are batched by the same `NodeScheduler` as in the
-serving process, on this process's own device thread.
+serving process, on this process's own device thread. With `--transport shm` (spawned workers on
+the server's host), big tensor frames travel through shared memory (`launchers.shm_path`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import zmq.asyncio
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
+from mstar_core.runtime.launchers import shm_path
 from mstar_core.runtime.remote_values import from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (
     ErrorReport,
     Heartbeat,
+    Hello,
     InvokeNode,
     LoadModel,
     ModelLoaded,
@@ -46,8 +49,9 @@ log = logging.getLogger("mstar.worker")
 class Worker:
     """One worker's state: its socket, its engines keyed 'model/node', its device thread."""
 
-    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None):
+    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None, transport: str = "zmq"):
         self.name = name
+        self.link = shm_path.ShmLink() if transport == "shm" else None
         self.join = join
         self.secret = secret
         self.parent_pid = parent_pid
@@ -61,11 +65,26 @@ class Worker:
         self._pending: set[asyncio.Task] = set()
 
     async def send(self, msg) -> None:
-        await self.sock.send_multipart(encode(msg), copy=False)
+        frames = encode(msg)
+        if self.link is not None and not isinstance(msg, Hello):
+            frames = self.link.pack(frames)
+            await self.flush()
+        await self.sock.send_multipart(frames, copy=False)
+
+    async def flush(self) -> None:
+        """Tell the server which of its shm slots we released and which segments we mapped."""
+        ctl = self.link.control() if self.link is not None else None
+        if ctl is not None:
+            await self.sock.send_multipart(ctl, copy=False)
 
     async def recv(self, timeout: float | None = None):
-        frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout)
-        return decode([f.buffer for f in frames])
+        while True:
+            frames = [f.buffer for f in await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout)]
+            if self.link is not None and shm_path.kind(frames) is not None:
+                frames = self.link.unpack(frames)
+                if frames is None:
+                    continue  # a control message: slots released, segments mapped
+            return decode(frames)
 
     async def run(self) -> None:
         self.sock.connect(self.join)
@@ -99,6 +118,8 @@ class Worker:
             self.sock.close(0)
             self.ctx.term()
             self.executor.shutdown(wait=False, cancel_futures=True)
+            if self.link is not None:
+                self.link.close()
 
     async def _heartbeat(self) -> None:
         seq = 0
@@ -107,6 +128,7 @@ class Worker:
                 log.warning("worker %s: serving process %s is gone; exiting", self.name, self.parent_pid)
                 os._exit(0)
             seq += 1
+            await self.flush()
             await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time()))
             await asyncio.sleep(self.heartbeat_interval)
 
@@ -162,13 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, help="the server's control address, e.g. tcp://10.0.0.2:7100")
     parser.add_argument("--name", required=True, help="the worker name the placement file gives this worker")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--transport", choices=("zmq", "shm"), default="zmq",
+                        help="how tensors travel to and from the server (shm: this host only)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
     secret = secret_from_env()
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
     try:
-        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid).run())
+        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid, args.transport).run())
     except KeyboardInterrupt:
         pass
     except Exception as exc:

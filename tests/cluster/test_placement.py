@@ -52,3 +52,40 @@ def test_load_from_yaml_file(tmp_path):
         load_placement(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_placement(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("worker", "message"),
+    [
+        ({"transport": "tcp"}, "workers.a.transport: unknown transport 'tcp'; known: zmq, shm"),
+        ({"transport": "nccl"}, "workers.a.transport: nccl is not supported for worker control yet"),
+        ({"launcher": "k8s"}, "workers.a.launcher: unknown launcher 'k8s'; known: spawn, ray, manual"),
+        ({"host": "10.0.0.7", "launcher": "spawn"}, "workers.a: 'host' means the worker joins by hand"),
+        ({"host": "10.0.0.7", "transport": "shm"}, "shm needs a worker spawned on this host"),
+        ({"launcher": "ray", "transport": "shm"}, "shm needs a worker spawned on this host"),
+        ({"num_cpus": 2}, "workers.a.num_cpus is a Ray resource request; it needs launcher: ray"),
+        ({"launcher": "ray", "num_cpus": -1}, "workers.a.num_cpus must be a number >= 0"),
+    ],
+)
+def test_launcher_and_transport_are_checked(worker, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Placement.from_dict({"workers": {"a": worker}}, "deploy.yaml")
+
+
+def test_launchers_and_their_resources():
+    p = Placement.from_dict(
+        {
+            "workers": {
+                "here": {},
+                "far": {"host": "10.0.0.7"},
+                "actor": {"launcher": "ray", "device": "cuda:1", "num_cpus": 4},
+                "fast": {"transport": "shm"},
+            },
+            "control": {"ray_address": "auto"},
+        }
+    )
+    w = p.workers
+    assert (w["here"].launcher, w["far"].launcher, w["actor"].launcher) == ("spawn", "manual", "ray")
+    assert w["here"].spawned and w["actor"].spawned and not w["far"].spawned
+    assert (w["actor"].num_gpus, w["actor"].num_cpus, w["actor"].ray_address) == (1, 4.0, "auto")
+    assert w["here"].num_gpus == 0 and w["fast"].transport == "shm"

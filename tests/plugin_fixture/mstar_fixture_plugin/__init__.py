@@ -14,8 +14,10 @@ def mstar_register_engines(register):
 
 @hookimpl
 def mstar_register_models(register):
+    from mstar_fixture_plugin.blob import SPEC as BLOB_SPEC
     from mstar_fixture_plugin.counter import SPEC as STREAM_SPEC
     from mstar_fixture_plugin.model import SPEC
 
     register(SPEC)
     register(STREAM_SPEC)
+    register(BLOB_SPEC)

@@ -1,0 +1,17 @@
+"""A tensor-heavy model for transport tests and benchmarks: one node that returns `x + 1`."""
+
+from mstar_core.graph import Graph, GraphNode, Walk
+from mstar_core.model import LoadedModel, ModelSpec
+
+
+def add_one(x):
+    return {"y": x + 1}
+
+
+def load(options):
+    nodes = [GraphNode("bump", inputs="x", outputs="y", engine="function", module=lambda: add_one)]
+    walk = Walk(name="bump", body="bump", inputs=("x",), outputs=("y",))
+    return LoadedModel(name="fixture-blob", graph=Graph.build("fixture-blob", nodes, [walk]), random_weights=True)
+
+
+SPEC = ModelSpec(name="fixture-blob", load=load, description="returns its tensor input plus one (test fixture)")
