@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mstar_kvcache.sampler import _filtered_probs, apply_repetition_penalty, sample
+from mstar_kvcache.sampler import apply_repetition_penalty, draw, filtered, sample
 
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingParams
@@ -37,13 +37,63 @@ def test_filters_match_transformers_processors():
         ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits[row : row + 1].clone())
         torch.testing.assert_close(ours[row : row + 1], ref)
     params = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05)
-    probs, order = _filtered_probs(logits, [params] * 3)
+    probs, keep = filtered(logits, [params] * 3)
+    ours = torch.where(keep, probs, 0.0)
+    ours = ours / ours.sum(-1, keepdim=True)
     ids = torch.zeros(3, 1, dtype=torch.long)
     ref = TemperatureLogitsWarper(0.7)(ids, logits.clone())
     for warp in (TopKLogitsWarper(10), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
         ref = warp(ids, ref)
-    expected = ref.softmax(-1).gather(1, order)
-    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours, ref.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+def _sorted_nucleus(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """The textbook filter chain with a full sort, as a mask in vocabulary order (the reference)."""
+    scaled = logits / temperature
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[..., -1:], float("-inf"))
+    probs = scaled.softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    above = sorted_probs.double().cumsum(-1) - sorted_probs.double()
+    keep = (above <= top_p) & (sorted_probs > 0) & (sorted_probs >= min_p * sorted_probs[..., :1])
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 29004])
+@pytest.mark.parametrize("spread", [0.3, 3.0, 30.0])
+def test_histogram_top_p_keeps_the_sorted_nucleus(vocab, spread):
+    gen = torch.Generator().manual_seed(vocab + int(spread * 10))
+    logits = torch.randn(6, vocab, generator=gen) * spread
+    cases = [(0.6, 0.8, 0, 0.0), (1.0, 0.95, 0, 0.0), (0.7, 0.5, 40, 0.0), (1.3, 0.9, 0, 0.05), (0.5, 0.1, 0, 0.0),
+             (1.0, 0.999, 7, 0.01)]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m) for t, p, k, m in cases]
+    _, keep = filtered(logits, params)
+    for row, case in enumerate(cases):
+        ref = _sorted_nucleus(logits[row], *case)
+        # the cut may differ only where the mass above a token equals top_p up to rounding
+        assert (keep[row] != ref).sum() <= 1, (case, int(keep[row].sum()), int(ref.sum()))
+    assert keep.sum(1).min() >= 1
+
+
+def test_draw_follows_the_kept_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.1, 0.15, 0.05]])
+    keep = torch.tensor([[True, True, True, False, True, True]])
+    n = 20000
+    gen = torch.Generator().manual_seed(0)
+    picks = draw(probs.expand(n, -1), keep.expand(n, -1), [gen] * n)
+    freq = torch.bincount(picks, minlength=6).double() / n
+    expected = torch.where(keep, probs, 0.0)[0].double() / 0.9
+    assert freq[1] == 0 and freq[3] == 0
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1)) * 2
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=[0, 20, 0, 5, 0][i], repetition_penalty=1.3) for i in range(5)]
+    history = [[1, 2, 3], [4], [5, 5, 6, 7], [8], [9, 10]]
+    alone = sample(logits[2:3], params[2:3], [torch.Generator().manual_seed(7)], history[2:3]).tokens[0]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 7, 3, 4)]
+    assert sample(logits, params, gens, history).tokens[2] == alone
 
 
 def test_logprobs_and_top_logprobs():

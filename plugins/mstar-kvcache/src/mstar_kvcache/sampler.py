@@ -1,8 +1,11 @@
 """Next-token sampling for a batch of rows, each with its own `SamplingParams` and generator.
 
-Greedy rows are one vectorised argmax. Stochastic rows are filtered together (temperature,
-top-k, top-p, min-p in sorted space) and drawn row by row from each request's own generator,
-so a seeded request gets the same tokens whatever else shares its batch.
+Every filter runs once over the whole `[rows, vocab]` batch with per-row parameters, and nothing
+sorts the vocabulary: top-k takes the k-th largest logit (as transformers' warper does), top-p
+finds its cut with a histogram of log-probabilities (only the one bucket the cut falls in is
+ranked exactly), min-p compares with the row maximum. The draw is one uniform number per row
+from that request's own generator, mapped through the cumulative distribution of the kept
+tokens in vocabulary order, so a seeded request gets the same tokens whatever shares its batch.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import attrs
 import torch
 
 from mstar_core.sampling import GREEDY, SamplingParams
+
+#: Histogram resolution for the top-p cut: buckets per nat of log-probability, and how far down they go.
+_PER_NAT = 256
+_BUCKETS = _PER_NAT * 32
 
 
 @attrs.define
@@ -24,30 +31,93 @@ class Sampled:
 
 def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], penalties: list[float]) -> None:
     """Divide positive and multiply negative logits of already-seen tokens by the penalty, in place."""
-    for row, (seen, penalty) in enumerate(zip(history, penalties, strict=True)):
-        if penalty == 1.0 or not seen:
-            continue
-        ids = torch.tensor(sorted(set(seen)), device=logits.device)
-        vals = logits[row, ids]
-        logits[row, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
-
-
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities over the tokens sorted by logit (descending) after every filter, and the sort order."""
+    rows = [i for i, (seen, p) in enumerate(zip(history, penalties, strict=True)) if p != 1.0 and seen]
+    if not rows:
+        return
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    sorted_logits, order = torch.sort(logits / temp, dim=-1, descending=True)
-    rank = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
-    top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=dev).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-    before = probs.cumsum(-1) - probs  # mass strictly above each token; the first token always stays
-    drop = before > top_p
-    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-    drop |= probs < min_p * probs[:, :1]
-    probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(-1, keepdim=True), order
+    width = max(len(history[i]) for i in rows)
+    # pad with a token the row has seen: a repeated index gathers and scatters the same value
+    ids = torch.tensor([history[i] + [history[i][0]] * (width - len(history[i])) for i in rows], device=dev)
+    penalty = torch.tensor([penalties[i] for i in rows], device=dev, dtype=logits.dtype).unsqueeze(1)
+    whole = len(rows) == logits.shape[0]
+    target = logits if whole else logits[torch.tensor(rows, device=dev)]
+    vals = target.gather(1, ids)
+    target.scatter_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
+    if not whole:
+        logits[torch.tensor(rows, device=dev)] = target
+
+
+def _top_k(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask every logit below the row's k-th largest with -inf (ties with the k-th stay, as in transformers)."""
+    vocab = scaled.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if not any(ks):
+        return scaled
+    kth = scaled.topk(max(ks), dim=-1).values
+    pick = torch.tensor([max(k, 1) - 1 for k in ks], device=scaled.device).unsqueeze(1)
+    bound = kth.gather(1, pick)
+    bound = bound.masked_fill(torch.tensor(ks, device=scaled.device).unsqueeze(1) == 0, float("-inf"))
+    return scaled.masked_fill(scaled < bound, float("-inf"))
+
+
+def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability mass strictly above them is <= top_p (the nucleus), without a sort.
+
+    A histogram of log-probabilities gives the mass of every bucket; buckets entirely above the cut
+    are kept, those entirely below dropped, and only the bucket the cut falls in is ranked.
+    """
+    rows = logp.shape[0]
+    bucket = (-logp * _PER_NAT).clamp(max=_BUCKETS - 1).long()  # logp <= 0: truncation is floor
+    mass = torch.zeros(rows, _BUCKETS, dtype=torch.float64, device=logp.device)
+    mass.scatter_add_(1, bucket, probs.double())
+    cum = mass.cumsum(1)
+    crit = (cum <= top_p).sum(1, keepdim=True)
+    crosses = crit < _BUCKETS  # else rounding left the total under top_p: keep everything
+    crit = crit.clamp(max=_BUCKETS - 1)
+    before = cum.gather(1, crit) - mass.gather(1, crit)  # mass of the buckets above the critical one
+    in_crit = bucket == crit
+    count = max(int(in_crit.sum(1).max()), 1)
+    cand = torch.where(in_crit, probs, -1.0).topk(count, dim=1).values  # critical bucket, descending
+    cand64 = cand.double().clamp(min=0)
+    above = before + cand64.cumsum(1) - cand64
+    kept = ((above <= top_p) & (cand >= 0)).sum(1, keepdim=True)
+    bound = torch.where(kept > 0, cand.gather(1, (kept - 1).clamp(min=0)), float("inf"))
+    return (bucket < crit) | (in_crit & (probs >= bound)) | ~crosses
+
+
+def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities after temperature and top-k `[n, vocab]`, and the mask of tokens top-p and min-p keep.
+
+    Sampling from `probs * keep` (renormalised) is transformers' temperature, top-k, top-p, min-p chain.
+    """
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype).unsqueeze(1)
+    scaled = _top_k(logits / temp, params)
+    logp = scaled.log_softmax(-1)
+    probs = logp.exp()
+    keep = probs > 0
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        idx = torch.tensor(nucleus, device=dev)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=torch.float64).unsqueeze(1)
+        keep[idx] &= _top_p_keep(logp[idx], probs[idx], top_p)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype).unsqueeze(1)
+        keep &= probs >= min_p * probs.max(-1, keepdim=True).values
+    return probs, keep
+
+
+def draw(probs: torch.Tensor, keep: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row with probability proportional to `probs` over `keep`, from the row's own generator."""
+    weights = torch.where(keep, probs, 0.0).double()
+    cdf = weights.cumsum(1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    vocab = probs.shape[1]
+    if bool((picks >= vocab).any()):  # u * total rounded up to total: take the last kept token
+        last = vocab - 1 - (weights.flip(1) > 0).int().argmax(1)
+        picks = torch.where(picks >= vocab, last, picks)
+    return picks
 
 
 def sample(
@@ -65,14 +135,16 @@ def sample(
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
         apply_repetition_penalty(logits, history, [p.repetition_penalty for p in params])
-    chosen = logits.argmax(-1)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
-    if stochastic:
-        rows = torch.tensor(stochastic, device=logits.device)
-        probs, order = _filtered_probs(logits[rows], [params[i] for i in stochastic])
-        for j, i in enumerate(stochastic):
-            pick = torch.multinomial(probs[j], 1, generator=generators[i])
-            chosen[i] = order[j, pick[0]]
+    if len(stochastic) == len(params):
+        probs, keep = filtered(logits, params)
+        chosen = draw(probs, keep, generators)
+    else:
+        chosen = logits.argmax(-1)
+        if stochastic:
+            rows = torch.tensor(stochastic, device=logits.device)
+            probs, keep = filtered(logits[rows], [params[i] for i in stochastic])
+            chosen[rows] = draw(probs, keep, [generators[i] for i in stochastic])
     picked = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser
     tops: list[list[tuple[int, float]] | None] = [None] * len(params)
     wanted = [p.logprobs or 0 for p in params]
