@@ -5,7 +5,17 @@ from __future__ import annotations
 import attrs
 
 from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Parallel, Sequential, Step, Walk, iter_calls
+from mstar_core.graph.walk import (
+    DynamicLoop,
+    Loop,
+    NodeCall,
+    Parallel,
+    Sequential,
+    Step,
+    Walk,
+    iter_calls,
+    iter_loops,
+)
 
 
 def _group_label(step: Step) -> str:
@@ -25,15 +35,6 @@ def _policy_label(policy) -> str:
     return f"{type(policy).__name__}({args})"
 
 
-def _loops(step: Step):
-    if isinstance(step, Loop | DynamicLoop):
-        yield step
-        yield from _loops(step.body)
-    elif isinstance(step, Sequential | Parallel):
-        for s in step.steps if isinstance(step, Sequential) else step.branches:
-            yield from _loops(s)
-
-
 class _Layout:
     """Call ids, call-level data edges (back edges of loops flagged), and stream consumers of one walk."""
 
@@ -48,7 +49,7 @@ class _Layout:
                 self._edge(writer.get(call.env_input(port)), self.ids[id(call)], call.env_input(port), False)
             for out in graph.nodes[call.node].outputs:
                 writer[call.env_output(out)] = self.ids[id(call)]
-        for loop in _loops(walk.body):
+        for loop in iter_loops(walk.body):
             body = list(iter_calls(loop.body))
             for i, reader in enumerate(body):  # a later call's output (or its carry) read again next iteration
                 for port in graph.nodes[reader.node].all_inputs:

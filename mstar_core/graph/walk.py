@@ -169,3 +169,16 @@ def iter_calls(step: Step):
             yield from iter_calls(s)
     else:
         yield from iter_calls(step.body)
+
+
+def iter_loops(step: Step):
+    """Yield every Loop and DynamicLoop inside a step, depth first (a walk's loops are numbered so)."""
+    if isinstance(step, Loop | DynamicLoop):
+        yield step
+        yield from iter_loops(step.body)
+    elif isinstance(step, Sequential):
+        for s in step.steps:
+            yield from iter_loops(s)
+    elif isinstance(step, Parallel):
+        for s in step.branches:
+            yield from iter_loops(s)

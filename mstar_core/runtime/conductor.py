@@ -27,6 +27,7 @@ from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.streaming.policies import Chunk
 
 _STREAM_END = object()
+_MISSING = object()
 
 
 class Conductor:
@@ -37,6 +38,8 @@ class Conductor:
         self.schedulers = schedulers
         # merged static + per-call options, computed once per call site (graphs are immutable)
         self._call_options: dict[int, Mapping[str, Any]] = {}
+        # loops delegated to the worker that hosts all their nodes: id(loop) -> runner (see remote_loop.py)
+        self.remote_loops: dict[int, Any] = {}
         # the consumer side of each streaming edge, as a call site of its own
         self._stream_calls: dict[int, NodeCall] = {
             id(edge): NodeCall(edge.dst_node, outputs=edge.outputs)
@@ -45,7 +48,7 @@ class Conductor:
         }
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
-        state = _RequestState(request_id, emit)
+        state = RequestState(request_id, emit)
         try:
             for walk_name in self.graph.plan(env):
                 await self._run_walk(state, self.graph.walks[walk_name], env)
@@ -56,13 +59,13 @@ class Conductor:
 
     # -- walks ---------------------------------------------------------------------------------
 
-    async def _run_walk(self, state: _RequestState, walk: Walk, env: dict[str, Any]) -> None:
+    async def _run_walk(self, state: RequestState, walk: Walk, env: dict[str, Any]) -> None:
         missing = [name for name in walk.inputs if name not in env]
         if missing:
             from mstar_core.errors import RequestError
 
             raise RequestError(f"walk '{walk.name}' needs inputs {missing}; got {sorted(env)}")
-        frame = _WalkFrame(walk, set(walk.emit))
+        frame = WalkFrame(walk, set(walk.emit))
         consumers = []
         for edge in walk.streams:
             stream = _Stream(edge, asyncio.Queue())
@@ -84,7 +87,7 @@ class Conductor:
                 if not task.done():
                     task.cancel()
 
-    async def _consume(self, state: _RequestState, frame: _WalkFrame, stream: _Stream, env: dict[str, Any]) -> None:
+    async def _consume(self, state: RequestState, frame: WalkFrame, stream: _Stream, env: dict[str, Any]) -> None:
         edge = stream.edge
         call = self._stream_calls[id(edge)]
         while True:
@@ -100,40 +103,55 @@ class Conductor:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    async def _step(self, state: _RequestState, frame: _WalkFrame, step: Step, env: dict[str, Any]) -> None:
+    def after_call(self, state: RequestState, frame: WalkFrame, call: NodeCall, outputs: dict, env: dict) -> None:
+        """Write a call's outputs to the env, emit what the walk emits, feed streaming edges.
+
+        `outputs` may hold only some of the node's outputs (a delegated loop forwards just the
+        emitted and streamed ones); undeclared keys an engine adds are ignored.
+        """
+        for port in self.graph.nodes[call.node].outputs:
+            value = outputs.get(port, _MISSING)
+            if value is _MISSING:
+                continue
+            name = call.env_output(port)
+            env[name] = value
+            if name in frame.emit:
+                state.emit(Output(name, value, frame.walk.name))
+        streams = frame.streams.get(call.node)
+        if streams:
+            for stream in streams:
+                value = outputs.get(stream.edge.src_output, _MISSING)
+                if value is not _MISSING and (stream.edge.keep is None or stream.edge.keep(value)):
+                    for chunk in stream.state.push(value):
+                        stream.queue.put_nowait(chunk)
+
+    async def _step(self, state: RequestState, frame: WalkFrame, step: Step, env: dict[str, Any]) -> None:
         if isinstance(step, NodeCall):
-            outputs = await self._invoke(state, step, env)
-            node = self.graph.nodes[step.node]
-            for port in node.outputs:
-                name = step.env_output(port)
-                value = outputs[port]
-                env[name] = value
-                if name in frame.emit:
-                    state.emit(Output(name, value, frame.walk.name))
-            streams = frame.streams.get(step.node)
-            if streams:
-                for stream in streams:
-                    value = outputs[stream.edge.src_output]
-                    if stream.edge.keep is None or stream.edge.keep(value):
-                        for chunk in stream.state.push(value):
-                            stream.queue.put_nowait(chunk)
+            self.after_call(state, frame, step, await self._invoke(state, step, env), env)
+        elif isinstance(step, Loop | DynamicLoop) and id(step) in self.remote_loops:
+            await self.remote_loops[id(step)].run(self, state, frame, step, env)
         elif isinstance(step, Sequential):
             for sub in step.steps:
                 await self._step(state, frame, sub, env)
         elif isinstance(step, Parallel):
             await self._parallel(state, frame, step, env)
-        elif isinstance(step, Loop):
+        elif isinstance(step, Loop | DynamicLoop):
+            await self.run_loop(state, frame, step, env)
+        else:  # pragma: no cover - validated at build time
+            raise TypeError(step)
+
+    async def run_loop(self, state: RequestState, frame: WalkFrame, step: Loop | DynamicLoop, env: dict) -> None:
+        """Run a loop here, its node calls going through this process's schedulers."""
+        if isinstance(step, Loop):
             iters = env[step.iters] if isinstance(step.iters, str) else step.iters
             await self._loop(state, frame, step, env, int(iters), None)
-        elif isinstance(step, DynamicLoop):
+        else:
             limit = step.max_iters
             if isinstance(limit, str):
                 limit = env[limit]
             elif callable(limit):
                 limit = limit(env)
             await self._loop(state, frame, step, env, int(limit), step.until)
-        else:  # pragma: no cover - validated at build time
-            raise TypeError(step)
 
     async def _loop(self, state, frame, loop: Loop | DynamicLoop, env, limit: int, until) -> None:
         accumulated = {name: [] for name in loop.accumulate}
@@ -168,7 +186,7 @@ class Conductor:
                     env[name] = value
 
     async def _invoke(
-        self, state: _RequestState, call: NodeCall, env: dict[str, Any], extra: dict[str, Any] | None = None
+        self, state: RequestState, call: NodeCall, env: dict[str, Any], extra: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         node = self.graph.nodes[call.node]
         inputs = {}
@@ -195,7 +213,7 @@ class Conductor:
         return await self.schedulers[call.node].submit(invocation)
 
 
-class _RequestState:
+class RequestState:
     __slots__ = ("call_counts", "emit", "request_id", "touched")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None]):
@@ -205,7 +223,7 @@ class _RequestState:
         self.call_counts: dict[str, int] = {}
 
 
-class _WalkFrame:
+class WalkFrame:
     __slots__ = ("emit", "streams", "walk")
 
     def __init__(self, walk: Walk, emit: set[str]):

@@ -204,3 +204,39 @@ class ErrorReport:
     message: str
     error_type: str
     request_id: str | None = None
+
+
+@message("run_loop")
+class RunLoop:
+    """Run one loop of a walk on the worker that hosts all of its nodes ("loops run where their nodes live").
+
+    `loop` indexes the walk's loops in depth-first order; `env` is the request's env on entry.
+    """
+
+    request_id: str
+    model: str
+    walk: str
+    loop: int
+    env: dict[str, Any]
+
+
+@message("loop_values")
+class LoopValues:
+    """Outputs of one node call inside a delegated loop that the caller must see (emitted or streamed)."""
+
+    request_id: str
+    loop: int
+    call: int
+    outputs: dict[str, Any]
+
+
+@message("loop_done")
+class LoopDone:
+    """A delegated loop finished: the env names it changed, or the error that stopped it."""
+
+    request_id: str
+    loop: int
+    env: dict[str, Any] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    node: str | None = None

@@ -12,9 +12,12 @@ from mstar_core.wire import (
     Hello,
     InvokeNode,
     LoadModel,
+    LoopDone,
+    LoopValues,
     ModelLoaded,
     NodeResult,
     Release,
+    RunLoop,
     Shutdown,
     Welcome,
     decode,
@@ -51,6 +54,10 @@ SAMPLES = [
     Shutdown(reason="bye"),
     Shutdown(),
     ErrorReport(worker="w0", message="oom", error_type="RuntimeError", request_id="r2"),
+    RunLoop(request_id="r3", model="orpheus", walk="decode", loop=0, env={"ids": torch.arange(3), "n": 4}),
+    LoopValues(request_id="r3", loop=0, call=1, outputs={"next_token": 17, "finish_reason": None}),
+    LoopDone(request_id="r3", loop=0, env={"next_token": 9, "finish_reason": "stop"}),
+    LoopDone(request_id="r3", loop=0, error="boom", error_type="ValueError", node="lm"),
 ]
 
 
