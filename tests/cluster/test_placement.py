@@ -89,3 +89,13 @@ def test_launchers_and_their_resources():
     assert w["here"].spawned and w["actor"].spawned and not w["far"].spawned
     assert (w["actor"].num_gpus, w["actor"].num_cpus, w["actor"].ray_address) == (1, 4.0, "auto")
     assert w["here"].num_gpus == 0 and w["fast"].transport == "shm"
+
+
+def test_every_example_file_is_valid():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples" / "placement").glob("*.yaml"))
+    assert len(examples) >= 4
+    launchers = {w.launcher for path in examples for w in load_placement(path).workers.values()}
+    transports = {w.transport for path in examples for w in load_placement(path).workers.values()}
+    assert launchers >= {"spawn", "ray"} and transports == {"zmq", "shm"}
