@@ -78,3 +78,24 @@ async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
     new_pid = state.process.pid
     await engine.close()
     assert segments_of(os.getpid(), old.pid, new_pid) == []
+
+
+def test_segments_a_killed_peer_never_handed_over_are_swept_when_it_is_lost():
+    import subprocess
+    import sys
+
+    from mstar_core.runtime.launchers.shm_path import ShmLink
+
+    code = ("from mstar_transport_shm import Arena; a = Arena(1 << 20); a.put(memoryview(bytes(100_000)));"
+            "print('ready', flush=True); import time; time.sleep(60)")
+    peer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        assert len(segments_of(peer.pid)) == 1  # written, never mapped by us: still named
+    finally:
+        peer.kill()
+        peer.wait()
+    link = ShmLink()
+    link.peer_lost()  # what the server does when it detects the dead worker
+    assert segments_of(peer.pid) == []
+    link.close()
