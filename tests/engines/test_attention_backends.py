@@ -18,7 +18,7 @@ def _layout(lens_before, lens_new, limits_for=None):
     pages = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
     work = []
     for i, (old, new) in enumerate(zip(lens_before, lens_new, strict=True)):
-        seq = Sequence(f"r{i}", "main", tokens=[1] * (old + new), num_computed=old)
+        seq = Sequence(f"r{i}", "main", tokens=[1] * (old + new), num_computed=old, order=i)
         seq.pages = [pages.pop() for _ in range(-(-(old + new) // PAGE))]
         if limits_for is not None and i == limits_for:
             seq.limits = list(range(1, old + 1)) + [old + new] * new  # the new tokens form one block

@@ -1,25 +1,37 @@
 """Paged attention with `scaled_dot_product_attention`: keys gathered from pages by precomputed slot indices.
 
 The gather indices and masks depend only on the step's layout, so they are built once per step
-(in `TorchPagedContext.__init__`) and every layer reuses them; a layer costs one scatter of its
-new keys/values into the pages, one gather and one SDPA call per group.
+(in `TorchPagedContext.__init__`) and every layer reuses them. Decoding rows attend over their
+sequence's decode lane (a contiguous copy of its keys, see `lanes.py`) when the backend keeps
+lanes (on CPU by default), else over a per-layer gather of whole pages; prefill chunks run one
+sequence at a time over their slots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mstar_attn_torch.lanes import DecodeLanes
+
 
 class TorchPagedAttention:
-    """The `torch` backend: works on any device torch runs on."""
+    """The `torch` backend: works on any device torch runs on.
+
+    `decode_lanes` (default: on for CPU) keeps contiguous per-sequence copies of decoding
+    sequences' keys and values, at most as many bytes as the pool itself; on CPU a page gather
+    per layer costs as much as the attention.
+    """
 
     name = "torch"
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", decode_lanes: bool | None = None):
         self.device = torch.device(device)
+        self.use_lanes = self.device.type == "cpu" if decode_lanes is None else decode_lanes
+        self.lanes: DecodeLanes | None = None
 
     @staticmethod
     def available(device: torch.device | str) -> bool:
@@ -28,7 +40,17 @@ class TorchPagedAttention:
 
     def begin(self, batch: Any, kv: torch.Tensor) -> TorchPagedContext:
         """Attention context for one step; `batch` is a `mstar_kvcache.PagedBatch`, `kv` the pool tensor."""
-        return TorchPagedContext(batch, kv)
+        lanes = None
+        if self.use_lanes and getattr(batch, "seq_ids", None) is not None:
+            if self.lanes is None:
+                self.lanes = DecodeLanes(kv.numel() * kv.element_size())
+            lanes = self.lanes
+        return TorchPagedContext(batch, kv, lanes)
+
+    def forget(self, seq_id: Hashable) -> None:
+        """Drop per-sequence state of a sequence the engine freed."""
+        if self.lanes is not None:
+            self.lanes.forget(seq_id)
 
 
 def _key_slots(batch: Any, seqs: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,31 +62,43 @@ def _key_slots(batch: Any, seqs: list[int], length: int) -> tuple[torch.Tensor, 
     return pages * batch.page_size + pos % batch.page_size, pos
 
 
+def _bounds(batch: Any, seqs: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """Exclusive key bound of each decoding row: its sequence length, or less under a block mask."""
+    bound = torch.tensor([batch.kv_lens[i] for i in seqs], device=rows.device)
+    return bound if batch.limits is None else torch.minimum(bound, batch.limits[rows])
+
+
 class TorchPagedContext:
     """`AttentionContext` for one step over the paged pool."""
 
-    def __init__(self, batch: Any, kv: torch.Tensor):
+    def __init__(self, batch: Any, kv: torch.Tensor, lanes: DecodeLanes | None = None):
         self.kv = kv
         self.slots = batch.slot_mapping
+        self.num_tokens = batch.num_tokens
         self.gather_buf: torch.Tensor | None = None
+        self.lanes = lanes
         starts = batch.q_start.tolist()
         device = batch.slot_mapping.device
-        limits = batch.limits
         decode = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        self.in_lanes = None
+        if decode and lanes is not None:
+            got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
+                               [batch.kv_lens[i] for i in decode])
+            self.in_lanes = self._lane_plan(batch, starts, [(i, g) for i, g in zip(decode, got, strict=True) if g is not None])
+            decode = [i for i, g in zip(decode, got, strict=True) if g is None]
         self.decode: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
         if decode:
             # decodes gather whole pages (one contiguous block per page, much cheaper than per-slot rows)
             rows = torch.tensor([starts[i] for i in decode], device=device)
             table = batch.page_table if len(decode) == batch.num_seqs else batch.page_table[torch.tensor(decode, device=device)]
             width = table.shape[1] * batch.page_size
-            bound = torch.tensor([batch.kv_lens[i] for i in decode], device=device)
-            if limits is not None:
-                bound = torch.minimum(bound, limits[rows])
+            bound = _bounds(batch, decode, rows)
             mask = None
             if width != int(bound.min()) or int(bound.max()) != width:
                 mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
             self.decode = (rows, table.reshape(-1), width, mask)
         # longer chunks (prefills) run one sequence at a time: few per step, and no padding waste
+        limits = batch.limits
         self.prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for i, n in enumerate(batch.q_lens):
             if n == 1:
@@ -82,6 +116,28 @@ class TorchPagedContext:
                 mask = pos[None, :] < bound[:, None]
             self.prefill.append((start, n, slots, mask))
 
+    @staticmethod
+    def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> tuple | None:
+        """Rows, lanes, write positions, lane count, width and mask for the rows decoding in lanes."""
+        if not picked:
+            return None
+        device = batch.slot_mapping.device
+        seqs, lane_ids = [i for i, _ in picked], [g for _, g in picked]
+        rows = torch.tensor([starts[i] for i in seqs], device=device)
+        lane_t = torch.tensor(lane_ids, device=device)
+        pos = torch.tensor([batch.kv_lens[i] - 1 for i in seqs], device=device)
+        count = max(lane_ids) + 1
+        # every row in a lane and lane l serving row l: no scatter of queries, no pick of results
+        identity = len(picked) == count == batch.num_tokens and lane_ids == list(range(count)) and \
+            [starts[i] for i in seqs] == list(range(count))
+        bound = torch.ones(count, dtype=torch.long, device=device)  # lanes idle this step see one key
+        bound[lane_t] = _bounds(batch, seqs, rows)
+        width = int(bound.max())
+        mask = None
+        if int(bound.min()) != width:
+            mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
+        return rows, lane_t, pos, count, width, mask, identity
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
         hkv, dim = k.shape[1], k.shape[2]
@@ -90,26 +146,13 @@ class TorchPagedContext:
         k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
         gqa = q.shape[1] != hkv
-        if self.decode is not None and not self.prefill and self.decode[0].shape[0] == q.shape[0]:
-            out = None  # every row is a decode: write straight into the result
-        else:
-            out = torch.empty_like(q)
+        if self.in_lanes is not None and self.in_lanes[-1]:
+            return self._attend_lanes(layer, q, k, v, scale, gqa, None)
+        out = torch.empty_like(q)
+        if self.in_lanes is not None:
+            self._attend_lanes(layer, q, k, v, scale, gqa, out)
         if self.decode is not None:
-            rows, pages, width, mask = self.decode
-            qd = q if out is None else q[rows]
-            g = qd.shape[0]
-            # keys and values of every needed page in one gather: [2, pages, page_size * heads * dim]
-            layer_kv = self.kv[layer].view(2, self.kv.shape[2], -1)
-            if self.gather_buf is None:  # one buffer reused by every layer: no per-layer allocation
-                self.gather_buf = layer_kv.new_empty(2, pages.shape[0], layer_kv.shape[2])
-            both = torch.index_select(layer_kv, 1, pages, out=self.gather_buf).view(2, g, width, hkv, dim)
-            keys, vals = both[0].transpose(1, 2), both[1].transpose(1, 2)
-            res = F.scaled_dot_product_attention(
-                qd.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
-            ).squeeze(2)
-            if out is None:
-                return res.to(q.dtype)
-            out[rows] = res.to(q.dtype)
+            self._attend_gathered(layer, q, scale, gqa, out)
         for start, n, slots, mask in self.prefill:
             qh = q[start : start + n].transpose(0, 1)
             if slots is None:
@@ -121,3 +164,42 @@ class TorchPagedContext:
             )
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         return out
+
+    def _attend_lanes(self, layer, q, k, v, scale, gqa, out):
+        """Append each lane row's new key/value to its lane, then one SDPA over a strided view of the lanes."""
+        rows, lane_t, pos, count, width, mask, identity = self.in_lanes
+        store = self.lanes.kv[layer]
+        if identity:
+            store[0].index_put_((lane_t, pos), k.to(store.dtype))
+            store[1].index_put_((lane_t, pos), v.to(store.dtype))
+            ql = q
+        else:
+            store[0].index_put_((lane_t, pos), k[rows].to(store.dtype))
+            store[1].index_put_((lane_t, pos), v[rows].to(store.dtype))
+            ql = q.new_zeros(count, q.shape[1], q.shape[2])
+            ql[lane_t] = q[rows]
+        keys = store[0, :count, :width].transpose(1, 2)
+        vals = store[1, :count, :width].transpose(1, 2)
+        res = F.scaled_dot_product_attention(
+            ql.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
+        ).squeeze(2)
+        if identity:
+            return res.to(q.dtype)
+        out[rows] = res[lane_t].to(q.dtype)
+        return out
+
+    def _attend_gathered(self, layer, q, scale, gqa, out):
+        """Decoding rows without a lane: gather their whole pages (keys and values in one index_select)."""
+        rows, pages, width, mask = self.decode
+        hkv, dim = self.kv.shape[4], self.kv.shape[5]
+        qd = q[rows]
+        g = qd.shape[0]
+        layer_kv = self.kv[layer].view(2, self.kv.shape[2], -1)
+        if self.gather_buf is None:  # one buffer reused by every layer: no per-layer allocation
+            self.gather_buf = layer_kv.new_empty(2, pages.shape[0], layer_kv.shape[2])
+        both = torch.index_select(layer_kv, 1, pages, out=self.gather_buf).view(2, g, width, hkv, dim)
+        keys, vals = both[0].transpose(1, 2), both[1].transpose(1, 2)
+        res = F.scaled_dot_product_attention(
+            qd.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
+        ).squeeze(2)
+        out[rows] = res.to(q.dtype)

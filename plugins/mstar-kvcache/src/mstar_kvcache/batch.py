@@ -16,7 +16,9 @@ class PagedBatch:
     `page_table[i, :num_pages[i]]` lists its pages. `slot_mapping[t]` is the flat slot
     (`page * page_size + offset`) where token `t`'s key and value go. `limits` is None for plain
     causal attention; otherwise `limits[t]` is the exclusive bound on key positions token `t` sees
-    (`position + 1` is causal, a block end makes a bidirectional block).
+    (`position + 1` is causal, a block end makes a bidirectional block). `seq_ids[i]` identifies
+    sequence `i` across steps (unique per sequence for the engine's lifetime), for backends that keep
+    per-sequence state between steps.
     """
 
     page_size: int
@@ -28,6 +30,7 @@ class PagedBatch:
     page_table: torch.Tensor
     page_lists: list[list[int]]
     limits: torch.Tensor | None = None
+    seq_ids: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -79,5 +82,6 @@ def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.
         page_table=page_table.to(device),
         page_lists=[list(p) for p in page_lists],
         limits=limits,
+        seq_ids=[seq.order for seq, _ in work],
     )
     return torch.tensor(ids, dtype=torch.long, device=device), batch

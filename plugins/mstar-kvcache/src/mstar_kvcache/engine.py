@@ -111,8 +111,12 @@ class KVCacheEngine(Engine):
         return results
 
     def release(self, request_id: str) -> None:
+        forget = getattr(self.backend, "forget", None)  # backends may keep per-sequence state (decode lanes)
         for key in [k for k in self.seqs if k[0] == request_id]:
-            self.blocks.free(self.seqs.pop(key))
+            seq = self.seqs.pop(key)
+            self.blocks.free(seq)
+            if forget is not None:
+                forget(seq.order)
         self.backlog = deque(inv for inv in self.backlog if inv.request_id != request_id)
         self.failed = [r for r in self.failed if r[0].request_id != request_id]
 

@@ -1,0 +1,119 @@
+"""`DecodeLanes`: contiguous per-sequence copies of decoding sequences' keys and values.
+
+Gathering every page of every decoding sequence in every layer costs as much as the attention
+itself on a CPU. A lane holds one sequence's keys and values contiguously (all layers), so a
+decode step attends over a strided view of the lanes with no gather: a lane is filled from the
+pages once, when its sequence starts decoding, and then gets one new token per step, written
+next to the page write. The pages stay the source of truth: a lane is trusted only while its
+recorded length and page list still describe the sequence (anything else, such as a rollback, a
+copy-on-write or a preemption, refills it from the pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+
+class DecodeLanes:
+    """Lane storage `[layers, 2, lanes, capacity, kv_heads, head_dim]`, grown on demand within `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.kv: torch.Tensor | None = None
+        self.owner: list[Hashable | None] = []
+        self.length: list[int] = []
+        self.pages: list[list[int]] = []
+        self.used: list[int] = []  # step a lane was last used in (LRU eviction)
+        self.lane_of: dict[Hashable, int] = {}
+        self.step = 0
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.owner)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[3]
+
+    def forget(self, key: Hashable) -> None:
+        """Free the lane of a sequence that is gone."""
+        lane = self.lane_of.pop(key, None)
+        if lane is not None:
+            self.owner[lane] = None
+
+    def assign(self, pool: torch.Tensor, keys: list[Hashable], page_lists: list[list[int]], kv_lens: list[int]) -> list[int | None]:
+        """A lane for each decoding sequence (None: no room, attend through the pages), with earlier tokens in it.
+
+        `kv_lens[i]` counts sequence `i`'s keys including this step's one, which the caller writes.
+        """
+        self.step += 1
+        if len(set(keys)) != len(keys):  # ids are not unique: no lane can be trusted
+            return [None] * len(keys)
+        page_size = pool.shape[3]
+        live = sum(o is not None for o in self.owner) + sum(k not in self.lane_of for k in keys)
+        self._reserve(pool, max(len(keys), live), max(kv_lens))
+        lanes: list[int | None] = []
+        for key, pages, kv_len in zip(keys, page_lists, kv_lens, strict=True):
+            lane = self.lane_of.get(key)
+            stale = (
+                lane is None
+                or self.length[lane] != kv_len - 1
+                or pages[: len(self.pages[lane])] != self.pages[lane]
+            )
+            if lane is None:
+                lane = self._take(key)
+            if lane is None or kv_len > self.capacity:
+                lanes.append(None)
+                continue
+            if stale:
+                known = kv_len - 1
+                held = -(-known // page_size)
+                if known:
+                    src = pool[:, :, pages[:held]].flatten(2, 3)[:, :, :known]
+                    self.kv[:, :, lane, :known] = src
+            self.length[lane], self.pages[lane], self.used[lane] = kv_len, list(pages), self.step
+            lanes.append(lane)
+        return lanes
+
+    def _take(self, key: Hashable) -> int | None:
+        """A free lane, else the least recently used one not needed in this step."""
+        free = [i for i, o in enumerate(self.owner) if o is None]
+        if free:
+            lane = free[0]
+        else:
+            idle = [i for i in range(self.num_lanes) if self.used[i] < self.step]
+            if not idle:
+                return None
+            lane = min(idle, key=self.used.__getitem__)
+            del self.lane_of[self.owner[lane]]
+        self.owner[lane] = key
+        self.lane_of[key] = lane
+        self.length[lane] = -1
+        self.pages[lane] = []
+        return lane
+
+    def _reserve(self, pool: torch.Tensor, lanes: int, length: int) -> None:
+        """Grow to at least `lanes` lanes of `length` tokens (powers of two) if the budget allows."""
+        want_lanes = max(self.num_lanes, _pow2(lanes))
+        want_cap = max(self.capacity, _pow2(max(length, 64)))
+        if want_lanes == self.num_lanes and want_cap == self.capacity:
+            return
+        layers, _, _, _, heads, dim = pool.shape
+        per_token = 2 * layers * heads * dim * pool.element_size()
+        if want_lanes * want_cap * per_token > self.budget:
+            return  # rows that do not fit attend through the pages
+        grown = pool.new_zeros(layers, 2, want_lanes, want_cap, heads, dim)
+        if self.kv is not None:
+            grown[:, :, : self.num_lanes, : self.capacity] = self.kv
+        self.kv = grown
+        extra = want_lanes - self.num_lanes
+        self.owner += [None] * extra
+        self.length += [-1] * extra
+        self.pages += [[] for _ in range(extra)]
+        self.used += [0] * extra
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

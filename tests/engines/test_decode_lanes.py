@@ -1,0 +1,106 @@
+"""Decode lanes (contiguous per-sequence KV copies in the torch backend) against the page-gather path."""
+
+from __future__ import annotations
+
+import torch
+from mstar_attn_torch import TorchPagedAttention
+from mstar_attn_torch.lanes import DecodeLanes
+
+from mstar_core.runtime.engine import Invocation
+from mstar_core.sampling import SamplingParams
+from tests.engines.driver import make_engine
+
+
+def _scenario(engine) -> list[torch.Tensor]:
+    """Mixed lengths, chunked prefill, a fork, a 1-token peek that is rolled back, releases and refills."""
+    logits: list[torch.Tensor] = []
+    prompts = {"a": list(range(1, 23)), "b": list(range(5, 9)), "c": list(range(40, 77)), "d": [3, 1, 4, 1, 5]}
+    for rid, ids in prompts.items():
+        engine.add(Invocation(rid, "lm", {"input_ids": ids}, {}))
+    made = {rid: 0 for rid in prompts}
+    queue = ["e", "f"]
+    step = 0
+    while engine.has_work():
+        step += 1
+        for inv, out in engine.step():
+            if isinstance(out, BaseException):
+                raise out
+            logits.append(out["logits"])
+            rid, label = inv.request_id, inv.options.get("cache_label", "main")
+            if label != "main" or not inv.options.get("write_cache", True):
+                continue
+            made[rid] += 1
+            if rid == "a" and made[rid] == 5:  # a branch that shares a's pages copy-on-write
+                engine.add(Invocation(rid, "lm", {"input_ids": out["next_token"]}, {"cache_label": "alt", "fork_from": "main"}))
+            if rid == "b" and made[rid] == 7:  # attend to one token without keeping it, then continue
+                engine.add(Invocation(rid, "lm", {"input_ids": 11}, {"write_cache": False}))
+            if made[rid] < 24:
+                engine.add(Invocation(rid, "lm", {"input_ids": out["next_token"]}, {}))
+            else:
+                engine.release(rid)
+                if queue:
+                    new = queue.pop()
+                    made[new] = 0
+                    engine.add(Invocation(new, "lm", {"input_ids": list(range(7, 7 + 9 * len(queue) + 3))}, {}))
+    return logits
+
+
+def _engine(model, lanes: bool, **settings):
+    engine = make_engine(model, page_size=4, max_num_batched_tokens=24, **{"num_pages": 96, **settings})
+    engine.backend = TorchPagedAttention("cpu", decode_lanes=lanes)
+    return engine
+
+
+def test_lanes_give_the_same_logits_as_page_gathers(llama_pair):
+    _, ours = llama_pair
+    with_lanes = _engine(ours, True)
+    got = _scenario(with_lanes)
+    ref = _scenario(_engine(ours, False))
+    assert len(got) == len(ref) > 100
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), atol=1e-5, rtol=1e-5)
+    lanes = with_lanes.backend.lanes
+    assert lanes.kv is not None and not lanes.lane_of  # lanes were used, and released with their requests
+    assert with_lanes.pool.num_used == 0
+
+
+def test_lanes_survive_preemption_and_a_tight_budget(llama_pair):
+    _, ours = llama_pair
+    tight = _engine(ours, True, num_pages=40)  # forces preemptions and recomputes
+    got = _scenario(tight)
+    assert tight.num_preemptions > 0
+    torch.testing.assert_close(torch.stack(got), torch.stack(_scenario(_engine(ours, False, num_pages=40))),
+                               atol=1e-5, rtol=1e-5)
+    ref = _scenario(_engine(ours, False))
+    starved = _engine(ours, True)
+    starved.backend.lanes = DecodeLanes(budget_bytes=1)  # no room for any lane: every decode gathers pages
+    torch.testing.assert_close(torch.stack(_scenario(starved)), torch.stack(ref), atol=1e-5, rtol=1e-5)
+    assert starved.backend.lanes.kv is None
+
+
+def test_seeded_sampling_is_unchanged_by_lanes(llama_pair):
+    _, ours = llama_pair
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=5, max_tokens=30)
+    runs = []
+    for lanes in (True, False):
+        engine = _engine(ours, lanes)
+        engine.add(Invocation("r", "lm", {"input_ids": [1, 2, 3], "sampling": params}, {}))
+        tokens = []
+        while engine.has_work():
+            for _, out in engine.step():
+                tokens.append(out["next_token"])
+                if out["finish_reason"] is None:
+                    engine.add(Invocation("r", "lm", {"input_ids": out["next_token"], "sampling": params}, {}))
+        runs.append(tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+def test_lane_is_refilled_when_pages_change_under_it():
+    pool = torch.randn(1, 2, 8, 2, 1, 3)  # 1 layer, 8 pages of 2 slots
+    lanes = DecodeLanes(budget_bytes=1 << 20)
+    (lane,) = lanes.assign(pool, ["s"], [[3, 5]], [4])
+    torch.testing.assert_close(lanes.kv[0, :, lane, :3], pool[0, :, [3, 5]].flatten(1, 2)[:, :3])
+    lanes.kv[0, :, lane, 3] = pool[0, :, 5, 1]  # the caller writes the step's token
+    pool[0, :, 6] = torch.randn(2, 2, 1, 3)
+    (same,) = lanes.assign(pool, ["s"], [[3, 6, 7]], [5])  # page 5 replaced (copy-on-write): refill
+    assert same == lane
+    torch.testing.assert_close(lanes.kv[0, :, lane, :4], pool[0, :, [3, 6]].flatten(1, 2)[:, :4])
