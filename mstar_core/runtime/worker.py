@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, help="the server's control address, e.g. tcp://10.0.0.2:7100")
     parser.add_argument("--name", required=True, help="the worker name the placement file gives this worker")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--transport", choices=("zmq", "shm"), default="zmq",
-                        help="how tensors travel to and from the server (shm: this host only)")
+    # set by the spawn launcher from the placement (shm only for workers it spawns on this host)
+    parser.add_argument("--transport", choices=("zmq", "shm"), default="zmq", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")

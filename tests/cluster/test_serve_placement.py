@@ -1,6 +1,7 @@
-"""`mstar serve orpheus --config <placement>`: the disaggregated model behind the real HTTP server."""
+"""`mstar serve orpheus --config <placement>`: the disaggregated model (shm workers) behind the real HTTP server."""
 
 import io
+import os
 import signal
 import wave
 from pathlib import Path
@@ -13,7 +14,7 @@ from tests.server.conftest import Server
 pytest.importorskip("mstar_orpheus")
 pytestmark = pytest.mark.timeout(180)
 
-PLACEMENT = Path(__file__).resolve().parents[2] / "examples" / "placement" / "orpheus-disaggregated.yaml"
+PLACEMENT = Path(__file__).resolve().parents[2] / "examples" / "placement" / "orpheus-disaggregated-shm.yaml"
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -32,8 +33,10 @@ def worker_pids(server_pid: int) -> list[int]:
 
 def test_serve_with_a_placement_file_and_stop_cleanly():
     srv = Server(["orpheus"], "--config", str(PLACEMENT), api_key=None)
+    pids = [srv.proc.pid]
     try:
-        assert len(worker_pids(srv.proc.pid)) == 2
+        pids += worker_pids(srv.proc.pid)
+        assert len(pids) == 3
         body = {"model": "orpheus", "input": "Hello there", "voice": "tara", "response_format": "wav", "seed": 3}
         r = httpx.post(f"{srv.url}/v1/audio/speech", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -45,3 +48,5 @@ def test_serve_with_a_placement_file_and_stop_cleanly():
     assert code == 0, srv.output()[-3000:]
     assert "Traceback" not in srv.output(), srv.output()[-3000:]
     assert worker_pids(srv.proc.pid) == []
+    left = [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"mstar-shm-{p}-")]
+    assert left == [], left
