@@ -303,8 +303,8 @@ class Cluster:
             await asyncio.sleep(min(0.1, self.heartbeat_interval / 2))
             now = time.monotonic()
             for state in list(self.workers.values()):
-                if not state.alive:
-                    continue
+                if not state.alive or self._closing:
+                    continue  # while closing, workers exiting is expected
                 await self._flush(state)
                 exited = state.process is not None and state.process.poll() is not None
                 silent = now - state.last_seen > MISSED_BEATS * self.heartbeat_interval
