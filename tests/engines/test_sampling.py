@@ -137,3 +137,21 @@ def test_stop_tokens_sequences_and_max_tokens(llama_pair):
     first_stop = greedy.index(greedy[5]) + 1
     assert reasons == {"tok": first_stop, "seq": 5, "len": 4}
     assert engine.pool.num_used == 0
+
+
+def test_logprob_output_only_when_the_node_declares_it(llama_pair):
+    from mstar_kvcache import KVCacheEngine
+
+    from mstar_core.graph import GraphNode
+    from mstar_core.runtime.engine import EngineContext, Invocation
+
+    _, ours = llama_pair
+    outs = {}
+    for declared in (("next_token", "finish_reason", "logprob", "logits"), ("next_token", "finish_reason", "logits")):
+        node = GraphNode("lm", inputs=("input_ids",), outputs=declared, engine="kvcache")
+        engine = KVCacheEngine(node, ours, EngineContext("test", torch.device("cpu"), {"num_pages": 16}))
+        engine.add(Invocation("r", "lm", {"input_ids": [3, 4, 5]}, {}))
+        (_, outs[len(declared)]), = engine.step()
+    with_lp, without = outs[4], outs[3]
+    assert "logprob" not in without and with_lp["next_token"] == without["next_token"]
+    assert with_lp["logprob"] == pytest.approx(float(torch.log_softmax(with_lp["logits"], -1).max()), abs=1e-5)

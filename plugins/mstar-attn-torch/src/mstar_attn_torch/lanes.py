@@ -95,16 +95,20 @@ class DecodeLanes:
         return lane
 
     def _reserve(self, pool: torch.Tensor, lanes: int, length: int) -> None:
-        """Grow to at least `lanes` lanes of `length` tokens (powers of two) if the budget allows."""
-        want_lanes = max(self.num_lanes, _pow2(lanes))
-        want_cap = max(self.capacity, _pow2(max(length, 64)))
-        if want_lanes == self.num_lanes and want_cap == self.capacity:
+        """Grow to at least `lanes` lanes of `length` tokens (with headroom when the budget allows)."""
+        if lanes <= self.num_lanes and length <= self.capacity:
             return
         layers, _, _, _, heads, dim = pool.shape
         per_token = 2 * layers * heads * dim * pool.element_size()
-        if want_lanes * want_cap * per_token > self.budget:
+        want_lanes = max(self.num_lanes, _round(lanes, 8))
+        # doubling keeps regrowth (a full copy) rare; without room for it, grow only to what is needed
+        for cap in (max(self.capacity, _round(max(length, 2 * self.capacity, 64), 16)),
+                    max(self.capacity, _round(length, 16))):
+            if want_lanes * cap * per_token <= self.budget:
+                break
+        else:
             return  # rows that do not fit attend through the pages
-        grown = pool.new_zeros(layers, 2, want_lanes, want_cap, heads, dim)
+        grown = pool.new_zeros(layers, 2, want_lanes, cap, heads, dim)
         if self.kv is not None:
             grown[:, :, : self.num_lanes, : self.capacity] = self.kv
         self.kv = grown
@@ -115,5 +119,5 @@ class DecodeLanes:
         self.used += [0] * extra
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def _round(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -23,9 +23,9 @@ from mstar_kvcache.sequence import Sequence
 class KVCacheEngine(Engine):
     """Each invocation appends `input_ids` to the request's sequence for its cache label, then samples.
 
-    Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), `logprob`, plus
-    `top_logprobs` when the sampling params ask, and `logits` / `hidden` (last position) when the
-    node declares those outputs. Options: `cache_label` (default "main"), `write_cache` (False:
+    Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), plus `top_logprobs` when
+    the sampling params ask, and `logprob` / `logits` / `hidden` (last position) when the node
+    declares those outputs. Options: `cache_label` (default "main"), `write_cache` (False:
     attend to the cache without keeping this call's tokens), `fork_from` (a new label starts as a
     copy-on-write fork of that label), `bidirectional` (this call's tokens form one bidirectional
     block), `frame_size` (frame-causal mask). Larger `Invocation.priority` is scheduled first.
@@ -226,10 +226,11 @@ class KVCacheEngine(Engine):
     def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
         rows = torch.tensor([r for _, r in done], device=hidden.device)
         last = hidden[rows]
+        seqs = [s for s, _ in done]
         with torch.inference_mode():
             logits = self.module.compute_logits(last)
-        seqs = [s for s, _ in done]
-        picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs])
+            picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs],
+                            logprobs="logprob" in self.node.outputs)
         results: list[Result] = []
         for i, seq in enumerate(seqs):
             inv = seq.pending
@@ -240,8 +241,9 @@ class KVCacheEngine(Engine):
             out: dict[str, Any] = {
                 "next_token": token,
                 "finish_reason": self._finish_reason(seq, token),
-                "logprob": picked.logprobs[i],
             }
+            if picked.logprobs[i] is not None:
+                out["logprob"] = picked.logprobs[i]
             if picked.top_logprobs[i] is not None:
                 out["top_logprobs"] = picked.top_logprobs[i]
             if "logits" in self.node.outputs:

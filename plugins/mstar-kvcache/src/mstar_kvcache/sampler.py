@@ -25,7 +25,7 @@ class Sampled:
     """Chosen tokens with their log-probabilities under the model (before any sampling transform)."""
 
     tokens: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -125,12 +125,17 @@ def sample(
     params: list[SamplingParams | None],
     generators: list[torch.Generator | None],
     history: list[list[int]],
+    logprobs: bool = True,
 ) -> Sampled:
-    """Pick one token per row of `logits` `[N, vocab]`; `history` feeds the repetition penalty."""
+    """Pick one token per row of `logits` `[N, vocab]`; `history` feeds the repetition penalty.
+
+    `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a row asks for top ones.
+    """
     logits = logits.float()
     params = [p or GREEDY for p in params]
+    wanted = [p.logprobs or 0 for p in params]
     # logprob of the pick = logit - logsumexp: avoids materialising a full log-softmax every step
-    normaliser = torch.logsumexp(logits, dim=-1)
+    normaliser = torch.logsumexp(logits, dim=-1) if logprobs or max(wanted) > 0 else None
     raw = logits
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
@@ -145,13 +150,14 @@ def sample(
             rows = torch.tensor(stochastic, device=logits.device)
             probs, keep = filtered(logits[rows], [params[i] for i in stochastic])
             chosen[rows] = draw(probs, keep, [generators[i] for i in stochastic])
-    picked = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser
+    chosen_logprobs: list[float | None] = [None] * len(params)
+    if normaliser is not None:
+        chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser).tolist()
     tops: list[list[tuple[int, float]] | None] = [None] * len(params)
-    wanted = [p.logprobs or 0 for p in params]
     if max(wanted) > 0:
         values, ids = raw.topk(max(wanted), dim=-1)
         values = values - normaliser.unsqueeze(1)
         for i, k in enumerate(wanted):
             if k:
                 tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
-    return Sampled(chosen.tolist(), picked.tolist(), tops)
+    return Sampled(chosen.tolist(), chosen_logprobs, tops)
