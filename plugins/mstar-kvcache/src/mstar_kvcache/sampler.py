@@ -68,8 +68,7 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     """
     rows = logp.shape[0]
     bucket = (-logp * _PER_NAT).clamp(max=_BUCKETS - 1).long()  # logp <= 0: truncation is floor
-    mass = torch.zeros(rows, _BUCKETS, dtype=torch.float64, device=logp.device)
-    mass.scatter_add_(1, bucket, probs.double())
+    mass = torch.zeros(rows, _BUCKETS, dtype=probs.dtype, device=logp.device).scatter_add_(1, bucket, probs).double()
     cum = mass.cumsum(1)
     crit = (cum <= top_p).sum(1, keepdim=True)
     crosses = crit < _BUCKETS  # else rounding left the total under top_p: keep everything
@@ -77,7 +76,7 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     before = cum.gather(1, crit) - mass.gather(1, crit)  # mass of the buckets above the critical one
     in_crit = bucket == crit
     count = max(int(in_crit.sum(1).max()), 1)
-    cand = torch.where(in_crit, probs, -1.0).topk(count, dim=1).values  # critical bucket, descending
+    cand = probs.masked_fill(~in_crit, -1.0).topk(count, dim=1).values  # critical bucket, descending
     cand64 = cand.double().clamp(min=0)
     above = before + cand64.cumsum(1) - cand64
     kept = ((above <= top_p) & (cand >= 0)).sum(1, keepdim=True)
@@ -98,9 +97,12 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     keep = probs > 0
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        idx = torch.tensor(nucleus, device=dev)
         top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=torch.float64).unsqueeze(1)
-        keep[idx] &= _top_p_keep(logp[idx], probs[idx], top_p)
+        if len(nucleus) == len(params):
+            keep &= _top_p_keep(logp, probs, top_p)
+        else:
+            idx = torch.tensor(nucleus, device=dev)
+            keep[idx] &= _top_p_keep(logp[idx], probs[idx], top_p)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype).unsqueeze(1)
         keep &= probs >= min_p * probs.max(-1, keepdim=True).values
@@ -109,8 +111,8 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
 
 def draw(probs: torch.Tensor, keep: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row with probability proportional to `probs` over `keep`, from the row's own generator."""
-    weights = torch.where(keep, probs, 0.0).double()
-    cdf = weights.cumsum(1)
+    weights = probs * keep
+    cdf = weights.cumsum(1, dtype=torch.float64)
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators])
     picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     vocab = probs.shape[1]
