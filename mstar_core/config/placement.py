@@ -15,6 +15,7 @@ control:
   bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory
   heartbeat_interval: 0.5
   ray_address: auto                        # default: a Ray cluster on this machine, or a new local one
+  delegate_loops: true                     # loops whose nodes all live on one worker run there (default)
 ```
 
 `launcher` is `spawn` (a subprocess here; the default), `ray` (an actor on a Ray cluster), or
@@ -38,7 +39,7 @@ from mstar_core.errors import ConfigError
 
 LOCAL = "local"
 PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
-WORKER_KEYS = ("device", "host", "replicas", "transport", "launcher", "num_cpus")
+WORKER_KEYS = ("device", "host", "replicas", "transport", "launcher", "num_cpus", "threads")
 LAUNCHERS = ("spawn", "ray", "manual")
 #: Transports a worker's data path can use; `nccl` moves device tensors between peers, not worker control.
 TRANSPORTS = ("zmq", "shm")
@@ -71,6 +72,8 @@ class WorkerSpec:
     launcher: str = "spawn"
     num_cpus: float = 1.0
     ray_address: str | None = None  # from `control.ray_address`; used by the ray launcher only
+    #: torch intra-op threads of each spawned process; None = an even share of this host's cores
+    threads: int | None = None
 
     @property
     def spawned(self) -> bool:
@@ -96,11 +99,18 @@ class Placement:
     bind: str | None = None
     heartbeat_interval: float = 0.5
     source: str = "<dict>"
+    #: run a loop whose nodes all live on one worker on that worker (one round trip per loop, not per step)
+    delegate_loops: bool = True
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
         top = _check_keys(source, data, PLACEMENT_KEYS)
-        control = _check_keys(f"{source}: control", top.get("control"), ("bind", "heartbeat_interval", "ray_address"))
+        control = _check_keys(
+            f"{source}: control", top.get("control"), ("bind", "heartbeat_interval", "ray_address", "delegate_loops")
+        )
+        delegate = control.get("delegate_loops", True)
+        if not isinstance(delegate, bool):
+            raise ConfigError(f"{source}: control.delegate_loops must be true or false, got {delegate!r}")
         ray_address = control.get("ray_address")
         if ray_address is not None and not isinstance(ray_address, str):
             raise ConfigError(f"{source}: control.ray_address must be a string (e.g. auto, ray://host:10001)")
@@ -126,7 +136,7 @@ class Placement:
         interval = control.get("heartbeat_interval", 0.5)
         if not isinstance(interval, int | float) or interval <= 0:
             raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
-        return cls(workers, nodes, settings, control.get("bind"), float(interval), source)
+        return cls(workers, nodes, settings, control.get("bind"), float(interval), source, delegate)
 
     def check_nodes(self, model: str, nodes: Iterable[str]) -> None:
         """Every node the file names must exist in the model."""
@@ -168,8 +178,14 @@ def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str 
         raise ConfigError(f"{where}.num_cpus must be a number >= 0, got {num_cpus!r}")
     if "num_cpus" in spec and launcher != "ray":
         raise ConfigError(f"{where}.num_cpus is a Ray resource request; it needs launcher: ray")
+    threads = spec.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"{where}.threads must be an integer >= 1, got {threads!r}")
+    if threads is not None and launcher != "spawn":
+        raise ConfigError(f"{where}.threads sets a spawned process's torch threads; it needs launcher: spawn")
     return WorkerSpec(name=name, device=str(spec.get("device", "cpu")), host=host, replicas=replicas,
-                      transport=transport, launcher=launcher, num_cpus=float(num_cpus), ray_address=ray_address)
+                      transport=transport, launcher=launcher, num_cpus=float(num_cpus), ray_address=ray_address,
+                      threads=threads)
 
 
 class _AnyKey:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import attrs
 import torch
 
 from mstar_core.config.placement import Placement
@@ -25,6 +27,8 @@ from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext
 from mstar_core.runtime.request import Output, RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
+
+log = logging.getLogger("mstar.engine")
 
 
 class _ModelRuntime:
@@ -95,6 +99,7 @@ class AsyncEngine:
 
     async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
         from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
+        from mstar_core.runtime.remote_loop import delegate_loops
         from mstar_core.wire import LoadModel
         from mstar_core.wire.auth import secret_from_env
 
@@ -118,8 +123,11 @@ class AsyncEngine:
         for node in graph.nodes:
             if node not in local:
                 by_worker.setdefault(placement.worker_of(node), []).append(node)
+        share = self._thread_share(placement)
         for group, nodes in by_worker.items():
             spec = placement.workers[group]
+            if spec.launcher == "spawn" and spec.threads is None:
+                spec = attrs.evolve(spec, threads=share)
             replicas = spec.replica_names()
             await asyncio.gather(*(self.cluster.ensure_worker(r, spec) for r in replicas))
             msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
@@ -128,8 +136,24 @@ class AsyncEngine:
             await asyncio.gather(*(self.cluster.load(r, msg) for r in replicas))
             for node in nodes:
                 schedulers[node] = RemoteNodeScheduler(self.cluster, family, node, replicas)
-        self._models[name] = _ModelRuntime(loaded, engines, schedulers)
+        runtime = _ModelRuntime(loaded, engines, schedulers)
+        if placement.delegate_loops:
+            delegate_loops(runtime.conductor, self.cluster, family, schedulers)
+        self._models[name] = runtime
         return loaded
+
+    def _thread_share(self, placement: Placement) -> int:
+        """Split this host's cores between the serving process and the workers it spawns here.
+
+        Processes whose torch thread pools together exceed the cores slow each other down many
+        times over (spinning OpenMP threads), so each gets an even share, this process included.
+        """
+        spawned = sum(w.replicas for w in placement.workers.values() if w.launcher == "spawn")
+        share = max(1, (os.cpu_count() or 1) // (spawned + 1))
+        if spawned and torch.get_num_threads() > share:
+            log.info("placement spawns %d worker processes here: torch threads per process set to %d", spawned, share)
+            torch.set_num_threads(share)
+        return share
 
     async def add_model(
         self,

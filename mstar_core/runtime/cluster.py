@@ -36,9 +36,12 @@ from mstar_core.wire import (
     Hello,
     InvokeNode,
     LoadModel,
+    LoopDone,
+    LoopValues,
     ModelLoaded,
     NodeResult,
     Release,
+    RunLoop,
     Shutdown,
     WireError,
     decode,
@@ -78,6 +81,9 @@ class _WorkerState:
         self.loads: dict[str, LoadModel] = {}  # model -> what to replay after a restart
         self.loaded: dict[str, asyncio.Future] = {}
         self.inflight: dict[tuple[str, str, int], asyncio.Future] = {}
+        # delegated loops: (request id, loop index) -> (future of the env delta, values callback)
+        self.loops: dict[tuple[str, int], tuple[asyncio.Future, Any]] = {}
+        self.load: dict[str, Any] = {}  # the engines' gauges from the last heartbeat, by 'model/node'
         self.restarts = 0
         self.alive = False  # connected and answering heartbeats
         self.ready = False  # has loaded its models and accepts invocations
@@ -129,7 +135,8 @@ class Cluster:
             state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
                                                     state.spec)
         else:
-            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.transport)
+            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.transport,
+                                                         state.spec.threads)
 
     def tcp_address(self) -> str:
         """A TCP endpoint of the control socket (Ray actors need one): the bind address, or an added loopback one."""
@@ -218,12 +225,50 @@ class Cluster:
             if not future.done():
                 future.set_exception(exc if isinstance(exc, RequestError) else WorkerLost(str(exc)))
 
+    async def run_loop(self, worker: str, msg: RunLoop, on_values: Any) -> dict[str, Any]:
+        """Run a walk's loop on `worker`; `on_values(call, outputs)` sees its visible values in order.
+
+        Returns the env names the loop changed. A WireError (an env value that cannot travel)
+        surfaces before anything was sent, so the caller can run the loop itself instead.
+        """
+        state = self.workers[worker]
+        if not state.ready:
+            raise WorkerLost(f"worker '{worker}' is down (restarting); retry the request")
+        key = (msg.request_id, msg.loop)
+        future = asyncio.get_running_loop().create_future()
+        state.loops[key] = (future, on_values)
+        try:
+            await self._send(state, msg)
+            return await future
+        finally:
+            state.loops.pop(key, None)
+
+    def _on_loop_message(self, state: _WorkerState, msg: LoopValues | LoopDone) -> None:
+        entry = state.loops.get((msg.request_id, msg.loop))
+        if entry is None or entry[0].done():
+            return
+        future, on_values = entry
+        if isinstance(msg, LoopValues):
+            try:
+                on_values(msg.call, from_wire(msg.outputs))
+            except Exception as exc:  # e.g. a stream's `keep` raised: fail this request, not the socket
+                future.set_exception(exc)
+        elif msg.error is not None:
+            cause = RemoteError(f"{msg.error_type}: {msg.error}")
+            future.set_exception(NodeExecutionError(msg.node or "?", msg.request_id, cause))
+        else:
+            future.set_result(from_wire(msg.env))
+
     def release(self, worker: str, request_id: str) -> None:
         state = self.workers.get(worker)
         if state is None or not state.alive:
             return
         for key in [k for k in state.inflight if k[0] == request_id]:
             fut = state.inflight.pop(key)
+            if not fut.done():
+                fut.cancel()
+        for key in [k for k in state.loops if k[0] == request_id]:
+            fut = state.loops.pop(key)[0]
             if not fut.done():
                 fut.cancel()
         asyncio.ensure_future(self._send_or_fail(state, Release(request_id=request_id), asyncio.Future()))
@@ -262,6 +307,8 @@ class Cluster:
                     future.set_exception(NodeExecutionError(node, msg.request_id, RemoteError(f"{msg.error_type}: {msg.error}")))
                 else:
                     future.set_result(from_wire(msg.outputs))
+            elif isinstance(msg, LoopValues | LoopDone):
+                self._on_loop_message(state, msg)
             elif isinstance(msg, ModelLoaded):
                 fut = state.loaded.get(msg.model)
                 if fut is not None and not fut.done():
@@ -272,7 +319,7 @@ class Cluster:
                     if not fut.done():
                         fut.set_exception(MStarError(f"worker '{state.name}': {msg.message}"))
             elif isinstance(msg, Heartbeat):
-                pass
+                state.load = msg.load
 
     async def _on_hello(self, identity: bytes, hello: Hello) -> None:
         state = self.workers.get(hello.worker)
@@ -325,7 +372,8 @@ class Cluster:
         if state.link is not None:
             state.link.peer_lost()
         inflight, state.inflight = state.inflight, {}
-        for fut in inflight.values():
+        loops, state.loops = state.loops, {}
+        for fut in [*inflight.values(), *(f for f, _ in loops.values())]:
             if not fut.done():
                 fut.set_exception(WorkerLost(f"worker '{state.name}' {why}; the request was lost, retry it"))
 

@@ -26,6 +26,7 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
 from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.remote_loop import LoopHostConductor
 from mstar_core.runtime.remote_values import from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (
@@ -34,9 +35,11 @@ from mstar_core.wire import (
     Hello,
     InvokeNode,
     LoadModel,
+    LoopDone,
     ModelLoaded,
     NodeResult,
     Release,
+    RunLoop,
     Shutdown,
     decode,
     encode,
@@ -63,6 +66,20 @@ class Worker:
         self.heartbeat_interval = 0.5
         self._stop = asyncio.Event()
         self._pending: set[asyncio.Task] = set()
+        self.hosts: dict[str, LoopHostConductor] = {}  # model -> conductor for loops delegated here
+        self._loops: dict[str, set[asyncio.Task]] = {}
+        self._send_tail: asyncio.Future | None = None
+
+    def send_soon(self, msg) -> None:
+        """Send without waiting, strictly after everything sent this way before (loop values, then done)."""
+        previous = self._send_tail
+
+        async def send_after() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            await self.send(msg)
+
+        self._send_tail = asyncio.ensure_future(send_after())
 
     async def send(self, msg) -> None:
         frames = encode(msg)
@@ -102,7 +119,13 @@ class Worker:
                 msg = await self.recv()
                 if isinstance(msg, InvokeNode):
                     self._invoke(msg)
+                elif isinstance(msg, RunLoop):
+                    task = asyncio.ensure_future(self._run_loop(msg))
+                    self._loops.setdefault(msg.request_id, set()).add(task)
+                    task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
                 elif isinstance(msg, Release):
+                    for task in self._loops.pop(msg.request_id, set()):
+                        task.cancel()
                     for sched in self.schedulers.values():
                         sched.release(msg.request_id)
                 elif isinstance(msg, LoadModel):
@@ -129,7 +152,8 @@ class Worker:
                 os._exit(0)
             seq += 1
             await self.flush()
-            await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time()))
+            load = {key: sched.engine.stats() for key, sched in self.schedulers.items()}
+            await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _load(self, msg: LoadModel) -> None:
@@ -148,10 +172,21 @@ class Worker:
                 module = node.module() if node.module is not None else None
                 engine = await loop.run_in_executor(self.executor, engine_cls, node, module, context)
                 self.schedulers[f"{msg.model}/{node_name}"] = NodeScheduler(engine, self.executor)
+            local = {n: self.schedulers[f"{msg.model}/{n}"] for n in msg.nodes}
+            self.hosts[msg.model] = LoopHostConductor(loaded.graph, local)
             await self.send(ModelLoaded(worker=self.name, model=msg.model, nodes=list(msg.nodes)))
         except Exception as exc:
             log.exception("worker %s failed to load %s", self.name, msg.model)
             await self.send(ErrorReport(worker=self.name, message=f"loading {msg.model}: {exc}", error_type=type(exc).__name__))
+
+    async def _run_loop(self, msg: RunLoop) -> None:
+        host = self.hosts.get(msg.model)
+        if host is None:
+            done = LoopDone(request_id=msg.request_id, loop=msg.loop, error=f"worker {self.name} has no model "
+                            f"'{msg.model}'", error_type="KeyError")
+        else:
+            done = await host.host(msg, self.send_soon)
+        self.send_soon(done)
 
     def _invoke(self, msg: InvokeNode) -> None:
         sched = self.schedulers.get(msg.node)

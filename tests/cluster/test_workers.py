@@ -138,3 +138,29 @@ async def test_hand_joined_worker_on_another_address_and_a_peer_without_the_secr
         for p in (intruder, worker):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+async def test_loops_run_on_the_worker_that_hosts_their_nodes_and_cancel_frees_it():
+    placement = Placement.from_dict(
+        {"workers": {"gen": {}}, "nodes": {"gen": "gen"}, "engine_settings": {"gen": {"step_delay": 0.005}},
+         "control": {"heartbeat_interval": 0.1}}
+    )
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
+    assert len(engine._runtime("fixture-stream").conductor.remote_loops) == 1  # the count loop is delegated
+    tokens, totals = await run(engine, 2, 13)
+    assert tokens == list(range(2, 14))
+    assert [t.tolist() for t in totals] == [[14.0] * 3, [30.0] * 3, [46.0] * 3]  # 2+3+4+5, 6..9, 10..13
+    handle = engine.submit("fixture-stream", {"start": 0, "stop": 10**6})
+    async for out in handle:
+        if out.name == "token" and out.value >= 20:
+            break
+    gen = engine.cluster.workers["gen"]
+    await asyncio.sleep(0.3)
+    assert gen.load["fixture-stream/gen"]["active"] == 1.0  # the worker holds the running request's state
+    handle.cancel()
+    deadline = time.monotonic() + 5
+    while gen.load["fixture-stream/gen"]["active"] != 0.0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert gen.load["fixture-stream/gen"]["active"] == 0.0  # cancelling freed it on the worker
+    await engine.close()
