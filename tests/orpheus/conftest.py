@@ -28,17 +28,3 @@ def reference_snac():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     return ref
-
-
-@pytest.fixture(scope="session")
-def preset_cache(tmp_path_factory):
-    """Presets are written under a per-session MSTAR_CACHE so tests never touch the user's cache."""
-    import os
-
-    old = os.environ.get("MSTAR_CACHE")
-    os.environ["MSTAR_CACHE"] = str(tmp_path_factory.mktemp("mstar-cache"))
-    yield os.environ["MSTAR_CACHE"]
-    if old is None:
-        os.environ.pop("MSTAR_CACHE", None)
-    else:
-        os.environ["MSTAR_CACHE"] = old
