@@ -103,7 +103,8 @@ def _ac_graph(encoder, predictor) -> Graph:
         GraphNode("ac_predictor", inputs=("context", "states", "actions", "loop_index"), outputs=("latent", "state"),
                   engine="vjepa_ac", module=lambda: predictor),
         GraphNode("planner", inputs=("context", "states", "goal_latents", "horizon", "cem", "seed"),
-                  outputs=("plan", "costs", "best_actions", "best_cost"), module=lambda: PlannerNode(predictor)),
+                  outputs=("plan", "costs", "best_actions", "best_cost"), engine="vjepa_cem",
+                  module=lambda: PlannerNode(predictor)),
     ]
     encode_ctx = NodeCall("encoder", outputs={"latents": "context"})
     walks = [

@@ -48,6 +48,90 @@ def _blend(new: torch.Tensor, old: torch.Tensor, m_xyz: float, m_grip: float) ->
     return torch.cat([new[..., :3] * (1 - m_xyz) + old[..., :3] * m_xyz, new[..., 3:] * (1 - m_grip) + old[..., 3:] * m_grip], -1)
 
 
+class CEMRun:
+    """One CEM plan as a resumable state machine: `iterate()` runs one iteration (S rollouts in one batch).
+
+    The context prefix is cached once (in `prefix_cache` if given, e.g. a `PagedFrameCache`) and forked for
+    every iteration's samples; `free()` drops it (idempotent), so an engine can stop a plan between iterations.
+    """
+
+    def __init__(
+        self,
+        predictor: ACPredictor,
+        context: torch.Tensor,
+        states: torch.Tensor,
+        goal: torch.Tensor,
+        horizon: int,
+        settings: CEMSettings,
+        generator: torch.Generator | None = None,
+        share: str = "fork",
+        prefix_cache=None,
+    ):
+        if share not in ("fork", "copy"):
+            raise ValueError(f"share must be 'fork' or 'copy', got {share!r}")
+        check_horizon(predictor, context.shape[1], horizon)
+        self.predictor, self.goal, self.horizon, self.settings = predictor, goal, horizon, settings
+        self.generator, self.share = generator, share
+        s, dev, dt = settings.samples, context.device, context.dtype
+        with torch.no_grad():  # once, shared by every sample and iteration
+            self.prefix = prefill_prefix(predictor, context, states, prefix_cache)
+        self.mean = torch.zeros(horizon, 4, device=dev, dtype=dt)
+        self.std = torch.cat([torch.full((horizon, 3), settings.maxnorm), torch.ones(horizon, 1)], -1).to(dev, dt)
+        self.last_frame = context[:, -1].expand(s, -1, -1)
+        self.last_state = states[:, -1].expand(s, -1)
+        self.costs: list[float] = []
+        self.best_cost, self.best = float("inf"), None
+
+    @property
+    def done(self) -> bool:
+        return len(self.costs) >= self.settings.iterations
+
+    @torch.no_grad()
+    def iterate(self) -> None:
+        """Sample, roll all samples out on forks (or copies) of the prefix, score, refit mean/std."""
+        cfg, s = self.settings, self.settings.samples
+        noise = torch.randn(s, self.horizon, 4, generator=self.generator, dtype=self.mean.dtype).to(self.mean.device)
+        sampled = noise * self.std + self.mean
+        sampled[..., :3] = sampled[..., :3].clamp(-cfg.maxnorm, cfg.maxnorm)
+        sampled[..., 3:] = sampled[..., 3:].clamp(-cfg.gripper_limit, cfg.gripper_limit)
+        actions = _to_actions(sampled)
+        cache = self.prefix.fork(s) if self.share == "fork" else self.prefix.copy(s)
+        try:
+            roll = Rollout(self.predictor, cache, self.last_frame, self.last_state)
+            for k in range(self.horizon):
+                final, _ = roll.step(actions[:, k])
+        finally:
+            getattr(cache, "free", lambda: None)()
+        cost = (final.flatten(1) - self.goal.flatten()[None]).abs().mean(-1)
+        top = cost.topk(cfg.topk, largest=False).indices
+        self.costs.append(cost[top[0]].item())
+        if self.costs[-1] < self.best_cost:
+            self.best_cost, self.best = self.costs[-1], actions[top[0]]
+        chosen = sampled[top]
+        self.mean = _blend(chosen.mean(0), self.mean, cfg.momentum_mean, cfg.momentum_mean_gripper)
+        self.std = _blend(chosen.std(0), self.std, cfg.momentum_std, cfg.momentum_std_gripper)
+
+    def result(self) -> dict[str, Any]:
+        """The plan (final mean, small gripper moves rounded to zero), costs per iteration, best sample."""
+        grip = torch.where(self.mean[:, 3:].abs() < 0.25, torch.zeros_like(self.mean[:, 3:]), self.mean[:, 3:])
+        return {
+            "plan": _to_actions(torch.cat([self.mean[:, :3], grip], -1)),
+            "costs": torch.tensor(self.costs),
+            "best_actions": self.best,
+            "best_cost": self.best_cost,
+            "rollouts": self.settings.samples * len(self.costs),
+        }
+
+    def free(self) -> None:
+        """Drop the prefix cache's pages (a dense prefix is left to the garbage collector)."""
+        getattr(self.prefix, "free", lambda: None)()
+
+
+def pages_needed(context_frames: int, horizon: int, samples: int) -> int:
+    """Peak pages of a paged CEM plan: the context prefix (all frames but the last) plus one iteration's rollouts."""
+    return context_frames - 1 + samples * horizon
+
+
 @torch.no_grad()
 def plan_cem(
     predictor: ACPredictor,
@@ -65,42 +149,10 @@ def plan_cem(
     `prefix_cache` (an empty single-sequence cache, e.g. a `PagedFrameCache`) replaces the dense default;
     caches with a `free()` are freed when done.
     """
-    if share not in ("fork", "copy"):
-        raise ValueError(f"share must be 'fork' or 'copy', got {share!r}")
-    check_horizon(predictor, context.shape[1], horizon)
-    s, dev, dt = settings.samples, context.device, context.dtype
-    prefix = prefill_prefix(predictor, context, states, prefix_cache)  # once, shared by every sample and iteration
-    mean = torch.zeros(horizon, 4, device=dev, dtype=dt)
-    std = torch.cat([torch.full((horizon, 3), settings.maxnorm), torch.ones(horizon, 1)], -1).to(dev, dt)
-    last_frame = context[:, -1].expand(s, -1, -1)
-    last_state = states[:, -1].expand(s, -1)
-    costs, best_cost, best = [], float("inf"), None
-    for _ in range(settings.iterations):
-        noise = torch.randn(s, horizon, 4, generator=generator, dtype=dt).to(dev)
-        sampled = noise * std + mean
-        sampled[..., :3] = sampled[..., :3].clamp(-settings.maxnorm, settings.maxnorm)
-        sampled[..., 3:] = sampled[..., 3:].clamp(-settings.gripper_limit, settings.gripper_limit)
-        actions = _to_actions(sampled)
-        cache = prefix.fork(s) if share == "fork" else prefix.copy(s)
-        roll = Rollout(predictor, cache, last_frame, last_state)
-        for k in range(horizon):
-            final, _ = roll.step(actions[:, k])
-        getattr(cache, "free", lambda: None)()
-        cost = (final.flatten(1) - goal.flatten()[None]).abs().mean(-1)
-        top = cost.topk(settings.topk, largest=False).indices
-        costs.append(cost[top[0]].item())
-        if costs[-1] < best_cost:
-            best_cost, best = costs[-1], actions[top[0]]
-        chosen = sampled[top]
-        mean = _blend(chosen.mean(0), mean, settings.momentum_mean, settings.momentum_mean_gripper)
-        std = _blend(chosen.std(0), std, settings.momentum_std, settings.momentum_std_gripper)
-    getattr(prefix, "free", lambda: None)()
-    grip = torch.where(mean[:, 3:].abs() < 0.25, torch.zeros_like(mean[:, 3:]), mean[:, 3:])
-    plan = _to_actions(torch.cat([mean[:, :3], grip], -1))
-    return {
-        "plan": plan,
-        "costs": torch.tensor(costs),
-        "best_actions": best,
-        "best_cost": best_cost,
-        "rollouts": s * settings.iterations,
-    }
+    run = CEMRun(predictor, context, states, goal, horizon, settings, generator, share, prefix_cache)
+    try:
+        while not run.done:
+            run.iterate()
+    finally:
+        run.free()
+    return run.result()

@@ -1,4 +1,4 @@
-"""Entry point `vjepa` (group `mstar`): the V-JEPA 2 model families and the AC rollout engine."""
+"""Entry point `vjepa` (group `mstar`): the V-JEPA 2 model families and the AC rollout and CEM engines."""
 
 from mstar_core.plugins import hookimpl
 
@@ -13,6 +13,7 @@ def mstar_register_models(register):
 
 @hookimpl
 def mstar_register_engines(register):
-    from mstar_vjepa.nodes import ACRolloutEngine
+    from mstar_vjepa.engines import ACRolloutEngine, CEMPlanEngine
 
-    register(ACRolloutEngine.kind, ACRolloutEngine)
+    for engine in (ACRolloutEngine, CEMPlanEngine):
+        register(engine.kind, engine)
