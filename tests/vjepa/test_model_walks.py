@@ -95,7 +95,9 @@ def test_plan_walk_matches_direct_cem():
     ref = plan_cem(pred, ctx[None], req["states"][None], goal, 3, CEMSettings(samples=8, topk=2, iterations=2),
                    torch.Generator().manual_seed(7))
     assert env["plan"].shape == (3, 7)
-    assert torch.equal(env["plan"], ref["plan"]) and torch.equal(env["costs"], ref["costs"])
+    # served on paged pages, the reference on dense buffers
+    assert torch.allclose(env["plan"], ref["plan"], atol=1e-6, rtol=0)
+    assert torch.allclose(env["costs"], ref["costs"], atol=1e-6, rtol=0)
 
 
 def test_vjepa2_walks_match_the_module():
