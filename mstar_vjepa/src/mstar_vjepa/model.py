@@ -1,4 +1,9 @@
-"""Model specs: `vjepa2` (encode, predict) and `vjepa2-ac` (encode, rollout, plan), graphs and input checks."""
+"""Model specs: `vjepa2` (encode, predict) and `vjepa2-ac` (encode, rollout, plan), graphs and input checks.
+
+Frame inputs (`video`, `frames`, `goal`) are either model-ready float frames `[T, C, crop, crop]`, or, with
+`"preprocess": true` (the default for uint8 tensors/arrays), raw pixels 0..255 `[T, H, W, C]` / `[T, C, H, W]`
+of any size that get HF `VJEPA2VideoProcessor`'s preprocessing (`mstar_vjepa.preprocess`).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_vjepa import checkpoint as ckpt
 from mstar_vjepa.nodes import FrameEncoderNode, MaskedPredictorNode, PlannerNode, VideoEncoderNode
+from mstar_vjepa.preprocess import preprocess_video
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,8 +44,43 @@ def _int(inputs: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -
     return value
 
 
+def _wants_preprocess(inputs: Mapping[str, Any], name: str) -> bool:
+    """`preprocess` if given (a bool), else on exactly when the frames arrive as a uint8 tensor or array."""
+    flag = inputs.get("preprocess")
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise RequestError(f"input 'preprocess' must be true or false, got {flag!r}")
+        return flag
+    dtype = getattr(inputs.get(name), "dtype", None)
+    return dtype == torch.uint8 or str(dtype) == "uint8"  # a torch tensor or a numpy array
+
+
+def _pixel_frames(inputs, name, cfg) -> torch.Tensor:
+    """Raw pixels (0..255) of any size, `[T, H, W, C]` or `[T, C, H, W]`, through the HF/upstream preprocessing."""
+    what = f"pixel frames (0..255) [T, H, W, {cfg.in_chans}] or [T, {cfg.in_chans}, H, W], any size"
+    try:
+        t = torch.as_tensor(inputs[name]) if name in inputs else None
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"input '{name}' is not a numeric array ({exc}); expected {what}") from None
+    if t is None:
+        raise RequestError(f"missing input '{name}': {what}")
+    if t.dtype == torch.bool or t.is_complex() or t.dim() not in (3, 4) or t.numel() == 0:
+        raise RequestError(f"input '{name}' has shape {tuple(t.shape)} and dtype {t.dtype}; expected {what}")
+    if not t.is_floating_point():
+        if t.min() < 0 or t.max() > 255:
+            raise RequestError(f"input '{name}' has pixel values outside 0..255; expected {what}")
+        t = t.to(torch.uint8)
+    try:
+        return preprocess_video(t[None] if t.dim() == 3 else t, cfg.crop_size, cfg.in_chans)
+    except ValueError as exc:
+        raise RequestError(f"input '{name}': {exc}") from None
+
+
 def _frames(inputs, name, cfg) -> torch.Tensor:
-    what = f"float frames [T, {cfg.in_chans}, {cfg.crop_size}, {cfg.crop_size}]"
+    if _wants_preprocess(inputs, name):
+        return _pixel_frames(inputs, name, cfg)
+    what = (f"float frames [T, {cfg.in_chans}, {cfg.crop_size}, {cfg.crop_size}] (or pixel frames of any size "
+            "with 'preprocess': true)")
     t = _tensor(inputs, name, (3, 4), what)
     t = t[None] if t.dim() == 3 else t
     if tuple(t.shape[1:]) != (cfg.in_chans, cfg.crop_size, cfg.crop_size) or t.shape[0] < 1:
