@@ -2,7 +2,8 @@
 
 Upstream re-runs the predictor over the whole growing history at every step (O(H^2) tokens); M* processes only
 the new frame's tokens against cached keys/values in the paged KV pool (exact under the frame-causal mask),
-served through AsyncEngine. Also reports CEM planning rollouts/s (plan walk, forked context prefixes).
+served through AsyncEngine. Also reports CEM planning rollouts/s: the served plan walk (all samples in one
+batch on refcounted forks of the context's pages) next to the same plan in-process on dense caches.
 Prints one final JSON line.
 
     python benchmarks/vjepa_rollout.py --quick
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from mstar_vjepa.checkpoint import write_ac_preset
 from mstar_vjepa.config import ACPredictorConfig, VJEPA2Config
+from mstar_vjepa.planner import CEMSettings, pages_needed, plan_cem
 from mstar_vjepa.rollout import rollout_reprefill
 
 from mstar_core.model import LoadOptions
@@ -53,11 +55,15 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         write_ac_preset(Path(tmp), enc_cfg, pred_cfg)
         async with AsyncEngine() as engine:
-            loaded = await engine.load_model("vjepa2-ac", LoadOptions(checkpoint=tmp),
-                                             settings={"ac_predictor": {"num_pages": 4 * pred_cfg.max_frames}})
+            samples, iters, horizon = (32, 2, 4) if args.quick else (128, 3, 5)
+            loaded = await engine.load_model("vjepa2-ac", LoadOptions(checkpoint=tmp), settings={
+                "ac_predictor": {"num_pages": 4 * pred_cfg.max_frames},
+                "planner": {"num_pages": pages_needed(2, horizon, samples)},  # one plan's forked rollouts at once
+            })
             encoder = loaded.graph.nodes["encoder"].module()
             predictor = engine.node_engines("vjepa2-ac")["ac_predictor"].module
             paged = engine.node_engines("vjepa2-ac")["ac_predictor"].pool is not None
+            planner = engine.node_engines("vjepa2-ac")["planner"]
             g = torch.Generator().manual_seed(0)
             frames = torch.randn(1, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g)
             states = torch.rand(1, 7, generator=g) * 0.1
@@ -89,14 +95,22 @@ async def run(args) -> dict:
                 print(f"H={h:2d}  M* DynamicLoop {t_m:7.3f}s  re-prefill {t_b:7.3f}s  speedup {t_b / t_m:6.2f}x  "
                       f"max|dz| {err:.1e}", flush=True)
 
-            samples, iters, horizon = (32, 2, 4) if args.quick else (128, 3, 5)
             req = {"frames": torch.randn(2, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g),
                    "states": torch.rand(2, 7, generator=g) * 0.1, "horizon": horizon, "samples": samples, "topk": 4,
                    "iterations": iters, "seed": 1,
                    "goal": torch.randn(1, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g)}
-            t_cem, _ = await timed(lambda: engine.submit("vjepa2-ac", req).result(), 1)
-    cem_rps = samples * iters / t_cem
-    print(f"CEM plan walk: {samples} samples x {iters} iterations, horizon {horizon}: {cem_rps:.1f} rollouts/s")
+            t_cem, env = await timed(lambda: engine.submit("vjepa2-ac", req).result(), 1)
+            assert planner.pool is None or (planner.pool.num_used == 0 and planner.pool.copies == 0)
+            # the same plan in-process on dense caches (prefix shared by reference): the paged path's reference
+            ctx = encoder(req["frames"])["latents"][None]
+            goal = encoder(req["goal"])["latents"][-1]
+            cem = CEMSettings(samples=samples, topk=4, iterations=iters)
+            t_dense, ref = await timed(lambda: asyncio.to_thread(
+                plan_cem, predictor, ctx, req["states"][None], goal, horizon, cem, torch.Generator().manual_seed(1)), 1)
+            cem_err = (env["costs"] - ref["costs"]).abs().max().item()
+    cem_rps, dense_rps = samples * iters / t_cem, samples * iters / t_dense
+    print(f"CEM plan walk: {samples} samples x {iters} iterations, horizon {horizon}: {cem_rps:.1f} rollouts/s "
+          f"(paged forks; dense in-process plan_cem {dense_rps:.1f} rollouts/s, max|dcost| {cem_err:.1e})")
     return {
         "benchmark": "vjepa_rollout",
         "quick": args.quick,
@@ -106,7 +120,9 @@ async def run(args) -> dict:
         "max_abs_err": max(r["max_abs_err"] for r in results.values()),
         "speedup_h30": round(results[30]["speedup"], 2),
         "cem_rollouts_per_s": round(cem_rps, 1),
-        "cem": {"samples": samples, "iterations": iters, "horizon": horizon},
+        "cem_dense_rollouts_per_s": round(dense_rps, 1),
+        "cem": {"samples": samples, "iterations": iters, "horizon": horizon, "paged_kv": planner.pool is not None,
+                "max_abs_cost_err": cem_err},
         "threads": torch.get_num_threads(),
     }
 
