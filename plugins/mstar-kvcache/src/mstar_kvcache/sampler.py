@@ -64,23 +64,33 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     """Tokens whose probability mass strictly above them is <= top_p (the nucleus), without a sort.
 
     A histogram of log-probabilities gives the mass of every bucket; buckets entirely above the cut
-    are kept, those entirely below dropped, and only the bucket the cut falls in is ranked.
+    are kept, those entirely below dropped, and only the few tokens of the bucket the cut falls in
+    are ranked.
     """
     rows = logp.shape[0]
-    bucket = (-logp * _PER_NAT).clamp(max=_BUCKETS - 1).long()  # logp <= 0: truncation is floor
+    bucket = logp.mul(-_PER_NAT).clamp_(max=_BUCKETS - 1).long()  # logp <= 0: truncation is floor
     mass = torch.zeros(rows, _BUCKETS, dtype=probs.dtype, device=logp.device).scatter_add_(1, bucket, probs).double()
     cum = mass.cumsum(1)
     crit = (cum <= top_p).sum(1, keepdim=True)
     crosses = crit < _BUCKETS  # else rounding left the total under top_p: keep everything
     crit = crit.clamp(max=_BUCKETS - 1)
-    before = cum.gather(1, crit) - mass.gather(1, crit)  # mass of the buckets above the critical one
+    before = (cum.gather(1, crit) - mass.gather(1, crit)).squeeze(1)  # mass of the buckets above the critical one
     in_crit = bucket == crit
-    count = max(int(in_crit.sum(1).max()), 1)
-    cand = probs.masked_fill(~in_crit, -1.0).topk(count, dim=1).values  # critical bucket, descending
-    cand64 = cand.double().clamp(min=0)
-    above = before + cand64.cumsum(1) - cand64
-    kept = ((above <= top_p) & (cand >= 0)).sum(1, keepdim=True)
-    bound = torch.where(kept > 0, cand.gather(1, (kept - 1).clamp(min=0)), float("inf"))
+    # rank the critical bucket's tokens: sort by (row ascending, probability descending) in one flat sort
+    row, col = in_crit.nonzero(as_tuple=True)
+    vals = probs[row, col].double()
+    order = torch.sort(row.double() * 2 - vals).indices
+    row, vals = row[order], vals[order]
+    count = torch.bincount(row, minlength=rows)
+    first = count.cumsum(0) - count
+    above_all = vals.cumsum(0) - vals  # mass above each token among all rows' candidates
+    above = before[row] + above_all - above_all[first[row]]
+    ok = above <= top_p.squeeze(1)[row]
+    kept = torch.bincount(row[ok], minlength=rows)  # the kept candidates are a prefix of each row's ranking
+    if vals.numel() == 0:  # only rows that keep everything
+        return (bucket < crit) | ~crosses
+    smallest = vals[(first + kept - 1).clamp(0, vals.shape[0] - 1)]
+    bound = torch.where(kept > 0, smallest, float("inf")).to(probs.dtype).unsqueeze(1)
     return (bucket < crit) | (in_crit & (probs >= bound)) | ~crosses
 
 
@@ -112,9 +122,11 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
 def draw(probs: torch.Tensor, keep: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row with probability proportional to `probs` over `keep`, from the row's own generator."""
     weights = probs * keep
-    cdf = weights.cumsum(1, dtype=torch.float64)
+    # float32 is enough: adding a zero weight leaves the running sum unchanged, so a dropped token
+    # can never be the first index whose cumulative weight exceeds the target
+    cdf = weights.cumsum(1)
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators])
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1), right=True).squeeze(1)
     vocab = probs.shape[1]
     if bool((picks >= vocab).any()):  # u * total rounded up to total: take the last kept token
         last = vocab - 1 - (weights.flip(1) > 0).int().argmax(1)
