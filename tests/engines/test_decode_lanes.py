@@ -104,3 +104,16 @@ def test_lane_is_refilled_when_pages_change_under_it():
     (same,) = lanes.assign(pool, ["s"], [[3, 6, 7]], [5])  # page 5 replaced (copy-on-write): refill
     assert same == lane
     torch.testing.assert_close(lanes.kv[0, :, lane, :4], pool[0, :, [3, 6]].flatten(1, 2)[:, :4])
+
+
+def test_forget_keeps_lanes_packed():
+    pool = torch.randn(1, 2, 16, 2, 1, 3)
+    lanes = DecodeLanes(budget_bytes=1 << 20)
+    got = lanes.assign(pool, ["a", "b", "c"], [[1, 2], [3, 4], [5, 6]], [4, 3, 4])
+    assert got == [0, 1, 2]
+    lanes.forget("a")  # "c" moves into lane 0 with its contents; its next step needs no refill
+    assert lanes.lane_of == {"c": 0, "b": 1} and lanes.owner[2] is None
+    torch.testing.assert_close(lanes.kv[0, :, 0, :3], pool[0, :, [5, 6]].flatten(1, 2)[:, :3])
+    lanes.kv[0, :, 0, 3] = 7.0  # the token the caller wrote for "c" last step
+    assert lanes.assign(pool, ["c"], [[5, 6, 7]], [5]) == [0]
+    assert float(lanes.kv[0, 0, 0, 3, 0, 0]) == 7.0  # kept, not refilled from the pages

@@ -38,10 +38,24 @@ class DecodeLanes:
         return 0 if self.kv is None else self.kv.shape[3]
 
     def forget(self, key: Hashable) -> None:
-        """Free the lane of a sequence that is gone."""
+        """Free the lane of a sequence that is gone, moving the highest held lane into it.
+
+        Lanes stay packed at the front, so a step's attention never spans holes left by finished
+        sequences (it runs over every lane up to the highest one in use).
+        """
         lane = self.lane_of.pop(key, None)
-        if lane is not None:
-            self.owner[lane] = None
+        if lane is None:
+            return
+        self.owner[lane] = None
+        last = max((i for i, o in enumerate(self.owner) if o is not None), default=-1)
+        if last > lane:
+            held = max(self.length[last], 0)
+            self.kv[:, :, lane, :held] = self.kv[:, :, last, :held]
+            moved = self.owner[last]
+            self.owner[lane], self.length[lane], self.pages[lane], self.used[lane] = (
+                moved, self.length[last], self.pages[last], self.used[last])
+            self.lane_of[moved] = lane
+            self.owner[last], self.length[last], self.pages[last] = None, -1, []
 
     def assign(self, pool: torch.Tensor, keys: list[Hashable], page_lists: list[list[int]], kv_lens: list[int]) -> list[int | None]:
         """A lane for each decoding sequence (None: no room, attend through the pages), with earlier tokens in it.
