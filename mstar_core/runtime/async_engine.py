@@ -70,6 +70,7 @@ class AsyncEngine:
         self._handles: dict[str, RequestHandle] = {}
         self.on_finish = None  # callable(handle, status: str, seconds: float), set by metrics
         self.cluster = None  # the worker processes, once a placement puts nodes on them
+        self._own_executors: list[ThreadPoolExecutor] = []  # nodes with `own_thread`
 
     # -- models --------------------------------------------------------------------------------
 
@@ -118,7 +119,7 @@ class AsyncEngine:
         local = {n for n in graph.nodes if placement.worker_of(n) == "local"}
         loop = asyncio.get_running_loop()
         engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings, local)
-        schedulers: dict[str, Any] = {n: NodeScheduler(e, self._executor) for n, e in engines.items()}
+        schedulers: dict[str, Any] = {n: self._scheduler(e) for n, e in engines.items()}
         by_worker: dict[str, list[str]] = {}
         for node in graph.nodes:
             if node not in local:
@@ -141,6 +142,18 @@ class AsyncEngine:
             delegate_loops(runtime.conductor, self.cluster, family, schedulers)
         self._models[name] = runtime
         return loaded
+
+    def _scheduler(self, engine: Engine) -> NodeScheduler:
+        """A node's scheduler, on the shared device thread or, with engine setting `own_thread`, its own.
+
+        A thread of its own lets a node's steps overlap another node's (a codec decoding windows
+        while the LM decodes the next tokens); on a GPU that is what a second CUDA stream buys.
+        """
+        if not engine.context.settings.get("own_thread", False):
+            return NodeScheduler(engine, self._executor)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{engine.node.name}")
+        self._own_executors.append(executor)
+        return NodeScheduler(engine, executor)
 
     def _thread_share(self, placement: Placement) -> int:
         """Split this host's cores between the serving process and the workers it spawns here.
@@ -173,7 +186,7 @@ class AsyncEngine:
             )
         loop = asyncio.get_running_loop()
         engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings)
-        schedulers = {n: NodeScheduler(e, self._executor) for n, e in engines.items()}
+        schedulers = {n: self._scheduler(e) for n, e in engines.items()}
         self._models[name] = _ModelRuntime(loaded, engines, schedulers)
         return loaded
 
@@ -322,6 +335,8 @@ class AsyncEngine:
             await self.cluster.close()
             self.cluster = None
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._own_executors:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

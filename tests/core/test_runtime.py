@@ -291,3 +291,26 @@ async def test_event_loop_stays_responsive_during_heavy_steps():
     assert time.perf_counter() - started < 0.1  # the loop was not blocked by the 200 ms step
     assert (await handle.result())["v"] == 1
     await engine.close()
+
+
+async def test_a_node_with_its_own_thread_overlaps_the_shared_device_thread():
+    import time
+
+    def slow(v):
+        time.sleep(0.2)  # stands in for a forward pass
+        return v
+
+    nodes = [fn_node("a", "v", "a", slow), fn_node("b", "v", "b", slow)]
+    walk = Walk(name="w", body=Parallel("a", "b"), inputs="v", outputs=("a", "b"))
+    model = LoadedModel("two", Graph.build("two", nodes, [walk]))
+
+    async def wall(settings):
+        engine = AsyncEngine(discover())
+        await engine.add_model(model, settings=settings)
+        started = time.perf_counter()
+        assert (await engine.generate("two", {"v": 1}))["b"] == 1
+        await engine.close()
+        return time.perf_counter() - started
+
+    assert await wall({}) >= 0.4  # one device thread: the two steps run one after the other
+    assert await wall({"b": {"own_thread": True}}) < 0.35  # b's thread runs beside the shared one

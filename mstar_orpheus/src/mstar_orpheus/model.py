@@ -68,7 +68,7 @@ def load_orpheus(
         graph=graph,
         random_weights=random_weights,
         prepare=PromptBuilder(tokenizer, vocab),
-        engine_settings={"snac": {"max_batch_size": 64}},
+        engine_settings={"snac": {"max_batch_size": 64, "own_thread": True}},
         extras={
             "sample_rate": snac.config.sampling_rate,
             "voices": list(VOICES),
