@@ -30,6 +30,9 @@ from mstar_core.runtime.scheduler import NodeScheduler
 
 log = logging.getLogger("mstar.engine")
 
+#: Per-node settings the runtime itself reads; every other setting goes to the node's engine.
+RUNTIME_SETTINGS = ("own_thread",)
+
 
 class _ModelRuntime:
     def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, Any]):
@@ -144,12 +147,12 @@ class AsyncEngine:
         return loaded
 
     def _scheduler(self, engine: Engine) -> NodeScheduler:
-        """A node's scheduler, on the shared device thread or, with engine setting `own_thread`, its own.
+        """A node's scheduler, on the shared device thread or, with the setting `own_thread`, its own.
 
         A thread of its own lets a node's steps overlap another node's (a codec decoding windows
         while the LM decodes the next tokens); on a GPU that is what a second CUDA stream buys.
         """
-        if not engine.context.settings.get("own_thread", False):
+        if not engine.own_thread:
             return NodeScheduler(engine, self._executor)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{engine.node.name}")
         self._own_executors.append(executor)
@@ -199,9 +202,12 @@ class AsyncEngine:
                 continue
             engine_cls = self.registry.engines.get(node.engine)
             merged = {**loaded.engine_settings.get(node.name, {}), **settings.get(node.name, {})}
+            # settings the runtime consumes are not the engine's (engines check theirs strictly)
+            runtime_settings = {key: merged.pop(key) for key in RUNTIME_SETTINGS if key in merged}
             context = EngineContext(self.worker, self.device, merged, self.registry)
             module = node.module() if node.module is not None else None
-            engines[node.name] = engine_cls(node, module, context)
+            engines[node.name] = engine = engine_cls(node, module, context)
+            engine.own_thread = bool(runtime_settings.get("own_thread", False))
         return engines
 
     @property

@@ -61,6 +61,8 @@ class Engine(abc.ABC):
     kind: ClassVar[str]
     #: Run `step()` on the event loop thread instead of the device thread (cheap python nodes).
     inline: ClassVar[bool] = False
+    #: Set by the runtime from the node setting `own_thread`: steps run on a device thread of their own.
+    own_thread: bool = False
 
     def __init__(self, node: GraphNode, module: Any, context: EngineContext):
         self.node = node

@@ -167,6 +167,7 @@ class Worker:
             for node_name in msg.nodes:
                 node = loaded.graph.nodes[node_name]
                 settings = {**loaded.engine_settings.get(node_name, {}), **msg.settings.get(node_name, {})}
+                settings.pop("own_thread", None)  # a worker's nodes share its one device thread
                 engine_cls = registry.engines.get(node.engine)
                 context = EngineContext(self.name, device, settings, registry)
                 module = node.module() if node.module is not None else None
