@@ -42,6 +42,9 @@ class Metrics:
         self.registry.register(_EngineCollector(engine))
 
     def observe_request(self, model: str, route: str, status: int, seconds: float | None = None) -> None:
+        # a label per client-chosen name would let any client grow the metrics without bound
+        if model != "-" and model not in (getattr(self.engine, "models", None) or {}):
+            model = "unknown"
         self.requests.labels(model, route, str(status)).inc()
         if seconds is not None and status < 400:
             self.latency.labels(model, route).observe(seconds)

@@ -101,3 +101,18 @@ def test_deploy_file_is_strict(tmp_path):
     bad.write_text("server: {prot: 1}\n")
     with pytest.raises(ConfigError, match="prot"):
         load_deploy(bad)
+
+
+def test_metrics_label_only_loaded_models():
+    import types
+
+    from mstar_core.api.metrics import Metrics
+
+    metrics = Metrics(types.SimpleNamespace(models={"orpheus": object()}))
+    metrics.observe_request("orpheus", "speech", 200, 0.1)
+    for junk in ("nope", "x" * 1000, "e\u2028vil"):  # client-chosen names must not become label values
+        metrics.observe_request(junk, "speech", 404)
+    text = metrics.render().decode()
+    assert 'model="orpheus",route="speech",status="200"' in text
+    assert 'mstar_requests_total{model="unknown",route="speech",status="404"} 3.0' in text
+    assert "nope" not in text and "vil" not in text
