@@ -61,12 +61,14 @@ async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
     x = torch.randn(256, 1024)
     old = state.process
     os.kill(old.pid, signal.SIGSTOP)  # the worker cannot map what we send next: its segment stays named
-    pending = engine.submit("fixture-blob", {"x": x})
-    deadline = time.monotonic() + 5
-    while not segments_of(os.getpid()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    assert segments_of(os.getpid()), "the input should sit in a named segment the stopped worker never mapped"
-    old.kill()
+    try:
+        pending = engine.submit("fixture-blob", {"x": x})
+        deadline = time.monotonic() + 5
+        while not segments_of(os.getpid()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert segments_of(os.getpid()), "the input should sit in a named segment the stopped worker never mapped"
+    finally:
+        old.kill()  # SIGKILL reaches a stopped process; a failed assert must not leave it frozen forever
     with pytest.raises(WorkerLost, match="exited"):
         await pending.result()
     assert segments_of(os.getpid(), old.pid) == []
