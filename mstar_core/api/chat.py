@@ -20,19 +20,16 @@ from mstar_core.api.common import (
 )
 from mstar_core.api.errors import ApiError
 from mstar_core.api.responses import OrjsonResponse
-from mstar_core.api.schemas import ChatCompletion, ChatRequest, ErrorResponse
+from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
 from mstar_core.api.text import TextAssembler
 
 router = APIRouter()
-
-_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
-
 
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
     responses={200: {"content": {"text/event-stream": {}}, "description": "completion, or SSE chunks then [DONE]"},
-               **_ERRORS},
+               **ERROR_RESPONSES},
     summary="Chat completion (OpenAI-compatible)",
 )
 async def create_chat_completion(body: ChatRequest, request: Request):

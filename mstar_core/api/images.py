@@ -12,20 +12,22 @@ from fastapi import APIRouter, Request
 
 from mstar_core.api.common import adapter_call, map_result, result_or_disconnect, submit
 from mstar_core.api.errors import ApiError
-from mstar_core.api.schemas import ErrorResponse, ImageEditRequest, ImageRequest, ImagesResponse
+from mstar_core.api.schemas import (
+    ERROR_RESPONSES,
+    ImageEditRequest,
+    ImageRequest,
+    ImagesResponse,
+)
 
 router = APIRouter()
 
-_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
-
-
-@router.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS,
+@router.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES,
              summary="Generate images (OpenAI-compatible)")
 async def create_images(body: ImageRequest, request: Request):
     return await _run(body, request, edit=False)
 
 
-@router.post("/v1/images/edits", response_model=ImagesResponse, responses=_ERRORS,
+@router.post("/v1/images/edits", response_model=ImagesResponse, responses=ERROR_RESPONSES,
              summary="Edit an image (JSON body; the source image as base64 in `image`)")
 async def edit_images(body: ImageEditRequest, request: Request):
     try:

@@ -17,14 +17,11 @@ from mstar_core.api.common import (
 )
 from mstar_core.api.errors import ApiError
 from mstar_core.api.responses import OrjsonResponse
-from mstar_core.api.schemas import ErrorResponse, WalkRequest
+from mstar_core.api.schemas import ERROR_RESPONSES, WalkRequest
 from mstar_core.api.tensors import decode_inputs, encode_value
 from mstar_core.errors import RequestError
 
 router = APIRouter()
-
-_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
-
 
 def _line(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
@@ -43,7 +40,7 @@ def _outputs(loaded: Any, env: dict[str, Any], wanted: list[str] | None) -> dict
     "/v1/walks/{model}",
     responses={200: {"content": {"application/x-ndjson": {}},
                      "description": "NDJSON events: {event: output, name, walk, value} ... then {event: done, outputs}"},
-               **_ERRORS},
+               **ERROR_RESPONSES},
     summary="Run a model's walks on raw inputs (native endpoint)",
 )
 async def run_walks(model: str, body: WalkRequest, request: Request):

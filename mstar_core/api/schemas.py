@@ -176,3 +176,7 @@ class WalkRequest(BaseModel):
     stream: bool = Field(True, description="NDJSON events as produced; false returns one JSON object")
     timeout: float | None = Field(None, gt=0, le=3600)
     outputs: list[str] | None = Field(None, description="final env names to return (default: the walks' outputs)")
+
+
+#: The error statuses every model route can answer, for the OpenAPI schema.
+ERROR_RESPONSES = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}

@@ -19,19 +19,16 @@ from mstar_core.api.common import (
     submit,
 )
 from mstar_core.api.errors import ApiError
-from mstar_core.api.schemas import ErrorResponse, SpeechRequest
+from mstar_core.api.schemas import ERROR_RESPONSES, SpeechRequest
 
 router = APIRouter()
-
-_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
-
 
 @router.post(
     "/v1/audio/speech",
     responses={
         200: {"content": {"audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "text/event-stream": {}},
               "description": "audio bytes as produced, or SSE `speech.audio.delta` / `speech.audio.done` events"},
-        **_ERRORS,
+        **ERROR_RESPONSES,
     },
     response_class=Response,
     summary="Text to speech (OpenAI-compatible)",

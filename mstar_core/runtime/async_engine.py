@@ -10,7 +10,6 @@ import asyncio
 import itertools
 import logging
 import os
-import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext
-from mstar_core.runtime.request import Output, RequestHandle
+from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
 
 log = logging.getLogger("mstar.engine")
@@ -71,7 +70,6 @@ class AsyncEngine:
         self.running = 0
         self.waiting = 0
         self._handles: dict[str, RequestHandle] = {}
-        self.on_finish = None  # callable(handle, status: str, seconds: float), set by metrics
         self.cluster = None  # the worker processes, once a placement puts nodes on them
         self._own_executors: list[ThreadPoolExecutor] = []  # nodes with `own_thread`
 
@@ -257,7 +255,6 @@ class AsyncEngine:
         if rid in self._handles:
             raise RequestError(f"request id '{rid}' is already in use")
         handle = RequestHandle(rid, model)
-        handle.submitted_at = time.perf_counter()
         self._handles[rid] = handle
         self.waiting += 1
         task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout), name=f"mstar-req-{rid}")
@@ -267,14 +264,7 @@ class AsyncEngine:
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
-        status = "ok"
         admitted = False
-
-        def emit(output: Output) -> None:
-            if handle.first_output_at is None:
-                handle.first_output_at = time.perf_counter()
-            handle._emit(output)
-
         try:
             async with asyncio.timeout(timeout):
                 async with self._slots:
@@ -282,24 +272,15 @@ class AsyncEngine:
                     self.running += 1
                     admitted = True
                     try:
-                        return await runtime.conductor.run(handle.request_id, env, emit)
+                        return await runtime.conductor.run(handle.request_id, env, handle._emit)
                     finally:
                         self.running -= 1
         except TimeoutError:
-            status = "timeout"
             raise RequestTimeout(f"request {handle.request_id} ran past its {timeout}s timeout") from None
-        except asyncio.CancelledError:
-            status = "cancelled"
-            raise
-        except BaseException:
-            status = "error"
-            raise
         finally:
             if not admitted:
                 self.waiting -= 1
             self._handles.pop(handle.request_id, None)
-            if self.on_finish is not None:
-                self.on_finish(handle, status, time.perf_counter() - handle.submitted_at)
 
     async def generate(self, model: str, inputs: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
         """Submit and wait for the final env."""

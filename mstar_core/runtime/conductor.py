@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mstar_core.errors import RequestError
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import (
     DynamicLoop,
@@ -20,11 +21,11 @@ from mstar_core.graph.walk import (
     Step,
     StreamingGraphEdge,
     Walk,
+    iter_calls,
 )
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.request import Output
 from mstar_core.runtime.scheduler import NodeScheduler
-from mstar_core.streaming.policies import Chunk
 
 _STREAM_END = object()
 _MISSING = object()
@@ -36,8 +37,6 @@ class Conductor:
     def __init__(self, graph: Graph, schedulers: Mapping[str, NodeScheduler]):
         self.graph = graph
         self.schedulers = schedulers
-        # merged static + per-call options, computed once per call site (graphs are immutable)
-        self._call_options: dict[int, Mapping[str, Any]] = {}
         # loops delegated to the worker that hosts all their nodes: id(loop) -> runner (see remote_loop.py)
         self.remote_loops: dict[int, Any] = {}
         # the consumer side of each streaming edge, as a call site of its own
@@ -45,6 +44,12 @@ class Conductor:
             id(edge): NodeCall(edge.dst_node, outputs=edge.outputs)
             for walk in graph.walks.values()
             for edge in walk.streams
+        }
+        # static node options overlaid with the call site's, once per call site (graphs are immutable)
+        sites = [c for walk in graph.walks.values() for c in iter_calls(walk.body)] + list(self._stream_calls.values())
+        self._call_options: dict[int, Mapping[str, Any]] = {
+            id(c): {**graph.nodes[c.node].options, **c.options} if c.options else graph.nodes[c.node].options
+            for c in sites
         }
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
@@ -62,8 +67,6 @@ class Conductor:
     async def _run_walk(self, state: RequestState, walk: Walk, env: dict[str, Any]) -> None:
         missing = [name for name in walk.inputs if name not in env]
         if missing:
-            from mstar_core.errors import RequestError
-
             raise RequestError(f"walk '{walk.name}' needs inputs {missing}; got {sorted(env)}")
         frame = WalkFrame(walk, set(walk.emit))
         consumers = []
@@ -186,26 +189,18 @@ class Conductor:
                     env[name] = value
 
     async def _invoke(
-        self, state: RequestState, call: NodeCall, env: dict[str, Any], extra: dict[str, Any] | None = None
+        self, state: RequestState, call: NodeCall, env: dict[str, Any], given: dict[str, Any] | None = None
     ) -> dict[str, Any]:
+        """Call a node with its inputs read from the env (`given` supplies ports directly: a stream's chunk)."""
         node = self.graph.nodes[call.node]
-        inputs = {}
-        for port in node.inputs:
-            if extra is not None and port in extra:
-                inputs[port] = extra[port]
-            else:
-                inputs[port] = env[call.env_input(port)]
+        inputs = {port: env[call.env_input(port)] for port in node.inputs if not given or port not in given}
         for port in node.optional_inputs:
-            if extra is not None and port in extra:
-                inputs[port] = extra[port]
-            else:
-                name = call.env_input(port)
-                if name in env:
-                    inputs[port] = env[name]
-        options = self._call_options.get(id(call))
-        if options is None:
-            options = {**node.options, **call.options} if call.options else node.options
-            self._call_options[id(call)] = options
+            name = call.env_input(port)
+            if name in env:
+                inputs[port] = env[name]
+        if given:
+            inputs.update(given)
+        options = self._call_options[id(call)]
         count = state.call_counts.get(call.node, 0)
         state.call_counts[call.node] = count + 1
         state.touched.add(call.node)
@@ -240,5 +235,3 @@ class _Stream:
         self.queue = queue
         self.state = edge.policy.open()
 
-
-__all__ = ["Chunk", "Conductor"]

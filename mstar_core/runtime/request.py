@@ -33,8 +33,6 @@ class RequestHandle:
         self.model = model
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self.submitted_at = 0.0
-        self.first_output_at: float | None = None
 
     def _attach(self, task: asyncio.Task) -> None:
         self._task = task

@@ -38,7 +38,6 @@ class NodeScheduler:
         self.invocations = 0
         self.last_batch_size = 0
         self.last_step_seconds = 0.0
-        self.step_observer = None  # callable(node, batch_size, seconds), set by metrics
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -115,8 +114,6 @@ class NodeScheduler:
             self.last_batch_size = len(results)
             self.last_step_seconds = elapsed
             self.invocations += len(results)
-            if self.step_observer is not None:
-                self.step_observer(engine.node.name, len(results), elapsed)
             for inv, out in results:
                 entry = self._inflight.pop(id(inv), None)
                 if entry is None:
