@@ -2,7 +2,7 @@
 
 ```yaml
 workers:
-  codec: {device: cpu}                    # spawned on this host
+  codec: {device: cpu, threads: 1}        # spawned on this host; torch threads (default: a core share)
   lm: {device: cuda:0, replicas: 2}        # two processes; a request sticks to one replica
   far: {device: cuda:0, host: 10.0.0.7}    # joins by hand: `mstar worker --join ... --name far`
   big: {device: cuda:0, launcher: ray, num_cpus: 2}  # one Ray actor per replica on a Ray cluster
