@@ -15,6 +15,7 @@ Greedy decoding everywhere. Prints one final JSON line.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -40,17 +41,19 @@ SHAPE = dict(
 )
 
 
-def load_models():
-    """The same seeded weights as a transformers model and as M*'s decoder (through M*'s loader)."""
+def load_models(directory: str):
+    """The same seeded weights as a transformers model and as M*'s served `llama` model (through M*'s loader)."""
     import transformers
 
-    from mstar_core.nn.llama import load_llama
+    from mstar_core.model import LoadOptions
+    from mstar_llm.model import load_llm
+    from mstar_llm.preset import build_tokenizer
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        ours = load_llama(tmp, progress=False).eval()
+    hf.save_pretrained(directory)
+    build_tokenizer().save(os.path.join(directory, "tokenizer.json"))  # the server wants one; prompts are ids
+    ours = load_llm(LoadOptions(checkpoint=directory), progress=False)
     return hf, ours
 
 
@@ -61,44 +64,33 @@ def workload(n: int, prompt_range, output_range, seed: int):
     return prompts, outputs
 
 
-def run_mstar(model, prompts, outputs, concurrency: int | None = None) -> tuple[float, int]:
-    """Drive the kvcache engine as the runtime does: each sampled token is fed back as the next call.
+async def start_engine(loaded, pages: int):
+    """M* as an integrator embeds it: an `AsyncEngine` serving the model; requests go through the conductor."""
+    from mstar_core.runtime import AsyncEngine
 
-    A client keeps `concurrency` requests in flight: when one finishes the next is submitted.
-    """
-    from mstar_kvcache import KVCacheEngine
+    engine = AsyncEngine()
+    # no prefix caching: runs repeat the same prompts, and a cache hit would skip prefill HF has to do
+    settings = {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 64,
+                "enable_prefix_caching": False}
+    await engine.add_model(loaded, settings={"lm": settings})
+    return engine
 
-    from mstar_core.graph import GraphNode
-    from mstar_core.runtime.engine import EngineContext, Invocation
-    from mstar_core.sampling import SamplingParams
 
-    node = GraphNode("lm", inputs=("input_ids",), outputs=("next_token", "finish_reason"), engine="kvcache",
-                     optional_inputs=("sampling",))
-    pages = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs, strict=True)) + 8
-    settings = {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 64}
-    engine = KVCacheEngine(node, model, EngineContext("bench", torch.device("cpu"), settings))
-    params = [SamplingParams(max_tokens=o) for o in outputs]
+async def run_mstar(engine, prompts, outputs, concurrency: int | None = None) -> tuple[float, int]:
+    """Requests through `AsyncEngine.submit`; a client keeps `concurrency` of them in flight."""
     queue = deque(range(len(prompts)))
-
-    def submit() -> None:
-        i = queue.popleft()
-        engine.add(Invocation(str(i), "lm", {"input_ids": prompts[i], "sampling": params[i]}, {}))
-
     made = 0
+
+    async def client() -> None:
+        nonlocal made
+        while queue:
+            i = queue.popleft()
+            handle = engine.submit("llama", {"input_ids": prompts[i], "max_tokens": outputs[i], "ignore_eos": True})
+            async for out in handle:
+                made += out.name == "next_token"
+
     start = time.perf_counter()
-    for _ in range(min(concurrency or len(prompts), len(queue))):
-        submit()
-    while engine.has_work():
-        for inv, out in engine.step():
-            if isinstance(out, BaseException):
-                raise out
-            made += 1
-            if out["finish_reason"] is None:
-                engine.add(Invocation(inv.request_id, "lm", {"input_ids": out["next_token"], "sampling": params[int(inv.request_id)]}, {}))
-            else:
-                engine.release(inv.request_id)
-                if queue:
-                    submit()
+    await asyncio.gather(*(client() for _ in range(min(concurrency or len(prompts), len(prompts)))))
     return time.perf_counter() - start, made
 
 
@@ -158,51 +150,67 @@ def run_bare(model, prompts, steps) -> tuple[float, int]:
     return time.perf_counter() - start, b * steps
 
 
-def best_of(repeats: int, *sides):
+async def best_of(repeats: int, *sides):
     """Alternate the sides `repeats` times and keep each side's fastest run (shared machines are noisy)."""
     best = [None] * len(sides)
     for _ in range(repeats):
         for i, side in enumerate(sides):
-            took, made = side()
+            result = side()
+            took, made = await result if asyncio.iscoroutine(result) else result
             if best[i] is None or took < best[i][0]:
                 best[i] = (took, made)
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter sequences (under a minute on 2 cores)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per side, alternating; best kept")
-    parser.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
-                        help="torch intra-op threads (default: half the cores, at most 4)")
-    args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 2)
+async def main_async(args) -> dict:
     torch.set_num_threads(args.threads)
-    hf, ours = load_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, loaded = load_models(tmp)
+    decoder = loaded.graph.nodes["lm"].module()
     if args.quick:
-        prompt_range, output_range, lock, waves = (8, 32), (8, 96), (16, 32), 2
+        prompt_range, output_range, lock = (8, 32), (8, 96), (16, 32)
     else:
-        prompt_range, output_range, lock, waves = (16, 64), (16, 256), (32, 128), 2
+        prompt_range, output_range, lock = (16, 64), (16, 256), (32, 128)
+    # room for 32 requests of the longest prompt and output at once, plus the lockstep run's
+    pages = 32 * -(-(prompt_range[1] + output_range[1]) // 16) + 64
+    engine = await start_engine(loaded, pages)
     figures: dict[str, float] = {}
-    run_mstar(ours, *workload(2, (4, 8), (2, 4), 99))  # warm-up
+    await run_mstar(engine, *workload(2, (4, 8), (2, 4), 99))  # warm-up
+
     for n in (1, 8, 32):
-        prompts, outputs = workload(waves * n, prompt_range, output_range, seed=n)
-        (t_m, tok_m), (t_h, tok_h) = best_of(args.repeats, lambda p=prompts, o=outputs, c=n: run_mstar(ours, p, o, c),
-                                             lambda p=prompts, o=outputs, c=n: run_hf(hf, p, o, c))
+        prompts, outputs = workload(args.waves * n, prompt_range, output_range, seed=n)
+        (t_m, tok_m), (t_h, tok_h) = await best_of(args.repeats, lambda p=prompts, o=outputs, c=n: run_mstar(engine, p, o, c),
+                                                   lambda p=prompts, o=outputs, c=n: run_hf(hf, p, o, c))
+        assert tok_m == sum(outputs), f"M* made {tok_m} tokens, {sum(outputs)} were asked for"
         figures[f"mstar_tok_s_{n}"] = round(tok_m / t_m, 1)
         figures[f"hf_tok_s_{n}"] = round(tok_h / t_h, 1)
         figures[f"vs_hf_generate_{n}"] = round((tok_m / t_m) / (tok_h / t_h), 3)
         print(f"concurrency {n:2d}: M* {tok_m / t_m:8.1f} tok/s   HF generate {tok_h / t_h:8.1f} tok/s", flush=True)
     p_len, steps = lock
     prompts = [[(7 * i + j) % SHAPE["vocab_size"] + 1 for j in range(p_len)] for i in range(32)]
-    (t_b, tok_b), (t_m, tok_m) = best_of(args.repeats, lambda: run_bare(ours, prompts, steps),
-                                         lambda: run_mstar(ours, prompts, [steps] * 32))
+    (t_b, tok_b), (t_m, tok_m) = await best_of(args.repeats, lambda: run_bare(decoder, prompts, steps),
+                                               lambda: run_mstar(engine, prompts, [steps] * 32))
+    await engine.close()
     figures["bare_tok_s_32"] = round(tok_b / t_b, 1)
     figures["mstar_lockstep_tok_s_32"] = round(tok_m / t_m, 1)
     print(f"lockstep 32: M* {tok_m / t_m:8.1f} tok/s   bare loop {tok_b / t_b:8.1f} tok/s", flush=True)
     figures["vs_hf_generate"] = figures["vs_hf_generate_32"]
     figures["vs_bare_loop"] = round((tok_m / t_m) / (tok_b / t_b), 3)
-    print(json.dumps({"benchmark": "decode_throughput", "quick": args.quick, "threads": args.threads, **figures}))
+    return {"benchmark": "decode_throughput", "quick": args.quick, "threads": args.threads, "waves": args.waves, **figures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter sequences (under a minute on 2 cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per side, alternating; best kept")
+    parser.add_argument("--waves", type=int, default=None,
+                        help="requests per concurrency level, in multiples of the level (default 2 quick, 6 full)")
+    parser.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
+                        help="torch intra-op threads (default: half the cores, at most 4)")
+    args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.waves = args.waves or (2 if args.quick else 6)
+    print(json.dumps(asyncio.run(main_async(args))))
 
 
 if __name__ == "__main__":

@@ -125,6 +125,13 @@ class NodeScheduler:
                     fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
                 else:
                     fut.set_result(out)
+            if results:
+                # Let the requests just answered come back before the next batch forms: their tasks
+                # were woken ahead of this one, so one pass of the loop resubmits every AR step that
+                # goes straight back to this node. Without it, work that arrived during the step
+                # runs alone while the rest re-queue, and the batch splits into groups that take
+                # turns for as long as they run (each step paying for the weights once per group).
+                await asyncio.sleep(0)
 
     async def close(self) -> None:
         self._closed = True

@@ -314,3 +314,32 @@ async def test_a_node_with_its_own_thread_overlaps_the_shared_device_thread():
 
     assert await wall({}) >= 0.4  # one device thread: the two steps run one after the other
     assert await wall({"b": {"own_thread": True}}) < 0.35  # b's thread runs beside the shared one
+
+
+async def test_a_request_arriving_mid_step_joins_the_batch_instead_of_splitting_it():
+    """AR steps answered together come back together: a late arrival must not leave two groups taking turns."""
+    import time
+
+    class Step:
+        def forward_batch(self, batch):
+            time.sleep(0.005)  # a forward pass: the late request arrives while one runs
+            return [{"i": b["i"] + 1} for b in batch]
+
+        def __call__(self, i):
+            return self.forward_batch([{"i": i}])[0]
+
+    node = GraphNode("ar", inputs="i", outputs="i", engine="function", module=Step)
+    walk = Walk(name="w", body=DynamicLoop(body="ar", until=lambda env: env["i"] >= env["n"], max_iters=1000),
+                inputs=("i", "n"), outputs="i")
+    engine = AsyncEngine(discover())
+    await engine.add_model(LoadedModel("ar", Graph.build("ar", [node], [walk])))
+    sched = engine.node_schedulers("ar")["ar"]
+    early = [engine.submit("ar", {"i": 0, "n": 40}) for _ in range(8)]
+    while sched.steps < 10:
+        await asyncio.sleep(0.001)
+    late = engine.submit("ar", {"i": 0, "n": 10})
+    results = await asyncio.gather(*(h.result() for h in [*early, late]))
+    assert [r["i"] for r in results] == [40] * 8 + [10]
+    # 40 steps for the early ones; the late one rides along (at most a step or two on its own)
+    assert sched.steps <= 43, sched.steps
+    await engine.close()
