@@ -10,12 +10,25 @@ sequence at a time over their slots.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from mstar_attn_torch.lanes import DecodeLanes
+
+
+class LanePlan(NamedTuple):
+    """How one step's decoding rows use their lanes (same for every layer)."""
+
+    rows: torch.Tensor  # packed row of each lane-decoding sequence
+    lanes: torch.Tensor  # its lane
+    pos: torch.Tensor  # where its new key goes in the lane
+    count: int  # lanes attended over (0..count-1)
+    width: int  # keys attended over per lane
+    mask: torch.Tensor | None  # None when every lane has `width` keys
+    whole: bool  # every row of the step decodes in a lane, and those lanes are exactly 0..count-1
+    order: torch.Tensor | None  # with `whole`: the row serving each lane, unless lane l serves row l
 
 
 class TorchPagedAttention:
@@ -117,8 +130,8 @@ class TorchPagedContext:
             self.prefill.append((start, n, slots, mask))
 
     @staticmethod
-    def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> tuple | None:
-        """Rows, lanes, write positions, lane count, width and mask for the rows decoding in lanes."""
+    def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:
+        """The plan for the rows decoding in lanes (`picked`: sequence index, lane)."""
         if not picked:
             return None
         device = batch.slot_mapping.device
@@ -127,16 +140,20 @@ class TorchPagedContext:
         lane_t = torch.tensor(lane_ids, device=device)
         pos = torch.tensor([batch.kv_lens[i] - 1 for i in seqs], device=device)
         count = max(lane_ids) + 1
-        # every row in a lane and lane l serving row l: no scatter of queries, no pick of results
-        identity = len(picked) == count == batch.num_tokens and lane_ids == list(range(count)) and \
-            [starts[i] for i in seqs] == list(range(count))
+        # every row of the step decodes in a lane and the lanes in use are packed: the rows are a
+        # permutation of lanes 0..count-1, so keys go in straight from k/v and only q is reordered
+        whole = len(picked) == count == batch.num_tokens and [starts[i] for i in seqs] == list(range(count))
+        order = None  # row serving each lane, when that is not lane l -> row l
+        if whole and lane_ids != list(range(count)):
+            order = torch.empty(count, dtype=torch.long, device=device)
+            order[lane_t] = rows
         bound = torch.ones(count, dtype=torch.long, device=device)  # lanes idle this step see one key
         bound[lane_t] = _bounds(batch, seqs, rows)
         width = int(bound.max())
         mask = None
         if int(bound.min()) != width:
             mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
-        return rows, lane_t, pos, count, width, mask, identity
+        return LanePlan(rows, lane_t, pos, count, width, mask, whole, order)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
@@ -146,7 +163,7 @@ class TorchPagedContext:
         k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
         gqa = q.shape[1] != hkv
-        if self.in_lanes is not None and self.in_lanes[-1]:
+        if self.in_lanes is not None and self.in_lanes.whole:
             return self._attend_lanes(layer, q, k, v, scale, gqa, None)
         out = torch.empty_like(q)
         if self.in_lanes is not None:
@@ -167,12 +184,12 @@ class TorchPagedContext:
 
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):
         """Append each lane row's new key/value to its lane, then one SDPA over a strided view of the lanes."""
-        rows, lane_t, pos, count, width, mask, identity = self.in_lanes
+        rows, lane_t, pos, count, width, mask, whole, order = self.in_lanes
         store = self.lanes.kv[layer]
-        if identity:
+        if whole:
             store[0].index_put_((lane_t, pos), k.to(store.dtype))
             store[1].index_put_((lane_t, pos), v.to(store.dtype))
-            ql = q
+            ql = q if order is None else q.index_select(0, order)
         else:
             store[0].index_put_((lane_t, pos), k[rows].to(store.dtype))
             store[1].index_put_((lane_t, pos), v[rows].to(store.dtype))
@@ -183,8 +200,8 @@ class TorchPagedContext:
         res = F.scaled_dot_product_attention(
             ql.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
         ).squeeze(2)
-        if identity:
-            return res.to(q.dtype)
+        if whole:
+            return (res if order is None else res.index_select(0, lane_t)).to(q.dtype)
         out[rows] = res[lane_t].to(q.dtype)
         return out
 
