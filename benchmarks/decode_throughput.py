@@ -1,15 +1,18 @@
-"""Decode throughput: M*'s kvcache engine vs transformers `generate` and vs a bare dense-KV torch loop.
+"""Decode throughput: M* serving a Llama vs transformers `generate` and vs a bare dense-KV torch loop.
 
 A Llama of realistic CPU shape (hidden 512, 8 layers, GQA 8/4, vocab 16384) with seeded random
-weights, written in HF layout and loaded by both sides. Three comparisons, all in this run:
+weights, written in HF layout and loaded by both sides. M* is the whole runtime as an integrator
+embeds it: the `llama` model on an `AsyncEngine`, requests through `submit`, each generated token
+fed back through the conductor's decode loop to the `kvcache` engine. All in this run:
   * mixed prompt/output lengths (prompts 16-64 tokens, outputs 16-256; --quick: 8-32 and 8-96)
-    at 1, 8 and 32 concurrent requests (a client keeps N requests
-    in flight over 2 waves of N): M* (continuous batching: a finished request's slot is
-    refilled at once) against HF `generate` on the same requests in batches of N with left
-    padding (each batch runs to its longest output; tokens/s counts only the tokens asked for);
+    at 1, 8 and 32 concurrent requests: a client keeps N requests in flight until `waves` x N
+    have been served (6 waves by default, 2 with --quick; the last wave drains with fewer than N
+    in flight, which weighs more the fewer waves there are). M* refills a finished request's
+    slot at once; HF `generate` gets the same requests in batches of N with left padding (each
+    batch runs to its longest output; tokens/s counts only the tokens asked for);
   * framework tax: 32 requests of equal prompt and output length decoded in lockstep, M* against
     a bare loop over the same decoder with a preallocated dense KV cache and no framework.
-Greedy decoding everywhere. Prints one final JSON line.
+Greedy decoding everywhere; no prefix caching (runs repeat prompts). Prints one final JSON line.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ SHAPE = dict(
 def load_models(directory: str):
     """The same seeded weights as a transformers model and as M*'s served `llama` model (through M*'s loader)."""
     import transformers
-
-    from mstar_core.model import LoadOptions
     from mstar_llm.model import load_llm
     from mstar_llm.preset import build_tokenizer
+
+    from mstar_core.model import LoadOptions
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).eval()
