@@ -139,7 +139,7 @@ def test_stop_tokens_sequences_and_max_tokens(llama_pair):
     assert engine.pool.num_used == 0
 
 
-def test_logprob_output_only_when_the_node_declares_it(llama_pair):
+def test_logprob_output_only_when_declared_and_asked_for(llama_pair):
     from mstar_kvcache import KVCacheEngine
 
     from mstar_core.graph import GraphNode
@@ -147,11 +147,14 @@ def test_logprob_output_only_when_the_node_declares_it(llama_pair):
 
     _, ours = llama_pair
     outs = {}
+    asks = {"sampling": SamplingParams(logprobs=0)}
     for declared in (("next_token", "finish_reason", "logprob", "logits"), ("next_token", "finish_reason", "logits")):
-        node = GraphNode("lm", inputs=("input_ids",), outputs=declared, engine="kvcache")
-        engine = KVCacheEngine(node, ours, EngineContext("test", torch.device("cpu"), {"num_pages": 16}))
-        engine.add(Invocation("r", "lm", {"input_ids": [3, 4, 5]}, {}))
-        (_, outs[len(declared)]), = engine.step()
-    with_lp, without = outs[4], outs[3]
-    assert "logprob" not in without and with_lp["next_token"] == without["next_token"]
+        node = GraphNode("lm", inputs=("input_ids",), outputs=declared, engine="kvcache", optional_inputs=("sampling",))
+        for extra in ({}, asks):
+            engine = KVCacheEngine(node, ours, EngineContext("test", torch.device("cpu"), {"num_pages": 16}))
+            engine.add(Invocation("r", "lm", {"input_ids": [3, 4, 5], **extra}, {}))
+            (_, outs[len(declared), bool(extra)]), = engine.step()
+    with_lp = outs[4, True]
+    assert all("logprob" not in outs[key] for key in ((3, False), (3, True), (4, False)))  # not declared, or not asked
+    assert len({out["next_token"] for out in outs.values()}) == 1
     assert with_lp["logprob"] == pytest.approx(float(torch.log_softmax(with_lp["logits"], -1).max()), abs=1e-5)

@@ -24,8 +24,8 @@ class KVCacheEngine(Engine):
     """Each invocation appends `input_ids` to the request's sequence for its cache label, then samples.
 
     Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), plus `top_logprobs` when
-    the sampling params ask, and `logprob` / `logits` / `hidden` (last position) when the node
-    declares those outputs. Options: `cache_label` (default "main"), `write_cache` (False:
+    the sampling params ask, `logprob` when the node declares it and the sampling params ask
+    (`logprobs` set), and `logits` / `hidden` (last position) when the node declares those. Options: `cache_label` (default "main"), `write_cache` (False:
     attend to the cache without keeping this call's tokens), `fork_from` (a new label starts as a
     copy-on-write fork of that label), `bidirectional` (this call's tokens form one bidirectional
     block), `frame_size` (frame-causal mask). Larger `Invocation.priority` is scheduled first.
@@ -229,8 +229,10 @@ class KVCacheEngine(Engine):
         seqs = [s for s, _ in done]
         with torch.inference_mode():
             logits = self.module.compute_logits(last)
+            # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
+            wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs],
-                            logprobs="logprob" in self.node.outputs)
+                            logprobs=wanted)
         results: list[Result] = []
         for i, seq in enumerate(seqs):
             inv = seq.pending
