@@ -35,9 +35,13 @@ def load_weights(
 
     Floating tensors become `dtype` (default: the dtype the module declared). Raises
     `WeightMismatchError` listing all missing, unexpected and mis-shaped names at once.
+    With `device="meta"` nothing is read: the module keeps its shapes and no memory (a serving
+    process whose nodes all run in workers needs the graph, not the weights; workers load them).
     """
     mapping = mapping or WeightMapping()
     device = torch.device(device)
+    if device.type == "meta":
+        return module.to(device=device, dtype=dtype) if dtype is not None else module.to(device)
     expected = module.state_dict(keep_vars=True)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []

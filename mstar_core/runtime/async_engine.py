@@ -86,12 +86,19 @@ class AsyncEngine:
         """Load a registered model family (weights loaded off the event loop) and start its engines.
 
         With a `placement`, nodes it assigns to workers run in worker processes (spawned here, or
-        joining from other hosts); the rest run in this process.
+        joining from other hosts); the rest run in this process. When no node stays here, this
+        process builds the model on the meta device: the graph and request preparation without
+        the weights, which only the workers load.
         """
         spec = self.registry.models.get(name)
         options = options or LoadOptions(device=str(self.device))
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(self._executor, spec.load, options)
+        if placement is not None and placement.remote:
+            loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, device="meta"))
+            if any(placement.worker_of(node) == "local" for node in loaded.graph.nodes):
+                loaded = await loop.run_in_executor(self._executor, spec.load, options)
+        else:
+            loaded = await loop.run_in_executor(self._executor, spec.load, options)
         if placement is None or not placement.remote:
             if placement is not None:
                 placement.check_nodes(name, loaded.graph.nodes)

@@ -27,15 +27,18 @@ async def synthesize(placement_file):
             if out.name == "audio":
                 chunks.append(torch.as_tensor(out.value).clone())
         workers = sorted(engine.cluster.workers) if engine.cluster else []
-        return chunks, workers
+        params = [p for node in engine.models["orpheus"].graph.nodes.values() for p in node.module().parameters()]
+        return chunks, workers, {p.is_meta for p in params}
     finally:
         await engine.close()
 
 
 async def test_colocated_and_disaggregated_orpheus_give_identical_audio():
-    colocated, no_workers = await synthesize("orpheus-colocated.yaml")
-    split, workers = await synthesize("orpheus-disaggregated.yaml")
+    colocated, no_workers, local_meta = await synthesize("orpheus-colocated.yaml")
+    split, workers, split_meta = await synthesize("orpheus-disaggregated.yaml")
     assert no_workers == [] and workers == ["codec", "lm"]
+    # the serving process keeps the graph but no weights when every node runs in a worker
+    assert local_meta == {False} and split_meta == {True}
     assert len(colocated) > 0, "the tiny preset should produce at least one audio window"
     assert len(split) == len(colocated)
     for a, b in zip(colocated, split, strict=True):
