@@ -117,3 +117,23 @@ def test_meta_construction_allocates_nothing_until_load(model, tmp_path):
     loaded = load_llama(tmp_path, progress=False)
     assert not any(p.is_meta for p in loaded.parameters())
     assert loaded.model.rotary_emb.inv_freq.device.type == "cpu"
+
+
+def test_meta_device_load_reads_nothing_and_keeps_shapes():
+    from mstar_core.checkpoint import build_and_load
+
+    class Unreadable:
+        where = "nowhere"
+
+        def __len__(self):
+            return 1
+
+        def items(self):
+            raise AssertionError("a meta load must not read the checkpoint")
+
+    cfg = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = build_and_load(lambda: LlamaForCausalLM(cfg), Unreadable(), device="meta", dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params.values())
+    assert params["model.embed_tokens.weight"].shape == (64, 32)
