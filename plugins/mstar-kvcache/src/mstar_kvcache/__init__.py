@@ -8,9 +8,10 @@ from mstar_core.plugins import hookimpl
 from mstar_kvcache.batch import PagedBatch
 from mstar_kvcache.engine import KVCacheEngine
 from mstar_kvcache.pool import PagePool
+from mstar_kvcache.snapshot import CacheSnapshot
 from mstar_kvcache.walks import ar_walks
 
-__all__ = ["KVCacheEngine", "PagePool", "PagedBatch", "ar_walks"]
+__all__ = ["CacheSnapshot", "KVCacheEngine", "PagePool", "PagedBatch", "ar_walks"]
 
 
 @hookimpl
