@@ -9,6 +9,7 @@ workers:
   snac: {transport: shm}                    # tensors above 64 KiB through a shared-memory arena
 nodes:
   snac: codec                              # nodes not listed run in the serving process
+  # lm: {prefill: far, decode: lm}         # per walk: the request's KV pages move between them
 engine_settings:
   lm: {num_pages: 4096, page_size: 16}
 control:
@@ -22,8 +23,11 @@ control:
 `manual` (implied by `host`: the worker joins by hand). `transport` is how tensors travel between
 the server and the worker: `zmq` (the control socket; the default) or `shm` (spawned workers only).
 
-The same model runs colocated (no file, or no `nodes`) or disaggregated by changing only this
-file. Unknown keys, nodes and workers are errors that name the key.
+A node placed per walk runs each listed walk on that walk's worker (walks not listed run in the
+serving process); when a request's next call lands on another worker, its engine state moves
+there first (the engine must support it: `kvcache` does). The same model runs colocated (no file,
+or no `nodes`) or disaggregated by changing only this file. Unknown keys, nodes, walks and
+workers are errors that name the key.
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class Placement:
     source: str = "<dict>"
     #: run a loop whose nodes all live on one worker on that worker (one round trip per loop, not per step)
     delegate_loops: bool = True
+    #: node -> walk -> worker, for nodes placed per walk (a request's state moves between the workers)
+    walks: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
@@ -123,10 +129,18 @@ class Placement:
             if not isinstance(replicas, int) or replicas < 1:
                 raise ConfigError(f"{source}: workers.{name}.replicas must be an integer >= 1, got {replicas!r}")
             workers[name] = _worker(source, str(name), spec, replicas, ray_address)
-        nodes = {}
+        nodes, walks = {}, {}
+        known = ", ".join(sorted(workers)) or "none"
         for node, worker in _check_keys(f"{source}: nodes", top.get("nodes"), _AnyKey()).items():
+            if isinstance(worker, dict):  # per walk: {prefill: a, decode: b}; walks not named run here
+                for walk, each in _check_keys(f"{source}: nodes.{node}", worker, _AnyKey()).items():
+                    if each != LOCAL and each not in workers:
+                        raise ConfigError(f"{source}: nodes.{node}.{walk} names unknown worker '{each}'; "
+                                          f"workers: {known}, {LOCAL}")
+                walks[str(node)] = {str(w): str(each) for w, each in worker.items()}
+                nodes[str(node)] = LOCAL
+                continue
             if worker != LOCAL and worker not in workers:
-                known = ", ".join(sorted(workers)) or "none"
                 raise ConfigError(f"{source}: nodes.{node} names unknown worker '{worker}'; workers: {known}, {LOCAL}")
             nodes[str(node)] = str(worker)
         settings = {
@@ -136,7 +150,7 @@ class Placement:
         interval = control.get("heartbeat_interval", 0.5)
         if not isinstance(interval, int | float) or interval <= 0:
             raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
-        return cls(workers, nodes, settings, control.get("bind"), float(interval), source, delegate)
+        return cls(workers, nodes, settings, control.get("bind"), float(interval), source, delegate, walks)
 
     def check_nodes(self, model: str, nodes: Iterable[str]) -> None:
         """Every node the file names must exist in the model."""
@@ -147,12 +161,26 @@ class Placement:
                     f"{self.source}: unknown node '{key}' for model '{model}'; nodes: {', '.join(sorted(known))}"
                 )
 
-    def worker_of(self, node: str) -> str:
+    def check_walks(self, model: str, walks: Iterable[str]) -> None:
+        """Every walk a per-walk entry names must exist in the model."""
+        known = set(walks)
+        for node, by_walk in self.walks.items():
+            for walk in by_walk:
+                if walk not in known:
+                    raise ConfigError(f"{self.source}: nodes.{node} names unknown walk '{walk}' of model '{model}'; "
+                                      f"walks: {', '.join(sorted(known))}")
+
+    def worker_of(self, node: str, walk: str | None = None) -> str:
+        """Where `node` runs (in `walk`, for nodes placed per walk)."""
+        by_walk = self.walks.get(node)
+        if by_walk is not None and walk is not None:
+            return by_walk.get(walk, LOCAL)
         return self.nodes.get(node, LOCAL)
 
     @property
     def remote(self) -> bool:
-        return any(w != LOCAL for w in self.nodes.values())
+        return any(w != LOCAL for w in self.nodes.values()) or \
+            any(w != LOCAL for by_walk in self.walks.values() for w in by_walk.values())
 
 
 def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str | None) -> WorkerSpec:

@@ -18,8 +18,10 @@ from typing import Any
 import attrs
 import torch
 
-from mstar_core.config.placement import Placement
-from mstar_core.errors import RequestCancelled, RequestError, RequestTimeout
+from mstar_core.config.placement import LOCAL, Placement
+from mstar_core.errors import ConfigError, RequestCancelled, RequestError, RequestTimeout
+from mstar_core.graph.graph import Graph
+from mstar_core.graph.walk import iter_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
@@ -34,11 +36,12 @@ RUNTIME_SETTINGS = ("own_thread",)
 
 
 class _ModelRuntime:
-    def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, Any]):
+    def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, Any],
+                 walk_schedulers: dict[tuple[str, str], Any] | None = None):
         self.loaded = loaded
         self.engines = engines
         self.schedulers = schedulers
-        self.conductor = Conductor(loaded.graph, schedulers)
+        self.conductor = Conductor(loaded.graph, schedulers, walk_schedulers)
 
 
 class AsyncEngine:
@@ -95,7 +98,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if placement is not None and placement.remote:
             loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, device="meta"))
-            if any(placement.worker_of(node) == "local" for node in loaded.graph.nodes):
+            if any(LOCAL in workers for workers in _node_workers(loaded.graph, placement).values()):
                 loaded = await loop.run_in_executor(self._executor, spec.load, options)
         else:
             loaded = await loop.run_in_executor(self._executor, spec.load, options)
@@ -115,6 +118,13 @@ class AsyncEngine:
         name = alias or loaded.name
         graph = loaded.graph
         placement.check_nodes(name, graph.nodes)
+        placement.check_walks(name, graph.walks)
+        for node in placement.walks:
+            engine_cls = self.registry.engines.get(graph.nodes[node].engine)
+            if not getattr(engine_cls, "moves_state", False):
+                raise ConfigError(f"{placement.source}: node '{node}' runs on the '{graph.nodes[node].engine}' engine, "
+                                  "which cannot move a request's state between workers; place it on one worker")
+        where = _node_workers(graph, placement)
         settings = {**placement.engine_settings, **settings}
         if self.cluster is None:
             joins_by_hand = any(not w.spawned for w in placement.workers.values())
@@ -124,14 +134,14 @@ class AsyncEngine:
                 secret=secret_from_env() if joins_by_hand or placement.bind else None,
             )
             await self.cluster.start()
-        local = {n for n in graph.nodes if placement.worker_of(n) == "local"}
+        local = {n for n, workers in where.items() if LOCAL in workers}
         loop = asyncio.get_running_loop()
         engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings, local)
-        schedulers: dict[str, Any] = {n: self._scheduler(e) for n, e in engines.items()}
+        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): self._scheduler(e) for n, e in engines.items()}
         by_worker: dict[str, list[str]] = {}
-        for node in graph.nodes:
-            if node not in local:
-                by_worker.setdefault(placement.worker_of(node), []).append(node)
+        for node, workers in where.items():
+            for worker in sorted(workers - {LOCAL}):
+                by_worker.setdefault(worker, []).append(node)
         share = self._thread_share(placement)
         for group, nodes in by_worker.items():
             spec = placement.workers[group]
@@ -144,10 +154,13 @@ class AsyncEngine:
                             settings={n: dict(settings.get(n, {})) for n in nodes})
             await asyncio.gather(*(self.cluster.load(r, msg) for r in replicas))
             for node in nodes:
-                schedulers[node] = RemoteNodeScheduler(self.cluster, family, node, replicas)
-        runtime = _ModelRuntime(loaded, engines, schedulers)
+                on_worker[node, group] = RemoteNodeScheduler(self.cluster, family, node, replicas)
+        schedulers = {n: on_worker[n, min(workers, key=lambda w: (w != LOCAL, w))] for n, workers in where.items()}
+        walk_schedulers = {(walk, node): on_worker[node, placement.worker_of(node, walk)]
+                           for node in placement.walks for walk in graph.walks if (node, placement.worker_of(node, walk)) in on_worker}
+        runtime = _ModelRuntime(loaded, engines, schedulers, walk_schedulers)
         if placement.delegate_loops:
-            delegate_loops(runtime.conductor, self.cluster, family, schedulers)
+            delegate_loops(runtime.conductor, self.cluster, family)
         self._models[name] = runtime
         return loaded
 
@@ -337,3 +350,16 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _node_workers(graph: Graph, placement: Placement) -> dict[str, set[str]]:
+    """Where each node runs: one worker, or (placed per walk) the workers of the walks that call it."""
+    where: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        callers = [w.name for w in graph.walks.values()
+                   if any(c.node == node for c in iter_calls(w.body)) or any(e.dst_node == node for e in w.streams)]
+        if node in placement.walks and callers:
+            where[node] = {placement.worker_of(node, walk) for walk in callers}
+        else:
+            where[node] = {placement.worker_of(node)}
+    return where

@@ -34,9 +34,12 @@ _MISSING = object()
 class Conductor:
     """Interprets walks for one model; `run(request_id, env, emit)` is one request's whole life."""
 
-    def __init__(self, graph: Graph, schedulers: Mapping[str, NodeScheduler]):
+    def __init__(self, graph: Graph, schedulers: Mapping[str, NodeScheduler],
+                 walk_schedulers: Mapping[tuple[str, str], NodeScheduler] | None = None):
         self.graph = graph
         self.schedulers = schedulers
+        # (walk, node) -> scheduler, for nodes placed per walk (see `scheduler_for`)
+        self.walk_schedulers = dict(walk_schedulers or {})
         # loops delegated to the worker that hosts all their nodes: id(loop) -> runner (see remote_loop.py)
         self.remote_loops: dict[int, Any] = {}
         # the consumer side of each streaming edge, as a call site of its own
@@ -51,6 +54,17 @@ class Conductor:
             id(c): {**graph.nodes[c.node].options, **c.options} if c.options else graph.nodes[c.node].options
             for c in sites
         }
+        # call sites of nodes placed per walk -> the scheduler of that walk's worker
+        self._site_schedulers: dict[int, Any] = {}
+        for walk in graph.walks.values():
+            calls = list(iter_calls(walk.body)) + [self._stream_calls[id(e)] for e in walk.streams]
+            for c in calls:
+                if (walk.name, c.node) in self.walk_schedulers:
+                    self._site_schedulers[id(c)] = self.walk_schedulers[walk.name, c.node]
+
+    def scheduler_for(self, walk: str, node: str) -> Any:
+        """The scheduler `node`'s calls in `walk` go to."""
+        return self.walk_schedulers.get((walk, node)) or self.schedulers[node]
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
         state = RequestState(request_id, emit)
@@ -59,8 +73,10 @@ class Conductor:
                 await self._run_walk(state, self.graph.walks[walk_name], env)
             return env
         finally:
-            for node in state.touched:
-                self.schedulers[node].release(request_id)
+            held = {id(self.schedulers[n]): self.schedulers[n] for n in state.touched}  # delegated loops' nodes
+            held.update(state.visited)
+            for scheduler in held.values():
+                scheduler.release(request_id)
 
     # -- walks ---------------------------------------------------------------------------------
 
@@ -201,20 +217,44 @@ class Conductor:
         if given:
             inputs.update(given)
         options = self._call_options[id(call)]
-        count = state.call_counts.get(call.node, 0)
-        state.call_counts[call.node] = count + 1
-        state.touched.add(call.node)
-        invocation = Invocation(state.request_id, call.node, inputs, options, count)
-        return await self.schedulers[call.node].submit(invocation)
+        scheduler = self._site_schedulers.get(id(call)) or self.schedulers[call.node]
+        await self.hold(state, call.node, scheduler)
+        return await scheduler.submit(Invocation(state.request_id, call.node, inputs, options, self._count(state, call.node)))
+
+    async def hold(self, state: RequestState, node: str, scheduler: Any) -> None:
+        """Make `scheduler` the one holding the request's state for `node`, moving the state there if another held it.
+
+        Only nodes placed per walk change holders: the old worker's engine exports the state
+        (freeing it there), the new one imports it, before the request's next call runs.
+        """
+        state.touched.add(node)
+        held = state.holders.get(node)
+        if held is scheduler:
+            return
+        state.holders[node] = scheduler
+        state.visited[id(scheduler)] = scheduler  # released at the end, whatever happens mid-move
+        if held is None:
+            return
+        out = await held.submit(Invocation(state.request_id, node, {}, {"transfer": "export"}, self._count(state, node)))
+        await scheduler.submit(Invocation(state.request_id, node, {"state": out["state"]}, {"transfer": "import"},
+                                          self._count(state, node)))
+
+    @staticmethod
+    def _count(state: RequestState, node: str) -> int:
+        count = state.call_counts.get(node, 0)
+        state.call_counts[node] = count + 1
+        return count
 
 
 class RequestState:
-    __slots__ = ("call_counts", "emit", "request_id", "touched")
+    __slots__ = ("call_counts", "emit", "holders", "request_id", "touched", "visited")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None]):
         self.request_id = request_id
         self.emit = emit
         self.touched: set[str] = set()
+        self.holders: dict[str, Any] = {}  # node -> the scheduler whose engine holds this request's state
+        self.visited: dict[int, Any] = {}  # every scheduler that held some of its state (released at the end)
         self.call_counts: dict[str, int] = {}
 
 

@@ -63,6 +63,10 @@ class Engine(abc.ABC):
     inline: ClassVar[bool] = False
     #: Set by the runtime from the node setting `own_thread`: steps run on a device thread of their own.
     own_thread: bool = False
+    #: Whether the engine answers the transfer invocations that move a request's state to another
+    #: worker (per-walk placement): option `transfer="export"` returns `{"state": ...}` and frees
+    #: the request here; `transfer="import"` with input `state` adopts it.
+    moves_state: ClassVar[bool] = False
 
     def __init__(self, node: GraphNode, module: Any, context: EngineContext):
         self.node = node

@@ -47,7 +47,8 @@ class RemoteLoop:
         self.scheduler = scheduler
 
     async def run(self, conductor: Conductor, state: RequestState, frame: WalkFrame, loop, env: dict) -> None:
-        state.touched.update(self.nodes)
+        for node in self.nodes:  # state of per-walk nodes moves here before the loop starts
+            await conductor.hold(state, node, conductor.scheduler_for(self.walk.name, node))
         try:
             msg = RunLoop(request_id=state.request_id, model=self.model, walk=self.walk.name, loop=self.index,
                           env=to_wire(env))
@@ -65,7 +66,7 @@ class RemoteLoop:
         env.pop(loop.index_name, None)
 
 
-def delegate_loops(conductor: Conductor, cluster: Cluster, model: str, schedulers: dict[str, Any]) -> int:
+def delegate_loops(conductor: Conductor, cluster: Cluster, model: str) -> int:
     """Mark every outermost loop whose nodes all live on one worker group for delegation; returns the count."""
     from mstar_core.runtime.cluster import RemoteNodeScheduler
 
@@ -76,7 +77,7 @@ def delegate_loops(conductor: Conductor, cluster: Cluster, model: str, scheduler
             if id(loop) in covered:
                 continue
             nodes = {c.node for c in iter_calls(loop.body)}
-            scheds = [schedulers[n] for n in nodes]
+            scheds = [conductor.scheduler_for(walk.name, n) for n in nodes]
             if scheds and all(isinstance(s, RemoteNodeScheduler) for s in scheds) and \
                     len({tuple(s.replicas) for s in scheds}) == 1:
                 conductor.remote_loops[id(loop)] = RemoteLoop(cluster, model, walk, index, loop, scheds[0])

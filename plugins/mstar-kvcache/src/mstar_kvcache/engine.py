@@ -33,6 +33,7 @@ class KVCacheEngine(Engine):
     """
 
     kind = "kvcache"
+    moves_state = True
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
@@ -60,6 +61,11 @@ class KVCacheEngine(Engine):
     # -- contract ---------------------------------------------------------------------------------
 
     def add(self, invocation: Invocation) -> None:
+        transfer = invocation.options.get("transfer")
+        if transfer is not None:
+            answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `failed`)
+            self.failed.append((invocation, answer))
+            return
         try:
             parsed = parse_invocation(invocation, self.vocab_size, self.hidden_size)
             seq = self._sequence(invocation, parsed)
@@ -216,6 +222,25 @@ class KVCacheEngine(Engine):
             seq.generator = torch.Generator(device=self.device)
             seq.generator.set_state(snapshot.generator_state)
         self.seqs[key] = seq
+
+    def _transfer(self, inv: Invocation, op: str) -> dict[str, Any] | RequestError:
+        """Answer a transfer invocation: every cache label of the request leaves (export) or arrives (import)."""
+        try:
+            if op == "export":
+                labels = [label for rid, label in self.seqs if rid == inv.request_id]
+                state = {"labels": [self.export_cache(inv.request_id, label).to_plain() for label in labels]}
+                self.release(inv.request_id)  # moved, not copied: the pages here are free again
+                return {"state": state}
+            if op == "import":
+                state = inv.inputs.get("state")
+                if not isinstance(state, dict) or not isinstance(state.get("labels"), list):
+                    raise RequestError(f"node '{self.node.name}': import needs input 'state' as an export produced it")
+                for plain in state["labels"]:
+                    self.import_cache(inv.request_id, CacheSnapshot.from_plain(plain))
+                return {}
+            raise RequestError(f"node '{self.node.name}': unknown transfer {op!r}; use 'export' or 'import'")
+        except RequestError as exc:
+            return exc
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""Per-walk placement: a Llama's prefill on one worker, its decode on another; the KV cache moves between them."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from mstar_core.config import Placement, load_placement
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+
+pytestmark = pytest.mark.timeout(180)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "placement" / "llama-prefill-decode.yaml"
+REQUESTS = [
+    {"input_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], "max_tokens": 24,
+     "ignore_eos": True},
+    {"input_ids": [30, 31, 32], "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True},
+]
+
+
+async def generate(placement=None):
+    engine = AsyncEngine(discover())
+    await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
+    try:
+        outs = []
+        for request in REQUESTS:
+            handle = engine.submit("llama", dict(request))
+            outs.append([out.value async for out in handle if out.name == "next_token"])
+        workers = sorted(engine.cluster.workers) if engine.cluster else []
+        for name in workers:  # both workers' pools are free again (the prefill's pages left with the export)
+            state = engine.cluster.workers[name]
+            for _ in range(100):
+                if state.load.get("llama/lm", {}).get("kv_pages_used") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert state.load["llama/lm"]["kv_pages_used"] == 0, (name, state.load)
+        meta = {p.is_meta for p in engine.models["llama"].graph.nodes["lm"].module().parameters()}
+        return outs, workers, meta
+    finally:
+        await engine.close()
+
+
+async def test_prefill_and_decode_on_different_workers_give_the_colocated_tokens():
+    colocated, _, _ = await generate()
+    split, workers, meta = await generate(load_placement(EXAMPLE))
+    assert workers == ["decode", "prefill"]
+    assert split == colocated and [len(t) for t in split] == [24, 20]
+    assert meta == {True}  # the serving process holds no weights: every walk of the only node runs in a worker
+
+
+async def test_per_walk_placement_is_checked_against_the_model():
+    engine = AsyncEngine(discover())
+    bad_walk = {"workers": {"p": {}}, "nodes": {"lm": {"prefil": "p"}}}
+    with pytest.raises(ConfigError, match="unknown walk 'prefil'.*walks: decode, prefill"):
+        await engine.load_model("llama", LoadOptions(preset="tiny"), placement=Placement.from_dict(bad_walk))
+    with pytest.raises(ConfigError, match=r"nodes.lm.decode names unknown worker 'x'"):
+        Placement.from_dict({"workers": {"p": {}}, "nodes": {"lm": {"decode": "x"}}})
+    await engine.close()
+
+
+async def test_a_node_whose_engine_cannot_move_state_cannot_be_placed_per_walk():
+    pytest.importorskip("mstar_orpheus")
+    engine = AsyncEngine(discover())
+    placement = Placement.from_dict({"workers": {"c": {}}, "nodes": {"snac": {"decode": "c"}}})
+    with pytest.raises(ConfigError, match="'snac' runs on the 'stateless' engine, which cannot move"):
+        await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
+    await engine.close()
