@@ -155,9 +155,14 @@ class AsyncEngine:
             await asyncio.gather(*(self.cluster.load(r, msg) for r in replicas))
             for node in nodes:
                 on_worker[node, group] = RemoteNodeScheduler(self.cluster, family, node, replicas)
+        # a node's default scheduler (its only one, unless placed per walk: then the local one if any)
         schedulers = {n: on_worker[n, min(workers, key=lambda w: (w != LOCAL, w))] for n, workers in where.items()}
-        walk_schedulers = {(walk, node): on_worker[node, placement.worker_of(node, walk)]
-                           for node in placement.walks for walk in graph.walks if (node, placement.worker_of(node, walk)) in on_worker}
+        walk_schedulers = {}
+        for node in placement.walks:
+            for walk in graph.walks:
+                key = (node, placement.worker_of(node, walk))
+                if key in on_worker:  # walks that never call the node have no engine for it
+                    walk_schedulers[walk, node] = on_worker[key]
         runtime = _ModelRuntime(loaded, engines, schedulers, walk_schedulers)
         if placement.delegate_loops:
             delegate_loops(runtime.conductor, self.cluster, family)

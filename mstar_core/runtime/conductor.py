@@ -1,6 +1,6 @@
 """The conductor: runs a request's walks over its env, node calls going through the schedulers.
 
-Everything per request lives here (env, loop counters, stream buffers, which nodes it touched);
+Everything per request lives here (env, loop counters, stream buffers, which engines hold its state);
 the graph objects are only read. One `Conductor` serves one loaded model.
 """
 
@@ -73,9 +73,7 @@ class Conductor:
                 await self._run_walk(state, self.graph.walks[walk_name], env)
             return env
         finally:
-            held = {id(self.schedulers[n]): self.schedulers[n] for n in state.touched}  # delegated loops' nodes
-            held.update(state.visited)
-            for scheduler in held.values():
+            for scheduler in state.visited.values():
                 scheduler.release(request_id)
 
     # -- walks ---------------------------------------------------------------------------------
@@ -227,7 +225,6 @@ class Conductor:
         Only nodes placed per walk change holders: the old worker's engine exports the state
         (freeing it there), the new one imports it, before the request's next call runs.
         """
-        state.touched.add(node)
         held = state.holders.get(node)
         if held is scheduler:
             return
@@ -247,12 +244,11 @@ class Conductor:
 
 
 class RequestState:
-    __slots__ = ("call_counts", "emit", "holders", "request_id", "touched", "visited")
+    __slots__ = ("call_counts", "emit", "holders", "request_id", "visited")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None]):
         self.request_id = request_id
         self.emit = emit
-        self.touched: set[str] = set()
         self.holders: dict[str, Any] = {}  # node -> the scheduler whose engine holds this request's state
         self.visited: dict[int, Any] = {}  # every scheduler that held some of its state (released at the end)
         self.call_counts: dict[str, int] = {}
