@@ -1,6 +1,7 @@
 """Per-walk placement: a Llama's prefill on one worker, its decode on another; the KV cache moves between them."""
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,39 @@ async def test_a_node_whose_engine_cannot_move_state_cannot_be_placed_per_walk()
     with pytest.raises(ConfigError, match="'snac' runs on the 'stateless' engine, which cannot move"):
         await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
     await engine.close()
+
+
+async def test_requests_cancelled_before_during_and_after_the_move_free_both_workers():
+    engine = AsyncEngine(discover())
+    await engine.load_model("llama", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLE))
+    try:
+        prompt = list(range(5, 60))
+        handles = [engine.submit("llama", {"input_ids": prompt, "max_tokens": 400, "ignore_eos": True}) for _ in range(6)]
+        handles[0].cancel()  # before its prefill ran
+        seen = [0] * len(handles)
+
+        async def read(i, handle, stop_after):
+            async for out in handle:
+                seen[i] += out.name == "next_token"
+                if seen[i] >= stop_after:
+                    handle.cancel()  # mid-decode, on the decode worker
+
+        stops = [1, 1, 2, 5, 30, 10_000]  # 1: right after the prefill's token, as the move starts
+        # a long prompt prefills in several chunks on the prefill worker: cancelled there, most likely
+        long = engine.submit("llama", {"input_ids": [i % 400 + 3 for i in range(1900)], "max_tokens": 50, "ignore_eos": True})
+        await asyncio.sleep(0.02)
+        long.cancel()
+        results = await asyncio.gather(*(read(i, h, s) for i, (h, s) in enumerate(zip(handles, stops, strict=True))),
+                                       return_exceptions=True)
+        assert seen[-1] == 400 and not isinstance(results[-1], BaseException)
+        finished = time.monotonic()
+        for name in ("prefill", "decode"):
+            state = engine.cluster.workers[name]
+            for _ in range(100):  # a heartbeat sent after the last request ended
+                if state.last_seen > finished + 0.1 and state.load.get("llama/lm", {}).get("kv_pages_used") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert state.load["llama/lm"]["kv_pages_used"] == 0, (name, state.load)
+        assert engine.running == 0
+    finally:
+        await engine.close()
