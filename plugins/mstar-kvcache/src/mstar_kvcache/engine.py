@@ -26,10 +26,12 @@ class KVCacheEngine(Engine):
 
     Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), plus `top_logprobs` when
     the sampling params ask, `logprob` when the node declares it and the sampling params ask
-    (`logprobs` set), and `logits` / `hidden` (last position) when the node declares those. Options: `cache_label` (default "main"), `write_cache` (False:
-    attend to the cache without keeping this call's tokens), `fork_from` (a new label starts as a
-    copy-on-write fork of that label), `bidirectional` (this call's tokens form one bidirectional
-    block), `frame_size` (frame-causal mask). Larger `Invocation.priority` is scheduled first.
+    (`logprobs` set), and `logits` / `hidden` (last position) when the node declares those.
+    Options: `cache_label` (default "main"), `write_cache` (False: attend to the cache without
+    keeping this call's tokens), `fork_from` (a new label starts as a copy-on-write fork of that
+    label), `bidirectional` (this call's tokens form one bidirectional block), `frame_size`
+    (frame-causal mask), `transfer` ("export" / "import": move the request's caches between
+    engines, see `export_cache`). Larger `Invocation.priority` is scheduled first.
     """
 
     kind = "kvcache"
@@ -49,7 +51,7 @@ class KVCacheEngine(Engine):
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
-        self.failed: list[Result] = []
+        self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
@@ -63,14 +65,14 @@ class KVCacheEngine(Engine):
     def add(self, invocation: Invocation) -> None:
         transfer = invocation.options.get("transfer")
         if transfer is not None:
-            answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `failed`)
-            self.failed.append((invocation, answer))
+            answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `answered`)
+            self.answered.append((invocation, answer))
             return
         try:
             parsed = parse_invocation(invocation, self.vocab_size, self.hidden_size)
             seq = self._sequence(invocation, parsed)
         except RequestError as exc:
-            self.failed.append((invocation, exc))
+            self.answered.append((invocation, exc))
             return
         if seq.pending is not None:
             self.backlog.append(invocation)
@@ -78,13 +80,13 @@ class KVCacheEngine(Engine):
         try:
             self._attach(seq, invocation, parsed)
         except RequestError as exc:
-            self.failed.append((invocation, exc))
+            self.answered.append((invocation, exc))
 
     def has_work(self) -> bool:
-        return bool(self.failed) or any(s.pending is not None for s in self.seqs.values())
+        return bool(self.answered) or any(s.pending is not None for s in self.seqs.values())
 
     def step(self) -> list[Result]:
-        results, self.failed = self.failed, []
+        results, self.answered = self.answered, []
         pending = [s for s in self.seqs.values() if s.pending is not None]
         if not pending:
             return results
@@ -125,10 +127,10 @@ class KVCacheEngine(Engine):
             if forget is not None:
                 forget(seq.order)
         self.backlog = deque(inv for inv in self.backlog if inv.request_id != request_id)
-        self.failed = [r for r in self.failed if r[0].request_id != request_id]
+        self.answered = [r for r in self.answered if r[0].request_id != request_id]
 
     def active_requests(self) -> set[str]:
-        return {k[0] for k in self.seqs} | {i.request_id for i in self.backlog} | {r[0].request_id for r in self.failed}
+        return {k[0] for k in self.seqs} | {i.request_id for i in self.backlog} | {r[0].request_id for r in self.answered}
 
     def stats(self) -> dict[str, float]:
         pending = [s for s in self.seqs.values() if s.pending is not None]
@@ -374,6 +376,6 @@ class KVCacheEngine(Engine):
                 try:
                     self._attach(seq, inv, parse_invocation(inv, self.vocab_size, self.hidden_size))
                 except RequestError as exc:
-                    self.failed.append((inv, exc))
+                    self.answered.append((inv, exc))
                     continue
                 return
