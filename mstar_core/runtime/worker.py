@@ -41,6 +41,7 @@ from mstar_core.wire import (
     Release,
     RunLoop,
     Shutdown,
+    WireError,
     decode,
     encode,
 )
@@ -207,11 +208,10 @@ class Worker:
             await self._reply_error(msg, cause)
             return
         try:
-            outputs = to_wire(future.result())
-        except Exception as exc:  # an output that cannot travel fails the call, it must not go unanswered
+            await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
+                                       outputs=to_wire(future.result())))
+        except WireError as exc:  # an output that cannot travel fails the call; it must not go unanswered
             await self._reply_error(msg, exc)
-            return
-        await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index, outputs=outputs))
 
     async def _reply_error(self, msg: InvokeNode, exc: BaseException) -> None:
         await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,

@@ -167,3 +167,17 @@ async def test_loops_run_on_the_worker_that_hosts_their_nodes_and_cancel_frees_i
         await asyncio.sleep(0.05)
     assert gen.load["fixture-stream/gen"]["active"] == 0.0  # cancelling freed it on the worker
     await engine.close()
+
+
+async def test_a_result_that_cannot_travel_fails_its_request_instead_of_hanging_it():
+    from mstar_core.errors import RequestError
+
+    placement = Placement.from_dict({"workers": {"w": {}}, "nodes": {"bump": "w"}})
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
+    try:
+        with pytest.raises(RequestError, match="bump"):
+            await asyncio.wait_for(engine.submit("fixture-blob", {"x": "unsendable"}).result(), 10)
+        assert (await engine.submit("fixture-blob", {"x": 41}).result())["y"] == 42  # the worker serves on
+    finally:
+        await engine.close()
