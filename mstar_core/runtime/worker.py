@@ -72,19 +72,26 @@ class Worker:
         self._send_tail: asyncio.Future | None = None
 
     def send_soon(self, msg) -> None:
-        """Send without waiting, strictly after everything sent this way before (loop values, then done)."""
+        """Send without waiting, strictly after everything sent this way before (loop values, then done).
+
+        The message is encoded here, not in the background: a value that cannot travel raises in
+        the caller (a delegated loop then fails its request) instead of vanishing unsent.
+        """
+        frames = encode(msg)
         previous = self._send_tail
 
         async def send_after() -> None:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
-            await self.send(msg)
+            await self._send_frames(frames, isinstance(msg, Hello))
 
         self._send_tail = asyncio.ensure_future(send_after())
 
     async def send(self, msg) -> None:
-        frames = encode(msg)
-        if self.link is not None and not isinstance(msg, Hello):
+        await self._send_frames(encode(msg), isinstance(msg, Hello))
+
+    async def _send_frames(self, frames: list, hello: bool) -> None:
+        if self.link is not None and not hello:
             frames = self.link.pack(frames)
             await self.flush()
         await self.sock.send_multipart(frames, copy=False)
@@ -188,7 +195,10 @@ class Worker:
                             f"'{msg.model}'", error_type="KeyError")
         else:
             done = await host.host(msg, self.send_soon)
-        self.send_soon(done)
+        try:
+            self.send_soon(done)
+        except WireError as exc:  # the loop's env changes cannot travel: fail the request, do not leave it waiting
+            self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, error=str(exc), error_type="WireError"))
 
     def _invoke(self, msg: InvokeNode) -> None:
         sched = self.schedulers.get(msg.node)

@@ -181,3 +181,18 @@ async def test_a_result_that_cannot_travel_fails_its_request_instead_of_hanging_
         assert (await engine.submit("fixture-blob", {"x": 41}).result())["y"] == 42  # the worker serves on
     finally:
         await engine.close()
+
+
+async def test_a_delegated_loop_value_that_cannot_travel_fails_its_request_instead_of_hanging_it():
+    from mstar_core.errors import RequestError
+
+    placement = Placement.from_dict({"workers": {"gen": {}}, "nodes": {"gen": "gen"}})
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
+    try:
+        with pytest.raises(RequestError, match="sparse"):  # start -1: the fixture streams sparse tensors
+            await asyncio.wait_for(engine.submit("fixture-stream", {"start": -1, "stop": 5}).result(), 10)
+        tokens, _ = await run(engine, 0, 9)
+        assert tokens == list(range(10))  # the worker serves on
+    finally:
+        await engine.close()
