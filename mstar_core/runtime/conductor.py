@@ -54,13 +54,13 @@ class Conductor:
             id(c): {**graph.nodes[c.node].options, **c.options} if c.options else graph.nodes[c.node].options
             for c in sites
         }
-        # call sites of nodes placed per walk -> the scheduler of that walk's worker
-        self._site_schedulers: dict[int, Any] = {}
-        for walk in graph.walks.values():
-            calls = list(iter_calls(walk.body)) + [self._stream_calls[id(e)] for e in walk.streams]
-            for c in calls:
-                if (walk.name, c.node) in self.walk_schedulers:
-                    self._site_schedulers[id(c)] = self.walk_schedulers[walk.name, c.node]
+        # the scheduler of every call site, once (a node placed per walk has one per walk); None for
+        # nodes this conductor never calls itself (a worker's loop host only runs its own nodes)
+        self._call_schedulers: dict[int, Any] = {
+            id(c): self.walk_schedulers.get((walk.name, c.node)) or schedulers.get(c.node)
+            for walk in graph.walks.values()
+            for c in [*iter_calls(walk.body), *(self._stream_calls[id(e)] for e in walk.streams)]
+        }
 
     def scheduler_for(self, walk: str, node: str) -> Any:
         """The scheduler `node`'s calls in `walk` go to."""
@@ -215,8 +215,9 @@ class Conductor:
         if given:
             inputs.update(given)
         options = self._call_options[id(call)]
-        scheduler = self._site_schedulers.get(id(call)) or self.schedulers[call.node]
-        await self.hold(state, call.node, scheduler)
+        scheduler = self._call_schedulers[id(call)]
+        if state.holders.get(call.node) is not scheduler:  # first call, or a per-walk node changing workers
+            await self.hold(state, call.node, scheduler)
         return await scheduler.submit(Invocation(state.request_id, call.node, inputs, options, self._count(state, call.node)))
 
     async def hold(self, state: RequestState, node: str, scheduler: Any) -> None:

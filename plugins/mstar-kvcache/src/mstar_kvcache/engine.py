@@ -171,7 +171,7 @@ class KVCacheEngine(Engine):
         seq = self.seqs.get((request_id, label))
         if seq is None:
             raise RequestError(f"node '{self.node.name}': request {request_id} has no cache label '{label}' to export")
-        if seq.pending is not None or seq.remaining or len(seq.pages) * self.pool.page_size < seq.num_computed:
+        if seq.pending is not None or seq.remaining:
             raise RequestError(f"node '{self.node.name}': cache label '{label}' of {request_id} is mid-call; "
                                "export it between calls")
         n = seq.num_computed
