@@ -1,7 +1,6 @@
 """Per-walk placement: a Llama's prefill on one worker, its decode on another; the KV cache moves between them."""
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
+from tests.cluster.helpers import kv_pages_used
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,12 +32,7 @@ async def generate(placement=None):
             outs.append([out.value async for out in handle if out.name == "next_token"])
         workers = sorted(engine.cluster.workers) if engine.cluster else []
         for name in workers:  # both workers' pools are free again (the prefill's pages left with the export)
-            state = engine.cluster.workers[name]
-            for _ in range(100):
-                if state.load.get("llama/lm", {}).get("kv_pages_used") == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert state.load["llama/lm"]["kv_pages_used"] == 0, (name, state.load)
+            assert await kv_pages_used(engine, name, "llama/lm") == 0, name
         meta = {p.is_meta for p in engine.models["llama"].graph.nodes["lm"].module().parameters()}
         return outs, workers, meta
     finally:
@@ -94,14 +89,8 @@ async def test_requests_cancelled_before_during_and_after_the_move_free_both_wor
         results = await asyncio.gather(*(read(i, h, s) for i, (h, s) in enumerate(zip(handles, stops, strict=True))),
                                        return_exceptions=True)
         assert seen[-1] == 400 and not isinstance(results[-1], BaseException)
-        finished = time.monotonic()
         for name in ("prefill", "decode"):
-            state = engine.cluster.workers[name]
-            for _ in range(100):  # a heartbeat sent after the last request ended
-                if state.last_seen > finished + 0.1 and state.load.get("llama/lm", {}).get("kv_pages_used") == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert state.load["llama/lm"]["kv_pages_used"] == 0, (name, state.load)
+            assert await kv_pages_used(engine, name, "llama/lm") == 0, name
         assert engine.running == 0
     finally:
         await engine.close()

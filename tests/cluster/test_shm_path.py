@@ -13,14 +13,9 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.cluster import WorkerLost
+from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)
-PREFIX = "mstar-shm-"
-
-
-def segments_of(*pids):
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return sorted(n for n in names for p in pids if n.startswith(f"{PREFIX}{p}-"))
 
 
 def placement(**control):
@@ -51,7 +46,7 @@ async def test_big_tensors_travel_through_shared_memory_and_arrive_zero_copy():
         assert torch.equal(await bump(engine, x), x + 1)
     assert sum(s.size for s in state.link.arena.segments.values()) <= 64 << 20
     await engine.close()
-    assert segments_of(os.getpid(), worker_pid) == []
+    assert shm_segments(os.getpid(), worker_pid) == []
 
 
 async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
@@ -64,14 +59,14 @@ async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
     try:
         pending = engine.submit("fixture-blob", {"x": x})
         deadline = time.monotonic() + 5
-        while not segments_of(os.getpid()) and time.monotonic() < deadline:
+        while not shm_segments(os.getpid()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert segments_of(os.getpid()), "the input should sit in a named segment the stopped worker never mapped"
+        assert shm_segments(os.getpid()), "the input should sit in a named segment the stopped worker never mapped"
     finally:
         old.kill()  # SIGKILL reaches a stopped process; a failed assert must not leave it frozen forever
     with pytest.raises(WorkerLost, match="exited"):
         await pending.result()
-    assert segments_of(os.getpid(), old.pid) == []
+    assert shm_segments(os.getpid(), old.pid) == []
     deadline = time.monotonic() + 30
     while not state.ready and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -79,7 +74,7 @@ async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
     assert torch.equal(await bump(engine, x), x + 1)  # served through a fresh arena
     new_pid = state.process.pid
     await engine.close()
-    assert segments_of(os.getpid(), old.pid, new_pid) == []
+    assert shm_segments(os.getpid(), old.pid, new_pid) == []
 
 
 def test_segments_a_killed_peer_never_handed_over_are_swept_when_it_is_lost():
@@ -93,11 +88,11 @@ def test_segments_a_killed_peer_never_handed_over_are_swept_when_it_is_lost():
     peer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "ready"
-        assert len(segments_of(peer.pid)) == 1  # written, never mapped by us: still named
+        assert len(shm_segments(peer.pid)) == 1  # written, never mapped by us: still named
     finally:
         peer.kill()
         peer.wait()
     link = ShmLink()
     link.peer_lost()  # what the server does when it detects the dead worker
-    assert segments_of(peer.pid) == []
+    assert shm_segments(peer.pid) == []
     link.close()

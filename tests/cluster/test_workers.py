@@ -15,6 +15,7 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.cluster import WorkerLost
+from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,13 +29,6 @@ async def run(engine, start, stop, model="fixture-stream"):
         else:
             totals.append(out.value.clone())
     return tokens, totals
-
-
-def shm_segments(pids):
-    """Segments created by these processes: other tests (pytest-xdist) make and drop their own meanwhile."""
-    if not os.path.isdir("/dev/shm"):
-        return []
-    return sorted(n for n in os.listdir("/dev/shm") for pid in pids if n.startswith(f"mstar-shm-{pid}-"))
 
 
 async def test_colocated_and_disaggregated_give_identical_outputs():
@@ -55,7 +49,7 @@ async def test_colocated_and_disaggregated_give_identical_outputs():
         assert t1 == t2
         assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True)) and len(s1) == len(s2)
     assert all(p.poll() is not None for p in procs)  # workers exit with the server
-    assert shm_segments(pids) == []
+    assert shm_segments(*pids) == []  # only ours: other xdist workers make and drop their own meanwhile
 
 
 async def test_killed_worker_fails_its_requests_fast_and_comes_back():
