@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 
 from mstar_core.errors import GraphValidationError, MStarError, RequestError
+from mstar_core.plugins.hookspecs import hookimpl
 
-__all__ = ["GraphValidationError", "MStarError", "RequestError", "__version__"]
+__all__ = ["GraphValidationError", "MStarError", "RequestError", "__version__", "hookimpl"]

@@ -98,6 +98,8 @@ class _WalkChecker:
         self.graph = graph
         self.walk = walk
         self.calls = list(iter_calls(walk.body))
+        # names a loop body produces: an optional input may read them on later iterations
+        self.loop_outputs: set[str] = set()
 
     def fail(self, message: str, node: str | None = None) -> None:
         raise GraphValidationError(message, walk=self.walk.name, node=node)
@@ -105,7 +107,7 @@ class _WalkChecker:
     def check(self) -> None:
         for call in self.calls:
             self.check_call_ports(call)
-        produced = self.step(self.walk.body, set(self.walk.inputs), loop_depth=0)
+        produced = self.step(self.walk.body, {*self.walk.inputs, *self.walk.optional_inputs}, loop_depth=0)
         for edge in self.walk.streams:
             produced |= self.check_stream(edge, produced)
         for name in self.walk.emit:
@@ -140,6 +142,10 @@ class _WalkChecker:
                 name = step.env_input(port)
                 if name not in avail and not (loop_depth and name == "loop_index"):
                     self.missing_input(step, port, name)
+            for port in node.optional_inputs:
+                name = step.env_input(port)
+                if name not in avail and name not in self.loop_outputs:
+                    self.missing_optional_input(step, port, name)
             return avail | {step.env_output(o) for o in node.outputs}
         if isinstance(step, Sequential):
             for s in step.steps:
@@ -181,7 +187,10 @@ class _WalkChecker:
             if isinstance(loop.max_iters, str) and loop.max_iters not in avail:
                 self.fail(f"DynamicLoop max_iters names '{loop.max_iters}', which is not available", where)
         inner = set(avail) | {loop.index_name}
+        outer_loop_outputs = self.loop_outputs
+        self.loop_outputs = outer_loop_outputs | {n for c in iter_calls(loop.body) for n in _call_outputs(self.graph, c)}
         after = self.step(loop.body, inner, loop_depth + 1)
+        self.loop_outputs = outer_loop_outputs
         for out, into in loop.carry.items():
             if out not in after:
                 self.fail(f"carry source '{out}' is not produced by the loop body", where)
@@ -220,6 +229,23 @@ class _WalkChecker:
             call.node,
         )
 
+    def missing_optional_input(self, call: NodeCall, port: str, name: str) -> None:
+        # An optional input nothing can ever supply would be dropped silently at run time.
+        index = next(i for i, c in enumerate(self.calls) if c is call)
+        later = [c for c in self.calls[index + 1 :] if name in _call_outputs(self.graph, c)]
+        if later:
+            self.fail(
+                f"optional input '{port}' (env '{name}') is produced only later, by node '{later[0].node}', "
+                "so this call would never read it; reorder the steps",
+                call.node,
+            )
+        self.fail(
+            f"optional input '{port}' (env '{name}') can never be supplied: no earlier step produces it and "
+            f"it is not among the walk's inputs or optional_inputs; declare it with "
+            f"Walk(optional_inputs=('{name}',)) if the request or an earlier walk supplies it, or fix the name",
+            call.node,
+        )
+
     def check_stream(self, edge: Any, produced: set[str]) -> set[str]:
         if edge.policy is None:
             self.fail(f"streaming edge {edge.src} -> {edge.dst} has no chunk policy", edge.dst_node)
@@ -234,6 +260,14 @@ class _WalkChecker:
         for port in dst.inputs:
             if port != edge.dst_input and port not in produced:
                 self.fail(f"streaming consumer input '{port}' is not available in the walk", dst.name)
+        for port in dst.optional_inputs:
+            if port != edge.dst_input and port not in produced:
+                self.fail(
+                    f"streaming consumer's optional input '{port}' can never be supplied: no step produces it and "
+                    f"it is not among the walk's inputs or optional_inputs; declare it with "
+                    f"Walk(optional_inputs=('{port}',)) if the request supplies it, or fix the name",
+                    dst.name,
+                )
         for port in edge.outputs:
             if port not in dst.outputs:
                 self.fail(f"streaming edge renames output '{port}', node outputs are {list(dst.outputs)}", dst.name)

@@ -143,7 +143,9 @@ class StreamingGraphEdge:
 class Walk:
     """A named phase of a model's behaviour.
 
-    `inputs` are the env names the walk needs on entry; `outputs` the names it guarantees on exit.
+    `inputs` are the env names the walk needs on entry; `optional_inputs` names the request (or an
+    earlier walk of the plan) may supply or leave out, which is what a node's optional input may
+    read when no step of the walk produces it. `outputs` are the names it guarantees on exit.
     `emit` names values streamed to the caller as soon as they are produced (by body nodes or by
     streaming consumers). A streaming consumer's outputs are also collected as lists in the env.
     """
@@ -151,6 +153,7 @@ class Walk:
     name: str
     body: Step = attrs.field(converter=_as_step)
     inputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    optional_inputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     outputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     emit: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     streams: tuple[StreamingGraphEdge, ...] = attrs.field(default=(), converter=tuple)

@@ -62,6 +62,7 @@ def build_graph(
             carry={"next_token": "decode_ids"},
         ),
         inputs=("decode_ids", "sampling", "max_tokens"),
+        optional_inputs=("noise_seed",),
         outputs=("audio",),
         emit=("audio", "next_token"),
         streams=(

@@ -107,6 +107,7 @@ def _hf_graph(model) -> Graph:
     walks = [
         Walk(name="encode", body="encoder", inputs="video", outputs="latents", description="video -> patch latents"),
         Walk(name="predict", body=Sequential("encoder", "predictor"), inputs="video", outputs=("latents", "predicted"),
+             optional_inputs=("context_mask", "target_mask"),
              description="encode, then predict the target positions from the context positions"),
     ]
     return Graph.build("vjepa2", nodes, walks, plan=lambda env: [env["walk"]])
