@@ -32,14 +32,17 @@ class RegistryLookupError(MStarError, KeyError):
 
 
 class RequestError(MStarError):
-    """A request was rejected or failed; `status` maps to an HTTP status code."""
+    """A request was rejected or failed; `status` maps to an HTTP status code, `param` names the bad field."""
 
     status: int = 400
+    param: str | None = None
 
-    def __init__(self, message: str, *, status: int | None = None):
+    def __init__(self, message: str, *, status: int | None = None, param: str | None = None):
         super().__init__(message)
         if status is not None:
             self.status = status
+        if param is not None:
+            self.param = param
 
 
 class NodeExecutionError(RequestError):

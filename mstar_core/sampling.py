@@ -1,7 +1,12 @@
-"""`SamplingParams`: how an autoregressive node picks its next token (models and servers build it, engines apply it)."""
+"""`SamplingParams`: how an autoregressive node picks its next token (models and servers build it, engines apply it).
+
+Every field is checked here, where a request is prepared, so a bad value becomes a `RequestError` (a 400 that
+names the field) before it reaches an engine, where it could fail the whole batch it was decoded with.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -9,24 +14,131 @@ import attrs
 
 from mstar_core.errors import RequestError
 
+#: Seeds are integers in [0, MAX_SEED]: what an int64 holds on every wire and what `torch.Generator.manual_seed`
+#: takes without aliasing (torch would also take negatives and up to 2**64 - 1, mapping -1 to 2**64 - 1).
+MAX_SEED = 2**63 - 1
+#: The smallest non-zero temperature. Logits are divided by it in float32; below ~1e-5 the quotient of ordinary
+#: logits overflows or the temperature itself rounds to 0, and sampling yields NaN. Send 0 for greedy decoding.
+MIN_TEMPERATURE = 1e-5
+#: Upper bound of integer lengths (`max_tokens`, `top_k`, `logprobs`); far above any vocabulary or context.
+MAX_COUNT = 2**31 - 1
+
+
+def _fail(field: str, message: str) -> RequestError:
+    return RequestError(f"'{field}' {message}", param=field)
+
+
+def is_integer(value: Any) -> bool:
+    """A JSON integer: `int` but not `bool` (`true` is an int in Python, never a count or a seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(value: Any, field: str, lo: int, hi: int, *, bounds: str | None = None) -> int:
+    """`value` as an int in [lo, hi], else a RequestError naming `field` (1.5, "3", true and 3.0 are refused)."""
+    if not is_integer(value) or not lo <= value <= hi:
+        raise _fail(field, f"must be an integer in {bounds or f'[{lo}, {hi}]'}, got {_show(value)}")
+    return int(value)
+
+
+def check_seed(value: Any, field: str = "seed") -> int:
+    """A seed: an integer in [0, MAX_SEED] (2**63 - 1)."""
+    return check_int(value, field, 0, MAX_SEED, bounds="[0, 2**63 - 1]")
+
+
+def check_number(value: Any, field: str) -> float:
+    """A finite real number (an int or float, not a bool, not NaN or infinity)."""
+    if not (is_integer(value) or isinstance(value, float)):
+        raise _fail(field, f"must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise _fail(field, f"must be a finite number, got {_show(value)}") from None
+    if not math.isfinite(number):
+        raise _fail(field, f"must be a finite number, got {value}")
+    return number
+
+
+def check_temperature(value: Any, field: str = "temperature") -> float:
+    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE."""
+    temperature = check_number(value, field)
+    if temperature != 0 and not temperature >= MIN_TEMPERATURE:
+        raise _fail(field, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r}; smaller temperatures "
+                           "overflow the arithmetic (send 0 for greedy decoding)")
+    return temperature
+
+
+def _in_range(value: Any, field: str, ok, bounds: str) -> float:
+    number = check_number(value, field)
+    if not ok(number):
+        raise _fail(field, f"must be in {bounds}, got {value!r}")
+    return number
+
+
+def _token_id(value: Any, field: str) -> int:
+    return check_int(value, field, 0, MAX_COUNT)
+
 
 def _ids(value: Iterable[int] | int | None) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    if is_integer(value):
+        return (_token_id(value, "stop_token_ids"),)
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise _fail("stop_token_ids", f"must be a list of token ids, got {_show(value)}")
+    return tuple(_token_id(v, "stop_token_ids") for v in value)
 
 
 def _sequences(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...]:
     if value is None:
         return ()
-    return tuple(_ids(seq) for seq in value)
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise _fail("stop_sequences", f"must be a list of token-id lists, got {_show(value)}")
+    sequences = []
+    for seq in value:
+        if is_integer(seq) or isinstance(seq, str | bytes | Mapping) or not isinstance(seq, Iterable):
+            raise _fail("stop_sequences", f"must be a list of token-id lists, got an element {_show(seq)}")
+        ids = tuple(_token_id(v, "stop_sequences") for v in seq)
+        if not ids:
+            raise _fail("stop_sequences", "must not contain an empty sequence")
+        sequences.append(ids)
+    return tuple(sequences)
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise RequestError(f"sampling: {message}")
+def _show(value: Any) -> str:
+    """A short rendering of a rejected value (huge ints and long strings are cut)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+#: One check per field, shared by `SamplingParams` and by the HTTP edge for the same names in any request.
+FIELD_CHECKS = {
+    "temperature": check_temperature,
+    "top_k": lambda v, f: check_int(v, f, 0, MAX_COUNT),
+    "top_p": lambda v, f: _in_range(v, f, lambda x: 0 < x <= 1, "(0, 1]"),
+    "min_p": lambda v, f: _in_range(v, f, lambda x: 0 <= x < 1, "[0, 1)"),
+    "repetition_penalty": lambda v, f: _in_range(v, f, lambda x: x > 0, "(0, inf)"),
+    "max_tokens": lambda v, f: check_int(v, f, 1, MAX_COUNT),
+    "seed": check_seed,
+    "logprobs": lambda v, f: check_int(v, f, 0, MAX_COUNT),
+}
+
+
+def check_fields(values: Mapping[str, Any], where: str = "") -> None:
+    """Check the sampling-named fields of a request mapping (None means "not set"); the error names `where + field`."""
+    for name, check in FIELD_CHECKS.items():
+        value = values.get(name)
+        if value is not None:
+            check(value, where + name)
+
+
+def _checked(name: str):
+    check = FIELD_CHECKS[name]
+    return lambda value: check(value, name)
+
+
+def _optional(name: str):
+    check = FIELD_CHECKS[name]
+    return lambda value: None if value is None else check(value, name)
 
 
 @attrs.frozen(kw_only=True)
@@ -37,33 +149,38 @@ class SamplingParams:
     `finish_reason="stop"`); `stop_sequences` are token-id sequences matched against the generated
     tokens; `max_tokens` counts tokens sampled by the engine for one cache label. `logprobs=k`
     also returns the k most likely tokens with their log-probabilities (0 = only the chosen one).
+    Bounds: temperature 0 or >= MIN_TEMPERATURE; seed in [0, 2**63 - 1]; lengths are integers. Fields that
+    depend on the vocabulary (`top_k`, `logprobs`, token ids) are checked by `check_vocab` at prepare time.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 256
+    temperature: float = attrs.field(default=0.0, converter=_checked("temperature"))
+    top_k: int = attrs.field(default=0, converter=_checked("top_k"))
+    top_p: float = attrs.field(default=1.0, converter=_checked("top_p"))
+    min_p: float = attrs.field(default=0.0, converter=_checked("min_p"))
+    repetition_penalty: float = attrs.field(default=1.0, converter=_checked("repetition_penalty"))
+    max_tokens: int = attrs.field(default=256, converter=_checked("max_tokens"))
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_sequences)
-    seed: int | None = None
-    logprobs: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(all(seq for seq in self.stop_sequences), "stop_sequences must not contain an empty sequence")
-        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+    seed: int | None = attrs.field(default=None, converter=_optional("seed"))
+    logprobs: int | None = attrs.field(default=None, converter=_optional("logprobs"))
 
     @property
     def greedy(self) -> bool:
         """Whether the next token is the argmax (no randomness involved)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    def check_vocab(self, vocab_size: int) -> SamplingParams:
+        """Refuse `top_k`, `logprobs` and stop token ids beyond a vocabulary of `vocab_size`; return self."""
+        if self.top_k > vocab_size:
+            raise _fail("top_k", f"must be at most the vocabulary size {vocab_size} (0 disables it), got {self.top_k}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise _fail("logprobs", f"must be at most the vocabulary size {vocab_size}, got {self.logprobs}")
+        for field, ids in (("stop_token_ids", self.stop_token_ids),
+                           ("stop_sequences", [t for seq in self.stop_sequences for t in seq])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise _fail(field, f"has ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        return self
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:
@@ -72,10 +189,7 @@ class SamplingParams:
         unknown = sorted(set(values) - known)
         if unknown:
             raise RequestError(f"sampling: unknown parameter(s) {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"sampling: {exc}") from None
+        return cls(**values)
 
 
 GREEDY = SamplingParams()

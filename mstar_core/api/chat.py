@@ -22,6 +22,7 @@ from mstar_core.api.errors import ApiError
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
 from mstar_core.api.text import TextAssembler
+from mstar_core.sampling import check_fields
 
 router = APIRouter()
 
@@ -42,6 +43,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, "'stop' takes up to 4 non-empty strings", param="stop")
     payload = body.model_dump()
+    # sampling extras (top_k, min_p, ...) are checked like the declared fields; `logprobs` is OpenAI's bool here
+    check_fields({k: v for k, v in payload.items() if k != "logprobs"})
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     inputs = adapter_call(adapter.chat_inputs, payload, what=f"the chat adapter of '{body.model}'")

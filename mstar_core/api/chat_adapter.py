@@ -14,7 +14,7 @@ from typing import Any
 from mstar_core.api.adapters import ApiAdapter
 
 #: Sampling fields of an OpenAI chat body forwarded to the model's `prepare` when the client set them.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty")
 
 
 class TokenizerChatAdapter(ApiAdapter):

@@ -58,7 +58,7 @@ def from_request_error(exc: RequestError) -> ApiError:
     """Map a runtime `RequestError` to an API error (503 gets a Retry-After)."""
     status = int(getattr(exc, "status", 400) or 400)
     headers = {"Retry-After": "1"} if status == 503 else None
-    return ApiError(status, str(exc), headers=headers)
+    return ApiError(status, str(exc), param=getattr(exc, "param", None), headers=headers)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

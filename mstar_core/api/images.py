@@ -18,6 +18,7 @@ from mstar_core.api.schemas import (
     ImageRequest,
     ImagesResponse,
 )
+from mstar_core.sampling import MAX_SEED, check_fields
 
 router = APIRouter()
 
@@ -42,6 +43,7 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
     request.state.model = body.model
     adapter = state.adapter(body.model, "images")
     payload = body.model_dump()
+    check_fields(payload)
     if edit:
         payload["image"] = base64.b64decode(payload["image"])
     handles = []
@@ -49,7 +51,7 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
         for i in range(body.n):
             one = dict(payload, n=1, index=i)
             if body.seed is not None:
-                one["seed"] = body.seed + i  # distinct but reproducible images
+                one["seed"] = (body.seed + i) % (MAX_SEED + 1)  # distinct but reproducible images, still in range
             inputs = adapter_call(adapter.image_inputs, one, edit=edit, what=f"the images adapter of '{body.model}'")
             handles.append(submit(state, body.model, inputs))
         if len(handles) == 1:

@@ -20,6 +20,7 @@ from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, WalkRequest
 from mstar_core.api.tensors import decode_inputs, encode_value
 from mstar_core.errors import RequestError
+from mstar_core.sampling import check_fields
 
 router = APIRouter()
 
@@ -48,9 +49,11 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
     request.state.model = model
     loaded = state.loaded(model)
     try:
+        # the names SamplingParams knows mean the same on every model: checked here, before any model sees them
+        check_fields(body.inputs, where="inputs.")
         inputs = decode_inputs(body.inputs)
     except RequestError as exc:
-        raise ApiError(400, str(exc), param="inputs") from None
+        raise ApiError(400, str(exc), param=exc.param or "inputs") from None
     handle = submit(state, model, inputs)
     if not body.stream:
         env = await result_or_disconnect(request, handle)

@@ -6,10 +6,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mstar_core.sampling import MAX_SEED
+
 
 class _Body(BaseModel):
     # OpenAI clients send fields a given server may not know; model parameters ride along as extras.
     model_config = ConfigDict(extra="allow")
+
+
+# Numbers are strict: a count is never 1.5, "3" or true, and a float is finite (JSON bodies may carry Infinity/NaN).
+# Sampling extras that a route does not declare are checked by `mstar_core.sampling.check_fields`.
+
+
+def _count(default: int | None, lo: int, hi: int, **kw: Any) -> Any:
+    return Field(default, ge=lo, le=hi, strict=True, **kw)
+
+
+def _real(default: float | None, **kw: Any) -> Any:
+    return Field(default, allow_inf_nan=False, **kw)
 
 
 # --- errors -------------------------------------------------------------------------------------------------
@@ -63,7 +77,7 @@ class SpeechRequest(_Body):
     response_format: Literal["wav", "pcm", "flac"] = Field(
         "wav", description="wav (streamed with an open-ended header), pcm (raw s16le mono), or flac"
     )
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = _real(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
 
@@ -99,13 +113,16 @@ class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = _count(None, 1, 1_000_000)
+    max_completion_tokens: int | None = _count(None, 1, 1_000_000)
+    temperature: float | None = _real(None, ge=0.0, le=2.0,
+                                      description="0 is greedy; otherwise at least 1e-5 (smaller overflows the arithmetic)")
+    top_p: float | None = _real(None, gt=0.0, le=1.0)
+    seed: int | None = _count(None, 0, MAX_SEED)
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = _count(1, 1, 1, description="only 1 is supported")
+    logprobs: bool | None = Field(None, strict=True, description="accepted; log-probabilities are not returned yet")
+    top_logprobs: int | None = _count(None, 0, 20)
     modalities: list[Literal["text", "audio"]] | None = None
 
 
@@ -143,9 +160,9 @@ class ImageRequest(_Body):
 
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1, max_length=32000)
-    n: int = Field(1, ge=1, le=10)
+    n: int = _count(1, 1, 10)
     size: str = Field("512x512", pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = _count(None, 0, MAX_SEED)
     response_format: Literal["b64_json"] = "b64_json"
 
 
@@ -174,7 +191,7 @@ class WalkRequest(BaseModel):
 
     inputs: dict[str, Any] = Field(default_factory=dict)
     stream: bool = Field(True, description="NDJSON events as produced; false returns one JSON object")
-    timeout: float | None = Field(None, gt=0, le=3600)
+    timeout: float | None = _real(None, gt=0, le=3600)
     outputs: list[str] | None = Field(None, description="final env names to return (default: the walks' outputs)")
 
 

@@ -186,7 +186,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, state=state)
 
-    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    # HEAD too: load balancers and uptime probes ask with HEAD (the server sends the status and headers, no body)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}})
     async def health():
         if state.load_error:
             return OrjsonResponse({"status": "loading", "models": [], "error": state.load_error}, status_code=503)

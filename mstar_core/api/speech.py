@@ -19,7 +19,9 @@ from mstar_core.api.common import (
     submit,
 )
 from mstar_core.api.errors import ApiError
+from mstar_core.api.responses import CutOnErrorStreamingResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, SpeechRequest
+from mstar_core.sampling import check_fields
 
 router = APIRouter()
 
@@ -43,6 +45,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     if body.speed != 1.0 and not adapter.supports_speed:
         raise ApiError(400, f"model '{body.model}' only speaks at speed 1.0; drop 'speed'", param="speed")
     payload = body.model_dump()
+    check_fields(payload)  # sampling extras (seed, temperature, max_tokens, ...) mean the same for every model
     inputs = adapter_call(adapter.speech_inputs, payload, what=f"the speech adapter of '{body.model}'")
     started = time.perf_counter()
     handle = submit(state, body.model, inputs)
@@ -95,7 +98,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     headers = {"X-Sample-Rate": str(adapter.sample_rate), "Cache-Control": "no-cache"}
     if body.stream_format == "sse":
         return StreamingResponse(sse_stream(), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(audio_stream(), media_type=encoder.media_type, headers=headers)
+    return CutOnErrorStreamingResponse(audio_stream(), media_type=encoder.media_type, headers=headers)
 
 
 def _usage(adapter: Any, env: dict[str, Any], inputs: dict[str, Any], generated: int) -> dict[str, int]:

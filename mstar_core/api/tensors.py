@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from mstar_core.errors import RequestError
+from mstar_core.sampling import is_integer
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -21,10 +22,36 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 _TENSOR_KEYS = {"dtype", "shape", "data"}
 MAX_DEPTH = 32
+MAX_DIMS = 8
+#: Far above what fits in a request body (whose size the server bounds), far below torch's stride overflow.
+MAX_ELEMENTS = 2**40
 
 
 def is_tensor_json(value: Any) -> bool:
     return isinstance(value, Mapping) and set(value) == _TENSOR_KEYS
+
+
+def _checked_shape(shape: Any, where: str) -> list[int]:
+    """A shape of at most MAX_DIMS non-negative ints whose volume (zeros counted as 1) is at most MAX_ELEMENTS.
+
+    Counting zeros as 1 matters: `[0, 2**70]` holds no data, yet torch cannot even compute its strides.
+    """
+    if not isinstance(shape, list) or not all(is_integer(d) and d >= 0 for d in shape):
+        raise RequestError(f"'{where}' must be a list of non-negative ints; got {_short(shape)}", param=where)
+    if len(shape) > MAX_DIMS:
+        raise RequestError(f"'{where}' has {len(shape)} dims; at most {MAX_DIMS} are accepted", param=where)
+    volume = 1
+    for d in shape:
+        volume *= max(d, 1)
+        if volume > MAX_ELEMENTS:
+            raise RequestError(f"'{where}' {_short(shape)} is too large; at most {MAX_ELEMENTS} elements "
+                               "(counting empty dimensions as 1) are accepted", param=where)
+    return shape
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def decode_tensor(obj: Mapping[str, Any], where: str) -> torch.Tensor:
@@ -32,11 +59,7 @@ def decode_tensor(obj: Mapping[str, Any], where: str) -> torch.Tensor:
     dtype = DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None
     if dtype is None:
         raise RequestError(f"'{where}.dtype' must be one of {', '.join(DTYPES)}; got {obj['dtype']!r}")
-    shape = obj["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise RequestError(f"'{where}.shape' must be a list of non-negative ints; got {shape!r}")
-    if len(shape) > 8:
-        raise RequestError(f"'{where}.shape' has {len(shape)} dims; at most 8 are accepted")
+    shape = _checked_shape(obj["shape"], f"{where}.shape")
     if not isinstance(obj["data"], str):
         raise RequestError(f"'{where}.data' must be a base64 string of the raw little-endian bytes")
     try:

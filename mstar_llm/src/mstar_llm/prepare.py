@@ -76,4 +76,4 @@ class RequestPreparer:
             user_stops = fields.get("stop_token_ids", ())
             user_stops = [user_stops] if isinstance(user_stops, int) else list(user_stops)
             fields["stop_token_ids"] = list(dict.fromkeys([*user_stops, *self.eos_token_ids]))
-        return SamplingParams.from_mapping(fields)
+        return SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)

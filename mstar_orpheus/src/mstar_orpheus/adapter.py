@@ -37,7 +37,7 @@ class OrpheusSpeechAdapter:
         if speed not in (None, 1, 1.0):
             raise RequestError("model 'orpheus' does not support 'speed'; omit it or send 1.0")
         inputs: dict[str, Any] = {"text": text, "voice": voice}
-        for key in ("max_tokens", "seed", "temperature", "top_p", "repetition_penalty"):
+        for key in ("max_tokens", "seed", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if body.get(key) is not None:
                 inputs[key] = body[key]
         return inputs

@@ -67,7 +67,7 @@ def load_orpheus(
         name="orpheus",
         graph=graph,
         random_weights=random_weights,
-        prepare=PromptBuilder(tokenizer, vocab),
+        prepare=PromptBuilder(tokenizer, vocab, vocab_size=lm.config.vocab_size),
         engine_settings={"snac": {"max_batch_size": 64, "own_thread": True}},
         extras={
             "sample_rate": snac.config.sampling_rate,

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from mstar_core.errors import RequestError
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import SamplingParams, check_int
 from mstar_orpheus.codes import AudioTokenMap
 
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -77,6 +77,8 @@ class PromptBuilder:
     vocab: OrpheusVocab
     voices: tuple[str, ...] = VOICES
     max_tokens_limit: int = 4096
+    #: The LM's vocabulary size, which bounds `top_k` (None: the audio tokens' end, the least it can be).
+    vocab_size: int | None = None
 
     def prompt_ids(self, text: str, voice: str) -> list[int]:
         """The full prompt token ids for one utterance."""
@@ -94,15 +96,13 @@ class PromptBuilder:
         voice = inputs.get("voice", self.voices[0])
         if voice not in self.voices:
             raise RequestError(f"orpheus: unknown voice {voice!r}; choose one of {', '.join(self.voices)}")
-        max_tokens = inputs.get("max_tokens", DEFAULT_MAX_TOKENS)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.max_tokens_limit:
-            raise RequestError(f"orpheus: 'max_tokens' must be an integer in [1, {self.max_tokens_limit}], got {max_tokens!r}")
-        fields = {**DEFAULT_SAMPLING, **{k: inputs[k] for k in _SAMPLING_FIELDS if k in inputs}}
-        seed = fields.get("seed")
+        max_tokens = check_int(inputs.get("max_tokens", DEFAULT_MAX_TOKENS), "max_tokens", 1, self.max_tokens_limit)
+        # None means "not set" (the model's default), as for any JSON client that sends explicit nulls
+        fields = {**DEFAULT_SAMPLING, **{k: inputs[k] for k in _SAMPLING_FIELDS if inputs.get(k) is not None}}
         # +1: the engine also counts prefill's sample, which decode discards (see the docstring)
         sampling = SamplingParams.from_mapping(
             {**fields, "max_tokens": max_tokens + 1, "stop_token_ids": (self.vocab.end_of_speech,)}
-        )
+        ).check_vocab(self.vocab_size or self.vocab.audio.end)
         ids = self.prompt_ids(text, voice)
         return {
             "prompt_ids": ids[:-1],
@@ -110,5 +110,5 @@ class PromptBuilder:
             "sampling": sampling,
             "max_tokens": max_tokens,
             # without a seed the codec noise is random per request, as in the reference decoder
-            "noise_seed": random.randrange(2**31) if seed is None else int(seed),
+            "noise_seed": random.randrange(2**31) if sampling.seed is None else sampling.seed,
         }
