@@ -33,6 +33,7 @@ class NodeScheduler:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._last_step_ok = False  # a step completed since the last crash (resets the restart backoff)
         # observability
         self.steps = 0
         self.invocations = 0
@@ -78,6 +79,29 @@ class NodeScheduler:
                 log.exception("engine %s failed to release request %s", self.engine.node.name, rid)
 
     async def _run(self) -> None:
+        """Supervise the loop: a crash is logged, what was in flight fails, and the loop starts again at once.
+
+        Without this an unexpected exception would end the task silently, leaving every stream on
+        the node frozen until some unrelated submission happened to restart it.
+        """
+        name = self.engine.node.name
+        crashes = 0
+        while not self._closed:
+            try:
+                await self._loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                crashes = 1 if self._last_step_ok else crashes + 1
+                self._last_step_ok = False
+                log.exception("node %s: scheduler loop crashed (%d in a row); failing %d in-flight invocation(s) "
+                              "and restarting it", name, crashes, len(self._inflight))
+                self._fail_inflight(exc)
+                # a loop that breaks on every pass would otherwise spin and flood the log
+                await asyncio.sleep(0 if crashes == 1 else min(1.0, 0.01 * 2**crashes))
+
+    async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
         while not self._closed:
@@ -87,7 +111,12 @@ class NodeScheduler:
                 inv, fut = self._pending.popleft()
                 if fut.done():  # cancelled while queued
                     continue
-                engine.add(inv)
+                try:
+                    engine.add(inv)
+                except Exception as exc:  # this invocation's inputs broke the engine's intake: fail it alone
+                    log.debug("node %s: add failed for request %s", engine.node.name, inv.request_id, exc_info=True)
+                    fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
+                    continue  # (whatever add left in the engine goes when the failed request is released)
                 self._inflight[id(inv)] = (inv, fut)
             if not engine.has_work():
                 self._wakeup.clear()
@@ -102,12 +131,7 @@ class NodeScheduler:
                     results = await loop.run_in_executor(self.executor, engine.step)
             except Exception as exc:  # the whole step failed: fail what was in flight, keep serving
                 log.exception("node %s: step failed", engine.node.name)
-                failed = list(self._inflight.values())
-                self._inflight.clear()
-                for inv, fut in failed:
-                    if not fut.done():
-                        fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
-                    self._releases.add(inv.request_id)
+                self._fail_inflight(exc)
                 continue
             elapsed = time.perf_counter() - started
             self.steps += 1
@@ -125,6 +149,7 @@ class NodeScheduler:
                     fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
                 else:
                     fut.set_result(out)
+            self._last_step_ok = True
             if results:
                 # Let the requests just answered come back before the next batch forms: their tasks
                 # were woken ahead of this one, so one pass of the loop resubmits every AR step that
@@ -132,6 +157,15 @@ class NodeScheduler:
                 # runs alone while the rest re-queue, and the batch splits into groups that take
                 # turns for as long as they run (each step paying for the weights once per group).
                 await asyncio.sleep(0)
+
+    def _fail_inflight(self, exc: BaseException) -> None:
+        """Fail every invocation the engine holds and have it forget their requests before the next step."""
+        failed = list(self._inflight.values())
+        self._inflight.clear()
+        for inv, fut in failed:
+            if not fut.done():
+                fut.set_exception(NodeExecutionError(self.engine.node.name, inv.request_id, exc))
+            self._releases.add(inv.request_id)
 
     async def close(self) -> None:
         self._closed = True
