@@ -70,29 +70,27 @@ class _EngineCollector:
         running.add_metric([], float(getattr(engine, "running", 0)))
         yield queue
         yield running
-        named = {key: GaugeMetricFamily(name, doc, labels=["model", "node"]) for key, (name, doc) in _NAMED_STATS.items()}
-        every = GaugeMetricFamily("mstar_node_stat", "every numeric gauge an engine reports", labels=["model", "node", "stat"])
+        # `worker` tells replicas apart: "local" for engines in this process, else the worker (replica) name
+        named = {key: GaugeMetricFamily(name, doc, labels=["model", "node", "worker"])
+                 for key, (name, doc) in _NAMED_STATS.items()}
+        every = GaugeMetricFamily("mstar_node_stat", "every numeric gauge an engine reports",
+                                  labels=["model", "node", "worker", "stat"])
         batch = GaugeMetricFamily("mstar_node_batch_size", "invocations in the node's last step", labels=["model", "node"])
         step = GaugeMetricFamily("mstar_node_step_latency_seconds", "duration of the node's last step", labels=["model", "node"])
         steps = GaugeMetricFamily("mstar_node_steps", "steps the node has run", labels=["model", "node"])
         calls = GaugeMetricFamily("mstar_node_invocations", "invocations the node has run", labels=["model", "node"])
         for model in list(getattr(engine, "models", {}) or {}):
             try:
-                engines = engine.node_engines(model)
+                gauges = _node_gauges(engine, model)
             except Exception:  # model unloading while scraped
                 continue
-            for node, eng in engines.items():
-                try:
-                    stats = eng.stats() or {}
-                except Exception:
-                    stats = {}
-                stats = _derived(stats)
-                for key, value in stats.items():
-                    if not isinstance(value, int | float) or isinstance(value, bool):
+            for node, worker, stats in gauges:
+                for key, value in _derived(stats).items():
+                    if not isinstance(key, str) or not isinstance(value, int | float) or isinstance(value, bool):
                         continue
                     if key in named:
-                        named[key].add_metric([model, node], float(value))
-                    every.add_metric([model, node, key], float(value))
+                        named[key].add_metric([model, node, worker], float(value))
+                    every.add_metric([model, node, worker, key], float(value))
             schedulers = engine.node_schedulers(model) if hasattr(engine, "node_schedulers") else {}
             for node, sched in schedulers.items():
                 batch.add_metric([model, node], float(getattr(sched, "last_batch_size", 0)))
@@ -105,6 +103,19 @@ class _EngineCollector:
         yield step
         yield steps
         yield calls
+
+
+def _node_gauges(engine: Any, model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(node, worker, stats) of every engine serving `model`, in this process and in worker processes."""
+    if hasattr(engine, "node_stats"):
+        return engine.node_stats(model)
+    out = []
+    for node, eng in engine.node_engines(model).items():
+        try:
+            out.append((node, "local", eng.stats() or {}))
+        except Exception:
+            out.append((node, "local", {}))
+    return out
 
 
 def _derived(stats: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ engine_settings:
   lm: {num_pages: 4096, page_size: 16}
 control:
   bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory
-  heartbeat_interval: 0.5
+  heartbeat_interval: 0.2                  # a worker silent for 5 beats (at least 1 s) is hung: killed, replaced
   ray_address: auto                        # default: a Ray cluster on this machine, or a new local one
   delegate_loops: true                     # loops whose nodes all live on one worker run there (default)
 ```
@@ -101,7 +101,7 @@ class Placement:
     nodes: Mapping[str, str] = attrs.field(factory=dict)
     engine_settings: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     bind: str | None = None
-    heartbeat_interval: float = 0.5
+    heartbeat_interval: float = 0.2
     source: str = "<dict>"
     #: run a loop whose nodes all live on one worker on that worker (one round trip per loop, not per step)
     delegate_loops: bool = True
@@ -147,7 +147,7 @@ class Placement:
             str(node): dict(_check_keys(f"{source}: engine_settings.{node}", value, _AnyKey()))
             for node, value in _check_keys(f"{source}: engine_settings", top.get("engine_settings"), _AnyKey()).items()
         }
-        interval = control.get("heartbeat_interval", 0.5)
+        interval = control.get("heartbeat_interval", 0.2)
         if not isinstance(interval, int | float) or interval <= 0:
             raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
         return cls(workers, nodes, settings, control.get("bind"), float(interval), source, delegate, walks)

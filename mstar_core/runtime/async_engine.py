@@ -41,6 +41,7 @@ class _ModelRuntime:
         self.loaded = loaded
         self.engines = engines
         self.schedulers = schedulers
+        self.walk_schedulers = dict(walk_schedulers or {})
         self.conductor = Conductor(loaded.graph, schedulers, walk_schedulers)
 
 
@@ -74,6 +75,7 @@ class AsyncEngine:
         self.waiting = 0
         self._handles: dict[str, RequestHandle] = {}
         self.cluster = None  # the worker processes, once a placement puts nodes on them
+        self._lost: dict[str, Exception] = {}  # request id -> why its worker was lost (see `_requests_lost`)
         self._own_executors: list[ThreadPoolExecutor] = []  # nodes with `own_thread`
 
     # -- models --------------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class AsyncEngine:
                 heartbeat_interval=placement.heartbeat_interval,
                 secret=secret_from_env() if joins_by_hand or placement.bind else None,
             )
+            self.cluster.on_requests_lost = self._requests_lost
             await self.cluster.start()
         local = {n for n, workers in where.items() if LOCAL in workers}
         loop = asyncio.get_running_loop()
@@ -302,10 +305,26 @@ class AsyncEngine:
                         self.running -= 1
         except TimeoutError:
             raise RequestTimeout(f"request {handle.request_id} ran past its {timeout}s timeout") from None
+        except asyncio.CancelledError:
+            lost = self._lost.pop(handle.request_id, None)
+            if lost is not None:
+                raise lost from None
+            raise
         finally:
             if not admitted:
                 self.waiting -= 1
             self._handles.pop(handle.request_id, None)
+            self._lost.pop(handle.request_id, None)
+
+    def _requests_lost(self, worker: str, request_ids: set[str], why: str) -> None:
+        """A worker died or hung: its requests fail now, even those not waiting on it at this moment."""
+        from mstar_core.runtime.cluster import WorkerLost
+
+        for rid in request_ids:
+            handle = self._handles.get(rid)
+            if handle is not None and not handle.done:
+                self._lost[rid] = WorkerLost(f"worker '{worker}' {why}; the request was lost, retry it")
+                handle.cancel()
 
     async def generate(self, model: str, inputs: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
         """Submit and wait for the final env."""
@@ -317,6 +336,20 @@ class AsyncEngine:
             return False
         handle.cancel()
         return True
+
+    def node_stats(self, model: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """(node, worker, gauges) for every engine of a model: local ones, and those in workers (last heartbeat)."""
+        runtime = self._runtime(model)
+        out = [(node, self.worker, _safe_stats(eng))
+               for node, eng in runtime.engines.items()]
+        seen = set()
+        for sched in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
+            if not hasattr(sched, "replicas") or id(sched) in seen:
+                continue
+            seen.add(id(sched))
+            for replica, stats in sched.stats().items():
+                out.append((sched.node, replica, stats if isinstance(stats, dict) else {}))
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Request counts and every engine's gauges, by model and node."""
@@ -355,6 +388,13 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _safe_stats(engine: Engine) -> dict[str, Any]:
+    try:
+        return dict(engine.stats() or {})
+    except Exception:  # gauges must never fail a scrape
+        return {}
 
 
 def _node_workers(graph: Graph, placement: Placement) -> dict[str, set[str]]:

@@ -1,16 +1,20 @@
-"""The coordinator side of multi-process serving: worker processes, supervision, remote nodes.
+"""The coordinator side of multi-process serving: the control socket, and remote nodes on top of it.
 
 The serving process binds one ZeroMQ ROUTER socket (an IPC socket in a private directory by
 default, or loopback TCP; any other address must be configured explicitly). Workers join with an
-HMAC-signed Hello. Heartbeats and process polling detect a dead worker; its in-flight requests
-fail at once with a 503-style error, the worker is restarted and its models reloaded. Workers are
-started by a launcher (`mstar_core.runtime.launchers`: a subprocess, or a Ray actor); a worker
-with `transport: shm` moves big tensor frames through shared memory (`launchers.shm_path`).
+HMAC-signed Hello; every later message either way is sealed for that session
+(`mstar_core.wire.session`), so a peer that can reach the socket but lacks the secret cannot
+speak for a worker, whatever routing id it claims. No bytes from any peer stop the receive loop:
+each refusal is logged (rate-limited) and the loop goes on. `Supervisor` (supervision.py)
+replaces dead and hung workers; `WorkerLink` (worker_link.py) keeps each worker's calls in
+flight. Workers are started by a launcher (`mstar_core.runtime.launchers`: a subprocess, or a
+Ray actor); a worker with `transport: shm` moves big tensor frames through shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import secrets
@@ -18,17 +22,21 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from mstar_core.config.placement import WorkerSpec
-from mstar_core.errors import MStarError, NodeExecutionError, RequestError
+from mstar_core.errors import MStarError, RequestError
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.launchers import shm_path
 from mstar_core.runtime.launchers.spawn import spawn_worker
-from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.runtime.refusals import RefusalLog
+from mstar_core.runtime.remote_values import to_wire
+from mstar_core.runtime.supervision import Supervisor
+from mstar_core.runtime.worker_link import RemoteError, WorkerLink, WorkerLost
 from mstar_core.wire import (
     AuthError,
     ErrorReport,
@@ -48,69 +56,48 @@ from mstar_core.wire import (
     encode,
 )
 from mstar_core.wire.auth import HelloVerifier
+from mstar_core.wire.session import Channel, new_session_id, session_of
 from mstar_core.wire.transport import check_bind_address
+
+__all__ = ["Cluster", "RemoteError", "RemoteNodeScheduler", "ReplicaGroup", "WorkerLost"]
 
 log = logging.getLogger("mstar.cluster")
 
-#: How long a worker may stay silent (in heartbeat intervals) before it is declared dead. Generous,
-#: because a busy host (weights loading, a long step holding the GIL) delays beats; a spawned
-#: worker's exit is caught at once by polling its process, whatever this says.
-MISSED_BEATS = 10
+#: Sessions of lost workers remembered, to tell a worker that wakes up later to leave.
+RETIRED_SESSIONS = 64
 
-
-class WorkerLost(RequestError):
-    """The worker running part of this request died; the request may be retried."""
-
-    status = 503
-
-
-class RemoteError(Exception):
-    """An exception raised inside a worker process, carried back by name and message."""
-
-
-class _WorkerState:
-    def __init__(self, name: str, spec: WorkerSpec):
-        self.name = name
-        self.spec = spec
-        self.identity: bytes | None = None
-        self.process: Any = None  # a subprocess.Popen, or a launcher's handle with the same interface
-        self.link: shm_path.ShmLink | None = None  # the shm data path, for `transport: shm`
-        self.log_path: str | None = None
-        self.last_seen = 0.0
-        self.joined = asyncio.Event()
-        self.loads: dict[str, LoadModel] = {}  # model -> what to replay after a restart
-        self.loaded: dict[str, asyncio.Future] = {}
-        self.inflight: dict[tuple[str, str, int], asyncio.Future] = {}
-        # delegated loops: (request id, loop index) -> (future of the env delta, values callback)
-        self.loops: dict[tuple[str, int], tuple[asyncio.Future, Any]] = {}
-        self.load: dict[str, Any] = {}  # the engines' gauges from the last heartbeat, by 'model/node'
-        self.restarts = 0
-        self.alive = False  # connected and answering heartbeats
-        self.ready = False  # has loaded its models and accepts invocations
-        self.restarting = False
+_WorkerState = WorkerLink  # the name earlier code and tests used
 
 
 class Cluster:
     """Owns the control socket and every worker; `RemoteNodeScheduler`s send through it."""
 
-    def __init__(self, bind: str | None = None, heartbeat_interval: float = 0.5, secret: bytes | None = None):
+    def __init__(self, bind: str | None = None, heartbeat_interval: float = 0.2, secret: bytes | None = None):
         self.heartbeat_interval = heartbeat_interval
         self.secret = secret if secret is not None else secrets.token_hex(24).encode()
         self._bind = bind
         self._tmpdir: str | None = None
         self.address = ""
-        self.workers: dict[str, _WorkerState] = {}
-        self._by_identity: dict[bytes, _WorkerState] = {}
+        self.workers: dict[str, WorkerLink] = {}
+        self._sessions: dict[bytes, WorkerLink] = {}
+        self._retired: collections.OrderedDict[bytes, Channel] = collections.OrderedDict()
+        self._groups: dict[tuple[str, ...], ReplicaGroup] = {}
         self._verifier = HelloVerifier(self.secret)
+        self.supervisor = Supervisor(self)
+        self.refusals = RefusalLog(log)
         self._tasks: list[asyncio.Task] = []
-        self._closing = False
+        self._receiver: asyncio.Task | None = None
+        self.closing = False
         self.refused = 0  # peers that failed authentication
+        #: called with (worker, request ids, why) when a worker is lost: fail those requests now
+        self.on_requests_lost: Callable[[str, set[str], str], None] | None = None
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its identity
+        # a peer claiming a routing id already in use is ignored, never handed the worker's connection
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         bind = self._bind
         if bind is None:
             self._tmpdir = tempfile.mkdtemp(prefix="mstar-ctl-")
@@ -118,16 +105,17 @@ class Cluster:
         check_bind_address(bind, allow_remote=False, secret=self.secret)
         self.sock.bind(bind)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor())]
+        self.ensure_receiving()
+        self._tasks = [asyncio.ensure_future(self.supervisor.run())]
 
     # -- workers -------------------------------------------------------------------------------
 
-    def add_worker(self, name: str, spec: WorkerSpec) -> _WorkerState:
+    def add_worker(self, name: str, spec: WorkerSpec) -> WorkerLink:
         if name not in self.workers:
-            self.workers[name] = _WorkerState(name, spec)
+            self.workers[name] = WorkerLink(name, spec)
         return self.workers[name]
 
-    async def _launch(self, state: _WorkerState) -> None:
+    async def _launch(self, state: WorkerLink) -> None:
         state.joined.clear()
         if state.spec.launcher == "ray":
             from mstar_core.runtime.launchers.ray_actor import launch_ray_worker
@@ -147,7 +135,7 @@ class Cluster:
             self._tcp = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         return self._tcp
 
-    def _log_tail(self, state: _WorkerState, lines: int = 15) -> str:
+    def _log_tail(self, state: WorkerLink, lines: int = 15) -> str:
         if not state.log_path:
             return getattr(state.process, "error", "")
         try:
@@ -187,43 +175,90 @@ class Cluster:
         await asyncio.wait_for(future, timeout)
         if not state.restarting:
             state.ready = True
+            state.ready_since = time.monotonic()
 
-    async def _send(self, state: _WorkerState, msg: Any) -> None:
-        if state.identity is None:
+    def kill(self, worker: str) -> None:
+        """Kill a spawned worker (tests and operators); supervision restarts it."""
+        state = self.workers[worker]
+        if state.process is not None:
+            state.process.kill()
+
+    def retire(self, state: WorkerLink) -> None:
+        """Forget a lost worker's session; a message that still comes under it gets a Shutdown back."""
+        channel = state.channel
+        if channel is not None:
+            self._sessions.pop(channel.session, None)
+            self._retired[channel.session] = channel
+            while len(self._retired) > RETIRED_SESSIONS:
+                self._retired.popitem(last=False)
+
+    def requests_lost(self, worker: str, requests: set[str], why: str) -> None:
+        if self.on_requests_lost is not None:
+            try:
+                self.on_requests_lost(worker, requests, why)
+            except Exception:
+                log.exception("failing the requests of lost worker %s", worker)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _send(self, state: WorkerLink, msg: Any) -> asyncio.Future:
+        """Encode and send now (a WireError raises here, before anything went out); await to wait for the socket."""
+        return self._send_frames(state, encode(msg))
+
+    def _send_frames(self, state: WorkerLink, frames: list[Any]) -> asyncio.Future:
+        # sealing and handing to the socket happen in one go: sequence numbers go out in order
+        if state.identity is None or state.channel is None:
             raise WorkerLost(f"worker '{state.name}' is not connected")
-        frames = encode(msg)
         if state.link is not None:
             frames = state.link.pack(frames)
-            await self._flush(state)
-        await self.sock.send_multipart([state.identity, *frames], copy=False)
+            ctl = state.link.control()
+            if ctl is not None:
+                self.sock.send_multipart([state.identity, *state.channel.seal(ctl)], copy=False)
+        return self.sock.send_multipart([state.identity, *state.channel.seal(frames)], copy=False)
 
-    async def _flush(self, state: _WorkerState) -> None:
+    def flush_soon(self, state: WorkerLink) -> None:
         """Tell an shm worker which of its slots we released and which segments we mapped."""
-        ctl = state.link.control() if state.link is not None and state.identity is not None else None
+        if state.link is None or state.identity is None or state.channel is None:
+            return
+        ctl = state.link.control()
         if ctl is not None:
-            await self.sock.send_multipart([state.identity, *ctl], copy=False)
+            self.sock.send_multipart([state.identity, *state.channel.seal(ctl)], copy=False)
 
     # -- invocations ---------------------------------------------------------------------------
+
+    def replica_group(self, replicas: list[str]) -> ReplicaGroup:
+        """The one `ReplicaGroup` of these replicas (nodes on the same workers share it)."""
+        key = tuple(replicas)
+        if key not in self._groups:
+            self._groups[key] = ReplicaGroup(self, key)
+        return self._groups[key]
 
     def invoke(self, worker: str, model: str, inv: Invocation) -> asyncio.Future:
         state = self.workers[worker]
         future = asyncio.get_running_loop().create_future()
-        if not state.ready:
-            future.set_exception(WorkerLost(f"worker '{worker}' is down (restarting); retry the request"))
-            return future
         node = f"{model}/{inv.node}"
+        try:
+            state.check_request(inv.request_id)
+            frames = encode(InvokeNode(request_id=inv.request_id, node=node, call_index=inv.call_index,
+                                       inputs=to_wire(inv.inputs), options=to_wire(dict(inv.options))))
+        except WireError as exc:  # the request's own values cannot travel: the client's to fix, not a lost worker
+            future.set_exception(RequestError(f"request {inv.request_id}: an input of node '{inv.node}' cannot be "
+                                              f"sent to worker '{worker}': {exc}", status=400))
+            return future
+        except RequestError as exc:
+            future.set_exception(exc)
+            return future
         state.inflight[(inv.request_id, node, inv.call_index)] = future
-        msg = InvokeNode(request_id=inv.request_id, node=node, call_index=inv.call_index,
-                         inputs=to_wire(inv.inputs), options=to_wire(dict(inv.options)))
-        asyncio.ensure_future(self._send_or_fail(state, msg, future))
+        asyncio.ensure_future(self._send_or_fail(state, frames, future))
         return future
 
-    async def _send_or_fail(self, state: _WorkerState, msg: Any, future: asyncio.Future) -> None:
+    async def _send_or_fail(self, state: WorkerLink, frames: list[Any], future: asyncio.Future) -> None:
         try:
-            await self._send(state, msg)
+            await self._send_frames(state, frames)
         except Exception as exc:
             if not future.done():
-                future.set_exception(exc if isinstance(exc, RequestError) else WorkerLost(str(exc)))
+                future.set_exception(exc if isinstance(exc, RequestError) else WorkerLost(
+                    f"worker '{state.name}': sending failed: {exc}"))
 
     async def run_loop(self, worker: str, msg: RunLoop, on_values: Any) -> dict[str, Any]:
         """Run a walk's loop on `worker`; `on_values(call, outputs)` sees its visible values in order.
@@ -232,175 +267,174 @@ class Cluster:
         surfaces before anything was sent, so the caller can run the loop itself instead.
         """
         state = self.workers[worker]
-        if not state.ready:
-            raise WorkerLost(f"worker '{worker}' is down (restarting); retry the request")
+        frames = encode(msg)
+        state.check_request(msg.request_id)
         key = (msg.request_id, msg.loop)
         future = asyncio.get_running_loop().create_future()
         state.loops[key] = (future, on_values)
         try:
-            await self._send(state, msg)
+            await self._send_frames(state, frames)
             return await future
         finally:
             state.loops.pop(key, None)
 
-    def _on_loop_message(self, state: _WorkerState, msg: LoopValues | LoopDone) -> None:
-        entry = state.loops.get((msg.request_id, msg.loop))
-        if entry is None or entry[0].done():
-            return
-        future, on_values = entry
-        if isinstance(msg, LoopValues):
-            try:
-                on_values(msg.call, from_wire(msg.outputs))
-            except Exception as exc:  # e.g. a stream's `keep` raised: fail this request, not the socket
-                future.set_exception(exc)
-        elif msg.error is not None:
-            cause = RemoteError(f"{msg.error_type}: {msg.error}")
-            future.set_exception(NodeExecutionError(msg.node or "?", msg.request_id, cause))
-        else:
-            future.set_result(from_wire(msg.env))
-
     def release(self, worker: str, request_id: str) -> None:
         state = self.workers.get(worker)
-        if state is None or not state.alive:
+        if state is None:
             return
-        for key in [k for k in state.inflight if k[0] == request_id]:
-            fut = state.inflight.pop(key)
-            if not fut.done():
-                fut.cancel()
-        for key in [k for k in state.loops if k[0] == request_id]:
-            fut = state.loops.pop(key)[0]
-            if not fut.done():
-                fut.cancel()
-        asyncio.ensure_future(self._send_or_fail(state, Release(request_id=request_id), asyncio.Future()))
+        state.forget(request_id)
+        if not state.alive or state.channel is None:
+            return
+        try:
+            asyncio.ensure_future(self._send_or_fail(state, encode(Release(request_id=request_id)),
+                                                     asyncio.get_running_loop().create_future()))
+        except WireError:
+            pass
 
     # -- receiving -----------------------------------------------------------------------------
 
+    def ensure_receiving(self) -> None:
+        """Start the receive loop, or restart it if it ever died (logged: it must not, but it must not stay dead)."""
+        task = self._receiver
+        if task is not None and not task.done():
+            return
+        if task is not None and not task.cancelled() and task.exception() is not None and not self.closing:
+            log.error("control socket receive loop died; restarting it", exc_info=task.exception())
+        if not self.closing:
+            self._receiver = asyncio.ensure_future(self._recv_loop())
+
     async def _recv_loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, [f.buffer for f in frames[1:]]
-            state = self._by_identity.get(identity)
+        while not self.closing:
             try:
-                if body and shm_path.kind(body) is not None:
-                    if state is None or state.link is None:
-                        continue  # shared memory is only for authenticated shm workers
-                    body = state.link.unpack(body)
-                    if body is None:
-                        continue  # a control message: slots released, segments mapped
-                msg = decode(body)
-            except WireError as exc:
-                log.warning("dropping a malformed message from %r: %s", identity, exc)
+                frames = await self.sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                if self.closing or exc.errno == zmq.ETERM:
+                    return
+                self.refusals.refuse("socket", "control socket receive failed: %s", exc)
+                await asyncio.sleep(0.01)
                 continue
-            if isinstance(msg, Hello):
-                await self._on_hello(identity, msg)
-                continue
-            if state is None:
-                log.warning("message from an unauthenticated peer %r dropped", identity)
-                continue
-            state.last_seen = time.monotonic()
-            if isinstance(msg, NodeResult):
-                future = state.inflight.pop((msg.request_id, msg.node, msg.call_index), None)
-                if future is None or future.done():
-                    continue
-                if msg.error is not None:
-                    node = msg.node.split("/", 1)[-1]
-                    future.set_exception(NodeExecutionError(node, msg.request_id, RemoteError(f"{msg.error_type}: {msg.error}")))
-                else:
-                    future.set_result(from_wire(msg.outputs))
-            elif isinstance(msg, LoopValues | LoopDone):
-                self._on_loop_message(state, msg)
-            elif isinstance(msg, ModelLoaded):
-                fut = state.loaded.get(msg.model)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, ErrorReport):
-                log.error("worker %s: %s: %s", state.name, msg.error_type, msg.message)
-                for fut in state.loaded.values():
-                    if not fut.done():
-                        fut.set_exception(MStarError(f"worker '{state.name}': {msg.message}"))
-            elif isinstance(msg, Heartbeat):
-                state.load = msg.load
+            try:
+                await self._on_frames(frames[0].bytes, [f.buffer for f in frames[1:]])
+            except Exception:  # a bug in handling one message must not stop the control plane
+                self.refusals.refuse("bug", "control message from %r could not be handled", frames[0].bytes[:32],
+                                     level=logging.ERROR, exc_info=True)
+
+    async def _on_frames(self, identity: bytes, body: list[Any]) -> None:
+        session = session_of(body)
+        if session is None:  # only a Hello travels unsealed
+            await self._on_unsealed(identity, body)
+            return
+        state = self._sessions.get(session)
+        if state is None or state.channel is None:
+            self._on_stale_session(identity, session, body)
+            return
+        try:
+            body = state.channel.open(body)
+        except AuthError as exc:
+            self.refusals.refuse("forged", "refused a message for worker %s's session from %r: %s", state.name,
+                                 identity[:32], exc)
+            return
+        if identity != state.identity:  # the worker reconnected: answer where its sealed messages come from
+            log.info("worker %s now reaches us from routing id %r", state.name, identity)
+            state.identity = identity
+        state.last_seen = time.monotonic()
+        try:
+            if shm_path.kind(body) is not None:
+                if state.link is None:
+                    raise WireError("shared-memory message from a worker without `transport: shm`")
+                body = state.link.unpack(body)
+                if body is None:
+                    return  # a control message: slots released, segments mapped
+            msg = decode(body)
+        except WireError as exc:
+            self.refusals.refuse("malformed-worker", "dropping a malformed message from worker %s: %s", state.name, exc)
+            return
+        self._dispatch(state, msg)
+
+    async def _on_unsealed(self, identity: bytes, body: list[Any]) -> None:
+        try:
+            msg = decode(body)
+        except WireError as exc:
+            self.refused += 1
+            self.refusals.refuse("malformed", "dropping a malformed message from unauthenticated peer %r: %s",
+                                 identity[:32], exc)
+            return
+        if not isinstance(msg, Hello):
+            self.refused += 1
+            self.refusals.refuse("unauthenticated", "dropping a %s from unauthenticated peer %r (only a Hello may "
+                                 "come unsealed)", type(msg).__name__, identity[:32])
+            return
+        await self._on_hello(identity, msg)
+
+    def _on_stale_session(self, identity: bytes, session: bytes, body: list[Any]) -> None:
+        channel = self._retired.get(session)
+        if channel is not None:
+            try:
+                channel.open(body)  # only the worker itself earns an answer
+            except AuthError:
+                channel = None
+        if channel is None:
+            self.refused += 1
+            self.refusals.refuse("session", "dropping a message for an unknown session from %r", identity[:32])
+            return
+        self._retired.pop(session, None)
+        log.warning("a worker declared lost earlier is still talking (from %r); telling it to exit", identity[:32])
+        shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats); "
+                                   "it was replaced, start it again to rejoin")
+        self.sock.send_multipart([identity, *channel.seal(encode(shutdown))], copy=False)
+
+    def _dispatch(self, state: WorkerLink, msg: Any) -> None:
+        if isinstance(msg, NodeResult):
+            state.on_result(msg)
+        elif isinstance(msg, LoopValues | LoopDone):
+            state.on_loop_message(msg)
+        elif isinstance(msg, Heartbeat):
+            state.load = msg.load
+        elif isinstance(msg, ModelLoaded):
+            state.on_loaded(msg)
+        elif isinstance(msg, ErrorReport):
+            self.refusals.refuse(f"report-{state.name}", "worker %s: %s: %s", state.name, msg.error_type, msg.message,
+                                 level=logging.ERROR)
+            state.on_error_report(msg)
+        else:
+            self.refusals.refuse("unexpected", "worker %s sent a %s, which workers never send; dropped", state.name,
+                                 type(msg).__name__)
 
     async def _on_hello(self, identity: bytes, hello: Hello) -> None:
         state = self.workers.get(hello.worker)
         try:
             self._verifier.verify(hello)
             if state is None:
-                raise AuthError(f"no worker named '{hello.worker}' in the placement")
+                raise AuthError(f"no worker named {hello.worker!r} in the placement")
+            process = state.process
+            if state.spec.spawned and process is not None and process.poll() is None and hello.pid != process.pid:
+                raise AuthError(f"worker {hello.worker!r} is this server's process {process.pid}; a second process "
+                                f"(pid {hello.pid}) may not take its name")
         except AuthError as exc:
             self.refused += 1
-            log.warning("refused a worker: %s", exc)
+            self.refusals.refuse("hello", "refused a worker: %s", exc)
             return  # say nothing: an unauthenticated peer learns nothing
-        welcome = self._verifier.welcome(hello, session=secrets.token_hex(8), heartbeat_interval=self.heartbeat_interval)
-        if state.identity is not None:
-            self._by_identity.pop(state.identity, None)
+        session = new_session_id()
+        welcome = self._verifier.welcome(hello, session=session, heartbeat_interval=self.heartbeat_interval)
+        if state.alive:  # the same worker joining again: what the old session had in flight is gone
+            self.supervisor.lost(state, "joined again under a new session", restart=False)
+        channel = Channel.for_coordinator(self.secret, hello.nonce, session)
         state.identity = identity
-        self._by_identity[identity] = state
+        state.channel = channel
+        self._sessions[channel.session] = state
         if state.spec.transport == "shm" and state.link is None:
             state.link = shm_path.ShmLink()
         state.last_seen = time.monotonic()
         await self.sock.send_multipart([identity, *encode(welcome)])
         state.alive = True
         state.joined.set()
+        if state.loads and not state.restarting:  # a hand-joined worker came back: reload its models
+            self.supervisor.start_restart(state)
 
-    # -- supervision ---------------------------------------------------------------------------
-
-    async def _monitor(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.1, self.heartbeat_interval / 2))
-            now = time.monotonic()
-            for state in list(self.workers.values()):
-                if not state.alive or self._closing:
-                    continue  # while closing, workers exiting is expected
-                await self._flush(state)
-                exited = state.process is not None and state.process.poll() is not None
-                silent = now - state.last_seen > MISSED_BEATS * self.heartbeat_interval
-                if exited or silent:
-                    why = f"exited with code {state.process.returncode}" if exited else "stopped answering heartbeats"
-                    self._lost(state, why)
-                    if state.spec.spawned and not self._closing:
-                        asyncio.ensure_future(self._restart(state))
-
-    def _lost(self, state: _WorkerState, why: str) -> None:
-        log.error("worker %s %s; failing its %d in-flight calls", state.name, why, len(state.inflight))
-        state.alive = False
-        state.ready = False
-        state.joined.clear()
-        if state.identity is not None:
-            self._by_identity.pop(state.identity, None)
-            state.identity = None
-        if state.link is not None:
-            state.link.peer_lost()
-        inflight, state.inflight = state.inflight, {}
-        loops, state.loops = state.loops, {}
-        for fut in [*inflight.values(), *(f for f, _ in loops.values())]:
-            if not fut.done():
-                fut.set_exception(WorkerLost(f"worker '{state.name}' {why}; the request was lost, retry it"))
-
-    async def _restart(self, state: _WorkerState) -> None:
-        await asyncio.sleep(min(5.0, 0.2 * 2**state.restarts))
-        state.restarts += 1
-        state.restarting = True
-        try:
-            await self.ensure_worker(state.name, state.spec)
-            for msg in state.loads.values():
-                await self.load(state.name, msg)
-            state.restarting = False
-            state.ready = True
-            log.warning("worker %s restarted (%d restarts) and reloaded its models", state.name, state.restarts)
-        except Exception:
-            log.exception("worker %s failed to restart", state.name)
-            if not self._closing:
-                asyncio.ensure_future(self._restart(state))
-
-    def kill(self, worker: str) -> None:
-        """Kill a spawned worker (tests and operators); supervision restarts it."""
-        state = self.workers[worker]
-        if state.process is not None:
-            state.process.kill()
+    # -- closing -------------------------------------------------------------------------------
 
     async def close(self) -> None:
-        self._closing = True
+        self.closing = True
         for state in self.workers.values():
             if state.alive:
                 try:
@@ -408,6 +442,8 @@ class Cluster:
                 except Exception:
                     pass
         for state in self.workers.values():
+            if state.restart_task is not None:
+                state.restart_task.cancel()
             if state.process is not None:
                 try:
                     await asyncio.wait_for(asyncio.to_thread(state.process.wait), 3.0)
@@ -421,37 +457,76 @@ class Cluster:
             if state.link is not None:
                 state.link.peer_lost()  # also unlinks what a worker killed above left behind
                 state.link.close()
-            for fut in state.inflight.values():
+            for fut in [*state.inflight.values(), *(f for f, _ in state.loops.values())]:
                 if not fut.done():
                     fut.cancel()
-        for task in self._tasks:
-            task.cancel()
+        for task in [*self._tasks, self._receiver]:
+            if task is not None:
+                task.cancel()
         self.sock.close(0)
         self.ctx.term()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-class RemoteNodeScheduler:
-    """Stands in for a `NodeScheduler` whose engine lives in worker processes.
+class ReplicaGroup:
+    """The replicas of one worker group: a new request goes to a ready one, a started request stays on its own.
 
-    A request sticks to one replica (its KV pages live there); the choice is a hash of the id.
+    The choice is a hash of the request id over the replicas ready when it starts (over all of
+    them when none is, so the request fails at once with WorkerLost). It is shared by every node
+    on the group, so one request's nodes (and a loop delegated to them) meet on the same replica.
     """
+
+    def __init__(self, cluster: Cluster, replicas: tuple[str, ...]):
+        self.cluster = cluster
+        self.replicas = replicas
+        self._sticky: dict[str, str] = {}
+
+    def pick(self, request_id: str) -> str:
+        replica = self._sticky.get(request_id)
+        if replica is None:
+            ready = [r for r in self.replicas if self._ready(r)] or list(self.replicas)
+            replica = self._sticky[request_id] = ready[zlib.crc32(request_id.encode()) % len(ready)]
+        return replica
+
+    def _ready(self, replica: str) -> bool:
+        state = self.cluster.workers.get(replica)
+        return state is not None and state.ready
+
+    def release(self, request_id: str) -> None:
+        replica = self._sticky.pop(request_id, None)
+        if replica is not None:
+            self.cluster.release(replica, request_id)
+
+
+class RemoteNodeScheduler:
+    """Stands in for a `NodeScheduler` whose engine lives in worker processes (see `ReplicaGroup`)."""
 
     def __init__(self, cluster: Cluster, model: str, node: str, replicas: list[str]):
         self.cluster = cluster
         self.model = model
         self.node = node
         self.replicas = replicas
+        self.group = cluster.replica_group(replicas)
 
     def replica_for(self, request_id: str) -> str:
-        return self.replicas[zlib.crc32(request_id.encode()) % len(self.replicas)]
+        return self.group.pick(request_id)
 
     def submit(self, invocation: Invocation) -> asyncio.Future:
         return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)
 
     def release(self, request_id: str) -> None:
-        self.cluster.release(self.replica_for(request_id), request_id)
+        self.group.release(request_id)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """This node's engine gauges on each live replica, from its last heartbeat."""
+        key = f"{self.model}/{self.node}"
+        out = {}
+        for replica in self.replicas:
+            state = self.cluster.workers.get(replica)
+            if state is not None and state.alive and key in state.load:
+                out[replica] = state.load[key]
+        return out
 
     async def close(self) -> None:
         return None

@@ -90,17 +90,29 @@ class Conductor:
             for out in self.graph.nodes[edge.dst_node].outputs:
                 env[edge.outputs.get(out, out)] = []
             consumers.append(asyncio.ensure_future(self._consume(state, frame, stream, env)))
-        try:
+        if not consumers:
             await self._step(state, frame, walk.body, env)
+            return
+        body = asyncio.ensure_future(self._step(state, frame, walk.body, env))
+        for task in (body, *consumers):
+            task.add_done_callback(_retrieved)  # the first failure is raised; the others are its echoes
+        try:
+            # A consumer ends before the body only by failing (its worker died, its node raised): fail
+            # the walk at once, which stops the producer too, instead of when the producer runs out.
+            await asyncio.wait([body, *consumers], return_when=asyncio.FIRST_COMPLETED)
+            if not body.done():
+                for task in consumers:
+                    if task.done():
+                        task.result()  # raises the consumer's error
+            await body
             for streams in frame.streams.values():
                 for stream in streams:
                     for chunk in stream.state.close():
                         stream.queue.put_nowait(chunk)
                     stream.queue.put_nowait(_STREAM_END)
-            if consumers:
-                await asyncio.gather(*consumers)
+            await asyncio.gather(*consumers)
         finally:
-            for task in consumers:
+            for task in (body, *consumers):
                 if not task.done():
                     task.cancel()
 
@@ -242,6 +254,11 @@ class Conductor:
         count = state.call_counts.get(node, 0)
         state.call_counts[node] = count + 1
         return count
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class RequestState:

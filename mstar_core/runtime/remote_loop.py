@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Walk, iter_calls, iter_loops
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
-from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.wire import LoopDone, LoopValues, RunLoop, WireError
 
 if TYPE_CHECKING:
@@ -128,9 +128,7 @@ class LoopHostConductor(Conductor):
         try:
             await self.run_loop(state, WalkFrame(walk, set()), loop, env)
         except Exception as exc:
-            node = getattr(exc, "node", None)
-            cause = getattr(exc, "cause", exc)
-            return LoopDone(request_id=msg.request_id, loop=msg.loop, error=str(cause),
-                            error_type=type(cause).__name__, node=node)
+            return LoopDone(request_id=msg.request_id, loop=msg.loop, node=getattr(exc, "node", None),
+                            **error_fields(exc))
         changed = {k: v for k, v in env.items() if k not in before or before[k] is not v}
         return LoopDone(request_id=msg.request_id, loop=msg.loop, env=to_wire(changed))

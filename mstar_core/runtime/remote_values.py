@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from mstar_core.errors import RequestError
 from mstar_core.streaming.policies import Chunk
 from mstar_core.wire.errors import WireError
 
@@ -66,3 +67,19 @@ def from_wire(value: Any) -> Any:
     if isinstance(value, list):
         return [from_wire(v) for v in value]
     return value
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """How a failure travels back: the underlying cause's type and message, and a request error's status.
+
+    A `RequestError` (an engine rejecting the request's inputs: 400, 413, ...) keeps its status, so
+    the client sees the same 4xx as with the node in the serving process; anything else is a 500
+    (no status: the serving process reports it as the node's failure).
+    """
+    cause = getattr(exc, "cause", None) or exc
+    status = getattr(exc, "status", None) if isinstance(exc, RequestError) else None
+    if isinstance(cause, RequestError):
+        status = cause.status
+    return {"error": str(cause), "error_type": type(cause).__name__,
+            "error_status": status if type(status) is int and 400 <= status <= 599 and status != 500 else None}
+

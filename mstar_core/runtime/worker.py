@@ -26,13 +26,13 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
 from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_loop import LoopHostConductor
-from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (
     ErrorReport,
     Heartbeat,
-    Hello,
     InvokeNode,
     LoadModel,
     LoopDone,
@@ -46,6 +46,7 @@ from mstar_core.wire import (
     encode,
 )
 from mstar_core.wire.auth import make_hello, secret_from_env, verify_welcome
+from mstar_core.wire.session import Channel
 
 log = logging.getLogger("mstar.worker")
 
@@ -70,6 +71,8 @@ class Worker:
         self.hosts: dict[str, LoopHostConductor] = {}  # model -> conductor for loops delegated here
         self._loops: dict[str, set[asyncio.Task]] = {}
         self._send_tail: asyncio.Future | None = None
+        self.channel: Channel | None = None  # the authenticated session, once welcomed
+        self.refusals = RefusalLog(log)
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent this way before (loop values, then done).
@@ -83,33 +86,44 @@ class Worker:
         async def send_after() -> None:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
-            await self._send_frames(frames, isinstance(msg, Hello))
+            await self._send_frames(frames)
 
         self._send_tail = asyncio.ensure_future(send_after())
 
     async def send(self, msg) -> None:
-        await self._send_frames(encode(msg), isinstance(msg, Hello))
+        await self._send_frames(encode(msg))
 
-    async def _send_frames(self, frames: list, hello: bool) -> None:
-        if self.link is not None and not hello:
+    def _send_frames(self, frames: list) -> asyncio.Future:
+        # sealing and handing to the socket happen in one go: sequence numbers go out in order
+        if self.channel is None:  # only the Hello goes out before the session exists
+            return self.sock.send_multipart(frames, copy=False)
+        if self.link is not None:
             frames = self.link.pack(frames)
-            await self.flush()
-        await self.sock.send_multipart(frames, copy=False)
+            self.flush()
+        return self.sock.send_multipart(self.channel.seal(frames), copy=False)
 
-    async def flush(self) -> None:
+    def flush(self) -> None:
         """Tell the server which of its shm slots we released and which segments we mapped."""
-        ctl = self.link.control() if self.link is not None else None
+        ctl = self.link.control() if self.link is not None and self.channel is not None else None
         if ctl is not None:
-            await self.sock.send_multipart(ctl, copy=False)
+            self.sock.send_multipart(self.channel.seal(ctl), copy=False)
 
     async def recv(self, timeout: float | None = None):
+        """The next message from the coordinator; anything not sealed for our session is dropped (and logged)."""
         while True:
             frames = [f.buffer for f in await asyncio.wait_for(self.sock.recv_multipart(copy=False), timeout)]
-            if self.link is not None and shm_path.kind(frames) is not None:
-                frames = self.link.unpack(frames)
-                if frames is None:
-                    continue  # a control message: slots released, segments mapped
-            return decode(frames)
+            try:
+                if self.channel is not None:
+                    frames = self.channel.open(frames)
+                if self.link is not None and self.channel is not None and shm_path.kind(frames) is not None:
+                    frames = self.link.unpack(frames)
+                    if frames is None:
+                        continue  # a control message: slots released, segments mapped
+                return decode(frames)
+            except WireError as exc:  # AuthError included
+                if self.channel is None:
+                    raise
+                self.refusals.refuse("recv", "worker %s: dropped a message from the coordinator: %s", self.name, exc)
 
     async def run(self) -> None:
         self.sock.connect(self.join)
@@ -120,28 +134,20 @@ class Worker:
         except TimeoutError:
             raise SystemExit(f"worker {self.name}: no answer from {self.join} (wrong address or wrong secret?)") from None
         verify_welcome(self.secret, hello, welcome)
+        self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
         self.heartbeat_interval = welcome.heartbeat_interval
         beat = asyncio.ensure_future(self._heartbeat())
         try:
             while not self._stop.is_set():
                 msg = await self.recv()
-                if isinstance(msg, InvokeNode):
-                    self._invoke(msg)
-                elif isinstance(msg, RunLoop):
-                    task = asyncio.ensure_future(self._run_loop(msg))
-                    self._loops.setdefault(msg.request_id, set()).add(task)
-                    task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
-                elif isinstance(msg, Release):
-                    for task in self._loops.pop(msg.request_id, set()):
-                        task.cancel()
-                    for sched in self.schedulers.values():
-                        sched.release(msg.request_id)
-                elif isinstance(msg, LoadModel):
-                    task = asyncio.ensure_future(self._load(msg))
-                    self._pending.add(task)
-                    task.add_done_callback(self._pending.discard)
-                elif isinstance(msg, Shutdown):
+                if isinstance(msg, Shutdown):
+                    if msg.reason:
+                        log.warning("worker %s: leaving: %s", self.name, msg.reason)
                     break
+                try:
+                    self._dispatch(msg)
+                except Exception:  # one bad message fails what it carried, never the worker
+                    log.exception("worker %s: could not handle a %s", self.name, type(msg).__name__)
         finally:
             beat.cancel()
             for sched in self.schedulers.values():
@@ -152,6 +158,26 @@ class Worker:
             if self.link is not None:
                 self.link.close()
 
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, InvokeNode):
+            self._invoke(msg)
+        elif isinstance(msg, RunLoop):
+            task = asyncio.ensure_future(self._run_loop(msg))
+            self._loops.setdefault(msg.request_id, set()).add(task)
+            task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
+        elif isinstance(msg, Release):
+            for task in self._loops.pop(msg.request_id, set()):
+                task.cancel()
+            for sched in self.schedulers.values():
+                sched.release(msg.request_id)
+        elif isinstance(msg, LoadModel):
+            task = asyncio.ensure_future(self._load(msg))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+        else:
+            self.refusals.refuse("unexpected", "worker %s: the coordinator sent a %s; dropped", self.name,
+                                 type(msg).__name__)
+
     async def _heartbeat(self) -> None:
         seq = 0
         while True:
@@ -159,9 +185,16 @@ class Worker:
                 log.warning("worker %s: serving process %s is gone; exiting", self.name, self.parent_pid)
                 os._exit(0)
             seq += 1
-            await self.flush()
-            load = {key: sched.engine.stats() for key, sched in self.schedulers.items()}
-            await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
+            load = {}
+            for key, sched in self.schedulers.items():
+                try:
+                    load[key] = sched.engine.stats()
+                except Exception:  # gauges are optional; the beat is not
+                    load[key] = {}
+            try:
+                await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
+            except WireError:  # a gauge that cannot travel: beat without gauges
+                await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time()))
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _load(self, msg: LoadModel) -> None:
@@ -194,7 +227,10 @@ class Worker:
             done = LoopDone(request_id=msg.request_id, loop=msg.loop, error=f"worker {self.name} has no model "
                             f"'{msg.model}'", error_type="KeyError")
         else:
-            done = await host.host(msg, self.send_soon)
+            try:
+                done = await host.host(msg, self.send_soon)
+            except Exception as exc:  # e.g. an env value that does not decode: fail the request, answer anyway
+                done = LoopDone(request_id=msg.request_id, loop=msg.loop, **error_fields(exc))
         try:
             self.send_soon(done)
         except WireError as exc:  # the loop's env changes cannot travel: fail the request, do not leave it waiting
@@ -205,7 +241,12 @@ class Worker:
         if sched is None:
             asyncio.ensure_future(self._reply_error(msg, KeyError(f"worker {self.name} hosts no node '{msg.node}'")))
             return
-        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], from_wire(msg.inputs), msg.options, msg.call_index)
+        try:
+            inputs, options = from_wire(msg.inputs), from_wire(msg.options)
+        except Exception as exc:  # e.g. sampling parameters that do not validate: that call fails
+            asyncio.ensure_future(self._reply_error(msg, exc))
+            return
+        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index)
         future = sched.submit(inv)
         future.add_done_callback(lambda f, m=msg: asyncio.ensure_future(self._reply(m, f)))
 
@@ -214,8 +255,7 @@ class Worker:
             return  # released: nobody waits for it
         exc = future.exception()
         if exc is not None:
-            cause = getattr(exc, "cause", exc)
-            await self._reply_error(msg, cause)
+            await self._reply_error(msg, exc)
             return
         try:
             await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
@@ -225,7 +265,7 @@ class Worker:
 
     async def _reply_error(self, msg: InvokeNode, exc: BaseException) -> None:
         await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
-                                   error=str(exc), error_type=type(exc).__name__))
+                                   **error_fields(exc)))
 
 
 def main(argv: list[str] | None = None) -> None:

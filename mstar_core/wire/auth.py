@@ -3,13 +3,18 @@
 The worker signs its Hello (worker name, pid, host, protocol, a fresh nonce, a timestamp); the
 coordinator checks the MAC, the clock skew and that the nonce was not seen before (replay), then
 answers with a Welcome whose MAC binds the same nonce, so the worker knows the coordinator holds the
-secret as well. Use it on any transport; the zmq transport can add CURVE encryption on top.
+secret as well. Every message after that is sealed with keys derived from both nonces
+(`mstar_core.wire.session`). Use it on any transport; the zmq transport can add CURVE encryption on top.
+
+Verification never raises anything but AuthError, whatever the fields hold: a peer's bytes must
+not be able to stop the side that checks them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import socket
@@ -19,7 +24,8 @@ from collections import OrderedDict
 from mstar_core.wire.errors import AuthError
 from mstar_core.wire.messages import Hello, Welcome
 
-PROTOCOL = 1
+#: 2: messages after the handshake are sealed (`mstar_core.wire.session`); errors carry their status.
+PROTOCOL = 2
 #: Environment variable the CLI reads the shared secret from (never pass it on a command line).
 SECRET_ENV = "MSTAR_SECRET"
 
@@ -35,12 +41,17 @@ def secret_from_env(env: str = SECRET_ENV) -> bytes:
 def _mac(secret: bytes, *parts: object) -> str:
     if not isinstance(secret, (bytes, bytearray)) or not secret:
         raise AuthError("the shared secret must be non-empty bytes")
-    data = "\x1f".join(str(p) for p in parts).encode()
+    data = "\x1f".join(str(p) for p in parts).encode("utf-8", "surrogatepass")
     return hmac.new(bytes(secret), data, hashlib.sha256).hexdigest()
 
 
 def _hello_mac(secret: bytes, h: Hello) -> str:
     return _mac(secret, "hello", h.worker, h.pid, h.host, h.protocol, h.nonce, repr(h.timestamp))
+
+
+def _same_mac(got: object, want: str) -> bool:
+    """Constant-time MAC comparison that refuses (never raises on) non-str or non-ASCII input."""
+    return isinstance(got, str) and got.isascii() and hmac.compare_digest(got, want)
 
 
 def make_hello(secret: bytes, worker: str) -> Hello:
@@ -68,10 +79,11 @@ class HelloVerifier:
         if not isinstance(h, Hello):
             raise AuthError(f"expected a Hello first, got {type(h).__name__}")
         if h.protocol != PROTOCOL:
-            raise AuthError(f"worker '{h.worker}' speaks protocol {h.protocol}, this side speaks {PROTOCOL}")
-        if not hmac.compare_digest(h.mac, _hello_mac(self.secret, h)):
-            raise AuthError(f"worker '{h.worker}' from {h.host} failed authentication: wrong shared secret")
-        if abs(time.time() - h.timestamp) > self.max_skew_s:
+            raise AuthError(f"worker {h.worker!r} speaks protocol {h.protocol}, this side speaks {PROTOCOL}; "
+                            "run the same M* version on every host")
+        if not _same_mac(h.mac, _hello_mac(self.secret, h)):
+            raise AuthError(f"worker {h.worker!r} from {h.host!r} failed authentication: wrong shared secret")
+        if not math.isfinite(h.timestamp) or abs(time.time() - h.timestamp) > self.max_skew_s:
             raise AuthError(f"worker '{h.worker}' hello is stale (clock skew over {self.max_skew_s:.0f}s)")
         if h.nonce in self._seen:
             raise AuthError(f"worker '{h.worker}' hello replayed (nonce seen before)")
@@ -91,5 +103,5 @@ def verify_welcome(secret: bytes, hello: Hello, w: Welcome) -> None:
     if not isinstance(w, Welcome):
         raise AuthError(f"expected a Welcome, got {type(w).__name__}")
     want = _mac(secret, "welcome", w.worker, w.session, repr(float(w.heartbeat_interval)), w.nonce)
-    if w.nonce != hello.nonce or w.worker != hello.worker or not hmac.compare_digest(w.mac, want):
+    if w.nonce != hello.nonce or w.worker != hello.worker or not _same_mac(w.mac, want):
         raise AuthError("coordinator failed authentication: its Welcome is not signed with our shared secret")

@@ -166,7 +166,11 @@ class InvokeNode:
 
 @message("node_result")
 class NodeResult:
-    """The outcome of an InvokeNode: exactly one of `outputs` or `error` (with `error_type`)."""
+    """The outcome of an InvokeNode: exactly one of `outputs` or `error` (with `error_type`).
+
+    `error_status` is the HTTP-style status of a request error raised in the worker (a 4xx for the
+    client's own mistakes), so it keeps its class at the edge; None for any other failure.
+    """
 
     request_id: str
     node: str
@@ -174,6 +178,7 @@ class NodeResult:
     outputs: dict[str, Any] | None = None
     error: str | None = None
     error_type: str | None = None
+    error_status: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.outputs is None) == (self.error is None):
@@ -232,7 +237,7 @@ class LoopValues:
 
 @message("loop_done")
 class LoopDone:
-    """A delegated loop finished: the env names it changed, or the error that stopped it."""
+    """A delegated loop finished: the env names it changed, or the error that stopped it (see NodeResult)."""
 
     request_id: str
     loop: int
@@ -240,3 +245,4 @@ class LoopDone:
     error: str | None = None
     error_type: str | None = None
     node: str | None = None
+    error_status: int | None = None

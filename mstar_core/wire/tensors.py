@@ -67,10 +67,16 @@ def tensor_to_frame(t: torch.Tensor, *, keep_device: bool = False) -> tuple[dict
     return header, memoryview(raw.numpy()) if raw.numel() else b""
 
 
+#: Bounds a header's dims and strides to what torch can index (a peer's numbers are not trusted).
+MAX_DIMS = 64
+_MAX_EXTENT = 2**62
+
+
 def _ints(header: dict, key: str) -> list[int]:
     v = header.get(key)
-    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
-        raise WireError(f"tensor header field '{key}' must be a list of non-negative ints, got {v!r}")
+    if not isinstance(v, list) or len(v) > MAX_DIMS or not all(type(x) is int and 0 <= x < _MAX_EXTENT for x in v):
+        raise WireError(f"tensor header field '{key}' must be a list of at most {MAX_DIMS} non-negative ints "
+                        f"below 2**62, got {str(v)[:80]}")
     return v
 
 
@@ -105,10 +111,13 @@ def frame_to_tensor(header: Any, frame: Any) -> torch.Tensor:
         raise WireError(f"tensor frame must be a bytes-like object, got {type(frame).__name__}") from None
     if size != nbytes:
         raise WireError(f"tensor frame has {size} bytes, header says {nbytes}")
-    if numel == 0:
-        return torch.empty_strided(shape, strides, dtype=dtype)
-    with warnings.catch_warnings():
-        # Read-only receive buffers (bytes, zmq frames) are fine: decoded tensors are documented read-only.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(frame, dtype=torch.uint8)
-    return torch.as_strided(flat.view(dtype), shape, strides)
+    try:
+        if numel == 0:
+            return torch.empty_strided(shape, strides, dtype=dtype)
+        with warnings.catch_warnings():
+            # Read-only receive buffers (bytes, zmq frames) are fine: decoded tensors are documented read-only.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(frame, dtype=torch.uint8)
+        return torch.as_strided(flat.view(dtype), shape, strides)
+    except (RuntimeError, ValueError, OverflowError) as e:  # e.g. an extent torch cannot index
+        raise WireError(f"tensor of shape {shape} cannot be built: {e}") from None

@@ -1,0 +1,134 @@
+"""Worker supervision: a dead or hung worker fails its requests within about a second and is replaced.
+
+Every tick the supervisor polls each worker's process (an exit is seen at once) and checks when
+it last heard from it. A worker silent for `silence_s` is hung (stopped, deadlocked, its event
+loop blocked): it is SIGKILLed, because a stuck process that wakes up later would only compete
+for the device, and its session is retired so nothing it sends afterwards counts. Then the
+worker's requests fail with `WorkerLost` and a fresh process is started and reloaded, with a
+back-off for workers that keep dying. Heartbeats come from the worker's event loop while its
+engine steps run on a device thread, so a long step does not silence it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from mstar_core.runtime.worker_link import WorkerLink
+
+if TYPE_CHECKING:
+    from mstar_core.runtime.cluster import Cluster
+
+log = logging.getLogger("mstar.cluster")
+
+#: Beats a worker may miss before it counts as hung (with a floor of `MIN_SILENCE_S`).
+MISSED_BEATS = 5
+#: Never declare a worker hung sooner than this: a busy host delays beats by a few hundred ms.
+MIN_SILENCE_S = 1.0
+#: A worker that stayed ready this long restarts without back-off next time it dies.
+STABLE_S = 30.0
+#: When the supervisor itself ran this late (its own process stalled), that time does not count as silence.
+STALL_S = 0.25
+
+
+class Supervisor:
+    """Watches every worker of a `Cluster`; restarts spawned ones, reloads hand-joined ones that rejoin."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.tick = min(0.1, cluster.heartbeat_interval / 2)
+
+    @property
+    def silence_s(self) -> float:
+        return max(MIN_SILENCE_S, MISSED_BEATS * self.cluster.heartbeat_interval)
+
+    async def run(self) -> None:
+        last = time.monotonic()
+        while not self.cluster.closing:
+            await asyncio.sleep(self.tick)
+            now = time.monotonic()
+            stall, last = now - last - self.tick, now
+            try:
+                self.cluster.ensure_receiving()
+                for state in list(self.cluster.workers.values()):
+                    if stall > STALL_S:  # this process stalled: the beats wait unread in the socket
+                        state.last_seen += stall
+                    if state.alive and not self.cluster.closing:
+                        self._check(state, now)
+            except Exception:  # the supervisor must outlive any one worker's trouble
+                log.exception("worker supervision failed a round; continuing")
+
+    def _check(self, state: WorkerLink, now: float) -> None:
+        self.cluster.flush_soon(state)
+        process = state.process
+        if process is not None and process.poll() is not None:
+            self.lost(state, f"exited with code {process.returncode}")
+        elif now - state.last_seen > self.silence_s:
+            self.lost(state, f"stopped answering heartbeats for {now - state.last_seen:.1f}s (hung); killed it",
+                      kill=True)
+
+    def lost(self, state: WorkerLink, why: str, kill: bool = False, restart: bool = True) -> None:
+        """Fail the worker's requests now; kill its process if asked; start replacing it (spawned workers)."""
+        log.error("worker %s %s; failing its %d in-flight calls and %d requests", state.name, why,
+                  len(state.inflight) + len(state.loops), len(state.touched))
+        if kill and state.process is not None:
+            try:
+                state.process.kill()
+            except Exception:  # already gone
+                pass
+        self.cluster.retire(state)
+        requests = state.lost(why)
+        if requests:
+            self.cluster.requests_lost(state.name, requests, why)
+        if restart and state.spec.spawned and not self.cluster.closing:
+            self.start_restart(state)
+
+    def start_restart(self, state: WorkerLink) -> None:
+        if state.restart_task is None or state.restart_task.done():
+            state.restarting = True
+            state.restart_task = asyncio.ensure_future(self._restart(state))
+
+    async def _restart(self, state: WorkerLink) -> None:
+        failures = 0
+        try:
+            while not self.cluster.closing:
+                unstable = time.monotonic() - state.ready_since < STABLE_S
+                await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures + (state.restarts if unstable else 0))))
+                state.restarts += 1
+                try:
+                    if state.alive:
+                        pass  # it joined again by itself (a hand-started worker): only reload
+                    elif state.spec.spawned:
+                        await self._reap(state)
+                        await self.cluster.ensure_worker(state.name, state.spec)
+                    else:
+                        await state.joined.wait()
+                    for msg in list(state.loads.values()):
+                        await self.cluster.load(state.name, msg)
+                except Exception as exc:
+                    failures += 1
+                    log.error("worker %s failed to restart (attempt %d): %s", state.name, failures, exc)
+                    continue
+                state.ready = True
+                state.ready_since = time.monotonic()
+                log.warning("worker %s restarted (%d restarts) and reloaded its models", state.name, state.restarts)
+                return
+        finally:
+            state.restarting = False
+
+    @staticmethod
+    async def _reap(state: WorkerLink) -> None:
+        """Make sure the old process is gone before its replacement starts (a hung one was SIGKILLed)."""
+        process = state.process
+        if process is None or process.poll() is not None:
+            return
+        try:
+            process.kill()
+        except Exception:
+            pass
+        try:
+            await asyncio.wait_for(asyncio.to_thread(process.wait, 10), 15)
+        except Exception:
+            log.error("worker %s (pid %s) did not exit after SIGKILL", state.name, getattr(process, "pid", "?"))

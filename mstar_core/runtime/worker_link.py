@@ -1,0 +1,157 @@
+"""What the serving process knows about one worker: its process, its session, the calls it owes answers to.
+
+A `WorkerLink` holds no socket; the `Cluster` sends and receives for it. It resolves the futures
+of the calls and delegated loops in flight on that worker, and when the worker is lost it fails
+all of them at once and remembers which requests held state there, so none of them waits for an
+answer that can no longer come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from mstar_core.config.placement import WorkerSpec
+from mstar_core.errors import MStarError, NodeExecutionError, RequestError
+from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.remote_values import from_wire
+from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult
+from mstar_core.wire.session import Channel
+
+
+class WorkerLost(RequestError):
+    """The worker running part of this request died or hung; the request may be retried."""
+
+    status = 503
+
+
+class RemoteError(Exception):
+    """An exception raised inside a worker process, carried back by name and message."""
+
+
+class RemoteRequestError(RequestError):
+    """A request error raised inside a worker (an engine's rejection): keeps its status at the edge."""
+
+
+def remote_failure(node: str, request_id: str, error: str, error_type: str | None, status: int | None) -> Exception:
+    """The exception a worker's error report becomes here: a 4xx stays a 4xx, anything else is a 500."""
+    text = f"{error_type or 'Error'}: {error}"
+    ok = type(status) is int and 400 <= status <= 599
+    cause = RemoteRequestError(text, status=status) if ok else RemoteError(text)
+    return NodeExecutionError(node, request_id, cause)
+
+
+class WorkerLink:
+    """One worker process as seen from the serving process (attribute names are read by tests and metrics)."""
+
+    def __init__(self, name: str, spec: WorkerSpec):
+        self.name = name
+        self.spec = spec
+        self.process: Any = None  # a subprocess.Popen, or a launcher's handle with the same interface
+        self.log_path: str | None = None
+        self.identity: bytes | None = None  # the ZeroMQ routing id its last authenticated message came from
+        self.channel: Channel | None = None  # the authenticated session; None while not joined
+        self.link: shm_path.ShmLink | None = None  # the shm data path, for `transport: shm`
+        self.last_seen = 0.0
+        self.joined = asyncio.Event()
+        self.loads: dict[str, LoadModel] = {}  # model -> what to replay after a restart
+        self.loaded: dict[str, asyncio.Future] = {}
+        self.inflight: dict[tuple[str, str, int], asyncio.Future] = {}
+        # delegated loops: (request id, loop index) -> (future of the env delta, values callback)
+        self.loops: dict[tuple[str, int], tuple[asyncio.Future, Any]] = {}
+        self.load: dict[str, Any] = {}  # the engines' gauges from the last heartbeat, by 'model/node'
+        self.touched: set[str] = set()  # requests that may hold state here (not yet released)
+        self.lost_requests: set[str] = set()  # requests whose state died with an earlier process
+        self.restarts = 0
+        self.alive = False  # connected and answering heartbeats
+        self.ready = False  # has loaded its models and accepts invocations
+        self.ready_since = 0.0
+        self.restarting = False
+        self.restart_task: asyncio.Task | None = None
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def on_result(self, msg: NodeResult) -> None:
+        future = self.inflight.pop((msg.request_id, msg.node, msg.call_index), None)
+        if future is None or future.done():
+            return
+        if msg.error is not None:
+            node = msg.node.split("/", 1)[-1]
+            future.set_exception(remote_failure(node, msg.request_id, msg.error, msg.error_type, msg.error_status))
+        else:
+            try:
+                future.set_result(from_wire(msg.outputs))
+            except Exception as exc:  # a structured value we cannot rebuild: that call fails, nothing else
+                future.set_exception(RequestError(f"worker '{self.name}' answered {msg.node}: {exc}", status=500))
+
+    def on_loop_message(self, msg: LoopValues | LoopDone) -> None:
+        entry = self.loops.get((msg.request_id, msg.loop))
+        if entry is None or entry[0].done():
+            return
+        future, on_values = entry
+        try:
+            if isinstance(msg, LoopValues):
+                on_values(msg.call, from_wire(msg.outputs))
+            elif msg.error is not None:
+                future.set_exception(remote_failure(msg.node or "?", msg.request_id, msg.error, msg.error_type,
+                                                    msg.error_status))
+            else:
+                future.set_result(from_wire(msg.env))
+        except Exception as exc:  # e.g. a stream's `keep` raised: fail this request, not the socket
+            if not future.done():
+                future.set_exception(exc)
+
+    def on_loaded(self, msg: ModelLoaded) -> None:
+        future = self.loaded.get(msg.model)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def on_error_report(self, msg: ErrorReport) -> None:
+        for future in self.loaded.values():
+            if not future.done():
+                future.set_exception(MStarError(f"worker '{self.name}': {msg.message}"))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_request(self, request_id: str) -> None:
+        """Raise WorkerLost unless this worker can take a call for `request_id` now."""
+        if not self.ready:
+            raise WorkerLost(f"worker '{self.name}' is down (restarting); retry the request")
+        if request_id in self.lost_requests:
+            raise WorkerLost(f"worker '{self.name}' was restarted and lost this request's state; retry the request")
+        self.touched.add(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: cancel whatever of it still waits on this worker."""
+        self.touched.discard(request_id)
+        self.lost_requests.discard(request_id)
+        for key in [k for k in self.inflight if k[0] == request_id]:
+            future = self.inflight.pop(key)
+            if not future.done():
+                future.cancel()
+        for key in [k for k in self.loops if k[0] == request_id]:
+            future = self.loops.pop(key)[0]
+            if not future.done():
+                future.cancel()
+
+    def lost(self, why: str) -> set[str]:
+        """The process is gone (or will be): fail everything in flight; returns the requests that held state here."""
+        self.alive = self.ready = False
+        self.joined.clear()
+        self.identity = None
+        self.channel = None
+        self.load = {}
+        if self.link is not None:
+            self.link.peer_lost()
+        requests = self.touched | {k[0] for k in self.inflight} | {k[0] for k in self.loops}
+        self.lost_requests |= requests
+        self.touched = set()
+        inflight, self.inflight = self.inflight, {}
+        loops, self.loops = self.loops, {}
+        for future in [*inflight.values(), *(f for f, _ in loops.values())]:
+            if not future.done():
+                future.set_exception(WorkerLost(f"worker '{self.name}' {why}; the request was lost, retry it"))
+        for future in self.loaded.values():
+            if not future.done():
+                future.set_exception(WorkerLost(f"worker '{self.name}' {why} while loading its models"))
+        return requests
