@@ -15,7 +15,7 @@ from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.pool import PagePool
-from mstar_kvcache.sampler import sample
+from mstar_kvcache.sampler import Sampled, sample
 from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
 from mstar_kvcache.snapshot import CacheSnapshot
@@ -68,10 +68,11 @@ class KVCacheEngine(Engine):
             answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `answered`)
             self.answered.append((invocation, answer))
             return
+        # whatever this invocation's inputs trigger here (parsing, seeding, attaching) answers it alone
         try:
             parsed = parse_invocation(invocation, self.vocab_size, self.hidden_size)
             seq = self._sequence(invocation, parsed)
-        except RequestError as exc:
+        except Exception as exc:
             self.answered.append((invocation, exc))
             return
         if seq.pending is not None:
@@ -79,7 +80,7 @@ class KVCacheEngine(Engine):
             return
         try:
             self._attach(seq, invocation, parsed)
-        except RequestError as exc:
+        except Exception as exc:
             self.answered.append((invocation, exc))
 
     def has_work(self) -> bool:
@@ -100,23 +101,7 @@ class KVCacheEngine(Engine):
         if not plan.work:
             return results
         self.num_steps += 1
-        try:
-            hidden = self._forward(plan.work)
-        except Exception as exc:  # a failed forward fails this batch only; the pool stays consistent
-            for seq, _ in plan.work:
-                results.append(self._fail(seq, exc))
-            return results
-        done: list[tuple[Sequence, int]] = []
-        row = 0
-        for seq, n in plan.work:
-            row += n
-            seq.num_computed += n
-            if seq.pending.options.get("write_cache", True):
-                self.blocks.commit(seq)
-            if seq.remaining == 0:
-                done.append((seq, row - 1))
-        if done:
-            results.extend(self._finish(done, hidden))
+        results.extend(self._run(plan.work))
         return results
 
     def release(self, request_id: str) -> None:
@@ -241,7 +226,7 @@ class KVCacheEngine(Engine):
                     self.import_cache(inv.request_id, CacheSnapshot.from_plain(plain))
                 return {}
             raise RequestError(f"node '{self.node.name}': unknown transfer {op!r}; use 'export' or 'import'")
-        except RequestError as exc:
+        except Exception as exc:  # (an export only releases once every label is copied)
             return exc
 
     # -- internals --------------------------------------------------------------------------------
@@ -258,35 +243,43 @@ class KVCacheEngine(Engine):
         return seq
 
     def _attach(self, seq: Sequence, inv: Invocation, parsed: ParsedInvocation) -> None:
+        """Make `inv` the sequence's pending call. Everything that can fail runs before the sequence changes."""
         start = len(seq.tokens)
         if self.max_model_len is not None and start + len(parsed.ids) > self.max_model_len:
             raise RequestError(
                 f"node '{self.node.name}': sequence would reach {start + len(parsed.ids)} tokens, "
                 f"over the model's limit of {self.max_model_len}; send a shorter input or fewer max_tokens"
             )
+        generator = seq.generator
+        if parsed.sampling is not None and (seq.sampling is None or parsed.sampling.seed != seq.sampling.seed):
+            generator = self._generator(parsed.sampling.seed)
+        embeds = None if parsed.embeds is None else parsed.embeds.to(self.device)
         limits = mask_limits(start, len(parsed.ids), parsed.bidirectional, parsed.frame_size)
         if limits is not None or seq.limits is not None:
             if seq.limits is None:
                 seq.limits = list(range(1, start + 1))
             seq.limits.extend(limits or range(start + 1, start + len(parsed.ids) + 1))
             seq.cacheable = False  # page contents depend on the mask, not just the tokens
-        if parsed.embeds is not None:
-            seq.embeds.append((start, parsed.embeds.to(self.device)))
+        if embeds is not None:
+            seq.embeds.append((start, embeds))
             seq.cacheable = False
         seq.chunkable = limits is None
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start = inv, start
         seq.priority = inv.priority
         if parsed.sampling is not None:
-            if seq.sampling is None or parsed.sampling.seed != seq.sampling.seed:
-                seq.generator = self._generator(parsed.sampling.seed)
-            seq.sampling = parsed.sampling
+            seq.generator, seq.sampling = generator, parsed.sampling
 
-    def _generator(self, seed: int | None) -> torch.Generator | None:
+    def _generator(self, seed: Any) -> torch.Generator | None:
         if seed is None:
             return None
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        try:
+            gen.manual_seed(seed)
+        except (TypeError, ValueError, OverflowError, RuntimeError):
+            # the edge checks seeds, but params can arrive by other paths: this one request fails, not the node
+            raise RequestError(f"node '{self.node.name}': sampling 'seed' must be an integer in [0, 2**63 - 1], "
+                               f"got {seed!r:.40}") from None
         return gen
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -313,41 +306,83 @@ class KVCacheEngine(Engine):
                 row += n
         return embeds
 
+    def _run(self, work: list[tuple[Sequence, int]]) -> list[Result]:
+        """Forward `work`, advance its sequences, and answer those whose input is now all computed."""
+        try:
+            hidden = self._forward(work)
+        except Exception as exc:
+            if len(work) == 1:
+                return [self._fail(work[0][0], exc)]
+            # One sequence's input may be what breaks the batch: run each alone so only the culprit
+            # fails. Nothing advanced, so a retry just rewrites the same positions' KV.
+            return [r for item in work for r in self._run([item])]
+        done: list[tuple[Sequence, int]] = []
+        row = 0
+        for seq, n in work:
+            row += n
+            seq.num_computed += n
+            if seq.pending.options.get("write_cache", True):
+                self.blocks.commit(seq)
+            if seq.remaining == 0:
+                done.append((seq, row - 1))
+        return self._finish(done, hidden) if done else []
+
     def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
-        rows = torch.tensor([r for _, r in done], device=hidden.device)
-        last = hidden[rows]
+        last = hidden[torch.tensor([r for _, r in done], device=hidden.device)]
         seqs = [s for s, _ in done]
+        try:
+            logits, picked = self._sample(seqs, last)
+        except Exception:
+            # One row's parameters broke the batched sampling: sample each row alone so only it fails.
+            # (The sampler draws last, so no row's generator advanced before the failure.)
+            return [self._finish_alone(seq, last[i : i + 1]) for i, seq in enumerate(seqs)]
+        return [self._answer(seq, i, logits, picked, last) for i, seq in enumerate(seqs)]
+
+    def _finish_alone(self, seq: Sequence, last: torch.Tensor) -> Result:
+        try:
+            logits, picked = self._sample([seq], last)
+        except Exception as exc:
+            return self._fail(seq, exc)
+        return self._answer(seq, 0, logits, picked, last)
+
+    def _sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
         with torch.inference_mode():
             logits = self.module.compute_logits(last)
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs],
                             logprobs=wanted)
-        results: list[Result] = []
-        for i, seq in enumerate(seqs):
-            inv = seq.pending
-            token = picked.tokens[i]
-            keep = inv.options.get("write_cache", True)
-            if keep:
-                seq.generated.append(token)
+        return logits, picked
+
+    def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor) -> Result:
+        """Row `i`'s outputs; the call is done, and the label's next queued call (if any) attaches."""
+        inv = seq.pending
+        token = picked.tokens[i]
+        keep = inv.options.get("write_cache", True)
+        if keep:
+            seq.generated.append(token)
+        try:
             out: dict[str, Any] = {
                 "next_token": token,
                 "finish_reason": self._finish_reason(seq, token),
             }
-            if picked.logprobs[i] is not None:
-                out["logprob"] = picked.logprobs[i]
-            if picked.top_logprobs[i] is not None:
-                out["top_logprobs"] = picked.top_logprobs[i]
-            if "logits" in self.node.outputs:
-                out["logits"] = logits[i]
-            if "hidden" in self.node.outputs:
-                out["hidden"] = last[i]
-            if not keep:
-                self.blocks.truncate(seq, seq.pending_start)
-            seq.pending = None
-            results.append((inv, out))
-            self._attach_backlog(seq)
-        return results
+        except Exception as exc:  # e.g. stop lists no validation vetted: this request alone fails
+            if keep:
+                seq.generated.pop()
+            return self._fail(seq, exc)
+        if picked.logprobs[i] is not None:
+            out["logprob"] = picked.logprobs[i]
+        if picked.top_logprobs[i] is not None:
+            out["top_logprobs"] = picked.top_logprobs[i]
+        if "logits" in self.node.outputs:
+            out["logits"] = logits[i]
+        if "hidden" in self.node.outputs:
+            out["hidden"] = last[i]
+        if not keep:
+            self.blocks.truncate(seq, seq.pending_start)
+        seq.pending = None
+        self._attach_backlog(seq)
+        return (inv, out)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
@@ -375,7 +410,7 @@ class KVCacheEngine(Engine):
                 self.backlog.remove(inv)
                 try:
                     self._attach(seq, inv, parse_invocation(inv, self.vocab_size, self.hidden_size))
-                except RequestError as exc:
+                except Exception as exc:
                     self.answered.append((inv, exc))
                     continue
                 return

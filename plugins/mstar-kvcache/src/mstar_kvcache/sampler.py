@@ -18,6 +18,10 @@ from mstar_core.sampling import GREEDY, SamplingParams
 #: Histogram resolution for the top-p cut: buckets per nat of log-probability, and how far down they go.
 _PER_NAT = 256
 _BUCKETS = _PER_NAT * 32
+#: Temperatures are floored here: below it the float32 quotient of ordinary logits overflows (or the
+#: temperature itself rounds to 0) and the row's log-probabilities turn NaN. The edge refuses such
+#: values; the floor keeps a value that came another way from breaking the whole batch.
+_MIN_TEMPERATURE = 1e-5
 
 
 @attrs.define
@@ -100,9 +104,12 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     Sampling from `probs * keep` (renormalised) is transformers' temperature, top-k, top-p, min-p chain.
     """
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype).unsqueeze(1)
-    scaled = _top_k(logits / temp, params)
-    logp = scaled.log_softmax(-1)
+    temp = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev, dtype=logits.dtype)
+    scaled = _top_k(logits / temp.unsqueeze(1), params)
+    # A row the model (or a penalty) made non-finite has NaN log-probabilities. As -inf they weigh
+    # nothing: the row still gets a token, and no NaN reaches the histogram's indices or the
+    # ranking sort that all rows share.
+    logp = scaled.log_softmax(-1).nan_to_num_(nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
     probs = logp.exp()
     keep = probs > 0
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
@@ -147,10 +154,21 @@ def sample(
     """
     logits = logits.float()
     params = [p or GREEDY for p in params]
-    wanted = [p.logprobs or 0 for p in params]
+    vocab = logits.shape[1]
+    wanted = [min(p.logprobs or 0, vocab) for p in params]  # asking for more than the vocabulary gets all of it
     # logprob of the pick = logit - logsumexp: avoids materialising a full log-softmax every step
     normaliser = torch.logsumexp(logits, dim=-1) if logprobs or max(wanted) > 0 else None
     raw = logits
+    # Top log-probabilities come before the draw, so whatever raises here (say, a row's bad
+    # parameters) raises before any row's generator advances: a retry row by row then draws the
+    # same numbers a seeded request would have drawn in the batch.
+    tops: list[list[tuple[int, float]] | None] = [None] * len(params)
+    if max(wanted) > 0:
+        values, ids = raw.topk(max(wanted), dim=-1)
+        values = values - normaliser.unsqueeze(1)
+        for i, k in enumerate(wanted):
+            if k:
+                tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
         apply_repetition_penalty(logits, history, [p.repetition_penalty for p in params])
@@ -167,11 +185,4 @@ def sample(
     chosen_logprobs: list[float | None] = [None] * len(params)
     if normaliser is not None:
         chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser).tolist()
-    tops: list[list[tuple[int, float]] | None] = [None] * len(params)
-    if max(wanted) > 0:
-        values, ids = raw.topk(max(wanted), dim=-1)
-        values = values - normaliser.unsqueeze(1)
-        for i, k in enumerate(wanted):
-            if k:
-                tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
     return Sampled(chosen.tolist(), chosen_logprobs, tops)
