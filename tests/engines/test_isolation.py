@@ -199,3 +199,47 @@ def test_sampling_survives_non_finite_logits_row_by_row():
     assert all(0 <= t < 32 for t in picked.tokens)
     clean = sample(logits[[0, 3]], [params[0], params[3]], [torch.Generator().manual_seed(i) for i in (0, 3)], [[]] * 2)
     assert [picked.tokens[0], picked.tokens[3]] == clean.tokens  # the bad rows changed nothing for the others
+
+
+class _Codec(torch.nn.Module):
+    """Doubles the last axis (a codec's hop); a NaN anywhere in its batch makes it raise."""
+
+    def forward(self, x):
+        if bool(x.isnan().any()):
+            raise ValueError("NaN in the codes")
+        return torch.repeat_interleave(x * 2, 2, dim=-1)
+
+
+class _BatchedCodec:
+    """Batches itself; a call with a negative input makes the whole batch raise."""
+
+    def forward_batch(self, calls):
+        if any(bool((c["x"] < 0).any()) for c in calls):
+            raise ValueError("negative codes")
+        return [{"y": torch.repeat_interleave(c["x"] * 2, 2, dim=-1)} for c in calls]
+
+
+@pytest.mark.parametrize("module, options, poison", [
+    (_Codec(), {}, torch.full((2, 5), float("nan"))),
+    (_Codec(), {"pad_dim": -1}, torch.full((2, 9), float("nan"))),
+    (_BatchedCodec(), {}, -torch.ones(2, 5)),
+], ids=["stacked", "padded", "forward_batch"])
+async def test_stateless_batch_mates_of_a_bad_input_still_get_their_outputs(module, options, poison):
+    from mstar_stateless import StatelessEngine
+
+    from mstar_core.runtime.engine import EngineContext
+    from mstar_core.runtime.scheduler import NodeScheduler
+
+    node = GraphNode("codec", inputs=("x",), outputs=("y",), engine="stateless", options=options)
+    engine = StatelessEngine(node, module, EngineContext("t", torch.device("cpu"), {}))
+    sched = NodeScheduler(engine, None)
+    widths = (5, 5, 5, 5) if "pad_dim" not in options else (3, 7, 5, 4)
+    xs = [torch.rand(2, n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(widths)]
+    futures = [sched.submit(Invocation(f"ok-{i}", "codec", {"x": x}, {})) for i, x in enumerate(xs)]
+    futures.insert(2, sched.submit(Invocation("poisoned", "codec", {"x": poison}, {})))
+    outs = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 10)
+    bad = outs.pop(2)
+    assert isinstance(bad, NodeExecutionError) and isinstance(bad.cause, ValueError)
+    for out, x in zip(outs, xs, strict=True):
+        torch.testing.assert_close(out["y"], torch.repeat_interleave(x * 2, 2, dim=-1))
+    await sched.close()
