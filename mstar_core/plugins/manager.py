@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
 
@@ -20,6 +20,9 @@ log = logging.getLogger("mstar.plugins")
 ENTRY_POINT_GROUP = "mstar"
 #: Comma-separated entry-point names to load; unset loads every plugin found.
 PLUGINS_ENV = "MSTAR_PLUGINS"
+#: The registration hooks, in the order they run.
+HOOKS = ("mstar_register_models", "mstar_register_engines", "mstar_register_transports",
+         "mstar_register_attention_backends", "mstar_register_api_adapters")
 
 
 @attrs.define
@@ -85,19 +88,46 @@ class Registry:
         self._collect()
 
     def _collect(self) -> None:
-        hook = self.pm.hook
-        for impl in hook.mstar_register_models.get_hookimpls():
-            origin = impl.plugin_name
-            impl.function(register=lambda spec, o=origin: self.models.add(spec.name, spec, o))
-        for name, reg in (
-            ("mstar_register_engines", self.engines),
-            ("mstar_register_transports", self.transports),
-            ("mstar_register_attention_backends", self.attention_backends),
-        ):
-            for impl in getattr(hook, name).get_hookimpls():
-                impl.function(register=lambda key, obj, r=reg, o=impl.plugin_name: r.add(key, obj, o))
-        for impl in hook.mstar_register_api_adapters.get_hookimpls():
-            impl.function(register=self.api_adapters.append)
+        """Run every registration hook, then apply what each plugin registered.
+
+        A plugin whose hook raises is reported like a failed import and none of its registrations
+        are applied (a half-registered plugin would be worse than none); the others load. Two
+        plugins registering one name still raise: the installation has to choose between them.
+        """
+        staged: list[tuple[str, Callable[..., None], tuple]] = []  # (plugin, add, arguments), in hook order
+        broken: dict[str, str] = {}
+        for hook_name in HOOKS:
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                origin = impl.plugin_name
+                if origin in broken:
+                    continue
+                try:
+                    impl.function(register=self._recorder(hook_name, origin, staged))
+                except Exception as exc:  # one plugin's bug must not take the others down
+                    broken[origin] = f"{type(exc).__name__}: {exc} (in {hook_name})"
+                    self._mark_failed(origin, broken[origin], exc)
+        for origin, add, args in staged:
+            if origin not in broken:
+                add(*args)
+
+    def _recorder(self, hook_name: str, origin: str, staged: list) -> Callable[..., None]:
+        """The `register` a plugin's hook is given: it records each registration for `_collect` to apply."""
+        if hook_name == "mstar_register_models":
+            return lambda spec: staged.append((origin, self.models.add, (spec.name, spec, origin)))
+        if hook_name == "mstar_register_api_adapters":
+            return lambda adapter: staged.append((origin, self.api_adapters.append, (adapter,)))
+        registry = {"mstar_register_engines": self.engines, "mstar_register_transports": self.transports,
+                    "mstar_register_attention_backends": self.attention_backends}[hook_name]
+        return lambda key, obj: staged.append((origin, registry.add, (key, obj, origin)))
+
+    def _mark_failed(self, name: str, error: str, exc: Exception) -> None:
+        info = next((p for p in self.plugins if p.name == name), None)
+        if info is None:
+            info = PluginInfo(name, "?", "?", "?")
+            self.plugins.append(info)
+        info.error = error
+        self.pm.unregister(name=name)  # none of its hooks run again
+        log.warning("plugin %s from distribution %s failed to register: %s", name, info.distribution, error, exc_info=exc)
 
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if not p.loaded]
