@@ -28,6 +28,36 @@ def test_broken_plugin_is_reported_and_the_rest_load():
     assert "fixture-echo" in registry.models  # the healthy plugin from the same distribution still loaded
 
 
+def test_plugin_whose_hook_raises_is_reported_and_the_rest_load():
+    registry = discover()
+    broken = {p.name: p for p in registry.failed()}["fixture_hook_raises"]
+    assert broken.distribution == "mstar-fixture-plugin" and not broken.loaded
+    assert "RuntimeError: fixture plugin hook fails on purpose (in mstar_register_engines)" in broken.error
+    # none of what it registered before raising shows, not even from its hook that succeeded
+    assert "fixture_half_registered" not in registry.engines and "fixture-half-registered" not in registry.models
+    assert "fixture_echo" in registry.engines and "fixture-echo" in registry.models and "function" in registry.engines
+
+
+def test_mstar_plugins_lists_a_plugin_whose_hook_raised(capsys):
+    from mstar_core.cli import main
+
+    assert main(["plugins"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "fixture_hook_raises" in line)
+    assert "mstar-fixture-plugin" in line and "FAILED: RuntimeError: fixture plugin hook fails on purpose" in line
+
+
+def test_in_process_plugin_whose_hook_raises_is_reported(caplog):
+    def explode(register):
+        raise KeyError("missing config")
+
+    bad = _plugin(mstar_register_transports=explode, mstar_register_engines=lambda register: register("ghost", object))
+    registry = discover(extra_modules=[bad])
+    (info,) = [p for p in registry.failed() if p.distribution == "(registered in process)"]
+    assert "KeyError: 'missing config' (in mstar_register_transports)" in info.error
+    assert "ghost" not in registry.engines and "function" in registry.engines
+    assert "failed to register" in caplog.text and "missing config" in caplog.text
+
+
 def test_environment_variable_restricts_plugins(monkeypatch):
     monkeypatch.setenv("MSTAR_PLUGINS", "core")
     registry = discover()
