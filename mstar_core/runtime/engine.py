@@ -6,6 +6,10 @@ while `has_work()` is true. `step()` returns the invocations it finished, each w
 or the exception that failed it; unfinished ones stay inside the engine (a paged-KV engine may
 spread one long prefill over several steps). `release(request_id)` drops everything the engine
 holds for a request; the scheduler only calls it between steps, never during one.
+
+Failures stay with their request: one invocation's bad input must fail that invocation alone. An
+engine that batches retries the rest of a batch that raised (one by one if need be) rather than
+failing every request in it; `step()` raising fails everything the engine holds.
 """
 
 from __future__ import annotations
@@ -80,7 +84,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def add(self, invocation: Invocation) -> None:
-        """Accept an invocation; it is answered by a later `step()`."""
+        """Accept an invocation; it is answered by a later `step()`.
+
+        Whatever this invocation's inputs trigger should be its answer from the next step, not an
+        exception: the scheduler does fail just this invocation if `add` raises, but an engine
+        left half-changed by it may then disturb the other requests it holds.
+        """
 
     @abc.abstractmethod
     def step(self) -> list[Result]:

@@ -3,7 +3,9 @@
 It hands every invocation that reaches the node to the engine and calls `engine.step()` on the
 worker's device thread while the engine has work, so the event loop stays free. Invocations
 that arrive while a step runs are batched into the next one. Releases (finished, failed or
-cancelled requests) are applied between steps, never during one.
+cancelled requests) are applied between steps, never during one. It never dies silently: an
+`add` that raises fails that invocation alone, and if the loop itself breaks, a supervisor logs
+why, fails what was in flight and starts it again.
 """
 
 from __future__ import annotations
