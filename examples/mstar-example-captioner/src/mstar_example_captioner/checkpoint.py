@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from mstar_core.checkpoint import RuleMapping, build_and_load, open_checkpoint, read_config, save_hf_checkpoint
+from mstar_core.checkpoint import (
+    RuleMapping,
+    build_and_load,
+    open_checkpoint,
+    read_config,
+    save_hf_checkpoint,
+)
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_example_captioner.config import CaptionerConfig
 from mstar_example_captioner.modeling import Captioner

@@ -10,11 +10,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Parallel, Sequential, StreamingGraphEdge, Walk
+from mstar_kvcache.walks import decode_iterations
+
+from mstar_core.graph import (
+    DynamicLoop,
+    Graph,
+    GraphNode,
+    NodeCall,
+    Parallel,
+    Sequential,
+    StreamingGraphEdge,
+    Walk,
+)
 from mstar_core.streaming import FixedChunkPolicy
 from mstar_example_captioner.modeling import Captioner, ImageSplicer
 from mstar_example_captioner.tokenizer import CharTokenizer
-from mstar_kvcache.walks import decode_iterations
 
 WALKS = ("prefill", "decode")
 
