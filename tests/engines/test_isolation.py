@@ -147,12 +147,18 @@ class _PoisonedForward:
         return getattr(self.inner, name)
 
 
-def _drive(engine, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int] | BaseException]:
-    """Like driver.generate, but an error ends only its own request."""
-    out: dict[str, list[int] | BaseException] = {rid: [] for rid in prompts}
+def _drive(engine, prompts: dict[str, list[int]], steps: int, late: dict[str, list[int]] | None = None
+           ) -> dict[str, list[int] | BaseException]:
+    """Like driver.generate, but an error ends only its own request; `late` prompts join at the third step."""
+    out: dict[str, list[int] | BaseException] = {rid: [] for rid in [*prompts, *(late or {})]}
     for rid, prompt in prompts.items():
         engine.add(Invocation(rid, "lm", {"input_ids": prompt}, {}))
+    step = 0
     while engine.has_work():
+        step += 1
+        if step == 3:
+            for rid, prompt in (late or {}).items():
+                engine.add(Invocation(rid, "lm", {"input_ids": prompt}, {}))
         for inv, res in engine.step():
             rid = inv.request_id
             if isinstance(res, BaseException):
@@ -167,12 +173,17 @@ def _drive(engine, prompts: dict[str, list[int]], steps: int) -> dict[str, list[
     return out
 
 
-def test_a_failed_forward_is_retried_per_sequence_and_fails_only_the_culprit(llama_pair):
+@pytest.mark.parametrize("joins", ["with-the-prefills", "mid-decode"])
+def test_a_failed_forward_is_retried_per_sequence_and_fails_only_the_culprit(llama_pair, joins):
     prompts = {f"ok-{i}": [1 + i, 2, 3, 4 + i] for i in range(4)}
     alone = _drive(make_engine(llama_pair[1], num_pages=64, page_size=4), prompts, 8)
     engine = make_engine(llama_pair[1], num_pages=64, page_size=4)
     engine.module = _PoisonedForward(engine.module)
-    got = _drive(engine, {**prompts, "poisoned": [1, POISON_TOKEN, 2]}, 8)
+    poison = {"poisoned": [1, POISON_TOKEN, 2]}
+    if joins == "mid-decode":  # the failed batch holds decoding rows (decode lanes on this backend)
+        got = _drive(engine, prompts, 8, late=poison)
+    else:
+        got = _drive(engine, {**prompts, **poison}, 8)
     assert isinstance(got.pop("poisoned"), ValueError)
     assert got == alone
     assert engine.pool.num_used == 0 and not engine.active_requests()
