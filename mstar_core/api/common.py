@@ -29,7 +29,7 @@ def adapter_call(fn: Callable[..., Any], *args: Any, what: str, **kw: Any) -> An
         return fn(*args, **kw)
     except RequestError as exc:
         raise from_request_error(exc) from None
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
         raise ApiError(400, f"{what} rejected the request: {type(exc).__name__}: {exc}") from None
 
 
@@ -48,7 +48,7 @@ def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
         handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True)
     except RequestError as exc:
         raise from_request_error(exc) from None
-    except (ValueError, TypeError, KeyError, IndexError, MStarError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, MStarError) as exc:
         # a model's prepare() or plan choking on an input is still the input's fault
         raise ApiError(400, f"model '{model}' rejected the inputs: {type(exc).__name__}: {exc}") from None
     handle.prepared = prepared

@@ -93,7 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError):
         err = from_request_error(exc)
-        return error_response(err.status, err.message, headers=err.headers)
+        return error_response(err.status, err.message, param=err.param, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError):

@@ -96,3 +96,17 @@ def metric(server: Server, name: str, **labels: str) -> float:
             if all(part in got.split(",") for part in want.split(",") if part):
                 total += float(value)
     return total
+
+
+@pytest.fixture(scope="session")
+def edge_server():
+    """The toy models plus the tiny llama and orpheus presets: every route and the native endpoint over real
+    `prepare` code (SamplingParams included), for the edge validation and fuzz tests."""
+    pytest.importorskip("mstar_llm")
+    pytest.importorskip("mstar_orpheus")
+    srv = Server(["llama", "orpheus", "toy-tts", "toy-chat", "toy-image", "fixture-echo"],
+                 MSTAR_TOY_STEP_DELAY="0.002")
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server did not shut down cleanly (exit {code}):\n{srv.output()[-3000:]}"
+    assert "Traceback" not in srv.output(), srv.output()[-3000:]

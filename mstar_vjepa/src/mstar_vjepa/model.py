@@ -16,6 +16,7 @@ from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import RequestError
 from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_core.sampling import check_int, check_seed
 from mstar_vjepa import checkpoint as ckpt
 from mstar_vjepa.nodes import FrameEncoderNode, MaskedPredictorNode, PlannerNode, VideoEncoderNode
 from mstar_vjepa.preprocess import preprocess_video
@@ -23,13 +24,19 @@ from mstar_vjepa.preprocess import preprocess_video
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _as_tensor(inputs: Mapping[str, Any], name: str, what: str) -> torch.Tensor:
+    """`inputs[name]` as a tensor; ragged or non-numeric lists and ints beyond int64 are the request's fault."""
+    try:
+        return torch.as_tensor(inputs[name])
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise RequestError(f"input '{name}' is not a numeric array ({str(exc)[:120]}); expected {what}",
+                           param=name) from None
+
+
 def _tensor(inputs: Mapping[str, Any], name: str, ndims: tuple[int, ...], what: str) -> torch.Tensor:
     if name not in inputs:
         raise RequestError(f"missing input '{name}': {what}")
-    try:
-        t = torch.as_tensor(inputs[name])
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"input '{name}' is not a numeric array ({exc}); expected {what}") from None
+    t = _as_tensor(inputs, name, what)
     if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
         raise RequestError(f"input '{name}' has dtype {t.dtype}; expected a float array: {what}")
     if t.dim() not in ndims:
@@ -39,9 +46,7 @@ def _tensor(inputs: Mapping[str, Any], name: str, ndims: tuple[int, ...], what: 
 
 def _int(inputs: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
     value = inputs.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise RequestError(f"input '{name}' must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
+    return check_int(value, name, lo, hi)
 
 
 def _wants_preprocess(inputs: Mapping[str, Any], name: str) -> bool:
@@ -58,12 +63,9 @@ def _wants_preprocess(inputs: Mapping[str, Any], name: str) -> bool:
 def _pixel_frames(inputs, name, cfg) -> torch.Tensor:
     """Raw pixels (0..255) of any size, `[T, H, W, C]` or `[T, C, H, W]`, through the HF/upstream preprocessing."""
     what = f"pixel frames (0..255) [T, H, W, {cfg.in_chans}] or [T, {cfg.in_chans}, H, W], any size"
-    try:
-        t = torch.as_tensor(inputs[name]) if name in inputs else None
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"input '{name}' is not a numeric array ({exc}); expected {what}") from None
-    if t is None:
+    if name not in inputs:
         raise RequestError(f"missing input '{name}': {what}")
+    t = _as_tensor(inputs, name, what)
     if t.dtype == torch.bool or t.is_complex() or t.dim() not in (3, 4) or t.numel() == 0:
         raise RequestError(f"input '{name}' has shape {tuple(t.shape)} and dtype {t.dtype}; expected {what}")
     if not t.is_floating_point():
@@ -125,7 +127,7 @@ def load_vjepa2(options: LoadOptions) -> LoadedModel:
         n = (max(env["video"].shape[0], cfg.tubelet_size) // cfg.tubelet_size) * cfg.grid_size**2
         for name in ("context_mask", "target_mask"):
             if name in inputs:
-                idx = torch.as_tensor(inputs[name])
+                idx = _as_tensor(inputs, name, "a 1-D list of token indices")
                 if idx.dim() != 1 or idx.is_floating_point() or idx.numel() == 0 or idx.min() < 0 or idx.max() >= n:
                     raise RequestError(f"input '{name}' must be a non-empty 1-D list of token indices in [0, {n})")
                 env[name] = idx.long()
@@ -208,7 +210,7 @@ def prepare_ac(inputs: Mapping[str, Any], graph: Graph, ecfg, pcfg) -> dict[str,
     samples = _int(inputs, "samples", 64, 1, 4096)
     env["cem"] = {"samples": samples, "topk": _int(inputs, "topk", min(10, samples), 1, samples),
                   "iterations": _int(inputs, "iterations", 10, 1, 1000)}
-    env["seed"] = _int(inputs, "seed", 0, 0, 2**63 - 1)
+    env["seed"] = check_seed(inputs.get("seed", 0))
     return env
 
 

@@ -77,8 +77,13 @@ def tokenizer() -> Tokenizer:
 
 # --- toy-tts: one chunk of a sine per character -------------------------------------------------------------
 
+#: Text that starts with this makes toy-tts fail after its first chunk (a stream that breaks mid-way).
+FAIL_AFTER_FIRST_CHUNK = "fail:"
 
-def _speak(loop_index, n_chunks, freq):
+
+def _speak(loop_index, n_chunks, freq, fail_at):
+    if loop_index == fail_at:
+        raise RuntimeError(f"toy-tts was told to fail at chunk {fail_at}")
     t = (np.arange(SAMPLES_PER_CHUNK) + loop_index * SAMPLES_PER_CHUNK) / SAMPLE_RATE
     audio = torch.from_numpy((0.5 * np.sin(2 * math.pi * freq * t)).astype(np.float32))
     return {"audio": audio, "done": loop_index + 1 >= n_chunks}
@@ -90,16 +95,17 @@ def _tts_prepare(inputs):
         raise RequestError("'text' must be a non-empty string")
     if voice not in VOICES:
         raise RequestError(f"voice must be one of {sorted(VOICES)}")
-    return {"n_chunks": len(text), "freq": VOICES[voice], "input_ids": list(text.encode())}
+    fail_at = 1 if text.startswith(FAIL_AFTER_FIRST_CHUNK) else -1
+    return {"n_chunks": len(text), "freq": VOICES[voice], "input_ids": list(text.encode()), "fail_at": fail_at}
 
 
 def load_tts(options):
     graph = Graph.build(
         "toy-tts",
-        [GraphNode("gen", inputs=("loop_index", "n_chunks", "freq"), outputs=("audio", "done"), engine="toy_paged",
-                   module=lambda: _speak)],
+        [GraphNode("gen", inputs=("loop_index", "n_chunks", "freq", "fail_at"), outputs=("audio", "done"),
+                   engine="toy_paged", module=lambda: _speak)],
         [Walk(name="speak", body=DynamicLoop(body=NodeCall("gen"), until=lambda env: env["done"], max_iters="n_chunks"),
-              inputs=("n_chunks", "freq"), emit=("audio",))],
+              inputs=("n_chunks", "freq", "fail_at"), emit=("audio",))],
     )
     return LoadedModel(name="toy-tts", graph=graph, random_weights=True, prepare=_tts_prepare,
                        extras={"sample_rate": SAMPLE_RATE})
