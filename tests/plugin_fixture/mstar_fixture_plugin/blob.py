@@ -7,6 +7,10 @@ from mstar_core.model import LoadedModel, ModelSpec
 def add_one(x):
     if isinstance(x, str) and x == "unsendable":  # an output no wire format carries (for the worker tests)
         return {"y": {1, 2}}
+    if isinstance(x, str) and x == "reject":  # the client's mistake, found inside the node (status must survive)
+        from mstar_core.errors import RequestError
+
+        raise RequestError("x must be a number, not 'reject'", status=422)
     return {"y": x + 1}
 
 
