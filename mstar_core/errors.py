@@ -24,6 +24,20 @@ class ConfigError(MStarError):
     """A configuration file or settings mapping has an unknown key or a bad value."""
 
 
+class ModelLoadError(MStarError):
+    """A model cannot be served as built; raised while it loads, never at request time."""
+
+
+class ModuleContractError(ModelLoadError, TypeError):
+    """A node's module lacks a method its engine calls, or the method's signature cannot take the engine's call."""
+
+    def __init__(self, message: str, *, node: str, engine: str, method: str | None = None):
+        super().__init__(message)
+        self.node = node
+        self.engine = engine
+        self.method = method
+
+
 class RegistryLookupError(MStarError, KeyError):
     """A name was not found in a plugin registry; the message lists the known names."""
 

@@ -8,9 +8,25 @@ from typing import Any
 
 import attrs
 
+from mstar_core.errors import GraphValidationError
+
+#: Engine kinds every install has; plugins add more (`mstar plugins` lists them).
+USUAL_ENGINES = ("kvcache", "stateless", "function")
+
 
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
+
+
+def _engine_kind(node: GraphNode, _attribute: Any, value: Any) -> None:
+    # No default on purpose: a node that silently ran on `function` failed later with a shape error.
+    if not isinstance(value, str) or not value:
+        given = "no engine=" if value is None else f"engine={value!r}"
+        raise GraphValidationError(
+            f"GraphNode has {given}; name the engine kind that runs it: "
+            f"{', '.join(repr(k) for k in USUAL_ENGINES)}, or a plugin's kind (`mstar plugins` lists them)",
+            node=node.name,
+        )
 
 
 def _str_tuple(value: Any) -> tuple[str, ...]:
@@ -23,6 +39,9 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
 class GraphNode:
     """A named component: declared inputs and outputs, the engine kind that runs it, a module factory.
 
+    `engine` is required (no default): 'kvcache', 'stateless', 'function' (a plain callable), or a
+    plugin's kind. The engine checks the built module against its contract when the model loads.
+
     `module` builds the node's `torch.nn.Module` (or any callable the engine accepts); it is called
     once per worker that hosts the node. `options` are engine-specific and static; per-call options
     come from the walk (`NodeCall.options`).
@@ -31,7 +50,7 @@ class GraphNode:
     name: str
     inputs: tuple[str, ...] = attrs.field(converter=_str_tuple)
     outputs: tuple[str, ...] = attrs.field(converter=_str_tuple)
-    engine: str = "function"
+    engine: str = attrs.field(default=None, validator=_engine_kind)
     module: Callable[[], Any] | None = attrs.field(default=None, eq=False)
     optional_inputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, eq=False)

@@ -71,6 +71,10 @@ class Engine(abc.ABC):
     #: worker (per-walk placement): option `transfer="export"` returns `{"state": ...}` and frees
     #: the request here; `transfer="import"` with input `state` adopts it.
     moves_state: ClassVar[bool] = False
+    #: The `typing.Protocol` a node's module must meet (see `mstar_core.runtime.contract`); None when
+    #: the engine takes any module. An engine checks it in `__init__`, so a module that cannot take
+    #: the engine's calls fails the model's load, not its first request.
+    module_contract: ClassVar[type | None] = None
 
     def __init__(self, node: GraphNode, module: Any, context: EngineContext):
         self.node = node

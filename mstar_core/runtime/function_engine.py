@@ -3,23 +3,25 @@
 For cheap glue nodes (CFG combination, token bookkeeping) and for tests of the runtime. The
 module is either batch-aware (`forward_batch(list of input dicts) -> list of output dicts`) or
 called once per invocation with the inputs as keyword arguments, returning a dict of outputs,
-a tuple in output order, or a single value for a one-output node.
+a tuple in output order, or a single value for a one-output node. Its contract
+(`KeywordModule` or `BatchedModule`) is checked when the engine is built.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from mstar_core.runtime.contract import KeywordModule, check_keyword_module
 from mstar_core.runtime.engine import Engine, Invocation, Result
 
 
 class FunctionEngine(Engine):
     kind = "function"
+    module_contract: ClassVar[type] = KeywordModule
 
     def __init__(self, node, module, context):
         super().__init__(node, module, context)
-        if module is None or not callable(module):
-            raise TypeError(f"node '{node.name}': the function engine needs a callable module, got {module!r}")
+        check_keyword_module(module, node, self.kind)
         self._batch_fn = getattr(module, "forward_batch", None)
         self._queue: list[Invocation] = []
 

@@ -18,9 +18,9 @@ from mstar_core.graph import (
 )
 from mstar_core.streaming import FixedChunkPolicy, SlidingWindowChunkPolicy
 
-A = GraphNode("a", inputs="x", outputs="y")
-B = GraphNode("b", inputs="y", outputs="z")
-C = GraphNode("c", inputs="z", outputs="x")
+A = GraphNode("a", inputs="x", outputs="y", engine="function")
+B = GraphNode("b", inputs="y", outputs="z", engine="function")
+C = GraphNode("c", inputs="z", outputs="x", engine="function")
 
 
 def build(walk, nodes=(A, B, C)):
@@ -114,7 +114,7 @@ def test_render_mermaid_and_dot():
         inputs="x",
         streams=(edge,),
     )
-    g = Graph.build("m", [A, B, GraphNode("c", inputs="y", outputs="x")], [walk])
+    g = Graph.build("m", [A, B, GraphNode("c", inputs="y", outputs="x", engine="function")], [walk])
     mermaid = to_mermaid(g, "w")
     assert mermaid.startswith("flowchart TD")
     assert "SlidingWindowChunkPolicy(28, 7, drop)" in mermaid

@@ -102,9 +102,10 @@ def _pick_walk(inputs, graph: Graph, default: str) -> str:
 
 def _hf_graph(model) -> Graph:
     nodes = [
-        GraphNode("encoder", inputs="video", outputs="latents", module=lambda: VideoEncoderNode(model)),
+        GraphNode("encoder", inputs="video", outputs="latents", engine="function",
+                  module=lambda: VideoEncoderNode(model)),
         GraphNode("predictor", inputs="latents", outputs="predicted", optional_inputs=("context_mask", "target_mask"),
-                  module=lambda: MaskedPredictorNode(model)),
+                  engine="function", module=lambda: MaskedPredictorNode(model)),
     ]
     walks = [
         Walk(name="encode", body="encoder", inputs="video", outputs="latents", description="video -> patch latents"),
@@ -143,7 +144,8 @@ def load_vjepa2(options: LoadOptions) -> LoadedModel:
 
 def _ac_graph(encoder, predictor) -> Graph:
     nodes = [
-        GraphNode("encoder", inputs="frames", outputs="latents", module=lambda: FrameEncoderNode(encoder)),
+        GraphNode("encoder", inputs="frames", outputs="latents", engine="function",
+                  module=lambda: FrameEncoderNode(encoder)),
         GraphNode("ac_predictor", inputs=("context", "states", "actions", "loop_index"), outputs=("latent", "state"),
                   engine="vjepa_ac", module=lambda: predictor),
         GraphNode("planner", inputs=("context", "states", "goal_latents", "horizon", "cem", "seed"),

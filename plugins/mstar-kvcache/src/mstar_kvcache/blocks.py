@@ -112,6 +112,6 @@ class BlockManager:
             limits=None if src.limits is None else list(src.limits),
             embeds=list(src.embeds),
             generated=list(src.generated),
-            generator=None,
+            generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,
         )

@@ -13,6 +13,7 @@ from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_kvcache.batch import build_batch
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
+from mstar_kvcache.contract import KVCacheModule, check_kvcache_module
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sampler import Sampled, sample
@@ -36,13 +37,16 @@ class KVCacheEngine(Engine):
 
     kind = "kvcache"
     moves_state = True
+    module_contract = KVCacheModule
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
+        check_kvcache_module(module, node)  # at load: a module missing a method fails here, not on a request
         self.settings = KVCacheSettings.from_mapping(context.settings)
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
-        dtype = next(iter(module.parameters())).dtype if hasattr(module, "parameters") else torch.float32
+        first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
+        dtype = torch.float32 if first is None else first.dtype
         num_pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
         self.pool = PagePool(num_pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching)
@@ -136,7 +140,12 @@ class KVCacheEngine(Engine):
         self.seqs.clear()
 
     def fork(self, request_id: str, src_label: str, dst_label: str) -> None:
-        """Share `src_label`'s cache under `dst_label` copy-on-write (CFG branches, samples, n > 1)."""
+        """Share `src_label`'s cache under `dst_label` copy-on-write (CFG branches, samples, n > 1).
+
+        The fork is a copy of the label, random stream included: a seeded parent's generator is
+        cloned as it stands, so a fork called with the parent's seed samples what the parent would
+        have (and the same request repeats exactly). Give a branch its own seed to sample apart.
+        """
         src = self.seqs.get((request_id, src_label))
         if src is None:
             raise RequestError(f"node '{self.node.name}': request {request_id} has no cache label '{src_label}' to fork")
@@ -146,6 +155,9 @@ class KVCacheEngine(Engine):
             raise RequestError(f"node '{self.node.name}': cannot fork '{src_label}' while a call on it is in flight")
         clone = self.blocks.fork(src, dst_label)
         clone.order = next(self._order)
+        if src.generator is not None:  # its own generator at the parent's state: the two never share draws
+            clone.generator = torch.Generator(device=src.generator.device)
+            clone.generator.set_state(src.generator.get_state())
         self.seqs[clone.key] = clone
 
     def export_cache(self, request_id: str, label: str = "main") -> CacheSnapshot:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.runtime.contract import KeywordModule, check_keyword_module
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_stateless.batching import batch_key, call_single, pad_and_stack, split_outputs
 
@@ -19,13 +20,16 @@ class StatelessEngine(Engine):
     `pad_dim` pads that axis to the longest with `pad_value`, and outputs are trimmed back) and
     the outputs split along it. Calls with non-tensor inputs, or node option `batch: False`, run
     one by one. If a batched call raises, its calls are retried singly, so one bad input fails
-    only its own request.
+    only its own request. The module's contract (`KeywordModule` or `BatchedModule`) is checked here,
+    when the model loads.
     """
 
     kind = "stateless"
+    module_contract = KeywordModule
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
+        check_keyword_module(module, node, self.kind)
         self.queue: deque[Invocation] = deque()
         self.device = torch.device(context.device)
         self.pad_dim = node.options.get("pad_dim")
