@@ -76,7 +76,8 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"mstar-captioner-{self.port}.log", "w+")
         # only what the model needs, loaded from installed distributions' entry points (as a deployment would)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSTAR_PLUGINS": "core,kvcache,stateless,attn_torch,example_captioner"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSTAR_PLUGINS": "core,kvcache,stateless,attn_torch,example_captioner",
+               "OMP_NUM_THREADS": "1"}  # it boots while this process computes: do not fight over the cores
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", MODEL, "--port", str(self.port), "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -121,6 +122,15 @@ def served():
         return  # only the tests before the served one ran (-k): it was stopped while booting
     assert code == 0, srv.output()[-3000:]
     assert "Traceback" not in srv.output(), srv.output()[-3000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A tiny model gains nothing from intra-op threads, and they spin against the server booting beside it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ MAX_PROMPT_CHARS = 256
 
 def _image(value: Any) -> torch.Tensor:
     """`image` as float `[3, H, W]` in [0, 1] from uint8 pixels `[H, W, 3]` (0..255) or floats in [0, 1]."""
-    what = "an RGB image [H, W, 3]: uint8 pixels 0..255, or floats in [0, 1]"
+    what = "an RGB image [H, W, 3]: integer pixels 0..255, or floats in [0, 1]"
     if value is None:
         raise RequestError(f"missing field 'image': {what}", param="image")
     try:
@@ -32,12 +32,14 @@ def _image(value: Any) -> torch.Tensor:
         raise RequestError(f"'image' is not a numeric array; send {what}", param="image") from None
     if t.dim() != 3 or t.shape[2] != 3 or t.shape[0] < 2 or t.shape[1] < 2:
         raise RequestError(f"'image' has shape {list(t.shape)}; send {what} (H, W >= 2)", param="image")
-    if t.dtype == torch.uint8:
-        t = t.float() / 255
-    elif t.is_floating_point():
+    if t.is_floating_point():
         t = t.float()
         if not torch.isfinite(t).all() or t.min() < 0 or t.max() > 1:
             raise RequestError(f"'image' has float values outside [0, 1]; send {what}", param="image")
+    elif t.dtype != torch.bool and not t.is_complex():  # uint8, or the int64 a JSON list of ints becomes
+        if t.min() < 0 or t.max() > 255:
+            raise RequestError(f"'image' has integer values outside 0..255; send {what}", param="image")
+        t = t.float() / 255
     else:
         raise RequestError(f"'image' has dtype {t.dtype}; send {what}", param="image")
     return t.permute(2, 0, 1)
