@@ -81,7 +81,6 @@ class ServeProcess:
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", MODEL, "--port", str(self.port), "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.ready = False
 
     def output(self) -> str:
         self.log.flush()
@@ -95,7 +94,6 @@ class ServeProcess:
                 raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    self.ready = True
                     return
             except httpx.HTTPError:
                 pass
@@ -115,11 +113,10 @@ class ServeProcess:
 
 @pytest.fixture(scope="module")
 def served():
-    srv = ServeProcess()  # starts now; it boots while the embedded tests run
+    # only the served test asks for it: under xdist every worker that ran a test using it would boot its own
+    srv = ServeProcess()
     yield srv
     code = srv.stop()
-    if not srv.ready:
-        return  # only the tests before the served one ran (-k): it was stopped while booting
     assert code == 0, srv.output()[-3000:]
     assert "Traceback" not in srv.output(), srv.output()[-3000:]
 
@@ -140,7 +137,7 @@ def reference():
     return SPEC.load(LoadOptions(preset="tiny"))
 
 
-def test_installed_as_its_own_distribution_and_listed(served, capsys):
+def test_installed_as_its_own_distribution_and_listed(capsys):
     dist = metadata.distribution("mstar-example-captioner")
     [ep] = [ep for ep in dist.entry_points if ep.group == "mstar"]
     assert ep.value == "mstar_example_captioner.plugin"
@@ -153,7 +150,7 @@ def test_installed_as_its_own_distribution_and_listed(served, capsys):
     assert f"{MODEL} (example_captioner)" in out
 
 
-async def test_embedded_greedy_captions_equal_the_dense_reference(served, reference):
+async def test_embedded_greedy_captions_equal_the_dense_reference(reference):
     async with AsyncEngine() as engine:
         await engine.load_model(MODEL, LoadOptions(preset="tiny"))
 
@@ -201,13 +198,13 @@ def _tensor_json(t: torch.Tensor) -> dict:
 
 
 def test_served_native_endpoint_streams_the_reference_caption(served, reference):
-    served.wait_ready()
     request = REQUESTS[0]
+    want, reason = dense_caption(reference, request)  # while the server boots
+    served.wait_ready()
     body = {"inputs": {**request, "image": _tensor_json(request["image"])}}
     with httpx.stream("POST", f"{served.url}/v1/walks/{MODEL}", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
         events = [json.loads(line) for line in r.iter_lines() if line]
-    want, reason = dense_caption(reference, request)
     assert [e["value"] for e in events if e.get("name") == "next_token"] == want
     assert "".join(e["value"] for e in events if e.get("name") == "text") == reference.extras["tokenizer"].decode(want)
     assert events[-1] == {"event": "done", "outputs": {"next_token": want[-1], "finish_reason": reason}}
