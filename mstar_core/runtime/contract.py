@@ -14,6 +14,7 @@ The generic contract of engines that call a module once per invocation (`functio
 from __future__ import annotations
 
 import inspect
+import keyword
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -49,16 +50,26 @@ def protocol_call(protocol: type, method: str, omit: Iterable[str] = ()) -> insp
     return sig.replace(parameters=params)
 
 
+def _python_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
 def keyword_call(required: Iterable[str], optional: Iterable[str] = ()) -> inspect.Signature:
-    """The call of a `KeywordModule`: each input by name, optional ones sometimes left out."""
-    params = [_P(name, _P.KEYWORD_ONLY) for name in required]
-    params += [_P(name, _P.KEYWORD_ONLY, default=None) for name in optional]
+    """The call of a `KeywordModule`: each input by name, optional ones sometimes left out.
+
+    (Inputs that are not Python names can only reach a `**inputs` parameter; they are left out here.)
+    """
+    params = [_P(name, _P.KEYWORD_ONLY) for name in required if _python_name(name)]
+    params += [_P(name, _P.KEYWORD_ONLY, default=None) for name in optional if _python_name(name)]
     return inspect.Signature(params)
 
 
 def describe_call(name: str, call: inspect.Signature) -> str:
     """`name(a, b, c=None)`: the call as a module author would write the method."""
-    parts = [p.name if p.default is _P.empty else f"{p.name}={p.default!r}" for p in call.parameters.values()]
+    parts = [
+        f"**{p.name}" if p.kind is _P.VAR_KEYWORD else p.name if p.default is _P.empty else f"{p.name}={p.default!r}"
+        for p in call.parameters.values()
+    ]
     return f"{name}({', '.join(parts)})"
 
 
@@ -82,8 +93,10 @@ def call_problems(fn: Callable[..., Any], call: inspect.Signature) -> list[str]:
     var_kw = any(p.kind is _P.VAR_KEYWORD for p in actual)
     positional = [p for p in actual if p.kind in _POSITIONAL]
     passed_pos = [p for p in call.parameters.values() if p.kind is _P.POSITIONAL_ONLY]
-    passed_kw = {p.name: p for p in call.parameters.values() if p.kind is not _P.POSITIONAL_ONLY}
+    passed_kw = {p.name: p for p in call.parameters.values() if p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)}
     problems: list[str] = []
+    if any(p.kind is _P.VAR_KEYWORD for p in call.parameters.values()) and not var_kw:
+        problems.append("takes no **keyword arguments, and the engine passes some by names no parameter can have")
     if len(passed_pos) > len(positional) and not var_pos:
         names = ", ".join(p.name for p in passed_pos)
         problems.append(f"takes {len(positional)} positional argument(s), the engine passes {len(passed_pos)} ({names})")
@@ -162,4 +175,8 @@ def check_keyword_module(module: Any, node: Any, engine: str) -> None:
             f"forward_batch(calls); got {type(module).__name__}",
             node=node.name, engine=engine,
         )
-    check_method(module, "__call__", keyword_call(node.inputs, node.optional_inputs), node=node.name, engine=engine)
+    call = keyword_call(node.inputs, node.optional_inputs)
+    odd = [n for n in (*node.inputs, *node.optional_inputs) if not _python_name(n)]
+    if odd:  # only `**inputs` can take them: ask for that
+        call = call.replace(parameters=[*call.parameters.values(), _P("inputs", _P.VAR_KEYWORD)])
+    check_method(module, "__call__", call, node=node.name, engine=engine)

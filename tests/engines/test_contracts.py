@@ -239,3 +239,10 @@ def test_a_module_that_is_not_callable_is_a_load_error(engine_cls):
         engine_cls(ENCODE, object(), CTX)
     with pytest.raises(TypeError):  # (still a TypeError, as before)
         engine_cls(ENCODE, None, CTX)
+
+
+def test_inputs_that_are_not_python_names_need_a_kwargs_module():
+    node = GraphNode("glue", inputs=("x", "class"), outputs="y", engine="function")
+    FunctionEngine(node, lambda **inputs: inputs["x"], CTX)
+    with pytest.raises(ModuleContractError, match=r"module\(x, \*\*inputs\).*no \*\*keyword arguments"):
+        FunctionEngine(node, lambda x: x, CTX)
