@@ -200,7 +200,7 @@ class Worker:
     async def _load(self, msg: LoadModel) -> None:
         loop = asyncio.get_running_loop()
         try:
-            registry = default_registry()
+            registry = await loop.run_in_executor(self.executor, default_registry)  # imports: off the beating loop
             spec = registry.models.get(msg.model)
             options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype)
             loaded = await loop.run_in_executor(self.executor, spec.load, options)
