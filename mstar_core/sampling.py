@@ -17,9 +17,12 @@ from mstar_core.errors import RequestError
 #: Seeds are integers in [0, MAX_SEED]: what an int64 holds on every wire and what `torch.Generator.manual_seed`
 #: takes without aliasing (torch would also take negatives and up to 2**64 - 1, mapping -1 to 2**64 - 1).
 MAX_SEED = 2**63 - 1
-#: The smallest non-zero temperature. Logits are divided by it in float32; below ~1e-5 the quotient of ordinary
+#: The smallest non-zero temperature. Logits are divided by it in float32; far below 1e-5 the quotient of ordinary
 #: logits overflows or the temperature itself rounds to 0, and sampling yields NaN. Send 0 for greedy decoding.
 MIN_TEMPERATURE = 1e-5
+#: The largest temperature (and repetition penalty): beyond float32's range it becomes inf, and a masked logit
+#: (-inf) divided by inf is NaN. 1e5 already makes any distribution uniform.
+MAX_SCALE = 1e5
 #: Upper bound of integer lengths (`max_tokens`, `top_k`, `logprobs`); far above any vocabulary or context.
 MAX_COUNT = 2**31 - 1
 
@@ -59,11 +62,11 @@ def check_number(value: Any, field: str) -> float:
 
 
 def check_temperature(value: Any, field: str = "temperature") -> float:
-    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE."""
+    """0 (greedy) or a temperature in [MIN_TEMPERATURE, MAX_SCALE]."""
     temperature = check_number(value, field)
-    if temperature != 0 and not temperature >= MIN_TEMPERATURE:
-        raise _fail(field, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r}; smaller temperatures "
-                           "overflow the arithmetic (send 0 for greedy decoding)")
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_SCALE:
+        raise _fail(field, f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_SCALE:g}], got {value!r}; smaller "
+                           "temperatures overflow the arithmetic (send 0 for greedy decoding)")
     return temperature
 
 
@@ -116,7 +119,9 @@ FIELD_CHECKS = {
     "top_k": lambda v, f: check_int(v, f, 0, MAX_COUNT),
     "top_p": lambda v, f: _in_range(v, f, lambda x: 0 < x <= 1, "(0, 1]"),
     "min_p": lambda v, f: _in_range(v, f, lambda x: 0 <= x < 1, "[0, 1)"),
-    "repetition_penalty": lambda v, f: _in_range(v, f, lambda x: x > 0, "(0, inf)"),
+    # logits are divided or multiplied by it, so it has the temperature's finite range (1 disables it)
+    "repetition_penalty": lambda v, f: _in_range(v, f, lambda x: MIN_TEMPERATURE <= x <= MAX_SCALE,
+                                                 f"[{MIN_TEMPERATURE:g}, {MAX_SCALE:g}]"),
     "max_tokens": lambda v, f: check_int(v, f, 1, MAX_COUNT),
     "seed": check_seed,
     "logprobs": lambda v, f: check_int(v, f, 0, MAX_COUNT),
@@ -149,8 +154,9 @@ class SamplingParams:
     `finish_reason="stop"`); `stop_sequences` are token-id sequences matched against the generated
     tokens; `max_tokens` counts tokens sampled by the engine for one cache label. `logprobs=k`
     also returns the k most likely tokens with their log-probabilities (0 = only the chosen one).
-    Bounds: temperature 0 or >= MIN_TEMPERATURE; seed in [0, 2**63 - 1]; lengths are integers. Fields that
-    depend on the vocabulary (`top_k`, `logprobs`, token ids) are checked by `check_vocab` at prepare time.
+    Bounds: temperature 0 or in [1e-5, 1e5]; repetition_penalty in [1e-5, 1e5]; seed in [0, 2**63 - 1]; lengths
+    are integers. Fields that depend on the vocabulary (`top_k`, `logprobs`, token ids) are checked by
+    `check_vocab` at prepare time.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_checked("temperature"))

@@ -23,6 +23,7 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _TENSOR_KEYS = {"dtype", "shape", "data"}
 MAX_DEPTH = 32
 MAX_DIMS = 8
+_JSON_INT_MIN, _JSON_INT_MAX = -(2**63), 2**64 - 1  # the integers orjson can write
 #: Far above what fits in a request body (whose size the server bounds), far below torch's stride overflow.
 MAX_ELEMENTS = 2**40
 
@@ -113,6 +114,8 @@ def encode_value(value: Any, depth: int = 0) -> Any:
         return {str(k): encode_value(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [encode_value(v, depth + 1) for v in value]
+    if isinstance(value, int) and not _JSON_INT_MIN <= value <= _JSON_INT_MAX:
+        return str(value)  # beyond what orjson writes: a string keeps every digit
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if hasattr(value, "items") and hasattr(value, "start"):  # a streaming Chunk

@@ -78,6 +78,14 @@ def test_temperature_is_zero_or_above_the_floor(edge_server, temperature):
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.parametrize("penalty", [1e-320, 0.0, 1e300, float("inf")])
+def test_repetition_penalty_stays_where_the_arithmetic_is_finite(edge_server, penalty):
+    """1e-320 rounds to 0 in float32: logits divided by it became NaN and failed the whole batch (issue 10)."""
+    rejects(post(edge_server, "/v1/audio/speech", {**SPEECH, "repetition_penalty": penalty}), "repetition_penalty")
+    rejects(post(edge_server, "/v1/walks/llama", {"inputs": {"prompt": "Hi", "repetition_penalty": penalty}}),
+            "repetition_penalty")
+
+
 def test_vocabulary_bounds_logprobs_and_top_k(edge_server):
     native = {"inputs": {"prompt": "Hi", "max_tokens": 2}, "stream": False}
     assert "vocabulary" in rejects(post(edge_server, "/v1/walks/llama", with_field(native, "logprobs", 10**9)), "logprobs")
@@ -115,6 +123,39 @@ def test_tensor_shapes_are_bounded(edge_server):
     assert post(edge_server, "/v1/walks/fixture-echo", tensor([2, 1], data)).status_code == 200
 
 
+def test_outputs_beyond_64_bit_ints_still_encode(edge_server):
+    """The echo model returns what it got; orjson cannot write 2**64, which ended the stream with a 500 event."""
+    resp = post(edge_server, "/v1/walks/fixture-echo", {"inputs": {"x": 2**64}, "stream": False})
+    assert resp.status_code == 200 and resp.json()["outputs"]["y"] == str(2**64)
+    with httpx.stream("POST", f"{edge_server.url}/v1/walks/fixture-echo", json={"inputs": {"x": -(2**70)}},
+                      headers=edge_server.headers, timeout=TIMEOUT) as r:
+        events = [json.loads(line) for line in r.iter_lines()]
+    assert [e["event"] for e in events] == ["output", "done"] and events[0]["value"] == str(-(2**70))
+
+
+def test_sampling_params_refuse_what_the_engine_cannot_run():
+    """The same checks without a server: every model that builds SamplingParams gets them."""
+    from mstar_core.errors import RequestError
+    from mstar_core.sampling import SamplingParams
+
+    for field, value in [("seed", 1.5), ("seed", 2**63), ("seed", -1), ("seed", True), ("max_tokens", 1.5),
+                         ("max_tokens", True), ("temperature", 1e-320), ("temperature", float("nan")),
+                         ("top_p", float("nan")), ("top_k", 2.0), ("logprobs", "3"), ("stop_token_ids", [1.5]),
+                         ("stop_token_ids", "ab"), ("stop_sequences", [[1], 2]), ("repetition_penalty", 0.0)]:
+        with pytest.raises(RequestError) as info:
+            SamplingParams.from_mapping({field: value})
+        assert info.value.param == field and f"'{field}'" in str(info.value), (field, value, str(info.value))
+    params = SamplingParams(temperature=1, seed=2**63 - 1, top_k=50, logprobs=5, stop_token_ids=[3])
+    assert params.temperature == 1.0 and isinstance(params.temperature, float)
+    assert params.check_vocab(50) is params
+    for vocab, alone in [(49, SamplingParams(top_k=50)), (4, SamplingParams(logprobs=5))]:
+        field = "top_k" if alone.top_k else "logprobs"
+        with pytest.raises(RequestError, match=f"'{field}' must be at most the vocabulary size {vocab}"):
+            alone.check_vocab(vocab)
+    with pytest.raises(RequestError, match="'stop_token_ids' has ids \\[3\\] outside the vocabulary"):
+        SamplingParams(stop_token_ids=[3]).check_vocab(3)
+
+
 def test_poisoned_requests_leave_the_node_serving(edge_server):
     """The old failure: a bad seed reached `manual_seed` inside the engine and froze every stream on the node."""
     for seed in (1.5, 2**64, "abc", float("inf")):
@@ -147,7 +188,7 @@ def test_audio_stream_failing_midway_is_cut_detectably(edge_server, fmt):
                 received += data
     header = 44 if fmt == "wav" else 0
     assert len(received) == header + 2 * 480, "the first chunk arrives whole, then the body is cut"
-    log = edge_server.output()
+    log = edge_server.serving_output()
     assert "stream cut mid-body" in log and "told to fail at chunk 1" in log
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
     # a healthy stream on the same connection pool still ends cleanly
