@@ -1,0 +1,332 @@
+"""`DiffusionEngine` (kind `diffusion`): denoising loops batched across requests, one step at a time.
+
+The loop itself is a `Loop` in the walk; each iteration calls a `role="step"` node once per request.
+The engine batches, in one `step()`, the calls of every request currently inside a loop, each row at
+its own sigma (requests join and leave between steps: continuous batching of diffusion). It holds
+no state for a request between its calls: everything a step needs (latents, step index, settings)
+comes with the call, so a request that stops mid-loop leaves nothing behind.
+
+Two node roles (option `role`):
+
+- `init`: draws the first latents, `N(0, I)` of the request's `latent_shape`, from a
+  `torch.Generator` seeded with the request's `seed` (on the CPU, one generator per request, so the
+  noise is the same whatever the batch and the device). Outputs `latents`, `timestep` (the first
+  step's), `sigma`, `seed` (as declared). It also checks the request's settings, so a bad
+  `num_steps` fails the request with a 400 before the walk's `Loop` reads it.
+- `step`: one Euler step `x <- x + (sigma[i+1] - sigma[i]) * v` at step index `step`, where `v` is
+  the guided velocity. It comes from the node's own module (a DiT called as `module(x, t, **cond)`,
+  every request's rows and guidance branches stacked in one forward), or, on a node without a
+  module, from inputs `velocity` (and `velocity_uncond`, `velocity_uncond_image` for guidance) that
+  another node computed earlier in the same iteration. Outputs `latents` (the next), `timestep` and
+  `sigma` (the next step's: what the velocity node takes on its next call), `guided_velocity`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import attrs
+import torch
+
+from mstar_core.errors import ConfigError, ModelLoadError, RequestError
+from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
+from mstar_diffusion import params
+from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
+from mstar_diffusion.guidance import Guidance, combine
+from mstar_diffusion.schedules import SigmaTable
+
+SETTINGS = ("max_batch_size", "max_rows")
+INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
+STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity")
+_BRANCHES = ("cond", "uncond", "uncond_image")
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One validated invocation, waiting for the next `step()`."""
+
+    inv: Invocation
+    latents: torch.Tensor | None = None  # step: x_t; init: None
+    shape: tuple[int, ...] = ()  # init: the latent shape to draw
+    seed: int = 0
+    sigma: float = 1.0
+    sigma_next: float = 0.0
+    dt: torch.Tensor | None = None  # float32 sigma_next - sigma, as the reference schedulers compute it
+    guidance: Guidance = attrs.field(factory=Guidance)
+    velocities: dict[str, torch.Tensor] = attrs.field(factory=dict)  # branch -> velocity (velocity nodes)
+    conds: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # branch -> module conditioning (DiT)
+
+
+class DiffusionEngine(Engine):
+    """Flow-matching denoising steps for many requests at once (see the module docstring for the node roles)."""
+
+    kind = "diffusion"
+    module_contract = DenoiserModule
+
+    def __init__(self, node: Any, module: Any, context: EngineContext):
+        super().__init__(node, module, context)
+        options = node.options
+        self.role = options.get("role", "step")
+        params.check_node_options(node, self.role)
+        unknown = sorted(set(context.settings) - set(SETTINGS))
+        if unknown:
+            raise ConfigError(f"node '{node.name}' (engine 'diffusion'): unknown engine settings {unknown}; "
+                              f"known: {', '.join(SETTINGS)}")
+        self.device = torch.device(context.device)
+        self.max_rows = int(context.settings.get("max_rows", 256))
+        self.timestep_scale = float(options.get("timestep_scale", 1.0))
+        self.schedule = options.get("schedule", "flow_euler")
+        self.template = options.get("latent_shape")
+        self.sigmas = SigmaTable()
+        self.outputs = set(node.outputs)
+        allowed = INIT_OUTPUTS if self.role == "init" else STEP_OUTPUTS
+        self._check_ports(allowed)
+        self.uses_module = self.role == "step" and "velocity" not in node.all_inputs
+        self.uncond_inputs = {
+            "uncond": dict(options.get("uncond_inputs") or {}),
+            "uncond_image": dict(options.get("uncond_image_inputs") or {}),
+        }
+        substitutes = {v for m in self.uncond_inputs.values() for v in m.values()}
+        self.cond_inputs = tuple(n for n in node.inputs if n not in params.LOOP_INPUTS and n not in params.SETTINGS
+                                 and n not in substitutes)
+        self.optional_cond = tuple(n for n in node.optional_inputs if n not in params.LOOP_INPUTS
+                                   and n not in params.SETTINGS and n not in substitutes)
+        if self.uses_module:
+            check_denoiser_module(module, node, self.cond_inputs, self.optional_cond)
+            self._check_substitutes()
+            first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
+            self.module_dtype = first.dtype if first is not None and first.dtype.is_floating_point else torch.float32
+        elif module is not None:
+            raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): a {self.role} node that "
+                                 f"{'reads input velocity' if self.role == 'step' else 'draws noise'} takes no module; "
+                                 "drop module= (a DiT step node has a module and no 'velocity' input)")
+        self.queue: deque[_Call] = deque()
+        self.answered: list[Result] = []
+        # gauges
+        self.num_steps = 0
+        self.num_forwards = 0
+        self.rows_total = 0
+        self.last_rows = 0
+        self.max_rows_seen = 0
+        self.max_requests_per_step = 0
+        self.mixed_sigma_steps = 0
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def add(self, invocation: Invocation) -> None:
+        try:
+            call = self._parse(invocation)
+        except Exception as exc:  # a bad input answers its own invocation, at the next step
+            self.answered.append((invocation, exc))
+            return
+        self.queue.append(call)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or bool(self.answered)
+
+    def step(self) -> list[Result]:
+        results, self.answered = self.answered, []
+        take = min(len(self.queue), self.max_batch_size)
+        if not take:
+            return results
+        batch = [self.queue.popleft() for _ in range(take)]
+        self.num_steps += 1
+        requests = {c.inv.request_id for c in batch}
+        self.max_requests_per_step = max(self.max_requests_per_step, len(requests))
+        if len({c.sigma for c in batch}) > 1:
+            self.mixed_sigma_steps += 1
+        with torch.inference_mode():
+            if self.role == "init":
+                results.extend(self._noise(c) for c in batch)
+            elif self.uses_module:
+                results.extend(self._denoise(batch))
+            else:
+                results.extend(self._update(c, c.velocities) for c in batch)
+        return results
+
+    def release(self, request_id: str) -> None:
+        self.queue = deque(c for c in self.queue if c.inv.request_id != request_id)
+        self.answered = [r for r in self.answered if r[0].request_id != request_id]
+
+    def active_requests(self) -> set[str]:
+        return {c.inv.request_id for c in self.queue} | {r[0].request_id for r in self.answered}
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "diffusion_steps": self.num_steps,
+            "diffusion_forwards": self.num_forwards,
+            "diffusion_rows_total": self.rows_total,
+            "diffusion_last_rows": self.last_rows,
+            "diffusion_max_rows": self.max_rows_seen,
+            "diffusion_max_requests_per_step": self.max_requests_per_step,
+            "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
+            "diffusion_queued": len(self.queue),
+        }
+
+    def close(self) -> None:
+        self.queue.clear()
+        self.answered.clear()
+
+    # -- intake -----------------------------------------------------------------------------------
+
+    def _parse(self, inv: Invocation) -> _Call:
+        node, inputs, options = inv.node, inv.inputs, inv.options
+        steps = params.num_steps(node, inputs, options)
+        shift = params.shift(node, inputs, options)
+        guidance = params.guidance(node, inputs, options)
+        sigmas = self.sigmas.get(self.schedule, steps, shift)
+        if self.role == "init":
+            shape = params.latent_shape(node, inputs, options)
+            return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=float(sigmas[0]),
+                         guidance=guidance)
+        index = params.step_index(node, inputs.get("step"), steps)
+        x = params.latents(node, inputs.get("latents"), self.template)
+        call = _Call(inv, latents=x, sigma=float(sigmas[index]), sigma_next=float(sigmas[index + 1]),
+                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance)
+        branches = ["cond"]
+        if guidance.text_active(call.sigma):
+            branches.append("uncond")
+            if guidance.image_active(call.sigma):
+                branches.append("uncond_image")
+        if self.uses_module:
+            call.conds = self._conds(inv, branches, guidance)
+        else:
+            for branch in branches:
+                name = "velocity" if branch == "cond" else f"velocity_{branch}"
+                if inputs.get(name) is None:
+                    raise RequestError(f"node '{node}': guidance applies at step {index} (sigma {call.sigma:.4g}) but "
+                                       f"input '{name}' is missing; send it or lower the guidance scale", param=name)
+                call.velocities[branch] = params.latents(node, inputs[name], tuple(x.shape), field=name)
+        return call
+
+    def _conds(self, inv: Invocation, branches: list[str], guidance: Guidance) -> dict[str, dict[str, torch.Tensor]]:
+        """Each guidance branch's conditioning: the node's inputs, with that branch's substitutes swapped in."""
+        node, inputs = inv.node, inv.inputs
+        # a request asking for guidance must bring its unconditional inputs, whatever step it starts at
+        needed = {"uncond": guidance.scale > 1.0, "uncond_image": guidance.scale > 1.0 and guidance.image_scale > 1.0}
+        for branch, wanted in needed.items():
+            for source in self.uncond_inputs[branch].values() if wanted else ():
+                if inputs.get(source) is None:
+                    raise RequestError(f"node '{node}': {'image ' if branch == 'uncond_image' else ''}guidance needs "
+                                       f"input '{source}'; send it or set the scale to 1", param=source)
+        base = {}
+        for name in (*self.cond_inputs, *self.optional_cond):
+            if name in inputs:
+                base[name] = _tensor(node, name, inputs[name])
+        conds = {"cond": base}
+        for branch in branches[1:]:
+            swapped = dict(base)
+            for target, source in self.uncond_inputs[branch].items():
+                swapped[target] = _tensor(node, source, inputs[source])
+                if swapped[target].shape != base.get(target, swapped[target]).shape:
+                    raise RequestError(f"node '{node}': input '{source}' must have the shape of '{target}' "
+                                       f"{list(base[target].shape)}, got {list(swapped[target].shape)}", param=source)
+            conds[branch] = swapped
+        return conds
+
+    # -- work -------------------------------------------------------------------------------------
+
+    def _noise(self, call: _Call) -> Result:
+        generator = torch.Generator(device="cpu").manual_seed(call.seed)
+        noise = torch.randn(call.shape, generator=generator, dtype=torch.float32).to(self.device)
+        out = {"latents": noise, "timestep": self._timestep(call.sigma), "sigma": call.sigma, "seed": call.seed}
+        return call.inv, {k: v for k, v in out.items() if k in self.outputs}
+
+    def _timestep(self, sigma: float) -> torch.Tensor:
+        return torch.tensor(sigma, dtype=torch.float32) * self.timestep_scale
+
+    def _update(self, call: _Call, velocities: dict[str, torch.Tensor]) -> Result:
+        try:
+            x = call.latents.to(self.device, torch.float32)
+            v = combine(call.guidance, call.sigma, *(velocities.get(b) for b in _BRANCHES)).to(self.device, torch.float32)
+            out = {
+                "latents": x + call.dt.to(self.device) * v,
+                "timestep": self._timestep(call.sigma_next),
+                "sigma": call.sigma_next,
+                "guided_velocity": v,
+            }
+        except Exception as exc:
+            return call.inv, exc
+        return call.inv, {k: val for k, val in out.items() if k in self.outputs}
+
+    def _denoise(self, batch: list[_Call]) -> list[Result]:
+        """Every call's branches as rows of as few forwards as shapes allow; each call then takes its own step."""
+        groups: dict[tuple, list[tuple[_Call, str]]] = {}
+        for call in batch:
+            for branch, cond in call.conds.items():
+                key = (tuple(call.latents.shape),
+                       tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(cond.items())))
+                groups.setdefault(key, []).append((call, branch))
+        velocities: dict[int, dict[str, torch.Tensor]] = {id(c): {} for c in batch}
+        failed: dict[int, BaseException] = {}
+        for rows in groups.values():
+            for start in range(0, len(rows), self.max_rows):
+                chunk = rows[start:start + self.max_rows]
+                try:
+                    out = self._forward(chunk)
+                except Exception:
+                    out = None
+                if out is not None:
+                    for (call, branch), v in zip(chunk, out, strict=True):
+                        velocities[id(call)][branch] = v
+                    continue
+                # a forward that raised: run each call's rows alone, so only the culprit fails
+                for call in {id(c): c for c, _ in chunk}.values():
+                    mine = [(c, b) for c, b in chunk if c is call]
+                    try:
+                        for (c, b), v in zip(mine, self._forward(mine), strict=True):
+                            velocities[id(c)][b] = v
+                    except Exception as exc:
+                        failed[id(call)] = exc
+        return [(c.inv, failed[id(c)]) if id(c) in failed else self._update(c, velocities[id(c)]) for c in batch]
+
+    def _forward(self, rows: list[tuple[_Call, str]]) -> list[torch.Tensor]:
+        x = torch.stack([c.latents for c, _ in rows]).to(self.device, self.module_dtype)
+        t = torch.stack([self._timestep(c.sigma) for c, _ in rows]).to(self.device)
+        names = rows[0][0].conds[rows[0][1]].keys()
+        cond = {n: torch.stack([c.conds[b][n] for c, b in rows]).to(self.device) for n in names}
+        self.num_forwards += 1
+        self.last_rows = len(rows)
+        self.rows_total += len(rows)
+        self.max_rows_seen = max(self.max_rows_seen, len(rows))
+        v = self.module(x, t, **cond)
+        if not isinstance(v, torch.Tensor) or v.shape != x.shape:
+            shown = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"node '{self.node.name}': the module returned {shown} for latents {list(x.shape)}; "
+                             "it must return one velocity per latent, shaped like x")
+        return list(v.to(torch.float32).unbind(0))
+
+    def _check_ports(self, allowed: tuple[str, ...]) -> None:
+        extra = sorted(self.outputs - set(allowed))
+        if extra:
+            raise ModelLoadError(f"node '{self.node.name}' (engine 'diffusion', role {self.role!r}): unknown outputs "
+                                 f"{extra}; a {self.role} node produces {', '.join(allowed)}")
+        if "latents" not in self.outputs:
+            raise ModelLoadError(f"node '{self.node.name}' (engine 'diffusion'): declare output 'latents'")
+        inputs = set(self.node.all_inputs)
+        if self.role == "step":
+            missing = [n for n in ("latents", "step") if n not in inputs]
+            if missing:
+                raise ModelLoadError(f"node '{self.node.name}' (engine 'diffusion'): a step node needs inputs {missing} "
+                                     "(map 'step' to the loop's index: NodeCall(node, inputs={'step': 'loop_index'}))")
+
+    def _check_substitutes(self) -> None:
+        for branch, mapping in self.uncond_inputs.items():
+            for target, source in mapping.items():
+                if target not in self.cond_inputs + self.optional_cond or source not in self.node.all_inputs:
+                    option = "uncond_inputs" if branch == "uncond" else "uncond_image_inputs"
+                    raise ModelLoadError(
+                        f"node '{self.node.name}' (engine 'diffusion'): option {option} maps {target!r} -> {source!r}, "
+                        f"but both must be node inputs, the first a conditioning input of the module "
+                        f"({', '.join(self.cond_inputs + self.optional_cond) or 'none'})")
+
+
+def _tensor(node: str, name: str, value: Any) -> torch.Tensor:
+    """Conditioning as a tensor (ints and floats, e.g. class labels, become 0-d tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return torch.tensor(value)
+    raise RequestError(f"node '{node}': conditioning input '{name}' must be a tensor or a number, "
+                       f"got {type(value).__name__}", param=name)
