@@ -21,7 +21,6 @@ import secrets
 import shutil
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.launchers import shm_path
 from mstar_core.runtime.launchers.spawn import spawn_worker
 from mstar_core.runtime.refusals import RefusalLog
+from mstar_core.runtime.remote_node import RemoteNodeScheduler, ReplicaGroup
 from mstar_core.runtime.remote_values import to_wire
 from mstar_core.runtime.supervision import Supervisor
 from mstar_core.runtime.worker_link import RemoteError, WorkerLink, WorkerLost
@@ -65,8 +65,6 @@ log = logging.getLogger("mstar.cluster")
 
 #: Sessions of lost workers remembered, to tell a worker that wakes up later to leave.
 RETIRED_SESSIONS = 64
-
-_WorkerState = WorkerLink  # the name earlier code and tests used
 
 
 class Cluster:
@@ -468,65 +466,3 @@ class Cluster:
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-
-class ReplicaGroup:
-    """The replicas of one worker group: a new request goes to a ready one, a started request stays on its own.
-
-    The choice is a hash of the request id over the replicas ready when it starts (over all of
-    them when none is, so the request fails at once with WorkerLost). It is shared by every node
-    on the group, so one request's nodes (and a loop delegated to them) meet on the same replica.
-    """
-
-    def __init__(self, cluster: Cluster, replicas: tuple[str, ...]):
-        self.cluster = cluster
-        self.replicas = replicas
-        self._sticky: dict[str, str] = {}
-
-    def pick(self, request_id: str) -> str:
-        replica = self._sticky.get(request_id)
-        if replica is None:
-            ready = [r for r in self.replicas if self._ready(r)] or list(self.replicas)
-            replica = self._sticky[request_id] = ready[zlib.crc32(request_id.encode()) % len(ready)]
-        return replica
-
-    def _ready(self, replica: str) -> bool:
-        state = self.cluster.workers.get(replica)
-        return state is not None and state.ready
-
-    def release(self, request_id: str) -> None:
-        replica = self._sticky.pop(request_id, None)
-        if replica is not None:
-            self.cluster.release(replica, request_id)
-
-
-class RemoteNodeScheduler:
-    """Stands in for a `NodeScheduler` whose engine lives in worker processes (see `ReplicaGroup`)."""
-
-    def __init__(self, cluster: Cluster, model: str, node: str, replicas: list[str]):
-        self.cluster = cluster
-        self.model = model
-        self.node = node
-        self.replicas = replicas
-        self.group = cluster.replica_group(replicas)
-
-    def replica_for(self, request_id: str) -> str:
-        return self.group.pick(request_id)
-
-    def submit(self, invocation: Invocation) -> asyncio.Future:
-        return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)
-
-    def release(self, request_id: str) -> None:
-        self.group.release(request_id)
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """This node's engine gauges on each live replica, from its last heartbeat."""
-        key = f"{self.model}/{self.node}"
-        out = {}
-        for replica in self.replicas:
-            state = self.cluster.workers.get(replica)
-            if state is not None and state.alive and key in state.load:
-                out[replica] = state.load[key]
-        return out
-
-    async def close(self) -> None:
-        return None

@@ -26,8 +26,8 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
 from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.loop_host import LoopHostConductor
 from mstar_core.runtime.refusals import RefusalLog
-from mstar_core.runtime.remote_loop import LoopHostConductor
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (

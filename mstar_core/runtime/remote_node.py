@@ -1,0 +1,75 @@
+"""Nodes whose engines live in worker processes, as the conductor sees them: schedulers over replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from mstar_core.runtime.engine import Invocation
+
+if TYPE_CHECKING:
+    from mstar_core.runtime.cluster import Cluster
+
+
+class ReplicaGroup:
+    """The replicas of one worker group: a new request goes to a ready one, a started request stays on its own.
+
+    The choice is a hash of the request id over the replicas ready when it starts (over all of
+    them when none is, so the request fails at once with WorkerLost). It is shared by every node
+    on the group, so one request's nodes (and a loop delegated to them) meet on the same replica.
+    """
+
+    def __init__(self, cluster: Cluster, replicas: tuple[str, ...]):
+        self.cluster = cluster
+        self.replicas = replicas
+        self._sticky: dict[str, str] = {}
+
+    def pick(self, request_id: str) -> str:
+        replica = self._sticky.get(request_id)
+        if replica is None:
+            ready = [r for r in self.replicas if self._ready(r)] or list(self.replicas)
+            replica = self._sticky[request_id] = ready[zlib.crc32(request_id.encode()) % len(ready)]
+        return replica
+
+    def _ready(self, replica: str) -> bool:
+        state = self.cluster.workers.get(replica)
+        return state is not None and state.ready
+
+    def release(self, request_id: str) -> None:
+        replica = self._sticky.pop(request_id, None)
+        if replica is not None:
+            self.cluster.release(replica, request_id)
+
+
+class RemoteNodeScheduler:
+    """Stands in for a `NodeScheduler` whose engine lives in worker processes (see `ReplicaGroup`)."""
+
+    def __init__(self, cluster: Cluster, model: str, node: str, replicas: list[str]):
+        self.cluster = cluster
+        self.model = model
+        self.node = node
+        self.replicas = replicas
+        self.group = cluster.replica_group(replicas)
+
+    def replica_for(self, request_id: str) -> str:
+        return self.group.pick(request_id)
+
+    def submit(self, invocation: Invocation) -> asyncio.Future:
+        return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)
+
+    def release(self, request_id: str) -> None:
+        self.group.release(request_id)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """This node's engine gauges on each live replica, from its last heartbeat."""
+        key = f"{self.model}/{self.node}"
+        out = {}
+        for replica in self.replicas:
+            state = self.cluster.workers.get(replica)
+            if state is not None and state.alive and key in state.load:
+                out[replica] = state.load[key]
+        return out
+
+    async def close(self) -> None:
+        return None
