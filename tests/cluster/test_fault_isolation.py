@@ -156,3 +156,45 @@ async def test_a_client_error_in_a_worker_stays_a_client_error():
         assert (await engine.generate("fixture-blob", {"x": 41}))["y"] == 42  # the worker serves on
     finally:
         await engine.close()
+
+
+async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_new_one_is_reloaded(monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    secret = "correct horse battery staple"
+    monkeypatch.setenv("MSTAR_SECRET", secret)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    def join():
+        return subprocess.Popen([sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", "far"],
+                                env={**os.environ, "MSTAR_JOIN_TIMEOUT": "30"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    placement = Placement.from_dict({"workers": {"far": {"host": "127.0.0.2"}}, "nodes": {"gen": "far"},
+                                     "control": {"bind": address, "heartbeat_interval": 0.2}})
+    engine = AsyncEngine(discover())
+    first_worker = join()
+    second_worker = None
+    try:
+        await asyncio.wait_for(engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement), 90)
+        far = engine.cluster.workers["far"]
+        os.kill(first_worker.pid, signal.SIGSTOP)
+        await until(lambda: not far.alive, 10, "the hung worker to be declared lost")
+        with pytest.raises(WorkerLost):
+            await engine.generate("fixture-stream", {"start": 0, "stop": 3})
+        os.kill(first_worker.pid, signal.SIGCONT)  # it wakes up: its old session earns it a Shutdown, nothing more
+        out, _ = await asyncio.to_thread(first_worker.communicate, timeout=30)
+        assert first_worker.returncode == 0 and "declared this worker lost" in out
+        second_worker = join()
+        await until(lambda: far.ready, 60, "the new worker to join and reload the model")
+        assert (await asyncio.wait_for(engine.generate("fixture-stream", {"start": 0, "stop": 3}), 30))["token"] == 3
+    finally:
+        await engine.close()
+        for p in (first_worker, second_worker):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
