@@ -30,6 +30,6 @@ def test_sigterm_drains_in_flight_stream():
         while srv.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert srv.proc.returncode in (0, -signal.SIGTERM), srv.output()
-        assert "Traceback" not in srv.output(), srv.output()
+        assert "Traceback" not in srv.serving_output(), srv.serving_output()
     finally:
         srv.stop()
