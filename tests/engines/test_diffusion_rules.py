@@ -263,3 +263,11 @@ def test_the_plugin_registers_the_engine_kind():
     from mstar_core.plugins.manager import default_registry
 
     assert default_registry().engines.get("diffusion") is DiffusionEngine
+
+
+def test_an_unknown_call_option_fails_the_call_naming_the_known_ones():
+    engine = _engine(_euler_node())
+    inputs = {"latents": torch.zeros(2, 3), "step": 0, "num_steps": 2, "velocity": torch.ones(2, 3)}
+    out = _run(engine, Invocation("r", "euler", inputs, {"sheduler": "flow_euler"}))
+    assert isinstance(out["r"], ValueError) and not isinstance(out["r"], RequestError)
+    assert "sheduler" in str(out["r"]) and "schedule" in str(out["r"])

@@ -172,6 +172,10 @@ class DiffusionEngine(Engine):
 
     def _parse(self, inv: Invocation) -> _Call:
         node, inputs, options = inv.node, inv.inputs, inv.options
+        unknown = params.unknown_options(options)
+        if unknown:  # a walk's per-call option the engine would otherwise ignore: the model is wrong, not the request
+            raise ValueError(f"node '{node}' (engine 'diffusion'): unknown call options {unknown}; "
+                             f"known: {', '.join(sorted(params.KNOWN_OPTIONS))}")
         steps = params.num_steps(node, inputs, options)
         shift = params.shift(node, inputs, options)
         guidance = params.guidance(node, inputs, options)
@@ -285,7 +289,7 @@ class DiffusionEngine(Engine):
         x = torch.stack([c.latents for c, _ in rows]).to(self.device, self.module_dtype)
         t = torch.stack([self._timestep(c.sigma) for c, _ in rows]).to(self.device)
         names = rows[0][0].conds[rows[0][1]].keys()
-        cond = {n: torch.stack([c.conds[b][n] for c, b in rows]).to(self.device) for n in names}
+        cond = {n: _to(torch.stack([c.conds[b][n] for c, b in rows]), self.device, self.module_dtype) for n in names}
         self.num_forwards += 1
         self.last_rows = len(rows)
         self.rows_total += len(rows)
@@ -320,6 +324,11 @@ class DiffusionEngine(Engine):
                         f"node '{self.node.name}' (engine 'diffusion'): option {option} maps {target!r} -> {source!r}, "
                         f"but both must be node inputs, the first a conditioning input of the module "
                         f"({', '.join(self.cond_inputs + self.optional_cond) or 'none'})")
+
+
+def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """On the device; floating-point conditioning in the module's dtype (integer labels stay integers)."""
+    return value.to(device, dtype) if value.dtype.is_floating_point else value.to(device)
 
 
 def _tensor(node: str, name: str, value: Any) -> torch.Tensor:

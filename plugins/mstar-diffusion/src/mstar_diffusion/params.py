@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ModelLoadError, RequestError
 from mstar_core.sampling import check_int, check_number, check_seed, is_integer
 from mstar_diffusion.guidance import RENORM_MODES, Guidance
 from mstar_diffusion.schedules import SCHEDULES
@@ -42,6 +42,8 @@ NODE_OPTIONS = (
     "uncond_image_inputs",  # DiT nodes: {conditioning input: its image-unconditional counterpart}
     "inline",            # read by the runtime's scheduler
 )
+
+KNOWN_OPTIONS = frozenset(NODE_OPTIONS) | frozenset(SETTINGS)
 
 #: The inputs the engine itself reads; a DiT node's other inputs are the module's conditioning.
 LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image")
@@ -167,15 +169,16 @@ def step_index(node: str, value: Any, steps: int) -> int:
     return _checked(node, check_int, value, "step", 0, steps - 1)
 
 
+def unknown_options(options: Mapping[str, Any]) -> list[str]:
+    return sorted(set(options) - KNOWN_OPTIONS)
+
+
 def check_node_options(node: Any, role: str) -> None:
     """Unknown or ill-typed static options fail the model's load, naming the node and the known options."""
-    from mstar_core.errors import ModelLoadError
-
-    known = set(NODE_OPTIONS) | set(SETTINGS)
-    unknown = sorted(set(node.options) - known)
+    unknown = unknown_options(node.options)
     if unknown:
         raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): unknown options {unknown}; "
-                             f"known: {', '.join(sorted(known))}")
+                             f"known: {', '.join(sorted(KNOWN_OPTIONS))}")
     if role not in ("init", "step"):
         raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): option role must be 'init' or 'step', got {role!r}")
     schedule = node.options.get("schedule", "flow_euler")
