@@ -35,9 +35,10 @@ class RemoteRequestError(RequestError):
 
 def remote_failure(node: str, request_id: str, error: str, error_type: str | None, status: int | None) -> Exception:
     """The exception a worker's error report becomes here: a 4xx stays a 4xx, anything else is a 500."""
-    text = f"{error_type or 'Error'}: {error}"
-    ok = type(status) is int and 400 <= status <= 599
-    cause = RemoteRequestError(text, status=status) if ok else RemoteError(text)
+    if type(status) is int and 400 <= status <= 599:
+        cause: Exception = RemoteRequestError(error, status=status)
+    else:
+        cause = RemoteError(f"{error_type or 'Error'}: {error}")
     return NodeExecutionError(node, request_id, cause)
 
 

@@ -158,6 +158,17 @@ async def test_a_client_error_in_a_worker_stays_a_client_error():
         await engine.close()
 
 
+async def test_a_client_error_inside_a_delegated_loop_stays_a_client_error():
+    engine = await served({"workers": {"gen": {}}, "nodes": {"gen": "gen"}})
+    try:
+        assert engine._runtime("fixture-stream").conductor.remote_loops  # the loop runs on the worker
+        with pytest.raises(RequestError, match="start -2 is refused") as raised:
+            await asyncio.wait_for(engine.generate("fixture-stream", {"start": -2, "stop": 5}), 15)
+        assert raised.value.status == 422
+    finally:
+        await engine.close()
+
+
 async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_new_one_is_reloaded(monkeypatch):
     import socket
     import subprocess

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from mstar_core.errors import RequestError
 from mstar_core.graph import DynamicLoop, Graph, GraphNode, StreamingGraphEdge, Walk
 from mstar_core.model import LoadedModel, ModelSpec
 from mstar_core.runtime.engine import Engine
@@ -40,6 +41,9 @@ class CounterEngine(Engine):
             vec = torch.full((3,), float(n))
             if inv.inputs["start"] == -1:  # a value no wire format carries (for the worker tests)
                 vec = vec.to_sparse()
+            if inv.inputs["start"] == -2:  # the client's mistake, found by the engine (its status must survive)
+                out.append((inv, RequestError("start -2 is refused", status=422)))
+                continue
             out.append((inv, {"token": n, "vec": vec}))
         return out
 
