@@ -146,6 +146,7 @@ def test_cancel_mid_loop_frees_everything(dit):
             start = node.num_steps
             while node.num_steps < start + 10:
                 await asyncio.sleep(0.002)
+            assert not long.done  # mid-loop: 10 steps in, 890 to go
             long.cancel()
             with pytest.raises(RequestError):
                 await long.result()
@@ -154,6 +155,8 @@ def test_cancel_mid_loop_frees_everything(dit):
                 if not node.active_requests():
                     break
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert node.num_steps - start < 100  # the cancelled loop stopped; it did not run on unseen
             return node, survivor_alone, survived
         finally:
             await engine.close()
