@@ -8,10 +8,10 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import orjson
 from fastapi import Request
 
 from mstar_core.api.errors import ApiError, error_body, from_request_error
+from mstar_core.api.responses import json_bytes
 from mstar_core.errors import MStarError, RequestCancelled, RequestError
 
 log = logging.getLogger("mstar.api")
@@ -19,7 +19,7 @@ log = logging.getLogger("mstar.api")
 
 def sse(payload: Any) -> bytes:
     """One server-sent event carrying JSON (or a literal string such as [DONE])."""
-    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    data = payload.encode() if isinstance(payload, str) else json_bytes(payload)
     return b"data: " + data + b"\n\n"
 
 

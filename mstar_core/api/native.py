@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
@@ -16,7 +15,7 @@ from mstar_core.api.common import (
     submit,
 )
 from mstar_core.api.errors import ApiError
-from mstar_core.api.responses import OrjsonResponse
+from mstar_core.api.responses import OrjsonResponse, json_bytes
 from mstar_core.api.schemas import ERROR_RESPONSES, WalkRequest
 from mstar_core.api.tensors import decode_inputs, encode_value
 from mstar_core.errors import RequestError
@@ -25,7 +24,7 @@ from mstar_core.sampling import check_fields
 router = APIRouter()
 
 def _line(obj: Any) -> bytes:
-    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    return json_bytes(obj) + b"\n"
 
 
 def _outputs(loaded: Any, env: dict[str, Any], wanted: list[str] | None) -> dict[str, Any]:

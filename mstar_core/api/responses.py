@@ -14,11 +14,36 @@ from mstar_core.errors import RequestError
 log = logging.getLogger("mstar.api")
 
 
+def json_bytes(obj: Any) -> bytes:
+    """JSON bytes via orjson (numpy included); text it cannot write as UTF-8 is replaced rather than fatal.
+
+    A JSON body may carry a lone surrogate ("\\ud800"), which Python's parser accepts; when such text comes
+    back in an output or an error message, orjson refuses it, and that must not turn an answer into a 500.
+    """
+    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+    try:
+        return orjson.dumps(obj, option=option)
+    except orjson.JSONEncodeError as exc:
+        if "surrogates" not in str(exc):
+            raise
+        return orjson.dumps(_valid_utf8(obj), option=option)
+
+
+def _valid_utf8(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_valid_utf8(k): _valid_utf8(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_utf8(v) for v in value]
+    return value
+
+
 class OrjsonResponse(JSONResponse):
     """JSONResponse rendered by orjson."""
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+        return json_bytes(content)
 
 
 class CutOnErrorStreamingResponse(StreamingResponse):

@@ -27,9 +27,11 @@ EXAMPLES = int(os.environ.get("MSTAR_EDGE_FUZZ_EXAMPLES", "50"))  # per route; r
 EDGE_NUMBERS = [0, 1, -1, 2, 7, 64, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**70, -(2**70), 10**30,
                 0.0, -0.0, 0.5, 1.5, 2.0, 1e-5, 1e-6, 1e-320, 5e-324, 1e308, -1e308,
                 float("inf"), float("-inf"), float("nan"), True, False]
-WRONG_TYPES = ["", "abc", "1", None, [], [1], {}, {"a": 1}, [[0.5]]]
+LONE_SURROGATE = "\ud800"  # valid in a JSON string escape, not writable as UTF-8
+WRONG_TYPES = ["", "abc", "1", LONE_SURROGATE, None, [], [1], {}, {"a": 1}, [[0.5]]]
 #: What the sweep sends to every field of every route, one field at a time.
-SWEEP = [1.5, 2**64, 2**63, -1, 0, 1e-320, float("inf"), float("nan"), True, "abc", None, [1], {"a": 1}]
+SWEEP = [1.5, 2**64, 2**63, -1, 0, 1e-320, float("inf"), float("nan"), True, "abc", LONE_SURROGATE, None, [1],
+         {"a": 1}]
 edge_numbers = st.sampled_from(EDGE_NUMBERS)
 scalars = st.one_of(  # the edge values twice: they are where validation goes wrong
     edge_numbers, edge_numbers, st.integers(min_value=-10, max_value=64),
@@ -129,7 +131,7 @@ def mutated(draw, base: dict, fields: dict):
         if name not in KEPT:
             body.pop(name, None)
     if draw(st.integers(0, 9)) == 0:
-        body[draw(st.text(min_size=1, max_size=8))] = draw(junk)
+        body[draw(st.one_of(st.text(min_size=1, max_size=8), st.just(LONE_SURROGATE)))] = draw(junk)
     return body
 
 

@@ -133,6 +133,15 @@ def test_outputs_beyond_64_bit_ints_still_encode(edge_server):
     assert [e["event"] for e in events] == ["output", "done"] and events[0]["value"] == str(-(2**70))
 
 
+def test_lone_surrogates_in_echoed_text_do_not_break_the_answer(edge_server):
+    """JSON may carry "\\ud800"; orjson cannot write it back, which made echoes and error messages 500s."""
+    resp = post(edge_server, "/v1/walks/fixture-echo", {"inputs": {"x": "a\ud800"}, "stream": False})
+    assert resp.status_code == 200 and resp.json()["outputs"]["y"] == "a?"
+    bad_tensor = {"dtype": "complex7", "shape": [1], "data": ""}
+    err = post(edge_server, "/v1/walks/fixture-echo", {"inputs": {"\ud800": bad_tensor}}).json()["error"]
+    assert "inputs.?.dtype" in err["message"]
+
+
 def test_sampling_params_refuse_what_the_engine_cannot_run():
     """The same checks without a server: every model that builds SamplingParams gets them."""
     from mstar_core.errors import RequestError
