@@ -50,7 +50,7 @@ def test_chat_template_matches_transformers(tiny):
         ({"prompt": "a", "seed": 2**64}, r"'seed' must be an integer in \[0, 2\*\*63 - 1\]"),
         ({"prompt": "a", "logprobs": 10**9}, "'logprobs' must be at most the vocabulary size"),
         ({"prompt": "a", "top_k": 10**6}, "'top_k' must be at most the vocabulary size"),
-        ({"prompt": "a", "temperature": 1e-320}, "'temperature' must be 0 .greedy. or at least 1e-05"),
+        ({"prompt": "a", "temperature": 1e-320}, "'temperature' must be 0 .greedy. or in \\[1e-05, 100000\\]"),
         ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
         ({"input_ids": [1] * 5000}, "at most"),
     ],
