@@ -127,7 +127,9 @@ class Registry:
             self.plugins.append(info)
         info.error = error
         self.pm.unregister(name=name)  # none of its hooks run again
-        log.warning("plugin %s from distribution %s failed to register: %s", name, info.distribution, error, exc_info=exc)
+        # one line, like a failed import; the traceback is for whoever debugs that plugin
+        log.warning("plugin %s from distribution %s failed to register: %s", name, info.distribution, error)
+        log.debug("traceback of plugin %s's failed registration", name, exc_info=exc)
 
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if not p.loaded]
