@@ -279,6 +279,7 @@ class AsyncEngine:
         missing = [n for n in graph.walks[walks[0]].inputs if n not in env] if walks else []
         if missing:
             raise RequestError(f"walk '{walks[0]}' of model '{model}' needs inputs {missing}; got {sorted(env)}")
+        self._check_workers(runtime)
         rid = request_id or f"{self._id_prefix}-{next(self._ids)}"
         if rid in self._handles:
             raise RequestError(f"request id '{rid}' is already in use")
@@ -288,6 +289,20 @@ class AsyncEngine:
         task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout), name=f"mstar-req-{rid}")
         handle._attach(task)
         return handle
+
+    @staticmethod
+    def _check_workers(runtime: _ModelRuntime) -> None:
+        """Refuse a new request up front (503, retryable) while a node it may need has no ready worker.
+
+        Admitted, it would start (an HTTP route may already have sent its 200) and then fail when
+        it reaches that node: a truncated answer instead of a clean retry.
+        """
+        for scheduler in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
+            why = scheduler.unavailable() if hasattr(scheduler, "unavailable") else None
+            if why is not None:
+                from mstar_core.runtime.worker_link import WorkerLost
+
+                raise WorkerLost(f"{why}; retry the request shortly")
 
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None) -> dict:
         if self._slots is None:

@@ -32,6 +32,10 @@ class ReplicaGroup:
             replica = self._sticky[request_id] = ready[zlib.crc32(request_id.encode()) % len(ready)]
         return replica
 
+    def down(self) -> bool:
+        """True while no replica is ready (all dead or restarting): a new request could only fail."""
+        return not any(self._ready(r) for r in self.replicas)
+
     def _ready(self, replica: str) -> bool:
         state = self.cluster.workers.get(replica)
         return state is not None and state.ready
@@ -54,6 +58,12 @@ class RemoteNodeScheduler:
 
     def replica_for(self, request_id: str) -> str:
         return self.group.pick(request_id)
+
+    def unavailable(self) -> str | None:
+        """Why a new request cannot use this node now (no replica ready), or None."""
+        if self.group.down():
+            return f"node '{self.node}' of model '{self.model}' has no ready worker ({', '.join(self.replicas)} restarting)"
+        return None
 
     def submit(self, invocation: Invocation) -> asyncio.Future:
         return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)

@@ -27,6 +27,9 @@ log = logging.getLogger("mstar.cluster")
 MISSED_BEATS = 5
 #: Never declare a worker hung sooner than this: a busy host delays beats by a few hundred ms.
 MIN_SILENCE_S = 1.0
+#: Silence allowed while a worker loads its models: it serves nothing yet, so waiting costs no request,
+#: and a loaded host (weights being read, imports holding the GIL) can starve its beats for seconds.
+LOADING_SILENCE_S = 30.0
 #: A worker that stayed ready this long restarts without back-off next time it dies.
 STABLE_S = 30.0
 #: When the supervisor itself ran this late (its own process stalled), that time does not count as silence.
@@ -65,7 +68,7 @@ class Supervisor:
         process = state.process
         if process is not None and process.poll() is not None:
             self.lost(state, f"exited with code {process.returncode}")
-        elif now - state.last_seen > self.silence_s:
+        elif now - state.last_seen > (self.silence_s if state.ready else max(self.silence_s, LOADING_SILENCE_S)):
             self.lost(state, f"stopped answering heartbeats for {now - state.last_seen:.1f}s (hung); killed it",
                       kill=True)
 
