@@ -25,6 +25,11 @@ MIN_TEMPERATURE = 1e-5
 MAX_SCALE = 1e5
 #: Upper bound of integer lengths (`max_tokens`, `top_k`, `logprobs`); far above any vocabulary or context.
 MAX_COUNT = 2**31 - 1
+#: OpenAI's bounds: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+#: The most log-probabilities returned per token on the OpenAI routes (`top_logprobs`, completions' `logprobs`).
+MAX_TOP_LOGPROBS = 20
 
 
 def _fail(field: str, message: str) -> RequestError:
@@ -107,6 +112,37 @@ def _sequences(value: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], 
     return tuple(sequences)
 
 
+def check_logit_bias(value: Any, field: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """`{token id: bias}` (ids as JSON object keys, so strings of digits; ints too; or a list of `[id, bias]` pairs)
+    as sorted `(id, bias)` pairs.
+
+    Each bias is a finite number in [-100, 100], added to the token's logit before sampling (-100 in effect bans
+    the token, 100 all but forces it). Ids are checked against the vocabulary by `SamplingParams.check_vocab`.
+    """
+    if isinstance(value, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        # the normalised pairs (attrs.evolve, or after a trip over the wire as lists): checked again all the same
+        if any(isinstance(p[0], list | tuple | Mapping) for p in value):
+            raise _fail(field, f"keys must be token ids, got {_show(value)}")
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise _fail(field, f"must be an object mapping token ids to biases, got {_show(value)}")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            token = int(key)
+        if not is_integer(token) or not 0 <= token <= MAX_COUNT:
+            raise _fail(field, f"keys must be token ids (non-negative integers as strings), got {_show(key)}")
+        try:
+            number = check_number(bias, field)
+        except RequestError as exc:
+            raise _fail(field, f"biases must be finite numbers, got {_show(bias)} for token {token}") from exc
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise _fail(field, f"biases must be in [-100, 100], got {_show(bias)} for token {token}")
+        pairs[int(token)] = number
+    return tuple(sorted(pairs.items()))
+
+
 def _show(value: Any) -> str:
     """A short rendering of a rejected value (huge ints and long strings are cut)."""
     text = repr(value)
@@ -122,6 +158,9 @@ FIELD_CHECKS = {
     # logits are divided or multiplied by it, so it has the temperature's finite range (1 disables it)
     "repetition_penalty": lambda v, f: _in_range(v, f, lambda x: MIN_TEMPERATURE <= x <= MAX_SCALE,
                                                  f"[{MIN_TEMPERATURE:g}, {MAX_SCALE:g}]"),
+    "presence_penalty": lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
+    "frequency_penalty": lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
+    "logit_bias": check_logit_bias,
     "max_tokens": lambda v, f: check_int(v, f, 1, MAX_COUNT),
     "seed": check_seed,
     "logprobs": lambda v, f: check_int(v, f, 0, MAX_COUNT),
@@ -153,10 +192,18 @@ class SamplingParams:
     `stop_token_ids` end generation when sampled (the stop token is returned with
     `finish_reason="stop"`); `stop_sequences` are token-id sequences matched against the generated
     tokens; `max_tokens` counts tokens sampled by the engine for one cache label. `logprobs=k`
-    also returns the k most likely tokens with their log-probabilities (0 = only the chosen one).
-    Bounds: temperature 0 or in [1e-5, 1e5]; repetition_penalty in [1e-5, 1e5]; seed in [0, 2**63 - 1]; lengths
-    are integers. Fields that depend on the vocabulary (`top_k`, `logprobs`, token ids) are checked by
-    `check_vocab` at prepare time.
+    also returns the k most likely tokens with their log-probabilities (0 = only the chosen one);
+    log-probabilities are the model's, before any penalty, bias or sampling transform.
+
+    Logit adjustments, applied in this order before temperature and the filters:
+    `logit_bias` (`(token id, bias)` pairs) adds each bias to its token's logit; `repetition_penalty`
+    divides positive and multiplies negative logits of every token in the sequence so far, prompt
+    included (transformers' `RepetitionPenaltyLogitsProcessor`, the CTRL paper's rule); then
+    `frequency_penalty * count + presence_penalty * (count > 0)` is subtracted, counting each token's
+    occurrences among the *generated* tokens only (OpenAI's documented formula; vLLM counts the same).
+    Bounds: temperature 0 or in [1e-5, 1e5]; repetition_penalty in [1e-5, 1e5]; presence and frequency
+    penalties in [-2, 2]; biases in [-100, 100]; seed in [0, 2**63 - 1]; lengths are integers. Fields that
+    depend on the vocabulary (`top_k`, `logprobs`, token ids) are checked by `check_vocab` at prepare time.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_checked("temperature"))
@@ -164,6 +211,9 @@ class SamplingParams:
     top_p: float = attrs.field(default=1.0, converter=_checked("top_p"))
     min_p: float = attrs.field(default=0.0, converter=_checked("min_p"))
     repetition_penalty: float = attrs.field(default=1.0, converter=_checked("repetition_penalty"))
+    presence_penalty: float = attrs.field(default=0.0, converter=_checked("presence_penalty"))
+    frequency_penalty: float = attrs.field(default=0.0, converter=_checked("frequency_penalty"))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_checked("logit_bias"))
     max_tokens: int = attrs.field(default=256, converter=_checked("max_tokens"))
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_sequences)
@@ -176,17 +226,24 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def check_vocab(self, vocab_size: int) -> SamplingParams:
-        """Refuse `top_k`, `logprobs` and stop token ids beyond a vocabulary of `vocab_size`; return self."""
+        """Refuse `top_k`, `logprobs`, stop and bias token ids beyond a vocabulary of `vocab_size`; return self."""
         if self.top_k > vocab_size:
             raise _fail("top_k", f"must be at most the vocabulary size {vocab_size} (0 disables it), got {self.top_k}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise _fail("logprobs", f"must be at most the vocabulary size {vocab_size}, got {self.logprobs}")
         for field, ids in (("stop_token_ids", self.stop_token_ids),
-                           ("stop_sequences", [t for seq in self.stop_sequences for t in seq])):
+                           ("stop_sequences", [t for seq in self.stop_sequences for t in seq]),
+                           ("logit_bias", [t for t, _ in self.logit_bias])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise _fail(field, f"has ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         return self
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty or bias changes the logits before sampling."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:

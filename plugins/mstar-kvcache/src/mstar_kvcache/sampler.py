@@ -6,6 +6,9 @@ finds its cut with a histogram of log-probabilities (only the one bucket the cut
 ranked exactly), min-p compares with the row maximum. The draw is one uniform number per row
 from that request's own generator, mapped through the cumulative distribution of the kept
 tokens in vocabulary order, so a seeded request gets the same tokens whatever shares its batch.
+
+Before all that, `adjust_logits` applies the rows' logit biases and penalties (see `SamplingParams`);
+a batch in which no row sets one skips it after one look at the parameters.
 """
 
 from __future__ import annotations
@@ -49,6 +52,58 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
     target.scatter_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
     if not whole:
         logits[torch.tensor(rows, device=dev)] = target
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> None:
+    """Add each row's `(token id, bias)` pairs to its logits, in place."""
+    rows = [i for i, pairs in enumerate(biases) for _ in pairs]
+    if not rows:
+        return
+    dev = logits.device
+    cols = torch.tensor([t for pairs in biases for t, _ in pairs], device=dev)
+    vals = torch.tensor([b for pairs in biases for _, b in pairs], device=dev, dtype=logits.dtype)
+    logits.index_put_((torch.tensor(rows, device=dev), cols), vals, accumulate=True)
+
+
+def apply_presence_frequency(logits: torch.Tensor, generated: list[list[int]], presence: list[float],
+                             frequency: list[float]) -> None:
+    """Subtract `frequency * count + presence * (count > 0)` per token, counts over each row's generated ids, in place.
+
+    OpenAI's documented formula (`mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence`).
+    """
+    rows = [i for i, (p, f) in enumerate(zip(presence, frequency, strict=True)) if (p or f) and generated[i]]
+    if not rows:
+        return
+    dev = logits.device
+    width = max(len(generated[i]) for i in rows)
+    # pad with token 0 at weight 0, so padding adds nothing to any count
+    ids = torch.tensor([generated[i] + [0] * (width - len(generated[i])) for i in rows], device=dev)
+    ones = torch.tensor([[1.0] * len(generated[i]) + [0.0] * (width - len(generated[i])) for i in rows],
+                        device=dev, dtype=logits.dtype)
+    counts = torch.zeros(len(rows), logits.shape[1], device=dev, dtype=logits.dtype).scatter_add_(1, ids, ones)
+    pres = torch.tensor([presence[i] for i in rows], device=dev, dtype=logits.dtype).unsqueeze(1)
+    freq = torch.tensor([frequency[i] for i in rows], device=dev, dtype=logits.dtype).unsqueeze(1)
+    index = torch.tensor(rows, device=dev)
+    logits[index] -= counts * freq + (counts > 0).to(logits.dtype) * pres
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]],
+                  generated: list[list[int]]) -> torch.Tensor:
+    """`logits` after the rows' logit biases, repetition penalties and presence/frequency penalties, in that order.
+
+    `history` is each row's whole sequence (prompt included: the repetition penalty, as transformers
+    applies it), `generated` its sampled tokens (presence and frequency, as OpenAI counts them).
+    Returns `logits` itself when no row adjusts anything, else an adjusted copy.
+    """
+    if not any(p.adjusts_logits for p in params):
+        return logits
+    logits = logits.clone()
+    apply_logit_bias(logits, [p.logit_bias for p in params])
+    if any(p.repetition_penalty != 1.0 for p in params):
+        apply_repetition_penalty(logits, history, [p.repetition_penalty for p in params])
+    apply_presence_frequency(logits, generated, [p.presence_penalty for p in params],
+                             [p.frequency_penalty for p in params])
+    return logits
 
 
 def _top_k(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -147,10 +202,14 @@ def sample(
     generators: list[torch.Generator | None],
     history: list[list[int]],
     logprobs: bool = True,
+    generated: list[list[int]] | None = None,
 ) -> Sampled:
-    """Pick one token per row of `logits` `[N, vocab]`; `history` feeds the repetition penalty.
+    """Pick one token per row of `logits` `[N, vocab]`.
 
-    `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a row asks for top ones.
+    `history` (each row's sequence so far) feeds the repetition penalty, `generated` (the tokens the
+    row sampled) the presence and frequency penalties; a caller that passes no `generated` has them
+    count over `history`. `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a
+    row asks for top ones. Log-probabilities are the model's, before any adjustment.
     """
     logits = logits.float()
     params = [p or GREEDY for p in params]
@@ -169,9 +228,7 @@ def sample(
         for i, k in enumerate(wanted):
             if k:
                 tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
-    if any(p.repetition_penalty != 1.0 for p in params):
-        logits = logits.clone()
-        apply_repetition_penalty(logits, history, [p.repetition_penalty for p in params])
+    logits = adjust_logits(logits, params, history, history if generated is None else generated)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
     if len(stochastic) == len(params):
         probs, keep = filtered(logits, params)
