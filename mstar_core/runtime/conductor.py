@@ -198,6 +198,7 @@ class Conductor:
             env[loop.accumulate[name]] = values
 
     async def _parallel(self, state, frame, step: Parallel, env: dict[str, Any]) -> None:
+        start = dict(env)
         branch_envs = [dict(env) for _ in step.branches]
         tasks = [
             asyncio.ensure_future(self._step(state, frame, branch, benv))
@@ -209,9 +210,11 @@ class Conductor:
             for t in tasks:
                 t.cancel()
             raise
+        # Only what a branch changed joins: a branch's untouched copy of a name another branch rewrote
+        # (a Parallel inside a Loop, from the second iteration on) must not undo that rewrite.
         for benv in branch_envs:
             for name, value in benv.items():
-                if name not in env or env[name] is not value:
+                if name not in start or start[name] is not value:
                     env[name] = value
 
     async def _invoke(

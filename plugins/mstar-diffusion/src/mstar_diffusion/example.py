@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from mstar_core.graph import Graph, GraphNode, Loop, NodeCall, Sequential, Walk
+from mstar_core.graph import Graph, GraphNode, Loop, NodeCall, Parallel, Sequential, Walk
 
 SETTINGS = ("seed", "shift", "guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
 
@@ -152,12 +152,12 @@ def velocity_graph(dit: TinyFlowDiT, *, schedule: str = "diffusers_flow_match_eu
         body=Sequential(
             "noise",
             Loop(
-                # (the cond and uncond calls run one after the other: a Parallel inside a Loop currently lets
-                # one branch's stale copy of a name the other branch rewrote win the join, see the conductor)
                 body=Sequential(
-                    NodeCall("velocity_model"),
-                    NodeCall("velocity_model", inputs={"context": "context_uncond"},
-                             outputs={"velocity": "velocity_uncond"}),
+                    Parallel(  # cond and uncond velocities side by side (batched into one step when they meet)
+                        NodeCall("velocity_model"),
+                        NodeCall("velocity_model", inputs={"context": "context_uncond"},
+                                 outputs={"velocity": "velocity_uncond"}),
+                    ),
                     NodeCall("euler", inputs={"step": "loop_index"}),
                 ),
                 iters="num_steps",
