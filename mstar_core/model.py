@@ -18,6 +18,15 @@ class LoadOptions:
     preset: str | None = None
     device: str = "cpu"
     dtype: str | None = None  # "float32", "bfloat16", ...; None = the model's default for the device
+    #: the nodes whose weights this process needs (a worker's nodes); None = all. A model builds the
+    #: modules of the other nodes on the meta device (shapes, no memory, nothing read).
+    nodes: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+
+    def device_for(self, *nodes: str) -> str:
+        """The device for a module that `nodes` use: `device` if this process hosts any of them, else meta."""
+        if self.nodes is None or any(node in self.nodes for node in nodes):
+            return self.device
+        return "meta"
 
 
 @attrs.define

@@ -100,8 +100,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if placement is not None and placement.remote:
             loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, device="meta"))
-            if any(LOCAL in workers for workers in _node_workers(loaded.graph, placement).values()):
-                loaded = await loop.run_in_executor(self._executor, spec.load, options)
+            here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
+            if here:  # only the weights of the nodes that run here (a model may ignore `nodes` and load all)
+                loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, nodes=here))
         else:
             loaded = await loop.run_in_executor(self._executor, spec.load, options)
         if placement is None or not placement.remote:

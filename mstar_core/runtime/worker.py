@@ -22,6 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
@@ -69,6 +70,9 @@ class Worker:
         self._stop = asyncio.Event()
         self._pending: set[asyncio.Task] = set()
         self.hosts: dict[str, LoopHostConductor] = {}  # model -> conductor for loops delegated here
+        #: what this process holds: {"parameters", "parameter_bytes"} overall and per 'model/node' (fixed once loaded)
+        self.resident: dict[str, dict[str, int]] = {}
+        self.graphs: dict = {}  # model -> its graph (modules of nodes hosted elsewhere on the meta device)
         self._loops: dict[str, set[asyncio.Task]] = {}
         self._send_tail: asyncio.Future | None = None
         self.channel: Channel | None = None  # the authenticated session, once welcomed
@@ -188,9 +192,11 @@ class Worker:
             load = {}
             for key, sched in self.schedulers.items():
                 try:
-                    load[key] = sched.engine.stats()
+                    load[key] = {**sched.engine.stats(), **self.resident.get(key, {})}
                 except Exception:  # gauges are optional; the beat is not
-                    load[key] = {}
+                    load[key] = dict(self.resident.get(key, {}))
+            if "process" in self.resident:
+                load["process"] = self.resident["process"]
             try:
                 await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
             except WireError:  # a gauge that cannot travel: beat without gauges
@@ -202,8 +208,11 @@ class Worker:
         try:
             registry = await loop.run_in_executor(self.executor, default_registry)  # imports: off the beating loop
             spec = registry.models.get(msg.model)
-            options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype)
+            options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype,
+                                  nodes=tuple(msg.nodes))
             loaded = await loop.run_in_executor(self.executor, spec.load, options)
+            await loop.run_in_executor(self.executor, release_unhosted, loaded.graph, msg.nodes)
+            self.graphs[msg.model] = loaded.graph
             device = torch.device(msg.device)
             for node_name in msg.nodes:
                 node = loaded.graph.nodes[node_name]
@@ -215,11 +224,22 @@ class Worker:
                 engine = await loop.run_in_executor(self.executor, engine_cls, node, module, context)
                 self.schedulers[f"{msg.model}/{node_name}"] = NodeScheduler(engine, self.executor)
             local = {n: self.schedulers[f"{msg.model}/{n}"] for n in msg.nodes}
+            self._count_resident()
             self.hosts[msg.model] = LoopHostConductor(loaded.graph, local)
             await self.send(ModelLoaded(worker=self.name, model=msg.model, nodes=list(msg.nodes)))
         except Exception as exc:
             log.exception("worker %s failed to load %s", self.name, msg.model)
             await self.send(ErrorReport(worker=self.name, message=f"loading {msg.model}: {exc}", error_type=type(exc).__name__))
+
+    def _count_resident(self) -> None:
+        resident = {}
+        for model, graph in self.graphs.items():
+            for name, node in graph.nodes.items():
+                if f"{model}/{name}" in self.schedulers:
+                    resident[f"{model}/{name}"] = resident_parameters([node_module(node)])
+        every = [node_module(node) for graph in self.graphs.values() for node in graph.nodes.values()]
+        resident["process"] = resident_parameters(every)
+        self.resident = resident
 
     async def _run_loop(self, msg: RunLoop) -> None:
         host = self.hosts.get(msg.model)

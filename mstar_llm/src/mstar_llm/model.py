@@ -44,7 +44,7 @@ def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any
     from mstar_core.checkpoint import load_tokenizer, read_chat_template, read_config, read_eos_token_ids
     from mstar_core.nn.llama import load_llama
 
-    lm = load_llama(directory, dtype=_dtype(options), device=options.device, progress=progress)
+    lm = load_llama(directory, dtype=_dtype(options), device=options.device_for("lm"), progress=progress)
     eos = read_eos_token_ids(directory, read_config(directory))
     return lm, load_tokenizer(directory), read_chat_template(directory), eos
 
@@ -63,7 +63,7 @@ def _load_gguf(path: Path, options: LoadOptions, progress: bool) -> tuple[Any, A
     cfg = gguf_llama_config(source)
     lm = build_and_load(
         lambda: LlamaForCausalLM(cfg), source, gguf_llama_mapping(cfg),
-        dtype=_dtype(options), device=options.device, progress=progress,
+        dtype=_dtype(options), device=options.device_for("lm"), progress=progress,
     )
     eos = [cfg["eos_token_id"]] if cfg.get("eos_token_id") is not None else []
     return lm, gguf_tokenizer(source.metadata), source.metadata.get("tokenizer.chat_template"), eos

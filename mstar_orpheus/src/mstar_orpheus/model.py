@@ -38,6 +38,17 @@ def _dtype(options: LoadOptions) -> torch.dtype | None:
         raise ConfigError(f"unknown dtype {options.dtype!r}; use float32, bfloat16 or float16") from None
 
 
+def _snac(directory: Path, device: str) -> torch.nn.Module:
+    """The SNAC decoder, in fp32 (the codec always runs in fp32); on the meta device, built without reading it."""
+    if device != "meta":
+        return load_snac(directory, device=device)
+    from mstar_orpheus.snac.checkpoint import SNACConfig
+    from mstar_orpheus.snac.model import SNACDecoder
+
+    with torch.device("meta"):
+        return SNACDecoder(SNACConfig.from_file(directory / "config.json")).fold_weight_norm().eval()
+
+
 def load_orpheus(
     options: LoadOptions, *, lm_engine: str = "kvcache", snac_engine: str = "stateless", progress: bool = True
 ) -> LoadedModel:
@@ -53,9 +64,10 @@ def load_orpheus(
         from mstar_orpheus.preset import ensure_preset
 
         directory, random_weights = ensure_preset(options.preset or "tiny"), True
-    lm = load_llama(directory, dtype=_dtype(options), device=options.device, progress=progress)
+    # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
+    lm = load_llama(directory, dtype=_dtype(options), device=options.device_for("lm"), progress=progress)
     tokenizer = load_tokenizer(directory)
-    snac = load_snac(snac_directory(directory), device=options.device)  # the codec always runs in fp32
+    snac = _snac(snac_directory(directory), options.device_for("snac"))
     vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)
     if vocab.audio.end > lm.config.vocab_size:
         raise ConfigError(
