@@ -2,8 +2,9 @@
 
 A model package registers adapter objects with the `mstar_register_api_adapters` hook. Each adapter
 names the model it serves (`model`) and the routes it can answer (`routes`, among `speech`, `chat`,
-`images`). The server validates the request body against the route's schema, then asks the adapter
-to turn it into the model's raw inputs (`speech_inputs`, `chat_inputs`, `image_inputs`); those go to
+`completions`, `images`). The server validates the request body against the route's schema, then asks the
+adapter to turn it into the model's raw inputs (`speech_inputs`, `chat_inputs`, `completion_inputs`,
+`image_inputs`); those go to
 `AsyncEngine.submit`. Outputs named in the walk's `emit` come back through the per-route output
 hooks (`audio_output`, `token_output`, ...). Subclass `ApiAdapter` to inherit sane defaults.
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from mstar_core.errors import RequestError
 
-ROUTES = frozenset({"speech", "chat", "images"})
+ROUTES = frozenset({"speech", "chat", "completions", "images"})
 
 
 @runtime_checkable
@@ -89,6 +90,29 @@ class ApiAdapter:
     def is_stop_token(self, token_id: int) -> bool:
         """Whether a generated id ends the reply and is not part of it (EOS)."""
         return False
+
+    #: Name of the emitted output carrying a token's log-probability, and of the one carrying its most likely
+    #: alternatives (`[(token id, logprob), ...]`); both come before the token they belong to.
+    logprob_output: str = "logprob"
+    top_logprobs_output: str = "top_logprobs"
+
+    def sampling_logprobs(self, count: int) -> dict[str, Any]:
+        """Raw inputs that make the model emit log-probabilities with `count` alternatives per token."""
+        return {"logprobs": count}
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for log-probabilities (special tokens included)."""
+        return self.detokenize([token_id])
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's bytes (a piece of a multi-byte character is its raw bytes), for log-probabilities."""
+        return list(self.token_text(token_id).encode("utf-8", errors="replace"))
+
+    # --- completions (/v1/completions) ----------------------------------------------------------------------
+
+    def completion_inputs(self, body: Mapping[str, Any], prompt: str | list[int]) -> dict[str, Any]:
+        """Raw inputs for one prompt (text, or token ids) of a validated completions body (sampling fields)."""
+        raise RequestError(f"model '{self.model}' does not serve /v1/completions", status=404)
 
     def prompt_tokens(self, env: Mapping[str, Any], inputs: Mapping[str, Any]) -> int:
         """Prompt tokens of the request, for `usage` (`input_ids`/`prompt_ids` of the prepared inputs or final env)."""

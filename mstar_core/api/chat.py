@@ -1,30 +1,52 @@
-"""POST /v1/chat/completions: messages in, tokens out (SSE chunks and [DONE] when streaming)."""
+"""POST /v1/chat/completions: messages in, tokens out (SSE chunks and [DONE] when streaming); `n` choices."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from mstar_core.api.common import (
-    adapter_call,
-    cancel_on_exit,
-    first_then_rest,
-    result_or_disconnect,
-    sse,
-    stream_error_payload,
-    submit,
-)
+from mstar_core.api import choices as ch
+from mstar_core.api.chat_adapter import ROUTE_FIELDS
+from mstar_core.api.common import adapter_call, sse, stream_error_payload
 from mstar_core.api.errors import ApiError
+from mstar_core.api.logprobs import chat_logprobs
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
-from mstar_core.api.text import TextAssembler
 from mstar_core.sampling import check_fields
 
 router = APIRouter()
+
+def check_stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ApiError(400, "'stop' takes up to 4 non-empty strings", param="stop")
+    return stops
+
+
+def sampling_payload(body: Any, route_fields: set[str]) -> dict[str, Any]:
+    """The body as a dict for the adapter: sampling fields checked (as on every route), vLLM's top_k=-1 as 0."""
+    payload = body.model_dump()
+    if payload.get("top_k") == -1:
+        payload["top_k"] = 0
+    check_fields({k: v for k, v in payload.items() if k not in route_fields})
+    return payload
+
+
+def with_choice(adapter: Any, inputs: Mapping[str, Any], seed: int | None, i: int,
+                logprobs: int | None) -> dict[str, Any]:
+    """Choice `i`'s raw inputs: the shared ones with its own seed (seed + i) and the log-probability request."""
+    out = dict(inputs)
+    if seed is not None:
+        out["seed"] = ch.choice_seed(seed, i)
+    if logprobs is not None:
+        out.update(adapter.sampling_logprobs(logprobs))
+    return out
+
 
 @router.post(
     "/v1/chat/completions",
@@ -39,89 +61,63 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     adapter = state.adapter(body.model, "chat")
     if body.modalities and "audio" in body.modalities:
         raise ApiError(400, f"model '{body.model}' does not produce audio in chat; drop 'modalities'", param="modalities")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise ApiError(400, "'stop' takes up to 4 non-empty strings", param="stop")
-    payload = body.model_dump()
-    # sampling extras (top_k, min_p, ...) are checked like the declared fields; `logprobs` is OpenAI's bool here
-    check_fields({k: v for k, v in payload.items() if k != "logprobs"})
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, f"response_format '{body.response_format.type}' needs constrained decoding, which this "
+                            "server does not do yet; send {\"type\": \"text\"} and ask for JSON in the prompt",
+                       param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    ch.check_n(state, body.n)
+    stops = check_stops(body.stop)
+    payload = sampling_payload(body, ROUTE_FIELDS["chat"])
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     inputs = adapter_call(adapter.chat_inputs, payload, what=f"the chat adapter of '{body.model}'")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     started = time.perf_counter()
-    handle = submit(state, body.model, inputs)
-    text = TextAssembler(adapter, stops, max_tokens)
+    choices = await ch.start_choices(
+        request, state, body.model, adapter, [inputs], body.n,
+        lambda prompt, i: with_choice(adapter, prompt, body.seed, i, logprobs), stops, max_tokens, started)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    metrics = state.metrics
 
-    def on_token(out: Any) -> str:
-        if out is None or out.name != adapter.token_output:
-            return ""
-        if text.generated == 0 and metrics is not None:
-            metrics.ttft.labels(body.model).observe(time.perf_counter() - started)
-        delta = text.feed(int(out.value))
-        if text.finish_reason is not None:
-            handle.cancel()  # stop string, EOS or max_tokens reached: free the request now
-        return delta
+    def lp(entries: list[ch.TokenLogprob]) -> dict[str, Any] | None:
+        return chat_logprobs(adapter, entries) if logprobs is not None else None
 
     if not body.stream:
-        first, rest = await first_then_rest(request, handle)
-        on_token(first)
-        env: dict[str, Any] = {}
-        if text.finish_reason is None:
-            async for out in rest:
-                on_token(out)
-                if text.finish_reason is not None:
-                    break
-        if text.finish_reason is None:
-            env = await result_or_disconnect(request, handle)
-        handle.cancel()
-        text.close(env)
-        usage = _usage(adapter, env, handle.prepared, text)
+        await ch.run_all(request, choices)
         return OrjsonResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text},
-                         "finish_reason": text.finish_reason}],
-            "usage": usage,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                         "logprobs": lp(c.logprobs), "finish_reason": c.finish_reason} for c in choices],
+            "usage": ch.usage(adapter, choices),
         })
 
-    first, rest = await first_then_rest(request, handle)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                    "choices": choice_list, **extra})
 
-    async def events():
-        async with cancel_on_exit(handle):
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                delta = on_token(first)
-                if delta:
-                    yield chunk({"content": delta})
-                if text.finish_reason is None:
-                    async for out in rest:
-                        delta = on_token(out)
-                        if delta:
-                            yield chunk({"content": delta})
-                        if text.finish_reason is not None:
-                            break
-                env = await handle.result() if text.finish_reason is None else {}
-                tail = text.close(env)
-                if tail:
-                    yield chunk({"content": tail})
-                yield chunk({}, text.finish_reason)
-                if include_usage:
-                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                               "choices": [], "usage": _usage(adapter, env, handle.prepared, text)})
-            except Exception as exc:
-                yield sse(stream_error_payload(exc))
-            yield sse("[DONE]")
+    async def stream():
+        try:
+            for c in choices:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for choice, text, entries, done in ch.events(choices):
+                if text or entries:
+                    yield chunk([{"index": choice.index, "delta": {"content": text}, "logprobs": lp(entries),
+                                  "finish_reason": None}])
+                if done:
+                    yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": choice.finish_reason}])
+            if include_usage:
+                yield chunk([], usage=ch.usage(adapter, choices))
+        except Exception as exc:
+            yield sse(stream_error_payload(exc))
+        finally:
+            for c in choices:
+                c.handle.cancel()
+        yield sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _usage(adapter: Any, env: dict[str, Any], inputs: dict[str, Any], text: TextAssembler) -> dict[str, int]:
-    prompt = adapter.prompt_tokens(env, inputs)
-    return {"prompt_tokens": prompt, "completion_tokens": text.generated, "total_tokens": prompt + text.generated}
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

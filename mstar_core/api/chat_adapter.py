@@ -1,30 +1,42 @@
-"""A generic chat adapter for any model whose `LoadedModel.extras` carry a `tokenizers.Tokenizer`.
+"""A generic text adapter for any model whose `LoadedModel.extras` carry a `tokenizers.Tokenizer`.
 
-Chat over a tokenizer-bearing autoregressive model needs nothing model-specific: the model's own
-`prepare` applies its chat template to `messages`, the walk emits `next_token` ids, and the
+Chat and completions over a tokenizer-bearing autoregressive model need nothing model-specific: the
+model's own `prepare` applies its chat template to `messages` (or tokenizes a `prompt`, or takes
+`input_ids`), the walk emits `next_token` ids (and `logprob` / `top_logprobs` when asked), and the
 tokenizer turns them back into text. The server builds one of these for every loaded model that has
-`extras["tokenizer"]` and no registered chat adapter.
+`extras["tokenizer"]` and no registered chat adapter (chat needs `extras["chat_template"]` too).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from mstar_core.api.adapters import ApiAdapter
+from mstar_core.errors import RequestError
 
-#: Sampling fields of an OpenAI chat body forwarded to the model's `prepare` when the client set them.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty")
+#: Sampling fields of an OpenAI body forwarded to the model's `prepare` when the client set them.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos")
+#: Fields the chat and completions routes handle themselves (or accept and ignore, like `user`).
+ROUTE_FIELDS = {
+    "chat": {"model", "messages", "stream", "stream_options", "n", "stop", "logprobs", "top_logprobs",
+             "response_format", "modalities", "max_completion_tokens", "user"},
+    "completions": {"model", "prompt", "stream", "stream_options", "n", "stop", "logprobs", "echo", "suffix",
+                    "best_of", "user"},
+}
 
 
 class TokenizerChatAdapter(ApiAdapter):
-    """Chat for `model`: messages in, `next_token` ids out, detokenized with `extras["tokenizer"]`."""
+    """Chat (and completions) for `model`: text in, `next_token` ids out, detokenized with `extras["tokenizer"]`."""
 
-    routes = {"chat"}
+    routes = {"chat", "completions"}
 
     def __init__(self, model: str, loaded: Any | None = None):
         self.model = model
-        self.routes = {"chat"}
+        self.routes = {"chat", "completions"}
         if loaded is not None:
             self.bind(loaded)
 
@@ -33,22 +45,69 @@ class TokenizerChatAdapter(ApiAdapter):
         extras = getattr(loaded, "extras", {}) or {}
         self.tokenizer = extras["tokenizer"]
         self.eos_ids = {int(t) for t in extras.get("eos_token_ids", ()) or ()}
+        self.routes = {"chat", "completions"} if extras.get("chat_template") is not None else {"completions"}
+
+    def _sampling(self, body: Mapping[str, Any], route: str) -> dict[str, Any]:
+        unknown = sorted(k for k, v in body.items()
+                         if v is not None and k not in ROUTE_FIELDS[route] and k not in SAMPLING_FIELDS)
+        if unknown:
+            known = sorted(ROUTE_FIELDS[route] | set(SAMPLING_FIELDS))
+            raise RequestError(f"unknown field(s) {unknown} for model '{self.model}'; known: {known}", param=unknown[0])
+        return {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
 
     def chat_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
         # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system"
         messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_of(m.get("content"))}
                     for m in body["messages"]]
-        inputs: dict[str, Any] = {"messages": messages}
-        for name in SAMPLING_FIELDS:
-            if body.get(name) is not None:
-                inputs[name] = body[name]
-        return inputs
+        return {"messages": messages, **self._sampling(body, "chat")}
+
+    def completion_inputs(self, body: Mapping[str, Any], prompt: str | list[int]) -> dict[str, Any]:
+        key = "prompt" if isinstance(prompt, str) else "input_ids"
+        return {key: prompt, **self._sampling(body, "completions")}
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
 
     def is_stop_token(self, token_id: int) -> bool:
         return int(token_id) in self.eos_ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(_piece_bytes(self.tokenizer, int(token_id)))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+def _piece_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's raw bytes: through the byte-level alphabet (GPT-2-style BPE), a `<0xAB>` byte piece
+    (SentencePiece), or else the UTF-8 of its decoded text."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is not None:
+        match = _BYTE_PIECE.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        decoder = type(getattr(tokenizer, "decoder", None)).__name__
+        if decoder == "ByteLevel" and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
 
 
 def _text_of(content: Any) -> str:

@@ -12,7 +12,8 @@ from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placemen
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
-_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout"}
+_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
+                "max_n"}
 _MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement"}
 
 
@@ -72,6 +73,6 @@ def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
 
 
 def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
-    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout"):
+    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n"):
         if key in options:
             setattr(config, key, options[key])

@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=None, help="requests executing at once (default 256)")
     p.add_argument("--max-queued", type=int, default=None, help="requests waiting beyond that; then 503 (default 1024)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is cut (default 600)")
+    p.add_argument("--max-n", type=int, default=None, help="most choices (n) per prompt on chat/completions (default 16)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin (not installed as a distribution)")
@@ -78,7 +79,8 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     config = ServerConfig(models=models)
     apply_server_options(config, server_opts)
     overrides = {"max_body_bytes": args.max_body_bytes, "max_running": args.max_running,
-                 "max_queued": args.max_queued, "request_timeout": args.request_timeout}
+                 "max_queued": args.max_queued, "request_timeout": args.request_timeout,
+                 "max_n": args.max_n}
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)

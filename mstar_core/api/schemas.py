@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from mstar_core.sampling import MAX_SEED
+from mstar_core.sampling import MAX_COUNT, MAX_SEED, MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -106,24 +106,78 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ChatRequest(_Body):
+class SamplingFields(_Body):
+    """Sampling fields shared by chat and completions: OpenAI's, then vLLM's extensions. Finer bounds (the
+    temperature floor, vocabulary-sized ids) are checked by `mstar_core.sampling` and the model's `prepare`."""
+
+    temperature: float | None = _real(None, ge=0.0, le=2.0,
+                                      description="0 is greedy; otherwise at least 1e-5 (smaller overflows the arithmetic)")
+    top_p: float | None = _real(None, gt=0.0, le=1.0)
+    seed: int | None = _count(None, 0, MAX_SEED, description="choice i samples with seed + i")
+    stop: str | list[str] | None = Field(None, description="up to 4 stop strings; the text ends before the first")
+    n: int = _count(1, 1, MAX_COUNT, description="choices per prompt (up to the server's cap, `mstar serve --max-n`)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = _real(None, ge=-2.0, le=2.0,
+                                           description="subtracted once from every token already generated")
+    frequency_penalty: float | None = _real(None, ge=-2.0, le=2.0,
+                                            description="subtracted per occurrence among the generated tokens")
+    logit_bias: dict[str, Any] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = _count(None, -1, MAX_COUNT, description="keep the k most likely tokens; 0 or -1 disables")
+    min_p: float | None = _real(None, ge=0.0, lt=1.0)
+    repetition_penalty: float | None = _real(None, gt=0.0, description="1 disables; >1 discourages repeats "
+                                                                          "(prompt and generated tokens)")
+    ignore_eos: bool | None = Field(None, strict=True, description="keep generating past the end-of-sequence token")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="only text is served (no constrained "
+                                                                            "decoding yet)")
+
+
+class ChatRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = _count(None, 1, 1_000_000)
     max_completion_tokens: int | None = _count(None, 1, 1_000_000)
-    temperature: float | None = _real(None, ge=0.0, le=2.0,
-                                      description="0 is greedy; otherwise at least 1e-5 (smaller overflows the arithmetic)")
-    top_p: float | None = _real(None, gt=0.0, le=1.0)
-    seed: int | None = _count(None, 0, MAX_SEED)
-    stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
-    n: int = _count(1, 1, 1, description="only 1 is supported")
-    logprobs: bool | None = Field(None, strict=True, description="accepted; log-probabilities are not returned yet")
-    top_logprobs: int | None = _count(None, 0, 20)
+    logprobs: bool | None = Field(None, strict=True, description="return each token's log-probability")
+    top_logprobs: int | None = _count(None, 0, MAX_TOP_LOGPROBS,
+                                      description="and this many most likely alternatives (needs logprobs)")
+    response_format: ResponseFormat | None = None
     modalities: list[Literal["text", "audio"]] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (OpenAI's legacy text completions)."""
+
+    model: str = Field(min_length=1)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="a string, a list of strings (each its own choices), token ids, or a list of token-id lists")
+    max_tokens: int | None = _count(16, 1, 1_000_000)
+    logprobs: int | None = _count(None, 0, MAX_TOP_LOGPROBS,
+                                  description="return each token's log-probability and this many alternatives")
+    echo: bool | None = Field(None, strict=True, description="not supported: only false")
+    suffix: str | None = Field(None, description="not supported: only empty")
+    best_of: int | None = _count(None, 1, MAX_COUNT, description="only equal to n (no server-side ranking)")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: str | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -135,6 +189,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: Literal["stop", "length"] | None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -149,6 +204,29 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: Usage
 
 

@@ -13,7 +13,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, images, native, speech
+from mstar_core.api import chat, completions, images, native, speech
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers
@@ -29,6 +29,7 @@ log = logging.getLogger("mstar.api")
 _ROUTE_LABELS = {
     "/v1/audio/speech": "speech",
     "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
     "/v1/images/generations": "images",
     "/v1/images/edits": "images_edit",
     "/v1/models": "models",
@@ -55,6 +56,8 @@ class ServerConfig:
     max_running: int = 256
     max_queued: int = 1024
     request_timeout: float | None = 600.0
+    #: The most choices (`n`) one chat or completions request may ask for per prompt.
+    max_n: int = 16
 
     @property
     def max_inflight(self) -> int:
@@ -147,8 +150,10 @@ class ServerState:
             adapter.bind(loaded)
             for route in adapter.routes:
                 self.adapters[(name, route)] = adapter
-        if (name, "chat") not in self.adapters and {"tokenizer", "chat_template"} <= set(loaded.extras or {}):
-            self.adapters[(name, "chat")] = TokenizerChatAdapter(name, loaded)
+        if "tokenizer" in (loaded.extras or {}):
+            generic = TokenizerChatAdapter(name, loaded)  # chat needs the chat template too; completions does not
+            for route in generic.routes:
+                self.adapters.setdefault((name, route), generic)
 
     async def close(self) -> None:
         self.draining = True
@@ -213,7 +218,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, images, native):
+    for module in (speech, chat, completions, images, native):
         app.include_router(module.router)
 
     def openapi() -> dict[str, Any]:
@@ -234,7 +239,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
 def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
     """Put the served model names into the schema as enums (per route) and into the walks path parameter."""
     components = schema.get("components", {}).get("schemas", {})
-    by_route = {"SpeechRequest": "speech", "ChatRequest": "chat", "ImageRequest": "images", "ImageEditRequest": "images"}
+    by_route = {"SpeechRequest": "speech", "ChatRequest": "chat", "CompletionRequest": "completions",
+                "ImageRequest": "images", "ImageEditRequest": "images"}
     for name, route in by_route.items():
         models = sorted(m for (m, r) in state.adapters if r == route)
         prop = components.get(name, {}).get("properties", {}).get("model")

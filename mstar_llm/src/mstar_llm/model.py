@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from mstar_core.errors import ConfigError
@@ -24,20 +25,26 @@ def _dtype(options: LoadOptions) -> torch.dtype:
     return dtype
 
 
+#: Emitted with each token when the request asks for log-probabilities (`logprobs` in its sampling). They come
+#: first among the node's outputs, so a caller holds a token's log-probabilities by the time the token arrives.
+LOGPROB_OUTPUTS = ("logprob", "top_logprobs")
+
+
 def build_graph(lm: Any, name: str = "llama") -> Graph:
-    """One `kvcache` node `lm`; walks `prefill` then `decode` until a finish reason, emitting `next_token`."""
+    """One `kvcache` node `lm`; walks `prefill` then `decode` until a finish reason, emitting `next_token`
+    (and, when asked, each token's `logprob` and `top_logprobs` just before it)."""
     from mstar_kvcache import ar_walks
 
     node = GraphNode(
         "lm",
         inputs=("input_ids",),
         optional_inputs=("sampling",),
-        outputs=("next_token", "finish_reason", "logprob"),
+        outputs=(*LOGPROB_OUTPUTS, "next_token", "finish_reason"),
         engine="kvcache",
         module=lambda: lm,
     )
-    prefill, decode = ar_walks("lm")
-    return Graph.build(name, [node], [prefill, decode], plan=lambda inputs: ["prefill", "decode"])
+    walks = [attrs.evolve(w, emit=(*LOGPROB_OUTPUTS, *w.emit)) for w in ar_walks("lm")]
+    return Graph.build(name, [node], walks, plan=lambda inputs: ["prefill", "decode"])
 
 
 def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any, Any, str | None, list[int]]:

@@ -1,0 +1,209 @@
+"""`n` choices for each prompt of a text request: submission, per-choice text and log-probabilities, and one
+stream of events merged from all of them (what the chat and completions routes share).
+
+`n > 1` runs as `n` requests on the same prompt. Choice 0 is submitted alone; once its first output
+arrives its prompt has been prefilled and its full KV pages are in the engine's prefix cache, so the
+other choices, submitted then, share those pages (reference counted, not copied) and compute only the
+prompt's partial last page before they decode side by side. Choice `i` samples with `seed + i`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from fastapi import Request
+
+from mstar_core.api.common import first_then_rest, map_result, submit, watch_disconnect
+from mstar_core.api.errors import ApiError
+from mstar_core.api.text import TextAssembler
+from mstar_core.sampling import MAX_SEED
+
+#: One generated token with what the model said of it: (token id, its logprob, [(alternative id, logprob), ...]).
+TokenLogprob = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+class Choice:
+    """One choice: its request, its text so far, and the log-probabilities of the tokens in that text."""
+
+    def __init__(self, index: int, prompt: int, handle: Any, adapter: Any, stops: list[str], max_tokens: int | None):
+        self.index = index
+        self.prompt = prompt  # which prompt of the request this choice answers
+        self.handle = handle
+        self.adapter = adapter
+        self.text = TextAssembler(adapter, stops, max_tokens)
+        self.first: Any = None
+        self.rest: AsyncIterator[Any] | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per token of the text
+        self.unsent = 0  # logprobs[unsent:] have not been reported yet
+        self._logprob: float | None = None
+        self._top: list[tuple[int, float]] | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.text.finish_reason
+
+    def feed(self, out: Any) -> str:
+        """Take one output of the request; return newly final text. A finished choice cancels its request."""
+        if out is None or self.text.finish_reason is not None:
+            return ""
+        if out.name == self.adapter.logprob_output:
+            self._logprob = None if out.value is None else float(out.value)
+            return ""
+        if out.name == self.adapter.top_logprobs_output:
+            self._top = [(int(t), float(lp)) for t, lp in out.value] if out.value is not None else None
+            return ""
+        if out.name != self.adapter.token_output:
+            return ""
+        token = int(out.value)
+        before = len(self.text.ids)
+        delta = self.text.feed(token)
+        if len(self.text.ids) > before:  # part of the text (a stop token is not, and so has no entry)
+            self.logprobs.append((token, self._logprob, self._top))
+        self._logprob = self._top = None
+        if self.text.finish_reason is not None:
+            self.handle.cancel()  # stop string, EOS or max_tokens reached: free the request now
+        return delta
+
+    def close(self, env: Mapping[str, Any]) -> str:
+        return self.text.close(env)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The entries not streamed yet (and mark them sent)."""
+        out = self.logprobs[self.unsent:]
+        self.unsent = len(self.logprobs)
+        return out
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice `i`'s seed: `seed + i`, wrapping at the top of the seed range."""
+    return None if seed is None else (seed + i) % (MAX_SEED + 1)
+
+
+async def start_choices(request: Request, state: Any, model: str, adapter: Any, prompts: list[Any], n: int,
+                        inputs_for: Callable[[Any, int], dict[str, Any]], stops: list[str],
+                        max_tokens: int | None, started: float | None = None) -> list[Choice]:
+    """Submit `n` choices for each prompt (`inputs_for(prompt, i)` gives choice i's raw inputs) and wait for the
+    first output of each choice 0 before submitting its siblings (so they find its prompt pages cached).
+
+    Choices are numbered prompt by prompt (`prompt * n + i`), as OpenAI numbers them. Whatever fails
+    here cancels every choice already submitted.
+    """
+    choices: list[Choice] = []
+
+    def add(p: int, i: int) -> Choice:
+        handle = submit(state, model, inputs_for(prompts[p], i))
+        choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens)
+        choices.append(choice)
+        return choice
+
+    async def prime(choice: Choice) -> None:
+        choice.first, choice.rest = await first_then_rest(request, choice.handle)
+
+    try:
+        leaders = [add(p, 0) for p in range(len(prompts))]
+        await asyncio.gather(*(prime(c) for c in leaders))
+        if started is not None:
+            observe_ttft(state, model, started)
+        followers = [add(p, i) for p in range(len(prompts)) for i in range(1, n)]
+        await asyncio.gather(*(prime(c) for c in followers))
+    except BaseException:
+        for choice in choices:
+            choice.handle.cancel()
+        raise
+    choices.sort(key=lambda c: c.index)
+    return choices
+
+
+#: What a running choice reports: (choice, newly final text, the log-probabilities of the tokens since the last
+#: report, done).
+Event = tuple[Choice, str, list[TokenLogprob], bool]
+
+
+async def run_choice(choice: Choice, emit: Callable[[Event], None] | None = None) -> None:
+    """Feed a started choice to its end; `emit` each piece of text (and once, done) with its tokens' logprobs."""
+    delta = choice.feed(choice.first)
+    if delta and emit is not None:
+        emit((choice, delta, choice.take_logprobs(), False))
+    if choice.finish_reason is None:
+        async for out in choice.rest:
+            delta = choice.feed(out)
+            if delta and emit is not None:
+                emit((choice, delta, choice.take_logprobs(), False))
+            if choice.finish_reason is not None:
+                break
+    env = await choice.handle.result() if choice.finish_reason is None else {}
+    choice.handle.cancel()
+    tail = choice.close(env)
+    if emit is not None:
+        emit((choice, tail, choice.take_logprobs(), True))
+
+
+async def run_all(request: Request, choices: list[Choice]) -> None:
+    """Run every choice to its end (no streaming); a client that goes away cancels them all (499)."""
+    work = asyncio.ensure_future(asyncio.gather(*(run_choice(c) for c in choices)))
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            raise ApiError(499, "client disconnected")
+        map_result(work)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        for choice in choices:
+            choice.handle.cancel()
+
+
+async def events(choices: list[Choice]) -> AsyncIterator[Event]:
+    """Every choice's events as they come, interleaved; raises what failed any of them."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(run_choice(c, queue.put_nowait)) for c in choices]
+    for task in tasks:
+        task.add_done_callback(lambda t: queue.put_nowait(t))
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, asyncio.Future):
+                remaining -= 1
+                if not item.cancelled() and item.exception() is not None:
+                    raise item.exception()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for choice in choices:
+            choice.handle.cancel()
+
+
+def count_prompts(adapter: Any, choices: list[Choice]) -> int:
+    """Prompt tokens of the request, each prompt counted once however many choices it has."""
+    seen: dict[int, int] = {}
+    for choice in choices:
+        if choice.prompt not in seen:
+            seen[choice.prompt] = adapter.prompt_tokens({}, choice.handle.prepared)
+    return sum(seen.values())
+
+
+def usage(adapter: Any, choices: list[Choice]) -> dict[str, int]:
+    prompt = count_prompts(adapter, choices)
+    completion = sum(c.text.generated for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def observe_ttft(state: Any, model: str, started: float) -> None:
+    if state.metrics is not None:
+        state.metrics.ttft.labels(model).observe(time.perf_counter() - started)
+
+
+def check_n(state: Any, n: int) -> None:
+    cap = state.config.max_n
+    if n > cap:
+        raise ApiError(400, f"'n' is {n}; this server returns at most {cap} choices per prompt "
+                            "(mstar serve --max-n raises the cap)", param="n")
+

@@ -1,0 +1,117 @@
+"""POST /v1/completions: OpenAI's legacy text completions (a prompt or a batch of them in, `n` texts each out)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from mstar_core.api import choices as ch
+from mstar_core.api.chat import check_stops, sampling_payload, with_choice
+from mstar_core.api.chat_adapter import ROUTE_FIELDS
+from mstar_core.api.common import adapter_call, sse, stream_error_payload
+from mstar_core.api.errors import ApiError
+from mstar_core.api.logprobs import completion_logprobs
+from mstar_core.api.responses import OrjsonResponse
+from mstar_core.api.schemas import ERROR_RESPONSES, Completion, CompletionRequest
+
+router = APIRouter()
+
+#: Prompts in one request (each gets its own `n` choices).
+MAX_PROMPTS = 64
+
+
+def split_prompts(prompt: Any) -> list[str | list[int]]:
+    """The request's prompts: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ApiError(400, "'prompt' must not be empty: send a string, a list of strings, token ids or a list of "
+                            "token-id lists", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"'prompt' has {len(prompts)} prompts; send at most {MAX_PROMPTS} per request", param="prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ApiError(400, f"'prompt' [{i}] is empty; every prompt needs at least one character or token",
+                           param="prompt")
+    return prompts
+
+
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "completion, or SSE chunks then [DONE]"},
+               **ERROR_RESPONSES},
+    summary="Text completion (OpenAI's legacy completions)",
+)
+async def create_completion(body: CompletionRequest, request: Request):
+    state = request.app.state.mstar
+    request.state.model = body.model
+    adapter = state.adapter(body.model, "completions")
+    if body.echo:
+        raise ApiError(400, "'echo' is not supported (the prompt is not scored); leave it false and prepend the "
+                            "prompt yourself", param="echo")
+    if body.suffix:
+        raise ApiError(400, "'suffix' is not supported (no fill-in-the-middle); leave it empty", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, f"'best_of' must equal 'n' ({body.n}) or be left out: choices are not ranked server-side",
+                       param="best_of")
+    ch.check_n(state, body.n)
+    stops = check_stops(body.stop)
+    prompts = split_prompts(body.prompt)
+    payload = sampling_payload(body, ROUTE_FIELDS["completions"])
+    what = f"the completions adapter of '{body.model}'"
+    # each prompt's inputs are built (and so checked) before anything is submitted
+    inputs = [adapter_call(adapter.completion_inputs, payload, p, what=what) for p in prompts]
+    started = time.perf_counter()
+    choices = await ch.start_choices(
+        request, state, body.model, adapter, inputs, body.n,
+        lambda prompt, i: with_choice(adapter, prompt, body.seed, i, body.logprobs), stops, body.max_tokens, started)
+    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    offsets = {c.index: 0 for c in choices}
+
+    def lp(choice: ch.Choice, entries: list[ch.TokenLogprob]) -> dict[str, Any] | None:
+        if body.logprobs is None:
+            return None
+        out, offsets[choice.index] = completion_logprobs(adapter, entries, offsets[choice.index])
+        return out
+
+    if not body.stream:
+        await ch.run_all(request, choices)
+        return OrjsonResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": body.model,
+            "choices": [{"index": c.index, "text": c.text.text, "logprobs": lp(c, c.logprobs), "finish_reason": c.finish_reason}
+                        for c in choices],
+            "usage": ch.usage(adapter, choices),
+        })
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": choice_list, **extra})
+
+    async def stream():
+        try:
+            async for choice, text, entries, done in ch.events(choices):
+                if text or entries or done:
+                    yield chunk([{"index": choice.index, "text": text, "logprobs": lp(choice, entries),
+                                  "finish_reason": choice.finish_reason if done else None}])
+            if include_usage:
+                yield chunk([], usage=ch.usage(adapter, choices))
+        except Exception as exc:
+            yield sse(stream_error_payload(exc))
+        finally:
+            for c in choices:
+                c.handle.cancel()
+        yield sse("[DONE]")
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
