@@ -54,6 +54,10 @@ class GraphNode:
     module: Callable[[], Any] | None = attrs.field(default=None, eq=False)
     optional_inputs: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, eq=False)
+    #: Filled by `Graph.build`: the model's name and `(walk, call options)` for every call of this node in
+    #: every walk, so an engine can check call options at load (it is given the node, not the graph).
+    graph: str | None = attrs.field(default=None, eq=False, repr=False)
+    call_sites: tuple[tuple[str, Mapping[str, Any]], ...] = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def all_inputs(self) -> tuple[str, ...]:

@@ -92,7 +92,9 @@ class TorchPagedContext:
         self.lanes = lanes
         starts = batch.q_start.tolist()
         device = batch.slot_mapping.device
-        decode = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        readonly = set(getattr(batch, "readonly", ()))
+        self.write_rows = getattr(batch, "write_rows", None)
+        decode = [i for i, n in enumerate(batch.q_lens) if n == 1 and i not in readonly]
         self.in_lanes = None
         if decode and lanes is not None:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
@@ -114,7 +116,7 @@ class TorchPagedContext:
         limits = batch.limits
         self.prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for i, n in enumerate(batch.q_lens):
-            if n == 1:
+            if n == 1 or i in readonly:
                 continue
             start, kv_len = starts[i], batch.kv_lens[i]
             fresh = kv_len == n
@@ -128,6 +130,13 @@ class TorchPagedContext:
                 bound = limits[start : start + n] if limits is not None else batch.positions[start : start + n] + 1
                 mask = pos[None, :] < bound[:, None]
             self.prefill.append((start, n, slots, mask))
+        # read-only sequences: frozen context keys (gathered) then their own keys, which are never stored
+        self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for i in sorted(readonly):
+            start, n, ctx = starts[i], batch.q_lens[i], batch.context_slots[i]
+            pos = torch.arange(ctx.shape[0] + n, device=device)
+            bound = limits[start : start + n] if limits is not None else batch.positions[start : start + n] + 1
+            self.readonly.append((start, n, ctx, pos[None, :] < bound[:, None]))
 
     @staticmethod
     def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:
@@ -160,8 +169,12 @@ class TorchPagedContext:
         hkv, dim = k.shape[1], k.shape[2]
         k_cache = self.kv[layer, 0].view(-1, hkv, dim)
         v_cache = self.kv[layer, 1].view(-1, hkv, dim)
-        k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
+        if self.write_rows is None:
+            k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
+        elif self.slots.numel():
+            k_cache.index_copy_(0, self.slots, k[self.write_rows].to(k_cache.dtype))
+            v_cache.index_copy_(0, self.slots, v[self.write_rows].to(v_cache.dtype))
         gqa = q.shape[1] != hkv
         if self.in_lanes is not None and self.in_lanes.whole:
             return self._attend_lanes(layer, q, k, v, scale, gqa, None)
@@ -178,6 +191,14 @@ class TorchPagedContext:
                 keys, vals = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
             res = F.scaled_dot_product_attention(
                 qh.to(keys.dtype), keys, vals, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[start : start + n] = res.transpose(0, 1).to(q.dtype)
+        for start, n, ctx, mask in self.readonly:
+            keys = torch.cat((k_cache[ctx], k[start : start + n].to(k_cache.dtype))).transpose(0, 1)
+            vals = torch.cat((v_cache[ctx], v[start : start + n].to(v_cache.dtype))).transpose(0, 1)
+            res = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale,
+                enable_gqa=gqa,
             )
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         return out

@@ -14,11 +14,17 @@ class PagedBatch:
 
     `kv_lens[i]` counts the keys sequence `i` attends to once this step's keys are written;
     `page_table[i, :num_pages[i]]` lists its pages. `slot_mapping[t]` is the flat slot
-    (`page * page_size + offset`) where token `t`'s key and value go. `limits` is None for plain
-    causal attention; otherwise `limits[t]` is the exclusive bound on key positions token `t` sees
-    (`position + 1` is causal, a block end makes a bidirectional block). `seq_ids[i]` identifies
-    sequence `i` across steps (unique per sequence for the engine's lifetime), for backends that keep
-    per-sequence state between steps.
+    (`page * page_size + offset`) where the key and value of written row `t` go: every row, or the
+    rows `write_rows` when some sequences are read-only. `positions[t]` is the row's index in its
+    sequence (its key position; RoPE positions are the model's business and may differ). `limits` is
+    None for plain causal attention; otherwise `limits[t]` is the exclusive bound on key positions
+    row `t` sees (`position + 1` is causal, a block end makes a bidirectional block). `seq_ids[i]`
+    identifies sequence `i` across steps, for backends that keep per-sequence state between steps.
+
+    Read-only sequences (`readonly`, their indices) write nothing: sequence `i` attends to the frozen
+    keys at `context_slots[i]` (flat slots, in order; `context_pages[i]` gives the same as
+    `(pages, length)` segments) followed by its own rows' keys, which live only in this step. Its key
+    positions run `0 .. len(context) + q_len`, its own rows sitting after the context.
     """
 
     page_size: int
@@ -31,6 +37,10 @@ class PagedBatch:
     page_lists: list[list[int]]
     limits: torch.Tensor | None = None
     seq_ids: list[int] | None = None
+    write_rows: torch.Tensor | None = None
+    readonly: list[int] = attrs.field(factory=list)
+    context_slots: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    context_pages: dict[int, list[tuple[list[int], int]]] = attrs.field(factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +56,15 @@ class PagedBatch:
         return all(n == 1 for n in self.q_lens)
 
 
+def context_slots(context: list[tuple[list[int], int]], page_size: int) -> torch.Tensor:
+    """Flat slots of frozen keys: each `(pages, length)` segment's first `length` keys, in order."""
+    parts = []
+    for pages, length in context:
+        pos = torch.arange(length)
+        parts.append(torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.device) -> tuple[torch.Tensor, PagedBatch]:
     """Packed input ids `[T]` and the batch layout for `(sequence, tokens to run)` pairs."""
     starts = [seq.num_computed for seq, _ in work]
@@ -54,7 +73,7 @@ def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.
     for (seq, n), start in zip(work, starts, strict=True):
         ids.extend(seq.tokens[start : start + n])
     page_lists = [seq.pages for seq, _ in work]
-    width = max(len(p) for p in page_lists)
+    width = max(1, max(len(p) for p in page_lists))
     page_table = torch.tensor([p + [0] * (width - len(p)) for p in page_lists], dtype=torch.long)
     lens = torch.tensor(q_lens, dtype=torch.long)
     q_start = torch.zeros(len(work) + 1, dtype=torch.long)
@@ -62,7 +81,15 @@ def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.
     total = int(q_start[-1])
     row = torch.repeat_interleave(torch.arange(len(work)), lens)
     positions = torch.arange(total) - q_start[:-1][row] + torch.tensor(starts, dtype=torch.long)[row]
-    slots = page_table[row, positions // page_size] * page_size + positions % page_size
+    readonly = [i for i, (seq, _) in enumerate(work) if seq.readonly]
+    write_rows = None
+    if readonly:
+        writes = torch.tensor([not seq.readonly for seq, _ in work])[row]
+        write_rows = writes.nonzero().flatten()
+        wrow, wpos = row[write_rows], positions[write_rows]
+        slots = page_table[wrow, wpos // page_size] * page_size + wpos % page_size
+    else:
+        slots = page_table[row, positions // page_size] * page_size + positions % page_size
     limits = None
     if any(seq.limits is not None for seq, _ in work):
         parts = []
@@ -83,5 +110,28 @@ def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.
         page_lists=[list(p) for p in page_lists],
         limits=limits,
         seq_ids=[seq.order for seq, _ in work],
+        write_rows=None if write_rows is None else write_rows.to(device),
+        readonly=readonly,
+        context_slots={i: context_slots(work[i][0].context, page_size).to(device) for i in readonly},
+        context_pages={i: [(list(p), n) for p, n in work[i][0].context] for i in readonly},
     )
     return torch.tensor(ids, dtype=torch.long, device=device), batch
+
+
+def rope_positions(work: list[tuple[Sequence, int]], batch: PagedBatch, axes: int) -> torch.Tensor:
+    """The RoPE positions handed to the module: `[T]` (one axis) or `[axes, T]`.
+
+    A sequence without explicit positions uses its key positions (its token indices); one with
+    them uses what its calls gave (and implicit calls after them continue from the largest).
+    """
+    if all(seq.positions is None for seq, _ in work):
+        return batch.positions if axes == 1 else batch.positions.unsqueeze(0).expand(axes, -1)
+    parts = []
+    for seq, n in work:
+        start = seq.num_computed
+        if seq.positions is None:
+            parts.append(torch.arange(start, start + n).unsqueeze(0).expand(axes, -1))
+        else:
+            parts.append(seq.positions[:, start : start + n])
+    pos = torch.cat(parts, dim=1).to(batch.positions.device)
+    return pos[0] if axes == 1 else pos

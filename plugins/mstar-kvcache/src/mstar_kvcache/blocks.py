@@ -2,24 +2,72 @@
 
 from __future__ import annotations
 
+from hashlib import blake2b
+
 import attrs
+import torch
 
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
+#: Bytes of a page key (blake2b digest): collisions are as unlikely as for any cryptographic hash, so one
+#: request's pages are never handed to another whose content differs (a crafted `hash()` collision could).
+DIGEST_SIZE = 16
 
-def chain_hash(previous: int, tokens: list[int]) -> int:
-    """Key of a full page: its tokens plus the key of the page before it (so equal keys mean equal prefixes)."""
-    return hash((previous, *tokens))
+
+def _tensor_bytes(value: torch.Tensor) -> bytes:
+    value = value.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16: hash its raw 16-bit words
+        value = value.view(torch.int16)
+    return str((value.dtype, tuple(value.shape))).encode() + value.contiguous().numpy().tobytes()
+
+
+def page_content(seq: Sequence, lo: int, hi: int) -> bytes:
+    """Everything besides the ids that shapes the keys of tokens `lo..hi-1`: embeddings, positions, routing, tensors."""
+    parts: list[bytes] = []
+    for start, rows in seq.embeds:
+        a, b = max(lo, start), min(hi, start + rows.shape[0])
+        if a < b:
+            parts.append(b"e%d" % a + _tensor_bytes(rows[a - start : b - start]))
+    if seq.positions is not None:
+        parts.append(b"p" + _tensor_bytes(seq.positions[:, lo:hi]))
+    if seq.routing is not None:
+        parts.append(b"r" + _tensor_bytes(torch.tensor(seq.routing[lo:hi])))
+    for start, end, name, value, per_token in seq.extras:
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            part = value[a - start : b - start] if per_token else value
+            parts.append(b"x%d:%d:" % (a, start) + name.encode() + b"=" + _tensor_bytes(part))
+    return b"".join(parts)
+
+
+def chain_digest(previous: bytes, tokens: list[int], content: bytes = b"") -> bytes:
+    """Key of a full page: the previous page's key, its token ids and any other content (equal keys, equal prefixes)."""
+    h = blake2b(previous, digest_size=DIGEST_SIZE)
+    h.update(len(tokens).to_bytes(4, "little"))
+    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    if content:
+        h.update(len(content).to_bytes(8, "little"))
+        h.update(content)
+    return h.digest()
 
 
 class BlockManager:
     """Moves pages between the pool and sequences; knows nothing about models or scheduling."""
 
-    def __init__(self, pool: PagePool, prefix_caching: bool = True):
+    def __init__(self, pool: PagePool, prefix_caching: bool = True, salt: str = ""):
         self.pool = pool
         self.page_size = pool.page_size
         self.prefix_caching = prefix_caching
+        # the chain starts from the node's name: nodes sharing a pool never hit each other's pages
+        self.root = blake2b(salt.encode(), digest_size=DIGEST_SIZE).digest()
+
+    def _key(self, seq: Sequence, i: int, previous: bytes) -> bytes:
+        lo, hi = i * self.page_size, (i + 1) * self.page_size
+        plain = seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+        return chain_digest(previous, seq.tokens[lo:hi], b"" if plain else page_content(seq, lo, hi))
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         """Pages `reserve(seq, n)` would take from the pool (new pages plus a copy of a shared partial page)."""
@@ -54,9 +102,9 @@ class BlockManager:
         """
         if not (self.prefix_caching and seq.cacheable) or seq.pages or seq.num_computed:
             return 0
-        previous = 0
+        previous = self.root
         for i in range((len(seq.tokens) - 1) // self.page_size):
-            key = chain_hash(previous, seq.tokens[i * self.page_size : (i + 1) * self.page_size])
+            key = self._key(seq, i, previous)
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -71,9 +119,9 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Key the pages that became full so later requests can reuse them."""
         full = seq.num_computed // self.page_size
-        previous = seq.hashes[-1] if seq.hashes else 0
+        previous = seq.hashes[-1] if seq.hashes else self.root
         for i in range(len(seq.hashes), full):
-            previous = chain_hash(previous, seq.tokens[i * self.page_size : (i + 1) * self.page_size])
+            previous = self._key(seq, i, previous)
             seq.hashes.append(previous)
             if self.prefix_caching and seq.cacheable:
                 self.pool.register(seq.pages[i], previous)
@@ -89,7 +137,13 @@ class BlockManager:
         del seq.hashes[seq.num_computed // self.page_size :]
         if seq.limits is not None:
             del seq.limits[length:]
-        seq.embeds = [(start, rows) for start, rows in seq.embeds if start < length]
+        seq.embeds = [(start, rows[: length - start]) for start, rows in seq.embeds if start < length]
+        if seq.positions is not None:
+            seq.positions = seq.positions[:, :length]
+        if seq.routing is not None:
+            del seq.routing[length:]
+        seq.extras = [(a, min(b, length), name, value if not tok else value[: length - a], tok)
+                      for a, b, name, value, tok in seq.extras if a < length]
 
     def free(self, seq: Sequence) -> None:
         """Release every page (tokens stay, so a preempted sequence can be recomputed)."""
@@ -111,6 +165,10 @@ class BlockManager:
             hashes=list(src.hashes),
             limits=None if src.limits is None else list(src.limits),
             embeds=list(src.embeds),
+            routing=None if src.routing is None else list(src.routing),
+            extras=list(src.extras),
+            collected=[],
+            recompute=False,
             generated=list(src.generated),
             generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,

@@ -1,4 +1,4 @@
-"""`KVCacheEngine` (kind `kvcache`): continuous batching of autoregressive calls over a paged KV pool."""
+"""`KVCacheEngine` (kind `kvcache`): continuous batching of transformer calls over a paged KV pool."""
 
 from __future__ import annotations
 
@@ -9,53 +9,81 @@ from typing import Any
 import torch
 
 from mstar_core.errors import RequestError
+from mstar_core.graph.options import check_call_options, declare_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
-from mstar_kvcache.batch import build_batch
+from mstar_kvcache.batch import build_batch, rope_positions
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
-from mstar_kvcache.contract import KVCacheModule, check_kvcache_module
-from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
+from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
+from mstar_kvcache.inputs import OPTIONS, ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sampler import Sampled, sample
 from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
-from mstar_kvcache.snapshot import CacheSnapshot
+from mstar_kvcache.sharing import join_group
+from mstar_kvcache.transfer import CacheTransfer
+
+declare_call_options("kvcache", OPTIONS, node_refs=("share_cache_with",))
 
 
-class KVCacheEngine(Engine):
-    """Each invocation appends `input_ids` to the request's sequence for its cache label, then samples.
+class KVCacheEngine(CacheTransfer, Engine):
+    """Runs a transformer node's calls over paged KV, many requests and cache labels per forward.
 
-    Outputs: `next_token`, `finish_reason` (None, "stop" or "length"), plus `top_logprobs` when
-    the sampling params ask, `logprob` when the node declares it and the sampling params ask
-    (`logprobs` set), and `logits` / `hidden` (last position) when the node declares those.
-    Options: `cache_label` (default "main"), `write_cache` (False: attend to the cache without
-    keeping this call's tokens), `fork_from` (a new label starts as a copy-on-write fork of that
-    label), `bidirectional` (this call's tokens form one bidirectional block), `frame_size`
-    (frame-causal mask), `transfer` ("export" / "import": move the request's caches between
-    engines, see `export_cache`). Larger `Invocation.priority` is scheduled first.
+    What a call takes and returns is in `inputs.py` (inputs and options) and `contract.py` (what
+    the module provides). A node that declares `next_token` samples: outputs `next_token`,
+    `finish_reason`, and when declared `logprob` / `top_logprobs` (as the sampling params ask),
+    `logits` and `hidden` of the last row. Any other node returns per-token rows with no vocabulary
+    projection: `hidden` and each `compute_<name>` output, for every row of the call
+    (`output_rows: "all"`), the last one, or the rows at input `output_index`.
+
+    A call appends its tokens to its cache label and attends to everything before them; with
+    `write_cache: False` it is read-only: it attends to the frozen `read_labels` (default its
+    `cache_label`) plus its own tokens, which are never stored, and takes no page. Larger
+    `Invocation.priority` is scheduled first.
     """
 
     kind = "kvcache"
     moves_state = True
     module_contract = KVCacheModule
+    call_options = frozenset(OPTIONS)
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
         check_kvcache_module(module, node)  # at load: a module missing a method fails here, not on a request
+        # graphs built before this plugin was imported were not checked by Graph.build: check their calls now
+        check_call_options(node.name, self.kind, getattr(node, "call_sites", ()), OPTIONS, node.options)
         self.settings = KVCacheSettings.from_mapping(context.settings)
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
-        dtype = torch.float32 if first is None else first.dtype
-        num_pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
-        self.pool = PagePool(num_pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
-        self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching)
+        self.dtype = dtype = torch.float32 if first is None else first.dtype
+        self.samples = samples(node)
+        self.axes = int(getattr(module, "position_axes", 1) or 1)
+        self.call_inputs = {k: v for k, v in call_inputs(module, node.name).items() if k in node.all_inputs}
+        self.routed = "routing" in node.all_inputs
+        self.extra_outputs = [o for o in node.outputs if o not in BUILTIN_OUTPUTS]
+        self.share_with = node.options.get("share_cache_with")
+
+        def make_pool() -> PagePool:
+            pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
+            return PagePool(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
+
+        self.group = None
+        if getattr(node, "graph", None) is not None:  # a graph's node may share its pool (see sharing.py)
+            owner = self.share_with or node.name
+            self.group = join_group(self, owner, (layers, kv_heads, head_dim, dtype), make_pool)
+            self.pool = self.group.pool
+        else:
+            self.pool = make_pool()
+        self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
         self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
+        self.waiting_readers: list[tuple[Invocation, ParsedInvocation]] = []  # read-only calls not attached yet
+        self.readers: list[Sequence] = []  # attached read-only calls (they hold references to their pages)
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
@@ -74,7 +102,10 @@ class KVCacheEngine(Engine):
             return
         # whatever this invocation's inputs trigger here (parsing, seeding, attaching) answers it alone
         try:
-            parsed = parse_invocation(invocation, self.vocab_size, self.hidden_size)
+            parsed = self._parse(invocation)
+            if not parsed.write_cache:
+                self.waiting_readers.append((invocation, parsed))
+                return
             seq = self._sequence(invocation, parsed)
         except Exception as exc:
             self.answered.append((invocation, exc))
@@ -88,11 +119,15 @@ class KVCacheEngine(Engine):
             self.answered.append((invocation, exc))
 
     def has_work(self) -> bool:
-        return bool(self.answered) or any(s.pending is not None for s in self.seqs.values())
+        return (bool(self.answered) or bool(self.waiting_readers) or bool(self.readers)
+                or any(s.pending is not None or s.recompute for s in self.seqs.values()))
 
     def step(self) -> list[Result]:
+        if self.waiting_readers:
+            self._attach_readers()
         results, self.answered = self.answered, []
-        pending = [s for s in self.seqs.values() if s.pending is not None]
+        pending = [s for s in self.seqs.values() if s.pending is not None or s.recompute]
+        pending.extend(self.readers)
         if not pending:
             return results
         plan = self.scheduler.schedule(pending, self.seqs.values)
@@ -115,11 +150,15 @@ class KVCacheEngine(Engine):
             self.blocks.free(seq)
             if forget is not None:
                 forget(seq.order)
+        for reader in [r for r in self.readers if r.request_id == request_id]:
+            self._drop_reader(reader)
+        self.waiting_readers = [w for w in self.waiting_readers if w[0].request_id != request_id]
         self.backlog = deque(inv for inv in self.backlog if inv.request_id != request_id)
         self.answered = [r for r in self.answered if r[0].request_id != request_id]
 
     def active_requests(self) -> set[str]:
-        return {k[0] for k in self.seqs} | {i.request_id for i in self.backlog} | {r[0].request_id for r in self.answered}
+        return ({k[0] for k in self.seqs} | {i.request_id for i in self.backlog} | {r[0].request_id for r in self.answered}
+                | {r.request_id for r in self.readers} | {w[0].request_id for w in self.waiting_readers})
 
     def stats(self) -> dict[str, float]:
         pending = [s for s in self.seqs.values() if s.pending is not None]
@@ -130,13 +169,15 @@ class KVCacheEngine(Engine):
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
             "num_preemptions": self.num_preemptions,
-            "num_running": sum(1 for s in pending if s.pages),
-            "num_waiting": sum(1 for s in pending if not s.pages),
+            "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
+            "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
         }
 
     def close(self) -> None:
         for seq in self.seqs.values():
             self.blocks.free(seq)
+        for reader in list(self.readers):
+            self._drop_reader(reader)
         self.seqs.clear()
 
     def fork(self, request_id: str, src_label: str, dst_label: str) -> None:
@@ -153,95 +194,44 @@ class KVCacheEngine(Engine):
             raise RequestError(f"node '{self.node.name}': cache label '{dst_label}' already exists for {request_id}")
         if src.pending is not None:
             raise RequestError(f"node '{self.node.name}': cannot fork '{src_label}' while a call on it is in flight")
+        self._clone(src, dst_label)
+
+    def _clone(self, src: Sequence, dst_label: str) -> Sequence:
         clone = self.blocks.fork(src, dst_label)
         clone.order = next(self._order)
         if src.generator is not None:  # its own generator at the parent's state: the two never share draws
             clone.generator = torch.Generator(device=src.generator.device)
             clone.generator.set_state(src.generator.get_state())
         self.seqs[clone.key] = clone
+        return clone
 
-    def export_cache(self, request_id: str, label: str = "main") -> CacheSnapshot:
-        """A copy of one label's cache and sampling state, for `import_cache` in another engine.
-
-        Only between calls: the label's tokens must all be cached and no call may be in flight.
-        """
+    def drop_label(self, request_id: str, label: str) -> None:
+        """Forget one cache label of a request (its pages return to the pool unless shared)."""
         seq = self.seqs.get((request_id, label))
         if seq is None:
-            raise RequestError(f"node '{self.node.name}': request {request_id} has no cache label '{label}' to export")
-        if seq.pending is not None or seq.remaining:
-            raise RequestError(f"node '{self.node.name}': cache label '{label}' of {request_id} is mid-call; "
-                               "export it between calls")
-        n = seq.num_computed
-        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.pool.kv.device)
-        kv = self.pool.kv.index_select(2, pages).flatten(2, 3)[:, :, :n].clone()
-        return CacheSnapshot(
-            label=label,
-            tokens=list(seq.tokens),
-            generated=list(seq.generated),
-            kv=kv,
-            sampling=seq.sampling,
-            generator_state=None if seq.generator is None else seq.generator.get_state(),
-            limits=None if seq.limits is None else list(seq.limits),
-            embeds=list(seq.embeds),
-            cacheable=seq.cacheable,
-        )
+            return
+        if seq.pending is not None:
+            raise RequestError(f"node '{self.node.name}': cannot drop cache label '{label}' while a call on it is in flight")
+        del self.seqs[seq.key]
+        self.blocks.free(seq)
+        forget = getattr(self.backend, "forget", None)
+        if forget is not None:
+            forget(seq.order)
 
-    def import_cache(self, request_id: str, snapshot: CacheSnapshot) -> None:
-        """Make `snapshot` this request's cache label, as if its tokens had been computed here.
-
-        Raises `RequestError` if the label exists, the shape does not match this model's KV, or
-        the pool cannot hold it now (503: retry when requests finish; 413: it can never fit).
-        """
-        key = (request_id, snapshot.label)
-        if key in self.seqs:
-            raise RequestError(f"node '{self.node.name}': cache label '{snapshot.label}' already exists for {request_id}")
-        layers, _, _, _, heads, dim = self.pool.kv.shape
-        want = (layers, 2, len(snapshot.tokens), heads, dim)
-        if tuple(snapshot.kv.shape) != want:
-            raise RequestError(f"node '{self.node.name}': cache snapshot has KV shape {tuple(snapshot.kv.shape)}, "
-                               f"this model needs {want}")
-        seq = Sequence(request_id, snapshot.label, tokens=list(snapshot.tokens), order=next(self._order),
-                       generated=list(snapshot.generated), sampling=snapshot.sampling,
-                       limits=None if snapshot.limits is None else list(snapshot.limits),
-                       embeds=[(start, rows.to(self.device)) for start, rows in snapshot.embeds],
-                       cacheable=snapshot.cacheable)
-        n = len(seq.tokens)
-        if self.blocks.total_pages(seq) > self.pool.num_pages:
-            raise RequestError(f"node '{self.node.name}': the snapshot needs {self.blocks.total_pages(seq)} KV pages, "
-                               f"the pool has {self.pool.num_pages}", status=413)
-        if not self.blocks.reserve(seq, n):
-            raise RequestError(f"node '{self.node.name}': no KV pages free for the snapshot now; retry later", status=503)
-        filled = self.pool.kv.new_zeros(layers, 2, len(seq.pages) * self.pool.page_size, heads, dim)
-        filled[:, :, :n] = snapshot.kv
-        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.pool.kv.device)
-        self.pool.kv.index_copy_(2, pages, filled.unflatten(2, (len(seq.pages), self.pool.page_size)))
-        seq.num_computed = n
-        self.blocks.commit(seq)
-        if snapshot.generator_state is not None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.set_state(snapshot.generator_state)
-        self.seqs[key] = seq
-
-    def _transfer(self, inv: Invocation, op: str) -> dict[str, Any] | RequestError:
-        """Answer a transfer invocation: every cache label of the request leaves (export) or arrives (import)."""
-        try:
-            if op == "export":
-                labels = [label for rid, label in self.seqs if rid == inv.request_id]
-                state = {"labels": [self.export_cache(inv.request_id, label).to_plain() for label in labels]}
-                self.release(inv.request_id)  # moved, not copied: the pages here are free again
-                return {"state": state}
-            if op == "import":
-                state = inv.inputs.get("state")
-                if not isinstance(state, dict) or not isinstance(state.get("labels"), list):
-                    raise RequestError(f"node '{self.node.name}': import needs input 'state' as an export produced it")
-                for plain in state["labels"]:
-                    self.import_cache(inv.request_id, CacheSnapshot.from_plain(plain))
-                return {}
-            raise RequestError(f"node '{self.node.name}': unknown transfer {op!r}; use 'export' or 'import'")
-        except Exception as exc:  # (an export only releases once every label is copied)
-            return exc
+    def snapshot_label(self, request_id: str, src_label: str, dst_label: str) -> None:
+        """Make `dst_label` a copy-on-write copy of `src_label` as it stands (replacing `dst_label`)."""
+        if src_label == dst_label:
+            return
+        self.drop_label(request_id, dst_label)
+        src = self.seqs.get((request_id, src_label))
+        if src is None:  # snapshot of a label not written yet: an empty label
+            src = Sequence(request_id, src_label)
+        self._clone(src, dst_label)
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _parse(self, inv: Invocation) -> ParsedInvocation:
+        return parse_invocation(inv, self.vocab_size, self.hidden_size, self.axes, self.call_inputs)
 
     def _sequence(self, inv: Invocation, parsed: ParsedInvocation) -> Sequence:
         key = (inv.request_id, parsed.label)
@@ -256,31 +246,136 @@ class KVCacheEngine(Engine):
 
     def _attach(self, seq: Sequence, inv: Invocation, parsed: ParsedInvocation) -> None:
         """Make `inv` the sequence's pending call. Everything that can fail runs before the sequence changes."""
-        start = len(seq.tokens)
-        if self.max_model_len is not None and start + len(parsed.ids) > self.max_model_len:
+        start = 0 if parsed.reset else len(seq.tokens)
+        n = len(parsed.ids)
+        if self.max_model_len is not None and start + n > self.max_model_len:
             raise RequestError(
-                f"node '{self.node.name}': sequence would reach {start + len(parsed.ids)} tokens, "
+                f"node '{self.node.name}': sequence would reach {start + n} tokens, "
                 f"over the model's limit of {self.max_model_len}; send a shorter input or fewer max_tokens"
             )
         generator = seq.generator
         if parsed.sampling is not None and (seq.sampling is None or parsed.sampling.seed != seq.sampling.seed):
             generator = self._generator(parsed.sampling.seed)
-        embeds = None if parsed.embeds is None else parsed.embeds.to(self.device)
-        limits = mask_limits(start, len(parsed.ids), parsed.bidirectional, parsed.frame_size)
+        if parsed.reset and (seq.tokens or seq.pages):  # the label starts over: a fresh sequence, same name
+            self.drop_label(seq.request_id, seq.label)
+            seq = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival)
+            self.seqs[seq.key] = seq
+        for name in parsed.snapshot_before:
+            self.snapshot_label(seq.request_id, seq.label, name)
+        limits = mask_limits(start, n, parsed.bidirectional, parsed.frame_size)
         if limits is not None or seq.limits is not None:
             if seq.limits is None:
                 seq.limits = list(range(1, start + 1))
-            seq.limits.extend(limits or range(start + 1, start + len(parsed.ids) + 1))
-            seq.cacheable = False  # page contents depend on the mask, not just the tokens
-        if embeds is not None:
-            seq.embeds.append((start, embeds))
-            seq.cacheable = False
+            seq.limits.extend(limits or range(start + 1, start + n + 1))
+            seq.cacheable = False  # a page's keys depend on tokens after it, not just on those before
+        self._append_inputs(seq, parsed, start)
         seq.chunkable = limits is None
         seq.tokens.extend(parsed.ids)
-        seq.pending, seq.pending_start = inv, start
+        seq.pending, seq.pending_start, seq.call = inv, start, parsed
         seq.priority = inv.priority
+        seq.collected = []
         if parsed.sampling is not None:
             seq.generator, seq.sampling = generator, parsed.sampling
+
+    def _append_inputs(self, seq: Sequence, parsed: ParsedInvocation, start: int) -> None:
+        """Record the call's embeddings, positions, routing ids and module tensors at token `start` on."""
+        n = len(parsed.ids)
+        for offset, rows in parsed.embeds:
+            seq.embeds.append((start + offset, rows.to(self.device)))
+        if parsed.positions is not None or seq.positions is not None:
+            before = seq.positions if seq.positions is not None else torch.arange(start).expand(self.axes, -1)
+            new = parsed.positions
+            if new is None:  # implicit positions continue after the largest one so far
+                new = (torch.arange(n) + seq.next_position).expand(self.axes, -1)
+            seq.positions = torch.cat((before, new), dim=1)
+        if parsed.routing is not None or seq.routing is not None:
+            seq.routing = (seq.routing if seq.routing is not None else [0] * start) + (parsed.routing or [0] * n)
+        for name, (value, per_token) in parsed.extras.items():
+            seq.extras.append((start, start + n, name, value.to(self.device), per_token))
+
+    def _label(self, request_id: str, label: str) -> Sequence | None:
+        """A label read-only calls attend to: this node's, or with `share_cache_with` the partner node's."""
+        if self.share_with is None:
+            return self.seqs.get((request_id, label))
+        partner = self.group.engines.get(self.share_with) if self.group is not None else None
+        if partner is None:
+            raise RequestError(f"node '{self.node.name}': it reads the cache of node '{self.share_with}', "
+                               "which no engine of this process serves; place both nodes on one worker")
+        return partner.seqs.get((request_id, label))
+
+    def _attach_readers(self) -> None:
+        """Attach waiting read-only calls whose labels are all cached (holding references to their pages)."""
+        waiting, self.waiting_readers = self.waiting_readers, []
+        for inv, parsed in waiting:
+            try:
+                labels = [self._label(inv.request_id, name) for name in parsed.read_labels]
+                if self.share_with is not None and any(s is None for s in labels):
+                    missing = [n for n, s in zip(parsed.read_labels, labels, strict=True) if s is None]
+                    raise RequestError(f"node '{self.node.name}': node '{self.share_with}' holds no cache label "
+                                       f"{missing} for request {inv.request_id}")
+                labels = [s for s in labels if s is not None]
+                busy = [s for s in labels if s.pending is not None or s.remaining]
+                if busy:
+                    for s in busy:  # a preempted idle label is recomputed for its readers
+                        s.recompute = s.recompute or s.pending is None
+                    self.waiting_readers.append((inv, parsed))
+                    continue
+                self.readers.append(self._reader(inv, parsed, labels))
+            except Exception as exc:
+                self.answered.append((inv, exc))
+
+    def _reader(self, inv: Invocation, parsed: ParsedInvocation, labels: list[Sequence]) -> Sequence:
+        """A read-only call as a transient sequence: the frozen labels' tokens, then its own (never stored)."""
+        ctx = sum(len(s.tokens) for s in labels)
+        n = len(parsed.ids)
+        first = labels[0] if labels else None
+        reader = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival, readonly=True,
+                          tokens=[t for s in labels for t in s.tokens] + parsed.ids, num_computed=ctx,
+                          context=[(list(s.pages), len(s.tokens)) for s in labels], chunkable=False,
+                          generated=list(first.generated) if first else [], priority=inv.priority)
+        if any(s.positions is not None for s in labels) or parsed.positions is not None:
+            parts = [s.positions if s.positions is not None else torch.arange(len(s.tokens)).expand(self.axes, -1)
+                     for s in labels]
+            reader.positions = torch.cat(parts, dim=1) if parts else torch.zeros(self.axes, 0, dtype=torch.long)
+            reader.tokens = reader.tokens[:ctx]  # (next_position counts tokens so far)
+            new = parsed.positions
+            if new is None:
+                new = (torch.arange(n) + reader.next_position).expand(self.axes, -1)
+            reader.positions = torch.cat((reader.positions, new), dim=1)
+            reader.tokens.extend(parsed.ids)
+        limits = mask_limits(ctx, n, parsed.bidirectional, parsed.frame_size)
+        if limits is not None:
+            reader.limits = [0] * ctx + limits  # only the own rows' bounds are read
+        self._append_inputs_reader(reader, parsed, ctx)
+        sampling = parsed.sampling or (first.sampling if first else None)
+        reader.sampling = sampling
+        if parsed.sampling is not None and (first is None or first.sampling is None
+                                            or parsed.sampling.seed != first.sampling.seed):
+            reader.generator = self._generator(parsed.sampling.seed)
+        elif first is not None:
+            reader.generator = first.generator  # today's semantics: the label's random stream advances
+        for pages, _ in reader.context:
+            for page in pages:
+                self.pool.incref(page)
+        reader.pending, reader.pending_start, reader.call = inv, ctx, parsed
+        return reader
+
+    def _append_inputs_reader(self, reader: Sequence, parsed: ParsedInvocation, ctx: int) -> None:
+        n = len(parsed.ids)
+        for offset, rows in parsed.embeds:
+            reader.embeds.append((ctx + offset, rows.to(self.device)))
+        if parsed.routing is not None:
+            reader.routing = [0] * ctx + parsed.routing
+        for name, (value, per_token) in parsed.extras.items():
+            reader.extras.append((ctx, ctx + n, name, value.to(self.device), per_token))
+
+    def _drop_reader(self, reader: Sequence) -> None:
+        if reader in self.readers:
+            self.readers.remove(reader)
+            for pages, _ in reader.context:
+                for page in pages:
+                    self.pool.decref(page)
+            reader.context = []
 
     def _generator(self, seed: Any) -> torch.Generator | None:
         if seed is None:
@@ -296,26 +391,68 @@ class KVCacheEngine(Engine):
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         ids, batch = build_batch(work, self.pool.page_size, self.device)
+        positions = rope_positions(work, batch, self.axes)
+        kwargs = self._module_inputs(work, batch)
         embeds = self._splice_embeds(work, ids)
         context = self.backend.begin(batch, self.pool.kv)
         with torch.inference_mode():
             if embeds is None:
-                return self.module(ids, batch.positions, context)
-            return self.module(None, batch.positions, context, input_embeds=embeds)
+                return self.module(ids, positions, context, **kwargs)
+            return self.module(None, positions, context, input_embeds=embeds, **kwargs)
+
+    def _module_inputs(self, work: list[tuple[Sequence, int]], batch: Any) -> dict[str, torch.Tensor]:
+        """Routing ids and module-declared tensors for the step's rows (zeros where a call gave none)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.routed:
+            parts = [seq.routing[seq.num_computed : seq.num_computed + n] if seq.routing is not None else [0] * n
+                     for seq, n in work]
+            out["routing"] = torch.tensor([r for p in parts for r in p], dtype=torch.long, device=self.device)
+        if not self.call_inputs:
+            return out
+        per_seq = False
+        for name, kind in self.call_inputs.items():
+            found = [(seq, n, [e for e in seq.extras if e[2] == name and e[0] < seq.num_computed + n
+                               and e[1] > seq.num_computed]) for seq, n in work]
+            sample = next((e[0][3] for _, _, e in found if e), None)
+            if sample is None:
+                continue
+            if kind == "token":
+                rows = []
+                for seq, n, entries in found:
+                    part = sample.new_zeros(n, *sample.shape[1:])
+                    lo = seq.num_computed
+                    for start, end, _, value, _ in entries:
+                        a, b = max(lo, start), min(lo + n, end)
+                        part[a - lo : b - lo] = value[a - start : b - start]
+                    rows.append(part)
+                out[name] = torch.cat(rows)
+            else:
+                per_seq = True
+                out[name] = torch.stack([e[-1][3] if e else sample.new_zeros(sample.shape) for _, _, e in found])
+        if per_seq:
+            lens = torch.tensor([n for _, n in work], device=self.device)
+            out["sequence_index"] = torch.repeat_interleave(torch.arange(len(work), device=self.device), lens)
+        return out
 
     def _splice_embeds(self, work: list[tuple[Sequence, int]], ids: torch.Tensor) -> torch.Tensor | None:
         if not any(seq.embeds for seq, _ in work):
             return None
+        spans = []
+        row = 0
+        for seq, n in work:
+            lo, hi = seq.num_computed, seq.num_computed + n
+            for start, rows in seq.embeds:
+                a, b = max(lo, start), min(hi, start + rows.shape[0])
+                if a < b:
+                    spans.append((row + a - lo, row + b - lo, rows[a - start : b - start]))
+            row += n
         with torch.inference_mode():
-            embeds = self.module.embed(ids)
-            row = 0
-            for seq, n in work:
-                lo, hi = seq.num_computed, seq.num_computed + n
-                for start, rows in seq.embeds:
-                    a, b = max(lo, start), min(hi, start + rows.shape[0])
-                    if a < b:
-                        embeds[row + a - lo : row + b - lo] = rows[a - start : b - start].to(embeds.dtype)
-                row += n
+            if sum(b - a for a, b, _ in spans) == row:  # every row is an embedding: no token embedding needed
+                embeds = spans[0][2].new_empty(row, spans[0][2].shape[1], dtype=self.dtype)
+            else:
+                embeds = self.module.embed(ids)
+            for a, b, rows in spans:
+                embeds[a:b] = rows.to(embeds.dtype)
         return embeds
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Result]:
@@ -324,6 +461,9 @@ class KVCacheEngine(Engine):
             hidden = self._forward(work)
         except Exception as exc:
             if len(work) == 1:
+                if work[0][0].pending is None:  # a recompute for readers: they keep waiting
+                    work[0][0].recompute = False
+                    return []
                 return [self._fail(work[0][0], exc)]
             # One sequence's input may be what breaks the batch: run each alone so only the culprit
             # fails. Nothing advanced, so a retry just rewrites the same positions' KV.
@@ -331,13 +471,52 @@ class KVCacheEngine(Engine):
         done: list[tuple[Sequence, int]] = []
         row = 0
         for seq, n in work:
+            lo = row
             row += n
             seq.num_computed += n
-            if seq.pending.options.get("write_cache", True):
+            if not seq.readonly:
                 self.blocks.commit(seq)
+            if not self.samples and seq.call is not None:
+                keep_all = seq.call.output_rows == "all" or seq.call.output_index is not None
+                seq.collected.append(hidden[lo:row] if keep_all else hidden[row - 1 : row])
             if seq.remaining == 0:
-                done.append((seq, row - 1))
-        return self._finish(done, hidden) if done else []
+                if seq.pending is not None:
+                    done.append((seq, row - 1))
+                else:
+                    seq.recompute = False
+        if not done:
+            return []
+        return self._finish(done, hidden) if self.samples else self._finish_rows(done)
+
+    def _finish_rows(self, done: list[tuple[Sequence, int]]) -> list[Result]:
+        """Per-token outputs: the calls' rows of hidden states and the module's outputs computed from them."""
+        rows = []
+        for seq, _ in done:
+            got = torch.cat(seq.collected) if len(seq.collected) > 1 else seq.collected[0]
+            call = seq.call
+            if call.output_index is not None:
+                got = got[call.output_index.to(got.device)]
+            elif call.output_rows == "last":
+                got = got[-1:]
+            rows.append(got)
+            seq.collected = []
+        computed: dict[str, list[torch.Tensor]] = {}
+        try:
+            with torch.inference_mode():
+                joined = torch.cat(rows)
+                for name in self.extra_outputs:
+                    computed[name] = list(getattr(self.module, f"compute_{name}")(joined).split([r.shape[0] for r in rows]))
+        except Exception as exc:
+            return [self._fail(seq, exc) for seq, _ in done]
+        results = []
+        for i, (seq, _) in enumerate(done):
+            out: dict[str, Any] = {}
+            if "hidden" in self.node.outputs:
+                out["hidden"] = rows[i]
+            for name, values in computed.items():
+                out[name] = values[i]
+            results.append(self._complete(seq, out))
+        return results
 
     def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
         last = hidden[torch.tensor([r for _, r in done], device=hidden.device)]
@@ -368,9 +547,8 @@ class KVCacheEngine(Engine):
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor) -> Result:
         """Row `i`'s outputs; the call is done, and the label's next queued call (if any) attaches."""
-        inv = seq.pending
         token = picked.tokens[i]
-        keep = inv.options.get("write_cache", True)
+        keep = not seq.readonly
         if keep:
             seq.generated.append(token)
         try:
@@ -390,9 +568,23 @@ class KVCacheEngine(Engine):
             out["logits"] = logits[i]
         if "hidden" in self.node.outputs:
             out["hidden"] = last[i]
-        if not keep:
-            self.blocks.truncate(seq, seq.pending_start)
-        seq.pending = None
+        return self._complete(seq, out)
+
+    def _complete(self, seq: Sequence, out: dict[str, Any]) -> Result:
+        """Answer the sequence's call with `out`; run its after-call label operations; attach what waits."""
+        inv, call = seq.pending, seq.call
+        seq.pending, seq.call = None, None
+        if seq.readonly:
+            self._drop_reader(seq)
+            return (inv, out)
+        try:
+            for name in call.snapshot_after:
+                self.snapshot_label(seq.request_id, seq.label, name)
+            for name in call.drop:
+                self.drop_label(seq.request_id, name)
+        except Exception as exc:
+            self._attach_backlog(seq)
+            return (inv, exc)
         self._attach_backlog(seq)
         return (inv, out)
 
@@ -411,8 +603,11 @@ class KVCacheEngine(Engine):
 
     def _fail(self, seq: Sequence, exc: BaseException) -> Result:
         inv = seq.pending
+        seq.pending, seq.call, seq.collected = None, None, []
+        if seq.readonly:
+            self._drop_reader(seq)
+            return (inv, exc)
         self.blocks.truncate(seq, seq.pending_start)
-        seq.pending = None
         self._attach_backlog(seq)
         return (inv, exc)
 
@@ -421,7 +616,8 @@ class KVCacheEngine(Engine):
             if inv.request_id == seq.request_id and inv.options.get("cache_label", "main") == seq.label:
                 self.backlog.remove(inv)
                 try:
-                    self._attach(seq, inv, parse_invocation(inv, self.vocab_size, self.hidden_size))
+                    parsed = self._parse(inv)
+                    self._attach(self.seqs.get(seq.key) or self._sequence(inv, parsed), inv, parsed)
                 except Exception as exc:
                     self.answered.append((inv, exc))
                     continue

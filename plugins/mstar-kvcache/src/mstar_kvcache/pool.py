@@ -15,7 +15,7 @@ class PagePool:
     """Fixed-size KV pages allocated once, as one tensor `[layers, 2 (k/v), pages, page_size, kv_heads, head_dim]`.
 
     A page is *used* while some sequence references it. A full page may also be *cached* under
-    the chained hash of its tokens; when its last reference goes it stays cached but evictable
+    the chained digest of its content; when its last reference goes it stays cached but evictable
     (least recently released first), so a later request with the same prefix reuses it.
     """
 
@@ -36,8 +36,8 @@ class PagePool:
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
         self.copies = 0  # copy-on-write page copies, for stats and tests
         self.hits = 0  # pages reused from the prefix cache
 
@@ -88,11 +88,11 @@ class PagePool:
             else:
                 self._free.append(page)
 
-    def lookup(self, key: int) -> int | None:
+    def lookup(self, key: bytes) -> int | None:
         """The cached page holding the tokens hashed to `key`, if any."""
         return self._by_hash.get(key)
 
-    def register(self, page: int, key: int) -> None:
+    def register(self, page: int, key: bytes) -> None:
         """Index a full page under its chained hash (a page already cached under it wins)."""
         if key in self._by_hash or page in self._hash_of:
             return

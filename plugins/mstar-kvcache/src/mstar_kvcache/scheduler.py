@@ -72,6 +72,13 @@ class Scheduler:
         for seq in waiting:
             if out.preempted or len(out.work) >= self.max_num_seqs or budget <= 0:
                 break
+            if seq.readonly:  # a read-only call takes no pages: it only needs room in the token budget
+                n = self._chunk(seq, budget, bool(out.work))
+                if n == 0:
+                    break
+                out.work.append((seq, n))
+                budget -= n
+                continue
             if self.blocks.total_pages(seq) > self.blocks.pool.num_pages:
                 out.too_large.append(seq)
                 continue

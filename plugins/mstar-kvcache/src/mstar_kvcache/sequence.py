@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -27,8 +27,8 @@ class Sequence:
     tokens: list[int] = attrs.field(factory=list)
     pages: list[int] = attrs.field(factory=list)
     num_computed: int = 0
-    hashes: list[int] = attrs.field(factory=list)
-    #: False once the sequence holds media embeddings or non-causal masks: its pages are not keyed by tokens alone.
+    hashes: list[bytes] = attrs.field(factory=list)
+    #: False once the sequence holds non-causal masks: a page's keys then depend on tokens after it.
     cacheable: bool = True
     #: Per-token exclusive limit on visible key positions for non-causal masks; None = plain causal.
     limits: list[int] | None = None
@@ -44,7 +44,28 @@ class Sequence:
     arrival: float = 0.0
     priority: float = 0.0
     order: int = 0  # admission order, for FIFO ties
+    #: Explicit RoPE positions `[axes, len(tokens)]` once any call gave some; None = position is the index.
+    positions: torch.Tensor | None = None
+    #: Per-token routing ids (mixture-of-transformers) once any call gave some; earlier tokens route to 0.
+    routing: list[int] | None = None
+    #: Module-declared per-call tensors kept for recompute and cache keys: `(start, end, name, value, per_token)`.
+    extras: list[tuple[int, int, str, torch.Tensor, bool]] = attrs.field(factory=list)
+    #: A read-only call: attends to `context` (frozen pages it holds references to) plus its own tokens.
+    readonly: bool = False
+    context: list[tuple[list[int], int]] = attrs.field(factory=list)
+    #: Per-token output rows of the pending call, gathered across prefill chunks.
+    collected: list[torch.Tensor] = attrs.field(factory=list)
+    #: The pending call as parsed (`inputs.ParsedInvocation`): what to return and what to do when it is done.
+    call: Any = None
+    #: Set when a reader needs this (preempted, idle) label's cache back: it is recomputed without a call.
+    recompute: bool = False
 
+    @property
+    def next_position(self) -> int:
+        """The position an implicit next token takes: after the largest one so far."""
+        if self.positions is None or self.positions.shape[1] == 0:
+            return len(self.tokens)
+        return int(self.positions.max()) + 1
     @property
     def remaining(self) -> int:
         """Tokens appended but not yet in the cache."""
