@@ -9,19 +9,49 @@ import attrs
 
 from mstar_core.errors import GraphValidationError
 from mstar_core.graph.node import GraphEdge, GraphNode
-from mstar_core.graph.options import check_call_options, known_call_options, node_ref_options
 from mstar_core.graph.walk import (
     DynamicLoop,
+    FromEnv,
     Loop,
     NodeCall,
     Parallel,
     Sequential,
     Step,
+    StreamingGraphEdge,
     Walk,
     iter_calls,
+    iter_walk_calls,
 )
 
 Plan = Callable[[Mapping[str, Any]], Sequence[str]]
+
+
+@attrs.frozen
+class Branch:
+    """A plan that branches on outputs: after walk `after`, run the walks `choose(env)` names next.
+
+    `choose` sees the request's env at the walk boundary and returns a walk name, a list of names
+    (run in order, before the rest of the plan), or None / [] for none. Every name it may return is
+    declared in `walks` and checked at `Graph.build`; returning another is a request error naming
+    the declared ones. Branches may not form a cycle (a request's walks stay finite).
+
+        Branch(after="decode", choose=lambda env: "image_gen" if env["wants_image"] else None,
+               walks=("image_gen",))
+    """
+
+    after: str
+    choose: Callable[[Mapping[str, Any]], str | Sequence[str] | None] = attrs.field(eq=False)
+    walks: tuple[str, ...] = attrs.field(converter=lambda v: (v,) if isinstance(v, str) else tuple(v))
+
+    def next_walks(self, env: Mapping[str, Any]) -> list[str]:
+        """The walks chosen for this env, checked against the declared ones."""
+        chosen = self.choose(env)
+        names = [] if chosen is None else [chosen] if isinstance(chosen, str) else list(chosen)
+        for name in names:
+            if name not in self.walks:
+                raise KeyError(f"the plan's branch after walk '{self.after}' chose walk {name!r}, which it does not "
+                               f"declare; it may choose {list(self.walks)}")
+        return names
 
 
 @attrs.frozen
@@ -37,6 +67,7 @@ class Graph:
     nodes: Mapping[str, GraphNode]
     walks: Mapping[str, Walk]
     plan_fn: Plan | None = attrs.field(default=None, eq=False)
+    branches: Mapping[str, Branch] = attrs.field(factory=dict, eq=False)
 
     @classmethod
     def build(
@@ -45,6 +76,7 @@ class Graph:
         nodes: Iterable[GraphNode],
         walks: Iterable[Walk],
         plan: Plan | None = None,
+        branches: Iterable[Branch] = (),
     ) -> Graph:
         node_map: dict[str, GraphNode] = {}
         for node in nodes:
@@ -64,31 +96,17 @@ class Graph:
             raise GraphValidationError(f"model '{name}' declares no walks")
         from types import MappingProxyType
 
-        graph = cls(name, MappingProxyType(node_map), MappingProxyType(walk_map), plan)
+        branch_map = _check_branches(walk_map, branches)
+        graph = cls(name, MappingProxyType(node_map), MappingProxyType(walk_map), plan, MappingProxyType(branch_map))
         for walk in walk_map.values():
             _WalkChecker(graph, walk).check()
-        sites: dict[str, list[tuple[str, Mapping[str, Any]]]] = {n: [] for n in node_map}
-        for walk in walk_map.values():
-            for call in iter_calls(walk.body):
-                sites[call.node].append((walk.name, call.options))
-        for node in node_map.values():
-            known = known_call_options(node.engine)
-            if known is not None:
-                check_call_options(node.name, node.engine, sites[node.name], known, node.options)
-            for option in node_ref_options(node.engine):
-                ref = node.options.get(option)
-                if ref is not None and (ref not in node_map or node_map[ref].engine != node.engine or ref == node.name):
-                    raise GraphValidationError(
-                        f"option {option}={ref!r} must name another '{node.engine}' node of the graph; "
-                        f"'{node.engine}' nodes: {sorted(n for n, d in node_map.items() if d.engine == node.engine)}",
-                        node=node.name,
-                    )
-        # each node learns its model and call sites (the engine checks options again at load from them)
-        nodes = {n: attrs.evolve(node, graph=name, call_sites=tuple(sites[n])) for n, node in node_map.items()}
-        return cls(name, MappingProxyType(nodes), MappingProxyType(walk_map), plan)
+        return graph
 
     def plan(self, inputs: Mapping[str, Any]) -> list[str]:
-        """The walk names a request with these inputs takes, checked against the graph."""
+        """The walk names a request with these inputs starts with, checked against the graph.
+
+        Walks a `Branch` chooses from outputs come on top of these, at run time (`next_walks`).
+        """
         if self.plan_fn is not None:
             names = list(self.plan_fn(inputs))
         elif "walk" in inputs:
@@ -102,9 +120,50 @@ class Graph:
                 raise KeyError(f"plan chose unknown walk '{n}'; walks: {', '.join(self.walks)}")
         return names
 
+    def next_walks(self, walk: str, env: Mapping[str, Any]) -> list[str]:
+        """The walks a branch of the plan adds after `walk` for this env (none without a branch)."""
+        branch = self.branches.get(walk)
+        return [] if branch is None else branch.next_walks(env)
+
     def edges(self, walk: str) -> list[GraphEdge]:
         """Data edges of a walk: each node input linked to the latest call that produced it."""
         return _derive_edges(self, self.walks[walk])
+
+
+def _check_branches(walks: Mapping[str, Walk], branches: Iterable[Branch]) -> dict[str, Branch]:
+    out: dict[str, Branch] = {}
+    known = ", ".join(walks)
+    for branch in branches:
+        if not isinstance(branch, Branch):
+            raise GraphValidationError(f"plan branches must be Branch(...), got {type(branch).__name__}")
+        if branch.after not in walks:
+            raise GraphValidationError(f"plan branch after unknown walk '{branch.after}'; walks: {known}")
+        if branch.after in out:
+            raise GraphValidationError(f"two plan branches after walk '{branch.after}'; merge them", walk=branch.after)
+        for name in branch.walks:
+            if name not in walks:
+                raise GraphValidationError(
+                    f"the plan's branch after '{branch.after}' may choose unknown walk '{name}'; walks: {known}",
+                    walk=branch.after,
+                )
+        out[branch.after] = branch
+    # a cycle would let a request take walks forever
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == 1:
+            cycle = " -> ".join([*path[path.index(name):], name])
+            raise GraphValidationError(f"the plan's branches form a cycle: {cycle}", walk=name)
+        if state.get(name) == 2:
+            return
+        state[name] = 1
+        for nxt in out[name].walks if name in out else ():
+            visit(nxt, [*path, name])
+        state[name] = 2
+
+    for name in out:
+        visit(name, [])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +175,9 @@ class _WalkChecker:
     def __init__(self, graph: Graph, walk: Walk):
         self.graph = graph
         self.walk = walk
-        self.calls = list(iter_calls(walk.body))
+        self.calls = list(iter_walk_calls(walk))
+        # env names of streams that consumer fragments take chunks from (valid only inside their fragment)
+        self.stream_names: set[str] = set()
         # names a loop body produces: an optional input may read them on later iterations
         self.loop_outputs: set[str] = set()
 
@@ -126,9 +187,10 @@ class _WalkChecker:
     def check(self) -> None:
         for call in self.calls:
             self.check_call_ports(call)
-        produced = self.step(self.walk.body, {*self.walk.inputs, *self.walk.optional_inputs}, loop_depth=0)
+        entry = {*self.walk.inputs, *self.walk.optional_inputs}
+        produced = self.step(self.walk.body, entry, loop_depth=0)
         for edge in self.walk.streams:
-            produced |= self.check_stream(edge, produced)
+            produced |= self.check_stream(edge, produced, entry)
         for name in self.walk.emit:
             if name not in produced:
                 self.fail(f"emit names '{name}', which no step or stream of the walk produces")
@@ -165,11 +227,17 @@ class _WalkChecker:
                 name = step.env_input(port)
                 if name not in avail and name not in self.loop_outputs:
                     self.missing_optional_input(step, port, name)
+            for key, value in step.options.items():
+                if isinstance(value, FromEnv) and value.name not in avail:
+                    self.fail(f"call option '{key}' reads env name '{value.name}', which is not available where the "
+                              f"call runs; available: {sorted(avail)}", step.node)
             return avail | {step.env_output(o) for o in node.outputs}
         if isinstance(step, Sequential):
             for s in step.steps:
                 avail = self.step(s, avail, loop_depth)
             return avail
+        if isinstance(step, Parallel) and step.fan_out:
+            return self.fan_out(step, avail, loop_depth)
         if isinstance(step, Parallel):
             if not step.branches:
                 self.fail("Parallel() has no branches")
@@ -189,6 +257,24 @@ class _WalkChecker:
         if isinstance(step, Loop | DynamicLoop):
             return self.loop(step, avail, loop_depth)
         raise TypeError(step)
+
+    def fan_out(self, step: Parallel, avail: set[str], loop_depth: int) -> set[str]:
+        first_call = next(iter_calls(step.branches[0]), None)
+        where = first_call.node if first_call else None
+        if isinstance(step.count, int) and step.count < 0:
+            self.fail(f"Parallel count must be >= 0, got {step.count}", where)
+        if isinstance(step.count, str) and step.count not in avail:
+            self.fail(f"Parallel count names '{step.count}', which is not available before the fan-out", where)
+        if not isinstance(step.count, int | str):
+            self.fail(f"Parallel count must be an int or an env name, got {step.count!r}", where)
+        out = self.step(step.branches[0], avail | {step.index_name}, loop_depth) - avail - {step.index_name}
+        if step.collect is None:
+            return avail | out
+        for name in step.collect:
+            if name not in out:
+                self.fail(f"Parallel collect names '{name}', which the fanned-out body does not write; "
+                          f"it writes {sorted(out)}", where)
+        return avail | set(step.collect.values())
 
     def loop(self, loop: Loop | DynamicLoop, avail: set[str], loop_depth: int) -> set[str]:
         first_call = next(iter_calls(loop.body), None)
@@ -265,15 +351,22 @@ class _WalkChecker:
             call.node,
         )
 
-    def check_stream(self, edge: Any, produced: set[str]) -> set[str]:
+    def check_stream(self, edge: StreamingGraphEdge, produced: set[str], entry: set[str]) -> set[str]:
+        where = edge.dst_node or edge.src_node
         if edge.policy is None:
-            self.fail(f"streaming edge {edge.src} -> {edge.dst} has no chunk policy", edge.dst_node)
+            self.fail(f"streaming edge {edge.name} has no chunk policy", where)
         src = self.node(edge.src_node)
-        dst = self.node(edge.dst_node)
         if edge.src_output not in src.outputs:
             self.fail(f"streaming edge source '{edge.src}': node outputs are {list(src.outputs)}", src.name)
-        if not any(c.node == src.name for c in self.calls):
+        per_chunk = {e.dst_node for e in self.walk.streams if e.dst is not None}
+        if not any(c.node == src.name for c in self.calls) and src.name not in per_chunk:
             self.fail(f"streaming edge source node '{src.name}' is not called in this walk", src.name)
+        if (edge.dst is None) == (edge.consumer is None):
+            self.fail(f"streaming edge {edge.name} needs exactly one consumer: dst='node.input' (one call per "
+                      "chunk) or consumer=<walk fragment> with into='env name'", where)
+        if edge.consumer is not None:
+            return self.check_consumer(edge, entry)
+        dst = self.node(edge.dst_node)
         if edge.dst_input not in dst.all_inputs:
             self.fail(f"streaming edge target '{edge.dst}': node inputs are {list(dst.all_inputs)}", dst.name)
         for port in dst.inputs:
@@ -291,6 +384,25 @@ class _WalkChecker:
             if port not in dst.outputs:
                 self.fail(f"streaming edge renames output '{port}', node outputs are {list(dst.outputs)}", dst.name)
         return {edge.outputs.get(o, o) for o in dst.outputs}
+
+    def check_consumer(self, edge: StreamingGraphEdge, entry: set[str]) -> set[str]:
+        """A consumer fragment runs beside the body on the walk's inputs plus the stream it takes from."""
+        calls = list(iter_calls(edge.consumer))
+        where = calls[0].node if calls else edge.src_node
+        if not edge.into:
+            self.fail(f"streaming edge {edge.name} has a consumer fragment but no into='env name' to read chunks "
+                      "from", where)
+        if edge.into in self.stream_names:
+            self.fail(f"two streaming edges deliver into env name '{edge.into}'; give each its own", where)
+        self.stream_names.add(edge.into)
+        if edge.outputs:
+            self.fail(f"streaming edge {edge.name}: outputs= renames a per-chunk consumer's outputs; rename "
+                      "inside the consumer fragment instead", where)
+        readers = [c for c in calls if edge.into in _call_inputs(self.graph, c)]
+        if not readers:
+            self.fail(f"no call in the consumer fragment of {edge.name} reads '{edge.into}', so its chunks "
+                      "would never be taken", where)
+        return self.step(edge.consumer, entry | {edge.into}, loop_depth=0) - {edge.into}
 
 
 def _call_outputs(graph: Graph, call: NodeCall) -> set[str]:

@@ -32,6 +32,29 @@ class NodeCall:
         return self.outputs.get(name, name)
 
 
+@attrs.frozen
+class FromEnv:
+    """A call option whose value comes from the request's env when the call runs.
+
+    `NodeCall("lm", options={"cache_label": FromEnv("loop_index", "step{}")})` passes
+    `cache_label="step3"` on the fourth iteration. `derive` is a format string (`str.format` of the
+    env value) or a callable of it; without it the value is passed as is. The name must be available
+    where the call runs (checked at build); the derived value must be a plain value (str, int,
+    float, bool or None), checked at run time.
+    """
+
+    name: str
+    derive: str | Callable[[Any], Any] | None = attrs.field(default=None, eq=False)
+
+    def resolve(self, env: Mapping[str, Any]) -> Any:
+        value = env[self.name]
+        if isinstance(self.derive, str):
+            return self.derive.format(value)
+        if self.derive is not None:
+            return self.derive(value)
+        return value
+
+
 def _accumulate_map(value: Any) -> Mapping[str, str]:
     """`accumulate` is names (each list stored under the same name) or a map name -> list name."""
     if isinstance(value, Mapping):
@@ -63,12 +86,34 @@ class Sequential:
 
 @attrs.frozen(init=False)
 class Parallel:
-    """Fan out: branches run concurrently on the same inputs; their outputs are joined by name."""
+    """Fan out: branches run concurrently on the same inputs; their outputs are joined by name.
+
+    Each branch works on its own copy of the env; at the join only the names a branch wrote come
+    back, so branches must write different names (checked at build).
+
+    Dynamic fan-out: `Parallel(body, count="n", index_name="choice")` runs `count` copies of one
+    `body` side by side (`count` is an int or the env name of an int), each with its index under
+    `index_name` in its env. Every name the body writes comes back as a list with one value per
+    branch, in branch order; `collect` keeps only some of them (names, or a map name -> list name).
+    With call options read from the env, branches can e.g. decode `n` forks of a prompt's cache:
+    `NodeCall("lm", options={"cache_label": FromEnv("choice", "choice{}"), "fork_from": "main"})`.
+    """
 
     branches: tuple[Step, ...]
+    count: int | str | None = None
+    index_name: str = "branch_index"
+    collect: Mapping[str, str] | None = None
 
-    def __init__(self, *branches: Any):
-        self.__attrs_init__(_as_steps(branches))
+    def __init__(self, *branches: Any, count: int | str | None = None, index_name: str = "branch_index",
+                 collect: Any = None):
+        if count is not None and len(branches) != 1:
+            raise ValueError(f"Parallel(count=...) takes exactly one body to fan out, got {len(branches)} branches")
+        self.__attrs_init__(_as_steps(branches), count, index_name,
+                            None if collect is None else _accumulate_map(collect))
+
+    @property
+    def fan_out(self) -> bool:
+        return self.count is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -108,19 +153,70 @@ Step = Union[NodeCall, Sequential, Parallel, Loop, DynamicLoop]  # noqa: UP007 (
 
 
 @attrs.frozen
-class StreamingGraphEdge:
-    """Feed `src` ('node.output', produced repeatedly inside the walk) into `dst` ('node.input').
+class StreamProgress:
+    """What a streaming edge has done for one request so far (what a priority function reads).
 
-    The consumer fires whenever `policy` forms a chunk, while the producer is still running. The
-    consumer receives a `Chunk` on `dst`'s input; its other inputs are read from the env. Values
-    for which `keep(value)` is false are not part of the stream (e.g. non-audio tokens).
+    `items`: items pushed into the stream (after `keep`); `released`: items released to the
+    consumer in chunks (each counted once); `chunks`: chunks released; `started`: when the walk
+    started; `first_release`: when the first chunk was released (None before); `now`: the time of
+    the reading. Times are `time.monotonic()` seconds.
+    """
+
+    items: int
+    released: int
+    chunks: int
+    started: float
+    first_release: float | None
+    now: float
+
+    def seconds_ahead(self, seconds_per_item: float) -> float:
+        """Media released to the listener minus media played so far, in seconds (negative: it has run dry).
+
+        Playback starts with the first released chunk and runs in real time; before it, the listener
+        has been waiting since the walk started, which counts as time behind.
+        """
+        if self.first_release is None:
+            return -(self.now - self.started)
+        return self.released * seconds_per_item - (self.now - self.first_release)
+
+
+def _optional_step(step: Any) -> Step | None:
+    return None if step is None else _as_step(step)
+
+
+@attrs.frozen
+class StreamingGraphEdge:
+    """Feed `src` ('node.output', produced repeatedly inside the walk) to a consumer while it runs.
+
+    Two kinds of consumer:
+
+    - `dst='node.input'`: one call of that node per chunk the `policy` forms; the call's other
+      inputs come from the env, its outputs are collected as lists in the env (and may feed
+      further streams).
+    - `consumer=<walk fragment>` with `into='name'`: the fragment (e.g. a `DynamicLoop` on an AR
+      node) starts with the walk and runs concurrently with the producer, on its own copy of the
+      walk's inputs. A call in it that reads env name `into` takes the next released chunk,
+      waiting while none is ready; once the producer has finished and every chunk was taken, it
+      gets an empty chunk with `final=True` (the last real chunk is marked final when that is
+      known at the time it is taken). A loop reading the stream ends when its `until` holds
+      *and* the stream is drained: it waits for the next chunk or the producer's end before it
+      decides, so no item is lost or read twice. The fragment's outputs join the env when it ends.
+      Its calls may produce further streams (producer -> consumer -> consumer').
+
+    Items may be anything (token ids, a hidden-state row per token, a codec frame per step); items
+    for which `keep(value)` is false are not part of the stream. `priority`, a function of the
+    request's `StreamProgress`, gives the producer's calls a priority (larger runs first in engines
+    that order by `Invocation.priority`); see `stream_priority` for the usual one.
     """
 
     src: str
-    dst: str
-    policy: ChunkPolicy | None
+    dst: str | None = None
+    policy: ChunkPolicy | None = None
     keep: Callable[[Any], bool] | None = attrs.field(default=None, eq=False)
     outputs: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
+    into: str | None = None
+    consumer: Step | None = attrs.field(default=None, converter=_optional_step)
+    priority: Callable[[StreamProgress], float] | None = attrs.field(default=None, eq=False)
 
     @property
     def src_node(self) -> str:
@@ -131,12 +227,30 @@ class StreamingGraphEdge:
         return parse_port(self.src, "StreamingGraphEdge.src")[1]
 
     @property
-    def dst_node(self) -> str:
-        return parse_port(self.dst, "StreamingGraphEdge.dst")[0]
+    def dst_node(self) -> str | None:
+        return None if self.dst is None else parse_port(self.dst, "StreamingGraphEdge.dst")[0]
 
     @property
-    def dst_input(self) -> str:
-        return parse_port(self.dst, "StreamingGraphEdge.dst")[1]
+    def dst_input(self) -> str | None:
+        return None if self.dst is None else parse_port(self.dst, "StreamingGraphEdge.dst")[1]
+
+    @property
+    def name(self) -> str:
+        """How errors and drawings name the edge."""
+        return f"{self.src} -> {self.dst or self.into}"
+
+
+def stream_priority(seconds_per_item: float, horizon: float = 30.0) -> Callable[[StreamProgress], float]:
+    """The producer's priority = how close the listener is to running dry (seconds, larger = sooner).
+
+    A stream far ahead of its listener yields to one about to stall; time itself makes every
+    stream more urgent as its lead is played away, so none is starved. Clamped to +-`horizon`.
+    """
+
+    def priority(progress: StreamProgress) -> float:
+        return max(-horizon, min(horizon, -progress.seconds_ahead(seconds_per_item)))
+
+    return priority
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +272,20 @@ class Walk:
     emit: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     streams: tuple[StreamingGraphEdge, ...] = attrs.field(default=(), converter=tuple)
     description: str = ""
+
+
+def walk_steps(walk: Walk):
+    """The walk's body, then each streaming consumer fragment: every step that runs in the walk."""
+    yield walk.body
+    for edge in walk.streams:
+        if edge.consumer is not None:
+            yield edge.consumer
+
+
+def iter_walk_calls(walk: Walk):
+    """Every NodeCall of a walk: its body's, then its streaming consumer fragments'."""
+    for step in walk_steps(walk):
+        yield from iter_calls(step)
 
 
 def iter_calls(step: Step):

@@ -2,65 +2,60 @@
 
 Everything per request lives here (env, loop counters, stream buffers, which engines hold its state);
 the graph objects are only read. One `Conductor` serves one loaded model.
+
+Each walk is compiled once into a tree of sites mirroring its steps (`sites.py`). Per-call data
+(merged options, the scheduler, a delegated loop's runner) hangs off the site, i.e. off the
+position of the step in the walk, never off the step object: the same `NodeCall` or loop object
+used by two walks (or twice in one) is routed per use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_core.errors import RequestError
 from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import (
-    DynamicLoop,
-    Loop,
-    NodeCall,
-    Parallel,
-    Sequential,
-    Step,
-    StreamingGraphEdge,
-    Walk,
-    iter_calls,
-)
+from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Walk
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.request import Output
-from mstar_core.runtime.scheduler import NodeScheduler
+from mstar_core.runtime.sites import (
+    CallSite,
+    LoopSite,
+    ParallelSite,
+    SequenceSite,
+    Site,
+    WalkSites,
+    compile_walk,
+)
+from mstar_core.runtime.streams import RequestStream
 
-_STREAM_END = object()
 _MISSING = object()
+_PLAIN_OPTION = (str, int, float, bool, type(None))
 
 
 class Conductor:
     """Interprets walks for one model; `run(request_id, env, emit)` is one request's whole life."""
 
-    def __init__(self, graph: Graph, schedulers: Mapping[str, NodeScheduler],
-                 walk_schedulers: Mapping[tuple[str, str], NodeScheduler] | None = None):
+    def __init__(self, graph: Graph, schedulers: Mapping[str, Any],
+                 walk_schedulers: Mapping[tuple[str, str], Any] | None = None):
         self.graph = graph
         self.schedulers = schedulers
         # (walk, node) -> scheduler, for nodes placed per walk (see `scheduler_for`)
         self.walk_schedulers = dict(walk_schedulers or {})
-        # loops delegated to the worker that hosts all their nodes: id(loop) -> runner (see remote_loop.py)
-        self.remote_loops: dict[int, Any] = {}
-        # the consumer side of each streaming edge, as a call site of its own
-        self._stream_calls: dict[int, NodeCall] = {
-            id(edge): NodeCall(edge.dst_node, outputs=edge.outputs)
-            for walk in graph.walks.values()
-            for edge in walk.streams
+        # loops delegated to the worker that hosts all their nodes: (walk, loop index) -> runner (remote_loop.py)
+        self.remote_loops: dict[tuple[str, int], Any] = {}
+        # every walk compiled once: each call site with its options and scheduler, by position
+        self.sites: dict[str, WalkSites] = {
+            name: compile_walk(graph, walk, self._site_scheduler) for name, walk in graph.walks.items()
         }
-        # static node options overlaid with the call site's, once per call site (graphs are immutable)
-        sites = [c for walk in graph.walks.values() for c in iter_calls(walk.body)] + list(self._stream_calls.values())
-        self._call_options: dict[int, Mapping[str, Any]] = {
-            id(c): {**graph.nodes[c.node].options, **c.options} if c.options else graph.nodes[c.node].options
-            for c in sites
-        }
-        # the scheduler of every call site, once (a node placed per walk has one per walk); None for
-        # nodes this conductor never calls itself (a worker's loop host only runs its own nodes)
-        self._call_schedulers: dict[int, Any] = {
-            id(c): self.walk_schedulers.get((walk.name, c.node)) or schedulers.get(c.node)
-            for walk in graph.walks.values()
-            for c in [*iter_calls(walk.body), *(self._stream_calls[id(e)] for e in walk.streams)]
-        }
+
+    def _site_scheduler(self, walk: str, node: str) -> Any:
+        # None for nodes this conductor never calls itself (a worker's loop host only runs its own nodes)
+        return self.walk_schedulers.get((walk, node)) or self.schedulers.get(node)
 
     def scheduler_for(self, walk: str, node: str) -> Any:
         """The scheduler `node`'s calls in `walk` go to."""
@@ -69,8 +64,14 @@ class Conductor:
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
         state = RequestState(request_id, emit)
         try:
-            for walk_name in self.graph.plan(env):
-                await self._run_walk(state, self.graph.walks[walk_name], env)
+            todo = deque(self.graph.plan(env))
+            while todo:
+                name = todo.popleft()
+                await self._run_walk(state, self.sites[name], env)
+                try:
+                    todo.extendleft(reversed(self.graph.next_walks(name, env)))
+                except KeyError as exc:  # the model's branch chose a walk it did not declare: its bug, not the client's
+                    raise RequestError(exc.args[0], status=500) from None
             return env
         finally:
             for scheduler in state.visited.values():
@@ -78,61 +79,81 @@ class Conductor:
 
     # -- walks ---------------------------------------------------------------------------------
 
-    async def _run_walk(self, state: RequestState, walk: Walk, env: dict[str, Any]) -> None:
+    async def _run_walk(self, state: RequestState, sites: WalkSites, env: dict[str, Any]) -> None:
+        walk = sites.walk
         missing = [name for name in walk.inputs if name not in env]
         if missing:
             raise RequestError(f"walk '{walk.name}' needs inputs {missing}; got {sorted(env)}")
         frame = WalkFrame(walk, set(walk.emit))
-        consumers = []
-        for edge in walk.streams:
-            stream = _Stream(edge, asyncio.Queue())
-            frame.streams.setdefault(edge.src_node, []).append(stream)
-            for out in self.graph.nodes[edge.dst_node].outputs:
-                env[edge.outputs.get(out, out)] = []
-            consumers.append(asyncio.ensure_future(self._consume(state, frame, stream, env)))
-        if not consumers:
-            await self._step(state, frame, walk.body, env)
+        if not walk.streams:
+            await self._step(state, frame, sites.body, env)
             return
-        body = asyncio.ensure_future(self._step(state, frame, walk.body, env))
-        for task in (body, *consumers):
+        started = time.monotonic()
+        streams = [RequestStream(edge, started) for edge in walk.streams]
+        for stream in streams:
+            frame.streams.setdefault(stream.edge.src_node, []).append(stream)
+            if stream.edge.consumer is None:
+                for out in self.graph.nodes[stream.edge.dst_node].outputs:
+                    env[stream.edge.outputs.get(out, out)] = []
+        entry = dict(env)  # what consumer fragments start from: the walk's inputs, never the body's progress
+
+        async def body() -> None:
+            await self._step(state, frame, sites.body, env)
+            for k in sites.closes[None]:
+                streams[k].close()
+
+        async def consumer(k: int) -> None:
+            stream = streams[k]
+            if stream.edge.consumer is None:
+                await self._consume(state, frame, stream, sites.stream_calls[k], env)
+            else:
+                cenv = dict(entry)
+                await self._step(state, frame.fragment({stream.edge.into: stream}), sites.consumers[k], cenv)
+                stream.finish_reading()
+                for name, value in cenv.items():  # the fragment's outputs join the walk's env
+                    if name != stream.edge.into and (name not in entry or entry[name] is not value):
+                        env[name] = value
+            for j in sites.closes[k]:
+                streams[j].close()
+
+        tasks = [asyncio.ensure_future(body()), *(asyncio.ensure_future(consumer(k)) for k in range(len(streams)))]
+        for task in tasks:
             task.add_done_callback(_retrieved)  # the first failure is raised; the others are its echoes
         try:
-            # A consumer ends before the body only by failing (its worker died, its node raised): fail
-            # the walk at once, which stops the producer too, instead of when the producer runs out.
-            await asyncio.wait([body, *consumers], return_when=asyncio.FIRST_COMPLETED)
-            if not body.done():
-                for task in consumers:
-                    if task.done():
-                        task.result()  # raises the consumer's error
-            await body
-            for streams in frame.streams.values():
-                for stream in streams:
-                    for chunk in stream.state.close():
-                        stream.queue.put_nowait(chunk)
-                    stream.queue.put_nowait(_STREAM_END)
-            await asyncio.gather(*consumers)
+            # A stage that fails (its worker died, its node raised) fails the walk at once, which stops
+            # every other stage too, instead of when the producer runs out.
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task in done and not task.cancelled() and task.exception() is not None:
+                    task.result()
+            await asyncio.gather(*tasks)
         finally:
-            for task in (body, *consumers):
+            for task in tasks:
                 if not task.done():
                     task.cancel()
 
-    async def _consume(self, state: RequestState, frame: WalkFrame, stream: _Stream, env: dict[str, Any]) -> None:
+    async def _consume(self, state: RequestState, frame: WalkFrame, stream: RequestStream, site: CallSite,
+                       env: dict[str, Any]) -> None:
+        """A per-chunk consumer: one call of its node per released chunk; outputs collected as lists."""
         edge = stream.edge
-        call = self._stream_calls[id(edge)]
         while True:
-            chunk = await stream.queue.get()
-            if chunk is _STREAM_END:
+            chunk = await stream.next_chunk()
+            if chunk is None:
                 return
-            outputs = await self._invoke(state, call, env, {edge.dst_input: chunk})
+            outputs = await self._invoke(state, frame, site, env, {edge.dst_input: chunk})
             for port, value in outputs.items():
                 name = edge.outputs.get(port, port)
+                if name not in env or port not in self.graph.nodes[site.node].outputs:
+                    continue
                 env[name].append(value)
                 if name in frame.emit:
                     state.emit(Output(name, value, frame.walk.name))
+            self._feed(frame, site.node, outputs)
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def after_call(self, state: RequestState, frame: WalkFrame, call: NodeCall, outputs: dict, env: dict) -> None:
+    def after_call(self, state: RequestState, frame: WalkFrame, call: NodeCall, outputs: dict, env: dict,
+                   site: CallSite | None = None) -> None:
         """Write a call's outputs to the env, emit what the walk emits, feed streaming edges.
 
         `outputs` may hold only some of the node's outputs (a delegated loop forwards just the
@@ -146,70 +167,69 @@ class Conductor:
             env[name] = value
             if name in frame.emit:
                 state.emit(Output(name, value, frame.walk.name))
-        streams = frame.streams.get(call.node)
-        if streams:
-            for stream in streams:
-                value = outputs.get(stream.edge.src_output, _MISSING)
-                if value is not _MISSING and (stream.edge.keep is None or stream.edge.keep(value)):
-                    for chunk in stream.state.push(value):
-                        stream.queue.put_nowait(chunk)
+        self._feed(frame, call.node, outputs)
 
-    async def _step(self, state: RequestState, frame: WalkFrame, step: Step, env: dict[str, Any]) -> None:
-        if isinstance(step, NodeCall):
-            self.after_call(state, frame, step, await self._invoke(state, step, env), env)
-        elif isinstance(step, Loop | DynamicLoop) and id(step) in self.remote_loops:
-            await self.remote_loops[id(step)].run(self, state, frame, step, env)
-        elif isinstance(step, Sequential):
-            for sub in step.steps:
+    @staticmethod
+    def _feed(frame: WalkFrame, node: str, outputs: Mapping[str, Any]) -> None:
+        for stream in frame.streams.get(node, ()):
+            value = outputs.get(stream.edge.src_output, _MISSING)
+            if value is not _MISSING:
+                stream.push(value)
+
+    async def _step(self, state: RequestState, frame: WalkFrame, site: Site, env: dict[str, Any]) -> None:
+        if isinstance(site, CallSite):
+            self.after_call(state, frame, site.call, await self._invoke(state, frame, site, env), env, site)
+        elif isinstance(site, SequenceSite):
+            for sub in site.steps:
                 await self._step(state, frame, sub, env)
-        elif isinstance(step, Parallel):
-            await self._parallel(state, frame, step, env)
-        elif isinstance(step, Loop | DynamicLoop):
-            await self.run_loop(state, frame, step, env)
-        else:  # pragma: no cover - validated at build time
-            raise TypeError(step)
+        elif isinstance(site, ParallelSite):
+            await (self._fan_out(state, frame, site, env) if site.spec.fan_out else
+                   self._parallel(state, frame, site, env))
+        elif isinstance(site, LoopSite):
+            runner = self.remote_loops.get((site.walk, site.index)) if site.index is not None else None
+            if runner is not None:
+                await runner.run(self, state, frame, site, env)
+            else:
+                await self.run_loop(state, frame, site, env)
+        else:  # pragma: no cover - compiled from validated walks
+            raise TypeError(site)
 
-    async def run_loop(self, state: RequestState, frame: WalkFrame, step: Loop | DynamicLoop, env: dict) -> None:
+    async def run_loop(self, state: RequestState, frame: WalkFrame, site: LoopSite, env: dict) -> None:
         """Run a loop here, its node calls going through this process's schedulers."""
+        step = site.spec
         if isinstance(step, Loop):
             iters = env[step.iters] if isinstance(step.iters, str) else step.iters
-            await self._loop(state, frame, step, env, int(iters), None)
+            await self._loop(state, frame, site, env, int(iters), None)
         else:
             limit = step.max_iters
             if isinstance(limit, str):
                 limit = env[limit]
             elif callable(limit):
                 limit = limit(env)
-            await self._loop(state, frame, step, env, int(limit), step.until)
+            await self._loop(state, frame, site, env, int(limit), step.until)
 
-    async def _loop(self, state, frame, loop: Loop | DynamicLoop, env, limit: int, until) -> None:
+    async def _loop(self, state, frame, site: LoopSite, env, limit: int, until) -> None:
+        loop: Loop | DynamicLoop = site.spec
         accumulated = {name: [] for name in loop.accumulate}
+        fed_by = [frame.takes[name] for name in site.reads if name in frame.takes]
         for i in range(limit):
             env[loop.index_name] = i
-            await self._step(state, frame, loop.body, env)
+            await self._step(state, frame, site.body, env)
             for name, values in accumulated.items():
                 values.append(env[name])
             for out, into in loop.carry.items():
                 env[into] = env[out]
-            if until is not None and until(env):
+            if until is not None and until(env) and await _drained(fed_by):
                 break
         env.pop(loop.index_name, None)
         for name, values in accumulated.items():
             env[loop.accumulate[name]] = values
 
-    async def _parallel(self, state, frame, step: Parallel, env: dict[str, Any]) -> None:
+    async def _parallel(self, state, frame, site: ParallelSite, env: dict[str, Any]) -> None:
         start = dict(env)
-        branch_envs = [dict(env) for _ in step.branches]
-        tasks = [
-            asyncio.ensure_future(self._step(state, frame, branch, benv))
-            for branch, benv in zip(step.branches, branch_envs, strict=True)
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        branch_envs = [dict(env) for _ in site.branches]
+        await _gather_all(self._step(state, frame, branch, benv)
+                          for branch, benv in zip(site.branches, branch_envs, strict=True))
         # Only what a branch changed joins: a branch's untouched copy of a name another branch rewrote
         # (a Parallel inside a Loop, from the second iteration on) must not undo that rewrite.
         for benv in branch_envs:
@@ -217,23 +237,58 @@ class Conductor:
                 if name not in start or start[name] is not value:
                     env[name] = value
 
-    async def _invoke(
-        self, state: RequestState, call: NodeCall, env: dict[str, Any], given: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Call a node with its inputs read from the env (`given` supplies ports directly: a stream's chunk)."""
-        node = self.graph.nodes[call.node]
-        inputs = {port: env[call.env_input(port)] for port in node.inputs if not given or port not in given}
-        for port in node.optional_inputs:
-            name = call.env_input(port)
+    async def _fan_out(self, state, frame, site: ParallelSite, env: dict[str, Any]) -> None:
+        spec = site.spec
+        count = env[spec.count] if isinstance(spec.count, str) else spec.count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise RequestError(f"walk '{frame.walk.name}': Parallel count '{spec.count}' must be an int >= 0, "
+                               f"got {count!r}")
+        branch_envs = [{**env, spec.index_name: i} for i in range(count)]
+        await _gather_all(self._step(state, frame, site.branches[0], benv) for benv in branch_envs)
+        if spec.collect is not None:
+            names = dict(spec.collect)
+        else:
+            names = {}
+            for benv in branch_envs:
+                for name, value in benv.items():
+                    if name != spec.index_name and (name not in env or env[name] is not value):
+                        names.setdefault(name, name)
+        for name, into in names.items():
+            env[into] = [benv.get(name) for benv in branch_envs]
+
+    async def _invoke(self, state: RequestState, frame: WalkFrame, site: CallSite, env: dict[str, Any],
+                      given: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Call a node with its inputs read from the env (`given` supplies ports directly: a stream's chunk).
+
+        An input whose env name is a stream this fragment takes from takes the stream's next chunk.
+        """
+        inputs = {}
+        for port, name in site.inputs:
+            if given and port in given:
+                continue
+            stream = frame.takes.get(name) if frame.takes else None
+            if stream is not None:
+                env[name] = await stream.take()
+            inputs[port] = env[name]
+        for port, name in site.optional_inputs:
             if name in env:
                 inputs[port] = env[name]
         if given:
             inputs.update(given)
-        options = self._call_options[id(call)]
-        scheduler = self._call_schedulers[id(call)]
-        if state.holders.get(call.node) is not scheduler:  # first call, or a per-walk node changing workers
-            await self.hold(state, call.node, scheduler)
-        return await scheduler.submit(Invocation(state.request_id, call.node, inputs, options, self._count(state, call.node)))
+        options = site.options
+        if site.dynamic:
+            options = {**options, **{key: _option_value(site, key, ref.resolve(env)) for key, ref in site.dynamic}}
+        priority = 0.0
+        producing = frame.streams.get(site.node) if site.prioritised else None
+        if producing:
+            now = time.monotonic()
+            ranks = [s.edge.priority(s.progress(now)) for s in producing if s.edge.priority is not None]
+            priority = float(max(ranks)) if ranks else 0.0
+        scheduler = site.scheduler
+        if state.holders.get(site.node) is not scheduler:  # first call, or a per-walk node changing workers
+            await self.hold(state, site.node, scheduler)
+        return await scheduler.submit(Invocation(state.request_id, site.node, inputs, options,
+                                                 self._count(state, site.node), priority))
 
     async def hold(self, state: RequestState, node: str, scheduler: Any) -> None:
         """Make `scheduler` the one holding the request's state for `node`, moving the state there if another held it.
@@ -259,6 +314,30 @@ class Conductor:
         return count
 
 
+def _option_value(site: CallSite, key: str, value: Any) -> Any:
+    if not isinstance(value, _PLAIN_OPTION):
+        raise RequestError(f"call option '{key}' of node '{site.node}' (from the env) must be a str, int, float, "
+                           f"bool or None, got {type(value).__name__}", status=500)
+    return value
+
+
+async def _drained(streams: list[RequestStream]) -> bool:
+    """Whether every stream a loop reads is drained; waits for a chunk or the producer's end to know."""
+    for stream in streams:
+        await stream.wait_ready_or_closed()
+    return all(s.drained for s in streams)
+
+
+async def _gather_all(coros) -> None:
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
 def _retrieved(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -276,19 +355,19 @@ class RequestState:
 
 
 class WalkFrame:
-    __slots__ = ("emit", "streams", "walk")
+    """One walk's run for one request: what it emits, the streams its nodes feed, the streams a fragment takes."""
+
+    __slots__ = ("emit", "streams", "takes", "walk")
 
     def __init__(self, walk: Walk, emit: set[str]):
         self.walk = walk
         self.emit = emit
-        self.streams: dict[str, list[_Stream]] = {}
+        self.streams: dict[str, list[RequestStream]] = {}
+        self.takes: dict[str, RequestStream] = {}
 
-
-class _Stream:
-    __slots__ = ("edge", "queue", "state")
-
-    def __init__(self, edge: StreamingGraphEdge, queue: asyncio.Queue):
-        self.edge = edge
-        self.queue = queue
-        self.state = edge.policy.open()
-
+    def fragment(self, takes: dict[str, RequestStream]) -> WalkFrame:
+        """The frame of a consumer fragment: the same walk and streams, taking chunks from `takes`."""
+        child = WalkFrame(self.walk, self.emit)
+        child.streams = self.streams
+        child.takes = takes
+        return child

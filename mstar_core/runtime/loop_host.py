@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import NodeCall, Walk, iter_calls, iter_loops
+from mstar_core.graph.walk import NodeCall, Walk
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
+from mstar_core.runtime.sites import iter_call_sites
+from mstar_core.runtime.streams import RequestStream
 from mstar_core.wire import LoopDone, LoopValues, RunLoop
 
 
@@ -26,7 +28,7 @@ def visible_ports(graph: Graph, walk: Walk, call: NodeCall) -> tuple[str, ...]:
 class _LoopState(RequestState):
     __slots__ = ("forward", "loop_index", "send")
 
-    def __init__(self, request_id: str, loop_index: int, forward: dict[int, tuple[int, tuple[str, ...]]],
+    def __init__(self, request_id: str, loop_index: int, forward: dict[tuple[int, ...], tuple[int, tuple[str, ...]]],
                  send: Callable[[Any], Any]):
         super().__init__(request_id, emit=lambda _output: None)
         self.loop_index = loop_index
@@ -37,10 +39,10 @@ class _LoopState(RequestState):
 class LoopHostConductor(Conductor):
     """A worker's conductor for delegated loops: runs them locally and forwards visible values."""
 
-    def after_call(self, state, frame, call, outputs, env) -> None:
-        super().after_call(state, frame, call, outputs, env)
-        if isinstance(state, _LoopState):
-            entry = state.forward.get(id(call))
+    def after_call(self, state, frame, call, outputs, env, site=None) -> None:
+        super().after_call(state, frame, call, outputs, env, site)
+        if isinstance(state, _LoopState) and site is not None:
+            entry = state.forward.get(site.path)
             if entry is not None:
                 index, ports = entry
                 state.send(LoopValues(request_id=state.request_id, loop=state.loop_index, call=index,
@@ -48,19 +50,26 @@ class LoopHostConductor(Conductor):
 
     async def host(self, msg: RunLoop, send: Callable[[Any], Any]) -> LoopDone:
         """Run the loop a `RunLoop` names; returns the `LoopDone` to answer with."""
-        walk = self.graph.walks[msg.walk]
-        loop = list(iter_loops(walk.body))[msg.loop]
-        calls = list(iter_calls(loop.body))
+        sites = self.sites[msg.walk]
+        walk = sites.walk
+        loop = sites.loops[msg.loop]
         forward = {}
-        for i, call in enumerate(calls):
-            ports = visible_ports(self.graph, walk, call)
+        for i, call in enumerate(iter_call_sites(loop.body)):
+            ports = visible_ports(self.graph, walk, call.call)
             if ports:
-                forward[id(call)] = (i, ports)
+                forward[call.path] = (i, ports)
+        frame = WalkFrame(walk, set())
+        # the streams this loop feeds, kept here only to measure the request's progress for priorities
+        # (their chunks are formed again, and consumed, in the serving process from the forwarded values)
+        nodes = {c.node for c in iter_call_sites(loop.body)}
+        for edge in walk.streams:
+            if edge.src_node in nodes and edge.priority is not None:
+                frame.streams.setdefault(edge.src_node, []).append(RequestStream(edge, accounting=True))
         env = from_wire(msg.env)
         before = dict(env)
         state = _LoopState(msg.request_id, msg.loop, forward, send)
         try:
-            await self.run_loop(state, WalkFrame(walk, set()), loop, env)
+            await self.run_loop(state, frame, loop, env)
         except Exception as exc:
             return LoopDone(request_id=msg.request_id, loop=msg.loop, node=getattr(exc, "node", None),
                             **error_fields(exc))

@@ -14,27 +14,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from mstar_core.graph.walk import DynamicLoop, Loop, Walk, iter_calls, iter_loops
+from mstar_core.graph.walk import Walk
 from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
 from mstar_core.runtime.remote_values import to_wire
+from mstar_core.runtime.sites import LoopSite, iter_call_sites
 from mstar_core.wire import RunLoop, WireError
 
 
 class RemoteLoop:
     """Runs one loop of one walk on the worker replica that serves the request."""
 
-    def __init__(self, cluster: Cluster, model: str, walk: Walk, index: int, loop: Loop | DynamicLoop,
-                 scheduler: RemoteNodeScheduler):
+    def __init__(self, cluster: Cluster, model: str, walk: Walk, loop: LoopSite, scheduler: RemoteNodeScheduler):
         self.cluster = cluster
         self.model = model
         self.walk = walk
-        self.index = index
-        self.calls = list(iter_calls(loop.body))
+        self.index = loop.index
+        self.calls = list(iter_call_sites(loop.body))
         self.nodes = {c.node for c in self.calls}
         self.scheduler = scheduler
 
-    async def run(self, conductor: Conductor, state: RequestState, frame: WalkFrame, loop, env: dict) -> None:
+    async def run(self, conductor: Conductor, state: RequestState, frame: WalkFrame, loop: LoopSite, env: dict) -> None:
         for node in self.nodes:  # state of per-walk nodes moves here before the loop starts
             await conductor.hold(state, node, conductor.scheduler_for(self.walk.name, node))
         try:
@@ -43,7 +43,8 @@ class RemoteLoop:
             worker = self.scheduler.replica_for(state.request_id)
 
             def on_values(call: int, outputs: dict[str, Any]) -> None:
-                conductor.after_call(state, frame, self.calls[call], outputs, env)
+                site = self.calls[call]
+                conductor.after_call(state, frame, site.call, outputs, env, site)
 
             delta = await self.cluster.run_loop(worker, msg, on_values)
         except WireError:
@@ -51,22 +52,27 @@ class RemoteLoop:
             await conductor.run_loop(state, frame, loop, env)
             return
         env.update(delta)
-        env.pop(loop.index_name, None)
+        env.pop(loop.spec.index_name, None)
 
 
 def delegate_loops(conductor: Conductor, cluster: Cluster, model: str) -> int:
-    """Mark every outermost loop whose nodes all live on one worker group for delegation; returns the count."""
+    """Mark every outermost loop whose nodes all live on one worker group for delegation; returns the count.
+
+    Loops are marked per position in their walk (a loop object shared by two walks is decided per
+    walk); loops inside a streaming consumer fragment stay here, where their stream is.
+    """
     count = 0
-    for walk in conductor.graph.walks.values():
+    for sites in conductor.sites.values():
+        walk = sites.walk
         covered: set[int] = set()
-        for index, loop in enumerate(iter_loops(walk.body)):
-            if id(loop) in covered:
+        for loop in sites.loops:
+            if loop.index in covered:
                 continue
-            nodes = {c.node for c in iter_calls(loop.body)}
+            nodes = {c.node for c in iter_call_sites(loop.body)}
             scheds = [conductor.scheduler_for(walk.name, n) for n in nodes]
             if scheds and all(isinstance(s, RemoteNodeScheduler) for s in scheds) and \
                     len({tuple(s.replicas) for s in scheds}) == 1:
-                conductor.remote_loops[id(loop)] = RemoteLoop(cluster, model, walk, index, loop, scheds[0])
-                covered.update(id(inner) for inner in iter_loops(loop.body))
+                conductor.remote_loops[walk.name, loop.index] = RemoteLoop(cluster, model, walk, loop, scheds[0])
+                covered.update(inner.index for inner in sites.loops if inner.path[: len(loop.path)] == loop.path)
                 count += 1
     return count
