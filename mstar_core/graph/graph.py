@@ -9,6 +9,7 @@ import attrs
 
 from mstar_core.errors import GraphValidationError
 from mstar_core.graph.node import GraphEdge, GraphNode
+from mstar_core.graph.options import check_call_options, known_call_options, node_ref_options
 from mstar_core.graph.walk import (
     DynamicLoop,
     FromEnv,
@@ -100,7 +101,25 @@ class Graph:
         graph = cls(name, MappingProxyType(node_map), MappingProxyType(walk_map), plan, MappingProxyType(branch_map))
         for walk in walk_map.values():
             _WalkChecker(graph, walk).check()
-        return graph
+        sites: dict[str, list[tuple[str, Mapping[str, Any]]]] = {n: [] for n in node_map}
+        for walk in walk_map.values():
+            for call in iter_walk_calls(walk):
+                sites[call.node].append((walk.name, call.options))
+        for node in node_map.values():
+            known = known_call_options(node.engine)
+            if known is not None:
+                check_call_options(node.name, node.engine, sites[node.name], known, node.options)
+            for option in node_ref_options(node.engine):
+                ref = node.options.get(option)
+                if ref is not None and (ref not in node_map or node_map[ref].engine != node.engine or ref == node.name):
+                    raise GraphValidationError(
+                        f"option {option}={ref!r} must name another '{node.engine}' node of the graph; "
+                        f"'{node.engine}' nodes: {sorted(n for n, d in node_map.items() if d.engine == node.engine)}",
+                        node=node.name,
+                    )
+        # each node learns its model and call sites (the engine checks options again at load from them)
+        nodes = {n: attrs.evolve(node, graph=name, call_sites=tuple(sites[n])) for n, node in node_map.items()}
+        return cls(name, MappingProxyType(nodes), MappingProxyType(walk_map), plan, MappingProxyType(branch_map))
 
     def plan(self, inputs: Mapping[str, Any]) -> list[str]:
         """The walk names a request with these inputs starts with, checked against the graph.
