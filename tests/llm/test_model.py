@@ -48,9 +48,9 @@ def test_tiny_preset_is_a_real_hf_checkpoint(tiny):
 def test_graph_shape(tiny):
     graph = tiny.graph
     assert set(graph.nodes) == {"lm"} and graph.nodes["lm"].engine == "kvcache"
-    assert set(graph.nodes["lm"].outputs) == {"next_token", "finish_reason", "logprob"}
+    assert set(graph.nodes["lm"].outputs) == {"next_token", "finish_reason", "logprob", "top_logprobs"}
     assert graph.plan({}) == ["prefill", "decode"]
-    assert graph.walks["decode"].emit == ("next_token",)
+    assert graph.walks["decode"].emit == ("logprob", "top_logprobs", "next_token")
     assert "lm" in to_mermaid(graph, "decode")
 
 
