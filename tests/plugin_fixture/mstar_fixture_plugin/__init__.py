@@ -5,19 +5,23 @@ from mstar_core.plugins import hookimpl
 
 @hookimpl
 def mstar_register_engines(register):
+    from mstar_fixture_plugin.chain import ChainEngine
     from mstar_fixture_plugin.counter import CounterEngine
     from mstar_fixture_plugin.engine import EchoEngine
 
     register("fixture_echo", EchoEngine)
     register("fixture_counter", CounterEngine)
+    register("fixture_chain", ChainEngine)
 
 
 @hookimpl
 def mstar_register_models(register):
     from mstar_fixture_plugin.blob import SPEC as BLOB_SPEC
+    from mstar_fixture_plugin.chain import SPEC as CHAIN_SPEC
     from mstar_fixture_plugin.counter import SPEC as STREAM_SPEC
     from mstar_fixture_plugin.model import SPEC
 
     register(SPEC)
     register(STREAM_SPEC)
     register(BLOB_SPEC)
+    register(CHAIN_SPEC)

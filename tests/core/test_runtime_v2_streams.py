@@ -1,0 +1,144 @@
+"""Streams v2: a producer streaming into a consumer loop streaming into a windowed decoder, all concurrent."""
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mstar_fixture_plugin.chain import EVENTS, chain_graph, token_of
+
+from mstar_core.errors import GraphValidationError, RequestCancelled
+from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, StreamingGraphEdge, Walk
+from mstar_core.model import LoadedModel
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.streaming import Chunk, FixedChunkPolicy
+from mstar_core.wire.values import TensorSink, decode_value, encode_value
+
+
+async def chain_engine(settings=None, **graph_kw):
+    engine = AsyncEngine(discover())
+    await engine.add_model(LoadedModel("chain", chain_graph(**graph_kw)), settings=settings)
+    return engine
+
+
+async def speak(engine, seed, length):
+    handle = engine.submit("chain", {"seed": seed, "length": length})
+    wavs, frames = [], []
+    async for out in handle:
+        (wavs if out.name == "wav" else frames).append(out.value)
+    return wavs, frames, await handle.result()
+
+
+def expected_wav(seed, length):
+    return torch.tensor([2.0 * token_of(seed, i) for i in range(length)])
+
+
+def assert_idle(engine, model="chain"):
+    for node, eng in engine.node_engines(model).items():
+        assert eng.active_requests() == set(), node
+    for sched in engine.node_schedulers(model).values():
+        assert not sched._pending and not sched._inflight
+    assert engine.running == 0 and not engine._handles
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(1, 30), text_chunk=st.integers(1, 6), wav_chunk=st.integers(1, 5),
+       wav_left=st.integers(0, 4))
+def test_every_item_reaches_the_end_of_the_chain_once(length, text_chunk, wav_chunk, wav_left):
+    async def main():
+        engine = await chain_engine(text_chunk=text_chunk, wav_chunk=wav_chunk, wav_left=wav_left)
+        try:
+            results = await asyncio.gather(*(speak(engine, seed, length + seed) for seed in (1, 2, 3)))
+            for seed, (wavs, frames, env) in zip((1, 2, 3), results, strict=True):
+                want = expected_wav(seed, length + seed)
+                # the decoder's outputs, in order, are every codec frame once: nothing lost, nothing repeated
+                assert torch.equal(torch.cat(wavs), want)
+                assert torch.equal(torch.cat(frames), want)
+                assert [w.numel() for w in env["wav"]] == [w.numel() for w in wavs]
+            assert_idle(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def test_the_stages_run_concurrently():
+    EVENTS.clear()
+    engine = await chain_engine(settings={"gen": {"step_delay": 0.002}}, text_chunk=1)
+    wavs, _, _ = await speak(engine, 4, 20)
+    assert torch.equal(torch.cat(wavs), expected_wav(4, 20))
+    order = [e[0] for e in EVENTS]
+    last_gen = max(i for i, node in enumerate(order) if node == "gen")
+    assert order.index("talker") < last_gen  # the consumer loop started before the producer's last step
+    assert order.index("window") < last_gen  # and so did the decoder after it
+    await engine.close()
+
+
+async def test_cancelling_mid_chain_frees_every_stage():
+    EVENTS.clear()
+    engine = await chain_engine(settings={"gen": {"step_delay": 0.002}}, text_chunk=1, wav_chunk=1, wav_left=1)
+    handle = engine.submit("chain", {"seed": 5, "length": 10**5})
+    seen = 0
+    async for out in handle:
+        if out.name == "wav":
+            seen += 1
+            if seen == 3:  # every stage has run and holds state for the request
+                break
+    assert {e[0] for e in EVENTS} == {"gen", "talker", "window"}
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        await handle.result()
+    await asyncio.sleep(0.01)
+    assert_idle(engine)
+    # the engine keeps serving
+    wavs, _, _ = await speak(engine, 6, 5)
+    assert torch.equal(torch.cat(wavs), expected_wav(6, 5))
+    await engine.close()
+
+
+async def test_a_consumer_loop_waits_while_starved_and_ends_only_once_drained():
+    # the consumer's own exit condition holds from its first step; it still takes every chunk
+    engine = await chain_engine(settings={"gen": {"step_delay": 0.003}}, text_chunk=3)
+    wavs, _, env = await speak(engine, 7, 11)
+    assert torch.equal(torch.cat(wavs), expected_wav(7, 11))
+    assert "text_in" not in env  # the stream's name stays inside its consumer fragment
+    await engine.close()
+
+
+def test_chunks_of_tensor_items_cross_the_wire_as_tensor_frames():
+    items = ({"token": 3, "hidden": torch.tensor([3.0, 30.0])}, torch.arange(4, dtype=torch.int16))
+    chunk = Chunk(items, start=5, num_context=1, final=True)
+    sink = TensorSink()
+    encoded = encode_value(to_wire({"c": chunk}), sink, "inputs")
+    assert len(sink.frames) == 2  # both tensors travel as raw frames, not inside the JSON
+    back = from_wire(decode_value(encoded, [t.clone() for t in _frames(sink)], "inputs"))["c"]
+    assert back.start == 5 and back.num_context == 1 and back.final
+    assert back.items[0]["token"] == 3 and torch.equal(back.items[0]["hidden"], items[0]["hidden"])
+    assert torch.equal(back.items[1], items[1]) and back.items[1].dtype == torch.int16
+
+
+def _frames(sink):
+    from mstar_core.wire.tensors import frame_to_tensor
+
+    return [frame_to_tensor(h, f) for h, f in zip(sink.headers, sink.frames, strict=True)]
+
+
+def test_consumer_fragments_are_validated():
+    nodes = [GraphNode("a", inputs="x", outputs="y", engine="function", module=lambda: abs),
+             GraphNode("b", inputs="c", outputs="z", engine="function", module=lambda: abs)]
+
+    def build(edge):
+        return Graph.build("g", nodes, [Walk(name="w", body=DynamicLoop(body="a", until=lambda e: True, max_iters=3),
+                                             inputs="x", streams=(edge,))])
+
+    loop = DynamicLoop(body=NodeCall("b", inputs={"c": "chunks"}), until=lambda e: True, max_iters=9)
+    build(StreamingGraphEdge("a.y", policy=FixedChunkPolicy(1), into="chunks", consumer=loop))
+    with pytest.raises(GraphValidationError, match="no call in the consumer fragment .* reads 'other'"):
+        build(StreamingGraphEdge("a.y", policy=FixedChunkPolicy(1), into="other", consumer=loop))
+    with pytest.raises(GraphValidationError, match="needs exactly one consumer"):
+        build(StreamingGraphEdge("a.y", "b.c", FixedChunkPolicy(1), into="chunks", consumer=loop))
+    with pytest.raises(GraphValidationError, match="no chunk policy"):
+        build(StreamingGraphEdge("a.y", into="chunks", consumer=loop))
