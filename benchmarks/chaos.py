@@ -17,9 +17,11 @@ Rules (what the figures count):
     header, and as many samples as the reference for the same (text, voice, seed, max_tokens):
     a non-streamed (`stream: false`) request made on the same server before any fault or poison.
     (Sample counts do not depend on batching; sample values may, so they are not compared.)
-  * a request is *in flight at a fault* if it started before the kill/stop and had not ended by
-    then; every request runs through both workers, so these are excluded from
-    `healthy_requests_failed` whatever happens to them.
+  * a request is *in flight at a fault* if it had not ended by the kill/stop and started before
+    the server could know of it (the first failure of a request already running at the fault:
+    a request admitted in between was routed to the dead worker, so it was on it); every request
+    runs through both workers, so these are excluded from `healthy_requests_failed` whatever
+    happens to them.
   * `healthy_requests_failed`: requests that are not poisoned and not in flight at a fault and did
     not end with full output. One exception: a request that started after a fault and before the
     server had recovered from it (no full-output request started after the fault had ended yet)
@@ -441,6 +443,12 @@ class Fault:
     recovered_at: float | None = None
     probes: int = 0
 
+    @property
+    def detected_at(self) -> float:
+        """When the server demonstrably knew of the fault: the first failure of a request in flight at it."""
+        fails = [r.t_fail for r in self.in_flight if r.outcome != "ok" and r.t_fail is not None]
+        return min(fails, default=self.t)
+
 
 async def fault_phase(drv: Driver, kind: str, worker: str, limit: float, stop_window: float) -> Fault | dict:
     pid = drv.server.workers().get(worker)
@@ -542,7 +550,7 @@ def classify(records: list[Rec], faults: list[Fault]) -> dict[int, str]:
         if r.kind not in ("healthy", "probe"):
             continue
         end = r.t_end if r.t_end is not None else float("inf")
-        if any(r.t_start < f.t < end for f in faults):
+        if any(r.t_start < f.detected_at and f.t < end for f in faults):
             out[id(r)] = "in_flight_at_fault"
         elif r.outcome == "ok":
             out[id(r)] = "ok"
