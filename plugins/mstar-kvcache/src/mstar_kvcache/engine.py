@@ -576,15 +576,17 @@ class KVCacheEngine(CacheTransfer, Engine):
         seq.pending, seq.call = None, None
         if seq.readonly:
             self._drop_reader(seq)
-            return (inv, out)
         try:
-            for name in call.snapshot_after:
+            for name in () if seq.readonly else call.snapshot_after:
                 self.snapshot_label(seq.request_id, seq.label, name)
             for name in call.drop:
                 self.drop_label(seq.request_id, name)
         except Exception as exc:
-            self._attach_backlog(seq)
+            if not seq.readonly:
+                self._attach_backlog(seq)
             return (inv, exc)
+        if seq.readonly:
+            return (inv, out)
         self._attach_backlog(seq)
         return (inv, out)
 
