@@ -1,7 +1,7 @@
-"""`mstar bench serve`: load-test any OpenAI-compatible speech or chat endpoint.
+"""`mstar bench serve`: load-test any OpenAI-compatible speech, chat or completions endpoint.
 
 Closed loop (`--concurrency N`: N clients, each sends its next request when the last ends) or open
-loop (`--rate R`: Poisson arrivals at R requests/s). Reports TTFT (chat) / TTFA (speech), end-to-end
+loop (`--rate R`: Poisson arrivals at R requests/s). Reports TTFT (chat, completions) / TTFA (speech), end-to-end
 latency, real-time factor, streaming viability (every audio chunk arrived before its playback
 deadline, playback starting when the first chunk arrives), p50/p90/p99 and throughput.
 """
@@ -25,18 +25,20 @@ DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog, and then it takes a
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     p.add_argument("--model", required=True)
-    p.add_argument("--kind", choices=["speech", "chat"], default="speech")
+    p.add_argument("--kind", choices=["speech", "chat", "completions"], default="speech",
+                   help="route: /v1/audio/speech, /v1/chat/completions or /v1/completions")
     p.add_argument("--api-key", default=None)
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop with N clients (default 4)")
     load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--input", default=DEFAULT_TEXT, help="text to speak, or the user message for chat")
+    p.add_argument("--input", default=DEFAULT_TEXT, help="text to speak, the user message (chat) or the prompt")
     p.add_argument("--voice", default="tara")
     p.add_argument("--response-format", choices=["pcm", "wav"], default="pcm")
     p.add_argument("--sample-rate", type=int, default=None,
                    help="PCM sample rate if the server sends no X-Sample-Rate header or WAV header (default 24000)")
-    p.add_argument("--max-tokens", type=int, default=64, help="chat: max_tokens of each request")
+    p.add_argument("--max-tokens", type=int, default=64, help="chat, completions: max_tokens of each request")
+    p.add_argument("--n", type=int, default=1, help="chat, completions: choices per request (tokens count them all)")
     p.add_argument("--extra", default="{}", help="JSON object merged into every request body (model parameters)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
@@ -90,14 +92,19 @@ async def _speech_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             "rtf": total / audio_s if audio_s else None, "viable": viable and bool(arrivals)}
 
 
-async def _chat_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
-    body = {"model": args.model, "messages": [{"role": "user", "content": args.input}], "stream": True,
-            "max_tokens": args.max_tokens, "stream_options": {"include_usage": True}, **json.loads(args.extra)}
+async def _text_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """One streamed chat or completions request: TTFT, latency, tokens and time per output token."""
+    if args.kind == "chat":
+        path, prompt = "/v1/chat/completions", {"messages": [{"role": "user", "content": args.input}]}
+    else:
+        path, prompt = "/v1/completions", {"prompt": args.input}
+    body = {"model": args.model, **prompt, "stream": True, "max_tokens": args.max_tokens, "n": args.n,
+            "stream_options": {"include_usage": True}, **json.loads(args.extra)}
     t0 = time.perf_counter()
     ttft = None
     pieces = 0
     tokens = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    async with client.stream("POST", path, json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
             return {"ok": False, "status": resp.status_code, "error": resp.text[:200]}
@@ -108,13 +115,14 @@ async def _chat_one(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
             for choice in event.get("choices", []):
-                if choice.get("delta", {}).get("content"):
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     pieces += 1
                     if ttft is None:
                         ttft = time.perf_counter() - t0
     total = time.perf_counter() - t0
     tokens = tokens if tokens is not None else pieces
-    decode = (total - ttft) / max(tokens - 1, 1) if ttft is not None else None
+    per_choice = tokens / max(args.n, 1)  # the n choices decode side by side
+    decode = (total - ttft) / max(per_choice - 1, 1) if ttft is not None else None
     return {"ok": True, "ttft": ttft, "latency": total, "tokens": tokens, "tpot": decode}
 
 
@@ -122,7 +130,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    one = _speech_one if args.kind == "speech" else _chat_one
+    one = _speech_one if args.kind == "speech" else _text_one
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
