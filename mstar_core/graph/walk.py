@@ -169,15 +169,17 @@ class StreamProgress:
     first_release: float | None
     now: float
 
-    def seconds_ahead(self, seconds_per_item: float) -> float:
+    def seconds_ahead(self, per_item: float = 0.0, per_chunk: float = 0.0) -> float:
         """Media released to the listener minus media played so far, in seconds (negative: it has run dry).
 
-        Playback starts with the first released chunk and runs in real time; before it, the listener
-        has been waiting since the walk started, which counts as time behind.
+        Released media is `per_item` seconds per released item plus `per_chunk` per chunk (a windowed
+        decoder emits a fixed slice per window). Playback starts with the first released chunk and
+        runs in real time; before it, the listener has been waiting since the walk started, which
+        counts as time behind.
         """
         if self.first_release is None:
             return -(self.now - self.started)
-        return self.released * seconds_per_item - (self.now - self.first_release)
+        return self.released * per_item + self.chunks * per_chunk - (self.now - self.first_release)
 
 
 def _optional_step(step: Any) -> Step | None:
@@ -240,15 +242,19 @@ class StreamingGraphEdge:
         return f"{self.src} -> {self.dst or self.into}"
 
 
-def stream_priority(seconds_per_item: float, horizon: float = 30.0) -> Callable[[StreamProgress], float]:
-    """The producer's priority = how close the listener is to running dry (seconds, larger = sooner).
+def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0,
+                    horizon: float = 30.0) -> Callable[[StreamProgress], float]:
+    """The producer's priority = how close the listener is to running dry (seconds behind; larger = sooner).
 
-    A stream far ahead of its listener yields to one about to stall; time itself makes every
-    stream more urgent as its lead is played away, so none is starved. Clamped to +-`horizon`.
+    `per_item` / `per_chunk`: seconds of media per released item / chunk (see
+    `StreamProgress.seconds_ahead`). A stream far ahead of its listener yields to one about to
+    stall; time itself makes every stream more urgent as its lead is played away, so none is
+    starved by another. Calls without a priority stay at 0, i.e. level with a stream exactly at
+    the edge of running dry. Clamped to +-`horizon`.
     """
 
     def priority(progress: StreamProgress) -> float:
-        return max(-horizon, min(horizon, -progress.seconds_ahead(seconds_per_item)))
+        return max(-horizon, min(horizon, -progress.seconds_ahead(per_item, per_chunk)))
 
     return priority
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, StreamingGraphEdge, Walk
+from mstar_core.graph import (
+    DynamicLoop,
+    Graph,
+    GraphNode,
+    NodeCall,
+    StreamingGraphEdge,
+    Walk,
+    stream_priority,
+)
 from mstar_core.streaming import SlidingWindowChunkPolicy
 from mstar_orpheus.codes import STRIDE_TOKENS, WINDOW_TOKENS, AudioTokenMap
 
@@ -15,6 +23,13 @@ def _finished(env: Mapping[str, Any]) -> bool:
     return env.get("finish_reason") is not None
 
 
+def _seconds_per_window(snac: Any) -> float:
+    # each window emits one SNAC frame (4 hops: 2048 samples at 24 kHz, 85 ms)
+    cut = getattr(snac, "slice", slice(0, 2048))
+    config = getattr(getattr(snac, "snac", None), "config", None)
+    return (cut.stop - cut.start) / float(getattr(config, "sampling_rate", 24000))
+
+
 def build_graph(
     lm: Any,
     snac: Any,
@@ -22,8 +37,14 @@ def build_graph(
     *,
     lm_engine: str = "kvcache",
     snac_engine: str = "stateless",
+    priority: bool = True,
 ) -> Graph:
-    """Nodes `lm` and `snac`; walks `prefill` (prompt minus its last id) and `decode` (streams audio)."""
+    """Nodes `lm` and `snac`; walks `prefill` (prompt minus its last id) and `decode` (streams audio).
+
+    With `priority`, each decode step of the LM is ranked by how close the request's listener is to
+    running out of audio (the seconds of audio its SNAC windows have released, minus the time since
+    the first one): a stream about to stall is decoded ahead of one with audio to spare.
+    """
     nodes = [
         GraphNode(
             "lm",
@@ -71,6 +92,7 @@ def build_graph(
                 "snac.codes",
                 SlidingWindowChunkPolicy(window=WINDOW_TOKENS, stride=STRIDE_TOKENS),
                 keep=audio.is_audio,
+                priority=stream_priority(per_chunk=_seconds_per_window(snac)) if priority else None,
             ),
         ),
         description="generate audio tokens until end-of-speech; every 7 audio tokens SNAC decodes the last 28",
