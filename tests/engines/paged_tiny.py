@@ -35,8 +35,8 @@ class TinyNode(nn.Module):
         self.attn = nn.ModuleList(GroupedQueryAttention(HIDDEN, HEADS, kv_heads, head_dim, i) for i in range(layers))
         self.experts = nn.ModuleList(nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)) for _ in range(2))
         self.rope = RotaryEmbedding(head_dim)
-        self.noise_in = nn.Linear(4, HIDDEN)
-        self.time_in = nn.Linear(1, HIDDEN)
+        self.noise_in = nn.Linear(4, HIDDEN, bias=False)  # zeros (a call without noise) add nothing
+        self.time_in = nn.Linear(1, HIDDEN, bias=False)
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.vel = nn.Linear(HIDDEN, 4)
         self.calls = 0

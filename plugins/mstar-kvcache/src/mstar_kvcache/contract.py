@@ -37,7 +37,8 @@ class KVCacheModule(Protocol):
     `[3, T]`), `call_inputs` (`{name: "token" | "sequence"}`: further per-call tensors the node takes,
     passed to `forward` as keyword arguments: "token" ones concatenated over the step's rows `[T, ...]`,
     "sequence" ones stacked `[S, ...]` with `sequence_index` `[T]` giving each row's sequence; a
-    sequence whose call lacks one gets zeros), and `compute_<name>(hidden) -> [N, ...]` for each
+    sequence whose call lacks one gets zeros, so zeros must mean "absent" to the module, or its routing
+    must ignore those rows; a tensor no call of the step has is not passed at all), and `compute_<name>(hidden) -> [N, ...]` for each
     output `<name>` the node declares beyond the built-in ones (velocities from hidden states). A
     node with input `routing` gets `routing=` `[T]` integer expert ids in `forward`.
     """
