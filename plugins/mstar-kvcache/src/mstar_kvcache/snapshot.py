@@ -37,6 +37,8 @@ class CacheSnapshot:
     limits: list[int] | None = None
     embeds: list[tuple[int, torch.Tensor]] = attrs.field(factory=list)
     cacheable: bool = True
+    positions: torch.Tensor | None = None  # explicit RoPE positions [axes, len(tokens)], if any call gave some
+    routing: list[int] | None = None
 
     def to_plain(self) -> dict[str, Any]:
         """Nested plain values and tensors (what `mstar_core.wire` encodes without pickle)."""
@@ -51,6 +53,8 @@ class CacheSnapshot:
             "limits": self.limits,
             "embeds": [[start, rows] for start, rows in self.embeds],
             "cacheable": self.cacheable,
+            "positions": self.positions,
+            "routing": self.routing,
         }
 
     @classmethod
@@ -74,4 +78,6 @@ class CacheSnapshot:
             limits=plain.get("limits"),
             embeds=[(int(start), rows) for start, rows in plain.get("embeds", [])],
             cacheable=bool(plain.get("cacheable", True)),
+            positions=plain.get("positions"),
+            routing=plain.get("routing"),
         )

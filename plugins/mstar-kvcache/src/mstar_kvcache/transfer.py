@@ -39,6 +39,8 @@ class CacheTransfer:
             limits=None if seq.limits is None else list(seq.limits),
             embeds=list(seq.embeds),
             cacheable=seq.cacheable,
+            positions=seq.positions,
+            routing=None if seq.routing is None else list(seq.routing),
         )
 
     def import_cache(self, request_id: str, snapshot: CacheSnapshot) -> None:
@@ -59,7 +61,8 @@ class CacheTransfer:
                        generated=list(snapshot.generated), sampling=snapshot.sampling,
                        limits=None if snapshot.limits is None else list(snapshot.limits),
                        embeds=[(start, rows.to(self.device)) for start, rows in snapshot.embeds],
-                       cacheable=snapshot.cacheable)
+                       cacheable=snapshot.cacheable, positions=snapshot.positions,
+                       routing=None if snapshot.routing is None else list(snapshot.routing))
         n = len(seq.tokens)
         if self.blocks.total_pages(seq) > self.pool.num_pages:
             raise RequestError(f"node '{self.node.name}': the snapshot needs {self.blocks.total_pages(seq)} KV pages, "
