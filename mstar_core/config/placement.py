@@ -20,8 +20,10 @@ control:
 ```
 
 `launcher` is `spawn` (a subprocess here; the default), `ray` (an actor on a Ray cluster), or
-`manual` (implied by `host`: the worker joins by hand). `transport` is how tensors travel between
-the server and the worker: `zmq` (the control socket; the default) or `shm` (spawned workers only).
+`manual` (implied by `host`: the worker joins by hand). `transport` names the registered transport
+(`mstar plugins` lists them) that carries the tensors between the server and the worker: `zmq` (the
+control socket itself; the default), `shm` (shared memory; spawned workers only), or a plugin's.
+Control messages always travel on the ZeroMQ control socket.
 
 A node placed per walk runs each listed walk on that walk's worker (walks not listed run in the
 serving process); when a request's next call lands on another worker, its engine state moves
@@ -45,8 +47,6 @@ LOCAL = "local"
 PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
 WORKER_KEYS = ("device", "host", "replicas", "transport", "launcher", "num_cpus", "threads")
 LAUNCHERS = ("spawn", "ray", "manual")
-#: Transports a worker's data path can use; `nccl` moves device tensors between peers, not worker control.
-TRANSPORTS = ("zmq", "shm")
 
 
 def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
@@ -170,6 +170,20 @@ class Placement:
                     raise ConfigError(f"{self.source}: nodes.{node} names unknown walk '{walk}' of model '{model}'; "
                                       f"walks: {', '.join(sorted(known))}")
 
+    def check_transports(self, registry: Any) -> None:
+        """Every worker's transport is registered, can carry a worker's tensors, and suits its launcher."""
+        from mstar_core.runtime.links import link_transport
+
+        for name, spec in self.workers.items():
+            where = f"{self.source}: workers.{name}.transport"
+            try:
+                cls = link_transport(registry, spec.transport)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            if getattr(cls, "same_host", False) and spec.launcher != "spawn":
+                raise ConfigError(f"{where}: {spec.transport} needs a worker spawned on this host (launcher: spawn), "
+                                  f"not launcher: {spec.launcher}")
+
     def worker_of(self, node: str, walk: str | None = None) -> str:
         """Where `node` runs (in `walk`, for nodes placed per walk)."""
         by_walk = self.walks.get(node)
@@ -193,14 +207,8 @@ def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str 
     if host is not None and launcher != "manual":
         raise ConfigError(f"{where}: 'host' means the worker joins by hand; drop it or use launcher: manual, not {launcher}")
     transport = spec.get("transport", "zmq")
-    if transport == "nccl":
-        raise ConfigError(f"{where}.transport: nccl is not supported for worker control yet; use one of: "
-                          f"{', '.join(TRANSPORTS)}")
-    if transport not in TRANSPORTS:
-        raise ConfigError(f"{where}.transport: unknown transport {transport!r}; known: {', '.join(TRANSPORTS)}")
-    if transport == "shm" and launcher != "spawn":
-        raise ConfigError(f"{where}.transport: shm needs a worker spawned on this host (launcher: spawn), "
-                          f"not launcher: {launcher}")
+    if not isinstance(transport, str) or not transport:
+        raise ConfigError(f"{where}.transport must be a transport's name (see `mstar plugins`), got {transport!r}")
     num_cpus = spec.get("num_cpus", 1)
     if isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or num_cpus < 0:
         raise ConfigError(f"{where}.num_cpus must be a number >= 0, got {num_cpus!r}")

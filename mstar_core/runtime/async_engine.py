@@ -122,6 +122,7 @@ class AsyncEngine:
         graph = loaded.graph
         placement.check_nodes(name, graph.nodes)
         placement.check_walks(name, graph.walks)
+        placement.check_transports(self.registry)
         for node in placement.walks:
             engine_cls = self.registry.engines.get(graph.nodes[node].engine)
             if not getattr(engine_cls, "moves_state", False):
@@ -135,6 +136,7 @@ class AsyncEngine:
                 bind=placement.bind,
                 heartbeat_interval=placement.heartbeat_interval,
                 secret=secret_from_env() if joins_by_hand or placement.bind else None,
+                registry=self.registry,
             )
             self.cluster.on_requests_lost = self._requests_lost
             await self.cluster.start()

@@ -8,7 +8,8 @@ speak for a worker, whatever routing id it claims. No bytes from any peer stop t
 each refusal is logged (rate-limited) and the loop goes on. `Supervisor` (supervision.py)
 replaces dead and hung workers; `WorkerLink` (worker_link.py) keeps each worker's calls in
 flight. Workers are started by a launcher (`mstar_core.runtime.launchers`: a subprocess, or a
-Ray actor); a worker with `transport: shm` moves big tensor frames through shared memory.
+Ray actor). Each worker's big tensor frames travel through the transport its placement names, looked
+up in the plugin registry (`links.py`): on this socket (`zmq`), through shared memory (`shm`), ...
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import zmq.asyncio
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, RequestError
 from mstar_core.runtime.engine import Invocation
-from mstar_core.runtime.launchers import shm_path
 from mstar_core.runtime.launchers.spawn import spawn_worker
+from mstar_core.runtime.links import open_link
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_node import RemoteNodeScheduler, ReplicaGroup
 from mstar_core.runtime.remote_values import to_wire
@@ -70,8 +71,10 @@ RETIRED_SESSIONS = 64
 class Cluster:
     """Owns the control socket and every worker; `RemoteNodeScheduler`s send through it."""
 
-    def __init__(self, bind: str | None = None, heartbeat_interval: float = 0.2, secret: bytes | None = None):
+    def __init__(self, bind: str | None = None, heartbeat_interval: float = 0.2, secret: bytes | None = None,
+                 registry: Any = None):
         self.heartbeat_interval = heartbeat_interval
+        self._registry = registry  # where worker links' transports are looked up (default: the process's)
         self.secret = secret if secret is not None else secrets.token_hex(24).encode()
         self._bind = bind
         self._tmpdir: str | None = None
@@ -110,7 +113,9 @@ class Cluster:
 
     def add_worker(self, name: str, spec: WorkerSpec) -> WorkerLink:
         if name not in self.workers:
+            link = self.open_link(spec.transport)  # an unusable transport fails here, naming the known ones
             self.workers[name] = WorkerLink(name, spec)
+            self.workers[name].link = link
         return self.workers[name]
 
     async def _launch(self, state: WorkerLink) -> None:
@@ -121,8 +126,7 @@ class Cluster:
             state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
                                                     state.spec)
         else:
-            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.transport,
-                                                         state.spec.threads)
+            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.threads)
 
     def tcp_address(self) -> str:
         """A TCP endpoint of the control socket (Ray actors need one): the bind address, or an added loopback one."""
@@ -215,7 +219,7 @@ class Cluster:
         return self.sock.send_multipart([state.identity, *state.channel.seal(frames)], copy=False)
 
     def flush_soon(self, state: WorkerLink) -> None:
-        """Tell an shm worker which of its slots we released and which segments we mapped."""
+        """Send the worker's link what ours has for it (e.g. the shm slots we released, the segments we mapped)."""
         if state.link is None or state.identity is None or state.channel is None:
             return
         ctl = state.link.control()
@@ -337,12 +341,10 @@ class Cluster:
             state.identity = identity
         state.last_seen = time.monotonic()
         try:
-            if shm_path.kind(body) is not None:
-                if state.link is None:
-                    raise WireError("shared-memory message from a worker without `transport: shm`")
+            if state.link is not None:
                 body = state.link.unpack(body)
                 if body is None:
-                    return  # a control message: slots released, segments mapped
+                    return  # a message for the link itself (e.g. shm slots released, segments mapped)
             msg = decode(body)
         except WireError as exc:
             self.refusals.refuse("malformed-worker", "dropping a malformed message from worker %s: %s", state.name, exc)
@@ -413,21 +415,28 @@ class Cluster:
             self.refusals.refuse("hello", "refused a worker: %s", exc)
             return  # say nothing: an unauthenticated peer learns nothing
         session = new_session_id()
-        welcome = self._verifier.welcome(hello, session=session, heartbeat_interval=self.heartbeat_interval)
+        welcome = self._verifier.welcome(hello, session=session, heartbeat_interval=self.heartbeat_interval,
+                                         transport=state.spec.transport)
         if state.alive:  # the same worker joining again: what the old session had in flight is gone
             self.supervisor.lost(state, "joined again under a new session", restart=False)
         channel = Channel.for_coordinator(self.secret, hello.nonce, session)
         state.identity = identity
         state.channel = channel
         self._sessions[channel.session] = state
-        if state.spec.transport == "shm" and state.link is None:
-            state.link = shm_path.ShmLink()
         state.last_seen = time.monotonic()
         await self.sock.send_multipart([identity, *encode(welcome)])
         state.alive = True
         state.joined.set()
         if state.loads and not state.restarting:  # a hand-joined worker came back: reload its models
             self.supervisor.start_restart(state)
+
+    def open_link(self, transport: str):
+        """The server's end of a worker link over `transport` (looked up in the plugin registry)."""
+        if self._registry is None:
+            from mstar_core.plugins.manager import default_registry
+
+            self._registry = default_registry()
+        return open_link(self._registry, transport, "server")
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@
 
 The control plane is one ZeroMQ DEALER socket carrying wire-codec messages (typed JSON header,
 tensors as raw frames; no pickle). Invocations are batched by the same `NodeScheduler` as in the
-serving process, on this process's own device thread. With `--transport shm` (spawned workers on
-the server's host), big tensor frames travel through shared memory (`launchers.shm_path`).
+serving process, on this process's own device thread. Big tensor frames travel through the
+transport the placement names (the Welcome says which; looked up in the plugin registry: `runtime/links.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mstar_core.checkpoint.partial import node_module, release_unhosted, residen
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
-from mstar_core.runtime.launchers import shm_path
+from mstar_core.runtime.links import open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
@@ -55,9 +55,9 @@ log = logging.getLogger("mstar.worker")
 class Worker:
     """One worker's state: its socket, its engines keyed 'model/node', its device thread."""
 
-    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None, transport: str = "zmq"):
+    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None):
         self.name = name
-        self.link = shm_path.ShmLink() if transport == "shm" else None
+        self.link = None  # this end of the worker link, over the transport the Welcome names
         self.join = join
         self.secret = secret
         self.parent_pid = parent_pid
@@ -107,7 +107,7 @@ class Worker:
         return self.sock.send_multipart(self.channel.seal(frames), copy=False)
 
     def flush(self) -> None:
-        """Tell the server which of its shm slots we released and which segments we mapped."""
+        """Send the server's link what ours has for it (e.g. the shm slots we released, the segments we mapped)."""
         ctl = self.link.control() if self.link is not None and self.channel is not None else None
         if ctl is not None:
             self.sock.send_multipart(self.channel.seal(ctl), copy=False)
@@ -119,10 +119,10 @@ class Worker:
             try:
                 if self.channel is not None:
                     frames = self.channel.open(frames)
-                if self.link is not None and self.channel is not None and shm_path.kind(frames) is not None:
+                if self.link is not None and self.channel is not None:
                     frames = self.link.unpack(frames)
                     if frames is None:
-                        continue  # a control message: slots released, segments mapped
+                        continue  # a message for the link itself (e.g. shm slots released, segments mapped)
                 return decode(frames)
             except WireError as exc:  # AuthError included
                 if self.channel is None:
@@ -130,6 +130,8 @@ class Worker:
                 self.refusals.refuse("recv", "worker %s: dropped a message from the coordinator: %s", self.name, exc)
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        registry = await loop.run_in_executor(self.executor, default_registry)  # imports, before any beat is due
         self.sock.connect(self.join)
         hello = make_hello(self.secret, self.name)
         await self.send(hello)
@@ -138,6 +140,7 @@ class Worker:
         except TimeoutError:
             raise SystemExit(f"worker {self.name}: no answer from {self.join} (wrong address or wrong secret?)") from None
         verify_welcome(self.secret, hello, welcome)
+        self.link = open_link(registry, welcome.transport, "worker")
         self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
         self.heartbeat_interval = welcome.heartbeat_interval
         beat = asyncio.ensure_future(self._heartbeat())
@@ -197,6 +200,8 @@ class Worker:
                     load[key] = dict(self.resident.get(key, {}))
             if "process" in self.resident:
                 load["process"] = self.resident["process"]
+            if self.link is not None:
+                load["link"] = {"transport": self.link.name, **self.link.stats.as_dict()}
             try:
                 await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
             except WireError:  # a gauge that cannot travel: beat without gauges
@@ -293,15 +298,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, help="the server's control address, e.g. tcp://10.0.0.2:7100")
     parser.add_argument("--name", required=True, help="the worker name the placement file gives this worker")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    # set by the spawn launcher from the placement (shm only for workers it spawns on this host)
-    parser.add_argument("--transport", choices=("zmq", "shm"), default="zmq", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
     secret = secret_from_env()
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
     try:
-        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid, args.transport).run())
+        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid).run())
     except KeyboardInterrupt:
         pass
     except Exception as exc:

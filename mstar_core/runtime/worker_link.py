@@ -13,10 +13,10 @@ from typing import Any
 
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, NodeExecutionError, RequestError
-from mstar_core.runtime.launchers import shm_path
 from mstar_core.runtime.remote_values import from_wire
 from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult
 from mstar_core.wire.session import Channel
+from mstar_core.wire.transport import TransportLink
 
 
 class WorkerLost(RequestError):
@@ -52,7 +52,7 @@ class WorkerLink:
         self.log_path: str | None = None
         self.identity: bytes | None = None  # the ZeroMQ routing id its last authenticated message came from
         self.channel: Channel | None = None  # the authenticated session; None while not joined
-        self.link: shm_path.ShmLink | None = None  # the shm data path, for `transport: shm`
+        self.link: TransportLink | None = None  # the data path of its `transport`, made when it first joins
         self.last_seen = 0.0
         self.joined = asyncio.Event()
         self.loads: dict[str, LoadModel] = {}  # model -> what to replay after a restart

@@ -91,17 +91,17 @@ class HelloVerifier:
         while len(self._seen) > self._remember:
             self._seen.popitem(last=False)
 
-    def welcome(self, h: Hello, session: str, heartbeat_interval: float) -> Welcome:
+    def welcome(self, h: Hello, session: str, heartbeat_interval: float, transport: str = "zmq") -> Welcome:
         """A signed Welcome answering a verified Hello."""
-        mac = _mac(self.secret, "welcome", h.worker, session, repr(float(heartbeat_interval)), h.nonce)
+        mac = _mac(self.secret, "welcome", h.worker, session, repr(float(heartbeat_interval)), h.nonce, transport)
         return Welcome(worker=h.worker, session=session, heartbeat_interval=float(heartbeat_interval),
-                       nonce=h.nonce, mac=mac)
+                       nonce=h.nonce, mac=mac, transport=transport)
 
 
 def verify_welcome(secret: bytes, hello: Hello, w: Welcome) -> None:
     """Worker side: raise AuthError unless `w` answers `hello` and is signed with the shared secret."""
     if not isinstance(w, Welcome):
         raise AuthError(f"expected a Welcome, got {type(w).__name__}")
-    want = _mac(secret, "welcome", w.worker, w.session, repr(float(w.heartbeat_interval)), w.nonce)
+    want = _mac(secret, "welcome", w.worker, w.session, repr(float(w.heartbeat_interval)), w.nonce, w.transport)
     if w.nonce != hello.nonce or w.worker != hello.worker or not _same_mac(w.mac, want):
         raise AuthError("coordinator failed authentication: its Welcome is not signed with our shared secret")

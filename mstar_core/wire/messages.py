@@ -119,6 +119,8 @@ class Welcome:
     heartbeat_interval: float
     nonce: str
     mac: str
+    #: the registered transport that carries this worker's tensors (the placement's `transport`)
+    transport: str = "zmq"
 
 
 @message("heartbeat")

@@ -1,9 +1,15 @@
-"""The small interface every transport plugin implements, and the bind-address policy they share.
+"""The small interfaces every transport plugin implements, and the bind-address policy they share.
 
 A transport is a point-to-point, message-oriented, bidirectional channel of frames (a frame is any
 bytes-like object; tensor transports also accept tensors). One side `bind`s, the other `connect`s;
 the connecting side speaks first. `send_msg`/`recv_msg` wrap the wire codec. Received frames may
 alias transport buffers (zero copy): decoded tensors are read-only views, clone them to keep them.
+
+Between the serving process and a worker, control always travels on the ZeroMQ control socket
+(sealed per session); the transport a placement names carries the big frames of those messages.
+`Transport.worker_link(role)` makes one end of that data path, a `TransportLink`: the sender
+`pack`s a message's frames before sealing (taking big ones off the socket, leaving descriptors),
+the receiver `unpack`s them after opening. `InlineLink` leaves every frame on the socket.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import abc
 import asyncio
 import ipaddress
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -58,10 +65,102 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class LinkStats:
+    """What one end of a worker link moved: messages and bytes each way, and how much went off the socket."""
+
+    __slots__ = ("offloaded_bytes", "pack_seconds", "received_bytes", "received_messages", "sent_bytes",
+                 "sent_messages", "unpack_seconds")
+
+    def __init__(self) -> None:
+        self.sent_messages = self.received_messages = 0
+        self.sent_bytes = self.received_bytes = 0
+        self.offloaded_bytes = 0  # bytes the transport carried itself (not on the control socket)
+        self.pack_seconds = self.unpack_seconds = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def frames_bytes(frames: Sequence[Any]) -> int:
+    """Total payload of a message's frames (bytes-like or tensors)."""
+    total = 0
+    for frame in frames:
+        nbytes = getattr(frame, "nbytes", None)
+        total += nbytes if isinstance(nbytes, int) else memoryview(frame).nbytes
+    return total
+
+
+class TransportLink(abc.ABC):
+    """One end of a worker link's data path (see the module docstring); subclasses implement `_pack`/`_unpack`.
+
+    What one end packs, the other end unpacks, in order. `unpack` returns None for a message meant
+    for the link itself (e.g. the peer released shared-memory slots); `control()` is such a message
+    to send the peer now. A message that is not packed (a plain wire message) passes `unpack` as is.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stats = LinkStats()
+
+    def pack(self, frames: Sequence[Any]) -> list[Any]:
+        """The frames to put on the control socket for this message."""
+        start = time.perf_counter()
+        out = self._pack(frames)
+        self.stats.pack_seconds += time.perf_counter() - start
+        self.stats.sent_messages += 1
+        self.stats.sent_bytes += frames_bytes(frames)
+        return out
+
+    def unpack(self, frames: Sequence[Any]) -> list[Any] | None:
+        """The message's original frames, or None when it was for the link itself."""
+        start = time.perf_counter()
+        out = self._unpack(frames)
+        self.stats.unpack_seconds += time.perf_counter() - start
+        if out is not None:
+            self.stats.received_messages += 1
+            self.stats.received_bytes += frames_bytes(out)
+        return out
+
+    @abc.abstractmethod
+    def _pack(self, frames: Sequence[Any]) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def _unpack(self, frames: Sequence[Any]) -> list[Any] | None: ...
+
+    def control(self) -> list[Any] | None:
+        """A message for the peer's link (sent sealed on the control socket), if one is pending."""
+        return None
+
+    def peer_lost(self) -> None:
+        """The peer died or was replaced: drop whatever was shared with it."""
+        return None
+
+    def close(self) -> None:
+        """Release what this end owns; idempotent."""
+        return None
+
+
+class InlineLink(TransportLink):
+    """Every frame stays on the control socket (the `zmq` transport's worker link)."""
+
+    def _pack(self, frames: Sequence[Any]) -> list[Any]:
+        return list(frames)
+
+    def _unpack(self, frames: Sequence[Any]) -> list[Any]:
+        return list(frames)
+
+
 class Transport(abc.ABC):
     """Point-to-point frame channel; subclasses implement bind/connect/send/recv/close."""
 
     name: ClassVar[str] = "?"
+    #: True when both ends must be on one host (shared memory): workers joining from elsewhere cannot use it.
+    same_host: ClassVar[bool] = False
+
+    @classmethod
+    def worker_link(cls, role: str) -> TransportLink:
+        """One end (`role` 'server' or 'worker') of a worker link whose big frames this transport carries."""
+        raise TransportError(f"transport '{cls.name}' cannot carry the tensors of a worker link")
 
     @abc.abstractmethod
     def bind(self, address: str) -> str:

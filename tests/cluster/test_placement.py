@@ -57,12 +57,9 @@ def test_load_from_yaml_file(tmp_path):
 @pytest.mark.parametrize(
     ("worker", "message"),
     [
-        ({"transport": "tcp"}, "workers.a.transport: unknown transport 'tcp'; known: zmq, shm"),
-        ({"transport": "nccl"}, "workers.a.transport: nccl is not supported for worker control yet"),
+        ({"transport": 7}, "workers.a.transport must be a transport's name"),
         ({"launcher": "k8s"}, "workers.a.launcher: unknown launcher 'k8s'; known: spawn, ray, manual"),
         ({"host": "10.0.0.7", "launcher": "spawn"}, "workers.a: 'host' means the worker joins by hand"),
-        ({"host": "10.0.0.7", "transport": "shm"}, "shm needs a worker spawned on this host"),
-        ({"launcher": "ray", "transport": "shm"}, "shm needs a worker spawned on this host"),
         ({"num_cpus": 2}, "workers.a.num_cpus is a Ray resource request; it needs launcher: ray"),
         ({"launcher": "ray", "num_cpus": -1}, "workers.a.num_cpus must be a number >= 0"),
     ],
@@ -70,6 +67,24 @@ def test_load_from_yaml_file(tmp_path):
 def test_launcher_and_transport_are_checked(worker, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Placement.from_dict({"workers": {"a": worker}}, "deploy.yaml")
+
+
+@pytest.mark.parametrize(
+    ("worker", "message"),
+    [
+        ({"transport": "tcp"}, "workers.a.transport: unknown transport 'tcp'; known: "),
+        ({"host": "10.0.0.7", "transport": "shm"}, "shm needs a worker spawned on this host"),
+        ({"launcher": "ray", "transport": "shm"}, "shm needs a worker spawned on this host"),
+    ],
+)
+def test_transports_are_checked_against_the_registry(worker, message):
+    from mstar_core.plugins import discover
+
+    placement = Placement.from_dict({"workers": {"a": worker}}, "deploy.yaml")  # any name parses
+    with pytest.raises(ConfigError, match=message) as info:
+        placement.check_transports(discover())
+    if "unknown" in message:
+        assert "shm" in str(info.value) and "zmq" in str(info.value)  # the registered names
 
 
 def test_launchers_and_their_resources():

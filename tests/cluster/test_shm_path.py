@@ -81,7 +81,7 @@ def test_segments_a_killed_peer_never_handed_over_are_swept_when_it_is_lost():
     import subprocess
     import sys
 
-    from mstar_core.runtime.launchers.shm_path import ShmLink
+    from mstar_transport_shm.link import ShmLink
 
     code = ("from mstar_transport_shm import Arena; a = Arena(1 << 20); a.put(memoryview(bytes(100_000)));"
             "print('ready', flush=True); import time; time.sleep(60)")

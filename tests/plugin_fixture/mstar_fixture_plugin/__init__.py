@@ -1,4 +1,4 @@
-"""A third-party-style plugin used by the tests: models and engines registered by entry point."""
+"""A third-party-style plugin used by the tests: models, engines and a transport registered by entry point."""
 
 from mstar_core.plugins import hookimpl
 
@@ -25,3 +25,10 @@ def mstar_register_models(register):
     register(STREAM_SPEC)
     register(BLOB_SPEC)
     register(CHAIN_SPEC)
+
+
+@hookimpl
+def mstar_register_transports(register):
+    from mstar_fixture_plugin.spool import SpoolTransport
+
+    register("fixture_spool", SpoolTransport)

@@ -1,9 +1,8 @@
-"""The `shm` data path between the server and a spawned worker on the same host.
+"""The `shm` worker link: big tensor frames between the server and a spawned worker on the same host.
 
 Messages still travel on the ZeroMQ control socket, but each frame of at least `THRESHOLD` bytes
 (tensors) is copied once into the sender's shared-memory arena and replaced by a descriptor; the
-receiver maps the segment and decodes tensors straight from it (zero-copy receive). The arena and
-mapping code is `mstar_transport_shm`'s (looked up at run time: the core does not depend on plugins).
+receiver maps the segment and decodes tensors straight from it (zero-copy receive).
 
 A packed message is `[DATA, {"d": [null | [segment, offset, length], ...], "r": [retired segments]},
 inline frames...]`; `[CONTROL, {"f": [[segment, offset], ...], "u": [segment, ...]}]` tells the sender
@@ -21,8 +20,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mstar_core.errors import MStarError
 from mstar_core.wire.errors import WireError
+from mstar_core.wire.transport import TransportLink
+from mstar_transport_shm.arena import Arena, Mapping, sweep_stale
 
 DATA = b"mstar-shm-data/1"
 CONTROL = b"mstar-shm-ctl/1"
@@ -30,19 +30,10 @@ CONTROL = b"mstar-shm-ctl/1"
 THRESHOLD = 64 * 1024
 
 
-def shm_plugin() -> Any:
-    """The `mstar_transport_shm` package, or a clear error naming what to install."""
-    try:
-        import mstar_transport_shm
-    except ImportError:
-        raise MStarError(
-            "transport: shm needs the mstar-transport-shm plugin: pip install -e plugins/mstar-transport-shm"
-        ) from None
-    return mstar_transport_shm
-
-
 def kind(frames: Sequence[Any]) -> bytes | None:
     """DATA or CONTROL for a packed message, None for a plain wire message."""
+    if not frames:
+        return None
     first = memoryview(frames[0])
     if first.nbytes in (len(DATA), len(CONTROL)):
         tag = bytes(first)
@@ -51,15 +42,15 @@ def kind(frames: Sequence[Any]) -> bytes | None:
     return None
 
 
-class ShmLink:
+class ShmLink(TransportLink):
     """One end of a server<->worker shm path: an arena for what it sends, mappings of what it receives."""
 
     def __init__(self, threshold: int = THRESHOLD, segment_bytes: int = 64 << 20, max_bytes: int = 1 << 30):
-        self._shm = shm_plugin()
+        super().__init__("shm")
         self.threshold = threshold
         self._arena_args = (segment_bytes, max_bytes)
         self.arena = None
-        self.maps = self._shm.Mapping(self._released)
+        self.maps = Mapping(self._released)
         self._freed: collections.deque[tuple[str, int]] = collections.deque()
         self._mapped: collections.deque[str] = collections.deque()
         self.sent_shm = self.sent_inline = self.received_shm = 0
@@ -68,7 +59,7 @@ class ShmLink:
     def _released(self, name: str, offset: int) -> None:
         self._freed.append((name, offset))  # runs from GC on any thread: only queue it
 
-    def pack(self, frames: Sequence[Any]) -> list[Any]:
+    def _pack(self, frames: Sequence[Any]) -> list[Any]:
         """Move big frames into the arena; when the arena is at its limit they go inline instead of blocking."""
         desc, inline = [], []
         for frame in frames:
@@ -76,7 +67,7 @@ class ShmLink:
             slot = None
             if view.nbytes >= self.threshold:
                 if self.arena is None:
-                    self.arena = self._shm.Arena(*self._arena_args)
+                    self.arena = Arena(*self._arena_args)
                 slot = self.arena.put(view)
             if slot is None:
                 desc.append(None)
@@ -85,13 +76,16 @@ class ShmLink:
             else:
                 desc.append(list(slot))
                 self.sent_shm += 1
+                self.stats.offloaded_bytes += view.nbytes
         retired: list[str] = []
         if self.arena is not None:
             retired, self.arena.retired = self.arena.retired, []
         return [DATA, orjson.dumps({"d": desc, "r": retired}), *inline]
 
-    def unpack(self, frames: Sequence[Any]) -> list[Any] | None:
+    def _unpack(self, frames: Sequence[Any]) -> list[Any] | None:
         """A packed message's original frames (shm ones as zero-copy views), or None for a control message."""
+        if kind(frames) is None:
+            return list(frames)  # a plain message
         try:
             head = orjson.loads(frames[1])
             if kind(frames) == CONTROL:
@@ -136,7 +130,7 @@ class ShmLink:
         self.maps.close()
         self._freed.clear()
         self._mapped.clear()
-        self._shm.sweep_stale()
+        sweep_stale()
 
     def close(self) -> None:
         """Unlink and unmap everything this end owns or maps."""

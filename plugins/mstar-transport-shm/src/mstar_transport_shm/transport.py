@@ -23,7 +23,7 @@ from mstar_transport_zmq import ZmqTransport
 from mstar_transport_zmq.transport import ipc_address
 
 from mstar_core.wire.errors import TransportError
-from mstar_core.wire.transport import Transport
+from mstar_core.wire.transport import Transport, TransportLink
 from mstar_transport_shm.arena import Arena, Mapping
 
 #: Frames smaller than this travel inline on the control channel (a copy is cheaper than a slot).
@@ -36,6 +36,14 @@ class ShmTransport(Transport):
     """Same-host transport: shared-memory arena for big frames, zmq IPC (or loopback TCP) for control."""
 
     name = "shm"
+    same_host = True
+
+    @classmethod
+    def worker_link(cls, role: str) -> TransportLink:
+        """Big frames of a spawned worker's messages through shared memory (see `mstar_transport_shm.link`)."""
+        from mstar_transport_shm.link import ShmLink
+
+        return ShmLink()
 
     def __init__(self, *, secret: bytes | None = None, segment_bytes: int = 256 << 20,
                  max_bytes: int = 4 << 30, inline_max: int = INLINE_MAX):

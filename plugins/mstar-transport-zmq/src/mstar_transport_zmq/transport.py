@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from mstar_core.wire.errors import TransportError
-from mstar_core.wire.transport import Transport, check_bind_address
+from mstar_core.wire.transport import InlineLink, Transport, TransportLink, check_bind_address
 from mstar_transport_zmq import curve
 
 log = logging.getLogger("mstar.transport.zmq")
@@ -41,6 +41,11 @@ class ZmqTransport(Transport):
     """ZeroMQ transport over `tcp://HOST:PORT` or `ipc://PATH` (use port 0 to pick a free port)."""
 
     name = "zmq"
+
+    @classmethod
+    def worker_link(cls, role: str) -> TransportLink:
+        """A worker link whose frames all stay on the (ZeroMQ) control socket."""
+        return InlineLink("zmq")
 
     def __init__(self, *, secret: bytes | None = None, allow_remote: bool = False, hwm: int = 1000):
         self.secret = secret

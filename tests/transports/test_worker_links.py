@@ -1,0 +1,106 @@
+"""The transport a placement names carries a worker's tensors, looked up in the plugin registry by name."""
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar_core.config import Placement
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from mstar_core.runtime.links import open_link
+from mstar_core.wire import decode, encode
+from mstar_core.wire.messages import NodeResult
+from mstar_core.wire.transport import InlineLink
+
+pytest.importorskip("mstar_fixture_plugin")
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_core_imports_no_plugin_package():
+    offenders = []
+    for path in (ROOT / "mstar_core").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if re.match(r"\s*(from|import)\s+mstar_(transport|kvcache|stateless|diffusion|attn)_?\w*", line):
+                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert offenders == []
+
+
+def test_links_come_from_the_registry_and_round_trip():
+    registry = discover()
+    msg = NodeResult(request_id="r", node="m/n", call_index=0, outputs={"y": torch.arange(100_000.0)})
+    for name in ("zmq", "shm", "fixture_spool"):
+        server, worker = open_link(registry, name, "server"), open_link(registry, name, "worker")
+        assert server.name == name
+        packed = worker.pack(encode(msg))
+        out = decode(server.unpack(packed))
+        assert torch.equal(out.outputs["y"], msg.outputs["y"])
+        assert worker.stats.sent_messages == 1 and server.stats.received_messages == 1
+        assert worker.stats.sent_bytes == server.stats.received_bytes > 400_000
+        if name != "zmq":
+            assert worker.stats.offloaded_bytes >= 400_000  # the tensor did not ride on the socket
+        for end in (server, worker):
+            end.peer_lost()
+            end.close()
+    assert isinstance(open_link(registry, "zmq", "server"), InlineLink)
+
+
+def test_a_transport_that_cannot_carry_worker_links_is_refused_naming_those_that_can():
+    registry = discover(extra_modules=[])
+    placement = Placement.from_dict({"workers": {"a": {"transport": "nccl"}}}, "deploy.yaml")
+    if "nccl" not in registry.transports:
+        pytest.skip("the nccl transport plugin is not installed")
+    from mstar_core.runtime.links import carries_worker_links
+
+    if carries_worker_links(registry.transports.get("nccl")):
+        pytest.skip("nccl carries worker links in this build")
+    with pytest.raises(ConfigError, match="cannot carry a worker's tensors; use one of: .*fixture_spool"):
+        placement.check_transports(registry)
+
+
+async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
+    placement = Placement.from_dict({"workers": {"w": {"transport": "fixture_spool"}}, "nodes": {"bump": "w"},
+                                     "control": {"heartbeat_interval": 0.2}})
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
+    try:
+        state = engine.cluster.workers["w"]
+        assert state.link.name == "fixture_spool"
+        x = torch.randn(256, 1024)  # 1 MiB each way
+        for _ in range(3):
+            y = (await engine.submit("fixture-blob", {"x": x}).result())["y"]
+            assert torch.equal(y, x + 1)
+        assert state.link.spooled_out == 3 and state.link.spooled_in == 3  # inputs out, outputs back
+        assert state.link.stats.offloaded_bytes == 3 * x.numel() * 4
+        small = torch.arange(4.0)
+        assert torch.equal((await engine.submit("fixture-blob", {"x": small}).result())["y"], small + 1)
+        assert state.link.spooled_out == 3  # small frames stay on the control socket
+        deadline = time.monotonic() + 10
+        while state.load.get("link", {}).get("sent_messages", 0) < 4:  # the worker's end, from its heartbeat
+            assert time.monotonic() < deadline, state.load
+            await asyncio.sleep(0.05)
+        assert state.load["link"]["transport"] == "fixture_spool"
+        assert state.load["link"]["offloaded_bytes"] == 3 * x.numel() * 4
+    finally:
+        await engine.close()
+    leftovers = [n for n in os.listdir(state.link.dir) if n.startswith(f"{os.getpid()}-")]
+    assert leftovers == []
+
+
+async def test_an_unknown_transport_fails_the_load_naming_the_registered_ones():
+    placement = Placement.from_dict({"workers": {"w": {"transport": "pigeon"}}, "nodes": {"bump": "w"}}, "p.yaml")
+    engine = AsyncEngine(discover())
+    try:
+        with pytest.raises(ConfigError, match=r"p.yaml: workers.w.transport: unknown transport 'pigeon'; "
+                                              r"known: .*fixture_spool.*shm.*zmq"):
+            await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
+    finally:
+        await engine.close()
