@@ -1,7 +1,8 @@
 """The micro-scheduler: one per (worker, node); batches ready invocations across requests.
 
-It hands every invocation that reaches the node to the engine and calls `engine.step()` on the
-worker's device thread while the engine has work, so the event loop stays free. Invocations
+It hands invocations that reach the node to the engine, at most `engine.max_batch_size` held at
+once (the rest wait here, the most urgent `Invocation.priority` first), and calls `engine.step()`
+on the worker's device thread while the engine has work, so the event loop stays free. Invocations
 that arrive while a step runs are batched into the next one. Releases (finished, failed or
 cancelled requests) are applied between steps, never during one. It never dies silently: an
 `add` that raises fails that invocation alone, and if the loop itself breaks, a supervisor logs
@@ -109,7 +110,11 @@ class NodeScheduler:
         while not self._closed:
             if self._releases:
                 self._apply_releases()
-            while self._pending:
+            room = engine.max_batch_size - len(self._inflight)
+            if room < len(self._pending) and any(inv.priority for inv, _ in self._pending):
+                # only some fit: the most urgent first (stable, so equal priorities stay first come first served)
+                self._pending = deque(sorted(self._pending, key=lambda entry: -entry[0].priority))
+            while self._pending and len(self._inflight) < engine.max_batch_size:
                 inv, fut = self._pending.popleft()
                 if fut.done():  # cancelled while queued
                     continue
@@ -122,7 +127,9 @@ class NodeScheduler:
                 self._inflight[id(inv)] = (inv, fut)
             if not engine.has_work():
                 self._wakeup.clear()
-                if not self._pending and not self._releases:
+                # (pending invocations that do not fit wait for a release: the engine will not step)
+                full = len(self._inflight) >= engine.max_batch_size
+                if (not self._pending or full) and not self._releases:
                     await self._wakeup.wait()
                 continue
             started = time.perf_counter()
