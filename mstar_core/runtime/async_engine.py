@@ -21,7 +21,7 @@ import torch
 from mstar_core.config.placement import LOCAL, Placement
 from mstar_core.errors import ConfigError, RequestCancelled, RequestError, RequestTimeout
 from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import iter_calls
+from mstar_core.graph.walk import iter_walk_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
@@ -50,6 +50,10 @@ class AsyncEngine:
 
     `max_running` caps requests executing at once; up to `max_queued` more wait for a slot, and
     beyond that `submit` raises `RequestError(status=503)` so callers can shed load.
+
+    Embedding it changes nothing process-wide: no event loop policy, and torch's global thread
+    count stays as the caller left it unless `torch_threads` is given (a number, or "share" to split
+    the cores evenly with the worker processes a placement spawns here, as `mstar serve` does).
     """
 
     def __init__(
@@ -60,8 +64,12 @@ class AsyncEngine:
         max_running: int = 256,
         max_queued: int = 1024,
         worker: str = "local",
+        torch_threads: int | str | None = None,
     ):
         self.registry = registry if registry is not None else default_registry()
+        if torch_threads is not None and torch_threads != "share":
+            torch.set_num_threads(max(1, int(torch_threads)))
+        self.torch_threads = torch_threads
         self.device = torch.device(device)
         self.worker = worker
         self.max_running = max_running
@@ -195,7 +203,8 @@ class AsyncEngine:
         """
         spawned = sum(w.replicas for w in placement.workers.values() if w.launcher == "spawn")
         share = max(1, (os.cpu_count() or 1) // (spawned + 1))
-        if spawned and torch.get_num_threads() > share:
+        # this process's own pool is the caller's to set (an embedding application has its own plans)
+        if self.torch_threads == "share" and spawned and torch.get_num_threads() > share:
             log.info("placement spawns %d worker processes here: torch threads per process set to %d", spawned, share)
             torch.set_num_threads(share)
         return share
@@ -267,7 +276,11 @@ class AsyncEngine:
         request_id: str | None = None,
         prepared: bool = False,
     ) -> RequestHandle:
-        """Start a request; returns its handle at once. Bad input raises `RequestError` here."""
+        """Start a request; returns its handle at once. Bad input raises `RequestError` here.
+
+        Preparation (`prepared=False`) runs inline, on the caller's thread; servers use `submit_async`
+        (or `await prepare(...)` then `prepared=True`) so a large upload does not stall other streams.
+        """
         runtime = self._runtime(model)
         if self.waiting >= self.max_queued and self.running >= self.max_running:
             raise RequestError(
@@ -344,9 +357,26 @@ class AsyncEngine:
                 self._lost[rid] = WorkerLost(f"worker '{worker}' {why}; the request was lost, retry it")
                 handle.cancel()
 
+    async def prepare(self, model: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's prepared env (tokenization, audio/image decoding, resizing), computed off the event loop.
+
+        A large upload then costs a worker thread, not every other request's stream. Raises what
+        the model's `prepare` raises (a `RequestError` says what to fix).
+        """
+        loaded = self._runtime(model).loaded
+        if loaded.prepare is None:
+            return dict(inputs)
+        return await asyncio.to_thread(loaded.prepare_inputs, inputs)
+
+    async def submit_async(self, model: str, inputs: Mapping[str, Any], **kw: Any) -> RequestHandle:
+        """`submit`, with the request prepared off the event loop first (what a server should call)."""
+        return self.submit(model, await self.prepare(model, inputs), prepared=True, **kw)
+
     async def generate(self, model: str, inputs: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
-        """Submit and wait for the final env."""
-        return await self.submit(model, inputs, **kw).result()
+        """Submit (prepared off the event loop) and wait for the final env."""
+        if kw.get("prepared"):
+            return await self.submit(model, inputs, **kw).result()
+        return await (await self.submit_async(model, inputs, **kw)).result()
 
     def cancel(self, request_id: str) -> bool:
         handle = self._handles.get(request_id)
@@ -420,7 +450,7 @@ def _node_workers(graph: Graph, placement: Placement) -> dict[str, set[str]]:
     where: dict[str, set[str]] = {}
     for node in graph.nodes:
         callers = [w.name for w in graph.walks.values()
-                   if any(c.node == node for c in iter_calls(w.body)) or any(e.dst_node == node for e in w.streams)]
+                   if any(c.node == node for c in iter_walk_calls(w)) or any(e.dst_node == node for e in w.streams)]
         if node in placement.walks and callers:
             where[node] = {placement.worker_of(node, walk) for walk in callers}
         else:
