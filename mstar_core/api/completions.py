@@ -71,9 +71,15 @@ async def create_completion(body: CompletionRequest, request: Request):
     # each prompt's inputs are built (and so checked) before anything is submitted
     inputs = [adapter_call(adapter.completion_inputs, payload, p, what=what) for p in prompts]
     started = time.perf_counter()
-    choices = await ch.start_choices(
-        request, state, body.model, adapter, inputs, body.n,
-        lambda prompt, i: with_choice(adapter, prompt, body.seed, i, body.logprobs), stops, body.max_tokens, started)
+    try:
+        choices = await ch.start_choices(
+            request, state, body.model, adapter, inputs, body.n,
+            lambda prompt, i: with_choice(adapter, prompt, body.seed, i, body.logprobs), stops, body.max_tokens,
+            started)
+    except ApiError as exc:
+        if exc.param == "input_ids":  # token-id prompts reach the model as its input_ids: name what the client sent
+            exc.param, exc.message = "prompt", exc.message.replace("'input_ids'", "'prompt'")
+        raise
     rid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     offsets = {c.index: 0 for c in choices}

@@ -44,22 +44,24 @@ class RequestPreparer:
         ids = self._ids(given[0], inputs[given[0]])
         sampling = self._sampling(inputs)
         if len(ids) + 1 > self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1}")
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1}",
+                               param=given[0])
         return {"input_ids": ids, "sampling": sampling}
 
     def _ids(self, key: str, value: Any) -> list[int]:
         if key == "input_ids":
             if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-                raise RequestError("'input_ids' must be a non-empty list of token ids")
+                raise RequestError("'input_ids' must be a non-empty list of token ids", param="input_ids")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                raise RequestError("'input_ids' must contain only integers")
+                raise RequestError("'input_ids' must contain only integers", param="input_ids")
             bad = [t for t in value if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(f"'input_ids' has ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+                raise RequestError(f"'input_ids' has ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                                   param="input_ids")
             return list(value)
         if key == "prompt":
             if not isinstance(value, str) or not value:
-                raise RequestError("'prompt' must be a non-empty string")
+                raise RequestError("'prompt' must be a non-empty string", param="prompt")
             return self.tokenizer.encode(value, add_special_tokens=True).ids
         if self.chat_template is None:
             raise RequestError("this model has no chat template; send 'prompt' or 'input_ids' instead of 'messages'")
@@ -71,7 +73,7 @@ class RequestPreparer:
         fields = {k: inputs[k] for k in SAMPLING_KEYS if k in inputs and inputs[k] is not None}
         ignore_eos = inputs.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
-            raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
+            raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
         if not ignore_eos:
             user_stops = fields.get("stop_token_ids", ())
             user_stops = [user_stops] if isinstance(user_stops, int) else list(user_stops)
