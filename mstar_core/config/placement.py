@@ -13,7 +13,9 @@ nodes:
 engine_settings:
   lm: {num_pages: 4096, page_size: 16}
 control:
-  bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory
+  bind: tcp://127.0.0.1:0                  # default: an IPC socket in a private directory; another host's
+                                           # address (e.g. tcp://10.0.0.2:7100) needs MSTAR_SECRET, encrypts
+  encrypt: true                            # CURVE on the control link (default: when bind is not loopback/IPC)
   heartbeat_interval: 0.2                  # a worker silent for 5 beats (at least 1 s) is hung: killed, replaced
   ray_address: auto                        # default: a Ray cluster on this machine, or a new local one
   delegate_loops: true                     # loops whose nodes all live on one worker run there (default)
@@ -107,13 +109,22 @@ class Placement:
     delegate_loops: bool = True
     #: node -> walk -> worker, for nodes placed per walk (a request's state moves between the workers)
     walks: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
+    #: CURVE on the control link; None = exactly when `bind` reaches other hosts (then it cannot be turned off)
+    encrypt: bool | None = None
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Placement:
         top = _check_keys(source, data, PLACEMENT_KEYS)
         control = _check_keys(
-            f"{source}: control", top.get("control"), ("bind", "heartbeat_interval", "ray_address", "delegate_loops")
+            f"{source}: control", top.get("control"),
+            ("bind", "heartbeat_interval", "ray_address", "delegate_loops", "encrypt"),
         )
+        encrypt = control.get("encrypt")
+        if encrypt is not None and not isinstance(encrypt, bool):
+            raise ConfigError(f"{source}: control.encrypt must be true or false, got {encrypt!r}")
+        bind = control.get("bind")
+        if bind is not None and (not isinstance(bind, str) or "://" not in bind):
+            raise ConfigError(f"{source}: control.bind must be an address like tcp://10.0.0.2:7100, got {bind!r}")
         delegate = control.get("delegate_loops", True)
         if not isinstance(delegate, bool):
             raise ConfigError(f"{source}: control.delegate_loops must be true or false, got {delegate!r}")
@@ -150,7 +161,7 @@ class Placement:
         interval = control.get("heartbeat_interval", 0.2)
         if not isinstance(interval, int | float) or interval <= 0:
             raise ConfigError(f"{source}: control.heartbeat_interval must be a positive number, got {interval!r}")
-        return cls(workers, nodes, settings, control.get("bind"), float(interval), source, delegate, walks)
+        return cls(workers, nodes, settings, bind, float(interval), source, delegate, walks, encrypt)
 
     def check_nodes(self, model: str, nodes: Iterable[str]) -> None:
         """Every node the file names must exist in the model."""

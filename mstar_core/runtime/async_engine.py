@@ -143,8 +143,9 @@ class AsyncEngine:
             self.cluster = Cluster(
                 bind=placement.bind,
                 heartbeat_interval=placement.heartbeat_interval,
-                secret=secret_from_env() if joins_by_hand or placement.bind else None,
+                secret=secret_from_env() if joins_by_hand or placement.bind or placement.encrypt else None,
                 registry=self.registry,
+                encrypt=placement.encrypt,
             )
             self.cluster.on_requests_lost = self._requests_lost
             await self.cluster.start()

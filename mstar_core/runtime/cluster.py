@@ -1,8 +1,10 @@
 """The coordinator side of multi-process serving: the control socket, and remote nodes on top of it.
 
 The serving process binds one ZeroMQ ROUTER socket (an IPC socket in a private directory by
-default, or loopback TCP; any other address must be configured explicitly). Workers join with an
-HMAC-signed Hello; every later message either way is sealed for that session
+default, or loopback TCP). Any other address (`control.bind` in placement, for workers on other
+hosts) needs the shared secret from MSTAR_SECRET and is encrypted with CURVE keys derived from it
+(`mstar_core.wire.curve`): a peer without the secret cannot even complete the handshake, and
+nothing on the wire is readable. Workers join with an HMAC-signed Hello; every later message either way is sealed for that session
 (`mstar_core.wire.session`), so a peer that can reach the socket but lacks the secret cannot
 speak for a worker, whatever routing id it claims. No bytes from any peer stop the receive loop:
 each refusal is logged (rate-limited) and the loop goes on. `Supervisor` (supervision.py)
@@ -56,7 +58,8 @@ from mstar_core.wire import (
     decode,
     encode,
 )
-from mstar_core.wire.auth import HelloVerifier
+from mstar_core.wire.auth import SECRET_ENV, HelloVerifier
+from mstar_core.wire.curve import needs_encryption, server_keys, start_asyncio_authenticator
 from mstar_core.wire.session import Channel, new_session_id, session_of
 from mstar_core.wire.transport import check_bind_address
 
@@ -72,8 +75,12 @@ class Cluster:
     """Owns the control socket and every worker; `RemoteNodeScheduler`s send through it."""
 
     def __init__(self, bind: str | None = None, heartbeat_interval: float = 0.2, secret: bytes | None = None,
-                 registry: Any = None):
+                 registry: Any = None, encrypt: bool | None = None):
         self.heartbeat_interval = heartbeat_interval
+        self._shared_secret = secret is not None  # given by the operator (MSTAR_SECRET), not made up here
+        self._auth: Any = None  # the ZAP handler of an encrypted (non-loopback) control socket
+        self._encrypt = encrypt  # None: encrypt exactly when the bind address reaches beyond this host
+        self.encrypted = False
         self._registry = registry  # where worker links' transports are looked up (default: the process's)
         self.secret = secret if secret is not None else secrets.token_hex(24).encode()
         self._bind = bind
@@ -103,8 +110,22 @@ class Cluster:
         if bind is None:
             self._tmpdir = tempfile.mkdtemp(prefix="mstar-ctl-")
             bind = f"ipc://{self._tmpdir}/control"
-        check_bind_address(bind, allow_remote=False, secret=self.secret)
-        self.sock.bind(bind)
+        remote = needs_encryption(bind)
+        if remote and self._encrypt is False:
+            raise MStarError(f"control.bind {bind} reaches other hosts, where the control link is always encrypted; "
+                             "drop control.encrypt: false")
+        if remote and not self._shared_secret:
+            raise MStarError(f"control.bind {bind} accepts workers from other hosts: set {SECRET_ENV} to a shared "
+                             "secret (the same on every host) to start")
+        check_bind_address(bind, allow_remote=remote, secret=self.secret)
+        if remote or self._encrypt:
+            self._auth = start_asyncio_authenticator(self.ctx, self.secret)
+            server_keys(self.sock, self.secret)
+            self.encrypted = True
+        try:
+            self.sock.bind(bind)
+        except zmq.ZMQError as exc:
+            raise MStarError(f"cannot bind the control socket to {bind}: {exc}") from None
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.ensure_receiving()
         self._tasks = [asyncio.ensure_future(self.supervisor.run())]
@@ -124,9 +145,10 @@ class Cluster:
             from mstar_core.runtime.launchers.ray_actor import launch_ray_worker
 
             state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
-                                                    state.spec)
+                                                    state.spec, self.encrypted)
         else:
-            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.threads)
+            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.threads,
+                                                         encrypt=self.encrypted)
 
     def tcp_address(self) -> str:
         """A TCP endpoint of the control socket (Ray actors need one): the bind address, or an added loopback one."""
@@ -422,6 +444,7 @@ class Cluster:
         channel = Channel.for_coordinator(self.secret, hello.nonce, session)
         state.identity = identity
         state.channel = channel
+        state.pid, state.host = hello.pid, hello.host
         self._sessions[channel.session] = state
         state.last_seen = time.monotonic()
         await self.sock.send_multipart([identity, *encode(welcome)])
@@ -470,6 +493,8 @@ class Cluster:
         for task in [*self._tasks, self._receiver]:
             if task is not None:
                 task.cancel()
+        if self._auth is not None:
+            self._auth.stop()
         self.sock.close(0)
         self.ctx.term()
         if self._tmpdir:

@@ -46,7 +46,8 @@ from mstar_core.wire import (
     decode,
     encode,
 )
-from mstar_core.wire.auth import make_hello, secret_from_env, verify_welcome
+from mstar_core.wire.auth import SECRET_ENV, make_hello, secret_from_env, verify_welcome
+from mstar_core.wire.curve import client_keys, needs_encryption
 from mstar_core.wire.session import Channel
 
 log = logging.getLogger("mstar.worker")
@@ -55,8 +56,11 @@ log = logging.getLogger("mstar.worker")
 class Worker:
     """One worker's state: its socket, its engines keyed 'model/node', its device thread."""
 
-    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None):
+    def __init__(self, name: str, join: str, secret: bytes, parent_pid: int | None = None,
+                 encrypt: bool | None = None):
         self.name = name
+        #: CURVE on the control link: by default whenever `join` is not a loopback or IPC address
+        self.encrypt = needs_encryption(join) if encrypt is None else encrypt
         self.link = None  # this end of the worker link, over the transport the Welcome names
         self.join = join
         self.secret = secret
@@ -132,13 +136,18 @@ class Worker:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         registry = await loop.run_in_executor(self.executor, default_registry)  # imports, before any beat is due
+        if self.encrypt:
+            client_keys(self.sock, self.secret)
         self.sock.connect(self.join)
         hello = make_hello(self.secret, self.name)
         await self.send(hello)
         try:
             welcome = await self.recv(timeout=float(os.environ.get("MSTAR_JOIN_TIMEOUT", "15")))
         except TimeoutError:
-            raise SystemExit(f"worker {self.name}: no answer from {self.join} (wrong address or wrong secret?)") from None
+            how = "encrypted" if self.encrypt else "unencrypted"
+            raise SystemExit(f"worker {self.name}: no answer from {self.join} ({how}; wrong address, wrong "
+                             f"{SECRET_ENV}, or a server that {'does not encrypt' if self.encrypt else 'encrypts'} "
+                             f"(--encrypt)?)") from None
         verify_welcome(self.secret, hello, welcome)
         self.link = open_link(registry, welcome.transport, "worker")
         self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
@@ -298,13 +307,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--join", required=True, help="the server's control address, e.g. tcp://10.0.0.2:7100")
     parser.add_argument("--name", required=True, help="the worker name the placement file gives this worker")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--encrypt", choices=("auto", "on", "off"), default="auto",
+                        help="CURVE-encrypt the control link (auto: when --join is not loopback or IPC, as the "
+                             "server does for its bind address)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s worker[{args.name}] %(levelname)s %(message)s")
-    secret = secret_from_env()
+    try:
+        secret = secret_from_env()
+    except Exception as exc:
+        print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
     try:
-        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid).run())
+        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid,
+                           encrypt={"auto": None, "on": True, "off": False}[args.encrypt]).run())
     except KeyboardInterrupt:
         pass
     except Exception as exc:

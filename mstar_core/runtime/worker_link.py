@@ -50,6 +50,8 @@ class WorkerLink:
         self.spec = spec
         self.process: Any = None  # a subprocess.Popen, or a launcher's handle with the same interface
         self.log_path: str | None = None
+        self.pid: int | None = None  # as its Hello said (a hand-joined worker's process is not ours to poll)
+        self.host = ""
         self.identity: bytes | None = None  # the ZeroMQ routing id its last authenticated message came from
         self.channel: Channel | None = None  # the authenticated session; None while not joined
         self.link: TransportLink | None = None  # the data path of its `transport`, made when it first joins

@@ -23,8 +23,8 @@ PLACE_TIMEOUT_S = 60.0
 class WorkerActor:
     """The actor body (wrapped with `ray.remote` at launch): runs one `Worker` until it leaves."""
 
-    def __init__(self, name: str, join: str, secret: str, num_cpus: float):
-        self.name, self.join, self.secret, self.num_cpus = name, join, secret, num_cpus
+    def __init__(self, name: str, join: str, secret: str, num_cpus: float, encrypt: bool = False):
+        self.name, self.join, self.secret, self.num_cpus, self.encrypt = name, join, secret, num_cpus, encrypt
 
     def pid(self) -> int:
         return os.getpid()
@@ -35,7 +35,7 @@ class WorkerActor:
         from mstar_core.runtime.worker import Worker
 
         torch.set_num_threads(max(1, int(self.num_cpus)))
-        asyncio.run(Worker(self.name, self.join, self.secret.encode()).run())
+        asyncio.run(Worker(self.name, self.join, self.secret.encode(), encrypt=self.encrypt).run())
         return 0
 
 
@@ -88,7 +88,7 @@ class RayWorkerProcess:
         _ray().kill(self.actor, no_restart=True)
 
 
-def launch_ray_worker(name: str, join: str, secret: bytes, spec: WorkerSpec) -> RayWorkerProcess:
+def launch_ray_worker(name: str, join: str, secret: bytes, spec: WorkerSpec, encrypt: bool = False) -> RayWorkerProcess:
     """Place one worker actor with the resources its device needs; blocks until it runs (call off the loop)."""
     ray = _ray()
     connect(spec.ray_address)
@@ -96,7 +96,7 @@ def launch_ray_worker(name: str, join: str, secret: bytes, spec: WorkerSpec) -> 
     cls = ray.remote(max_concurrency=2)(WorkerActor)
     # supervision restarts the worker (and reloads its models), so Ray must not restart the actor itself
     actor = cls.options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0).remote(
-        name, join, secret.decode(), spec.num_cpus)
+        name, join, secret.decode(), spec.num_cpus, encrypt)
     try:
         pid = ray.get(actor.pid.remote(), timeout=PLACE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
