@@ -8,7 +8,14 @@ Reported per concurrency (1, 4, 16): time to first audio (TTFA), real-time facto
 time / its audio duration) and audio-seconds per second; requests differ in length, as utterances
 do. `ttfa_ratio_c1` divides M*'s TTFA at concurrency 1 by the compute floor timed here: prefill +
 28 decode steps with a dense KV cache and the same sampling rules + one SNAC window, with no
-runtime around them (medians of interleaved pairs). Final line: JSON.
+runtime around them (medians of interleaved pairs).
+
+Streaming viability at 32 concurrent streams (`viability_c32_priority`, `viability_c32_fifo`): the
+fraction of requests whose audio never stalls after its first chunk when played back in real time
+(a chunk arriving after the audio before it has finished playing is a stall). The same load runs
+with the LM's decode steps ranked by the listener's remaining audio (Orpheus's stream priority) and
+in arrival order (FIFO), alternately, on one engine; the LM decodes at most `--viability-rows`
+rows per step, so it has to choose. Final line: JSON.
 
     python benchmarks/orpheus_streaming.py --quick
 """
@@ -24,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -145,6 +153,36 @@ async def run_mstar(engine, lengths: list[int], rate: int) -> dict:
     return summary
 
 
+async def run_viability(engine, model: str, lengths: list[int], gap: float, window_s: float) -> float:
+    """Fraction of requests whose playback never stalls after the first chunk (arrivals `gap` s apart).
+
+    Every SNAC window counts as `window_s` of audio, also one whose codes a random-weight LM left
+    outside the codebook (decoded to nothing, as the reference skips it): the figure is about when
+    windows arrive, which the serving system decides, not about what random weights say.
+    """
+
+    async def one(i: int, n: int) -> bool:
+        await asyncio.sleep(i * gap)
+        handle = engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i})
+        start = None  # when playback started
+        queued = 0.0  # seconds of audio received so far
+        stalled = False
+        async for out in handle:
+            if out.name != "audio":
+                continue
+            now = time.perf_counter()
+            if start is None:
+                start = now
+            elif now > start + queued + 1e-3:  # the listener already heard everything before this chunk
+                stalled = True
+            queued += window_s
+        await handle.result()
+        return not stalled
+
+    ok = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+    return sum(ok) / len(ok)
+
+
 def _summary(ttfa, ends, samples, wall, rate) -> dict:
     audio_s = [s / rate for s in samples]
     return {
@@ -229,10 +267,19 @@ async def main_async(args) -> dict:
 
     engine = AsyncEngine()
     await engine.add_model(loaded, settings={"lm": {"num_pages": 1024}})
+    # the same model twice more for the viability figure: decode ranked by stream priority, and FIFO
+    from mstar_orpheus.graph import _seconds_per_window, build_graph
+
+    rows = {"lm": {"num_pages": 2048, "max_num_seqs": args.viability_rows}}
+    for alias, priority in (("orpheus-priority", True), ("orpheus-fifo", False)):
+        graph = build_graph(lm, snac_node, vocab.audio, priority=priority)
+        await engine.add_model(attrs.evolve(loaded, graph=graph), settings=rows, alias=alias)
     await run_mstar(engine, [35, 35], rate)  # warm-up (allocations, first-call paths)
     run_reference(hf, snac_ref, prompts[:2], [35, 35], vocab, rate)
 
     mstar, ref = {}, {}
+    if args.only_viability:
+        levels = ()
     for c in levels:
         # concurrency 1 uses the longest utterance, so its TTFA and RTF are not flattered by a short one
         lengths = [longest] if c == 1 else request_lengths(c, shortest, longest)
@@ -243,6 +290,19 @@ async def main_async(args) -> dict:
               f"RTF {ref[c]['rtf']:.3f}  {ref[c]['audio_s_per_s']:.2f} audio-s/s", flush=True)
     # TTFA vs the compute floor: interleaved pairs, so a noisy neighbour hits both sides alike; the
     # ratio of medians in wall time, and in process CPU time (which neighbours' load cannot inflate)
+    viability = {"priority": [], "fifo": []}
+    v_lengths = request_lengths(32, shortest, longest)
+    for _ in range(args.viability_rounds):
+        for kind in ("fifo", "priority"):
+            viability[kind].append(await run_viability(engine, f"orpheus-{kind}", v_lengths, args.viability_gap,
+                                                       _seconds_per_window(snac_node)))
+    print(f"viability at c=32 (never stalls after the first chunk, {args.viability_rows} rows per step, arrivals "
+          f"{args.viability_gap * 1e3:.0f} ms apart): priority {viability['priority']}, fifo {viability['fifo']}",
+          flush=True)
+    if args.only_viability:
+        await engine.close()
+        return {"viability_c32_priority": statistics.mean(viability["priority"]),
+                "viability_c32_fifo": statistics.mean(viability["fifo"]), "viability": viability}
     probe, floors = [], []
     for _ in range(args.rounds):
         floors.append(compute_floor(lm, snac_node, prompts[0]))
@@ -260,6 +320,10 @@ async def main_async(args) -> dict:
         "tokens_per_request": [shortest, longest],
         "ttfa_ratio_c1": probe_ttfa / floor,
         "ttfa_cpu_ratio_c1": probe_cpu / floor_cpu,
+        "viability_c32_priority": statistics.mean(viability["priority"]),
+        "viability_c32_fifo": statistics.mean(viability["fifo"]),
+        "viability_setup": {"rows_per_step": args.viability_rows, "arrival_gap_s": args.viability_gap,
+                            "rounds": args.viability_rounds},
         "throughput_vs_reference_c16": mstar[16]["audio_s_per_s"] / ref[16]["audio_s_per_s"],
         "reference_ttfa_s_c1": ref[1]["ttfa_s"],
         "mstar_ttfa_s_c1": probe_ttfa,
@@ -273,6 +337,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer tokens (< 60 s on 2 CPU cores)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved M*/floor TTFA pairs at concurrency 1")
+    parser.add_argument("--viability-rows", type=int, default=12, help="LM rows per step in the viability runs")
+    parser.add_argument("--viability-gap", type=float, default=0.05, help="seconds between arrivals (viability)")
+    parser.add_argument("--viability-rounds", type=int, default=1, help="priority/FIFO pairs (viability)")
+    parser.add_argument("--only-viability", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(json.dumps(result))
