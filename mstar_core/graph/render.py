@@ -15,6 +15,7 @@ from mstar_core.graph.walk import (
     Walk,
     iter_calls,
     iter_loops,
+    iter_walk_calls,
 )
 
 
@@ -25,6 +26,8 @@ def _group_label(step: Step) -> str:
         until = getattr(step.until, "__name__", "until")
         limit = "f(env)" if callable(step.max_iters) else step.max_iters
         return f"DynamicLoop until {until}, max {limit}"
+    if step.fan_out:
+        return f"Parallel x{step.count} ({step.index_name})"
     return "Parallel"
 
 
@@ -40,7 +43,7 @@ class _Layout:
 
     def __init__(self, graph: Graph, walk: Walk):
         self.graph, self.walk = graph, walk
-        calls = list(iter_calls(walk.body))
+        calls = list(iter_walk_calls(walk))
         self.ids = {id(c): f"c{i}" for i, c in enumerate(calls)}
         self.edges: list[tuple[str, str, str, bool]] = []  # (src, dst, env name, back edge)
         writer = {name: f"in_{name}" for name in walk.inputs}
@@ -61,8 +64,17 @@ class _Layout:
         self.streams = []
         for k, edge in enumerate(walk.streams):
             src = [c for c in calls if c.node == edge.src_node]
-            src_id = self.ids[id(src[-1])] if src else f"in_{edge.src_node}"
-            self.streams.append((src_id, f"s{k}", edge, _policy_label(edge.policy)))
+            src_id = self.ids[id(src[-1])] if src else f"s{self._consumer_of(edge.src_node)}"
+            if edge.consumer is not None:  # drawn as its own group; the stream points at the call that takes chunks
+                readers = [c for c in iter_calls(edge.consumer)
+                           if edge.into in {c.env_input(p) for p in graph.nodes[c.node].all_inputs}]
+                dst_id = self.ids[id(readers[0])] if readers else f"s{k}"
+            else:
+                dst_id = f"s{k}"
+            self.streams.append((src_id, dst_id, edge, _policy_label(edge.policy)))
+
+    def _consumer_of(self, node: str) -> int:
+        return next((k for k, e in enumerate(self.walk.streams) if e.dst_node == node), 0)
 
     def _edge(self, src: str | None, dst: str, name: str, back: bool) -> None:
         if src is not None and not any(e[:3] == (src, dst, name) for e in self.edges):
@@ -74,6 +86,10 @@ class _Layout:
 
     def stream_label(self, edge) -> str:
         return f"{edge.dst_node} [{self.graph.nodes[edge.dst_node].engine}] (stream)"
+
+    @staticmethod
+    def fragment_label(edge) -> str:
+        return f"stream consumer, takes '{edge.into}'"
 
 
 class _Writer:
@@ -110,7 +126,15 @@ class _Writer:
             self.box(f"in_{name}", name, rounded=True)
         self.tree(walk.body)
         for _src, sid, edge, _policy in self.layout.streams:
-            self.box(sid, self.layout.stream_label(edge), rounded=False)
+            if edge.consumer is None:
+                self.box(sid, self.layout.stream_label(edge), rounded=False)
+                continue
+            self.groups += 1
+            self.open_group(f"g{self.groups}", self.layout.fragment_label(edge))
+            self.depth += 1
+            self.tree(edge.consumer)
+            self.depth -= 1
+            self.close_group()
         self.end_walk()
         for src, dst, name, back in self.layout.edges:
             self.edge(src, dst, f"{name} (next iter)" if back else name, "back" if back else "data")

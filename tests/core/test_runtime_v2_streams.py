@@ -142,3 +142,12 @@ def test_consumer_fragments_are_validated():
         build(StreamingGraphEdge("a.y", "b.c", FixedChunkPolicy(1), into="chunks", consumer=loop))
     with pytest.raises(GraphValidationError, match="no chunk policy"):
         build(StreamingGraphEdge("a.y", into="chunks", consumer=loop))
+
+
+def test_a_chain_draws_its_consumer_fragment():
+    from mstar_core.graph import to_dot, to_mermaid
+
+    text = to_mermaid(chain_graph(), "speak")
+    assert "stream consumer, takes 'text_in'" in text and "talker [fixture_chain]" in text
+    assert 'c0 == "item ~ FixedChunkPolicy(2, flush)" ==> c1' in text  # the producer feeds the loop's call
+    assert "window [fixture_chain] (stream)" in text and "subgraph cluster_g2" in to_dot(chain_graph(), "speak")
