@@ -18,11 +18,22 @@ def _plugins(args: argparse.Namespace) -> int:
     sections = [("models", registry.models), ("engines", registry.engines), ("transports", registry.transports),
                 ("attention backends", registry.attention_backends)]
     for title, reg in sections:
-        names = [f"{name} ({reg.origin.get(name, '?')})" for name in reg]
+        names = [f"{name} ({reg.origin.get(name, '?')}{_link_note(reg, name) if reg is registry.transports else ''})"
+                 for name in reg]
         print(f"{title}: {', '.join(names) or 'none'}")
     adapters = [f"{getattr(a, 'model', '?')}[{','.join(sorted(getattr(a, 'routes', ())))}]" for a in registry.api_adapters]
     print(f"api adapters: {', '.join(adapters) or 'none'}")
     return 1 if registry.failed() and args.strict else 0
+
+
+def _link_note(transports, name: str) -> str:
+    """How a transport can serve placement: carrying workers' tensors (same host only?), or not at all."""
+    from mstar_core.runtime.links import carries_worker_links
+
+    cls = transports.get(name)
+    if not carries_worker_links(cls):
+        return "; point to point only"
+    return "; worker links, same host" if getattr(cls, "same_host", False) else "; worker links"
 
 
 def _graph(args: argparse.Namespace) -> int:

@@ -99,10 +99,38 @@ class _EngineCollector:
                 calls.add_metric([model, node], float(getattr(sched, "invocations", 0)))
         yield from named.values()
         yield every
+        yield from _link_metrics(engine)
         yield batch
         yield step
         yield steps
         yield calls
+
+
+def _link_metrics(engine: Any):
+    """Which transport each worker link uses, the bytes each end moved, and the round trip of node calls."""
+    cluster = getattr(engine, "cluster", None)
+    if cluster is None or not hasattr(cluster, "link_stats"):
+        return
+    moved = GaugeMetricFamily("mstar_link_bytes", "bytes of messages through a worker link",
+                              labels=["worker", "transport", "end", "direction"])
+    offloaded = GaugeMetricFamily("mstar_link_offloaded_bytes", "bytes the transport carried off the control socket",
+                                  labels=["worker", "transport", "end"])
+    rtt = GaugeMetricFamily("mstar_link_round_trip_seconds", "node calls through the link, send to answer (EWMA)",
+                            labels=["worker", "transport"])
+    for worker, link in cluster.link_stats().items():
+        transport = str(link["transport"])
+        for end in ("server", "worker"):
+            stats = link.get(end) or {}
+            for direction in ("sent", "received"):
+                if isinstance(stats.get(f"{direction}_bytes"), int | float):
+                    moved.add_metric([worker, transport, end, direction], float(stats[f"{direction}_bytes"]))
+            if isinstance(stats.get("offloaded_bytes"), int | float):
+                offloaded.add_metric([worker, transport, end], float(stats["offloaded_bytes"]))
+        if link.get("round_trip_s") is not None:
+            rtt.add_metric([worker, transport], float(link["round_trip_s"]))
+    yield moved
+    yield offloaded
+    yield rtt
 
 
 def _node_gauges(engine: Any, model: str) -> list[tuple[str, str, dict[str, Any]]]:

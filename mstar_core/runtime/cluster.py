@@ -273,6 +273,9 @@ class Cluster:
             future.set_exception(exc)
             return future
         state.inflight[(inv.request_id, node, inv.call_index)] = future
+        sent = time.perf_counter()
+        future.add_done_callback(
+            lambda f: f.cancelled() or f.exception() is not None or state.observe_round_trip(time.perf_counter() - sent))
         asyncio.ensure_future(self._send_or_fail(state, frames, future))
         return future
 
@@ -452,6 +455,10 @@ class Cluster:
         state.joined.set()
         if state.loads and not state.restarting:  # a hand-joined worker came back: reload its models
             self.supervisor.start_restart(state)
+
+    def link_stats(self) -> dict[str, dict[str, Any]]:
+        """Per worker: its transport, the bytes each end moved, the round trip of node calls (for /metrics)."""
+        return {name: state.link_stats() for name, state in self.workers.items()}
 
     def open_link(self, transport: str):
         """The server's end of a worker link over `transport` (looked up in the plugin registry)."""

@@ -71,6 +71,20 @@ class WorkerLink:
         self.ready_since = 0.0
         self.restarting = False
         self.restart_task: asyncio.Task | None = None
+        #: node calls' round trip through this link as the server sees it (send to answer, compute included), EWMA
+        self.round_trip_s: float | None = None
+
+    def observe_round_trip(self, seconds: float) -> None:
+        self.round_trip_s = seconds if self.round_trip_s is None else 0.9 * self.round_trip_s + 0.1 * seconds
+
+    def link_stats(self) -> dict[str, Any]:
+        """Which transport carries this worker's tensors, and what each end moved (the worker's from its heartbeat)."""
+        return {
+            "transport": self.link.name if self.link is not None else self.spec.transport,
+            "server": self.link.stats.as_dict() if self.link is not None else {},
+            "worker": {k: v for k, v in (self.load.get("link") or {}).items() if k != "transport"},
+            "round_trip_s": self.round_trip_s,
+        }
 
     # -- answers -------------------------------------------------------------------------------
 

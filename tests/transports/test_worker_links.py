@@ -89,6 +89,14 @@ async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
             await asyncio.sleep(0.05)
         assert state.load["link"]["transport"] == "fixture_spool"
         assert state.load["link"]["offloaded_bytes"] == 3 * x.numel() * 4
+        from mstar_core.api.metrics import Metrics
+
+        text = Metrics(engine).render().decode()
+        labels = 'end="server",transport="fixture_spool",worker="w"'
+        assert re.search(r'mstar_link_offloaded_bytes\{' + labels + r'\} 3\.145728e\+06', text), text
+        assert re.search(r'mstar_link_bytes\{direction="received",' + labels + r'\} \d', text)
+        assert 'mstar_link_offloaded_bytes{end="worker",transport="fixture_spool",worker="w"} 3.145728e+06' in text
+        assert re.search(r'mstar_link_round_trip_seconds\{transport="fixture_spool",worker="w"\} \d', text)
     finally:
         await engine.close()
     leftovers = [n for n in os.listdir(state.link.dir) if n.startswith(f"{os.getpid()}-")]
@@ -104,3 +112,14 @@ async def test_an_unknown_transport_fails_the_load_naming_the_registered_ones():
             await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
     finally:
         await engine.close()
+
+
+def test_mstar_plugins_says_which_transports_carry_worker_links(capsys):
+    import argparse
+
+    from mstar_core.cli import _plugins
+
+    _plugins(argparse.Namespace(plugin=[], strict=False))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("transports:"))
+    assert "shm (transport_shm; worker links, same host)" in line and "zmq (transport_zmq; worker links)" in line
+    assert "fixture_spool (fixture; worker links, same host)" in line
