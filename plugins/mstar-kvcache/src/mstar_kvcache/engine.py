@@ -542,7 +542,7 @@ class KVCacheEngine(CacheTransfer, Engine):
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs],
-                            logprobs=wanted)
+                            logprobs=wanted, generated=[s.generated for s in seqs])
         return logits, picked
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor) -> Result:
