@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.nn.fused import fuse_on_load
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -25,17 +27,23 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`; with `act="silu"` this is SwiGLU. Names match HF checkpoints."""
+    """`down(act(gate(x)) * up(x))`; with `act="silu"` this is SwiGLU.
+
+    gate and up are one linear (`gate_up_proj`, gate rows first); `state_dict()` and
+    `load_state_dict()` speak the HF names `gate_proj`, `up_proj`, `down_proj` (see `mstar_core.nn.fused`).
+    """
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        fuse_on_load(self, "gate_up_proj", [("gate_proj", intermediate), ("up_proj", intermediate)])
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 SwiGLU = GatedMLP

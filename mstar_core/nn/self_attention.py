@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.rotary import apply_rotary
 
@@ -13,8 +14,10 @@ from mstar_core.nn.rotary import apply_rotary
 class GroupedQueryAttention(nn.Module):
     """Projects q/k/v, applies optional per-head qk-norm and RoPE, lets the context attend, projects out.
 
-    Parameter names follow HF Llama/Qwen checkpoints (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
-    `q_norm`, `k_norm`). The layer never sees the KV cache: `context.attend(layer_idx, ...)` does.
+    q, k and v are one linear (`qkv_proj`, rows q then k then v); `state_dict()` and
+    `load_state_dict()` speak HF Llama/Qwen checkpoint names (`q_proj`, `k_proj`, `v_proj`,
+    `o_proj`, `q_norm`, `k_norm`), see `mstar_core.nn.fused`. The layer never sees the KV cache:
+    `context.attend(layer_idx, ...)` does.
     """
 
     def __init__(
@@ -35,9 +38,9 @@ class GroupedQueryAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        fuse_on_load(self, "qkv_proj", [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)])
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
@@ -50,9 +53,10 @@ class GroupedQueryAttention(nn.Module):
     ) -> torch.Tensor:
         """`x` `[T, hidden]`, `rope` = `(cos, sin)` for these tokens' positions -> `[T, hidden]`."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
