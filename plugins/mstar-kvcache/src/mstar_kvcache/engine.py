@@ -87,6 +87,7 @@ class KVCacheEngine(CacheTransfer, Engine):
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.largest_batch = 0  # most sequences (calls, labels) one forward has run so far
 
     @property
     def max_batch_size(self) -> int:
@@ -140,6 +141,7 @@ class KVCacheEngine(CacheTransfer, Engine):
         if not plan.work:
             return results
         self.num_steps += 1
+        self.largest_batch = max(self.largest_batch, len(plan.work))
         results.extend(self._run(plan.work))
         return results
 
@@ -169,6 +171,7 @@ class KVCacheEngine(CacheTransfer, Engine):
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
             "num_preemptions": self.num_preemptions,
+            "largest_batch": self.largest_batch,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
         }

@@ -1,0 +1,54 @@
+"""Frame-at-a-time calls on forked labels (world-model rollouts, CEM samples): batching and label life cycle."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_core.runtime.engine import Invocation
+from tests.engines.paged_tiny import HIDDEN, TinyNode, dense, engine_for, run
+
+FRAME = 4  # tokens per frame = page size: forks never share a partial page
+
+
+def _frame(seed: int) -> torch.Tensor:
+    return torch.randn(FRAME, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _frame_causal(frames: int) -> torch.Tensor:
+    f = torch.arange(frames * FRAME) // FRAME
+    return f[None, :] <= f[:, None]
+
+
+def _step_all(engine) -> dict[str, torch.Tensor]:
+    """One engine step; each call's hidden rows by cache label."""
+    out = {}
+    for inv, res in engine.step():
+        if isinstance(res, BaseException):
+            raise res
+        out[inv.options["cache_label"]] = res["hidden"]
+    return out
+
+
+def test_forked_samples_step_in_one_forward_and_drop_their_own_labels():
+    module = TinyNode()
+    engine = engine_for(module, page_size=FRAME, max_num_batched_tokens=64)
+    ctx = torch.cat([_frame(0), _frame(1)])
+    run(engine, "r", {"input_embeds": ctx}, cache_label="ctx", frame_size=FRAME)
+    assert engine.largest_batch == 1
+    for iteration in range(2):  # each iteration forks the context afresh under the same labels
+        steps = {f"sample{s}": [_frame(10 * s + k + 100 * iteration) for k in range(3)] for s in range(4)}
+        for k in range(3):
+            for label, frames in steps.items():
+                options = {"cache_label": label, "fork_from": "ctx", "frame_size": FRAME}
+                if k == 2:
+                    options["drop"] = label  # the label drops itself once its last call is done
+                engine.add(Invocation("r", "dit", {"input_embeds": frames[k]}, options))
+            before = engine.num_steps
+            got = _step_all(engine)
+            assert engine.num_steps == before + 1 and not engine.has_work()  # four samples, one forward
+            for label, frames in steps.items():
+                want = dense(module, input_embeds=torch.cat([ctx, *frames[: k + 1]]), mask=_frame_causal(3 + k))
+                torch.testing.assert_close(got[label], want[-FRAME:], atol=1e-5, rtol=0)
+        assert engine.largest_batch == 4 and engine.stats()["largest_batch"] == 4
+        assert set(engine.seqs) == {("r", "ctx")}  # the samples' own pages went back; the context's stay
+        assert engine.pool.num_used == 2 and engine.pool.copies == 0
