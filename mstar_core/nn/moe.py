@@ -13,27 +13,71 @@ from torch import nn
 
 from mstar_core.nn.mlp import GatedMLP, activation
 
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `F.grouped_mm` runs on this device and dtype (probed once; CUDA kernels need bf16 on sm80+)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        ok = hasattr(F, "grouped_mm") and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if ok:
+            try:
+                a = torch.ones(8, 16, device=device, dtype=dtype)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                F.grouped_mm(a, b.transpose(1, 2), offs=offs)
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_WORKS[key] = ok
+    return _GROUPED_MM_WORKS[key]
+
 
 class FusedExperts(nn.Module):
-    """E gated MLPs stored as stacked weights; runs each expert on the tokens routed to it."""
+    """E gated MLPs stored as stacked weights; each expert runs on the tokens routed to it.
+
+    No host sync: the (token, slot) pairs are sorted by expert and each expert's segment runs as
+    one grouped GEMM (`F.grouped_mm`, segment ends as a device tensor), so nothing about the
+    routing is read back to Python and the forward is a fixed sequence of kernels (CUDA-graph
+    capturable). Where grouped GEMMs cannot run (dtype, or rows not 16-byte aligned) every expert
+    runs on every token and the chosen outputs are gathered: exact, also sync-free, but E/k times
+    the work, so only for small test shapes.
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.intermediate = intermediate
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.act = activation(act)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        size = x.element_size()
+        aligned = (self.hidden * size) % 16 == 0 and (self.intermediate * size) % 16 == 0
+        return aligned and x.dtype == self.gate_up_proj.dtype and _grouped_mm_works(x.device, x.dtype)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`x` `[T, H]`, `experts`/`weights` `[T, k]` -> weighted sum of the chosen experts' outputs."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            token_idx, slot = torch.nonzero(experts == e, as_tuple=True)
-            h = F.linear(x[token_idx], self.gate_up_proj[e])
-            gate, up = h.split(self.intermediate, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e])
-            out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(y.dtype))
-        return out
+        t, k = experts.shape
+        if not self._grouped(x):
+            return self._dense(x, experts, weights)
+        flat = experts.reshape(-1)
+        by_expert, order = flat.sort(stable=True)  # slot i*k+j of token i, grouped by expert
+        # segment ends: slots routed to experts 0..e
+        ends = torch.searchsorted(by_expert, torch.arange(self.num_experts, device=x.device), right=True, out_int32=True)
+        rows = x.index_select(0, order // k)
+        h = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
+        gate, up = h.split(self.intermediate, dim=-1)
+        y = F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # back to (token, slot)
+        return (per_slot * weights.to(y.dtype)[..., None]).sum(dim=1)
+
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("th,eoh->eto", x, self.gate_up_proj)
+        gate, up = h.split(self.intermediate, dim=-1)
+        y = torch.einsum("eti,ehi->eth", self.act(gate) * up, self.down_proj)  # [E, T, H]
+        chosen = y[experts, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, H]
+        return (chosen * weights.to(y.dtype)[..., None]).sum(dim=1)
 
 
 class TopKMoE(nn.Module):
