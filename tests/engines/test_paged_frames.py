@@ -52,3 +52,19 @@ def test_forked_samples_step_in_one_forward_and_drop_their_own_labels():
         assert engine.largest_batch == 4 and engine.stats()["largest_batch"] == 4
         assert set(engine.seqs) == {("r", "ctx")}  # the samples' own pages went back; the context's stay
         assert engine.pool.num_used == 2 and engine.pool.copies == 0
+
+
+def test_a_preempted_call_returns_its_own_rows_after_the_recompute():
+    module = TinyNode()
+    engine = engine_for(module, page_size=4, num_pages=4)
+    a, b = list(range(1, 9)), list(range(20, 28))
+    run(engine, "a", {"input_ids": a})
+    run(engine, "b", {"input_ids": b})  # the pool is full
+    got_a = run(engine, "a", {"input_ids": [9, 10, 11]})  # takes b's pages: b is preempted
+    got_b = run(engine, "b", {"input_ids": [30, 31, 32]})  # b recomputes its 8 tokens, a is preempted
+    assert engine.num_preemptions == 2
+    for got, ctx, new in ((got_a, a, [9, 10, 11]), (got_b, b, [30, 31, 32])):
+        assert got["hidden"].shape == (3, HIDDEN)  # the call's rows only, not the recomputed context's
+        torch.testing.assert_close(got["hidden"], dense(module, ctx + new)[-3:], atol=1e-5, rtol=0)
+    got = run(engine, "a", {"input_ids": [12]}, output_rows="last")  # and once more after a's recompute
+    torch.testing.assert_close(got["hidden"], dense(module, a + [9, 10, 11, 12])[-1:], atol=1e-5, rtol=0)

@@ -133,6 +133,8 @@ class KVCacheEngine(CacheTransfer, Engine):
             return results
         plan = self.scheduler.schedule(pending, self.seqs.values)
         self.num_preemptions += len(plan.preempted)
+        for seq in plan.preempted:  # recomputed from its first token: its call's rows are gathered again
+            seq.collected = []
         for seq in plan.too_large:
             need = self.blocks.total_pages(seq)
             results.append(self._fail(seq, RequestError(
@@ -474,12 +476,13 @@ class KVCacheEngine(CacheTransfer, Engine):
         done: list[tuple[Sequence, int]] = []
         row = 0
         for seq, n in work:
-            lo = row
+            # rows before the call's first token are a recompute (after preemption), not the call's output
+            lo = row + max(0, seq.pending_start - seq.num_computed)
             row += n
             seq.num_computed += n
             if not seq.readonly:
                 self.blocks.commit(seq)
-            if not self.samples and seq.call is not None:
+            if not self.samples and seq.call is not None and lo < row:
                 keep_all = seq.call.output_rows == "all" or seq.call.output_index is not None
                 seq.collected.append(hidden[lo:row] if keep_all else hidden[row - 1 : row])
             if seq.remaining == 0:
