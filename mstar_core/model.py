@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from mstar_core.graph.graph import Graph
+from mstar_core.schema import RequestSchema
 
 
 @attrs.frozen
@@ -33,9 +34,11 @@ class LoadOptions:
 class LoadedModel:
     """A model ready to serve: its validated graph plus what adapters need (tokenizer, config).
 
-    `prepare(inputs)` turns a request's raw inputs into the env the first walk reads, raising
-    `RequestError` with a message that says what to fix. `engine_settings` gives per-node
-    defaults (e.g. KV pages) that placement files may override.
+    `request_schema` declares the request's fields (`mstar_core.schema`): `prepare_inputs` checks
+    a request against it first (unknown fields, types, bounds, defaults), then `prepare(inputs)`
+    turns the checked fields into the env the first walk reads, raising `RequestError` with a
+    message that says what to fix. `engine_settings` gives per-node defaults (e.g. KV pages) that
+    placement files may override.
     """
 
     name: str
@@ -44,9 +47,18 @@ class LoadedModel:
     prepare: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     engine_settings: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     extras: dict[str, Any] = attrs.field(factory=dict)
+    request_schema: RequestSchema | None = None
 
     def prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The env a request starts with: `inputs` checked against the schema, then through `prepare`."""
+        if self.request_schema is not None:
+            inputs = self.request_schema.validate(inputs)
         return dict(inputs) if self.prepare is None else self.prepare(inputs)
+
+    @property
+    def example(self) -> Mapping[str, Any] | None:
+        """A request (JSON form) this model answers: the schema's example."""
+        return None if self.request_schema is None else self.request_schema.example
 
 
 @attrs.frozen
@@ -57,3 +69,6 @@ class ModelSpec:
     load: Callable[[LoadOptions], LoadedModel] = attrs.field(eq=False)
     presets: tuple[str, ...] = ("tiny",)
     description: str = ""
+    #: A request's inputs in JSON form (what `POST /v1/walks/{name}` takes), shown by `mstar run --help`
+    #: before any model loads; the loaded model's `request_schema.example` is usually the same dict.
+    example: Mapping[str, Any] | None = attrs.field(default=None, eq=False)

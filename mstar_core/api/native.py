@@ -22,6 +22,7 @@ from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields
 
 router = APIRouter()
+WALKS_PATH = "/v1/walks/{model}"
 
 def _line(obj: Any) -> bytes:
     return json_bytes(obj) + b"\n"
@@ -37,11 +38,13 @@ def _outputs(loaded: Any, env: dict[str, Any], wanted: list[str] | None) -> dict
 
 
 @router.post(
-    "/v1/walks/{model}",
+    WALKS_PATH,
     responses={200: {"content": {"application/x-ndjson": {}},
                      "description": "NDJSON events: {event: output, name, walk, value} ... then {event: done, outputs}"},
                **ERROR_RESPONSES},
     summary="Run a model's walks on raw inputs (native endpoint)",
+    description="Each served model that declares its request fields has its own entry below, "
+                "`/v1/walks/<model>`, with its inputs, bounds, defaults and an example.",
 )
 async def run_walks(model: str, body: WalkRequest, request: Request):
     state = request.app.state.mstar
@@ -78,3 +81,41 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
                 yield _line({"event": "error", **stream_error_payload(exc)})
 
     return StreamingResponse(events(), media_type="application/x-ndjson")
+
+
+def document_models(schema: dict[str, Any], models: dict[str, Any]) -> None:
+    """Add one `/v1/walks/<model>` operation per served model with a request schema to an OpenAPI document.
+
+    The route is the same `/v1/walks/{model}`; the per-model entries show each model's inputs (types,
+    bounds, defaults, descriptions, an example), which one shared body cannot.
+    """
+    from mstar_core.schema import TENSOR_JSON_SCHEMA
+
+    generic = schema.get("paths", {}).get(WALKS_PATH, {}).get("post")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    base = components.get("WalkRequest")
+    if generic is None or base is None:
+        return
+    for name, loaded in sorted(models.items()):
+        request_schema = getattr(loaded, "request_schema", None)
+        if request_schema is None:
+            continue
+        components.setdefault("Tensor", TENSOR_JSON_SCHEMA)
+        key = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+        components[f"{key}.inputs"] = {"title": f"{name} inputs", **request_schema.json_schema()}
+        body = {**base, "title": f"{name} walk request",
+                "properties": {**base["properties"], "inputs": {"$ref": f"#/components/schemas/{key}.inputs"}},
+                "required": ["inputs"]}
+        if request_schema.example is not None:
+            body["examples"] = [{"inputs": dict(request_schema.example), "stream": False}]
+        components[f"{key}.WalkRequest"] = body
+        op = {k: v for k, v in generic.items() if k not in ("parameters", "requestBody", "operationId", "description")}
+        op.update(
+            operationId=f"run_walks_{key}",
+            summary=f"{name}: run its walks ({', '.join(loaded.graph.walks)})",
+            description=request_schema.description or f"The native endpoint of model '{name}'.",
+            tags=["walks"],
+            requestBody={"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{key}.WalkRequest"}}}},
+        )
+        schema["paths"][f"/v1/walks/{name}"] = {"post": op}

@@ -254,6 +254,7 @@ def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
     for param in walk_op.get("parameters", []):
         if param.get("name") == "model" and state.engine.models:
             param["schema"]["enum"] = sorted(state.engine.models)
+    native.document_models(schema, state.engine.models)
 
 
 def _version() -> str:

@@ -365,7 +365,7 @@ class AsyncEngine:
         the model's `prepare` raises (a `RequestError` says what to fix).
         """
         loaded = self._runtime(model).loaded
-        if loaded.prepare is None:
+        if loaded.prepare is None and loaded.request_schema is None:
             return dict(inputs)
         return await asyncio.to_thread(loaded.prepare_inputs, inputs)
 

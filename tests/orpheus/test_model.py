@@ -75,7 +75,7 @@ def test_prepare_builds_the_orpheus_prompt(preset_cache):
         loaded.prepare_inputs({"text": "x", "voice": "bob"})
     with pytest.raises(RequestError, match="'text' must be a non-empty string"):
         loaded.prepare_inputs({"text": " ", "voice": "tara"})
-    with pytest.raises(RequestError, match=r"unknown input\(s\) \['pitch'\]"):
+    with pytest.raises(RequestError, match=r"unknown field\(s\) \['pitch'\]"):
         loaded.prepare_inputs({"text": "x", "pitch": 2})
 
 

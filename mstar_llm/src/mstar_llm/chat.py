@@ -34,13 +34,13 @@ def _compile(template: str):
 def check_messages(messages: Any) -> list[dict[str, str]]:
     """Validate chat messages: a non-empty list of `{"role", "content"}` with string content."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects")
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
+            raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
         if m["role"] not in ROLES:
-            raise RequestError(f"messages[{i}].role is {m['role']!r}; use one of {list(ROLES)}")
+            raise RequestError(f"messages[{i}].role is {m['role']!r}; use one of {list(ROLES)}", param="messages")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

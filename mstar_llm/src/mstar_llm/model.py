@@ -11,7 +11,7 @@ import torch
 from mstar_core.errors import ConfigError
 from mstar_core.graph import Graph, GraphNode
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
-from mstar_llm.prepare import RequestPreparer
+from mstar_llm.prepare import EXAMPLE, RequestPreparer
 
 PRESETS = ("tiny", "smollm2")
 
@@ -109,6 +109,7 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
         graph=build_graph(lm, name),
         random_weights=preset == "tiny",
         prepare=prepare,
+        request_schema=prepare.schema,
         engine_settings={"lm": {}},
         extras={
             "tokenizer": tokenizer,
@@ -129,5 +130,6 @@ SPEC = ModelSpec(
     name="llama",
     load=_load,
     presets=PRESETS,
+    example=EXAMPLE,
     description="Llama / Qwen2 / Qwen3-layout causal LM (HF checkpoint dir or GGUF) on the paged-KV engine",
 )

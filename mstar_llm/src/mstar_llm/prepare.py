@@ -1,26 +1,58 @@
-"""Turn a request (`messages`, `prompt` or `input_ids`, plus sampling fields) into the `prefill` walk's env."""
+"""Turn a request (`messages`, `prompt` or `input_ids`, plus sampling fields) into the `prefill` walk's env.
+
+The fields, their types and bounds are declared once in `request_schema`; the runtime checks a request against
+it before `RequestPreparer` sees it. What is left here depends on the loaded model: the vocabulary, the context
+length and the chat template.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingParams
+from mstar_core.schema import RequestField, RequestSchema, sampling_field
 from mstar_llm.chat import check_messages, render_chat
 
 PROMPT_KEYS = ("messages", "prompt", "input_ids")
 SAMPLING_KEYS = tuple(f.name for f in attrs.fields(SamplingParams))
-EXTRA_KEYS = ("ignore_eos",)
+EXAMPLE = {"prompt": "The capital of France is", "max_tokens": 8}
+
+
+def request_schema(vocab_size: int, max_model_len: int) -> RequestSchema:
+    """The request fields of a causal LM with this vocabulary and context."""
+
+    def in_vocab(ids: list[int], name: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"'{name}' has ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param=name)
+        return ids
+
+    return RequestSchema(
+        fields=(
+            RequestField("messages", "array", "chat messages [{role, content}], through the model's chat template",
+                         min_length=1, items="object", check=lambda v, _name: check_messages(v)),
+            RequestField("prompt", "string", "text to continue (tokenized with BOS)", min_length=1),
+            RequestField("input_ids", "array", "token ids to continue", min_length=1, max_length=max_model_len - 1,
+                         items="integer", check=in_vocab),
+            *(sampling_field(name) for name in SAMPLING_KEYS),
+            RequestField("ignore_eos", "boolean", "keep generating past the end-of-sequence token", default=False),
+        ),
+        exactly_one_of=(PROMPT_KEYS,),
+        example=EXAMPLE,
+        description="a causal LM: one prompt, sampling fields; streams `next_token` (and logprobs when asked)",
+    )
 
 
 @attrs.define
 class RequestPreparer:
     """`prepare(inputs)` for a causal LM: tokenizes, applies the chat template, builds `SamplingParams`.
 
-    EOS ids always stop generation (unless `ignore_eos`), in addition to any `stop_token_ids`.
+    Takes inputs already checked by `request_schema`. EOS ids always stop generation (unless
+    `ignore_eos`), in addition to any `stop_token_ids`.
     """
 
     tokenizer: Any
@@ -30,52 +62,31 @@ class RequestPreparer:
     max_model_len: int
     special_tokens: Mapping[str, str] = attrs.field(factory=dict)
 
+    @property
+    def schema(self) -> RequestSchema:
+        return request_schema(self.vocab_size, self.max_model_len)
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(inputs, Mapping):
-            raise RequestError(f"request inputs must be an object, got {type(inputs).__name__}")
-        unknown = sorted(set(inputs) - set(PROMPT_KEYS) - set(SAMPLING_KEYS) - set(EXTRA_KEYS))
-        if unknown:
-            raise RequestError(
-                f"unknown field(s) {unknown}; send one of {list(PROMPT_KEYS)} plus sampling fields {list(SAMPLING_KEYS)}"
-            )
-        given = [k for k in PROMPT_KEYS if k in inputs]
-        if len(given) != 1:
-            raise RequestError(f"send exactly one of {list(PROMPT_KEYS)}, got {given or 'none'}")
-        ids = self._ids(given[0], inputs[given[0]])
-        sampling = self._sampling(inputs)
+        key = next(k for k in PROMPT_KEYS if inputs.get(k) is not None)
+        ids = self._ids(key, inputs[key])
         if len(ids) + 1 > self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {self.max_model_len - 1}",
-                               param=given[0])
-        return {"input_ids": ids, "sampling": sampling}
-
-    def _ids(self, key: str, value: Any) -> list[int]:
-        if key == "input_ids":
-            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-                raise RequestError("'input_ids' must be a non-empty list of token ids", param="input_ids")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                raise RequestError("'input_ids' must contain only integers", param="input_ids")
-            bad = [t for t in value if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"'input_ids' has ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
-                                   param="input_ids")
-            return list(value)
-        if key == "prompt":
-            if not isinstance(value, str) or not value:
-                raise RequestError("'prompt' must be a non-empty string", param="prompt")
-            return self.tokenizer.encode(value, add_special_tokens=True).ids
-        if self.chat_template is None:
-            raise RequestError("this model has no chat template; send 'prompt' or 'input_ids' instead of 'messages'")
-        text = render_chat(self.chat_template, check_messages(value), **self.special_tokens)
-        # the template already wrote every special token; adding BOS again would double it
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def _sampling(self, inputs: Mapping[str, Any]) -> SamplingParams:
-        fields = {k: inputs[k] for k in SAMPLING_KEYS if k in inputs and inputs[k] is not None}
-        ignore_eos = inputs.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
-        if not ignore_eos:
+                               param=key)
+        fields = {k: inputs[k] for k in SAMPLING_KEYS if inputs.get(k) is not None}
+        if not inputs.get("ignore_eos", False):
             user_stops = fields.get("stop_token_ids", ())
             user_stops = [user_stops] if isinstance(user_stops, int) else list(user_stops)
             fields["stop_token_ids"] = list(dict.fromkeys([*user_stops, *self.eos_token_ids]))
-        return SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)
+        return {"input_ids": ids, "sampling": SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)}
+
+    def _ids(self, key: str, value: Any) -> list[int]:
+        if key == "input_ids":
+            return list(value)
+        if key == "prompt":
+            return self.tokenizer.encode(value, add_special_tokens=True).ids
+        if self.chat_template is None:
+            raise RequestError("this model has no chat template; send 'prompt' or 'input_ids' instead of 'messages'",
+                               param="messages")
+        text = render_chat(self.chat_template, check_messages(value), **self.special_tokens)
+        # the template already wrote every special token; adding BOS again would double it
+        return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -10,7 +10,7 @@ import torch
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_orpheus.graph import build_graph
-from mstar_orpheus.prompt import VOICES, OrpheusVocab, PromptBuilder
+from mstar_orpheus.prompt import EXAMPLE, VOICES, OrpheusVocab, PromptBuilder
 from mstar_orpheus.snac import load_snac
 from mstar_orpheus.snac_node import SNACWindowDecoder
 
@@ -79,7 +79,8 @@ def load_orpheus(
         name="orpheus",
         graph=graph,
         random_weights=random_weights,
-        prepare=PromptBuilder(tokenizer, vocab, vocab_size=lm.config.vocab_size),
+        prepare=(prompt := PromptBuilder(tokenizer, vocab, vocab_size=lm.config.vocab_size)),
+        request_schema=prompt.schema,
         engine_settings={"snac": {"max_batch_size": 64, "own_thread": True}},
         extras={
             "sample_rate": snac.config.sampling_rate,
@@ -99,5 +100,6 @@ SPEC = ModelSpec(
     name="orpheus",
     load=_load,
     presets=("tiny",),
+    example=EXAMPLE,
     description="Orpheus TTS: Llama LM streaming SNAC audio tokens, decoded to 24 kHz speech while generating",
 )

@@ -8,8 +8,8 @@ from typing import Any
 
 import attrs
 
-from mstar_core.errors import RequestError
-from mstar_core.sampling import SamplingParams, check_int
+from mstar_core.sampling import SamplingParams
+from mstar_core.schema import RequestField, RequestSchema, sampling_fields
 from mstar_orpheus.codes import AudioTokenMap
 
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -17,7 +17,23 @@ EMOTION_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groa
 DEFAULT_SAMPLING = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}
 DEFAULT_MAX_TOKENS = 1200  # the orpheus-speech package's default
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-_KNOWN_INPUTS = {"text", "voice", "max_tokens", *_SAMPLING_FIELDS}
+EXAMPLE = {"text": "Hello there!", "voice": "tara", "max_tokens": 28}
+
+
+def request_schema(voices: tuple[str, ...] = VOICES, max_tokens_limit: int = 4096) -> RequestSchema:
+    """Orpheus' request fields: the text, a voice, how many audio tokens, and sampling."""
+    return RequestSchema(
+        fields=(
+            RequestField("text", "string", "the text to speak; emotion tags such as <laugh> are read as such",
+                         required=True, blank=False),
+            RequestField("voice", "string", "the speaker", default=voices[0], choices=voices),
+            RequestField("max_tokens", "integer", "the most audio tokens to generate (7 per 85 ms frame)",
+                         default=DEFAULT_MAX_TOKENS, minimum=1, maximum=max_tokens_limit),
+            *sampling_fields(*_SAMPLING_FIELDS, defaults=DEFAULT_SAMPLING),
+        ),
+        example=EXAMPLE,
+        description="text to speech: streams 24 kHz audio (`audio`) as the LM writes SNAC codes",
+    )
 
 
 @attrs.frozen
@@ -67,7 +83,7 @@ class OrpheusVocab:
 class PromptBuilder:
     """`prepare(inputs)`: raw request inputs -> the env of the `prefill` walk.
 
-    Inputs: `text` (str), `voice` (one of VOICES), optional `max_tokens` and sampling fields.
+    Inputs (checked by `request_schema` first): `text`, `voice` (one of VOICES), `max_tokens`, sampling fields.
     The prompt is `[start_of_human] + tok("{voice}: {text}") + [eot, end_of_human, start_of_ai,
     start_of_speech]`; prefill takes all but the last id, so that `decode` feeds start_of_speech
     and every generated token (the first included) comes out of the decode walk's stream.
@@ -86,19 +102,14 @@ class PromptBuilder:
         body = self.tokenizer.encode(f"{voice}: {text}").ids
         return [v.start_of_human, *body, v.end_of_text, v.end_of_human, v.start_of_ai, v.start_of_speech]
 
+    @property
+    def schema(self) -> RequestSchema:
+        return request_schema(self.voices, self.max_tokens_limit)
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(inputs) - _KNOWN_INPUTS)
-        if unknown:
-            raise RequestError(f"orpheus: unknown input(s) {unknown}; known: {sorted(_KNOWN_INPUTS)}")
-        text = inputs.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError("orpheus: 'text' must be a non-empty string")
-        voice = inputs.get("voice", self.voices[0])
-        if voice not in self.voices:
-            raise RequestError(f"orpheus: unknown voice {voice!r}; choose one of {', '.join(self.voices)}")
-        max_tokens = check_int(inputs.get("max_tokens", DEFAULT_MAX_TOKENS), "max_tokens", 1, self.max_tokens_limit)
-        # None means "not set" (the model's default), as for any JSON client that sends explicit nulls
-        fields = {**DEFAULT_SAMPLING, **{k: inputs[k] for k in _SAMPLING_FIELDS if inputs.get(k) is not None}}
+        """Inputs already checked by `schema` (defaults filled in)."""
+        text, voice, max_tokens = inputs["text"], inputs["voice"], inputs["max_tokens"]
+        fields = {k: inputs[k] for k in _SAMPLING_FIELDS if inputs.get(k) is not None}
         # +1: the engine also counts prefill's sample, which decode discards (see the docstring)
         sampling = SamplingParams.from_mapping(
             {**fields, "max_tokens": max_tokens + 1, "stop_token_ids": (self.vocab.end_of_speech,)}

@@ -8,7 +8,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_example_captioner.checkpoint import ensure_tiny, load_captioner
 from mstar_example_captioner.graph import build_graph
-from mstar_example_captioner.prepare import CaptionRequestPreparer
+from mstar_example_captioner.prepare import EXAMPLE, CaptionRequestPreparer
 from mstar_example_captioner.tokenizer import CharTokenizer
 
 NAME = "example-captioner"
@@ -32,7 +32,8 @@ def load(options: LoadOptions) -> LoadedModel:
         name=NAME,
         graph=build_graph(model, tokenizer, NAME),
         random_weights=preset is not None,
-        prepare=CaptionRequestPreparer(model.config, tokenizer),
+        prepare=(prepare := CaptionRequestPreparer(model.config, tokenizer)),
+        request_schema=prepare.schema,
         engine_settings={"lm": {"num_pages": 256, "page_size": 16}},
         extras={"model": model, "tokenizer": tokenizer, "config": model.config, "checkpoint": str(directory)},
     )
@@ -42,5 +43,6 @@ SPEC = ModelSpec(
     name=NAME,
     load=load,
     presets=PRESETS,
+    example=EXAMPLE,
     description="worked example: image encoder (stateless) -> spliced prompt -> paged-KV caption decoder",
 )

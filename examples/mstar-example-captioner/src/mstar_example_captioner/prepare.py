@@ -1,4 +1,5 @@
-"""`prepare`: a request's raw fields -> the env the `prefill` walk reads; every refusal is a `RequestError`."""
+"""The request: its fields declared once (`request_schema`, checked by the runtime before `prepare` runs), and
+`prepare`, which turns the checked fields into the env the `prefill` walk reads."""
 
 from __future__ import annotations
 
@@ -11,25 +12,22 @@ import torch.nn.functional as F
 
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingParams
+from mstar_core.schema import RequestField, RequestSchema, sampling_fields
 from mstar_example_captioner.config import CaptionerConfig
 from mstar_example_captioner.tokenizer import BOS, EOS, IMAGE, CharTokenizer
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
-FIELDS = ("image", "prompt", "ignore_eos", *SAMPLING_FIELDS)
 DEFAULT_PROMPT = "A picture of"
 DEFAULT_MAX_TOKENS = 32
 MAX_PROMPT_CHARS = 256
+IMAGE_FORMAT = "an RGB image [H, W, 3]: integer pixels 0..255, or floats in [0, 1]"
+#: A 2x2 image (red, green / blue, white) in the native tensor format, and a short caption.
+EXAMPLE = {"image": {"dtype": "uint8", "shape": [2, 2, 3], "data": "/wAAAP8AAAD/////"}, "max_tokens": 8}
 
 
-def _image(value: Any) -> torch.Tensor:
+def _image(t: torch.Tensor, name: str = "image") -> torch.Tensor:
     """`image` as float `[3, H, W]` in [0, 1] from uint8 pixels `[H, W, 3]` (0..255) or floats in [0, 1]."""
-    what = "an RGB image [H, W, 3]: integer pixels 0..255, or floats in [0, 1]"
-    if value is None:
-        raise RequestError(f"missing field 'image': {what}", param="image")
-    try:
-        t = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise RequestError(f"'image' is not a numeric array; send {what}", param="image") from None
+    what = IMAGE_FORMAT
     if t.dim() != 3 or t.shape[2] != 3 or t.shape[0] < 2 or t.shape[1] < 2:
         raise RequestError(f"'image' has shape {list(t.shape)}; send {what} (H, W >= 2)", param="image")
     if t.is_floating_point():
@@ -69,27 +67,33 @@ class CaptionRequestPreparer:
     def prompt_ids(self, prompt: str) -> list[int]:
         return [BOS, *[IMAGE] * (2 * self.config.tokens_per_view), *self.tokenizer.encode(prompt)]
 
-    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(inputs, Mapping):
-            raise RequestError(f"request inputs must be an object, got {type(inputs).__name__}")
-        unknown = sorted(set(inputs) - set(FIELDS))
-        if unknown:
-            raise RequestError(f"unknown field(s) {unknown}; this model takes {list(FIELDS)}")
-        global_view, detail_view = views(_image(inputs.get("image")), self.config.vision.image_size)
-        prompt = inputs.get("prompt", DEFAULT_PROMPT)
-        if not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS:
-            raise RequestError(f"'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters", param="prompt")
+    @property
+    def schema(self) -> RequestSchema:
+        """The request fields: the runtime checks them (and fills defaults) before `__call__` sees them."""
+        return RequestSchema(
+            fields=(
+                RequestField("image", "tensor", IMAGE_FORMAT, required=True, check=_image),
+                RequestField("prompt", "string", "text after the image, continued by the caption",
+                             default=DEFAULT_PROMPT, max_length=MAX_PROMPT_CHARS, check=self._prompt_ids),
+                RequestField("ignore_eos", "boolean", "keep generating past <eos>", default=False),
+                *sampling_fields(*SAMPLING_FIELDS, defaults={"max_tokens": DEFAULT_MAX_TOKENS}),
+            ),
+            example=EXAMPLE,
+            description="captions an image: streams `text` (and `next_token`) as the decoder writes",
+        )
+
+    def _prompt_ids(self, prompt: str, name: str) -> str:
         try:
-            ids = self.prompt_ids(prompt)
+            self.tokenizer.encode(prompt)
         except ValueError as exc:
-            raise RequestError(f"'prompt': {exc}", param="prompt") from None
-        ignore_eos = inputs.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
-        fields = {k: inputs[k] for k in SAMPLING_FIELDS if inputs.get(k) is not None}
-        fields.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-        # SamplingParams checks every field's type and bounds and raises RequestError naming it
-        sampling = SamplingParams(**fields, stop_token_ids=() if ignore_eos else (EOS,))
+            raise RequestError(f"'{name}': {exc}", param=name) from None
+        return prompt
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        global_view, detail_view = views(inputs["image"], self.config.vision.image_size)
+        ids = self.prompt_ids(inputs["prompt"])
+        fields = {k: inputs[k] for k in SAMPLING_FIELDS if k in inputs}
+        sampling = SamplingParams(**fields, stop_token_ids=() if inputs["ignore_eos"] else (EOS,))
         sampling.check_vocab(self.config.text.vocab_size)
         room = self.config.text.max_position_embeddings - len(ids)
         if sampling.max_tokens > room:
