@@ -1,9 +1,10 @@
 """V-JEPA 2-AC rollout: M*'s cached DynamicLoop rollout walk vs upstream's re-prefill loop, same weights, same run.
 
 Upstream re-runs the predictor over the whole growing history at every step (O(H^2) tokens); M* processes only
-the new frame's tokens against cached keys/values in the paged KV pool (exact under the frame-causal mask),
-served through AsyncEngine. Also reports CEM planning rollouts/s: the served plan walk (all samples in one
-batch on refcounted forks of the context's pages) next to the same plan in-process on dense caches.
+the new frame's tokens against cached keys/values in the shared `kvcache` engine's paged pool (exact under the
+frame-causal mask), served through AsyncEngine. Also reports CEM planning rollouts/s: the served plan walk
+(each sample a fork of the context's cache label, every sample's step in one forward) next to the same plan
+in-process on dense caches.
 Prints one final JSON line.
 
     python benchmarks/vjepa_rollout.py --quick
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from mstar_vjepa.checkpoint import write_ac_preset
 from mstar_vjepa.config import ACPredictorConfig, VJEPA2Config
-from mstar_vjepa.planner import CEMSettings, pages_needed, plan_cem
+from mstar_vjepa.planner import CEMSettings, plan_cem
 from mstar_vjepa.rollout import rollout_reprefill
 
 from mstar_core.model import LoadOptions
@@ -56,14 +57,12 @@ async def run(args) -> dict:
         write_ac_preset(Path(tmp), enc_cfg, pred_cfg)
         async with AsyncEngine() as engine:
             samples, iters, horizon = (32, 2, 4) if args.quick else (128, 3, 5)
+            # one page per step: the context prefix plus one iteration's forked rollouts fit at once
             loaded = await engine.load_model("vjepa2-ac", LoadOptions(checkpoint=tmp), settings={
-                "ac_predictor": {"num_pages": 4 * pred_cfg.max_frames},
-                "planner": {"num_pages": pages_needed(2, horizon, samples)},  # one plan's forked rollouts at once
-            })
+                "ac_predictor": {"num_pages": max(4 * pred_cfg.max_frames, 1 + samples * horizon)}})
             encoder = loaded.graph.nodes["encoder"].module()
-            predictor = engine.node_engines("vjepa2-ac")["ac_predictor"].module
-            paged = engine.node_engines("vjepa2-ac")["ac_predictor"].pool is not None
-            planner = engine.node_engines("vjepa2-ac")["planner"]
+            ac = engine.node_engines("vjepa2-ac")["ac_predictor"]
+            predictor = ac.module.predictor
             g = torch.Generator().manual_seed(0)
             frames = torch.randn(1, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g)
             states = torch.rand(1, 7, generator=g) * 0.1
@@ -100,7 +99,7 @@ async def run(args) -> dict:
                    "iterations": iters, "seed": 1,
                    "goal": torch.randn(1, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g)}
             t_cem, env = await timed(lambda: engine.submit("vjepa2-ac", req).result(), 1)
-            assert planner.pool is None or (planner.pool.num_used == 0 and planner.pool.copies == 0)
+            assert ac.pool.num_used == 0 and ac.pool.copies == 0
             # the same plan in-process on dense caches (prefix shared by reference): the paged path's reference
             ctx = encoder(req["frames"])["latents"][None]
             goal = encoder(req["goal"])["latents"][-1]
@@ -110,18 +109,19 @@ async def run(args) -> dict:
             cem_err = (env["costs"] - ref["costs"]).abs().max().item()
     cem_rps, dense_rps = samples * iters / t_cem, samples * iters / t_dense
     print(f"CEM plan walk: {samples} samples x {iters} iterations, horizon {horizon}: {cem_rps:.1f} rollouts/s "
-          f"(paged forks; dense in-process plan_cem {dense_rps:.1f} rollouts/s, max|dcost| {cem_err:.1e})")
+          f"(forked labels, largest forward {ac.largest_batch} calls; dense in-process plan_cem {dense_rps:.1f} "
+          f"rollouts/s, max|dcost| {cem_err:.1e})")
     return {
         "benchmark": "vjepa_rollout",
         "quick": args.quick,
         "config": {"tokens_per_step": pred_cfg.tokens_per_frame + 2, "predictor_dim": pred_cfg.predictor_embed_dim,
-                   "depth": pred_cfg.depth, "context_frames": 1, "paged_kv": paged},
+                   "depth": pred_cfg.depth, "context_frames": 1, "engine": ac.kind},
         "speedup_by_horizon": {str(h): round(r["speedup"], 2) for h, r in results.items()},
         "max_abs_err": max(r["max_abs_err"] for r in results.values()),
         "speedup_h30": round(results[30]["speedup"], 2),
         "cem_rollouts_per_s": round(cem_rps, 1),
         "cem_dense_rollouts_per_s": round(dense_rps, 1),
-        "cem": {"samples": samples, "iterations": iters, "horizon": horizon, "paged_kv": planner.pool is not None,
+        "cem": {"samples": samples, "iterations": iters, "horizon": horizon, "largest_batch": ac.largest_batch,
                 "max_abs_cost_err": cem_err},
         "threads": torch.get_num_threads(),
     }

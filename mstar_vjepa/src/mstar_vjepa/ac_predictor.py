@@ -1,8 +1,12 @@
-"""The V-JEPA 2-AC predictor (upstream `VisionTransformerPredictorAC`), frame-causal, with an optional KV cache.
+"""The V-JEPA 2-AC predictor (upstream `VisionTransformerPredictorAC`), frame-causal, on packed tokens.
 
 Tokens per time step are `[a_t, s_t, patches_t]`. Every token of step t attends to all tokens of steps <= t
 (a frame-causal block mask), so a step's keys and values depend only on earlier steps: processing one new step
 against cached keys/values of earlier ones is exact. Parameter names follow the upstream checkpoint (fused qkv).
+
+The blocks run on packed rows `[T, dim]` and reach the cache only through `context.attend(layer, q, k, v,
+scale)`, the `kvcache` engine's attention contract: the same weights serve upstream's batch API
+(`ACPredictor.forward`, over a dense frame cache) and the `kvcache` engine (`PagedACPredictor`).
 """
 
 from __future__ import annotations
@@ -13,17 +17,10 @@ from torch import nn
 
 from mstar_vjepa.config import ACPredictorConfig
 from mstar_vjepa.encoder import Mlp
-from mstar_vjepa.kv import DenseFrameCache, FrameCache
+from mstar_vjepa.kv import DenseFrameCache
 from mstar_vjepa.rope import apply_rotation, rotation_tables
 
 COND_TOKENS = 2  # action and state tokens lead each time step
-
-
-def frame_causal_mask(new_frames: int, cached_frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:
-    """Bool mask `[new, cached + new]` (True = may attend): cached frames fully visible, new ones block-causal."""
-    q_frame = torch.arange(new_frames, device=device).repeat_interleave(tokens_per_frame) + cached_frames
-    k_frame = torch.arange(cached_frames + new_frames, device=device).repeat_interleave(tokens_per_frame)
-    return k_frame.unsqueeze(0) <= q_frame.unsqueeze(1)
 
 
 class ACAttention(nn.Module):
@@ -36,16 +33,12 @@ class ACAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, cache: FrameCache,
-                mask) -> torch.Tensor:
-        """x `[B, n, 2+P, dim]` for n new frames; rope = cos/sin tables `[n, 2+P, head_dim]`."""
-        b, n, tpf, dim = x.shape
-        qkv = self.qkv(x).view(b, n, tpf, 3, self.heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
-        q, k = apply_rotation(qkv[0], *rope), apply_rotation(qkv[1], *rope)
-        q, k, v = (t.reshape(b, self.heads, n * tpf, self.head_dim) for t in (q, k, qkv[2]))
-        k, v = cache.extend(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        return self.proj(out.transpose(1, 2).reshape(b, n, tpf, dim))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, context) -> torch.Tensor:
+        """x `[T, dim]`; rope = cos/sin tables `[T, 1, head_dim]`."""
+        t, dim = x.shape
+        qkv = self.qkv(x).view(t, 3, self.heads, self.head_dim)
+        q, k = apply_rotation(qkv[:, 0], *rope), apply_rotation(qkv[:, 1], *rope)
+        return self.proj(context.attend(layer, q, k, qkv[:, 2], self.head_dim**-0.5).reshape(t, dim))
 
 
 class ACBlock(nn.Module):
@@ -59,8 +52,8 @@ class ACBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=cfg.layer_norm_eps)
         self.mlp = Mlp(dim, int(dim * cfg.mlp_ratio))
 
-    def forward(self, x, rope, layer, cache, mask):
-        x = x + self.attn(self.norm1(x), rope, layer, cache, mask)
+    def forward(self, x, rope, layer, context):
+        x = x + self.attn(self.norm1(x), rope, layer, context)
         return x + self.mlp(self.norm2(x))
 
 
@@ -78,29 +71,51 @@ class ACPredictor(nn.Module):
         self.predictor_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.predictor_proj = nn.Linear(d, cfg.embed_dim)
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.tokens_per_frame + COND_TOKENS
+
     def new_cache(self, batch: int, device=None, dtype: torch.dtype | None = None) -> DenseFrameCache:
         """An empty frame cache sized for the full frame-causal window."""
-        cfg = self.cfg
-        p = self.predictor_embed.weight
-        return DenseFrameCache(
-            cfg.depth, batch, cfg.num_heads, cfg.predictor_embed_dim // cfg.num_heads,
-            cfg.tokens_per_frame + COND_TOKENS, cfg.max_frames, dtype or p.dtype, device or p.device,
-        )
+        cfg, p = self.cfg, self.predictor_embed.weight
+        return DenseFrameCache(cfg.depth, batch, cfg.num_heads, cfg.predictor_embed_dim // cfg.num_heads,
+                               self.tokens_per_step, cfg.max_frames, dtype or p.dtype, device or p.device)
 
-    def rope_tables(self, start: int, n: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[n, 2+P, head_dim]`: action/state tokens rotate on time only, patches on (time, row, col)."""
-        cfg, p = self.cfg, self.cfg.tokens_per_frame
-        hd = cfg.predictor_embed_dim // cfg.num_heads
-        frames = torch.arange(start, start + n, device=device)
+    def embed_frames(self, latents: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """Latents `[..., n, P, embed]`, actions/states `[..., n, 7]` -> step tokens `[..., n * (2 + P), dim]`."""
+        x = torch.cat([self.action_encoder(actions).unsqueeze(-2), self.state_encoder(states).unsqueeze(-2),
+                       self.predictor_embed(latents)], dim=-2)
+        return x.flatten(-3, -2)
+
+    def frame_positions(self, first: int, n: int, device=None) -> torch.Tensor:
+        """RoPE positions `[3, n * (2 + P)]` (time, row, col) of steps first..first+n-1.
+
+        Action/state tokens sit at row = col = 0: a rotation by 0 is the identity, so they turn on time only.
+        """
+        g, p = self.cfg.grid_size, self.cfg.tokens_per_frame
         ids = torch.arange(p, device=device)
-        cond = rotation_tables(hd, frames[:, None].expand(n, COND_TOKENS), None, None, dtype)
-        patches = rotation_tables(hd, frames[:, None].expand(n, p), (ids // cfg.grid_size).expand(n, p),
-                                  (ids % cfg.grid_size).expand(n, p), dtype)
-        return torch.cat([cond[0], patches[0]], 1), torch.cat([cond[1], patches[1]], 1)
+        zeros = torch.zeros(COND_TOKENS, dtype=torch.long, device=device)
+        row, col = torch.cat([zeros, ids // g]), torch.cat([zeros, ids % g])
+        time = torch.arange(first, first + n, device=device).repeat_interleave(p + COND_TOKENS)
+        return torch.stack([time, row.repeat(n), col.repeat(n)])
 
-    def forward(
-        self, latents: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, cache: FrameCache | None = None
-    ) -> torch.Tensor:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T, 1, head_dim]` for positions `[3, T]`, shared by every layer."""
+        cos, sin = rotation_tables(self.cfg.predictor_embed_dim // self.cfg.num_heads, *positions, dtype)
+        return cos[:, None], sin[:, None]
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context) -> torch.Tensor:
+        """Packed step tokens `[T, dim]` through every block -> hidden `[T, dim]`."""
+        for i, block in enumerate(self.predictor_blocks):
+            x = block(x, rope, i, context)
+        return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden rows `[..., dim]` -> predicted latents `[..., embed]`."""
+        return self.predictor_proj(self.predictor_norm(hidden))
+
+    def forward(self, latents: torch.Tensor, actions: torch.Tensor, states: torch.Tensor,
+                cache: DenseFrameCache | None = None) -> torch.Tensor:
         """Process n new frames after those in `cache` (None: a fresh, discarded cache = upstream's full pass)."""
         b, n, p, _ = latents.shape
         if p != self.cfg.tokens_per_frame:
@@ -110,14 +125,34 @@ class ACPredictor(nn.Module):
         start = cache.num_frames
         if start + n > self.cfg.max_frames:
             raise ValueError(f"history of {start + n} frames exceeds the {self.cfg.max_frames}-step frame-causal mask")
-        x = self.predictor_embed(latents)
-        a = self.action_encoder(actions).unsqueeze(2)
-        s = self.state_encoder(states).unsqueeze(2)
-        x = torch.cat([a, s, x], dim=2)  # [B, n, 2+P, D]
-        rope = self.rope_tables(start, n, x.dtype, x.device)
-        # a single new frame sees everything cached plus itself: no mask needed
-        mask = None if n == 1 else frame_causal_mask(n, start, p + COND_TOKENS, x.device)
-        for i, block in enumerate(self.predictor_blocks):
-            x = block(x, rope, i, cache, mask)
+        x = self.embed_frames(latents, actions, states).flatten(0, 1)  # [B * n * (2 + P), dim]
+        cos, sin = self.rope(self.frame_positions(start, n, x.device), x.dtype)
+        x = self.run(x, (cos.repeat(b, 1, 1), sin.repeat(b, 1, 1)), cache)
         cache.commit(n)
-        return self.predictor_proj(self.predictor_norm(x[:, :, COND_TOKENS:]))
+        return self.head(x.view(b, n, p + COND_TOKENS, -1)[:, :, COND_TOKENS:])
+
+
+class PagedACPredictor(nn.Module):
+    """The AC predictor as a `kvcache` node (same weights as `predictor`, which keeps upstream's batch API).
+
+    Inputs per call: step tokens as `input_embeds` `[T, dim]` (`ACPredictor.embed_frames`) and their positions
+    `[3, T]` (`frame_positions`); the node's `frame_size` option gives the frame-causal mask. Output
+    `latent`: the predictions of the returned rows, layer-normed as each rollout step's next latent.
+    """
+
+    position_axes = 3
+
+    def __init__(self, predictor: ACPredictor):
+        super().__init__()
+        self.predictor = predictor
+
+    def kv_cache_spec(self) -> tuple[int, int, int, None, int]:
+        cfg = self.predictor.cfg
+        return cfg.depth, cfg.num_heads, cfg.predictor_embed_dim // cfg.num_heads, None, cfg.predictor_embed_dim
+
+    def forward(self, input_ids, positions, context, *, input_embeds=None) -> torch.Tensor:
+        return self.predictor.run(input_embeds, self.predictor.rope(positions, input_embeds.dtype), context)
+
+    def compute_latent(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = self.predictor.head(hidden)
+        return F.layer_norm(z, (z.shape[-1],))

@@ -1,94 +1,76 @@
-"""Frame KV caches for the AC predictor: per-layer keys/values of frames already processed.
+"""The dense frame cache behind `ACPredictor.forward` (upstream's batch API; the reference for the paged engine).
 
 With a frame-causal mask, a frame's keys and values never change once computed, so a rollout step only
 projects the new frame's tokens and attends over the cache. `fork(n)` gives n sequences that share this
-cache's frames by reference (nothing is copied: the parent is never written after a fork, which is the
-copy-on-write contract of a paged pool); `copy(n)` materialises them, as the reference for tests.
+cache's frames by reference (the parent is never written after a fork); `copy(n)` materialises them.
+Served rollouts keep their frames in the `kvcache` engine's paged pool instead.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
+import torch.nn.functional as F
 
 
-class FrameCache(Protocol):
-    """What the AC predictor needs from a cache; swap in a paged-pool-backed one without touching the model."""
-
-    batch: int
-    num_frames: int
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new k/v `[B, H, n, D]` for `layer`; return the layer's full k/v including them."""
-        ...
-
-    def commit(self, frames: int) -> None:
-        """Mark `frames` more frames as cached (after every layer has been extended)."""
-        ...
+def frame_causal_mask(new_frames: int, cached_frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:
+    """Bool mask `[new, cached + new]` (True = may attend): cached frames fully visible, new ones block-causal."""
+    q_frame = torch.arange(new_frames, device=device).repeat_interleave(tokens_per_frame) + cached_frames
+    k_frame = torch.arange(cached_frames + new_frames, device=device).repeat_interleave(tokens_per_frame)
+    return k_frame.unsqueeze(0) <= q_frame.unsqueeze(1)
 
 
 class DenseFrameCache:
-    """Preallocated per-layer buffers `[B, H, capacity, D]`, optionally behind a shared (forked) prefix."""
+    """Per-layer buffers `[B, H, capacity, D]` of B equally long sequences, optionally behind a shared prefix."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        tokens_per_frame: int,
-        max_frames: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        prefix: DenseFrameCache | None = None,
-    ):
+    def __init__(self, num_layers: int, batch: int, heads: int, head_dim: int, tokens_per_frame: int,
+                 max_frames: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 prefix: DenseFrameCache | None = None):
         if prefix is not None and prefix.batch not in (1, batch):
             raise ValueError(f"a prefix of batch {prefix.batch} cannot be shared by {batch} sequences")
-        self.batch = batch
-        self.tokens_per_frame = tokens_per_frame
-        self.max_frames = max_frames
-        self.prefix = prefix
+        self.batch, self.tokens_per_frame, self.max_frames, self.prefix = batch, tokens_per_frame, max_frames, prefix
         self.prefix_frames = prefix.num_frames if prefix is not None else 0
         self._shape = (num_layers, heads, head_dim, dtype, torch.device(device))
         own = (max_frames - self.prefix_frames) * tokens_per_frame
         self.k = [torch.empty(batch, heads, own, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(batch, heads, own, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.own_frames = 0
+        self._mask = None
 
     @property
     def num_frames(self) -> int:
         return self.prefix_frames + self.own_frames
 
-    def _prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.prefix is None or self.prefix_frames == 0:
-            return None
-        k, v = self.prefix.layer_kv(layer, self.prefix_frames)
-        return k.expand(self.batch, -1, -1, -1), v.expand(self.batch, -1, -1, -1)
-
-    def layer_kv(self, layer: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the first `frames` frames of `layer` (prefix included)."""
-        own = (frames - self.prefix_frames) * self.tokens_per_frame
+    def layer_kv(self, layer: int, frames: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the first `frames` frames of `layer` (prefix included), plus `extra` own tokens."""
+        own = (frames - self.prefix_frames) * self.tokens_per_frame + extra
         k, v = self.k[layer][:, :, :own], self.v[layer][:, :, :own]
-        pre = self._prefix_kv(layer)
-        if pre is None:
+        if self.prefix is None or self.prefix_frames == 0:
             return k, v
-        return torch.cat([pre[0], k], dim=2), torch.cat([pre[1], v], dim=2)
+        pk, pv = (t.expand(self.batch, -1, -1, -1) for t in self.prefix.layer_kv(layer, self.prefix_frames))
+        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = k.shape[2]
-        start = self.own_frames * self.tokens_per_frame
+        """Store new k/v `[B, H, n, D]` for `layer`; return the layer's full k/v including them."""
+        start, n = self.own_frames * self.tokens_per_frame, k.shape[2]
         if start + n > self.k[layer].shape[2]:
             raise ValueError(f"frame cache full: at most {self.max_frames} frames fit the frame-causal mask")
         self.k[layer][:, :, start : start + n] = k
         self.v[layer][:, :, start : start + n] = v
-        own_k, own_v = self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
-        pre = self._prefix_kv(layer)
-        if pre is None:
-            return own_k, own_v
-        return torch.cat([pre[0], own_k], dim=2), torch.cat([pre[1], own_v], dim=2)
+        return self.layer_kv(layer, self.num_frames, n)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """The attention context: packed rows `[B * N, H, D]` (N new tokens per sequence) -> `[B * N, H, D]`."""
+        b, heads, dim = self.batch, q.shape[1], q.shape[2]
+        q, k, v = (t.view(b, -1, heads, dim).transpose(1, 2) for t in (q, k, v))
+        if layer == 0:  # one new frame sees everything: no mask
+            new = q.shape[2] // self.tokens_per_frame
+            self._mask = None if new == 1 else frame_causal_mask(new, self.num_frames, self.tokens_per_frame, q.device)
+        k, v = self.extend(layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, scale=scale)
+        return out.transpose(1, 2).reshape(-1, heads, dim)
 
     def commit(self, frames: int) -> None:
+        """Mark `frames` more frames as cached (after every layer has been extended)."""
         self.own_frames += frames
 
     def fork(self, n: int) -> DenseFrameCache:

@@ -14,11 +14,33 @@ import torch
 
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import RequestError
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
+from mstar_core.graph import (
+    DynamicLoop,
+    FromEnv,
+    Graph,
+    GraphNode,
+    Loop,
+    NodeCall,
+    Parallel,
+    Sequential,
+    Walk,
+)
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_core.sampling import check_int, check_seed
 from mstar_vjepa import checkpoint as ckpt
-from mstar_vjepa.nodes import FrameEncoderNode, MaskedPredictorNode, PlannerNode, VideoEncoderNode
+from mstar_vjepa.ac_predictor import PagedACPredictor
+from mstar_vjepa.nodes import (
+    PREFIX_LABEL,
+    SAMPLE_LABEL,
+    FrameEncoderNode,
+    MaskedPredictorNode,
+    PlanStartNode,
+    StepTokensNode,
+    VideoEncoderNode,
+    sample_node,
+    update_node,
+)
+from mstar_vjepa.planner import cem_plan
 from mstar_vjepa.preprocess import preprocess_video
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,33 +165,68 @@ def load_vjepa2(options: LoadOptions) -> LoadedModel:
 
 
 def _ac_graph(encoder, predictor) -> Graph:
+    tps = predictor.tokens_per_step
     nodes = [
         GraphNode("encoder", inputs="frames", outputs="latents", engine="function",
                   module=lambda: FrameEncoderNode(encoder)),
-        GraphNode("ac_predictor", inputs=("context", "states", "actions", "loop_index"), outputs=("latent", "state"),
-                  engine="vjepa_ac", module=lambda: predictor),
-        GraphNode("planner", inputs=("context", "states", "goal_latents", "horizon", "cem", "seed"),
-                  outputs=("plan", "costs", "best_actions", "best_cost"), engine="vjepa_cem",
-                  module=lambda: PlannerNode(predictor)),
+        # frame-causal: a token sees its own time step and every earlier one
+        GraphNode("ac_predictor", inputs=("input_embeds", "positions"), optional_inputs=("output_index",),
+                  outputs="latent", engine="kvcache", module=lambda: PagedACPredictor(predictor),
+                  options={"frame_size": tps}),
+        *(GraphNode(name, inputs=("context", "states", "actions", "step", "horizon", *more),
+                    optional_inputs=("latent", "state"), engine="function", module=lambda: StepTokensNode(predictor),
+                    outputs=("step_embeds", "step_positions", "step_rows", "state", "drop_label"))
+          for name, more in (("rollout_step", ()), ("sample_step", ("sample", "prefix_frames")))),
+        GraphNode("cem_start", inputs=("context", "states", "horizon", "cem", "seed"),
+                  outputs=("cem_stats", "cem_rng", "prefix_calls", "prefix_label", "prefix_frames", "prefix_embeds",
+                           "prefix_positions", "prefix_rows"), engine="function", module=lambda: PlanStartNode(predictor)),
+        GraphNode("cem_sample", inputs=("cem_stats", "cem", "cem_rng"), outputs=("sampled", "actions", "cem_rng"),
+                  engine="function", module=lambda: sample_node),
+        GraphNode("cem_update", inputs=("cem_stats", "cem", "sampled", "finals", "goal_latents"), outputs="cem_stats",
+                  engine="function", module=lambda: update_node),
+        GraphNode("cem_result", inputs="cem_stats", outputs=("plan", "costs", "best_actions", "best_cost"),
+                  engine="function", module=lambda: lambda cem_stats: cem_plan(cem_stats)),
     ]
     encode_ctx = NodeCall("encoder", outputs={"latents": "context"})
+    step_inputs = {"input_embeds": "step_embeds", "positions": "step_positions", "output_index": "step_rows"}
+    # each sample's cache label is a fork of the context prefix, chosen from its fan-out index; dropped after its
+    # last step, so the next iteration forks afresh
+    sample_step = NodeCall("ac_predictor", inputs=step_inputs, options={
+        "cache_label": FromEnv("sample", SAMPLE_LABEL), "fork_from": FromEnv("prefix_label"),
+        "drop": FromEnv("drop_label")})
+    prefix = NodeCall("ac_predictor", inputs={"input_embeds": "prefix_embeds", "positions": "prefix_positions",
+                                              "output_index": "prefix_rows"},
+                      outputs={"latent": "prefix_latent"}, options={"cache_label": PREFIX_LABEL})
     walks = [
         Walk(name="encode", body="encoder", inputs="frames", outputs="latents", description="frames -> latents"),
         Walk(
             name="rollout",
             body=Sequential(encode_ctx, DynamicLoop(
-                body=NodeCall("ac_predictor"), until=lambda env: env["loop_index"] + 1 >= env["horizon"],
-                max_iters="horizon", accumulate=("latent", "state"),
+                body=Sequential("rollout_step", NodeCall("ac_predictor", inputs=step_inputs,
+                                                    options={"drop": FromEnv("drop_label")})),
+                until=lambda env: env["step"] + 1 >= env["horizon"], max_iters="horizon",
+                accumulate=("latent", "state"), index_name="step",
             )),
             inputs=("frames", "states", "actions", "horizon"), outputs=("latent", "state"), emit=("latent",),
-            description="encode the context once, then one cached predictor step per horizon step",
+            description="encode the context once, then one cached predictor call per horizon step",
         ),
         Walk(
             name="plan",
-            body=Sequential(encode_ctx, NodeCall("encoder", inputs={"frames": "goal"}, outputs={"latents": "goal_latents"}),
-                            "planner"),
-            inputs=("frames", "states", "goal", "horizon", "cem", "seed"), outputs=("plan", "costs", "best_actions"),
-            description="CEM over action sequences scored by L1 to the goal latent",
+            body=Sequential(
+                encode_ctx, NodeCall("encoder", inputs={"frames": "goal"}, outputs={"latents": "goal_latents"}),
+                "cem_start", Loop(body=prefix, iters="prefix_calls", index_name="prefix_call"),
+                Loop(body=Sequential(
+                    "cem_sample",
+                    Parallel(Loop(body=Sequential("sample_step", sample_step), iters="horizon", index_name="step"),
+                             count="samples", index_name="sample", collect={"latent": "finals"}),
+                    "cem_update",
+                ), iters="iterations", index_name="iteration"),
+                "cem_result",
+            ),
+            inputs=("frames", "states", "goal", "horizon", "cem", "samples", "iterations", "seed"),
+            outputs=("plan", "costs", "best_actions"),
+            description="CEM: per iteration, sample action sequences, roll each out on a fork of the context's "
+                        "cache, score by L1 to the goal latent, refit mean/std from the elites",
         ),
     ]
     return Graph.build("vjepa2-ac", nodes, walks, plan=lambda env: [env["walk"]])
@@ -181,8 +238,12 @@ def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     encoder, predictor = ckpt.load_ac(directory, options.device, _DTYPES.get(options.dtype or "float32"))
     graph = _ac_graph(encoder, predictor)
     ecfg, pcfg = encoder.cfg, predictor.cfg
+    tps = predictor.tokens_per_step
+    # a page holds one time step (forked samples never share a partial page); every sample's step in one forward
+    settings = {"ac_predictor": {"page_size": tps, "num_pages": 8 * pcfg.max_frames, "max_num_seqs": 512,
+                                 "max_num_batched_tokens": 128 * tps, "enable_prefix_caching": False}}
     return LoadedModel("vjepa2-ac", graph, random_weights=random, prepare=lambda raw: prepare_ac(raw, graph, ecfg, pcfg),
-                       extras={"encoder_config": ecfg, "predictor_config": pcfg})
+                       engine_settings=settings, extras={"encoder_config": ecfg, "predictor_config": pcfg})
 
 
 def prepare_ac(inputs: Mapping[str, Any], graph: Graph, ecfg, pcfg) -> dict[str, Any]:
@@ -212,6 +273,7 @@ def prepare_ac(inputs: Mapping[str, Any], graph: Graph, ecfg, pcfg) -> dict[str,
     samples = _int(inputs, "samples", 64, 1, 4096)
     env["cem"] = {"samples": samples, "topk": _int(inputs, "topk", min(10, samples), 1, samples),
                   "iterations": _int(inputs, "iterations", 10, 1, 1000)}
+    env.update(samples=samples, iterations=env["cem"]["iterations"])
     env["seed"] = check_seed(inputs.get("seed", 0))
     return env
 

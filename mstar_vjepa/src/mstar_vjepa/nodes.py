@@ -1,4 +1,4 @@
-"""Node modules: batch-aware callables for the `function` engine, and the planner module of the `vjepa_cem` engine."""
+"""`function`-engine node modules: the encoders, and the glue of the rollout and plan walks around the predictor."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ from typing import Any
 
 import torch
 
-from mstar_vjepa.ac_predictor import ACPredictor
+from mstar_vjepa.ac_predictor import COND_TOKENS, ACPredictor
 from mstar_vjepa.encoder import VJEPA2Encoder
-from mstar_vjepa.planner import CEMSettings, plan_cem
+from mstar_vjepa.planner import CEMSettings, cem_sample, cem_start, cem_update, to_actions
+from mstar_vjepa.pose import compute_new_pose, poses_to_actions
 from mstar_vjepa.predictor import VJEPA2Model
 from mstar_vjepa.rollout import normalize
+
+SAMPLE_LABEL = "sample{}"  # CEM sample i's cache label (a fork of PREFIX_LABEL)
+PREFIX_LABEL = "context"
 
 
 class VideoEncoderNode:
@@ -59,13 +63,65 @@ class FrameEncoderNode:
         return self.forward_batch([{"frames": frames}])[0]
 
 
-class PlannerNode:
-    """Server-side CEM: context latents, states, goal latent -> plan `[H, 7]`, per-iteration costs, best sample."""
+class StepTokensNode:
+    """One call of the predictor node: step 0 feeds the context frames not cached yet, step k the last prediction.
+
+    Returns the call's tokens (`step_embeds`), positions, the rows to return (the newest frame's patches), the
+    state after action k, and the label to drop once the last step is done (`sample{i}` / `main`).
+    """
 
     def __init__(self, predictor: ACPredictor):
         self.predictor = predictor
 
-    def __call__(self, context, states, goal_latents, horizon, cem, seed) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(int(seed))
-        out = plan_cem(self.predictor, context[None], states[None], goal_latents[-1], int(horizon), CEMSettings(**cem), gen)
-        return {k: out[k] for k in ("plan", "costs", "best_actions", "best_cost")}
+    @torch.no_grad()
+    def __call__(self, context, states, actions, step, horizon, latent=None, state=None, sample=None,
+                 prefix_frames=0) -> dict[str, Any]:
+        acts = actions if sample is None else actions[sample]
+        if step == 0:  # the frames before the first action: their actions follow from the states
+            frames, first, now = context[prefix_frames:], prefix_frames, states[-1]
+            feed = torch.cat([poses_to_actions(states)[prefix_frames:], acts[:1]]), states[prefix_frames:]
+        else:
+            frames, first, now = latent[None], context.shape[0] - 1 + step, state
+            feed = acts[step : step + 1], state[None]
+        last = step == horizon - 1
+        return {**frame_call(self.predictor, frames, *feed, first), "state": compute_new_pose(now, acts[step]),
+                "drop_label": (SAMPLE_LABEL.format(sample) if sample is not None else "main") if last else None}
+
+
+def frame_call(predictor: ACPredictor, frames, actions, states, first: int, name: str = "step") -> dict[str, Any]:
+    """Tokens `[n * (2 + P), dim]` of n frames from step `first` on, their positions, the last frame's patch rows."""
+    n, tps = frames.shape[0], predictor.tokens_per_step
+    return {f"{name}_embeds": predictor.embed_frames(frames, actions, states),
+            f"{name}_positions": predictor.frame_positions(first, n, frames.device),
+            f"{name}_rows": torch.arange((n - 1) * tps + COND_TOKENS, n * tps, device=frames.device)}
+
+
+class PlanStartNode:
+    """CEM set-up: the statistics, the random stream, and the context prefix call (all frames but the last)."""
+
+    def __init__(self, predictor: ACPredictor):
+        self.predictor = predictor
+
+    @torch.no_grad()
+    def __call__(self, context, states, horizon, cem, seed) -> dict[str, Any]:
+        cached = context.shape[0] - 1
+        prefix = dict.fromkeys(("prefix_embeds", "prefix_positions", "prefix_rows"))
+        if cached:  # C = 1: nothing to share, each sample starts from the only frame
+            prefix = frame_call(self.predictor, context[:cached], poses_to_actions(states), states[:cached], 0, "prefix")
+        return {"cem_stats": cem_start(horizon, CEMSettings(**cem), context),
+                "cem_rng": torch.Generator().manual_seed(int(seed)).get_state(),
+                "prefix_calls": int(cached > 0), "prefix_label": PREFIX_LABEL if cached else None,
+                "prefix_frames": cached, **prefix}
+
+
+def sample_node(cem_stats, cem, cem_rng) -> dict[str, Any]:
+    """This iteration's S action sequences (the random stream continues from `cem_rng`)."""
+    gen = torch.Generator()
+    gen.set_state(cem_rng)
+    sampled = cem_sample(cem_stats, CEMSettings(**cem), gen)
+    return {"sampled": sampled, "actions": to_actions(sampled), "cem_rng": gen.get_state()}
+
+
+def update_node(cem_stats, cem, sampled, finals, goal_latents) -> dict[str, Any]:
+    """Elites and the refit mean/std, from the samples' final latents."""
+    return {"cem_stats": cem_update(cem_stats, sampled, torch.stack(finals), goal_latents[-1], CEMSettings(**cem))}

@@ -1,4 +1,4 @@
-"""Entry point `vjepa` (group `mstar`): the V-JEPA 2 model families and the AC rollout and CEM engines."""
+"""Entry point `vjepa` (group `mstar`): the V-JEPA 2 model families (served on the shared engines)."""
 
 from mstar_core.plugins import hookimpl
 
@@ -9,11 +9,3 @@ def mstar_register_models(register):
 
     for spec in SPECS:
         register(spec)
-
-
-@hookimpl
-def mstar_register_engines(register):
-    from mstar_vjepa.engines import ACRolloutEngine, CEMPlanEngine
-
-    for engine in (ACRolloutEngine, CEMPlanEngine):
-        register(engine.kind, engine)
