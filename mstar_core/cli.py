@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_arguments(p)
     p.set_defaults(func=launch.serve)
 
-    p = sub.add_parser("run", help="run one request offline and write the result to a file")
+    # its --help lists each installed model's example request (offline.ExamplesHelp discovers plugins then)
+    p = sub.add_parser("run", help="run one request offline and write the result to a file", add_help=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     offline.add_arguments(p)
     p.set_defaults(func=offline.run)
 

@@ -125,9 +125,22 @@ def banner(config: ServerConfig, host: str, port: int, models: dict[str, Any], r
                       f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
                       f"    print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
                       ".choices[0].message.content)"]
-        if not r:
-            lines += ["", f"  curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{{\"inputs\": {{}}}}'"]
+        if not r or models[name].example is not None:
+            lines += ["", *native_example(url, name, models[name], auth)]
     return "\n".join(lines)
+
+
+def native_example(url: str, name: str, loaded: Any, auth: str = "") -> list[str]:
+    """Banner lines: a curl for the model's native endpoint with the model's own example request."""
+    import json
+
+    example = getattr(loaded, "example", None)
+    if example is None:
+        return [f"  native ({name} declares no example request; its inputs: {url}/docs):",
+                f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{{\"inputs\": {{...}}}}'"]
+    body = json.dumps({"inputs": example, "stream": False}).replace("'", "'\\''")
+    return [f"  native ({url}/docs lists {name}'s inputs):",
+            f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{body}'"]
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -18,7 +18,44 @@ from mstar_core.errors import MStarError
 from mstar_core.model import LoadOptions
 
 
+class ExamplesHelp(argparse.Action):
+    """`-h/--help` that also lists each installed model's example request (plugins are discovered only then)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.epilog = examples_epilog(getattr(namespace, "plugin", None) or [])
+        parser.print_help()
+        parser.exit()
+
+
+def examples_epilog(extra_plugins: list[str]) -> str:
+    """`mstar run MODEL --inputs '...'` for every installed model that gives an example request."""
+    from mstar_core.plugins.manager import discover
+
+    try:
+        registry = discover(extra_modules=extra_plugins)
+    except Exception as exc:  # help must print whatever a plugin does
+        return f"(could not list models: {type(exc).__name__}: {exc})"
+    lines = ["examples (each installed model's own example request, run on its tiny preset):"]
+    for name in sorted(registry.models):
+        spec = registry.models.get(name)
+        if spec.example is None:
+            lines.append(f"  mstar run {name} --inputs '{{...}}'    # no example declared; `mstar serve {name}` "
+                         "documents its inputs at /docs")
+        else:
+            lines.append(f"  mstar run {name} --inputs '{_shell_json(spec.example)}'")
+    return "\n".join(lines)
+
+
+def _shell_json(value: Any) -> str:
+    return json.dumps(value).replace("'", "'\\''")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    if p.add_help is False:
+        p.add_argument("-h", "--help", action=ExamplesHelp, help="show this help and every model's example request")
     p.add_argument("model")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", help="speak this text (speech models); writes audio")
