@@ -28,9 +28,10 @@ def _line(obj: Any) -> bytes:
     return json_bytes(obj) + b"\n"
 
 
-def _outputs(loaded: Any, env: dict[str, Any], wanted: list[str] | None) -> dict[str, Any]:
+def _outputs(loaded: Any, env: dict[str, Any], wanted: list[str] | None, walks: list[str]) -> dict[str, Any]:
+    """The names the request asked for, else the declared outputs of the walks it ran (not of every walk)."""
     if wanted is None:
-        wanted = list(dict.fromkeys(n for w in loaded.graph.walks.values() for n in w.outputs if n in env))
+        wanted = [n for n in loaded.graph.declared_outputs(walks) if n in env]
     missing = [n for n in wanted if n not in env]
     if missing:
         raise RequestError(f"requested outputs {missing} are not in the final env; available: {sorted(env)}")
@@ -60,7 +61,7 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
     if not body.stream:
         env = await result_or_disconnect(request, handle)
         try:
-            return OrjsonResponse({"outputs": _outputs(loaded, env, body.outputs)})
+            return OrjsonResponse({"outputs": _outputs(loaded, env, body.outputs, handle.walks)})
         except RequestError as exc:
             raise ApiError(400, str(exc), param="outputs") from None
     first, rest = await first_then_rest(request, handle)
@@ -76,7 +77,7 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
                 async for out in rest:
                     yield event(out)
                 env = await handle.result()
-                yield _line({"event": "done", "outputs": _outputs(loaded, env, body.outputs)})
+                yield _line({"event": "done", "outputs": _outputs(loaded, env, body.outputs, handle.walks)})
             except Exception as exc:
                 yield _line({"event": "error", **stream_error_payload(exc)})
 

@@ -142,7 +142,7 @@ async def _run(args: argparse.Namespace) -> str:
             bar.update(1)
         env = await handle.result()
         bar.close()
-        names = [n for w in loaded.graph.walks.values() for n in w.outputs if n in env]
+        names = [n for n in loaded.graph.declared_outputs(handle.walks) if n in env]
         out_path = args.out or "outputs.json"
         Path(out_path).write_text(json.dumps({n: encode_value(env[n]) for n in names}))
         return f"wrote {out_path}: outputs {', '.join(names)}"

@@ -139,6 +139,10 @@ class Graph:
                 raise KeyError(f"plan chose unknown walk '{n}'; walks: {', '.join(self.walks)}")
         return names
 
+    def declared_outputs(self, walks: Iterable[str]) -> list[str]:
+        """The declared `outputs` of these walks (those a request ran), each name once, in walk order."""
+        return list(dict.fromkeys(name for walk in walks for name in self.walks[walk].outputs))
+
     def next_walks(self, walk: str, env: Mapping[str, Any]) -> list[str]:
         """The walks a branch of the plan adds after `walk` for this env (none without a branch)."""
         branch = self.branches.get(walk)

@@ -332,7 +332,7 @@ class AsyncEngine:
                     self.running += 1
                     admitted = True
                     try:
-                        return await runtime.conductor.run(handle.request_id, env, handle._emit)
+                        return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks)
                     finally:
                         self.running -= 1
         except TimeoutError:

@@ -61,12 +61,16 @@ class Conductor:
         """The scheduler `node`'s calls in `walk` go to."""
         return self.walk_schedulers.get((walk, node)) or self.schedulers[node]
 
-    async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None]) -> dict[str, Any]:
+    async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None],
+                  walks: list[str] | None = None) -> dict[str, Any]:
+        """Run the request's plan over `env`; each walk's name is appended to `walks` as it starts."""
         state = RequestState(request_id, emit)
         try:
             todo = deque(self.graph.plan(env))
             while todo:
                 name = todo.popleft()
+                if walks is not None:
+                    walks.append(name)
                 await self._run_walk(state, self.sites[name], env)
                 try:
                     todo.extendleft(reversed(self.graph.next_walks(name, env)))

@@ -31,6 +31,8 @@ class RequestHandle:
     def __init__(self, request_id: str, model: str):
         self.request_id = request_id
         self.model = model
+        #: the walks the request has started, in order (its plan and the walks its branches chose)
+        self.walks: list[str] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
 
