@@ -26,6 +26,10 @@ class KVCacheSettings:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_batch_size: int | None = None
+    # compiled steps (see compiled.py): off by default; buckets default to powers of two up to the token budget
+    compile: bool = False
+    compile_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    cuda_graphs: bool | None = None  # None: on when compiling on CUDA
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
@@ -37,6 +41,15 @@ class KVCacheSettings:
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
+        for key in ("compile", "cuda_graphs"):
+            if values.get(key) is not None and not isinstance(values[key], bool):
+                raise ConfigError(f"kvcache engine: setting '{key}' must be true or false, got {values[key]!r}")
+        buckets = values.get("compile_buckets")
+        if buckets is not None and (
+            not isinstance(buckets, (list, tuple)) or not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+        ):
+            raise ConfigError(f"kvcache engine: setting 'compile_buckets' must be a list of positive integers, got {buckets!r}")
         if values.get("num_pages") is not None and values.get("kv_cache_bytes") is not None:
             raise ConfigError("kvcache engine: give either 'num_pages' or 'kv_cache_bytes', not both")
         return cls(**values)

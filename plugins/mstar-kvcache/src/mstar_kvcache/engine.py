@@ -78,6 +78,7 @@ class KVCacheEngine(CacheTransfer, Engine):
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
+        self.forward_fn = module if not self.settings.compile else self._compiled(module)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
@@ -92,6 +93,12 @@ class KVCacheEngine(CacheTransfer, Engine):
     @property
     def max_batch_size(self) -> int:
         return int(self.context.settings.get("max_batch_size", 4 * self.settings.max_num_seqs))
+
+    def _compiled(self, module: Any) -> Any:
+        from mstar_kvcache.compiled import CompiledForward, default_buckets
+
+        buckets = self.settings.compile_buckets or default_buckets(self.settings.max_num_batched_tokens)
+        return CompiledForward(module, self.device, buckets, cuda_graphs=self.settings.cuda_graphs, node=self.node.name)
 
     # -- contract ---------------------------------------------------------------------------------
 
@@ -176,6 +183,7 @@ class KVCacheEngine(CacheTransfer, Engine):
             "largest_batch": self.largest_batch,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
+            **({"compile_seconds": self.forward_fn.compile_seconds} if self.forward_fn is not self.module else {}),
         }
 
     def close(self) -> None:
@@ -402,8 +410,8 @@ class KVCacheEngine(CacheTransfer, Engine):
         context = self.backend.begin(batch, self.pool.kv)
         with torch.inference_mode():
             if embeds is None:
-                return self.module(ids, positions, context, **kwargs)
-            return self.module(None, positions, context, input_embeds=embeds, **kwargs)
+                return self.forward_fn(ids, positions, context, **kwargs)
+            return self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
 
     def _module_inputs(self, work: list[tuple[Sequence, int]], batch: Any) -> dict[str, torch.Tensor]:
         """Routing ids and module-declared tensors for the step's rows (zeros where a call gave none)."""

@@ -1,0 +1,196 @@
+"""Compiled steps: a node's forward through `torch.compile`, one static graph per token-count bucket.
+
+The paged attention context is host logic (page tables, lanes, per-sequence prefill loops), so it
+stays eager: inside the compiled graph, attention is one opaque op (`mstar_kvcache::attend`) that
+hands q/k/v to the step's real context, kept in a thread-local slot while the step runs. Everything
+around it (embeddings, RoPE, norms, the fused projections, MLPs, the final norm) is one graph.
+
+A step's token count is padded up to a bucket (`compile_buckets`, default powers of two up to the
+token budget), so a running batch whose size moves by one does not recompile: each bucket compiles
+once. Padded rows run through the dense layers and get zeros from attention; they are cut off
+before anyone sees them. Steps larger than the largest bucket, and steps with per-call module
+tensors (whose shapes depend on the number of sequences), run eager.
+
+On CUDA the compiled graphs are also captured as CUDA graphs (inductor's cudagraph trees with
+graph partitions: the attention op is marked cudagraph-unsafe, so the pieces between attention
+calls are replayed as graphs and attention runs eagerly between them, as vLLM's piecewise graphs
+do). On CPU inductor needs a C++ compiler; without one the node runs eager, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("mstar.kvcache.compiled")
+
+_slot = threading.local()  # the running step's attention context and real token count
+
+
+def _tags() -> tuple:
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return (tag,) if tag is not None else ()
+
+
+@torch.library.custom_op("mstar_kvcache::attend", mutates_args=(), tags=_tags())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """The real context attends over the step's real rows; padded rows get zeros."""
+    context, tokens = _slot.context, _slot.tokens
+    out = context.attend(layer, q[:tokens], k[:tokens], v[:tokens], scale)
+    if tokens == q.shape[0]:
+        return out.contiguous()
+    padded = q.new_zeros(q.shape)
+    padded[:tokens] = out
+    return padded
+
+
+@_attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class _OpaqueContext:
+    """What the compiled graph sees as its attention context: every call becomes the opaque op."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.ops.mstar_kvcache.attend(q, k, v, layer, scale)
+
+
+_OPAQUE = _OpaqueContext()
+
+
+def default_buckets(max_tokens: int) -> list[int]:
+    """Powers of two up to (and including) the first one that covers `max_tokens`."""
+    buckets, b = [], 1
+    while True:
+        buckets.append(b)
+        if b >= max_tokens:
+            return buckets
+        b *= 2
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why inductor cannot compile for `device` here, or None when it can."""
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX")
+        if cxx and shutil.which(cxx):
+            return None
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+            return None
+        except Exception:  # inductor raises its own types; any failure means no usable compiler
+            if any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+                return None
+            return "no C++ compiler found (inductor's CPU backend needs one: install g++ or set CXX)"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (inductor's CUDA backend needs it)"
+    return None
+
+
+class CompiledForward:
+    """Calls `module(ids, positions, context, input_embeds=...)` through per-bucket compiled graphs.
+
+    `cuda_graphs` (CUDA only) captures the compiled pieces as CUDA graphs. `compile_seconds` and
+    `compiled_buckets` say what compiling has cost so far.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        device: torch.device,
+        buckets: Sequence[int],
+        *,
+        cuda_graphs: bool | None = None,
+        node: str = "?",
+    ):
+        self.module, self.device = module, torch.device(device)
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.node = node
+        self.compile_seconds = 0.0
+        self.compiled_buckets: set[int] = set()
+        self.eager_reason = compiler_missing(self.device)
+        if self.eager_reason is not None:
+            warnings.warn(f"kvcache node '{node}': compile is on but {self.eager_reason}; running eager",
+                          RuntimeWarning, stacklevel=2)
+            self._compiled = None
+            return
+        options: dict[str, Any] = {}
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs and self.device.type == "cuda"
+        if self.cuda_graphs:
+            options = {"triton.cudagraphs": True, "graph_partition": True}
+        # one static graph per bucket: allow that many entries for the step function
+        limit = len(self.buckets) + 4
+        for key in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, key):
+                setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))
+        self._compiled = torch.compile(self._step, dynamic=False, fullgraph=False, options=options or None)
+
+    def _step(self, ids: torch.Tensor | None, positions: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        if embeds is None:
+            return self.module(ids, positions, _OPAQUE)
+        return self.module(None, positions, _OPAQUE, input_embeds=embeds)
+
+    def bucket(self, tokens: int) -> int | None:
+        """The smallest bucket holding `tokens`, or None (run eager)."""
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def __call__(
+        self,
+        ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        context: Any,
+        input_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        tokens = positions.shape[-1]
+        size = None if self._compiled is None or kwargs else self.bucket(tokens)
+        if size is None:
+            if input_embeds is None:
+                return self.module(ids, positions, context, **kwargs)
+            return self.module(None, positions, context, input_embeds=input_embeds, **kwargs)
+        pad = size - tokens
+        if pad:
+            positions = torch.cat((positions, positions.new_zeros(*positions.shape[:-1], pad)), dim=-1)
+            if input_embeds is None:
+                ids = torch.cat((ids, ids.new_zeros(pad)))
+            else:
+                input_embeds = torch.cat((input_embeds, input_embeds.new_zeros(pad, *input_embeds.shape[1:])))
+        _slot.context, _slot.tokens = context, tokens
+        first = size not in self.compiled_buckets
+        start = time.perf_counter()
+        try:
+            hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
+        finally:
+            _slot.context = None
+        if first:
+            self.compiled_buckets.add(size)
+            took = time.perf_counter() - start
+            self.compile_seconds += took
+            log.info("kvcache node '%s': compiled the %d-token bucket in %.1f s", self.node, size, took)
+        return hidden[:tokens]
+
+    def warm_up(self, sizes: Sequence[int] | None = None) -> float:
+        """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds."""
+        if self._compiled is None:
+            return 0.0
+        from mstar_core.nn.attention import DenseAttention
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for size in sizes or self.buckets:
+                ids = torch.zeros(size, dtype=torch.long, device=self.device)
+                self(ids, torch.arange(size, device=self.device), DenseAttention())
+        return time.perf_counter() - start
