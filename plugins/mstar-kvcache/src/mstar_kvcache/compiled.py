@@ -126,6 +126,7 @@ class CompiledForward:
             warnings.warn(f"kvcache node '{node}': compile is on but {self.eager_reason}; running eager",
                           RuntimeWarning, stacklevel=2)
             self._compiled = None
+            self.cuda_graphs = False
             return
         options: dict[str, Any] = {}
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs and self.device.type == "cuda"
@@ -172,6 +173,8 @@ class CompiledForward:
         first = size not in self.compiled_buckets
         start = time.perf_counter()
         try:
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # each step is a new iteration of the graph tree
             hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
         finally:
             _slot.context = None
@@ -180,7 +183,8 @@ class CompiledForward:
             took = time.perf_counter() - start
             self.compile_seconds += took
             log.info("kvcache node '%s': compiled the %d-token bucket in %.1f s", self.node, size, took)
-        return hidden[:tokens]
+        # a CUDA graph's output buffer is overwritten by its next replay: hand out a copy
+        return hidden[:tokens].clone() if self.cuda_graphs else hidden[:tokens]
 
     def warm_up(self, sizes: Sequence[int] | None = None) -> float:
         """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds."""
