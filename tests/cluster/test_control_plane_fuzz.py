@@ -17,12 +17,12 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mstar_transport_shm.link import CONTROL, DATA
 
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_transport_shm.link import CONTROL, DATA
 from mstar_core.wire import Heartbeat, NodeResult, encode
 from mstar_core.wire.auth import make_hello
 from mstar_core.wire.session import MAGIC, Channel
