@@ -68,3 +68,26 @@ def test_a_preempted_call_returns_its_own_rows_after_the_recompute():
         torch.testing.assert_close(got["hidden"], dense(module, ctx + new)[-3:], atol=1e-5, rtol=0)
     got = run(engine, "a", {"input_ids": [12]}, output_rows="last")  # and once more after a's recompute
     torch.testing.assert_close(got["hidden"], dense(module, a + [9, 10, 11, 12])[-1:], atol=1e-5, rtol=0)
+
+
+def test_frames_on_consecutive_and_on_interleaved_pages_equal_dense():
+    module = TinyNode()
+    frames = {rid: [_frame(10 * i + k) for k in range(4)] for i, rid in enumerate(("a", "b"))}
+    alone = engine_for(module, page_size=FRAME)
+    mixed = engine_for(module, page_size=FRAME)
+    for k in range(4):
+        for rid in ("a", "b"):  # two requests taking turns: their pages interleave (attention gathers them)
+            want = dense(module, input_embeds=torch.cat(frames[rid][: k + 1]), mask=_frame_causal(k + 1))[-FRAME:]
+            got = run(mixed, rid, {"input_embeds": frames[rid][k]}, frame_size=FRAME)["hidden"]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            if rid == "a":  # one request alone: lowest pages first, so consecutive (attention reads a view)
+                got = run(alone, rid, {"input_embeds": frames[rid][k]}, frame_size=FRAME)["hidden"]
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert alone.seqs[("a", "main")].pages == [0, 1, 2, 3]
+    assert mixed.seqs[("a", "main")].pages == [0, 2, 4, 6] and mixed.seqs[("b", "main")].pages == [1, 3, 5, 7]
+    # frame-causal sequences are never shared through the prefix cache, so their pages get no digests
+    assert not alone.seqs[("a", "main")].hashes
+    run(alone, "c", {"input_ids": list(range(1, 10))})
+    assert len(alone.seqs[("c", "main")].hashes) == 2
+    alone.release("a")
+    assert alone.pool.allocate() == 0  # freed pages are handed out lowest first again

@@ -75,6 +75,14 @@ def _key_slots(batch: Any, seqs: list[int], length: int) -> tuple[torch.Tensor, 
     return pages * batch.page_size + pos % batch.page_size, pos
 
 
+def _key_span(batch: Any, i: int, length: int) -> torch.Tensor | slice:
+    """Flat slots of sequence `i`'s keys 0..length-1: a slice (a view, no gather) when its pages are consecutive."""
+    pages = batch.page_lists[i][: -(-length // batch.page_size)]
+    if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+        return slice(pages[0] * batch.page_size, pages[0] * batch.page_size + length)
+    return _key_slots(batch, [i], length)[0][0]
+
+
 def _bounds(batch: Any, seqs: list[int], rows: torch.Tensor) -> torch.Tensor:
     """Exclusive key bound of each decoding row: its sequence length, or less under a block mask."""
     bound = torch.tensor([batch.kv_lens[i] for i in seqs], device=rows.device)
@@ -114,7 +122,7 @@ class TorchPagedContext:
             self.decode = (rows, table.reshape(-1), width, mask)
         # longer chunks (prefills) run one sequence at a time: few per step, and no padding waste
         limits = batch.limits
-        self.prefill: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        self.prefill: list[tuple[int, int, torch.Tensor | slice | None, torch.Tensor | None, bool]] = []
         for i, n in enumerate(batch.q_lens):
             if n == 1 or i in readonly:
                 continue
@@ -123,13 +131,13 @@ class TorchPagedContext:
             causal = limits is None or bool(
                 (limits[start : start + n] == batch.positions[start : start + n] + 1).all()
             )
-            slots = None if fresh else _key_slots(batch, [i], kv_len)[0][0]
+            slots = None if fresh else _key_span(batch, i, kv_len)
             mask = None
             if not (fresh and causal):
-                pos = torch.arange(kv_len, device=device)
                 bound = limits[start : start + n] if limits is not None else batch.positions[start : start + n] + 1
-                mask = pos[None, :] < bound[:, None]
-            self.prefill.append((start, n, slots, mask))
+                if causal or int(bound.min()) < kv_len:  # else every row sees every key (a block at the end)
+                    mask = torch.arange(kv_len, device=device)[None, :] < bound[:, None]
+            self.prefill.append((start, n, slots, mask, fresh and causal))
         # read-only sequences: frozen context keys (gathered) then their own keys, which are never stored
         self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for i in sorted(readonly):
@@ -183,14 +191,14 @@ class TorchPagedContext:
             self._attend_lanes(layer, q, k, v, scale, gqa, out)
         if self.decode is not None:
             self._attend_gathered(layer, q, scale, gqa, out)
-        for start, n, slots, mask in self.prefill:
+        for start, n, slots, mask, is_causal in self.prefill:
             qh = q[start : start + n].transpose(0, 1)
             if slots is None:
                 keys, vals = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
             else:
                 keys, vals = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
             res = F.scaled_dot_product_attention(
-                qh.to(keys.dtype), keys, vals, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                qh.to(keys.dtype), keys, vals, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
             )
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         for start, n, ctx, mask in self.readonly:

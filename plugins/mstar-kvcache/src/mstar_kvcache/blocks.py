@@ -118,13 +118,14 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Key the pages that became full so later requests can reuse them."""
+        if not (self.prefix_caching and seq.cacheable):  # keys serve only the prefix cache: skip the digests
+            return
         full = seq.num_computed // self.page_size
         previous = seq.hashes[-1] if seq.hashes else self.root
         for i in range(len(seq.hashes), full):
             previous = self._key(seq, i, previous)
             seq.hashes.append(previous)
-            if self.prefix_caching and seq.cacheable:
-                self.pool.register(seq.pages[i], previous)
+            self.pool.register(seq.pages[i], previous)
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """Drop tokens from `length` on, releasing pages no longer needed."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 import torch
 
@@ -34,7 +35,8 @@ class PagePool:
         self.num_pages, self.page_size = num_pages, page_size
         self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        # lowest page first: one sequence's pages tend to be consecutive, which attention can read as a view
+        self._free: list[int] = list(range(num_pages))  # a heap
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -63,7 +65,7 @@ class PagePool:
     def allocate(self) -> int:
         """Take a page (never-cached first, then the least recently released cached one)."""
         if self._free:
-            page = self._free.popleft()
+            page = heapq.heappop(self._free)
         elif self._evictable:
             page, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(page)]
@@ -86,7 +88,7 @@ class PagePool:
             if page in self._hash_of:
                 self._evictable[page] = None
             else:
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
     def lookup(self, key: bytes) -> int | None:
         """The cached page holding the tokens hashed to `key`, if any."""
@@ -109,7 +111,7 @@ class PagePool:
     def clear_cache(self) -> None:
         """Forget every cached page (used ones stay allocated)."""
         for page in list(self._evictable):
-            self._free.append(page)
+            heapq.heappush(self._free, page)
         self._evictable.clear()
         self._by_hash.clear()
         self._hash_of.clear()
