@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON report")
+    p.add_argument("--sweep", default=None, metavar="N,N,...",
+                   help="closed loop at each of these concurrencies in turn (e.g. 1,4,16,64); one report each")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw latency percentiles and throughput against concurrency (needs matplotlib)")
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -213,9 +217,50 @@ def print_report(rep: dict[str, Any]) -> None:
         print(f"  error        {err}")
 
 
+def _levels(args: argparse.Namespace) -> list[int] | None:
+    if args.sweep is None:
+        return None
+    try:
+        levels = [int(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(n < 1 for n in levels):
+        raise SystemExit(f"mstar bench serve: --sweep wants positive integers like 1,4,16, got {args.sweep!r}")
+    if args.rate:
+        raise SystemExit("mstar bench serve: --sweep is closed loop; drop --rate")
+    return levels
+
+
 def main(args: argparse.Namespace) -> int:
-    rep = asyncio.run(run_bench(args))
-    if not args.json:
-        print_report(rep)
-    print(json.dumps(rep), file=sys.stdout)
-    return 0 if rep["succeeded"] else 1
+    plot = getattr(args, "plot", None)
+    if plot:
+        from mstar_core.bench.plot import require_matplotlib
+
+        if (problem := require_matplotlib()) is not None:  # before any load is sent
+            print(f"mstar bench serve: {problem}", file=sys.stderr)
+            return 2
+        if args.rate:
+            print("mstar bench serve: --plot draws against concurrency; use --concurrency or --sweep, not --rate",
+                  file=sys.stderr)
+            return 2
+    levels = _levels(args) if hasattr(args, "sweep") else None
+    if levels is None:
+        reps = [asyncio.run(run_bench(args))]
+        reps[0]["concurrency"] = None if args.rate else (args.concurrency or 4)
+    else:
+        reps = []
+        for n in levels:
+            args.concurrency = n
+            reps.append(asyncio.run(run_bench(args)) | {"concurrency": n})
+    for rep in reps:
+        if not args.json:
+            print_report(rep)
+    out = reps[0] if levels is None else {"sweep": reps}
+    if plot:
+        from mstar_core.bench.plot import plot_sweep
+
+        out["plot"] = str(plot_sweep(reps, plot))
+        if not args.json:
+            print(f"  plot         {out['plot']}")
+    print(json.dumps(out), file=sys.stdout)
+    return 0 if all(r["succeeded"] for r in reps) else 1
