@@ -4,11 +4,14 @@ from mstar_core.graph.graph import Branch, Graph
 from mstar_core.graph.node import GraphEdge, GraphNode
 from mstar_core.graph.render import to_dot, to_mermaid
 from mstar_core.graph.walk import (
+    Assign,
+    Copy,
     DynamicLoop,
     FromEnv,
     Loop,
     NodeCall,
     Parallel,
+    Rename,
     Sequential,
     StreamingGraphEdge,
     StreamProgress,
@@ -17,7 +20,9 @@ from mstar_core.graph.walk import (
 )
 
 __all__ = [
+    "Assign",
     "Branch",
+    "Copy",
     "DynamicLoop",
     "FromEnv",
     "Graph",
@@ -26,6 +31,7 @@ __all__ = [
     "Loop",
     "NodeCall",
     "Parallel",
+    "Rename",
     "Sequential",
     "StreamProgress",
     "StreamingGraphEdge",

@@ -11,6 +11,7 @@ from mstar_core.errors import GraphValidationError
 from mstar_core.graph.node import GraphEdge, GraphNode
 from mstar_core.graph.options import check_call_options, known_call_options, node_ref_options
 from mstar_core.graph.walk import (
+    Assign,
     DynamicLoop,
     FromEnv,
     Loop,
@@ -21,6 +22,7 @@ from mstar_core.graph.walk import (
     StreamingGraphEdge,
     Walk,
     iter_calls,
+    iter_leaves,
     iter_walk_calls,
 )
 
@@ -255,6 +257,8 @@ class _WalkChecker:
                     self.fail(f"call option '{key}' reads env name '{value.name}', which is not available where the "
                               f"call runs; available: {sorted(avail)}", step.node)
             return avail | {step.env_output(o) for o in node.outputs}
+        if isinstance(step, Assign):
+            return self.assign(step, avail, loop_depth)
         if isinstance(step, Sequential):
             for s in step.steps:
                 avail = self.step(s, avail, loop_depth)
@@ -280,6 +284,19 @@ class _WalkChecker:
         if isinstance(step, Loop | DynamicLoop):
             return self.loop(step, avail, loop_depth)
         raise TypeError(step)
+
+    def assign(self, step: Assign, avail: set[str], loop_depth: int) -> set[str]:
+        where = step.label
+        for dst, src in step.names.items():
+            if src not in avail and not (loop_depth and src == "loop_index"):
+                self.fail(f"{where} reads '{src}', which is not available where it runs; available: {sorted(avail)}")
+            if dst in avail and not step.replace and not (step.move and dst in step.names.values()):
+                self.fail(f"{where} would overwrite '{dst}', which is already available there; pick another name, "
+                          "or pass replace=True if replacing it is the point")
+        out = set(avail) | set(step.names)
+        if step.move:
+            out -= set(step.names.values()) - set(step.names)
+        return out
 
     def fan_out(self, step: Parallel, avail: set[str], loop_depth: int) -> set[str]:
         first_call = next(iter_calls(step.branches[0]), None)
@@ -316,7 +333,7 @@ class _WalkChecker:
                 self.fail(f"DynamicLoop max_iters names '{loop.max_iters}', which is not available", where)
         inner = set(avail) | {loop.index_name}
         outer_loop_outputs = self.loop_outputs
-        self.loop_outputs = outer_loop_outputs | {n for c in iter_calls(loop.body) for n in _call_outputs(self.graph, c)}
+        self.loop_outputs = outer_loop_outputs | {n for c in iter_leaves(loop.body) for n in _leaf_outputs(self.graph, c)}
         after = self.step(loop.body, inner, loop_depth + 1)
         self.loop_outputs = outer_loop_outputs
         for out, into in loop.carry.items():
@@ -428,6 +445,10 @@ class _WalkChecker:
         return self.step(edge.consumer, entry | {edge.into}, loop_depth=0) - {edge.into}
 
 
+def _leaf_outputs(graph: Graph, leaf: NodeCall | Assign) -> set[str]:
+    return set(leaf.names) if isinstance(leaf, Assign) else _call_outputs(graph, leaf)
+
+
 def _call_outputs(graph: Graph, call: NodeCall) -> set[str]:
     return {call.env_output(o) for o in graph.nodes[call.node].outputs}
 
@@ -439,10 +460,16 @@ def _call_inputs(graph: Graph, call: NodeCall) -> set[str]:
 def _derive_edges(graph: Graph, walk: Walk) -> list[GraphEdge]:
     edges: list[GraphEdge] = []
     last_writer: dict[str, tuple[str, str]] = {}
-    calls = list(iter_calls(walk.body))
+    leaves = list(iter_leaves(walk.body))
     # two passes so loop back-edges (a later call feeding an earlier one) show up too
     for pass_no in range(2):
-        for call in calls:
+        for call in leaves:
+            if isinstance(call, Assign):  # a copied value keeps its producer
+                sources = {dst: last_writer.get(src) for dst, src in call.names.items()}
+                for dst, src in sources.items():
+                    if src is not None:
+                        last_writer[dst] = src
+                continue
             node = graph.nodes[call.node]
             if pass_no == 1:
                 for port in node.all_inputs:

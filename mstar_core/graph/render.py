@@ -6,6 +6,7 @@ import attrs
 
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import (
+    Assign,
     DynamicLoop,
     Loop,
     NodeCall,
@@ -16,6 +17,7 @@ from mstar_core.graph.walk import (
     iter_calls,
     iter_loops,
     iter_walk_calls,
+    iter_walk_leaves,
 )
 
 
@@ -47,7 +49,16 @@ class _Layout:
         self.ids = {id(c): f"c{i}" for i, c in enumerate(calls)}
         self.edges: list[tuple[str, str, str, bool]] = []  # (src, dst, env name, back edge)
         writer = {name: f"in_{name}" for name in walk.inputs}
-        for call in calls:
+        assigns = [a for a in iter_walk_leaves(walk) if isinstance(a, Assign)]
+        self.ids.update({id(a): f"a{i}" for i, a in enumerate(assigns)})
+        for call in iter_walk_leaves(walk):
+            if isinstance(call, Assign):  # a copy reads its sources and becomes the writer of its targets
+                sources = {dst: writer.get(src) for dst, src in call.names.items()}
+                for src in call.names.values():
+                    self._edge(writer.get(src), self.ids[id(call)], src, False)
+                for dst in sources:
+                    writer[dst] = self.ids[id(call)]
+                continue
             for port in graph.nodes[call.node].all_inputs:
                 self._edge(writer.get(call.env_input(port)), self.ids[id(call)], call.env_input(port), False)
             for out in graph.nodes[call.node].outputs:
@@ -107,6 +118,9 @@ class _Writer:
     def tree(self, step: Step) -> None:
         if isinstance(step, NodeCall):
             self.box(self.layout.ids[id(step)], self.layout.label(step), rounded=False)
+            return
+        if isinstance(step, Assign):
+            self.box(self.layout.ids[id(step)], step.label, rounded=True)
             return
         children = step.steps if isinstance(step, Sequential) else step.branches if isinstance(step, Parallel) else (step.body,)
         grouped = not isinstance(step, Sequential)

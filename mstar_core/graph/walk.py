@@ -55,6 +55,48 @@ class FromEnv:
         return value
 
 
+@attrs.frozen(init=False)
+class Assign:
+    """Copy env values to other names, without a node: `Assign({"dst": "src"})` or `Assign(dst="src")`.
+
+    Every source is read before any target is written (so `Assign(a="b", b="a")` swaps). With
+    `move=True` (see `Rename`) the sources are dropped afterwards, unless also a target. Checked at
+    build: each source must be available where the step runs, and a target may not already be
+    (that would silently replace a value) unless `replace=True`. Typical uses: two `Parallel`
+    branches running the same fragment each rename its result to their own name; a value copied
+    before a loop overwrites it.
+    """
+
+    names: Mapping[str, str]
+    move: bool = False
+    replace: bool = False
+
+    def __init__(self, names: Mapping[str, str] | None = None, /, *, move: bool = False, replace: bool = False,
+                 **kw: str):
+        merged = {**(names or {}), **kw}
+        if not merged:
+            raise ValueError("Assign needs at least one target: Assign(dst='src') or Assign({'dst': 'src'})")
+        bad = [f"{k}={v!r}" for k, v in merged.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)]
+        if bad:
+            raise ValueError(f"Assign maps env names to env names (non-empty strings), got {', '.join(bad)}")
+        self.__attrs_init__(_frozen_mapping(merged), move, replace)
+
+    @property
+    def label(self) -> str:
+        """How drawings and errors show it: `Copy y = x` or `Rename y = x`."""
+        return f"{'Rename' if self.move else 'Copy'} " + ", ".join(f"{dst} = {src}" for dst, src in self.names.items())
+
+
+def Rename(names: Mapping[str, str] | None = None, /, *, replace: bool = False, **kw: str) -> Assign:
+    """`Assign(..., move=True)`: the value under each source name now lives under its target name only."""
+    return Assign(names, move=True, replace=replace, **kw)
+
+
+def Copy(names: Mapping[str, str] | None = None, /, *, replace: bool = False, **kw: str) -> Assign:
+    """`Assign(...)`: the value under each source name is also under its target name."""
+    return Assign(names, replace=replace, **kw)
+
+
 def _accumulate_map(value: Any) -> Mapping[str, str]:
     """`accumulate` is names (each list stored under the same name) or a map name -> list name."""
     if isinstance(value, Mapping):
@@ -65,7 +107,7 @@ def _accumulate_map(value: Any) -> Mapping[str, str]:
 def _as_step(step: Any) -> Step:
     if isinstance(step, str):
         return NodeCall(step)
-    if isinstance(step, NodeCall | Sequential | Parallel | Loop | DynamicLoop):
+    if isinstance(step, NodeCall | Assign | Sequential | Parallel | Loop | DynamicLoop):
         return step
     raise TypeError(f"a walk step must be a node name or a primitive, got {type(step).__name__}: {step!r}")
 
@@ -149,7 +191,7 @@ class DynamicLoop:
     index_name: str = "loop_index"
 
 
-Step = Union[NodeCall, Sequential, Parallel, Loop, DynamicLoop]  # noqa: UP007 (forward refs)
+Step = Union[NodeCall, Assign, Sequential, Parallel, Loop, DynamicLoop]  # noqa: UP007 (forward refs)
 
 
 @attrs.frozen
@@ -296,16 +338,29 @@ def iter_walk_calls(walk: Walk):
 
 def iter_calls(step: Step):
     """Yield every NodeCall inside a step, depth first, in program order."""
-    if isinstance(step, NodeCall):
+    for leaf in iter_leaves(step):
+        if isinstance(leaf, NodeCall):
+            yield leaf
+
+
+def iter_leaves(step: Step):
+    """Yield every NodeCall and Assign inside a step, depth first, in program order."""
+    if isinstance(step, NodeCall | Assign):
         yield step
     elif isinstance(step, Sequential):
         for s in step.steps:
-            yield from iter_calls(s)
+            yield from iter_leaves(s)
     elif isinstance(step, Parallel):
         for s in step.branches:
-            yield from iter_calls(s)
+            yield from iter_leaves(s)
     else:
-        yield from iter_calls(step.body)
+        yield from iter_leaves(step.body)
+
+
+def iter_walk_leaves(walk: Walk):
+    """Every NodeCall and Assign of a walk: its body's, then its streaming consumer fragments'."""
+    for step in walk_steps(walk):
+        yield from iter_leaves(step)
 
 
 def iter_loops(step: Step):
@@ -319,3 +374,4 @@ def iter_loops(step: Step):
     elif isinstance(step, Parallel):
         for s in step.branches:
             yield from iter_loops(s)
+    # NodeCall and Assign hold no loops

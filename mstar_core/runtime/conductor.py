@@ -23,6 +23,7 @@ from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Walk
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.request import Output
 from mstar_core.runtime.sites import (
+    AssignSite,
     CallSite,
     LoopSite,
     ParallelSite,
@@ -183,6 +184,8 @@ class Conductor:
     async def _step(self, state: RequestState, frame: WalkFrame, site: Site, env: dict[str, Any]) -> None:
         if isinstance(site, CallSite):
             self.after_call(state, frame, site.call, await self._invoke(state, frame, site, env), env, site)
+        elif isinstance(site, AssignSite):
+            self._assign(state, frame, site, env)
         elif isinstance(site, SequenceSite):
             for sub in site.steps:
                 await self._step(state, frame, sub, env)
@@ -197,6 +200,19 @@ class Conductor:
                 await self.run_loop(state, frame, site, env)
         else:  # pragma: no cover - compiled from validated walks
             raise TypeError(site)
+
+    @staticmethod
+    def _assign(state: RequestState, frame: WalkFrame, site: AssignSite, env: dict[str, Any]) -> None:
+        """Copy (or move) env values to other names; every source is read before any target is written."""
+        names = site.spec.names
+        values = {dst: env[src] for dst, src in names.items()}
+        if site.spec.move:
+            for src in set(names.values()) - set(names):
+                env.pop(src, None)
+        env.update(values)
+        for dst, value in values.items():
+            if dst in frame.emit:
+                state.emit(Output(dst, value, frame.walk.name))
 
     async def run_loop(self, state: RequestState, frame: WalkFrame, site: LoopSite, env: dict) -> None:
         """Run a loop here, its node calls going through this process's schedulers."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mstar_core.graph.walk import Walk
+from mstar_core.graph.walk import Assign, Walk, iter_leaves
 from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
 from mstar_core.runtime.remote_values import to_wire
@@ -33,6 +33,8 @@ class RemoteLoop:
         self.calls = list(iter_call_sites(loop.body))
         self.nodes = {c.node for c in self.calls}
         self.scheduler = scheduler
+        # the loop's renames: the worker reports the names it changed, not those a move dropped
+        self.moves = [a for a in iter_leaves(loop.spec.body) if isinstance(a, Assign) and a.move]
 
     async def run(self, conductor: Conductor, state: RequestState, frame: WalkFrame, loop: LoopSite, env: dict) -> None:
         for node in self.nodes:  # state of per-walk nodes moves here before the loop starts
@@ -53,6 +55,10 @@ class RemoteLoop:
             return
         env.update(delta)
         env.pop(loop.spec.index_name, None)
+        for move in self.moves:
+            if any(dst in delta for dst in move.names):  # it ran: its sources left the env, unless made again
+                for src in set(move.names.values()) - set(move.names) - set(delta):
+                    env.pop(src, None)
 
 
 def delegate_loops(conductor: Conductor, cluster: Cluster, model: str) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import (
+    Assign,
     DynamicLoop,
     FromEnv,
     Loop,
@@ -49,6 +50,16 @@ class CallSite:
         self.prioritised = any(e.src_node == call.node and e.priority is not None for e in walk.streams)
 
 
+class AssignSite:
+    """An `Assign` at one position: env values copied (or moved) to other names, no node involved."""
+
+    __slots__ = ("path", "spec")
+
+    def __init__(self, spec: Assign, path: Path):
+        self.spec = spec
+        self.path = path
+
+
 class SequenceSite:
     __slots__ = ("path", "steps")
 
@@ -82,7 +93,7 @@ class LoopSite:
         self.path = path
 
 
-Site = CallSite | SequenceSite | ParallelSite | LoopSite
+Site = CallSite | AssignSite | SequenceSite | ParallelSite | LoopSite
 
 
 class WalkSites:
@@ -111,6 +122,8 @@ def compile_walk(graph: Graph, walk: Walk, scheduler: Callable[[str, str], Any])
     def build(step: Step, path: Path, body_loops: bool) -> Site:
         if isinstance(step, NodeCall):
             return CallSite(graph, walk, step, path, scheduler(walk.name, step.node))
+        if isinstance(step, Assign):
+            return AssignSite(step, path)
         if isinstance(step, Sequential):
             return SequenceSite(tuple(build(s, (*path, i), body_loops) for i, s in enumerate(step.steps)), path)
         if isinstance(step, Parallel):
@@ -149,6 +162,8 @@ def iter_call_sites(site: Site) -> Iterator[CallSite]:
     """Every call site under `site`, depth first in program order (the order of `iter_calls`)."""
     if isinstance(site, CallSite):
         yield site
+    elif isinstance(site, AssignSite):
+        return
     elif isinstance(site, SequenceSite):
         for s in site.steps:
             yield from iter_call_sites(s)

@@ -20,8 +20,10 @@ def mstar_register_models(register):
     from mstar_fixture_plugin.chain import SPEC as CHAIN_SPEC
     from mstar_fixture_plugin.counter import SPEC as STREAM_SPEC
     from mstar_fixture_plugin.model import SPEC
+    from mstar_fixture_plugin.rename import SPEC as RENAME_SPEC
 
     register(SPEC)
+    register(RENAME_SPEC)
     register(STREAM_SPEC)
     register(BLOB_SPEC)
     register(CHAIN_SPEC)
