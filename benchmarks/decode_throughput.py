@@ -10,8 +10,16 @@ fed back through the conductor's decode loop to the `kvcache` engine. All in thi
     in flight, which weighs more the fewer waves there are). M* refills a finished request's
     slot at once; HF `generate` gets the same requests in batches of N with left padding (each
     batch runs to its longest output; tokens/s counts only the tokens asked for);
+    Beside each whole-run figure, the steady state (`*_steady_*`): tokens/s over the steps where
+    the batch is full, i.e. every row of the step yields a token someone asked for (M*: engine steps
+    that answered N requests, timed end to end including the runtime between steps, so refills'
+    prefill chunks riding in a full batch count; `generate`: each batch's decode steps 2..min(outputs),
+    timed by a streamer, its prefill step left out, which favours `generate`);
   * framework tax: 32 requests of equal prompt and output length decoded in lockstep, M* against
-    a bare loop over the same decoder with a preallocated dense KV cache and no framework.
+    a bare loop over the same decoder with a preallocated dense KV cache and no framework;
+  * compiled steps: the same lockstep on a second engine with `compile: true` (the 32-row decode
+    step compiled by inductor, prefill eager): `compiled_speedup` is its full-batch decode tokens/s
+    over the eager engine's, `compile_s` what compiling took (0 when no C++ compiler: it runs eager).
 Greedy decoding everywhere; no prefix caching (runs repeat prompts). Prints one final JSON line.
 """
 
@@ -67,20 +75,62 @@ def workload(n: int, prompt_range, output_range, seed: int):
     return prompts, outputs
 
 
-async def start_engine(loaded, pages: int):
+async def start_engine(loaded, pages: int, **extra):
     """M* as an integrator embeds it: an `AsyncEngine` serving the model; requests go through the conductor."""
     from mstar_core.runtime import AsyncEngine
 
     engine = AsyncEngine()
     # no prefix caching: runs repeat the same prompts, and a cache hit would skip prefill HF has to do
     settings = {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 64,
-                "enable_prefix_caching": False}
+                "enable_prefix_caching": False, **extra}
     await engine.add_model(loaded, settings={"lm": settings})
     return engine
 
 
+class StepClock:
+    """Timestamps every kvcache engine step (end time, requests answered) for the steady-state figures."""
+
+    def __init__(self):
+        from mstar_kvcache import KVCacheEngine
+
+        self.cls, self.original = KVCacheEngine, KVCacheEngine.step
+        self.events: list[tuple[float, int]] = []
+        self.engines: list = []
+        self.t0 = time.perf_counter()
+        clock = self
+
+        def step(engine):
+            results = clock.original(engine)
+            clock.events.append((time.perf_counter(), len(results)))
+            if engine not in clock.engines:
+                clock.engines.append(engine)
+            return results
+
+        KVCacheEngine.step = step
+
+    def start(self) -> None:
+        self.events, self.t0 = [], time.perf_counter()
+
+    def steady(self, full: int) -> tuple[int, float]:
+        """(tokens, seconds) over the steps that answered `full` requests, each timed from the previous step's end."""
+        tokens, seconds, prev = 0, 0.0, self.t0
+        for end, answered in self.events:
+            if answered >= full:
+                tokens, seconds = tokens + answered, seconds + end - prev
+            prev = end
+        return tokens, seconds
+
+    def restore(self) -> None:
+        self.cls.step = self.original
+
+
+CLOCK: StepClock | None = None
+
+
 async def run_mstar(engine, prompts, outputs, concurrency: int | None = None) -> tuple[float, int]:
     """Requests through `AsyncEngine.submit`; a client keeps `concurrency` of them in flight."""
+    if CLOCK is not None:
+        CLOCK.start()
     queue = deque(range(len(prompts)))
     made = 0
 
@@ -97,18 +147,39 @@ async def run_mstar(engine, prompts, outputs, concurrency: int | None = None) ->
     return time.perf_counter() - start, made
 
 
+class StepStamps:
+    """A `generate` streamer used as a clock: `put` is called with the prompt, then once per generated step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+HF_STEADY: list[tuple[int, float]] = []  # (tokens, seconds) of each batch's full steps, for the last run_hf
+
+
 def run_hf(hf, prompts, outputs, concurrency: int | None = None) -> tuple[float, int]:
     """Left-padded `generate` over batches of `concurrency` requests, each run to its longest requested output."""
     size = concurrency or len(prompts)
+    HF_STEADY.clear()
     start = time.perf_counter()
     for lo in range(0, len(prompts), size):
         batch, wanted = prompts[lo : lo + size], outputs[lo : lo + size]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        stamps = StepStamps()
         with torch.no_grad():
             hf.generate(ids, attention_mask=mask, max_new_tokens=max(wanted), min_new_tokens=max(wanted),
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
+                        do_sample=False, eos_token_id=None, pad_token_id=0, streamer=stamps)
+        # decode steps 2..full give every row a token it asked for (step 1 is the batch's prefill, not steady)
+        full = min(wanted)
+        HF_STEADY.append((len(batch) * (full - 1), stamps.times[full] - stamps.times[1]))
     return time.perf_counter() - start, sum(outputs)
 
 
@@ -153,16 +224,33 @@ def run_bare(model, prompts, steps) -> tuple[float, int]:
     return time.perf_counter() - start, b * steps
 
 
-async def best_of(repeats: int, *sides):
-    """Alternate the sides `repeats` times and keep each side's fastest run (shared machines are noisy)."""
+async def best_of(repeats: int, *sides, steady=None):
+    """Alternate the sides `repeats` times and keep each side's fastest run (shared machines are noisy).
+
+    `steady[i]`, when given, reads side i's steady-state (tokens, seconds) right after its run; the
+    best steady rate per side is kept in `best_steady`.
+    """
     best = [None] * len(sides)
+    best_steady.clear()
+    best_steady.extend([0.0] * len(sides))
     for _ in range(repeats):
         for i, side in enumerate(sides):
             result = side()
             took, made = await result if asyncio.iscoroutine(result) else result
             if best[i] is None or took < best[i][0]:
                 best[i] = (took, made)
+            if steady is not None and steady[i] is not None:
+                tokens, seconds = steady[i]()
+                if seconds > 0:
+                    best_steady[i] = max(best_steady[i], tokens / seconds)
     return best
+
+
+best_steady: list[float] = []
+
+
+def hf_steady() -> tuple[int, float]:
+    return sum(t for t, _ in HF_STEADY), sum(s for _, s in HF_STEADY)
 
 
 async def main_async(args) -> dict:
@@ -176,30 +264,68 @@ async def main_async(args) -> dict:
         prompt_range, output_range, lock = (16, 64), (16, 256), (32, 128)
     # room for 32 requests of the longest prompt and output at once, plus the lockstep run's
     pages = 32 * -(-(prompt_range[1] + output_range[1]) // 16) + 64
+    global CLOCK
+    CLOCK = StepClock()
     engine = await start_engine(loaded, pages)
     figures: dict[str, float] = {}
-    await run_mstar(engine, *workload(2, (4, 8), (2, 4), 99))  # warm-up
+    try:
+        await run_mstar(engine, *workload(2, (4, 8), (2, 4), 99))  # warm-up
 
-    for n in (1, 8, 32):
-        prompts, outputs = workload(args.waves * n, prompt_range, output_range, seed=n)
-        (t_m, tok_m), (t_h, tok_h) = await best_of(args.repeats, lambda p=prompts, o=outputs, c=n: run_mstar(engine, p, o, c),
-                                                   lambda p=prompts, o=outputs, c=n: run_hf(hf, p, o, c))
-        assert tok_m == sum(outputs), f"M* made {tok_m} tokens, {sum(outputs)} were asked for"
-        figures[f"mstar_tok_s_{n}"] = round(tok_m / t_m, 1)
-        figures[f"hf_tok_s_{n}"] = round(tok_h / t_h, 1)
-        figures[f"vs_hf_generate_{n}"] = round((tok_m / t_m) / (tok_h / t_h), 3)
-        print(f"concurrency {n:2d}: M* {tok_m / t_m:8.1f} tok/s   HF generate {tok_h / t_h:8.1f} tok/s", flush=True)
-    p_len, steps = lock
-    prompts = [[(7 * i + j) % SHAPE["vocab_size"] + 1 for j in range(p_len)] for i in range(32)]
-    (t_b, tok_b), (t_m, tok_m) = await best_of(args.repeats, lambda: run_bare(decoder, prompts, steps),
-                                               lambda: run_mstar(engine, prompts, [steps] * 32))
-    await engine.close()
-    figures["bare_tok_s_32"] = round(tok_b / t_b, 1)
-    figures["mstar_lockstep_tok_s_32"] = round(tok_m / t_m, 1)
-    print(f"lockstep 32: M* {tok_m / t_m:8.1f} tok/s   bare loop {tok_b / t_b:8.1f} tok/s", flush=True)
-    figures["vs_hf_generate"] = figures["vs_hf_generate_32"]
-    figures["vs_bare_loop"] = round((tok_m / t_m) / (tok_b / t_b), 3)
+        for n in (1, 8, 32):
+            prompts, outputs = workload(args.waves * n, prompt_range, output_range, seed=n)
+            (t_m, tok_m), (t_h, tok_h) = await best_of(
+                args.repeats, lambda p=prompts, o=outputs, c=n: run_mstar(engine, p, o, c),
+                lambda p=prompts, o=outputs, c=n: run_hf(hf, p, o, c), steady=[lambda c=n: CLOCK.steady(c), hf_steady])
+            assert tok_m == sum(outputs), f"M* made {tok_m} tokens, {sum(outputs)} were asked for"
+            steady_m, steady_h = best_steady
+            figures[f"mstar_tok_s_{n}"] = round(tok_m / t_m, 1)
+            figures[f"hf_tok_s_{n}"] = round(tok_h / t_h, 1)
+            figures[f"vs_hf_generate_{n}"] = round((tok_m / t_m) / (tok_h / t_h), 3)
+            figures[f"mstar_steady_tok_s_{n}"] = round(steady_m, 1)
+            figures[f"hf_steady_tok_s_{n}"] = round(steady_h, 1)
+            figures[f"vs_hf_generate_steady_{n}"] = round(steady_m / steady_h, 3)
+            print(f"concurrency {n:2d}: M* {tok_m / t_m:8.1f} tok/s   HF generate {tok_h / t_h:8.1f} tok/s   "
+                  f"full batch: M* {steady_m:8.1f}   HF {steady_h:8.1f}", flush=True)
+        p_len, steps = lock
+        prompts = [[(7 * i + j) % SHAPE["vocab_size"] + 1 for j in range(p_len)] for i in range(32)]
+        (t_b, tok_b), (t_m, tok_m) = await best_of(args.repeats, lambda: run_bare(decoder, prompts, steps),
+                                                   lambda: run_mstar(engine, prompts, [steps] * 32),
+                                                   steady=[None, lambda: CLOCK.steady(32)])
+        eager_steady = best_steady[1]
+        figures["bare_tok_s_32"] = round(tok_b / t_b, 1)
+        figures["mstar_lockstep_tok_s_32"] = round(tok_m / t_m, 1)
+        print(f"lockstep 32: M* {tok_m / t_m:8.1f} tok/s   bare loop {tok_b / t_b:8.1f} tok/s", flush=True)
+        figures["vs_hf_generate"] = figures["vs_hf_generate_32"]
+        figures["vs_hf_generate_steady"] = figures["vs_hf_generate_steady_32"]
+        figures["vs_bare_loop"] = round((tok_m / t_m) / (tok_b / t_b), 3)
+        figures.update(await compiled_figures(loaded, pages, prompts, steps, args.repeats, eager_steady))
+    finally:
+        CLOCK.restore()
+        await engine.close()
     return {"benchmark": "decode_throughput", "quick": args.quick, "threads": args.threads, "waves": args.waves, **figures}
+
+
+async def compiled_figures(loaded, pages, prompts, steps, repeats, eager_steady) -> dict[str, float]:
+    """The lockstep on an engine with `compile: true` (decode bucket 32; prefill chunks run eager)."""
+    engine = await start_engine(loaded, pages, compile=True, compile_buckets=[32])
+    try:
+        CLOCK.engines.clear()
+        started = time.perf_counter()
+        await run_mstar(engine, prompts[:32], [4] * 32)  # first 32-row decode step compiles
+        warm = time.perf_counter() - started
+        forward = CLOCK.engines[0].forward_fn
+        compile_s = getattr(forward, "compile_seconds", 0.0)
+        (t_c, tok_c), = await best_of(repeats, lambda: run_mstar(engine, prompts, [steps] * 32),
+                                      steady=[lambda: CLOCK.steady(32)])
+        compiled_steady = best_steady[0]
+    finally:
+        await engine.close()
+    eager = getattr(forward, "eager_reason", None)
+    print(f"compiled lockstep 32: {tok_c / t_c:8.1f} tok/s; full-batch decode {compiled_steady:.1f} vs eager "
+          f"{eager_steady:.1f} tok/s; compiling took {compile_s:.1f} s (warm-up run {warm:.1f} s)"
+          + (f"; ran eager: {eager}" if eager else ""), flush=True)
+    return {"compiled_lockstep_tok_s_32": round(tok_c / t_c, 1), "compiled_steady_tok_s_32": round(compiled_steady, 1),
+            "compiled_speedup": round(compiled_steady / eager_steady, 3), "compile_s": round(compile_s, 1)}
 
 
 def main() -> None:
