@@ -93,8 +93,8 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
     """
     choices: list[Choice] = []
 
-    def add(p: int, i: int) -> Choice:
-        handle = submit(state, model, inputs_for(prompts[p], i))
+    async def add(p: int, i: int) -> Choice:
+        handle = await submit(state, model, inputs_for(prompts[p], i))
         choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens)
         choices.append(choice)
         return choice
@@ -103,11 +103,11 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
         choice.first, choice.rest = await first_then_rest(request, choice.handle)
 
     try:
-        leaders = [add(p, 0) for p in range(len(prompts))]
+        leaders = [await add(p, 0) for p in range(len(prompts))]
         await asyncio.gather(*(prime(c) for c in leaders))
         if started is not None:
             observe_ttft(state, model, started)
-        followers = [add(p, i) for p in range(len(prompts)) for i in range(1, n)]
+        followers = [await add(p, i) for p in range(len(prompts)) for i in range(1, n)]
         await asyncio.gather(*(prime(c) for c in followers))
     except BaseException:
         for choice in choices:

@@ -33,8 +33,12 @@ def adapter_call(fn: Callable[..., Any], *args: Any, what: str, **kw: Any) -> An
         raise ApiError(400, f"{what} rejected the request: {type(exc).__name__}: {exc}") from None
 
 
-def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
-    """`AsyncEngine.submit` with its errors mapped: RequestError keeps its status (503 gets Retry-After)."""
+async def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
+    """`AsyncEngine.submit` with its errors mapped: RequestError keeps its status (503 gets Retry-After).
+
+    The request is prepared off the event loop (`AsyncEngine.prepare`: tokenizing, decoding and
+    resizing uploads), so one large upload does not stall every other request's stream.
+    """
     if state.draining:
         raise ApiError(503, "the server is shutting down; retry against another instance",
                        headers={"Retry-After": "5"})
@@ -44,7 +48,7 @@ def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
                        headers={"Retry-After": "1"})
     try:
         # prepare here (not in submit) so routes keep the prepared inputs, e.g. prompt ids for `usage`
-        prepared = state.engine.models[model].prepare_inputs(inputs)
+        prepared = await state.engine.prepare(model, inputs)
         handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True)
     except RequestError as exc:
         raise from_request_error(exc) from None

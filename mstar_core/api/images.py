@@ -53,7 +53,7 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
             if body.seed is not None:
                 one["seed"] = (body.seed + i) % (MAX_SEED + 1)  # distinct but reproducible images, still in range
             inputs = adapter_call(adapter.image_inputs, one, edit=edit, what=f"the images adapter of '{body.model}'")
-            handles.append(submit(state, body.model, inputs))
+            handles.append(await submit(state, body.model, inputs))
         if len(handles) == 1:
             envs = [await result_or_disconnect(request, handles[0])]
         else:

@@ -143,6 +143,14 @@ def native_example(url: str, name: str, loaded: Any, auth: str = "") -> list[str
             f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{body}'"]
 
 
+def serving_engine(registry: Any, config: ServerConfig) -> Any:
+    """The server's AsyncEngine. The serving process owns its host, so unlike an embedding application it
+    splits the cores evenly with the worker processes a placement spawns here (`torch_threads="share"`)."""
+    from mstar_core.runtime import AsyncEngine
+
+    return AsyncEngine(registry, max_running=config.max_running, max_queued=config.max_queued, torch_threads="share")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; in-flight requests get `--drain-timeout` seconds, then are cancelled."""
     import uvicorn
@@ -165,9 +173,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
 
     def engine_factory():
-        from mstar_core.runtime import AsyncEngine
-
-        return AsyncEngine(registry, max_running=config.max_running, max_queued=config.max_queued)
+        return serving_engine(registry, config)
 
     app_box: list[Any] = []
 

@@ -57,7 +57,7 @@ async def run_walks(model: str, body: WalkRequest, request: Request):
         inputs = decode_inputs(body.inputs)
     except RequestError as exc:
         raise ApiError(400, str(exc), param=exc.param or "inputs") from None
-    handle = submit(state, model, inputs)
+    handle = await submit(state, model, inputs)
     if not body.stream:
         env = await result_or_disconnect(request, handle)
         try:

@@ -48,7 +48,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     check_fields(payload)  # sampling extras (seed, temperature, max_tokens, ...) mean the same for every model
     inputs = adapter_call(adapter.speech_inputs, payload, what=f"the speech adapter of '{body.model}'")
     started = time.perf_counter()
-    handle = submit(state, body.model, inputs)
+    handle = await submit(state, body.model, inputs)
     streaming = (payload.get("stream") is not False) or body.stream_format == "sse"
     encoder = AudioEncoder(body.response_format, int(adapter.sample_rate), stream=streaming)
     first, rest = await first_then_rest(request, handle)
