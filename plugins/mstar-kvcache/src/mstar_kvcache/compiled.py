@@ -121,6 +121,7 @@ class CompiledForward:
         self.node = node
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.eager_reason = compiler_missing(self.device)
         if self.eager_reason is not None:
             warnings.warn(f"kvcache node '{node}': compile is on but {self.eager_reason}; running eager",
@@ -144,6 +145,23 @@ class CompiledForward:
             return self.module(ids, positions, _OPAQUE)
         return self.module(None, positions, _OPAQUE, input_embeds=embeds)
 
+    def _stage(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
+        """`tensor` (tokens on its last dim for positions, first dim otherwise) copied into the bucket's zero-padded buffer."""
+        last = name == "positions"
+        shape = (*tensor.shape[:-1], size) if last else (size, *tensor.shape[1:])
+        key = (name, size)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != tensor.dtype or buf.device != tensor.device:
+            buf = self._buffers[key] = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+        tokens = tensor.shape[-1] if last else tensor.shape[0]
+        if last:
+            buf[..., :tokens].copy_(tensor)
+            buf[..., tokens:].zero_()
+        else:
+            buf[:tokens].copy_(tensor)
+            buf[tokens:].zero_()
+        return buf
+
     def bucket(self, tokens: int) -> int | None:
         """The smallest bucket holding `tokens`, or None (run eager)."""
         return next((b for b in self.buckets if b >= tokens), None)
@@ -162,13 +180,15 @@ class CompiledForward:
             if input_embeds is None:
                 return self.module(ids, positions, context, **kwargs)
             return self.module(None, positions, context, input_embeds=input_embeds, **kwargs)
-        pad = size - tokens
-        if pad:
-            positions = torch.cat((positions, positions.new_zeros(*positions.shape[:-1], pad)), dim=-1)
+        # inputs go into one fixed buffer per bucket: the same kind of tensor every call (an inference
+        # tensor here, a plain one there would fail dynamo's guards and compile again), and static
+        # addresses for CUDA graphs
+        with torch.inference_mode():
+            positions = self._stage("positions", positions, size)
             if input_embeds is None:
-                ids = torch.cat((ids, ids.new_zeros(pad)))
+                ids = self._stage("ids", ids, size)
             else:
-                input_embeds = torch.cat((input_embeds, input_embeds.new_zeros(pad, *input_embeds.shape[1:])))
+                input_embeds = self._stage("embeds", input_embeds, size)
         _slot.context, _slot.tokens = context, tokens
         first = size not in self.compiled_buckets
         start = time.perf_counter()

@@ -1,0 +1,272 @@
+"""GPU runbook: what only a CUDA machine can show, in one run (under 8 minutes on one H100/H200), one JSON line.
+
+  * `flashinfer`: FlashInfer against the torch paged backend on the same bf16 Llama (1B shape, random
+    weights): max |logit difference| of the prefill step (target <= 1e-2 relative to the logit scale)
+    and greedy tokens over 64 steps for 8 requests (target: identical; with random weights a bf16
+    near-tie can flip a token, so the first divergence and the margin there are reported too);
+  * `cuda_graphs`: the kvcache engine with `compile: true` (inductor + CUDA graphs of the pieces
+    between attention calls) against eager, fp32: max |logit difference| over 32 decode steps and
+    greedy tokens, plus decode tokens/s both ways;
+  * `llama8b`: Llama-3-8B shape (random bf16 weights) decode tokens/s at 32 and 128 concurrent
+    requests (prompt 128, 128 new tokens, lockstep; steady = full-batch decode steps);
+  * `orpheus3b`: Orpheus at the Llama-3.2-3B shape with the real 24 kHz SNAC shape (random weights,
+    the tiny tokenizer, so a smaller vocabulary), through `AsyncEngine`: TTFA and audio-seconds per
+    second at c=1 and c=16 (published reference on one H100: about 3.4 and 24.2 audio-s/s).
+
+Each section is timed, fails alone (its error goes into the JSON) and is skipped when the budget
+(`--budget`, seconds) is spent. Without CUDA it prints `{"cuda": false, ...}` and exits 0;
+`--smoke` runs every section at toy shapes on the CPU instead (to check the script itself).
+
+    python benchmarks/gpu_check.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False)
+ORPHEUS_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                  num_key_value_heads=8)
+TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
+           tie_word_embeddings=False)
+
+
+def random_llama(cfg: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A Llama built straight on `device` in `dtype` with seeded random weights (no checkpoint on disk)."""
+    from mstar_core.nn import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM({"model_type": "llama", **cfg})
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            p.normal_(0, 0.02 if "embed" not in name else 1.0)
+    return model.eval()
+
+
+def make_engine(model, device: torch.device, **settings):
+    from mstar_kvcache import KVCacheEngine
+
+    from mstar_core.graph import GraphNode
+    from mstar_core.runtime.engine import EngineContext
+
+    node = GraphNode("lm", inputs=("input_ids",), outputs=("next_token", "finish_reason", "logits"), engine="kvcache",
+                     optional_inputs=("sampling",))
+    return KVCacheEngine(node, model, EngineContext("gpu_check", device, settings))
+
+
+def drive(engine, prompts: list[list[int]], steps: int, sync=lambda: None) -> dict[str, Any]:
+    """Greedy lockstep decode straight on the engine; tokens, first-step logits, and per-step times."""
+    from mstar_core.runtime.engine import Invocation
+
+    tokens = {i: [] for i in range(len(prompts))}
+    first_logits: dict[int, torch.Tensor] = {}
+    step_times: list[tuple[int, float]] = []
+    for i, p in enumerate(prompts):
+        engine.add(Invocation(f"r{i}", "lm", {"input_ids": p}, {}))
+    while engine.has_work():
+        started = time.perf_counter()
+        results = engine.step()
+        sync()
+        step_times.append((len(results), time.perf_counter() - started))
+        for inv, res in results:
+            if isinstance(res, BaseException):
+                raise res
+            i = int(inv.request_id[1:])
+            if i not in first_logits:
+                first_logits[i] = torch.as_tensor(res["logits"]).float().reshape(-1).cpu()
+            tokens[i].append(int(res["next_token"]))
+            if len(tokens[i]) < steps:
+                engine.add(Invocation(inv.request_id, "lm", {"input_ids": res["next_token"]}, {}))
+            else:
+                engine.release(inv.request_id)
+    full = [dt for n, dt in step_times if n == len(prompts)][1:]  # decode steps with the whole batch
+    decode_tok_s = len(prompts) * len(full) / sum(full) if full else None
+    return {"tokens": tokens, "first_logits": first_logits, "decode_tok_s": decode_tok_s}
+
+
+def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(31 * i + 7 * j) % (vocab - 1) + 1 for j in range(length)] for i in range(n)]
+
+
+def compare(a: dict, b: dict) -> dict[str, Any]:
+    diff = max(float((a["first_logits"][i] - b["first_logits"][i]).abs().max()) for i in a["first_logits"])
+    scale = max(float(a["first_logits"][i].abs().max()) for i in a["first_logits"])
+    divergence = None
+    for i in sorted(a["tokens"]):
+        for s, (x, y) in enumerate(zip(a["tokens"][i], b["tokens"][i], strict=True)):
+            if x != y:
+                divergence = {"request": i, "step": s} if divergence is None or s < divergence["step"] else divergence
+                break
+    return {"max_abs_logit_diff": diff, "logit_scale": scale, "relative_logit_diff": diff / max(scale, 1e-9),
+            "greedy_identical": divergence is None, "first_divergence": divergence}
+
+
+def check_flashinfer(device, smoke: bool) -> dict[str, Any]:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return {"skipped": "flashinfer is not installed (pip install flashinfer-python)"}
+    cfg = TOY if smoke else LLAMA_1B
+    model = random_llama(cfg, device, torch.bfloat16)
+    prompts = prompts_for(8, 96, cfg["vocab_size"])
+    runs = {}
+    for backend in ("torch", "flashinfer"):
+        engine = make_engine(model, device, num_pages=512, page_size=16, attention_backend=backend,
+                             enable_prefix_caching=False)
+        runs[backend] = drive(engine, prompts, 64, torch.cuda.synchronize)
+    out = compare(runs["torch"], runs["flashinfer"])
+    out |= {"decode_tok_s_torch": runs["torch"]["decode_tok_s"], "decode_tok_s_flashinfer": runs["flashinfer"]["decode_tok_s"],
+            "ok": out["relative_logit_diff"] <= 1e-2 and out["greedy_identical"]}
+    return out
+
+
+def check_cuda_graphs(device, smoke: bool) -> dict[str, Any]:
+    cfg = TOY if smoke else LLAMA_1B
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = random_llama(cfg, device, torch.float32)
+    prompts = prompts_for(16, 48, cfg["vocab_size"])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    eager = drive(make_engine(model, device, num_pages=256, page_size=16, attention_backend="torch",
+                              enable_prefix_caching=False), prompts, 32, sync)
+    engine = make_engine(model, device, num_pages=256, page_size=16, attention_backend="torch",
+                         enable_prefix_caching=False, compile=True, compile_buckets=[16, 1024])
+    started = time.perf_counter()
+    drive(engine, prompts[:2], 2, sync)  # compiles (and captures) the buckets this run uses
+    drive(engine, prompts, 2, sync)
+    warm = time.perf_counter() - started
+    graphed = drive(engine, prompts, 32, sync)
+    out = compare(eager, graphed)
+    forward = engine.forward_fn
+    out |= {"cuda_graphs": bool(getattr(forward, "cuda_graphs", False)), "eager_reason": forward.eager_reason,
+            "compile_s": forward.compile_seconds, "warm_up_s": warm, "decode_tok_s_eager": eager["decode_tok_s"],
+            "decode_tok_s_graphs": graphed["decode_tok_s"],
+            "ok": out["relative_logit_diff"] <= 1e-4 and out["greedy_identical"]}
+    return out
+
+
+def check_llama8b(device, smoke: bool) -> dict[str, Any]:
+    cfg = TOY if smoke else LLAMA_8B
+    model = random_llama(cfg, device, torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out: dict[str, Any] = {}
+    for n in (32, 128):
+        engine = make_engine(model, device, num_pages=n * 17 + 64, page_size=16, max_num_seqs=n,
+                             max_num_batched_tokens=4096, enable_prefix_caching=False)
+        started = time.perf_counter()
+        run = drive(engine, prompts_for(n, 128, cfg["vocab_size"]), 16 if smoke else 128, sync)
+        wall = time.perf_counter() - started
+        made = sum(len(t) for t in run["tokens"].values())
+        out[f"c{n}"] = {"tok_s": made / wall, "steady_decode_tok_s": run["decode_tok_s"], "wall_s": wall}
+        del engine
+    return out
+
+
+async def _orpheus(device, smoke: bool) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mstar_orpheus.model import load_orpheus
+    from mstar_orpheus.preset import write_tiny
+    from mstar_orpheus.snac import SNACConfig
+    from orpheus_streaming import request_lengths, run_mstar
+
+    from mstar_core.model import LoadOptions
+    from mstar_core.runtime import AsyncEngine
+
+    snac = SNACConfig(decoder_dim=64) if smoke else SNACConfig()  # defaults: the real 24 kHz model's shape
+    lm = {} if smoke else ORPHEUS_3B
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        directory = write_tiny(Path(tmp), seed=0, snac=snac, **lm)
+        loaded = load_orpheus(LoadOptions(checkpoint=str(directory), device=str(device),
+                                          dtype="float32" if device.type == "cpu" else "bfloat16"), progress=False)
+        build_s = time.perf_counter() - started
+    rate = loaded.extras["sample_rate"]
+    engine = AsyncEngine()
+    await engine.add_model(loaded, settings={"lm": {"num_pages": 4096}})
+    out: dict[str, Any] = {"build_s": build_s}
+    try:
+        await run_mstar(engine, [35, 35], rate)  # warm-up
+        for c in (1, 16):
+            lengths = [210] if c == 1 else request_lengths(c, 63, 210)
+            got = await run_mstar(engine, lengths if not smoke else [35] * c, rate)
+            out[f"c{c}"] = {"ttfa_s": got["ttfa_s"], "audio_s_per_s": got["audio_s_per_s"], "rtf": got["rtf"]}
+    finally:
+        await engine.close()
+    out["reference_h100_audio_s_per_s"] = {"c1": 3.4, "c16": 24.2}
+    return out
+
+
+def check_orpheus3b(device, smoke: bool) -> dict[str, Any]:
+    return asyncio.run(_orpheus(device, smoke))
+
+
+SECTIONS = [("flashinfer", check_flashinfer, 60), ("cuda_graphs", check_cuda_graphs, 120),
+            ("llama8b", check_llama8b, 120), ("orpheus3b", check_orpheus3b, 150)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds; a section that may not fit is skipped")
+    parser.add_argument("--smoke", action="store_true", help="no CUDA needed: every section at toy shapes on the CPU")
+    parser.add_argument("--only", default=None, help="comma-separated sections to run")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"benchmark": "gpu_check", "cuda": torch.cuda.is_available()}
+    if not torch.cuda.is_available() and not args.smoke:
+        report["skipped"] = "no CUDA device: nothing to check here (run on a GPU machine, or --smoke for the script)"
+        print(json.dumps(report))
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cuda":
+        report["device"] = torch.cuda.get_device_name(device)
+        report["torch"] = torch.__version__
+    wanted = set(args.only.split(",")) if args.only else None
+    start = time.perf_counter()
+    for name, check, expected in SECTIONS:
+        if wanted is not None and name not in wanted:
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if left < expected and not args.smoke:
+            report[name] = {"skipped": f"budget: {left:.0f} s left, this section takes about {expected} s"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            report[name] = check(device, args.smoke)
+        except Exception as exc:  # one section's failure is a finding, not the end of the run
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=4)[-1500:]}
+        report[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"{name}: {json.dumps(report[name], default=str)[:400]}", file=sys.stderr, flush=True)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
