@@ -85,3 +85,22 @@ def test_buckets():
 
     assert default_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     assert default_buckets(48) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_failing_compile_falls_back_to_eager_with_a_warning():
+    from mstar_kvcache.compiled import CompiledForward
+
+    from mstar_core.nn.attention import DenseAttention
+
+    model = _tiny_llama()
+    forward = CompiledForward(model, torch.device("cpu"), [8])
+
+    def broken(*args):
+        raise RuntimeError("inductor fell over")
+
+    forward._compiled = broken
+    ids = torch.arange(1, 6)
+    with torch.inference_mode(), pytest.warns(RuntimeWarning, match="compiling the 8-token step failed"):
+        got = forward(ids, torch.arange(5), DenseAttention())
+        want = model(ids, torch.arange(5), DenseAttention())
+    assert torch.equal(got, want) and forward.eager_reason.startswith("compile failed")

@@ -196,6 +196,19 @@ class CompiledForward:
             if self.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # each step is a new iteration of the graph tree
             hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
+        except Exception as exc:
+            if not first:
+                raise
+            # compiling failed: serve eager from now on (a fault of this step's inputs fails eager too);
+            # the KV rows this attempt wrote are rewritten by the eager run
+            warnings.warn(f"kvcache node '{self.node}': compiling the {size}-token step failed "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); running eager", RuntimeWarning, stacklevel=2)
+            self._compiled, self.eager_reason = None, f"compile failed: {type(exc).__name__}"
+            self.cuda_graphs = False
+            _slot.context = None
+            real = ids[:tokens] if input_embeds is None else None
+            embeds = None if input_embeds is None else input_embeds[:tokens]
+            return self(real, positions[..., :tokens], context, input_embeds=embeds)
         finally:
             _slot.context = None
         if first:
