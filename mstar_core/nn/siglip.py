@@ -1,0 +1,125 @@
+"""SigLIP vision transformer: patch embedding, learned positions, pre-LN blocks, post-LN (no pooling head).
+
+Parameter names are HF `SiglipVisionTransformer`'s (`embeddings.{patch_embedding, position_embedding}`,
+`encoder.layers.N.{layer_norm1, self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}`,
+`post_layernorm`), so the `vision_model.*` / `vision_tower.*` subtree of a checkpoint loads by prefix.
+Images attend within themselves only, so this runs dense (no KV cache): a stateless-engine module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.errors import ConfigError
+from mstar_core.nn.mlp import MLP
+from mstar_core.nn.norm import LayerNorm
+
+
+@attrs.frozen(kw_only=True)
+class SiglipVisionConfig:
+    """Vision tower sizes; `from_hf` reads a HF `siglip_vision_model` config dict strictly."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> SiglipVisionConfig:
+        names = [f.name for f in attrs.fields(cls)]
+        required = [n for n in names[:6] if cfg.get(n) is None]
+        if required:
+            raise ConfigError(f"siglip vision config: missing required key(s) {required}")
+        values = {n: cfg[n] for n in names if cfg.get(n) is not None}
+        for key in names[:7]:
+            if not isinstance(values.get(key, 1), int) or isinstance(values.get(key), bool):
+                raise ConfigError(f"siglip vision config: key '{key}' must be an int, got {values[key]!r}")
+        if values["hidden_size"] % values["num_attention_heads"]:
+            raise ConfigError("siglip vision config: hidden_size must be a multiple of num_attention_heads")
+        return cls(**values)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"model_type": "siglip_vision_model", **attrs.asdict(self)}
+
+
+class SiglipAttention(nn.Module):
+    """Multi-head self-attention over one image's patches (all see all), biases on every projection."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class SiglipEncoderLayer(nn.Module):
+    def __init__(self, cfg: SiglipVisionConfig):
+        super().__init__()
+        self.layer_norm1 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.self_attn = SiglipAttention(cfg.hidden_size, cfg.num_attention_heads)
+        self.layer_norm2 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class SiglipEmbeddings(nn.Module):
+    def __init__(self, cfg: SiglipVisionConfig):
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.hidden_size)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        return patches + self.position_embedding.weight[None]
+
+
+class SiglipEncoder(nn.Module):
+    def __init__(self, cfg: SiglipVisionConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(SiglipEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+class SiglipVisionTransformer(nn.Module):
+    """Pixels `[B, C, S, S]` (S = image_size, values in [-1, 1]) -> patch features `[B, (S/p)², hidden]`."""
+
+    def __init__(self, cfg: SiglipVisionConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.encoder = SiglipEncoder(cfg)
+        self.post_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        s = self.config.image_size
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (self.config.num_channels, s, s):
+            raise ValueError(f"SigLIP expects pixels [B, {self.config.num_channels}, {s}, {s}], got {tuple(pixels.shape)}")
+        x = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)

@@ -1,0 +1,76 @@
+"""A dense, single-request run of the policy with the same modules the engines serve (tests and benchmarks).
+
+`PrefixCache` is the smallest KV cache that fits the `AttentionContext` contract: a writing forward
+stores each layer's keys and values, a reading forward attends to them plus its own rows (never stored).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mstar_pi05.modeling import ActionExpert, Pi0Prefix, Policy
+
+
+class PrefixCache:
+    """Per-layer K/V of one sequence. `mask` `[Tq, Tcached + Tq]` (True = may attend) applies to the next forward."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.write = True
+        self.mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if not self.k else self.k[0].shape[0]
+
+    def attend(self, layer, q, k, v, scale):
+        if layer in self.k:
+            k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
+        if self.write:
+            self.k[layer], self.v[layer] = k, v
+        reps = q.shape[1] // k.shape[1]
+        qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(reps, 1).transpose(0, 1), v.repeat_interleave(reps, 1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask, scale=scale)
+        return out.transpose(0, 1)
+
+
+@torch.inference_mode()
+def write_prefix(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Tensor,
+                 state: torch.Tensor | None = None) -> PrefixCache:
+    """Images `[n, P, W]` then text ids `[L]` as one bidirectional block (and pi0's state token after it, causal)."""
+    lm = policy.language_model
+    embeds = torch.cat([image_tokens.reshape(-1, image_tokens.shape[-1]), lm.embed(input_ids)])
+    n = embeds.shape[0]
+    cache = PrefixCache()
+    cache.mask = torch.ones(n, n, dtype=torch.bool)
+    lm(None, torch.arange(n), cache, input_embeds=embeds)
+    if not policy.config.pi05:
+        cache.mask = None  # one row: sees the prefix and itself
+        routing = torch.ones(1, dtype=torch.long)
+        Pi0Prefix(policy)(torch.zeros(1, dtype=torch.long), torch.tensor([n]), cache,
+                          input_embeds=embeds.new_zeros(1, embeds.shape[1]), routing=routing,
+                          state=state.reshape(1, -1))
+    return cache
+
+
+@torch.inference_mode()
+def velocity(policy: Policy, cache: PrefixCache, actions: torch.Tensor, t: float) -> torch.Tensor:
+    """One expert forward over the cached prefix: actions `[H, A]` at flow time `t` -> velocity `[H, A]`."""
+    n, h = len(cache), actions.shape[0]
+    cache.write, cache.mask = False, None  # the suffix sees everything: prefix and all of itself
+    expert = ActionExpert(policy)
+    hidden = expert(None, torch.arange(n, n + h), cache, input_embeds=actions,
+                    timestep=torch.tensor([t], dtype=torch.float32), sequence_index=torch.zeros(h, dtype=torch.long))
+    return expert.compute_velocity(hidden)
+
+
+@torch.inference_mode()
+def sample_actions(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Tensor, noise: torch.Tensor,
+                   state: torch.Tensor | None = None, num_steps: int = 10) -> torch.Tensor:
+    """Euler from t=1 to 0 in `num_steps` steps (dt = -1/num_steps), the prefix computed once."""
+    cache = write_prefix(policy, image_tokens, input_ids, state)
+    x, dt = noise, -1.0 / num_steps
+    for step in range(num_steps):
+        x = x + dt * velocity(policy, cache, x, 1.0 + step * dt)
+    return x
