@@ -31,16 +31,17 @@ from mstar_vjepa import checkpoint as ckpt
 from mstar_vjepa.ac_predictor import PagedACPredictor
 from mstar_vjepa.nodes import (
     PREFIX_LABEL,
+    ROLLOUT_LABEL,
     SAMPLE_LABEL,
     FrameEncoderNode,
     MaskedPredictorNode,
     PlanStartNode,
     StepTokensNode,
     VideoEncoderNode,
+    result_node,
     sample_node,
     update_node,
 )
-from mstar_vjepa.planner import cem_plan
 from mstar_vjepa.preprocess import preprocess_video
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -185,7 +186,7 @@ def _ac_graph(encoder, predictor) -> Graph:
         GraphNode("cem_update", inputs=("cem_stats", "cem", "sampled", "finals", "goal_latents"), outputs="cem_stats",
                   engine="function", module=lambda: update_node),
         GraphNode("cem_result", inputs="cem_stats", outputs=("plan", "costs", "best_actions", "best_cost"),
-                  engine="function", module=lambda: lambda cem_stats: cem_plan(cem_stats)),
+                  engine="function", module=lambda: result_node),
     ]
     encode_ctx = NodeCall("encoder", outputs={"latents": "context"})
     step_inputs = {"input_embeds": "step_embeds", "positions": "step_positions", "output_index": "step_rows"}
@@ -202,8 +203,8 @@ def _ac_graph(encoder, predictor) -> Graph:
         Walk(
             name="rollout",
             body=Sequential(encode_ctx, DynamicLoop(
-                body=Sequential("rollout_step", NodeCall("ac_predictor", inputs=step_inputs,
-                                                    options={"drop": FromEnv("drop_label")})),
+                body=Sequential("rollout_step", NodeCall("ac_predictor", inputs=step_inputs, options={
+                    "cache_label": ROLLOUT_LABEL, "drop": FromEnv("drop_label")})),
                 until=lambda env: env["step"] + 1 >= env["horizon"], max_iters="horizon",
                 accumulate=("latent", "state"), index_name="step",
             )),

@@ -8,13 +8,14 @@ import torch
 
 from mstar_vjepa.ac_predictor import COND_TOKENS, ACPredictor
 from mstar_vjepa.encoder import VJEPA2Encoder
-from mstar_vjepa.planner import CEMSettings, cem_sample, cem_start, cem_update, to_actions
+from mstar_vjepa.planner import CEMSettings, cem_plan, cem_sample, cem_start, cem_update, to_actions
 from mstar_vjepa.pose import compute_new_pose, poses_to_actions
 from mstar_vjepa.predictor import VJEPA2Model
 from mstar_vjepa.rollout import normalize
 
+ROLLOUT_LABEL = "main"  # a rollout's cache label
+PREFIX_LABEL = "context"  # a plan's context prefix
 SAMPLE_LABEL = "sample{}"  # CEM sample i's cache label (a fork of PREFIX_LABEL)
-PREFIX_LABEL = "context"
 
 
 class VideoEncoderNode:
@@ -67,7 +68,7 @@ class StepTokensNode:
     """One call of the predictor node: step 0 feeds the context frames not cached yet, step k the last prediction.
 
     Returns the call's tokens (`step_embeds`), positions, the rows to return (the newest frame's patches), the
-    state after action k, and the label to drop once the last step is done (`sample{i}` / `main`).
+    state after action k, and the label to drop once the last step is done.
     """
 
     def __init__(self, predictor: ACPredictor):
@@ -85,7 +86,7 @@ class StepTokensNode:
             feed = acts[step : step + 1], state[None]
         last = step == horizon - 1
         return {**frame_call(self.predictor, frames, *feed, first), "state": compute_new_pose(now, acts[step]),
-                "drop_label": (SAMPLE_LABEL.format(sample) if sample is not None else "main") if last else None}
+                "drop_label": (ROLLOUT_LABEL if sample is None else SAMPLE_LABEL.format(sample)) if last else None}
 
 
 def frame_call(predictor: ACPredictor, frames, actions, states, first: int, name: str = "step") -> dict[str, Any]:
@@ -125,3 +126,8 @@ def sample_node(cem_stats, cem, cem_rng) -> dict[str, Any]:
 def update_node(cem_stats, cem, sampled, finals, goal_latents) -> dict[str, Any]:
     """Elites and the refit mean/std, from the samples' final latents."""
     return {"cem_stats": cem_update(cem_stats, sampled, torch.stack(finals), goal_latents[-1], CEMSettings(**cem))}
+
+
+def result_node(cem_stats) -> dict[str, Any]:
+    """The plan, the best cost per iteration, and the best sample seen."""
+    return cem_plan(cem_stats)
