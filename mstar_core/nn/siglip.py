@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.errors import ConfigError
+from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.mlp import MLP
 from mstar_core.nn.norm import LayerNorm
 
@@ -58,19 +59,22 @@ class SiglipVisionConfig:
 
 
 class SiglipAttention(nn.Module):
-    """Multi-head self-attention over one image's patches (all see all), biases on every projection."""
+    """Multi-head self-attention over one image's patches (all see all), biases on every projection.
+
+    q, k and v are one linear (`qkv_proj`); state dicts keep the checkpoint's `q_proj`/`k_proj`/`v_proj`
+    (see `mstar_core.nn.fused`).
+    """
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
-        self.q_proj = nn.Linear(hidden, hidden)
-        self.k_proj = nn.Linear(hidden, hidden)
-        self.v_proj = nn.Linear(hidden, hidden)
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
         self.out_proj = nn.Linear(hidden, hidden)
+        fuse_on_load(self, "qkv_proj", [("q_proj", hidden), ("k_proj", hidden), ("v_proj", hidden)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        q, k, v = (p(x).view(b, n, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.qkv_proj(x).view(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
