@@ -1,0 +1,99 @@
+"""pi0 / pi0.5 as a Walk Graph:
+
+    prefix:  vision(cameras) -> vlm(image rows + prompt ids, one bidirectional block, written to the cache)
+             [pi0: -> vlm(state token, expert weights, causal: sees the prefix and itself)]
+    act:     noise(seed) -> Loop(num_steps){ expert(actions, t) read-only over vlm's pages -> euler }
+             -> finish (unnormalise, slice to horizon x action_dim)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mstar_core.graph import Graph, GraphNode, Loop, NodeCall, Sequential, Walk
+from mstar_pi05.modeling import ActionExpert, Pi0Prefix, Policy, VisionEncoder
+
+WALKS = ("prefix", "act")
+
+
+class BatchedVision(VisionEncoder):
+    """Stateless node module: cameras `[n, 3, S, S]` (stacked `[B, n, 3, S, S]`) -> image rows `[n * P, W]` per call."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        lead = pixels.shape[:-3]
+        tokens = self.policy.encode_images(pixels.reshape(-1, *pixels.shape[-3:]))
+        return tokens.reshape(*lead[:-1], lead[-1] * tokens.shape[1], tokens.shape[2])
+
+
+class Finish:
+    """Function node: final latents `[H, A]` -> actions `[H, action_dim]` in the robot's units."""
+
+    def __init__(self, unnormalize: Callable[[torch.Tensor], torch.Tensor]):
+        self.unnormalize = unnormalize
+
+    def __call__(self, latents: torch.Tensor, action_dim: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.unnormalize(latents.float().cpu())[:, :action_dim]
+
+
+def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tensor], name: str) -> Graph:
+    cfg = policy.config
+    vlm_module: Any = policy.language_model if cfg.pi05 else Pi0Prefix(policy)
+    vlm_inputs = ("input_ids",)
+    vlm_optional = ("input_embeds", "embeds_at") if cfg.pi05 else ("input_embeds", "embeds_at", "routing", "state")
+    nodes = [
+        GraphNode("vision", inputs="pixels", outputs="image_rows", engine="stateless",
+                  module=lambda: BatchedVision(policy)),
+        GraphNode("vlm", inputs=vlm_inputs, optional_inputs=vlm_optional, outputs=("hidden",), engine="kvcache",
+                  module=lambda: vlm_module),
+        GraphNode("noise", engine="diffusion", inputs=("num_steps", "latent_shape"), optional_inputs=("seed",),
+                  outputs=("latents", "timestep"),
+                  options={"role": "init", "schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim),
+                           "max_steps": 100}),
+        GraphNode("expert", inputs=("input_embeds", "timestep"), outputs=("velocity",), engine="kvcache",
+                  module=lambda: ActionExpert(policy), options={"share_cache_with": "vlm"}),
+        GraphNode("euler", engine="diffusion", inputs=("latents", "step", "num_steps", "velocity"),
+                  outputs=("latents", "timestep"),
+                  options={"schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim), "max_steps": 100}),
+        GraphNode("finish", inputs=("latents", "action_dim"), outputs="actions", engine="function",
+                  module=lambda: Finish(unnormalize)),
+    ]
+    first = {"input_ids": "prefix_ids", "input_embeds": "image_rows", "embeds_at": "image_at"}
+    if not cfg.pi05:  # names nothing supplies: the state rows come in their own call
+        first.update(routing="no_routing", state="no_state")
+    prefix_calls = [
+        NodeCall("vision"),
+        NodeCall("vlm", inputs=first, options={"bidirectional": True, "output_rows": "last"}),
+    ]
+    prefix_inputs = ("pixels", "prefix_ids", "image_at")
+    if not cfg.pi05:
+        prefix_calls.append(NodeCall("vlm", inputs={"input_ids": "state_ids", "routing": "state_routing",
+                                                    "state": "state_row", "input_embeds": "no_embeds",
+                                                    "embeds_at": "no_embeds_at"},
+                                     options={"output_rows": "last"}))
+        prefix_inputs += ("state_ids", "state_routing", "state_row")
+    prefix = Walk(
+        name="prefix", body=Sequential(*prefix_calls), inputs=prefix_inputs,
+        optional_inputs=("no_embeds", "no_embeds_at", "no_routing", "no_state"), outputs=("hidden",),
+        description="cameras through SigLIP, then images + prompt as one bidirectional block into the VLM's cache",
+    )
+    act = Walk(
+        name="act",
+        body=Sequential(
+            "noise",
+            Loop(body=Sequential(
+                NodeCall("expert", inputs={"input_embeds": "latents"},
+                         options={"write_cache": False, "bidirectional": True}),
+                NodeCall("euler", inputs={"step": "loop_index"}),
+            ), iters="num_steps"),
+            "finish",
+        ),
+        inputs=("num_steps", "latent_shape", "action_dim"),
+        optional_inputs=("seed",),
+        outputs=("actions",),
+        description="noise, then num_steps Euler steps of the expert over the cached prefix, then unnormalise",
+    )
+    return Graph.build(name, nodes, [prefix, act], plan=lambda env: list(WALKS))

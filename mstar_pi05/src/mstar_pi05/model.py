@@ -1,0 +1,62 @@
+"""`ModelSpec`s `pi05` and `pi0`: a LeRobot checkpoint directory or the `tiny` preset -> `LoadedModel`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_pi05.checkpoint import ensure_tiny, load_policy
+from mstar_pi05.graph import build_graph
+from mstar_pi05.prepare import Preparer, tokenizer_for
+
+PRESETS = ("tiny",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATS_FILES = ("stats.json", "norm_stats.json")
+
+
+def _stats(directory: Path) -> dict | None:
+    for name in STATS_FILES:
+        if (directory / name).is_file():
+            data = json.loads((directory / name).read_text())
+            return data.get("norm_stats", data)
+    return None
+
+
+def _loader(kind: str):
+    def load(options: LoadOptions) -> LoadedModel:
+        if options.checkpoint and options.preset:
+            raise ConfigError(f"{kind}: pass a checkpoint or a preset, not both")
+        if options.dtype is not None and options.dtype not in _DTYPES:
+            raise ConfigError(f"{kind}: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
+        preset = None if options.checkpoint else (options.preset or "tiny")
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"{kind}: unknown preset {preset!r}; known: {list(PRESETS)}")
+        directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
+        policy = load_policy(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+        if policy.config.type != kind:
+            raise ConfigError(f"{kind}: {directory}/config.json has type {policy.config.type!r}; "
+                              f"serve it as model '{policy.config.type}'")
+        prepare = Preparer(policy.config, tokenizer_for(str(directory), preset is not None), _stats(directory))
+        return LoadedModel(
+            name=kind,
+            graph=build_graph(policy, prepare.unnormalize_actions, kind),
+            random_weights=preset is not None,
+            prepare=prepare,
+            request_schema=prepare.schema,
+            engine_settings={"vlm": {"num_pages": 256, "page_size": 16}, "expert": {"num_pages": 256, "page_size": 16}},
+            extras={"policy": policy, "config": policy.config, "checkpoint": str(directory)},
+        )
+
+    return load
+
+
+SPECS = (
+    ModelSpec(name="pi05", load=_loader("pi05"), presets=PRESETS,
+              description="pi0.5 VLA: SigLIP + PaliGemma prefix cached once, adaRMS Gemma action expert, 10 Euler steps"),
+    ModelSpec(name="pi0", load=_loader("pi0"), presets=PRESETS,
+              description="pi0 VLA: as pi05 with a continuous state token and the action-time MLP"),
+)

@@ -1,0 +1,157 @@
+"""Requests: cameras resized and padded, the prompt with the binned state (pi0.5), normalisation, bounds."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mstar_core.errors import ConfigError, RequestError
+from mstar_core.schema import RequestField, RequestSchema
+from mstar_pi05.config import PolicyConfig
+
+MAX_CAMERAS = 3
+MAX_STEPS = 100
+STATE_BINS = np.linspace(-1.0, 1.0, 256 + 1)[:-1]
+
+
+def bin_state(state: np.ndarray) -> np.ndarray:
+    """openpi's discretisation: `digitize(state, linspace(-1, 1, 257)[:-1]) - 1` (not rounding), 0..255 in range."""
+    return np.digitize(state, bins=STATE_BINS) - 1
+
+
+def pi05_prompt(task: str, state: np.ndarray) -> str:
+    cleaned = task.strip().replace("_", " ").replace("\n", " ")
+    return f"Task: {cleaned}, State: {' '.join(str(int(b)) for b in bin_state(state))};\nAction: "
+
+
+class ByteTokenizer:
+    """The tiny preset's tokenizer (the real PaliGemma SentencePiece model is not in the checkpoint): BOS then bytes."""
+
+    bos = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos, *(b + 3 for b in text.encode("utf-8"))]
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ConfigError("pi05: reading the PaliGemma tokenizer needs `pip install sentencepiece`") from None
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.sp.bos_id(), *self.sp.encode(text)]
+
+
+def tokenizer_for(directory: str | None, preset: bool):
+    """Bytes for presets; else `tokenizer.model` in the checkpoint or `$MSTAR_PALIGEMMA_TOKENIZER`."""
+    if preset:
+        return ByteTokenizer()
+    path = os.environ.get("MSTAR_PALIGEMMA_TOKENIZER")
+    if directory and os.path.isfile(os.path.join(directory, "tokenizer.model")):
+        path = os.path.join(directory, "tokenizer.model")
+    if not path:
+        raise ConfigError("pi05: the checkpoint has no tokenizer; set MSTAR_PALIGEMMA_TOKENIZER to PaliGemma's "
+                          "SentencePiece model (paligemma_tokenizer.model) or put it in the checkpoint as tokenizer.model")
+    return SentencePieceTokenizer(path)
+
+
+def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
+    """`[H, W, 3]` uint8 (or float in [0, 1]) -> `[3, size, size]` in [-1, 1], aspect kept, padded with black."""
+    x = image.permute(2, 0, 1).float()
+    if image.dtype == torch.uint8:
+        x = x / 255.0
+    h, w = x.shape[1:]
+    scale = size / max(h, w)
+    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+    x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    out = torch.zeros(3, size, size)
+    out[:, top:top + nh, left:left + nw] = x
+    return out * 2 - 1
+
+
+def _image(value: Any, name: str) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() != 3 or t.shape[-1] != 3 or min(t.shape[:2]) < 1:
+        raise RequestError(f"'{name}' must be an RGB image [H, W, 3], got shape {list(t.shape)}", param=name)
+    return t
+
+
+class Preparer:
+    """`prepare(inputs) -> env` for one loaded policy."""
+
+    def __init__(self, cfg: PolicyConfig, tokenizer: Any, stats: Mapping[str, Any] | None):
+        self.cfg, self.tokenizer, self.stats = cfg, tokenizer, stats or {}
+        self.schema = RequestSchema(
+            fields=(
+                RequestField("images", "array", f"1 to {MAX_CAMERAS} RGB camera images [H, W, 3]", required=True,
+                             items="tensor", min_length=1, max_length=MAX_CAMERAS),
+                RequestField("prompt", "string", "the task", required=True, max_length=512),
+                RequestField("state", "tensor", f"robot state, at most {cfg.max_state_dim} values", required=True),
+                RequestField("horizon", "integer", "actions to return", default=cfg.chunk_size, minimum=1,
+                             maximum=cfg.chunk_size),
+                RequestField("num_steps", "integer", "flow-matching Euler steps", default=cfg.num_inference_steps,
+                             minimum=1, maximum=MAX_STEPS),
+                RequestField("seed", "integer", "noise seed", default=0, minimum=0, maximum=2**63 - 1),
+                RequestField("action_dim", "integer", "the robot's degrees of freedom (actions are sliced to it)",
+                             default=cfg.max_action_dim, minimum=1, maximum=cfg.max_action_dim),
+            ),
+            example={"images": [[[[0, 0, 0]]]], "prompt": "pick up the cube", "state": [0.0, 0.5], "horizon": 5},
+        )
+
+    def _quantiles(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        entry = self.stats.get(key)
+        if not entry or "q01" not in entry:
+            return None
+        q01, q99 = (np.asarray(entry[k], dtype=np.float64)[:n] for k in ("q01", "q99"))
+        return q01, q99
+
+    def normalize_state(self, state: np.ndarray) -> np.ndarray:
+        q = self._quantiles("observation.state", state.shape[0])
+        if q is not None:
+            state = (state - q[0]) / np.maximum(q[1] - q[0], 1e-8) * 2.0 - 1.0
+        return state
+
+    def unnormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        q = self._quantiles("action", actions.shape[-1])
+        if q is None:
+            return actions
+        q01, q99 = (torch.as_tensor(v, dtype=actions.dtype) for v in q)
+        return (actions + 1.0) / 2.0 * (q99 - q01) + q01
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        cfg = self.cfg
+        size = cfg.vision.image_size
+        pixels = torch.stack([resize_with_pad(_image(im, f"images[{i}]"), size) for i, im in enumerate(inputs["images"])])
+        state = inputs["state"].double().reshape(-1).numpy()
+        if state.shape[0] > cfg.max_state_dim:
+            raise RequestError(f"'state' has {state.shape[0]} values; this policy takes at most {cfg.max_state_dim}",
+                               param="state")
+        state = np.pad(self.normalize_state(state), (0, cfg.max_state_dim - state.shape[0]))
+        text = pi05_prompt(inputs["prompt"], state) if cfg.pi05 else inputs["prompt"].strip() + "\n"
+        ids = self.tokenizer.encode(text)[: cfg.tokenizer_max_length]
+        if max(ids) >= cfg.text.vocab_size:
+            raise RequestError("the prompt has tokens outside the model's vocabulary", param="prompt")
+        n_image = pixels.shape[0] * cfg.vision.num_patches
+        env = {
+            "pixels": pixels,
+            "prefix_ids": torch.tensor([0] * n_image + ids),
+            "image_at": torch.arange(n_image),
+            "num_steps": inputs["num_steps"],
+            "latent_shape": [inputs["horizon"], cfg.max_action_dim],
+            "seed": inputs["seed"],
+            "action_dim": inputs["action_dim"],
+        }
+        if not cfg.pi05:
+            env["state_ids"] = torch.zeros(1, dtype=torch.long)
+            env["state_routing"] = torch.ones(1, dtype=torch.long)
+            env["state_row"] = torch.tensor(state, dtype=torch.float32)[None]
+        return env
