@@ -177,8 +177,7 @@ def _drive(engine, prompts: dict[str, list[int]], steps: int, late: dict[str, li
 def test_a_failed_forward_is_retried_per_sequence_and_fails_only_the_culprit(llama_pair, joins):
     prompts = {f"ok-{i}": [1 + i, 2, 3, 4 + i] for i in range(4)}
     alone = _drive(make_engine(llama_pair[1], num_pages=64, page_size=4), prompts, 8)
-    engine = make_engine(llama_pair[1], num_pages=64, page_size=4)
-    engine.module = _PoisonedForward(engine.module)
+    engine = make_engine(_PoisonedForward(llama_pair[1]), num_pages=64, page_size=4)
     poison = {"poisoned": [1, POISON_TOKEN, 2]}
     if joins == "mid-decode":  # the failed batch holds decoding rows (decode lanes on this backend)
         got = _drive(engine, prompts, 8, late=poison)
@@ -190,8 +189,7 @@ def test_a_failed_forward_is_retried_per_sequence_and_fails_only_the_culprit(lla
 
 
 def test_a_forward_that_fails_for_everyone_fails_everyone_and_frees_pages(llama_pair):
-    engine = make_engine(llama_pair[1], num_pages=64, page_size=4)
-    engine.module = _PoisonedForward(engine.module)
+    engine = make_engine(_PoisonedForward(llama_pair[1]), num_pages=64, page_size=4)
     got = _drive(engine, {f"bad-{i}": [POISON_TOKEN, i + 1] for i in range(3)}, 4)
     assert all(isinstance(v, ValueError) for v in got.values())
     assert engine.module.calls == 4  # the batch, then each sequence alone once
