@@ -104,3 +104,19 @@ def test_a_failing_compile_falls_back_to_eager_with_a_warning():
         got = forward(ids, torch.arange(5), DenseAttention())
         want = model(ids, torch.arange(5), DenseAttention())
     assert torch.equal(got, want) and forward.eager_reason.startswith("compile failed")
+
+
+@pytest.mark.slow  # a second compile (~10-20 s on 2 shared cores)
+def test_an_attention_error_is_the_steps_not_the_compilers():
+    from mstar_kvcache.compiled import CompiledForward
+
+    class Refusing:
+        def attend(self, layer, q, k, v, scale):
+            raise ValueError("bad request input")
+
+    forward = CompiledForward(_tiny_llama(), torch.device("cpu"), [8])
+    if forward.eager_reason is not None:
+        pytest.skip(forward.eager_reason)
+    with torch.inference_mode(), pytest.raises(ValueError, match="bad request input"):
+        forward(torch.arange(1, 6), torch.arange(5), Refusing())
+    assert forward.eager_reason is None and forward._compiled is not None  # still compiling

@@ -44,7 +44,11 @@ def _tags() -> tuple:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """The real context attends over the step's real rows; padded rows get zeros."""
     context, tokens = _slot.context, _slot.tokens
-    out = context.attend(layer, q[:tokens], k[:tokens], v[:tokens], scale)
+    try:
+        out = context.attend(layer, q[:tokens], k[:tokens], v[:tokens], scale)
+    except Exception:
+        _slot.context_failed = True  # the step's inputs, not the compiler: CompiledForward re-raises it
+        raise
     if tokens == q.shape[0]:
         return out.contiguous()
     padded = q.new_zeros(q.shape)
@@ -122,6 +126,7 @@ class CompiledForward:
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._variants: set[tuple[int, bool]] = set()
         self.eager_reason = compiler_missing(self.device)
         if self.eager_reason is not None:
             warnings.warn(f"kvcache node '{node}': compile is on but {self.eager_reason}; running eager",
@@ -189,18 +194,19 @@ class CompiledForward:
                 ids = self._stage("ids", ids, size)
             else:
                 input_embeds = self._stage("embeds", input_embeds, size)
-        _slot.context, _slot.tokens = context, tokens
-        first = size not in self.compiled_buckets
+        _slot.context, _slot.tokens, _slot.context_failed = context, tokens, False
+        variant = (size, input_embeds is None)  # ids and embeddings are two graphs of one bucket
+        first = variant not in self._variants
         start = time.perf_counter()
         try:
             if self.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # each step is a new iteration of the graph tree
             hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
         except Exception as exc:
-            if not first:
+            if not first or _slot.context_failed:
                 raise
-            # compiling failed: serve eager from now on (a fault of this step's inputs fails eager too);
-            # the KV rows this attempt wrote are rewritten by the eager run
+            # compiling (or running the compiled graph) failed, not the attention context: serve eager
+            # from now on; KV rows this attempt may have written are rewritten by the eager run
             warnings.warn(f"kvcache node '{self.node}': compiling the {size}-token step failed "
                           f"({type(exc).__name__}: {str(exc)[:200]}); running eager", RuntimeWarning, stacklevel=2)
             self._compiled, self.eager_reason = None, f"compile failed: {type(exc).__name__}"
@@ -212,6 +218,7 @@ class CompiledForward:
         finally:
             _slot.context = None
         if first:
+            self._variants.add(variant)
             self.compiled_buckets.add(size)
             took = time.perf_counter() - start
             self.compile_seconds += took
