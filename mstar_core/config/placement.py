@@ -7,6 +7,8 @@ workers:
   far: {device: cuda:0, host: 10.0.0.7}    # joins by hand: `mstar worker --join ... --name far`
   big: {device: cuda:0, launcher: ray, num_cpus: 2}  # one Ray actor per replica on a Ray cluster
   snac: {transport: shm}                    # tensors above 64 KiB through a shared-memory arena
+  vae: {device: cuda:1, transport: nccl}    # tensors over torch.distributed (NCCL on CUDA, gloo on CPU)
+  # vae: {transport: {name: nccl, backend: gloo, threshold: 16384}}   # a transport's options
 nodes:
   snac: codec                              # nodes not listed run in the serving process
   # lm: {prefill: far, decode: lm}         # per walk: the request's KV pages move between them
@@ -75,6 +77,8 @@ class WorkerSpec:
     host: str | None = None
     replicas: int = 1
     transport: str = "zmq"
+    #: the transport's options from `transport: {name: ..., key: value}`, as sorted (key, value) pairs
+    transport_options: tuple[tuple[str, Any], ...] = ()
     launcher: str = "spawn"
     num_cpus: float = 1.0
     ray_address: str | None = None  # from `control.ray_address`; used by the ray launcher only
@@ -184,13 +188,24 @@ class Placement:
     def check_transports(self, registry: Any) -> None:
         """Every worker's transport is registered, can carry a worker's tensors, and suits its launcher."""
         from mstar_core.runtime.links import link_transport
+        from mstar_core.wire.curve import needs_encryption
+        from mstar_core.wire.errors import TransportError
 
+        remote = self.bind is not None and needs_encryption(self.bind)
         for name, spec in self.workers.items():
             where = f"{self.source}: workers.{name}.transport"
             try:
                 cls = link_transport(registry, spec.transport)
             except ConfigError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
+            options = dict(spec.transport_options)
+            if cls is None and options:
+                raise ConfigError(f"{where}: transport '{spec.transport}' takes no options")
+            if cls is not None:
+                try:
+                    cls.check_link_options(options, remote=remote)
+                except TransportError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
             if getattr(cls, "same_host", False) and spec.launcher != "spawn":
                 raise ConfigError(f"{where}: {spec.transport} needs a worker spawned on this host (launcher: spawn), "
                                   f"not launcher: {spec.launcher}")
@@ -217,9 +232,13 @@ def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str 
         raise ConfigError(f"{where}.launcher: unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
     if host is not None and launcher != "manual":
         raise ConfigError(f"{where}: 'host' means the worker joins by hand; drop it or use launcher: manual, not {launcher}")
-    transport = spec.get("transport", "zmq")
+    transport, options = spec.get("transport", "zmq"), {}
+    if isinstance(transport, Mapping):
+        options = {str(k): v for k, v in transport.items()}
+        transport = options.pop("name", None)
     if not isinstance(transport, str) or not transport:
-        raise ConfigError(f"{where}.transport must be a transport's name (see `mstar plugins`), got {transport!r}")
+        raise ConfigError(f"{where}.transport must be a transport's name (see `mstar plugins`) or "
+                          f"{{name: NAME, option: value, ...}}, got {transport!r}")
     num_cpus = spec.get("num_cpus", 1)
     if isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or num_cpus < 0:
         raise ConfigError(f"{where}.num_cpus must be a number >= 0, got {num_cpus!r}")
@@ -231,7 +250,8 @@ def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str 
     if threads is not None and launcher != "spawn":
         raise ConfigError(f"{where}.threads sets a spawned process's torch threads; it needs launcher: spawn")
     return WorkerSpec(name=name, device=str(spec.get("device", "cpu")), host=host, replicas=replicas,
-                      transport=transport, launcher=launcher, num_cpus=float(num_cpus), ray_address=ray_address,
+                      transport=transport, transport_options=tuple(sorted(options.items())), launcher=launcher,
+                      num_cpus=float(num_cpus), ray_address=ray_address,
                       threads=threads)
 
 

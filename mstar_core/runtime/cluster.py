@@ -34,7 +34,7 @@ from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, RequestError
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.launchers.spawn import spawn_worker
-from mstar_core.runtime.links import open_link
+from mstar_core.runtime.links import OrderedInbox, open_link
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_node import RemoteNodeScheduler, ReplicaGroup
 from mstar_core.runtime.remote_values import to_wire
@@ -134,10 +134,24 @@ class Cluster:
 
     def add_worker(self, name: str, spec: WorkerSpec) -> WorkerLink:
         if name not in self.workers:
-            link = self.open_link(spec.transport)  # an unusable transport fails here, naming the known ones
-            self.workers[name] = WorkerLink(name, spec)
-            self.workers[name].link = link
+            # an unusable transport fails here, naming the known ones
+            link = self.open_link(spec.transport, dict(spec.transport_options))
+            state = self.workers[name] = WorkerLink(name, spec)
+            state.link = link
+            state.inbox = OrderedInbox(lambda frames, s=state: self._deliver(s, frames),
+                                       lambda exc, s=state: self._link_error(s, exc))
+            loop = asyncio.get_running_loop()
+            link.on_failure = lambda why, s=state: loop.call_soon_threadsafe(self._link_failed, s, why)
         return self.workers[name]
+
+    def _link_error(self, state: WorkerLink, exc: BaseException) -> None:
+        self.refusals.refuse(f"link-{state.name}", "worker %s: a message's frames did not arrive over its %s link: %s",
+                             state.name, state.link.name if state.link else "?", exc)
+
+    def _link_failed(self, state: WorkerLink, why: str) -> None:
+        """The worker's data link broke for good: nothing more can reach it, so replace it like a dead one."""
+        if state.alive and not self.closing:
+            self.supervisor.lost(state, f"lost its {state.link.name if state.link else '?'} link ({why})", kill=True)
 
     async def _launch(self, state: WorkerLink) -> None:
         state.joined.clear()
@@ -176,7 +190,10 @@ class Cluster:
         if spec.spawned and (state.process is None or state.process.poll() is not None):
             await self._launch(state)
         deadline = time.monotonic() + timeout
+        state.link_error = None
         while not state.joined.is_set():
+            if state.link_error:
+                raise MStarError(f"worker '{name}': {state.link_error}")
             if state.process is not None and state.process.poll() is not None:
                 raise MStarError(
                     f"worker '{name}' exited with code {state.process.returncode} before joining:\n{self._log_tail(state)}"
@@ -227,7 +244,7 @@ class Cluster:
 
     def _send(self, state: WorkerLink, msg: Any) -> asyncio.Future:
         """Encode and send now (a WireError raises here, before anything went out); await to wait for the socket."""
-        return self._send_frames(state, encode(msg))
+        return self._send_frames(state, state.encode(msg))
 
     def _send_frames(self, state: WorkerLink, frames: list[Any]) -> asyncio.Future:
         # sealing and handing to the socket happen in one go: sequence numbers go out in order
@@ -263,8 +280,8 @@ class Cluster:
         node = f"{model}/{inv.node}"
         try:
             state.check_request(inv.request_id)
-            frames = encode(InvokeNode(request_id=inv.request_id, node=node, call_index=inv.call_index,
-                                       inputs=to_wire(inv.inputs), options=to_wire(dict(inv.options))))
+            frames = state.encode(InvokeNode(request_id=inv.request_id, node=node, call_index=inv.call_index,
+                                             inputs=to_wire(inv.inputs), options=to_wire(dict(inv.options))))
         except WireError as exc:  # the request's own values cannot travel: the client's to fix, not a lost worker
             future.set_exception(RequestError(f"request {inv.request_id}: an input of node '{inv.node}' cannot be "
                                               f"sent to worker '{worker}': {exc}", status=400))
@@ -294,7 +311,7 @@ class Cluster:
         surfaces before anything was sent, so the caller can run the loop itself instead.
         """
         state = self.workers[worker]
-        frames = encode(msg)
+        frames = state.encode(msg)
         state.check_request(msg.request_id)
         key = (msg.request_id, msg.loop)
         future = asyncio.get_running_loop().create_future()
@@ -365,11 +382,22 @@ class Cluster:
             log.info("worker %s now reaches us from routing id %r", state.name, identity)
             state.identity = identity
         state.last_seen = time.monotonic()
-        try:
-            if state.link is not None:
+        if state.link is not None:
+            try:
                 body = state.link.unpack(body)
-                if body is None:
-                    return  # a message for the link itself (e.g. shm slots released, segments mapped)
+            except WireError as exc:
+                self.refusals.refuse("malformed-worker", "dropping a malformed message from worker %s: %s",
+                                     state.name, exc)
+                return
+            if body is None:
+                return  # a message for the link itself (e.g. shm slots released, segments mapped)
+        if state.inbox is not None:
+            state.inbox.put(body)  # in order; frames still arriving over the link wait there, not here
+        else:
+            self._deliver(state, body)
+
+    def _deliver(self, state: WorkerLink, body: list[Any]) -> None:
+        try:
             msg = decode(body)
         except WireError as exc:
             self.refusals.refuse("malformed-worker", "dropping a malformed message from worker %s: %s", state.name, exc)
@@ -450,7 +478,17 @@ class Cluster:
         state.pid, state.host = hello.pid, hello.host
         self._sessions[channel.session] = state
         state.last_seen = time.monotonic()
+        if state.link is not None:
+            try:  # e.g. a tensor group's rendezvous for this worker; its set-up goes sealed right after the Welcome
+                state.link.peer_joined({"control": self.address, "device": state.spec.device})
+            except Exception as exc:  # not welcomed: ensure_worker fails with this reason
+                state.link_error = f"its {state.link.name} link cannot be set up: {exc}"
+                self._sessions.pop(channel.session, None)
+                state.identity = state.channel = None
+                log.error("worker %s: %s", state.name, state.link_error)
+                return
         await self.sock.send_multipart([identity, *encode(welcome)])
+        self.flush_soon(state)
         state.alive = True
         state.joined.set()
         if state.loads and not state.restarting:  # a hand-joined worker came back: reload its models
@@ -460,13 +498,13 @@ class Cluster:
         """Per worker: its transport, the bytes each end moved, the round trip of node calls (for /metrics)."""
         return {name: state.link_stats() for name, state in self.workers.items()}
 
-    def open_link(self, transport: str):
+    def open_link(self, transport: str, options: dict[str, Any] | None = None):
         """The server's end of a worker link over `transport` (looked up in the plugin registry)."""
         if self._registry is None:
             from mstar_core.plugins.manager import default_registry
 
             self._registry = default_registry()
-        return open_link(self._registry, transport, "server")
+        return open_link(self._registry, transport, "server", options)
 
     # -- closing -------------------------------------------------------------------------------
 

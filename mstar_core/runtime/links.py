@@ -8,10 +8,17 @@ mean "every frame on that socket" when the zmq plugin is not loaded (`MSTAR_PLUG
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_core.errors import ConfigError
 from mstar_core.wire.transport import InlineLink, Transport, TransportLink
+
+log = logging.getLogger("mstar.links")
 
 #: The transport of workers whose placement names none.
 DEFAULT_TRANSPORT = "zmq"
@@ -38,7 +45,60 @@ def link_transport(registry: Any, name: str) -> Any:
     return cls
 
 
-def open_link(registry: Any, name: str, role: str) -> TransportLink:
-    """One end (`role` 'server' or 'worker') of a worker link over transport `name`."""
+def open_link(registry: Any, name: str, role: str, options: Mapping[str, Any] | None = None) -> TransportLink:
+    """One end (`role` 'server' or 'worker') of a worker link over transport `name` (with placement's options)."""
     cls = link_transport(registry, name)
-    return InlineLink(DEFAULT_TRANSPORT) if cls is None else cls.worker_link(role)
+    if cls is None:
+        return InlineLink(DEFAULT_TRANSPORT)
+    return cls.worker_link(role, **options) if options else cls.worker_link(role)
+
+
+class OrderedInbox:
+    """Delivers one link's messages in arrival order without blocking the event loop on frames still arriving.
+
+    `put` takes what `TransportLink.unpack` returned: frames are delivered at once when nothing of
+    this link waits before them; a future (frames a process group is still receiving) and whatever
+    comes after it wait in line, drained by a task, so other links' messages go on meanwhile.
+    A future that fails drops its message (`on_error` says why); the next ones are still delivered.
+    """
+
+    def __init__(self, deliver: Callable[[list[Any]], None], on_error: Callable[[BaseException], None]):
+        self._deliver = deliver
+        self._on_error = on_error
+        self._queue: collections.deque[Any] = collections.deque()
+        self._task: asyncio.Task | None = None
+
+    def put(self, item: list[Any] | concurrent.futures.Future) -> None:
+        if not self._queue and not isinstance(item, concurrent.futures.Future):
+            self._deliver(item)
+            return
+        self._queue.append(item)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        while self._queue:
+            item = self._queue[0]
+            if isinstance(item, concurrent.futures.Future):
+                try:
+                    item = await asyncio.wrap_future(item)
+                except asyncio.CancelledError:
+                    if not item.cancelled():
+                        raise  # the drain itself was cancelled (clear)
+                    item = None
+                except Exception as exc:
+                    self._on_error(exc)
+                    item = None
+            self._queue.popleft()
+            if item is not None:
+                try:
+                    self._deliver(item)
+                except Exception:  # one message's handling must not stop the link's delivery
+                    log.exception("delivering a message from a worker link failed")
+
+    def clear(self) -> None:
+        """Drop everything waiting (the peer is gone)."""
+        self._queue.clear()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import os
 import sys
@@ -88,7 +89,7 @@ class Worker:
         The message is encoded here, not in the background: a value that cannot travel raises in
         the caller (a delegated loop then fails its request) instead of vanishing unsent.
         """
-        frames = encode(msg)
+        frames = self._encode(msg)
         previous = self._send_tail
 
         async def send_after() -> None:
@@ -99,7 +100,11 @@ class Worker:
         self._send_tail = asyncio.ensure_future(send_after())
 
     async def send(self, msg) -> None:
-        await self._send_frames(encode(msg))
+        await self._send_frames(self._encode(msg))
+
+    def _encode(self, msg) -> list:
+        # device tensors stay on the device when the link moves them itself (NCCL)
+        return encode(msg, keep_device=self.link is not None and self.channel is not None and self.link.keep_device)
 
     def _send_frames(self, frames: list) -> asyncio.Future:
         # sealing and handing to the socket happen in one go: sequence numbers go out in order
@@ -127,6 +132,8 @@ class Worker:
                     frames = self.link.unpack(frames)
                     if frames is None:
                         continue  # a message for the link itself (e.g. shm slots released, segments mapped)
+                    if isinstance(frames, concurrent.futures.Future):  # big frames still arriving over the link
+                        frames = await asyncio.wrap_future(frames)
                 return decode(frames)
             except WireError as exc:  # AuthError included
                 if self.channel is None:
@@ -150,6 +157,8 @@ class Worker:
                              f"(--encrypt)?)") from None
         verify_welcome(self.secret, hello, welcome)
         self.link = open_link(registry, welcome.transport, "worker")
+        self.link.peer_joined({"control": self.join})
+        self.link.on_failure = lambda why: loop.call_soon_threadsafe(self._link_failed, why)
         self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
         self.heartbeat_interval = welcome.heartbeat_interval
         beat = asyncio.ensure_future(self._heartbeat())
@@ -173,6 +182,12 @@ class Worker:
             self.executor.shutdown(wait=False, cancel_futures=True)
             if self.link is not None:
                 self.link.close()
+
+    def _link_failed(self, why: str) -> None:
+        # nothing more reaches us over the link and a group's threads cannot be unblocked: leave, be replaced
+        log.error("worker %s: its %s link broke (%s); exiting so the server replaces it", self.name,
+                  self.link.name if self.link else "?", why)
+        os._exit(3)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, InvokeNode):

@@ -14,7 +14,7 @@ from typing import Any
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, NodeExecutionError, RequestError
 from mstar_core.runtime.remote_values import from_wire
-from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult
+from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult, encode
 from mstar_core.wire.session import Channel
 from mstar_core.wire.transport import TransportLink
 
@@ -55,6 +55,8 @@ class WorkerLink:
         self.identity: bytes | None = None  # the ZeroMQ routing id its last authenticated message came from
         self.channel: Channel | None = None  # the authenticated session; None while not joined
         self.link: TransportLink | None = None  # the data path of its `transport`, made when it first joins
+        self.inbox: Any = None  # its messages in order (links.OrderedInbox), frames still arriving included
+        self.link_error: str | None = None  # why its link could not be set up when it last joined
         self.last_seen = 0.0
         self.joined = asyncio.Event()
         self.loads: dict[str, LoadModel] = {}  # model -> what to replay after a restart
@@ -73,6 +75,10 @@ class WorkerLink:
         self.restart_task: asyncio.Task | None = None
         #: node calls' round trip through this link as the server sees it (send to answer, compute included), EWMA
         self.round_trip_s: float | None = None
+
+    def encode(self, msg: Any) -> list[Any]:
+        """Frames of `msg` for this worker (device tensors stay on the device when its link moves them itself)."""
+        return encode(msg, keep_device=self.link is not None and self.link.keep_device)
 
     def observe_round_trip(self, seconds: float) -> None:
         self.round_trip_s = seconds if self.round_trip_s is None else 0.9 * self.round_trip_s + 0.1 * seconds
@@ -160,6 +166,8 @@ class WorkerLink:
         self.load = {}
         if self.link is not None:
             self.link.peer_lost()
+        if self.inbox is not None:
+            self.inbox.clear()
         requests = self.touched | {k[0] for k in self.inflight} | {k[0] for k in self.loops}
         self.lost_requests |= requests
         self.touched = set()

@@ -7,19 +7,23 @@ alias transport buffers (zero copy): decoded tensors are read-only views, clone 
 
 Between the serving process and a worker, control always travels on the ZeroMQ control socket
 (sealed per session); the transport a placement names carries the big frames of those messages.
-`Transport.worker_link(role)` makes one end of that data path, a `TransportLink`: the sender
-`pack`s a message's frames before sealing (taking big ones off the socket, leaving descriptors),
-the receiver `unpack`s them after opening. `InlineLink` leaves every frame on the socket.
+`Transport.worker_link(role, **options)` makes one end of that data path, a `TransportLink`: the
+sender `pack`s a message's frames before sealing (taking big ones off the socket, leaving
+descriptors), the receiver `unpack`s them after opening. `InlineLink` leaves every frame on the
+socket. A link whose frames arrive after their descriptor (a process group's receive, on a thread of
+its own) returns a `concurrent.futures.Future` from `unpack`; the receiving end delivers each link's
+messages in order, waiting for such a future without blocking its event loop (`runtime/links.py`).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import ipaddress
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from mstar_core.wire.codec import decode, encode
@@ -96,11 +100,17 @@ class TransportLink(abc.ABC):
     What one end packs, the other end unpacks, in order. `unpack` returns None for a message meant
     for the link itself (e.g. the peer released shared-memory slots); `control()` is such a message
     to send the peer now. A message that is not packed (a plain wire message) passes `unpack` as is.
+    `_unpack` may also return a `concurrent.futures.Future` of the frames (they are still arriving).
     """
+
+    #: encode device tensors as device frames for this link (a tensor transport moves them itself)
+    keep_device = False
 
     def __init__(self, name: str):
         self.name = name
         self.stats = LinkStats()
+        #: called (from any thread) with why, when the link broke for good: its peer must be replaced
+        self.on_failure: Callable[[str], None] | None = None
 
     def pack(self, frames: Sequence[Any]) -> list[Any]:
         """The frames to put on the control socket for this message."""
@@ -111,15 +121,22 @@ class TransportLink(abc.ABC):
         self.stats.sent_bytes += frames_bytes(frames)
         return out
 
-    def unpack(self, frames: Sequence[Any]) -> list[Any] | None:
-        """The message's original frames, or None when it was for the link itself."""
+    def unpack(self, frames: Sequence[Any]) -> list[Any] | concurrent.futures.Future | None:
+        """The message's original frames (or a future of them), or None when it was for the link itself."""
         start = time.perf_counter()
         out = self._unpack(frames)
         self.stats.unpack_seconds += time.perf_counter() - start
-        if out is not None:
+        if isinstance(out, concurrent.futures.Future):
+            out.add_done_callback(self._count_received)
+        elif out is not None:
             self.stats.received_messages += 1
             self.stats.received_bytes += frames_bytes(out)
         return out
+
+    def _count_received(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.stats.received_messages += 1
+            self.stats.received_bytes += frames_bytes(future.result())
 
     @abc.abstractmethod
     def _pack(self, frames: Sequence[Any]) -> list[Any]: ...
@@ -130,6 +147,19 @@ class TransportLink(abc.ABC):
     def control(self) -> list[Any] | None:
         """A message for the peer's link (sent sealed on the control socket), if one is pending."""
         return None
+
+    def peer_joined(self, info: Mapping[str, Any]) -> None:
+        """A (new) peer joined: set up what the link shares with it.
+
+        `info["control"]` is the control address (the server's bind, or the address the worker
+        joined); the server's end also gets `info["device"]`, the worker's device.
+        """
+        return None
+
+    def failed(self, why: str) -> None:
+        """Report that the link broke for good (any thread); the owner replaces the peer."""
+        if self.on_failure is not None:
+            self.on_failure(why)
 
     def peer_lost(self) -> None:
         """The peer died or was replaced: drop whatever was shared with it."""
@@ -156,11 +186,22 @@ class Transport(abc.ABC):
     name: ClassVar[str] = "?"
     #: True when both ends must be on one host (shared memory): workers joining from elsewhere cannot use it.
     same_host: ClassVar[bool] = False
+    #: the options a placement may give this transport's worker links (`transport: {name: ..., option: ...}`)
+    link_options: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
-    def worker_link(cls, role: str) -> TransportLink:
+    def worker_link(cls, role: str, **options: Any) -> TransportLink:
         """One end (`role` 'server' or 'worker') of a worker link whose big frames this transport carries."""
         raise TransportError(f"transport '{cls.name}' cannot carry the tensors of a worker link")
+
+    @classmethod
+    def check_link_options(cls, options: Mapping[str, Any], *, remote: bool) -> None:
+        """Refuse options (or a set-up: `remote` = the control bind reaches other hosts) this transport cannot take."""
+        unknown = sorted(set(options) - cls.link_options)
+        if unknown:
+            allowed = ", ".join(sorted(cls.link_options)) or "none"
+            raise TransportError(f"transport '{cls.name}' takes no option {', '.join(map(repr, unknown))}; "
+                                 f"its options: {allowed}")
 
     @abc.abstractmethod
     def bind(self, address: str) -> str:

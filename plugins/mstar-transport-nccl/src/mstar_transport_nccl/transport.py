@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mstar_core.wire.errors import TransportError
-from mstar_core.wire.transport import Transport, check_bind_address
+from mstar_core.wire.transport import Transport, TransportLink, check_bind_address
 
 
 def _hostport(address: str) -> tuple[str, int]:
@@ -33,9 +33,37 @@ def _hostport(address: str) -> tuple[str, int]:
 
 
 class NcclTransport(Transport):
-    """Point-to-point frames over torch.distributed; backend 'nccl' when CUDA is available, else 'gloo'."""
+    """Point-to-point frames over torch.distributed; backend 'nccl' when CUDA is available, else 'gloo'.
+
+    As a placement's `transport: nccl`, it carries a worker's big tensor frames (`link.DistLink`).
+    """
 
     name = "nccl"
+    link_options = frozenset({"backend", "threshold", "allow_remote", "timeout_s", "device"})
+
+    @classmethod
+    def worker_link(cls, role: str, **options: Any) -> TransportLink:
+        from mstar_transport_nccl.link import DistLink
+
+        return DistLink(role, **options)
+
+    @classmethod
+    def check_link_options(cls, options: Mapping[str, Any], *, remote: bool) -> None:
+        super().check_link_options(options, remote=remote)
+        backend = options.get("backend")
+        if backend is not None and backend not in ("nccl", "gloo"):
+            raise TransportError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        for key, kind in (("allow_remote", bool), ("threshold", int), ("timeout_s", (int, float)), ("device", str)):
+            if key in options and (isinstance(options[key], bool) and kind is not bool
+                                   or not isinstance(options[key], kind)):
+                raise TransportError(f"option {key} must be a {getattr(kind, '__name__', 'number')}, "
+                                     f"got {options[key]!r}")
+        if remote and not options.get("allow_remote"):
+            raise TransportError(
+                "the control bind reaches other hosts, but an nccl/gloo link's rendezvous store and group "
+                "connections have no authentication or encryption (anyone who reaches them could join or read the "
+                "tensors); keep control.bind on loopback, or set `transport: {name: nccl, allow_remote: true}` "
+                "on a network you trust")
 
     def __init__(self, *, backend: str | None = None, device: str | None = None, secret: bytes | None = None,
                  allow_remote: bool = False, timeout_s: float = 60.0):
