@@ -1,10 +1,12 @@
 """Transport bandwidth: one tensor message from one process to another, against a plain memory copy.
 
-For each transport (shm, zmq over IPC, zmq over loopback TCP, torch.distributed gloo) and each size,
+For each transport (shm, zmq over IPC, zmq over loopback TCP, zmq over loopback TCP encrypted with
+CURVE as the control link to another host is, torch.distributed gloo) and each size,
 the parent sends an InvokeNode carrying one uint8 tensor to a real child process, which decodes it,
 reads its first and last byte and answers with a tiny Release; bandwidth = size / median round trip.
 The baseline is `dst.copy_(src)` of the same size (one thread, as the transports copy on one thread),
-timed interleaved with the shm round trips so both see the same machine load. Final line: JSON with every figure and `shm_vs_memcpy_16mib` (target >= 0.5).
+timed interleaved with the shm round trips so both see the same machine load. Final line: JSON with every figure, `shm_vs_memcpy_16mib` (target >= 0.5) and
+`zmq_curve_vs_zmq_tcp_16mib` (what encryption costs at 16 MiB).
 
     python benchmarks/transports.py [--quick]
 """
@@ -24,6 +26,8 @@ from mstar_core.wire import InvokeNode, Release
 from mstar_core.wire.transport import free_tcp_port
 
 KIB, MIB = 1 << 10, 1 << 20
+#: The shared secret both ends of the CURVE run derive their keys from (a benchmark's, not a deployment's).
+BENCH_SECRET = b"mstar-benchmark-secret"
 
 
 def _make(kind: str):
@@ -34,7 +38,7 @@ def _make(kind: str):
     if kind.startswith("zmq"):
         from mstar_transport_zmq import ZmqTransport
 
-        return ZmqTransport()
+        return ZmqTransport(secret=BENCH_SECRET if kind == "zmq_curve" else None)
     from mstar_transport_nccl import NcclTransport
 
     return NcclTransport(backend="gloo", timeout_s=60)
@@ -71,7 +75,7 @@ def bench_transport(kind: str, sizes: list[int], quick: bool) -> tuple[dict[int,
         address = t.bind(ipc_address("mstar-bench"))
     elif kind == "shm":
         address = t.bind()
-    elif kind == "zmq_tcp":
+    elif kind in ("zmq_tcp", "zmq_curve"):
         address = t.bind("tcp://127.0.0.1:0")
     else:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -121,7 +125,7 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = [KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] if args.quick else [KIB << (2 * i) for i in range(9)]
     results = {}
-    for kind in ["shm", "zmq_ipc", "zmq_tcp", "gloo"]:
+    for kind in ["shm", "zmq_ipc", "zmq_tcp", "zmq_curve", "gloo"]:
         results[kind], copy = bench_transport(kind, sizes, args.quick)
         if kind == "shm":
             results["memcpy"] = copy
@@ -132,6 +136,7 @@ def main() -> None:
     summary = {f"{k}_gbps_{_label(s)}": round(v[s], 3) for k, v in results.items() for s in sizes}
     summary["shm_vs_memcpy_16mib"] = round(results["shm"][16 * MIB] / results["memcpy"][16 * MIB], 3)
     summary["zmq_ipc_vs_memcpy_16mib"] = round(results["zmq_ipc"][16 * MIB] / results["memcpy"][16 * MIB], 3)
+    summary["zmq_curve_vs_zmq_tcp_16mib"] = round(results["zmq_curve"][16 * MIB] / results["zmq_tcp"][16 * MIB], 3)
     print(json.dumps(summary))
 
 
