@@ -296,6 +296,34 @@ class Cluster:
         asyncio.ensure_future(self._send_or_fail(state, frames, future))
         return future
 
+    async def move_state(self, held: RemoteNodeScheduler, target: RemoteNodeScheduler, request_id: str, node: str,
+                         export_index: int, import_index: int) -> bool:
+        """Move a request's engine state for `node` from `held`'s worker straight to `target`'s (no tensor through here).
+
+        Both get one control message naming a fresh move (nonce, session id): the exporter sends the
+        sealed state to the importer's peer mailbox (`links.PeerMailbox`). False when it cannot go
+        direct (same worker, or the target has not reported its mailbox yet): the caller moves it itself.
+        """
+        src, dst = held.replica_for(request_id), target.replica_for(request_id)
+        address = (self.workers[dst].load.get("peer") or {}).get("address")
+        if src == dst or not isinstance(address, str):
+            return False
+        move = {"peer_nonce": secrets.token_hex(16), "peer_session": new_session_id()}
+        imported = self.invoke(dst, target.model, Invocation(request_id, node, {}, {"transfer": "import", **move},
+                                                             import_index))
+        exported = self.invoke(src, held.model, Invocation(request_id, node, {}, {"transfer": "export", "peer_to": address,
+                                                                                  **move}, export_index))
+        try:
+            await exported
+            await imported
+        finally:
+            for future in (exported, imported):
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    future.exception()  # retrieved: the first failure is the one raised
+        return True
+
     async def _send_or_fail(self, state: WorkerLink, frames: list[Any], future: asyncio.Future) -> None:
         try:
             await self._send_frames(state, frames)

@@ -102,3 +102,126 @@ class OrderedInbox:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+
+
+class PeerMailbox:
+    """A worker's direct line to other workers, for request state that moves between them (the per-walk KV move).
+
+    Each worker binds one ROUTER socket (loopback, or its address towards the server when it joined
+    from another host, then CURVE-encrypted like the control link) and reports its address in its
+    heartbeats. To move a request's state from worker a to worker b, the server picks a fresh nonce
+    and session id and tells both, sealed on their control links; a seals the state with keys derived
+    from the shared secret and that nonce (`wire.session.Channel`) and sends it to b, which opens it
+    and hands it to its import: the serving process sees only the two control messages. A session id
+    is accepted once; state that arrives before b's import asks for it waits (a bounded number of moves).
+    """
+
+    #: moves whose state may wait for their import at once (more: the oldest is dropped)
+    MAX_WAITING = 64
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", encrypt: bool = False):
+        import zmq
+        import zmq.asyncio
+
+        from mstar_core.wire.curve import server_keys, start_asyncio_authenticator
+
+        self.secret, self.encrypt = secret, encrypt
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self._auth = None
+        if encrypt:
+            self._auth = start_asyncio_authenticator(self.ctx, secret)
+            server_keys(self.sock, secret)
+        self.sock.bind(f"tcp://{host}:0")
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._out: dict[str, Any] = {}
+        self._arrived: collections.OrderedDict[bytes, list[Any]] = collections.OrderedDict()
+        self._waiting: dict[bytes, asyncio.Future] = {}
+        self._used: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.sent_bytes = self.received_bytes = 0
+        self.sent_moves = self.received_moves = 0
+        self.refused = 0
+        self._task = asyncio.ensure_future(self._receive())
+
+    def stats(self) -> dict[str, Any]:
+        return {"address": self.address, "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
+                "sent_moves": self.sent_moves, "received_moves": self.received_moves, "refused": self.refused}
+
+    async def send(self, address: str, nonce: str, session: str, frames: list[Any]) -> None:
+        """Seal `frames` for move (`nonce`, `session`) and send them to the worker at `address`."""
+        import zmq
+
+        from mstar_core.wire.curve import client_keys
+        from mstar_core.wire.session import Channel
+        from mstar_core.wire.transport import frames_bytes
+
+        sock = self._out.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if self.encrypt:
+                client_keys(sock, self.secret)
+            sock.connect(address)
+            self._out[address] = sock
+        sealed = Channel.for_worker(self.secret, nonce, session).seal(frames)
+        self.sent_bytes += frames_bytes(frames)
+        self.sent_moves += 1
+        await sock.send_multipart([nonce.encode(), *sealed], copy=False)
+
+    def expect(self, session: str) -> asyncio.Future:
+        """The frames of move `session`, when they arrive (at once if they already did)."""
+        key = bytes.fromhex(session)
+        future = asyncio.get_running_loop().create_future()
+        frames = self._arrived.pop(key, None)
+        if frames is not None:
+            future.set_result(frames)
+        else:
+            self._waiting[key] = future
+            future.add_done_callback(lambda f, k=key: self._waiting.pop(k, None))
+        return future
+
+    async def _receive(self) -> None:
+        from mstar_core.wire.errors import WireError
+        from mstar_core.wire.session import Channel, session_of
+        from mstar_core.wire.transport import frames_bytes
+
+        while True:
+            try:
+                raw = await self.sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the context is closing
+                return
+            try:
+                nonce = raw[1].bytes.decode("ascii")
+                body = [f.buffer for f in raw[2:]]
+                session = session_of(body)
+                if session is None or session in self._used:
+                    raise WireError("not a sealed move, or one already received")
+                frames = Channel.for_coordinator(self.secret, nonce, session.hex()).open(body)
+            except (IndexError, UnicodeDecodeError, ValueError, WireError) as exc:  # AuthError is a WireError
+                self.refused += 1
+                log.warning("peer mailbox %s: dropped a message: %s", self.address, exc)
+                continue
+            self._used[session] = None
+            while len(self._used) > 16 * self.MAX_WAITING:
+                self._used.popitem(last=False)
+            self.received_bytes += frames_bytes(frames)
+            self.received_moves += 1
+            waiting = self._waiting.pop(session, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(frames)
+                continue
+            self._arrived[session] = frames
+            while len(self._arrived) > self.MAX_WAITING:
+                self._arrived.popitem(last=False)
+
+    def close(self) -> None:
+        self._task.cancel()
+        for sock in self._out.values():
+            sock.close(0)
+        self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()

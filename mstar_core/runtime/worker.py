@@ -27,7 +27,7 @@ from mstar_core.checkpoint.partial import node_module, release_unhosted, residen
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation
-from mstar_core.runtime.links import open_link
+from mstar_core.runtime.links import PeerMailbox, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
@@ -52,6 +52,9 @@ from mstar_core.wire.curve import client_keys, needs_encryption
 from mstar_core.wire.session import Channel
 
 log = logging.getLogger("mstar.worker")
+
+#: How long an import waits for the state a peer worker sends it directly.
+MOVE_TIMEOUT_S = 60.0
 
 
 class Worker:
@@ -82,6 +85,7 @@ class Worker:
         self._send_tail: asyncio.Future | None = None
         self.channel: Channel | None = None  # the authenticated session, once welcomed
         self.refusals = RefusalLog(log)
+        self.mailbox: PeerMailbox | None = None  # state moved here directly by other workers (per-walk KV moves)
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent this way before (loop values, then done).
@@ -161,6 +165,7 @@ class Worker:
         self.link.on_failure = lambda why: loop.call_soon_threadsafe(self._link_failed, why)
         self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
         self.heartbeat_interval = welcome.heartbeat_interval
+        self.mailbox = PeerMailbox(self.secret, self._peer_host(), self.encrypt)
         beat = asyncio.ensure_future(self._heartbeat())
         try:
             while not self._stop.is_set():
@@ -182,6 +187,19 @@ class Worker:
             self.executor.shutdown(wait=False, cancel_futures=True)
             if self.link is not None:
                 self.link.close()
+            if self.mailbox is not None:
+                self.mailbox.close()
+
+    def _peer_host(self) -> str:
+        """Where other workers reach this one: loopback, unless it joined the server from another host."""
+        if not needs_encryption(self.join):
+            return "127.0.0.1"
+        import socket
+
+        host = self.join.partition("://")[2].rsplit(":", 1)[0].strip("[]")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet: only picks the interface on the route to the server
+            return s.getsockname()[0]
 
     def _link_failed(self, why: str) -> None:
         # nothing more reaches us over the link and a group's threads cannot be unblocked: leave, be replaced
@@ -226,6 +244,8 @@ class Worker:
                 load["process"] = self.resident["process"]
             if self.link is not None:
                 load["link"] = {"transport": self.link.name, **self.link.stats.as_dict()}
+            if self.mailbox is not None:
+                load["peer"] = self.mailbox.stats()
             try:
                 await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
             except WireError:  # a gauge that cannot travel: beat without gauges
@@ -295,9 +315,47 @@ class Worker:
         except Exception as exc:  # e.g. sampling parameters that do not validate: that call fails
             asyncio.ensure_future(self._reply_error(msg, exc))
             return
+        if "peer_session" in options:  # a per-walk state move straight between workers
+            asyncio.ensure_future(self._move(msg, sched, inputs, options))
+            return
         inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index)
         future = sched.submit(inv)
         future.add_done_callback(lambda f, m=msg: asyncio.ensure_future(self._reply(m, f)))
+
+    async def _move(self, msg: InvokeNode, sched: NodeScheduler, inputs: dict, options: dict) -> None:
+        """Export the request's state straight to a peer worker, or import what a peer sent (see PeerMailbox).
+
+        The exporting side answers the server with no outputs: the state itself never passes through it.
+        """
+        options = dict(options)
+        nonce, session, to = options.pop("peer_nonce", ""), options.pop("peer_session"), options.pop("peer_to", None)
+        node = msg.node.split("/", 1)[1]
+        try:
+            if self.mailbox is None:
+                raise RuntimeError(f"worker {self.name} has no peer mailbox yet")
+            if to is None:  # import: wait for the exporter's sealed state
+                frames = await asyncio.wait_for(self.mailbox.expect(str(session)), MOVE_TIMEOUT_S)
+                sent = decode(frames)
+                inputs = {**inputs, "state": from_wire(sent.outputs)["state"]}
+            result = await sched.submit(Invocation(msg.request_id, node, inputs, options, msg.call_index))
+            if to is not None:
+                state = NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
+                                   outputs=to_wire({"state": result["state"]}))
+                await self.mailbox.send(str(to), str(nonce), str(session), encode(state))
+                result = {}
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"the state of request {msg.request_id} did not arrive from its previous worker "
+                                   f"within {MOVE_TIMEOUT_S:.0f}s")
+            await self._reply_error(msg, exc)
+            return
+        try:
+            await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
+                                       outputs=to_wire(result)))
+        except WireError as exc:
+            await self._reply_error(msg, exc)
 
     async def _reply(self, msg: InvokeNode, future: asyncio.Future) -> None:
         if future.cancelled():

@@ -98,7 +98,7 @@ async def test_disaggregated_orpheus_with_an_nccl_codec_link_gives_the_colocated
         assert torch.equal(a.cpu(), b.cpu())
 
 
-async def test_prefill_and_decode_workers_on_gloo_give_the_colocated_tokens_and_move_the_kv_over_the_group():
+async def test_prefill_and_decode_workers_with_nccl_links_give_the_colocated_tokens():
     from tests.cluster.test_per_walk_placement import REQUESTS, generate
 
     colocated, _, _ = await generate()
@@ -110,11 +110,13 @@ async def test_prefill_and_decode_workers_on_gloo_give_the_colocated_tokens_and_
         split = []
         for request in REQUESTS:
             split.append([o.value async for o in engine.submit("llama", dict(request)) if o.name == "next_token"])
-        prefill, decode = engine.cluster.workers["prefill"].link, engine.cluster.workers["decode"].link
-        assert prefill.backend == decode.backend == "gloo"
-        # each request's KV pages came back from the prefill worker and went out to the decode worker over groups
-        assert prefill.received_frames >= len(REQUESTS) and decode.sent_frames >= len(REQUESTS)
-        assert prefill.stats.offloaded_bytes == 0 and decode.stats.offloaded_bytes > 0
+        prefill, decode = engine.cluster.workers["prefill"], engine.cluster.workers["decode"]
+        assert prefill.link.backend == decode.link.backend == "gloo"
+        # the KV pages went straight from worker to worker (tests/cluster/test_direct_kv_move.py), not through here
+        deadline = time.monotonic() + 10
+        while decode.load.get("peer", {}).get("received_moves", 0) < len(REQUESTS):
+            assert time.monotonic() < deadline, decode.load
+            await asyncio.sleep(0.05)
     finally:
         await engine.close()
     assert split == colocated
