@@ -1,10 +1,12 @@
 """`n` choices for each prompt of a text request: submission, per-choice text and log-probabilities, and one
 stream of events merged from all of them (what the chat and completions routes share).
 
-`n > 1` runs as `n` requests on the same prompt. Choice 0 is submitted alone; once its first output
-arrives its prompt has been prefilled and its full KV pages are in the engine's prefix cache, so the
-other choices, submitted then, share those pages (reference counted, not copied) and compute only the
-prompt's partial last page before they decode side by side. Choice `i` samples with `seed + i`.
+A model whose request schema takes `n` (the `llama` family) serves `n > 1` as one request per prompt: one
+prefill of the prompt, then `n` copy-on-write forks of its KV cache decoding side by side, each emitted
+token carrying its choice (`Output.branch`); `SharedRequest` splits that one stream into one per choice.
+Any other model gets `n` requests on the same prompt: choice 0 is submitted alone; once its first output
+arrives its prompt is in the engine's prefix cache, so the other choices, submitted then, share those pages.
+Either way choice `i` samples with `seed + i`, exactly what a single request seeded so samples.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Choice:
         return self.text.finish_reason
 
     def feed(self, out: Any) -> str:
-        """Take one output of the request; return newly final text. A finished choice cancels its request."""
+        """Take one output of the request; return newly final text. A finished choice cancels its request (its branch)."""
         if out is None or self.text.finish_reason is not None:
             return ""
         if out.name == self.adapter.logprob_output:
@@ -77,6 +79,83 @@ class Choice:
         return out
 
 
+class SharedRequest:
+    """One request whose `n` fan-out branches are `n` choices: its outputs sorted into one stream per branch."""
+
+    def __init__(self, handle: Any, n: int):
+        self.handle = handle
+        self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
+        self.open = set(range(n))  # branches whose choice has not finished yet
+        self.cancelled = False
+        self.pump = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        end: BaseException | None = None
+        try:
+            async for out in self.handle:
+                if out.branch is not None and 0 <= out.branch < len(self.queues):
+                    self.queues[out.branch].put_nowait(out)
+        except BaseException as exc:  # the request failed (or was cancelled): every branch's stream ends so
+            end = exc
+        for queue in self.queues:
+            queue.put_nowait(_End(None if self.cancelled else end))
+
+    def branch(self, i: int) -> BranchHandle:
+        return BranchHandle(self, i)
+
+    def finish(self, i: int) -> None:
+        """Choice `i` needs nothing more; once every choice is done the request stops."""
+        self.open.discard(i)
+        if not self.open:
+            self.cancelled = True
+            self.handle.cancel()
+
+
+class _End:
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+
+class BranchHandle:
+    """One choice of a `SharedRequest`, with a request handle's interface (iterate, `result()`, `cancel()`)."""
+
+    def __init__(self, shared: SharedRequest, index: int):
+        self.shared = shared
+        self.index = index
+
+    @property
+    def prepared(self) -> Any:
+        return self.shared.handle.prepared
+
+    def cancel(self) -> None:
+        self.shared.finish(self.index)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self.shared.queues[self.index].get()
+        if isinstance(item, _End):
+            self.shared.queues[self.index].put_nowait(item)  # later iterations end too
+            if item.error is not None and not isinstance(item.error, asyncio.CancelledError):
+                raise item.error
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> dict[str, Any]:
+        """The request's final env as this choice saw it (the fan-out joins each name as a list, one per branch)."""
+        env = await self.shared.handle.result()
+        reasons = env.get("finish_reason")
+        ok = isinstance(reasons, list) and self.index < len(reasons)
+        return {"finish_reason": reasons[self.index] if ok else None}
+
+
+def forks_choices(adapter: Any) -> bool:
+    """Whether the adapter's model serves `n` choices itself, as forks of one prefill (its schema takes `n`)."""
+    schema = getattr(getattr(adapter, "loaded", None), "request_schema", None)
+    return schema is not None and any(f.name == "n" for f in schema.fields)
+
+
 def choice_seed(seed: int | None, i: int) -> int | None:
     """Choice `i`'s seed: `seed + i`, wrapping at the top of the seed range."""
     return None if seed is None else (seed + i) % (MAX_SEED + 1)
@@ -92,6 +171,8 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
     here cancels every choice already submitted.
     """
     choices: list[Choice] = []
+    shared: list[SharedRequest] = []
+    forks = n > 1 and forks_choices(adapter)
 
     async def add(p: int, i: int) -> Choice:
         handle = await submit(state, model, inputs_for(prompts[p], i))
@@ -99,15 +180,30 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
         choices.append(choice)
         return choice
 
+    async def add_forks(p: int) -> list[Choice]:
+        # one request: the seed it carries is choice 0's; the engine gives branch i seed + i
+        handle = await submit(state, model, {**inputs_for(prompts[p], 0), "n": n})
+        request = SharedRequest(handle, n)
+        shared.append(request)
+        own = [Choice(p * n + i, p, request.branch(i), adapter, stops, max_tokens) for i in range(n)]
+        choices.extend(own)
+        return own
+
     async def prime(choice: Choice) -> None:
         choice.first, choice.rest = await first_then_rest(request, choice.handle)
 
     try:
-        leaders = [await add(p, 0) for p in range(len(prompts))]
+        if forks:
+            groups = [await add_forks(p) for p in range(len(prompts))]
+            leaders = [g[0] for g in groups]
+            followers = [c for g in groups for c in g[1:]]
+        else:
+            leaders = [await add(p, 0) for p in range(len(prompts))]
         await asyncio.gather(*(prime(c) for c in leaders))
         if started is not None:
             observe_ttft(state, model, started)
-        followers = [await add(p, i) for p in range(len(prompts)) for i in range(1, n)]
+        if not forks:
+            followers = [await add(p, i) for p in range(len(prompts)) for i in range(1, n)]
         await asyncio.gather(*(prime(c) for c in followers))
     except BaseException:
         for choice in choices:

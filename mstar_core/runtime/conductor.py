@@ -152,7 +152,7 @@ class Conductor:
                     continue
                 env[name].append(value)
                 if name in frame.emit:
-                    state.emit(Output(name, value, frame.walk.name))
+                    state.emit(Output(name, value, frame.walk.name, frame.branch))
             self._feed(frame, site.node, outputs)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Conductor:
             name = call.env_output(port)
             env[name] = value
             if name in frame.emit:
-                state.emit(Output(name, value, frame.walk.name))
+                state.emit(Output(name, value, frame.walk.name, frame.branch))
         self._feed(frame, call.node, outputs)
 
     @staticmethod
@@ -212,7 +212,7 @@ class Conductor:
         env.update(values)
         for dst, value in values.items():
             if dst in frame.emit:
-                state.emit(Output(dst, value, frame.walk.name))
+                state.emit(Output(dst, value, frame.walk.name, frame.branch))
 
     async def run_loop(self, state: RequestState, frame: WalkFrame, site: LoopSite, env: dict) -> None:
         """Run a loop here, its node calls going through this process's schedulers."""
@@ -264,7 +264,8 @@ class Conductor:
             raise RequestError(f"walk '{frame.walk.name}': Parallel count '{spec.count}' must be an int >= 0, "
                                f"got {count!r}")
         branch_envs = [{**env, spec.index_name: i} for i in range(count)]
-        await _gather_all(self._step(state, frame, site.branches[0], benv) for benv in branch_envs)
+        await _gather_all(self._step(state, frame.branch_frame(i), site.branches[0], benv)
+                          for i, benv in enumerate(branch_envs))
         if spec.collect is not None:
             names = dict(spec.collect)
         else:
@@ -381,19 +382,28 @@ class RequestState:
 
 
 class WalkFrame:
-    """One walk's run for one request: what it emits, the streams its nodes feed, the streams a fragment takes."""
+    """One walk's run for one request: what it emits, the streams its nodes feed, the streams a fragment takes,
+    and the dynamic fan-out branch it runs in (None outside one; what its emitted outputs carry)."""
 
-    __slots__ = ("emit", "streams", "takes", "walk")
+    __slots__ = ("branch", "emit", "streams", "takes", "walk")
 
     def __init__(self, walk: Walk, emit: set[str]):
         self.walk = walk
         self.emit = emit
         self.streams: dict[str, list[RequestStream]] = {}
         self.takes: dict[str, RequestStream] = {}
+        self.branch: int | None = None
+
+    def branch_frame(self, index: int) -> WalkFrame:
+        """The frame of fan-out branch `index`: the same walk, streams and takes; its outputs carry `index`."""
+        child = WalkFrame(self.walk, self.emit)
+        child.streams, child.takes, child.branch = self.streams, self.takes, index
+        return child
 
     def fragment(self, takes: dict[str, RequestStream]) -> WalkFrame:
         """The frame of a consumer fragment: the same walk and streams, taking chunks from `takes`."""
         child = WalkFrame(self.walk, self.emit)
         child.streams = self.streams
         child.takes = takes
+        child.branch = self.branch
         return child

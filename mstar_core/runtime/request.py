@@ -14,11 +14,16 @@ _END = object()
 
 @attrs.frozen
 class Output:
-    """A value the walk emitted: the env name, the value, and the walk that produced it."""
+    """A value the walk emitted: the env name, the value, and the walk that produced it.
+
+    `branch` is the index of the dynamic fan-out branch (`Parallel(count=...)`) that emitted it, None
+    outside one (in nested fan-outs, the innermost), so one stream can carry e.g. `n` choices apart.
+    """
 
     name: str
     value: Any
     walk: str
+    branch: int | None = None
 
 
 class RequestHandle:

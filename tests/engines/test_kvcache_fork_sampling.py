@@ -1,4 +1,5 @@
-"""Seeded sampling on a label forked with `fork_from` is reproducible: the fork clones its parent's generator."""
+"""Seeded sampling on a label forked with `fork_from` is reproducible: the fork clones its parent's generator;
+with `seed_offset` it is a new sample instead (its own generator, seeded seed + offset)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from mstar_kvcache import KVCacheEngine
 
+from mstar_core.errors import RequestError
 from mstar_core.graph import GraphNode
 from mstar_core.nn.llama import LlamaForCausalLM
 from mstar_core.runtime.engine import EngineContext, Invocation
@@ -72,3 +74,48 @@ def test_a_fork_continues_its_parents_stream_without_sharing_draws(model):
         main.append(call(both, "main", main[-1], 7))
         alt.append(call(both, "alt", alt[-1], 7))
     assert main == solo and alt == solo
+
+
+# -- seed_offset: a fork that is a new sample of its parent's tokens (n > 1 choices) ---------------------------
+
+
+def run(engine, label, ids, seed, max_tokens, **options):
+    engine.add(Invocation("r", "lm", {"input_ids": ids, "sampling": {**sampling(seed), "max_tokens": max_tokens}},
+                          {"cache_label": label, **options}))
+    (_, out), = engine.step()
+    assert not isinstance(out, BaseException), out
+    return out["next_token"], out["finish_reason"]
+
+
+def generate(engine, label, ids, seed, max_tokens, **options):
+    """Feed `ids`, then each sampled token back, until a finish reason: [(token, finish_reason), ...]."""
+    fork = {k: v for k, v in options.items() if k == "fork_from"}
+    rest = {k: v for k, v in options.items() if k != "fork_from"}
+    out = [run(engine, label, ids, seed, max_tokens, **fork, **rest)]
+    while out[-1][1] is None:
+        out.append(run(engine, label, out[-1][0], seed, max_tokens, **rest))
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_a_fork_with_seed_offset_samples_what_a_request_seeded_seed_plus_offset_does(model, offset):
+    settings = {"num_pages": 32, "page_size": 4}
+    single = KVCacheEngine(NODE, model, EngineContext("t", torch.device("cpu"), settings))
+    want = generate(single, "main", PROMPT, 7 + offset, 5)
+    assert [r for _, r in want] == [None] * 4 + ["length"]
+
+    forked = KVCacheEngine(NODE, model, EngineContext("t", torch.device("cpu"), settings))
+    run(forked, "main", PROMPT[:-1], 7, 5)  # the parent draws from seed 7 and generates a token of its own
+    got = generate(forked, "c", PROMPT[-1:], 7, 5, fork_from="main", seed_offset=offset)
+    # its own generator (seed 7 + offset, not a clone of the parent's), nothing generated before its first token
+    assert got == want
+    assert forked.seqs[("r", "c")].generated == [t for t, _ in want]
+
+
+def test_seed_offset_must_be_a_non_negative_int(model):
+    engine = KVCacheEngine(NODE, model, EngineContext("t", torch.device("cpu"), {"num_pages": 32, "page_size": 4}))
+    for bad in (-1, 1.5, True, "2"):
+        engine.add(Invocation("r", "lm", {"input_ids": PROMPT, "sampling": sampling(7)},
+                              {"cache_label": "main", "seed_offset": bad}))
+        (_, out), = engine.step()
+        assert isinstance(out, RequestError) and "seed_offset" in str(out), bad

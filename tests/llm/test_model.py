@@ -137,3 +137,59 @@ async def test_smollm2_preset_on_the_engine_says_paris(preset_cache):
         assert "Paris" in loaded.extras["tokenizer"].decode(reply, skip_special_tokens=True)
     finally:
         await engine.close()
+
+
+async def test_n_choices_fork_one_prefill_and_equal_single_requests(tiny, preset_cache):
+    """`n` choices: one prefill on label `main`, n forks decoding side by side, each emitted token carrying its
+    choice (`Output.branch`); choice i samples what a single request seeded with seed + i does."""
+    from mstar_core.runtime import AsyncEngine
+
+    engine = AsyncEngine()
+    try:
+        await engine.load_model("llama", LoadOptions(preset="tiny"),
+                                settings={"lm": {"num_pages": 64, "page_size": 4, "enable_prefix_caching": False}})
+        kvc = engine.node_engines("llama")["lm"]
+        prompt = list(range(3, 17))  # 14 tokens: the 13 prefilled on `main` end inside a page of 4
+        sampling = {"temperature": 1.0, "seed": 11, "max_tokens": 9, "ignore_eos": True, "logprobs": 1}
+
+        async def run(inputs):
+            handle = engine.submit("llama", inputs)
+            outs = [o async for o in handle]
+            await handle.result()
+            return outs
+
+        prompt_len = len(prompt)
+        rows: list[int] = []
+        forward = kvc._forward
+
+        def counted(work):
+            rows.append(sum(n for _, n in work))
+            return forward(work)
+
+        kvc._forward = counted
+        copies = kvc.pool.copies
+        outs = await run({"input_ids": prompt, "n": 3, **sampling})
+        kvc._forward = forward
+        tokens = {i: [int(o.value) for o in outs if o.name == "next_token" and o.branch == i] for i in range(3)}
+        assert all(o.branch in (0, 1, 2) for o in outs)
+        assert {o.name for o in outs} == {"next_token", "logprob", "top_logprobs"}
+        assert all(len(t) == 9 for t in tokens.values())
+        # the prompt ran once (but its last token, which each fork runs to sample its first token), then 8 decodes each
+        assert sum(rows) == (prompt_len - 1) + 3 + 3 * 8
+        # the forks shared the prompt's full pages; each copied the partial last page it wrote its token into
+        assert kvc.pool.copies - copies == 3
+        for i in range(3):
+            single = await run({"input_ids": prompt, **sampling, "seed": 11 + i})
+            assert [int(o.value) for o in single if o.name == "next_token"] == tokens[i], i
+            assert all(o.branch is None for o in single)
+        assert len(set(map(tuple, tokens.values()))) > 1
+        assert kvc.pool.num_used == 0  # every fork's pages freed
+        # a prompt whose part on `main` fills whole pages: the forks write new pages, nothing is copied
+        copies = kvc.pool.copies
+        await run({"input_ids": prompt[:13], "n": 2, **sampling})
+        assert kvc.pool.copies == copies
+        # a one-token prompt: no shared prefill, each choice starts empty
+        outs = await run({"input_ids": [5], "n": 2, **sampling})
+        assert sorted({o.branch for o in outs}) == [0, 1]
+    finally:
+        await engine.close()

@@ -90,9 +90,12 @@ def test_n_choices_are_reproducible_and_share_the_prompts_pages(client, smollm2,
     first = client.chat.completions.create(**kw)
     full_pages = (len(prompt_ids) - 1) // PAGE_SIZE
     assert full_pages >= 2, "the prompt should span several pages for this test to mean something"
-    # choices 1 and 2 found choice 0's full prompt pages in the cache: shared (reference counted), never copied
-    assert stat(smollm2, "kv_prefix_hit_pages") - hits >= 2 * full_pages
-    assert stat(smollm2, "kv_page_copies") == copies
+    # one prefill (of the prompt but its last token, on label `main`): at most it looked the prompt up in the
+    # prefix cache; the 3 forks share its full pages (reference counted, never copied) without a lookup, and
+    # each copies only the partial last page it writes the prompt's last token into
+    assert stat(smollm2, "kv_prefix_hit_pages") - hits <= full_pages
+    partial = (len(prompt_ids) - 1) % PAGE_SIZE != 0
+    assert stat(smollm2, "kv_page_copies") - copies == (3 if partial else 0)
     texts = [c.message.content for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert len(set(texts)) > 1, texts  # seeds 7, 8, 9 sample apart

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import attrs
 import torch
 
 from mstar_core.errors import ConfigError
-from mstar_core.graph import Graph, GraphNode
+from mstar_core.graph import DynamicLoop, FromEnv, Graph, GraphNode, NodeCall, Parallel, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_llm.prepare import EXAMPLE, RequestPreparer
 
@@ -30,9 +31,58 @@ def _dtype(options: LoadOptions) -> torch.dtype:
 LOGPROB_OUTPUTS = ("logprob", "top_logprobs")
 
 
+def choice_walks(node: str = "lm", default_max_tokens: int = 256) -> tuple[Walk, Walk]:
+    """`n > 1` choices as cache forks: `prefill_shared` runs the prompt but its last token once on label `main`
+    (nothing sampled is kept), then `choices` fans out `n` branches: branch `i` forks `main` as label `choice<i>`
+    (shared pages, copy-on-write), feeds the prompt's last token and samples its first token with seed + i, then
+    decodes until its finish reason. So choice i samples exactly what a single request seeded with seed + i does.
+    Every emitted value carries its branch (`Output.branch`); a one-token prompt skips `prefill_shared`
+    (`fork_label` None: each branch starts empty)."""
+    from mstar_kvcache.walks import decode_iterations
+
+    label = FromEnv("choice", "choice{}")
+    seed = FromEnv("choice")
+    prefill = Walk(
+        name="prefill_shared",
+        # no sampling: the token it predicts is dropped, and no random stream is drawn from
+        body=NodeCall(node, inputs={"input_ids": "prompt_head", "sampling": "prompt_sampling"},
+                      outputs={name: f"prompt_{name}" for name in (*LOGPROB_OUTPUTS, "next_token", "finish_reason")},
+                      options={"cache_label": "main"}),
+        inputs=("prompt_head",),
+        optional_inputs=("prompt_sampling",),  # never sent: the prompt runs unsampled
+        description=f"run the prompt but its last token through '{node}' once, on cache label 'main'",
+    )
+    first = NodeCall(node, inputs={"input_ids": "prompt_tail", "sampling": "sampling"},
+                     options={"cache_label": label, "fork_from": FromEnv("fork_label"), "seed_offset": seed})
+    decode = DynamicLoop(
+        body=NodeCall(node, inputs={"input_ids": "next_token", "sampling": "sampling"},
+                      options={"cache_label": label, "seed_offset": seed}),
+        until=lambda env: env.get("finish_reason") is not None,
+        max_iters=decode_iterations("sampling", default_max_tokens),
+    )
+    choices = Walk(
+        name="choices",
+        # every name a branch writes comes back as a list, one value per choice
+        body=Parallel(Sequential(first, decode), count="n", index_name="choice"),
+        inputs=("prompt_tail", "n", "fork_label"),
+        optional_inputs=("sampling",),
+        outputs=("next_token", "finish_reason"),
+        emit=(*LOGPROB_OUTPUTS, "next_token"),
+        description=f"fork the prompt's cache n times and decode the forks side by side on '{node}'",
+    )
+    return prefill, choices
+
+
+def plan(inputs: Mapping[str, Any]) -> list[str]:
+    if inputs.get("n") is None:
+        return ["prefill", "decode"]
+    return ["prefill_shared", "choices"] if inputs.get("fork_label") is not None else ["choices"]
+
+
 def build_graph(lm: Any, name: str = "llama") -> Graph:
     """One `kvcache` node `lm`; walks `prefill` then `decode` until a finish reason, emitting `next_token`
-    (and, when asked, each token's `logprob` and `top_logprobs` just before it)."""
+    (and, when asked, each token's `logprob` and `top_logprobs` just before it); with `n` (see `choice_walks`),
+    `prefill_shared` then `choices`."""
     from mstar_kvcache import ar_walks
 
     node = GraphNode(
@@ -44,7 +94,7 @@ def build_graph(lm: Any, name: str = "llama") -> Graph:
         module=lambda: lm,
     )
     walks = [attrs.evolve(w, emit=(*LOGPROB_OUTPUTS, *w.emit)) for w in ar_walks("lm")]
-    return Graph.build(name, [node], walks, plan=lambda inputs: ["prefill", "decode"])
+    return Graph.build(name, [node], [*walks, *choice_walks("lm")], plan=plan)
 
 
 def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any, Any, str | None, list[int]]:

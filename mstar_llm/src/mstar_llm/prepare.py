@@ -19,6 +19,8 @@ from mstar_llm.chat import check_messages, render_chat
 
 PROMPT_KEYS = ("messages", "prompt", "input_ids")
 SAMPLING_KEYS = tuple(f.name for f in attrs.fields(SamplingParams))
+#: Most choices one request may ask for.
+MAX_N = 128
 EXAMPLE = {"prompt": "The capital of France is", "max_tokens": 8}
 
 
@@ -40,6 +42,9 @@ def request_schema(vocab_size: int, max_model_len: int) -> RequestSchema:
                          items="integer", check=in_vocab),
             *(sampling_field(name) for name in SAMPLING_KEYS),
             RequestField("ignore_eos", "boolean", "keep generating past the end-of-sequence token", default=False),
+            RequestField("n", "integer", "choices sampled from one prefill of the prompt (forks of its cache), "
+                         "choice i with seed + i; each emitted value carries its choice as `Output.branch`",
+                         minimum=1, maximum=MAX_N),
         ),
         exactly_one_of=(PROMPT_KEYS,),
         example=EXAMPLE,
@@ -77,7 +82,13 @@ class RequestPreparer:
             user_stops = fields.get("stop_token_ids", ())
             user_stops = [user_stops] if isinstance(user_stops, int) else list(user_stops)
             fields["stop_token_ids"] = list(dict.fromkeys([*user_stops, *self.eos_token_ids]))
-        return {"input_ids": ids, "sampling": SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)}
+        env = {"input_ids": ids, "sampling": SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)}
+        n = inputs.get("n")
+        if n is not None:  # choices as forks of one prefill (see `choice_walks`)
+            env.update(n=n, prompt_head=ids[:-1], prompt_tail=ids[-1:], fork_label="main" if len(ids) > 1 else None)
+            if len(ids) == 1:
+                del env["prompt_head"]
+        return env
 
     def _ids(self, key: str, value: Any) -> list[int]:
         if key == "input_ids":

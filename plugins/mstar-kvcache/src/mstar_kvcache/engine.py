@@ -252,7 +252,12 @@ class KVCacheEngine(CacheTransfer, Engine):
         if seq is None:
             if parsed.fork_from is not None:
                 self.fork(inv.request_id, parsed.fork_from, parsed.label)
-                return self.seqs[key]
+                seq = self.seqs[key]
+                if parsed.seed_offset is not None:
+                    # a new sample of the parent's tokens (n > 1): its own random stream from seed + offset (set
+                    # when this call attaches), nothing generated yet (the parent's tokens are its prompt)
+                    seq.generator, seq.sampling, seq.generated = None, None, []
+                return seq
             seq = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival)
             self.seqs[key] = seq
         return seq

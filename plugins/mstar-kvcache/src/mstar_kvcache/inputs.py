@@ -20,7 +20,7 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import MAX_SEED, SamplingParams
 
 #: Per-call options (and node-static ones) the engine understands; anything else fails the model's load.
 OPTIONS = (
@@ -28,6 +28,7 @@ OPTIONS = (
     "write_cache",  # False: read-only, attend to frozen labels plus this call's tokens, allocate nothing
     "read_labels",  # read-only calls: the frozen labels attended, in order (default [cache_label])
     "fork_from",  # a new label starts as a copy-on-write fork of this one
+    "seed_offset",  # int added to sampling's seed; a fork made with it is a new sample (own generator, no tokens generated)
     "reset",  # True: the label starts empty at this call (a scratch cache per frame)
     "snapshot_before",  # label(s) made a fork of cache_label before this call's tokens (replacing them)
     "snapshot_after",  # label(s) made a fork of cache_label once this call is done
@@ -66,6 +67,7 @@ class ParsedInvocation:
     snapshot_after: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
     output_rows: str = "all"
+    seed_offset: int | None = None
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -185,6 +187,12 @@ def parse_invocation(
         sampling = SamplingParams.from_mapping(sampling)
     elif sampling is not None and not isinstance(sampling, SamplingParams):
         raise RequestError(f"node '{node}': input 'sampling' must be SamplingParams or a dict, got {type(sampling).__name__}")
+    offset = opts.get("seed_offset")
+    if offset is not None:
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise RequestError(f"node '{node}': option seed_offset must be an int >= 0, got {offset!r:.40}")
+        if sampling is not None and sampling.seed is not None and offset:
+            sampling = attrs.evolve(sampling, seed=(sampling.seed + offset) % (MAX_SEED + 1))
     routing = inputs.get("routing")
     if routing is not None:
         if isinstance(routing, torch.Tensor) and not routing.dtype.is_floating_point and routing.shape == (n,):
@@ -244,6 +252,7 @@ def parse_invocation(
         snapshot_after=_labels(opts.get("snapshot_after"), "snapshot_after", node),
         drop=_labels(opts.get("drop"), "drop", node),
         output_rows=rows,
+        seed_offset=offset,
     )
 
 
