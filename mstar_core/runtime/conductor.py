@@ -194,7 +194,9 @@ class Conductor:
                    self._parallel(state, frame, site, env))
         elif isinstance(site, LoopSite):
             runner = self.remote_loops.get((site.walk, site.index)) if site.index is not None else None
-            if runner is not None:
+            # A loop inside a fan-out branch runs here, one call at a time: a delegated loop is keyed by
+            # (request, loop) on the worker, which cannot tell the branches' copies of one loop apart.
+            if runner is not None and frame.branch is None:
                 await runner.run(self, state, frame, site, env)
             else:
                 await self.run_loop(state, frame, site, env)
@@ -318,13 +320,18 @@ class Conductor:
         (freeing it there), the new one imports it, before the request's next call runs. Between two
         workers the state goes straight from one to the other (`Cluster.move_state`).
         """
-        held = state.holders.get(node)
-        if held is scheduler:
-            return
-        state.holders[node] = scheduler
-        state.visited[id(scheduler)] = scheduler  # released at the end, whatever happens mid-move
-        if held is None:
-            return
+        # Calls of one request can race here (the branches of a fan-out reaching a per-walk node at
+        # once): the first moves the state, the others wait for it to arrive before they call.
+        async with state.move_locks.setdefault(node, asyncio.Lock()):
+            held = state.holders.get(node)
+            if held is scheduler:
+                return
+            state.visited[id(scheduler)] = scheduler  # released at the end, whatever happens mid-move
+            if held is not None:
+                await self._move(state, node, held, scheduler)
+            state.holders[node] = scheduler  # only once the state is there: a racing call waits above
+
+    async def _move(self, state: RequestState, node: str, held: Any, scheduler: Any) -> None:
         export_index, import_index = self._count(state, node), self._count(state, node)
         cluster = getattr(held, "cluster", None)  # both on workers: the state goes straight from one to the other
         if cluster is not None and getattr(scheduler, "cluster", None) is cluster and \
@@ -371,7 +378,7 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class RequestState:
-    __slots__ = ("call_counts", "emit", "holders", "request_id", "visited")
+    __slots__ = ("call_counts", "emit", "holders", "move_locks", "request_id", "visited")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None]):
         self.request_id = request_id
@@ -379,6 +386,7 @@ class RequestState:
         self.holders: dict[str, Any] = {}  # node -> the scheduler whose engine holds this request's state
         self.visited: dict[int, Any] = {}  # every scheduler that held some of its state (released at the end)
         self.call_counts: dict[str, int] = {}
+        self.move_locks: dict[str, asyncio.Lock] = {}  # node -> held while its state moves between workers
 
 
 class WalkFrame:

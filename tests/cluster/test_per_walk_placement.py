@@ -50,7 +50,7 @@ async def test_prefill_and_decode_on_different_workers_give_the_colocated_tokens
 async def test_per_walk_placement_is_checked_against_the_model():
     engine = AsyncEngine(discover())
     bad_walk = {"workers": {"p": {}}, "nodes": {"lm": {"prefil": "p"}}}
-    with pytest.raises(ConfigError, match="unknown walk 'prefil'.*walks: decode, prefill"):
+    with pytest.raises(ConfigError, match="unknown walk 'prefil'.*walks: .*decode.*prefill"):
         await engine.load_model("llama", LoadOptions(preset="tiny"), placement=Placement.from_dict(bad_walk))
     with pytest.raises(ConfigError, match=r"nodes.lm.decode names unknown worker 'x'"):
         Placement.from_dict({"workers": {"p": {}}, "nodes": {"lm": {"decode": "x"}}})
@@ -94,3 +94,27 @@ async def test_requests_cancelled_before_during_and_after_the_move_free_both_wor
         assert engine.running == 0
     finally:
         await engine.close()
+
+
+async def test_n_choices_forked_after_a_prefill_on_another_worker_give_the_colocated_choices():
+    # the choices' branches reach the decode worker together: one moves the state, the others wait
+    # for it (they used to fork a label not there yet), and their loops are told apart
+    request = {"input_ids": list(range(5, 30)), "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 3,
+               "ignore_eos": True}
+
+    async def choices(placement=None):
+        engine = AsyncEngine(discover())
+        await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
+        try:
+            out: dict[int, list[int]] = {}
+            async for o in engine.submit("llama", dict(request)):
+                if o.name == "next_token":
+                    out.setdefault(o.branch, []).append(o.value)
+            return out
+        finally:
+            await engine.close()
+
+    colocated = await choices()
+    split = await asyncio.wait_for(choices(load_placement(EXAMPLE)), 120)
+    assert sorted(colocated) == [0, 1, 2] and all(len(t) == 8 for t in colocated.values())
+    assert split == colocated
