@@ -316,7 +316,11 @@ class Worker:
             asyncio.ensure_future(self._reply_error(msg, exc))
             return
         if "peer_session" in options:  # a per-walk state move straight between workers
-            asyncio.ensure_future(self._move(msg, sched, inputs, options))
+            # tracked like a delegated loop, so a Release cancels a move still waiting for its state
+            # (imported after the release, that state's pages would never be freed)
+            task = asyncio.ensure_future(self._move(msg, sched, inputs, options))
+            self._loops.setdefault(msg.request_id, set()).add(task)
+            task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
             return
         inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index)
         future = sched.submit(inv)
