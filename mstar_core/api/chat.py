@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from mstar_core.api import choices as ch
 from mstar_core.api.chat_adapter import ROUTE_FIELDS
-from mstar_core.api.common import adapter_call, sse, stream_error_payload
+from mstar_core.api.common import adapter_call, sse
 from mstar_core.api.errors import ApiError
 from mstar_core.api.logprobs import chat_logprobs
 from mstar_core.api.responses import OrjsonResponse
@@ -99,25 +99,18 @@ async def create_chat_completion(body: ChatRequest, request: Request):
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                     "choices": choice_list, **extra})
 
-    async def stream():
-        try:
-            for c in choices:
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    async def chunks():
+        for c in choices:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for choice, text, entries, done in ch.events(choices):
+            if text or entries:
+                yield chunk([{"index": choice.index, "delta": {"content": text}, "logprobs": lp(entries),
                               "finish_reason": None}])
-            async for choice, text, entries, done in ch.events(choices):
-                if text or entries:
-                    yield chunk([{"index": choice.index, "delta": {"content": text}, "logprobs": lp(entries),
-                                  "finish_reason": None}])
-                if done:
-                    yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": choice.finish_reason}])
-            if include_usage:
-                yield chunk([], usage=ch.usage(adapter, choices))
-        except Exception as exc:
-            yield sse(stream_error_payload(exc))
-        finally:
-            for c in choices:
-                c.handle.cancel()
-        yield sse("[DONE]")
+            if done:
+                yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                              "finish_reason": choice.finish_reason}])
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    usage = (lambda: chunk([], usage=ch.usage(adapter, choices))) if include_usage else None
+    return StreamingResponse(ch.sse_body(chunks(), choices, usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

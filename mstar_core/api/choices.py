@@ -18,7 +18,14 @@ from typing import Any
 
 from fastapi import Request
 
-from mstar_core.api.common import first_then_rest, map_result, submit, watch_disconnect
+from mstar_core.api.common import (
+    first_then_rest,
+    map_result,
+    sse,
+    stream_error_payload,
+    submit,
+    watch_disconnect,
+)
 from mstar_core.api.errors import ApiError
 from mstar_core.api.text import TextAssembler
 from mstar_core.sampling import MAX_SEED
@@ -303,3 +310,22 @@ def check_n(state: Any, n: int) -> None:
         raise ApiError(400, f"'n' is {n}; this server returns at most {cap} choices per prompt "
                             "(mstar serve --max-n raises the cap)", param="n")
 
+
+
+async def sse_body(chunks: AsyncIterator[bytes], choices: list[Any], usage: Callable[[], bytes] | None = None
+                   ) -> AsyncIterator[bytes]:
+    """An SSE body: the route's chunks, the usage chunk if asked, an error event if a choice fails, then [DONE].
+
+    Every choice's request is cancelled at the end, whatever happened (a client gone, an error).
+    """
+    try:
+        async for data in chunks:
+            yield data
+        if usage is not None:
+            yield usage()
+    except Exception as exc:
+        yield sse(stream_error_payload(exc))
+    finally:
+        for c in choices:
+            c.handle.cancel()
+    yield sse("[DONE]")

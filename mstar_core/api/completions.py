@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from mstar_core.api import choices as ch
 from mstar_core.api.chat import check_stops, sampling_payload, with_choice
 from mstar_core.api.chat_adapter import ROUTE_FIELDS
-from mstar_core.api.common import adapter_call, sse, stream_error_payload
+from mstar_core.api.common import adapter_call, sse
 from mstar_core.api.errors import ApiError
 from mstar_core.api.logprobs import completion_logprobs
 from mstar_core.api.responses import OrjsonResponse
@@ -105,19 +105,12 @@ async def create_completion(body: CompletionRequest, request: Request):
         return sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
                     "choices": choice_list, **extra})
 
-    async def stream():
-        try:
-            async for choice, text, entries, done in ch.events(choices):
-                if text or entries or done:
-                    yield chunk([{"index": choice.index, "text": text, "logprobs": lp(choice, entries),
-                                  "finish_reason": choice.finish_reason if done else None}])
-            if include_usage:
-                yield chunk([], usage=ch.usage(adapter, choices))
-        except Exception as exc:
-            yield sse(stream_error_payload(exc))
-        finally:
-            for c in choices:
-                c.handle.cancel()
-        yield sse("[DONE]")
+    async def chunks():
+        async for choice, text, entries, done in ch.events(choices):
+            if text or entries or done:
+                yield chunk([{"index": choice.index, "text": text, "logprobs": lp(choice, entries),
+                              "finish_reason": choice.finish_reason if done else None}])
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    usage = (lambda: chunk([], usage=ch.usage(adapter, choices))) if include_usage else None
+    return StreamingResponse(ch.sse_body(chunks(), choices, usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
