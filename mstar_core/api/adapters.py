@@ -8,6 +8,11 @@ adapter to turn it into the model's raw inputs (`speech_inputs`, `chat_inputs`, 
 `AsyncEngine.submit`. Outputs named in the walk's `emit` come back through the per-route output
 hooks (`audio_output`, `token_output`, ...). Subclass `ApiAdapter` to inherit sane defaults.
 
+Chat with images, audio and spoken replies: `chat_media` names the content-part modalities the model
+takes; the server decodes them (`mstar_core.api.media`) and calls `chat_message_inputs(body, messages)`
+with typed parts in order. `chat_audio_output` names the emitted output that carries the spoken reply
+(`modalities: ["text", "audio"]`), `chat_transcript_output` the one carrying its text if not the tokens.
+
 Example (a speech model)::
 
     class OrpheusAdapter(ApiAdapter):
@@ -30,6 +35,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from mstar_core.api.media import ChatTurn, MediaLimits
 from mstar_core.errors import RequestError
 
 ROUTES = frozenset({"speech", "chat", "completions", "images"})
@@ -82,6 +88,24 @@ class ApiAdapter:
     def chat_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Turn a validated chat body (`messages`, sampling fields) into the model's raw inputs."""
         raise RequestError(f"model '{self.model}' does not serve /v1/chat/completions", status=404)
+
+    #: Content-part modalities the model takes in chat besides text: "image" (`image_url`), "audio" (`input_audio`).
+    #: A part of any other modality is a 400 naming it (`messages[1].content[0].image_url`) before any hook runs.
+    chat_media: frozenset[str] | set[str] = frozenset()
+    #: Bounds on those parts (bytes, pixels, seconds, parts per request, allowed URL prefixes); the server's
+    #: MSTAR_MEDIA_* environment variables override them (`MediaLimits.with_env`).
+    media_limits: MediaLimits = MediaLimits()
+
+    def chat_message_inputs(self, body: Mapping[str, Any], messages: list[ChatTurn]) -> dict[str, Any]:
+        """Raw inputs from a validated chat body and its messages as typed parts (text, image, audio), in order."""
+        return self.chat_inputs(body)
+
+    #: Emitted output carrying the audio the model speaks in chat (values as `audio_chunk` takes them, at
+    #: `sample_rate`, voice from `voices`); None: the model does not speak in chat (`modalities: ["audio"]` is a 400).
+    chat_audio_output: str | None = None
+    #: Emitted output carrying the spoken reply's text as str pieces (or the final env's str / list of str under
+    #: that name); None: the transcript is the reply's text (`token_output`, detokenized).
+    chat_transcript_output: str | None = None
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text for a sequence of generated token ids (special tokens dropped)."""

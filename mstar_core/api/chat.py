@@ -1,7 +1,10 @@
-"""POST /v1/chat/completions: messages in, tokens out (SSE chunks and [DONE] when streaming); `n` choices."""
+"""POST /v1/chat/completions: messages (text, images, audio) in, tokens out (SSE chunks and [DONE] when
+streaming); `n` choices; a spoken reply (`message.audio`, `delta.audio`) from models that speak in chat."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import time
 import uuid
 from collections.abc import Mapping
@@ -11,12 +14,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mstar_core.api import choices as ch
+from mstar_core.api import media
 from mstar_core.api.chat_adapter import ROUTE_FIELDS
+from mstar_core.api.chat_audio import AudioReply, check_audio_request
 from mstar_core.api.common import adapter_call, sse
-from mstar_core.api.errors import ApiError
+from mstar_core.api.errors import ApiError, from_request_error
 from mstar_core.api.logprobs import chat_logprobs
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
+from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields
 
 router = APIRouter()
@@ -48,6 +54,20 @@ def with_choice(adapter: Any, inputs: Mapping[str, Any], seed: int | None, i: in
     return out
 
 
+async def decode_messages(adapter: Any, model: str, messages: list[dict[str, Any]]) -> list[media.ChatTurn]:
+    """The messages as typed parts for the adapter: media checked against what the model takes, fetched where
+    allowed, decoded off the event loop when there is any."""
+    accepts = frozenset(getattr(adapter, "chat_media", ()) or ())
+    try:
+        limits = (getattr(adapter, "media_limits", None) or media.MediaLimits()).with_env()
+        if not media.has_media(messages):
+            return media.decode_messages(messages, accepts, model, limits)
+        fetched = await media.fetch_remote(messages, accepts, model, limits)
+        return await asyncio.to_thread(media.decode_messages, messages, accepts, model, limits, fetched)
+    except RequestError as exc:
+        raise from_request_error(exc) from None
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
@@ -59,8 +79,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     state = request.app.state.mstar
     request.state.model = body.model
     adapter = state.adapter(body.model, "chat")
-    if body.modalities and "audio" in body.modalities:
-        raise ApiError(400, f"model '{body.model}' does not produce audio in chat; drop 'modalities'", param="modalities")
+    audio = check_audio_request(adapter, body.model, body)
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, f"response_format '{body.response_format.type}' needs constrained decoding, which this "
                             "server does not do yet; send {\"type\": \"text\"} and ask for JSON in the prompt",
@@ -72,24 +91,42 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     payload = sampling_payload(body, ROUTE_FIELDS["chat"])
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
-    inputs = adapter_call(adapter.chat_inputs, payload, what=f"the chat adapter of '{body.model}'")
+    payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
+    messages = await decode_messages(adapter, body.model, payload["messages"])
+    inputs = adapter_call(adapter.chat_message_inputs, payload, messages, what=f"the chat adapter of '{body.model}'")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     started = time.perf_counter()
+    make_audio = None
+    if audio is not None:
+        def first_audio() -> None:
+            if state.metrics is not None:
+                state.metrics.ttfa.labels(body.model).observe(time.perf_counter() - started)
+
+        def make_audio() -> AudioReply:
+            return AudioReply(adapter, audio["format"], stream=body.stream, on_first_audio=first_audio)
     choices = await ch.start_choices(
         request, state, body.model, adapter, [inputs], body.n,
-        lambda prompt, i: with_choice(adapter, prompt, body.seed, i, logprobs), stops, max_tokens, started)
+        lambda prompt, i: with_choice(adapter, prompt, body.seed, i, logprobs), stops, max_tokens, started,
+        make_audio)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
     def lp(entries: list[ch.TokenLogprob]) -> dict[str, Any] | None:
         return chat_logprobs(adapter, entries) if logprobs is not None else None
 
+    def message(c: ch.Choice) -> dict[str, Any]:
+        if c.audio is None:
+            return {"role": "assistant", "content": c.text.text}
+        return {"role": "assistant", "content": None,
+                "audio": {"id": c.audio.id, "data": base64.b64encode(c.audio.take()).decode(),
+                          "expires_at": created, "transcript": c.transcript}}
+
     if not body.stream:
         await ch.run_all(request, choices)
         return OrjsonResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                         "logprobs": lp(c.logprobs), "finish_reason": c.finish_reason} for c in choices],
+            "choices": [{"index": c.index, "message": message(c), "logprobs": lp(c.logprobs),
+                         "finish_reason": c.finish_reason} for c in choices],
             "usage": ch.usage(adapter, choices),
         })
 
@@ -99,12 +136,29 @@ async def create_chat_completion(body: ChatRequest, request: Request):
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                     "choices": choice_list, **extra})
 
+    def audio_deltas(choice: ch.Choice, text: str, entries: list[ch.TokenLogprob], done: bool):
+        # OpenAI's streamed audio: transcript pieces and base64 data under delta.audio, then its expiry alone
+        aid = choice.audio.id
+        if text or entries:
+            yield chunk([{"index": choice.index, "delta": {"audio": {"id": aid, "transcript": text}},
+                          "logprobs": lp(entries), "finish_reason": None}])
+        data = choice.audio.take()
+        if data:
+            yield chunk([{"index": choice.index, "delta": {"audio": {"id": aid, "data": base64.b64encode(data).decode()}},
+                          "logprobs": None, "finish_reason": None}])
+        if done:
+            yield chunk([{"index": choice.index, "delta": {"audio": {"id": aid, "expires_at": created}},
+                          "logprobs": None, "finish_reason": None}])
+
     async def chunks():
         for c in choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": "" if c.audio is None else None},
+                          "logprobs": None, "finish_reason": None}])
         async for choice, text, entries, done in ch.events(choices):
-            if text or entries:
+            if choice.audio is not None:
+                for data in audio_deltas(choice, text, entries, done):
+                    yield data
+            elif text or entries:
                 yield chunk([{"index": choice.index, "delta": {"content": text}, "logprobs": lp(entries),
                               "finish_reason": None}])
             if done:

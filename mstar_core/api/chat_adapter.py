@@ -23,7 +23,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p
 #: Fields the chat and completions routes handle themselves (or accept and ignore, like `user`).
 ROUTE_FIELDS = {
     "chat": {"model", "messages", "stream", "stream_options", "n", "stop", "logprobs", "top_logprobs",
-             "response_format", "modalities", "max_completion_tokens", "user"},
+             "response_format", "modalities", "audio", "max_completion_tokens", "user"},
     "completions": {"model", "prompt", "stream", "stream_options", "n", "stop", "logprobs", "echo", "suffix",
                     "best_of", "user"},
 }

@@ -37,7 +37,8 @@ TokenLogprob = tuple[int, float | None, list[tuple[int, float]] | None]
 class Choice:
     """One choice: its request, its text so far, and the log-probabilities of the tokens in that text."""
 
-    def __init__(self, index: int, prompt: int, handle: Any, adapter: Any, stops: list[str], max_tokens: int | None):
+    def __init__(self, index: int, prompt: int, handle: Any, adapter: Any, stops: list[str], max_tokens: int | None,
+                 audio: Any = None):
         self.index = index
         self.prompt = prompt  # which prompt of the request this choice answers
         self.handle = handle
@@ -49,14 +50,40 @@ class Choice:
         self.unsent = 0  # logprobs[unsent:] have not been reported yet
         self._logprob: float | None = None
         self._top: list[tuple[int, float]] | None = None
+        # a spoken reply (`chat_audio.AudioReply`): the request runs on after the text ends, until the audio does
+        self.audio = audio
 
     @property
     def finish_reason(self) -> str | None:
         return self.text.finish_reason
 
+    @property
+    def settled(self) -> bool:
+        """Whether nothing more is wanted from the request (its text is over and no audio is awaited)."""
+        return self.text.finish_reason is not None and self.audio is None
+
+    @property
+    def transcript(self) -> str:
+        """What a spoken reply says: its own transcript output, or else the reply's text."""
+        if self.audio is not None and self.audio.transcript_output is not None:
+            return self.audio.transcript
+        return self.text.text
+
+    def has_audio(self) -> bool:
+        return self.audio is not None and bool(self.audio.pending)
+
     def feed(self, out: Any) -> str:
-        """Take one output of the request; return newly final text. A finished choice cancels its request (its branch)."""
-        if out is None or self.text.finish_reason is not None:
+        """Take one output of the request; return newly final text. A finished choice cancels its request (its branch).
+
+        With a spoken reply the text returned is the transcript's (the reply's text, or its transcript output).
+        """
+        if out is None:
+            return ""
+        if self.audio is not None:
+            piece = self.audio.feed(out)
+            if piece is not None:
+                return piece
+        if self.text.finish_reason is not None:
             return ""
         if out.name == self.adapter.logprob_output:
             self._logprob = None if out.value is None else float(out.value)
@@ -72,12 +99,18 @@ class Choice:
         if len(self.text.ids) > before:  # part of the text (a stop token is not, and so has no entry)
             self.logprobs.append((token, self._logprob, self._top))
         self._logprob = self._top = None
-        if self.text.finish_reason is not None:
+        if self.settled:
             self.handle.cancel()  # stop string, EOS or max_tokens reached: free the request now
+        if self.audio is not None and self.audio.transcript_output is not None:
+            return ""  # the tokens count (usage), the transcript output says what was spoken
         return delta
 
     def close(self, env: Mapping[str, Any]) -> str:
-        return self.text.close(env)
+        tail = self.text.close(env)
+        if self.audio is None:
+            return tail
+        late = self.audio.finish(env)
+        return late if self.audio.transcript_output is not None else tail
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The entries not streamed yet (and mark them sent)."""
@@ -170,9 +203,11 @@ def choice_seed(seed: int | None, i: int) -> int | None:
 
 async def start_choices(request: Request, state: Any, model: str, adapter: Any, prompts: list[Any], n: int,
                         inputs_for: Callable[[Any, int], dict[str, Any]], stops: list[str],
-                        max_tokens: int | None, started: float | None = None) -> list[Choice]:
+                        max_tokens: int | None, started: float | None = None,
+                        make_audio: Callable[[], Any] | None = None) -> list[Choice]:
     """Submit `n` choices for each prompt (`inputs_for(prompt, i)` gives choice i's raw inputs) and wait for the
     first output of each choice 0 before submitting its siblings (so they find its prompt pages cached).
+    `make_audio()` gives each choice its spoken reply (`chat_audio.AudioReply`) when the request asks for audio.
 
     Choices are numbered prompt by prompt (`prompt * n + i`), as OpenAI numbers them. Whatever fails
     here cancels every choice already submitted.
@@ -183,7 +218,7 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
 
     async def add(p: int, i: int) -> Choice:
         handle = await submit(state, model, inputs_for(prompts[p], i))
-        choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens)
+        choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens, make_audio() if make_audio else None)
         choices.append(choice)
         return choice
 
@@ -228,16 +263,16 @@ Event = tuple[Choice, str, list[TokenLogprob], bool]
 async def run_choice(choice: Choice, emit: Callable[[Event], None] | None = None) -> None:
     """Feed a started choice to its end; `emit` each piece of text (and once, done) with its tokens' logprobs."""
     delta = choice.feed(choice.first)
-    if delta and emit is not None:
+    if (delta or choice.has_audio()) and emit is not None:
         emit((choice, delta, choice.take_logprobs(), False))
-    if choice.finish_reason is None:
+    if not choice.settled:
         async for out in choice.rest:
             delta = choice.feed(out)
-            if delta and emit is not None:
+            if (delta or choice.has_audio()) and emit is not None:
                 emit((choice, delta, choice.take_logprobs(), False))
-            if choice.finish_reason is not None:
+            if choice.settled:
                 break
-    env = await choice.handle.result() if choice.finish_reason is None else {}
+    env = await choice.handle.result() if not choice.settled else {}
     choice.handle.cancel()
     tail = choice.close(env)
     if emit is not None:

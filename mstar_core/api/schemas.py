@@ -92,14 +92,28 @@ class SpeechUsage(BaseModel):
 
 
 class ContentPart(_Body):
-    type: str = Field(min_length=1, description="text, image_url, input_audio, ...")
+    """One part of a message's content; models take text, and images or audio as their adapters declare."""
+
+    type: str = Field(min_length=1, description="text, image_url or input_audio")
     text: str | None = None
+    # checked (and named in errors as messages[i].content[j].image_url) by mstar_core.api.media, not here
+    image_url: Any = Field(None, description="{url: a data URI (data:image/png;base64,...) or an allowed "
+                                             "http(s) URL, detail?: auto|low|high}")
+    input_audio: Any = Field(None, description="{data: base64 audio, format: wav|mp3}")
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+
+class ChatAudioParams(_Body):
+    """`audio` of a chat request: the spoken reply's voice and encoding (with modalities ["text", "audio"])."""
+
+    voice: str | dict[str, Any] = Field(description="one of the model's voices (or {\"id\": voice})")
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"] = Field(
+        description="wav, pcm16 (raw s16le mono) or flac (not streamed); the others are refused")
 
 
 class StreamOptions(_Body):
@@ -148,7 +162,9 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = _count(None, 0, MAX_TOP_LOGPROBS,
                                       description="and this many most likely alternatives (needs logprobs)")
     response_format: ResponseFormat | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description="[\"text\", \"audio\"] asks models that speak in chat for a spoken reply (needs 'audio')")
+    audio: ChatAudioParams | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -180,9 +196,17 @@ class ChoiceLogprobs(BaseModel):
     refusal: str | None = None
 
 
+class ChatResponseAudio(BaseModel):
+    id: str
+    data: str = Field(description="base64 of the whole reply in the requested format")
+    expires_at: int = Field(description="the audio is not kept for later turns: the creation time")
+    transcript: str
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None = Field(description="the reply; null when it is spoken (see audio.transcript)")
+    audio: ChatResponseAudio | None = None
 
 
 class ChatChoice(BaseModel):

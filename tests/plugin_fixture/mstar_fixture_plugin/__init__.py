@@ -27,6 +27,19 @@ def mstar_register_models(register):
     register(STREAM_SPEC)
     register(BLOB_SPEC)
     register(CHAIN_SPEC)
+    from mstar_fixture_plugin.chat_models import MEDIA, NARRATOR, TALKER
+
+    register(TALKER)
+    register(NARRATOR)
+    register(MEDIA)
+
+
+@hookimpl
+def mstar_register_api_adapters(register):
+    from mstar_fixture_plugin.chat_models import ADAPTERS
+
+    for adapter in ADAPTERS:
+        register(adapter())
 
 
 @hookimpl

@@ -1,0 +1,434 @@
+"""Chat content parts decoded for models: text, images (`image_url` data URIs, or allow-listed URLs) and audio
+(`input_audio`, base64 WAV or MP3), each checked against limits, every refusal a 4xx naming the part
+(`messages[1].content[0].image_url`).
+
+A chat adapter receives the decoded messages as `ChatTurn`s whose `parts` keep the client's order:
+`TextPart`, `ImagePart` (an RGB PIL image) and `AudioPart` (mono float32 samples and their rate).
+Limits come from the adapter's `media_limits`; `MSTAR_MEDIA_*` environment variables override them for a
+whole server (see `MediaLimits.with_env`). The server never fetches a URL nobody allowed: remote images are
+a 400 unless their URL starts with one of `MSTAR_MEDIA_URL_PREFIXES`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mstar_core.errors import RequestError
+
+#: Content-part type on the wire -> the modality a model declares in `ApiAdapter.chat_media`.
+MODALITY_OF_TYPE = {"image_url": "image", "input_audio": "audio"}
+#: Image containers decoded (what Pillow reports as `Image.format`); the first frame of a GIF only if it has one.
+IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
+#: `input_audio.format` -> the containers soundfile may report for it.
+AUDIO_CONTAINERS = {"wav": {"WAV", "WAVEX", "RF64"}, "mp3": {"MP3"}}
+_MIN_RATE, _MAX_RATE = 1000, 384_000
+
+
+# --- what an adapter receives --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TextPart:
+    """A text content part (or a message whose content is a plain string)."""
+
+    text: str
+
+
+@attrs.frozen(eq=False)
+class ImagePart:
+    """A decoded image: `image` is an RGB `PIL.Image.Image` (EXIF orientation applied); `field` names the part."""
+
+    image: Any
+    field: str
+    detail: str | None = None
+
+    @property
+    def width(self) -> int:
+        return self.image.width
+
+    @property
+    def height(self) -> int:
+        return self.image.height
+
+    def array(self) -> np.ndarray:
+        """uint8 pixels `[H, W, 3]`."""
+        return np.asarray(self.image, dtype=np.uint8)
+
+    def tensor(self) -> Any:
+        """uint8 `torch.Tensor` `[H, W, 3]` (the native endpoint's image layout)."""
+        import torch
+
+        return torch.from_numpy(self.array().copy())
+
+
+@attrs.frozen(eq=False)
+class AudioPart:
+    """Decoded audio: mono float32 `samples` in [-1, 1] at `sample_rate` Hz; `field` names the part."""
+
+    samples: np.ndarray
+    sample_rate: int
+    field: str
+    format: str = "wav"
+
+    @property
+    def seconds(self) -> float:
+        return self.samples.size / self.sample_rate
+
+    def tensor(self) -> Any:
+        """float32 `torch.Tensor` `[samples]`."""
+        import torch
+
+        return torch.from_numpy(self.samples.copy())
+
+    def resampled(self, rate: int) -> np.ndarray:
+        """The samples at `rate` Hz (band-limited; the part's own samples when the rates match)."""
+        return resample(self.samples, self.sample_rate, rate)
+
+
+Part = TextPart | ImagePart | AudioPart
+
+
+@attrs.frozen
+class ChatTurn:
+    """One chat message: its role (`developer` read as `system`), its parts in order, and its optional name."""
+
+    role: str
+    parts: tuple[Part, ...]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The message's text parts joined (images and audio left out)."""
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+    @property
+    def media(self) -> list[ImagePart | AudioPart]:
+        return [p for p in self.parts if not isinstance(p, TextPart)]
+
+
+# --- limits --------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MediaLimits:
+    """Per-request bounds on chat media; an adapter sets the model's, `with_env` applies the operator's."""
+
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_audio_bytes: int = 25 * 1024 * 1024
+    max_audio_seconds: float = 600.0
+    #: media parts (images and audio) in one request, all messages together
+    max_parts: int = 32
+    #: remote http(s) image URLs starting with one of these are fetched; any other remote URL is a 400
+    url_prefixes: tuple[str, ...] = ()
+    fetch_timeout: float = 10.0
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> MediaLimits:
+        """These limits with `MSTAR_MEDIA_MAX_IMAGE_BYTES`, `_MAX_IMAGE_PIXELS`, `_MAX_AUDIO_BYTES`,
+        `_MAX_AUDIO_SECONDS`, `_MAX_PARTS`, `_FETCH_TIMEOUT` and `_URL_PREFIXES` (comma-separated) applied."""
+        environ = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for field in attrs.fields(MediaLimits):
+            raw = environ.get(f"MSTAR_MEDIA_{field.name.upper()}")
+            if raw is None or not raw.strip():
+                continue
+            if field.name == "url_prefixes":
+                changes[field.name] = tuple(p.strip() for p in raw.split(",") if p.strip())
+                continue
+            kind = float if field.name in ("max_audio_seconds", "fetch_timeout") else int
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise RequestError(f"server misconfigured: MSTAR_MEDIA_{field.name.upper()}={raw!r} is not a "
+                                   f"{kind.__name__}", status=500) from None
+            changes[field.name] = value
+        return attrs.evolve(self, **changes) if changes else self
+
+
+# --- decoding ------------------------------------------------------------------------------------------------
+
+
+def part_field(i: int, j: int, key: str) -> str:
+    return f"messages[{i}].content[{j}].{key}"
+
+
+def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any message carries a non-text part (so decoding is worth a thread)."""
+    return any(isinstance(m.get("content"), list) and any(
+        isinstance(p, Mapping) and p.get("type") != "text" for p in m["content"]) for m in messages)
+
+
+def check_parts(messages: Sequence[Mapping[str, Any]], accepts: Collection[str], model: str,
+                limits: MediaLimits) -> list[tuple[int, int, str, Mapping[str, Any]]]:
+    """Every media part as (message, part, type, part) after the checks that need no decoding: known types,
+    modalities the model takes, the part count, no stored-audio references."""
+    found = []
+    for i, message in enumerate(messages):
+        if message.get("audio") is not None:
+            raise RequestError(f"'messages[{i}].audio' refers to audio this server does not keep; send what was "
+                               "said as the message's text content", param=f"messages[{i}].audio")
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(f"'{part_field(i, j, 'text')}' must be a string", param=part_field(i, j, "text"))
+                continue
+            if kind not in MODALITY_OF_TYPE:
+                raise RequestError(f"content part type '{kind}' is not supported; use text, image_url or input_audio",
+                                   param=part_field(i, j, "type"))
+            modality = MODALITY_OF_TYPE[kind]
+            if modality not in accepts:
+                takes = ", ".join(["text", *sorted(accepts)])
+                raise RequestError(f"model '{model}' does not accept {modality} input in chat (it takes {takes}); "
+                                   f"drop '{part_field(i, j, kind)}'", param=part_field(i, j, kind))
+            found.append((i, j, kind, part))
+    if len(found) > limits.max_parts:
+        raise RequestError(f"the messages carry {len(found)} images and audio parts; this server takes at most "
+                           f"{limits.max_parts} per request", status=413, param="messages")
+    return found
+
+
+async def fetch_remote(messages: Sequence[Mapping[str, Any]], accepts: Collection[str], model: str,
+                       limits: MediaLimits) -> dict[str, bytes]:
+    """Bytes of the allow-listed remote image URLs (keyed by part field); a URL not allowed is a 400."""
+    fetched: dict[str, bytes] = {}
+    for i, j, kind, part in check_parts(messages, accepts, model, limits):
+        if kind != "image_url":
+            continue
+        field = part_field(i, j, "image_url")
+        url = _image_url(part, field)
+        if not url.lower().startswith(("http://", "https://")):
+            continue
+        if not url_allowed(url, limits.url_prefixes):
+            raise RequestError(f"'{field}.url' is a remote URL, which this server does not fetch; send the image "
+                               "inline as a data URI (data:image/png;base64,...)", param=field)
+        fetched[field] = await _fetch(url, field, limits)
+    return fetched
+
+
+def decode_messages(messages: Sequence[Mapping[str, Any]], accepts: Collection[str], model: str,
+                    limits: MediaLimits, fetched: Mapping[str, bytes] | None = None) -> list[ChatTurn]:
+    """The messages as `ChatTurn`s, media decoded and checked (blocking work: call it off the event loop)."""
+    check_parts(messages, accepts, model, limits)
+    fetched = fetched or {}
+    turns = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        parts: list[Part] = []
+        if isinstance(content, str):
+            parts.append(TextPart(content))
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part["type"]
+                if kind == "text":
+                    parts.append(TextPart(part["text"]))
+                elif kind == "image_url":
+                    field = part_field(i, j, kind)
+                    parts.append(_image_part(part, field, limits, fetched.get(field)))
+                else:
+                    parts.append(_audio_part(part, part_field(i, j, kind), limits))
+        role = message.get("role")
+        turns.append(ChatTurn("system" if role == "developer" else str(role), tuple(parts), message.get("name")))
+    return turns
+
+
+def _image_url(part: Mapping[str, Any], field: str) -> str:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"'{field}' must be an object with a 'url' (a data URI such as data:image/png;base64,...)",
+                           param=field)
+    return url
+
+
+def _image_part(part: Mapping[str, Any], field: str, limits: MediaLimits, fetched: bytes | None) -> ImagePart:
+    url = _image_url(part, field)
+    detail = part["image_url"].get("detail") if isinstance(part["image_url"], Mapping) else None
+    if detail is not None and detail not in ("auto", "low", "high"):
+        raise RequestError(f"'{field}.detail' must be auto, low or high", param=field)
+    if fetched is None:
+        mime, raw = _data_uri(url, field, "image/", limits.max_image_bytes)
+        if mime not in ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"):
+            raise RequestError(f"'{field}' is {mime}; send PNG, JPEG, WebP or GIF", param=field)
+    else:
+        raw = fetched
+    return ImagePart(decode_image(raw, field, limits), field, detail)
+
+
+def decode_image(raw: bytes, field: str, limits: MediaLimits) -> Any:
+    """An RGB PIL image from PNG/JPEG/WebP/GIF bytes, its size checked before its pixels are decoded."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        if image.format not in IMAGE_FORMATS:
+            raise RequestError(f"'{field}' holds a {image.format} image; send PNG, JPEG, WebP or GIF", param=field)
+        width, height = image.size
+        if width * height > limits.max_image_pixels:
+            raise RequestError(f"'{field}' is {width}x{height} ({width * height} pixels); this server takes at most "
+                               f"{limits.max_image_pixels} pixels per image", status=413, param=field)
+        if getattr(image, "n_frames", 1) > 1:
+            raise RequestError(f"'{field}' is an animation; send a single still image", param=field)
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")
+    except RequestError:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise RequestError(f"'{field}' could not be decoded as an image ({type(exc).__name__}: {exc})",
+                           param=field) from None
+
+
+def _audio_part(part: Mapping[str, Any], field: str, limits: MediaLimits) -> AudioPart:
+    value = part.get("input_audio")
+    if not isinstance(value, Mapping) or not isinstance(value.get("data"), str):
+        raise RequestError(f"'{field}' must be an object {{data: base64 audio, format: wav}}", param=field)
+    fmt = value.get("format", "wav")
+    if fmt not in AUDIO_CONTAINERS:
+        raise RequestError(f"'{field}.format' is {fmt!r}; this server decodes wav or mp3", param=f"{field}.format")
+    raw = _b64(value["data"], f"{field}.data", field, limits.max_audio_bytes)
+    samples, rate = decode_audio(raw, fmt, field, limits)
+    return AudioPart(samples, rate, field, fmt)
+
+
+def decode_audio(raw: bytes, fmt: str, field: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """Mono float32 samples and their rate from WAV/MP3 bytes, the duration checked before decoding."""
+    import soundfile
+
+    if fmt == "mp3" and "MP3" not in soundfile.available_formats():
+        raise RequestError(f"'{field}.format' mp3 cannot be decoded here (libsndfile without MP3); send wav",
+                           param=f"{field}.format")
+    try:
+        info = soundfile.info(io.BytesIO(raw))
+    except (RuntimeError, ValueError, TypeError) as exc:  # soundfile.LibsndfileError is a RuntimeError
+        raise RequestError(f"'{field}.data' is not decodable {fmt} audio ({exc})", param=field) from None
+    if info.format not in AUDIO_CONTAINERS[fmt]:
+        raise RequestError(f"'{field}.data' holds {info.format} audio, not {fmt}; set 'format' to match or convert it",
+                           param=field)
+    if not _MIN_RATE <= info.samplerate <= _MAX_RATE:
+        raise RequestError(f"'{field}' has a sample rate of {info.samplerate} Hz; send {_MIN_RATE}-{_MAX_RATE} Hz",
+                           param=field)
+    seconds = info.frames / info.samplerate
+    if seconds > limits.max_audio_seconds:
+        raise RequestError(f"'{field}' is {seconds:.1f} s long; this server takes at most {limits.max_audio_seconds:g} "
+                           "s per audio part", status=413, param=field)
+    try:
+        data, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise RequestError(f"'{field}.data' is not decodable {fmt} audio ({exc})", param=field) from None
+    if data.shape[0] == 0:
+        raise RequestError(f"'{field}' holds no samples", param=field)
+    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
+
+
+def _data_uri(url: str, field: str, kind: str, max_bytes: int) -> tuple[str, bytes]:
+    """(media type, bytes) of a base64 data URI of the given kind (`image/`)."""
+    head, comma, payload = url.partition(",")
+    if not head.lower().startswith("data:") or not comma:
+        raise RequestError(f"'{field}.url' must be a data URI (data:image/png;base64,...); other schemes are not "
+                           "fetched", param=field)
+    params = head[5:].split(";")
+    mime = params[0].strip().lower()
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise RequestError(f"'{field}.url' must be base64-encoded (data:{mime or 'image/png'};base64,...)", param=field)
+    if not mime.startswith(kind):
+        raise RequestError(f"'{field}.url' is {mime or 'untyped'} data; send an {kind}* data URI", param=field)
+    return mime, _b64(payload, f"{field}.url", field, max_bytes)
+
+
+def _b64(payload: str, what: str, field: str, max_bytes: int) -> bytes:
+    # bound the size before decoding, so an oversized part costs no copy
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise RequestError(f"'{field}' is about {len(payload) * 3 // 4} bytes; this server takes at most {max_bytes} "
+                           "bytes per part", status=413, param=field)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        try:  # line-wrapped base64 is still base64
+            raw = base64.b64decode("".join(payload.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(f"'{what}' is not valid base64", param=field) from None
+    if len(raw) > max_bytes:
+        raise RequestError(f"'{field}' is {len(raw)} bytes; this server takes at most {max_bytes} bytes per part",
+                           status=413, param=field)
+    if not raw:
+        raise RequestError(f"'{what}' is empty", param=field)
+    return raw
+
+
+# --- remote images (only where the operator allowed them) ----------------------------------------------------
+
+
+def url_allowed(url: str, prefixes: Sequence[str]) -> bool:
+    """Whether `url` is under one of `prefixes`: same scheme and host:port, path below the prefix's path."""
+    got = urllib.parse.urlsplit(url)
+    if ".." in urllib.parse.unquote(got.path).split("/"):
+        return False  # a server on the other side may resolve it outside the prefix
+    for prefix in prefixes:
+        want = urllib.parse.urlsplit(prefix)
+        if (got.scheme.lower(), got.netloc.lower()) != (want.scheme.lower(), want.netloc.lower()):
+            continue
+        base = want.path if want.path.endswith("/") else want.path + "/"
+        if got.path == want.path or got.path.startswith(base) or want.path in ("", "/"):
+            return True
+    return False
+
+
+async def _fetch(url: str, field: str, limits: MediaLimits) -> bytes:
+    import httpx
+
+    cap = limits.max_image_bytes
+    try:
+        async with httpx.AsyncClient(timeout=limits.fetch_timeout, follow_redirects=False) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise RequestError(f"fetching '{field}.url' answered HTTP {response.status_code}", param=field)
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > cap:
+                        raise RequestError(f"'{field}.url' is larger than {cap} bytes", status=413, param=field)
+                return bytes(body)
+    except httpx.HTTPError as exc:
+        raise RequestError(f"fetching '{field}.url' failed ({type(exc).__name__})", param=field) from None
+
+
+# --- audio helpers for models ----------------------------------------------------------------------------------
+
+
+def resample(samples: np.ndarray, src: int, dst: int, *, zero_crossings: int = 16) -> np.ndarray:
+    """Band-limited resampling of mono float samples from `src` to `dst` Hz (Hann-windowed sinc, cut-off at the
+    lower Nyquist), evaluated directly at each output time in blocks."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if src == dst or samples.size == 0:
+        return samples
+    ratio = dst / src
+    cutoff = min(1.0, ratio)  # of the input's Nyquist
+    half = zero_crossings / cutoff  # filter half-width in input samples
+    n_out = int(np.ceil(samples.size * ratio))
+    out = np.empty(n_out, dtype=np.float32)
+    offsets = np.arange(-int(np.ceil(half)), int(np.ceil(half)) + 1)
+    padded = np.pad(samples, (offsets.size, offsets.size))
+    block = max(1, 2**20 // offsets.size)
+    for start in range(0, n_out, block):
+        t = np.arange(start, min(n_out, start + block)) / ratio  # output times in input samples
+        base = np.floor(t).astype(np.int64)
+        idx = base[:, None] + offsets[None, :]
+        dist = t[:, None] - idx
+        window = np.where(np.abs(dist) < half, 0.5 + 0.5 * np.cos(np.pi * dist / half), 0.0)
+        weights = cutoff * np.sinc(cutoff * dist) * window
+        out[start:start + t.size] = (padded[idx + offsets.size] * weights).sum(axis=1)
+    return out
