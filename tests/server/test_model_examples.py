@@ -17,7 +17,7 @@ from mstar_core.plugins.manager import discover
 from tests.server.conftest import Server
 
 #: Models whose package has not declared its request schema yet (the V-JEPA refit is under way).
-NOT_YET = {"vjepa2", "vjepa2-ac", "pi0", "pi05"}  # not yet on a declared schema with an example (issues 13, 15)
+NOT_YET = {"vjepa2", "vjepa2-ac"}  # not yet on a declared schema with an example (issue 13)
 
 
 def _models() -> dict:

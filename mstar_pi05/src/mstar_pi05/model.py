@@ -11,7 +11,8 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_pi05.checkpoint import ensure_tiny, load_policy
 from mstar_pi05.graph import build_graph
-from mstar_pi05.prepare import Preparer, tokenizer_for
+from mstar_pi05.prepare import EXAMPLE, Preparer, tokenizer_for
+from mstar_pi05.robots import policy_server
 
 PRESETS = ("tiny",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,15 +49,16 @@ def _loader(kind: str):
             prepare=prepare,
             request_schema=prepare.schema,
             engine_settings={"vlm": {"num_pages": 256, "page_size": 16}, "expert": {"num_pages": 256, "page_size": 16}},
-            extras={"policy": policy, "config": policy.config, "checkpoint": str(directory)},
+            extras={"policy": policy, "config": policy.config, "checkpoint": str(directory),
+                    "policy_server": policy_server(policy.config)},
         )
 
     return load
 
 
 SPECS = (
-    ModelSpec(name="pi05", load=_loader("pi05"), presets=PRESETS,
+    ModelSpec(name="pi05", load=_loader("pi05"), presets=PRESETS, example=EXAMPLE,
               description="pi0.5 VLA: SigLIP + PaliGemma prefix cached once, adaRMS Gemma action expert, 10 Euler steps"),
-    ModelSpec(name="pi0", load=_loader("pi0"), presets=PRESETS,
+    ModelSpec(name="pi0", load=_loader("pi0"), presets=PRESETS, example=EXAMPLE,
               description="pi0 VLA: as pi05 with a continuous state token and the action-time MLP"),
 )

@@ -17,6 +17,9 @@ from mstar_pi05.config import PolicyConfig
 MAX_CAMERAS = 3
 MAX_STEPS = 100
 STATE_BINS = np.linspace(-1.0, 1.0, 256 + 1)[:-1]
+#: A request every pi0 / pi0.5 answers (JSON form): one 2x2 camera image in 0..255, a 3-value state.
+EXAMPLE = {"images": [[[[0, 64, 128], [255, 255, 255]], [[10, 20, 30], [200, 100, 0]]]],
+           "prompt": "pick up the cube", "state": [0.1, -0.2, 0.3], "horizon": 5, "action_dim": 7, "seed": 0}
 
 
 def bin_state(state: np.ndarray) -> np.ndarray:
@@ -64,9 +67,10 @@ def tokenizer_for(directory: str | None, preset: bool):
 
 
 def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
-    """`[H, W, 3]` uint8 (or float in [0, 1]) -> `[3, size, size]` in [-1, 1], aspect kept, padded with black."""
+    """`[H, W, 3]` integers in 0..255 (or floats in [0, 1]) -> `[3, size, size]` in [-1, 1], aspect kept, padded
+    with black. Integers of any dtype count as 0..255: JSON lists arrive as int64."""
     x = image.permute(2, 0, 1).float()
-    if image.dtype == torch.uint8:
+    if not image.is_floating_point():
         x = x / 255.0
     h, w = x.shape[1:]
     scale = size / max(h, w)
@@ -82,6 +86,8 @@ def _image(value: Any, name: str) -> torch.Tensor:
     t = torch.as_tensor(value)
     if t.dim() != 3 or t.shape[-1] != 3 or min(t.shape[:2]) < 1:
         raise RequestError(f"'{name}' must be an RGB image [H, W, 3], got shape {list(t.shape)}", param=name)
+    if t.dtype == torch.bool or t.is_complex():
+        raise RequestError(f"'{name}' must hold integers in 0..255 or floats in [0, 1], got {t.dtype}", param=name)
     return t
 
 
@@ -104,7 +110,7 @@ class Preparer:
                 RequestField("action_dim", "integer", "the robot's degrees of freedom (actions are sliced to it)",
                              default=cfg.max_action_dim, minimum=1, maximum=cfg.max_action_dim),
             ),
-            example={"images": [[[[0, 0, 0]]]], "prompt": "pick up the cube", "state": [0.0, 0.5], "horizon": 5},
+            example=EXAMPLE,
         )
 
     def _quantiles(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray] | None:
