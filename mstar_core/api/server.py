@@ -13,7 +13,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, speech
+from mstar_core.api import chat, completions, images, native, policy_ws, speech
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers
@@ -218,7 +218,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, images, native):
+    for module in (speech, chat, completions, images, native, policy_ws):  # policy_ws: openpi's socket at /
         app.include_router(module.router)
 
     def openapi() -> dict[str, Any]:
