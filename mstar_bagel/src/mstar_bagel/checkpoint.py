@@ -1,0 +1,98 @@
+"""Loading a BAGEL checkpoint directory, and the `tiny` preset written in the same layout.
+
+A directory holds `ema.safetensors` (every non-VAE weight: `language_model.*` with its `_moe_gen` twins,
+`vit_model.vision_model.*`, `connector.*`, `vit_pos_embed.*`, `vae2llm.*`, `llm2vae.*`, `time_embedder.*`,
+`latent_pos_embed.*`), `ae.safetensors` (FLUX's autoencoder), `config.json`, `llm_config.json`,
+`vit_config.json` and the Qwen2 `tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mstar_bagel.config import BagelConfig
+from mstar_bagel.modeling import Bagel
+from mstar_bagel.tokenizer import tiny_tokenizer
+from mstar_core.checkpoint import RuleMapping, build_and_load, open_checkpoint
+from mstar_core.checkpoint.presets import ensure_preset
+from mstar_core.errors import ConfigError
+from mstar_core.nn.flux_vae import FluxAutoEncoder
+from mstar_core.nn.siglip_navit import conv_to_linear
+
+PRESET_VERSION = 1
+EMA, AE = "ema.safetensors", "ae.safetensors"
+
+TINY_LLM = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "hidden_act": "silu", "qk_norm": True,
+            "tie_word_embeddings": False, "layer_module": "Qwen2MoTDecoderLayer"}
+TINY_VIT = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "image_size": 112, "patch_size": 14, "layer_norm_eps": 1e-6,
+            "hidden_act": "gelu_pytorch_tanh"}
+TINY_TOP = {"latent_patch_size": 2, "max_latent_size": 8, "vit_max_num_patch_per_side": 8,
+            "connector_act": "gelu_pytorch_tanh", "timestep_shift": 3.0, "num_timesteps": 4,
+            "mstar_vae": {"ch": 16, "ch_mult": [1, 2], "z_channels": 4, "norm_groups": 8}}
+
+
+def ema_mapping(cfg: BagelConfig) -> RuleMapping:
+    """Checkpoint names are the module's; the ViT's dropped last layer and a conv patch embedding are handled."""
+    dropped = cfg.vit.num_hidden_layers  # index of the layer BAGEL never builds
+    return RuleMapping(
+        skip=[rf"^vit_model\.vision_model\.encoder\.layers\.{dropped}\.", r"^vit_model\.vision_model\.head\.",
+              r"\.rotary_emb\.inv_freq$"],
+        transform={r"vit_model\.vision_model\.embeddings\.patch_embedding\.weight$": lambda _n, t: conv_to_linear(t)},
+    )
+
+
+def _file(directory: Path, name: str) -> Path:
+    path = directory / name
+    if not path.is_file():
+        raise ConfigError(f"bagel: {path} is missing; a BAGEL checkpoint holds {EMA} and {AE}")
+    return path
+
+
+def load_bagel(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
+               progress: bool = True) -> tuple[Bagel, FluxAutoEncoder]:
+    d = Path(directory)
+    cfg = BagelConfig.from_dir(d)
+    bagel = build_and_load(lambda: Bagel(cfg), open_checkpoint(_file(d, EMA)), ema_mapping(cfg), dtype=dtype,
+                           device=device, progress=progress)
+    # the VAE stays float32: its decode is cheap next to the LLM and bf16 convolutions band the image
+    vae = build_and_load(lambda: FluxAutoEncoder(cfg.vae), open_checkpoint(_file(d, AE)), RuleMapping(),
+                         dtype=torch.float32, device=device, progress=progress)
+    return bagel, vae
+
+
+def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Seeded weights: normal(0, 0.1) matrices and biases, norm scales near 1; sin-cos tables stay exact."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("pos_embed"):
+                continue
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+
+
+def write_tiny(directory: Path, seed: int = 0) -> Path:
+    cfg = BagelConfig.from_dicts(TINY_TOP, TINY_LLM, TINY_VIT)
+    generator = torch.Generator().manual_seed(seed)
+    bagel, vae = Bagel(cfg), FluxAutoEncoder(cfg.vae)
+    _randomize(bagel, generator)
+    _randomize(vae, generator)
+    for module, name in ((bagel, EMA), (vae, AE)):
+        state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+        save_file(state, str(directory / name), metadata={"format": "pt"})
+    tiny_tokenizer().save(str(directory / "tokenizer.json"))
+    for name, content in (("llm_config.json", TINY_LLM), ("vit_config.json", TINY_VIT), ("config.json", TINY_TOP)):
+        (directory / name).write_text(json.dumps(content, indent=2))
+    return directory
+
+
+def ensure_tiny() -> Path:
+    return ensure_preset(f"bagel-tiny-v{PRESET_VERSION}", "config.json", write_tiny)
