@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -203,3 +207,66 @@ def test_mapping_choice_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MSTAR_POLICY_MAPPING", "nowhere")
     with pytest.raises(ConfigError, match="neither a declared mapping"):
         configured_mapping(declared)
+
+
+# -- an unchanged openpi-client, in an environment of its own (it pins numpy < 2) ------------------------------
+
+OPENPI_CLIENT = "openpi-client==0.1.2"
+#: openpi-client 0.1.2 imports typing_extensions without declaring it
+CLIENT_EXTRAS = ("typing_extensions",)
+CLIENT_SCRIPT = """
+import sys
+import numpy as np
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+port, key, obs_path, out_path = sys.argv[1:]
+policy = WebsocketClientPolicy("127.0.0.1", int(port), api_key=key)
+meta = policy.get_server_metadata()
+assert meta["model"] == "pi05", meta
+saved = np.load(obs_path)
+obs = {k: saved[k] for k in saved.files if k != "prompt"}
+obs["prompt"] = str(saved["prompt"])
+first = policy.infer(obs)["actions"]
+bad = dict(obs)
+del bad["observation/wrist_image"]
+try:
+    policy.infer(bad)
+    raise SystemExit("a malformed observation was answered")
+except RuntimeError as exc:
+    assert "'observation/wrist_image'" in str(exc), exc
+again = policy.infer(obs)["actions"]  # the connection survived the error frame
+np.save(out_path, np.stack([first, again]))
+print("numpy", np.__version__)
+"""
+
+
+def _openpi_venv() -> Path:
+    """A venv with openpi-client, built once per machine (reused while it imports)."""
+    venv = Path(tempfile.gettempdir()) / f"mstar-{OPENPI_CLIENT.replace('==', '-')}-venv"
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import openpi_client.websocket_client_policy"], capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+    pip = subprocess.run([python, "-m", "pip", "install", "-q", OPENPI_CLIENT, *CLIENT_EXTRAS], capture_output=True, text=True,
+                         timeout=900)
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install {OPENPI_CLIENT}: {pip.stderr[-500:]}")
+    return python
+
+
+@pytest.mark.slow
+def test_an_unchanged_openpi_client_drives_mstar_serve_pi05(srv, tmp_path):
+    python = _openpi_venv()
+    obs = libero(7)
+    np.savez(tmp_path / "obs.npz", **{k: np.asarray(v) for k, v in obs.items()})
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT_SCRIPT)
+    run = subprocess.run([python, script, str(srv.port), API_KEY, tmp_path / "obs.npz", tmp_path / "actions.npy"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "numpy 1." in run.stdout  # the client really ran on its own numpy < 2
+    first, again = np.load(tmp_path / "actions.npy")
+    assert first.shape == (5, 7) and np.array_equal(first, again)
+    want = native_actions(srv, [obs["observation/image"], obs["observation/wrist_image"]], obs["observation/state"],
+                          obs["prompt"], 7, seed=0)
+    np.testing.assert_allclose(first, want, atol=1e-6, rtol=0)
