@@ -1,0 +1,1 @@
+"""M* model package for Qwen3-Omni: Thinker (MoE, audio + vision encoders), Talker, code predictor, Code2Wav."""

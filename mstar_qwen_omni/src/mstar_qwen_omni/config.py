@@ -1,0 +1,308 @@
+"""`OmniConfig`: a Qwen3-Omni `config.json` (thinker, talker, code2wav) read into the sizes M* builds.
+
+Defaults are the published Qwen3-Omni-30B-A3B values. Each section keeps only the keys it uses and checks
+their types, naming the offending key (`thinker_config.text_config.num_experts`). RoPE settings are read
+from either layout: `rope_theta` + `rope_scaling` (the published JSON) or `rope_parameters` (transformers v5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mstar_core.errors import ConfigError
+
+SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+
+
+def _check(value: Any, default: Any, where: str) -> Any:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        value = tuple(value) if ok else value
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"config.json: key '{where}' must be like {default!r}, got {value!r}")
+    return value
+
+
+def _read(cls: type, cfg: Mapping[str, Any] | None, where: str, **extra: Any) -> Any:
+    """Build `cls` from the keys of `cfg` it declares (others ignored), each checked against its default's type."""
+    cfg = cfg or {}
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config.json: '{where}' must be an object, got {type(cfg).__name__}")
+    values = {}
+    for field in attrs.fields(cls):
+        if field.name in extra or field.name not in cfg or cfg[field.name] is None:
+            continue
+        default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+        values[field.name] = _check(cfg[field.name], default, f"{where}.{field.name}")
+    return cls(**values, **extra)
+
+
+def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float, kinds: tuple = ("default",)) -> dict[str, Any]:
+    """`rope_theta` and `rope_scaling` / `rope_parameters` merged into one dict (theta, mrope_section, ...)."""
+    params: dict[str, Any] = {"rope_theta": default_theta}
+    if cfg.get("rope_theta") is not None:
+        params["rope_theta"] = cfg["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):
+        extra = cfg.get(key)
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"config.json: '{where}.{key}' must be an object or null")
+        params.update(extra)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in kinds:
+        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: {list(kinds)})")
+    if not isinstance(params["rope_theta"], int | float):
+        raise ConfigError(f"config.json: '{where}.rope_theta' must be a number")
+    return params
+
+
+@attrs.frozen(kw_only=True)
+class TextConfig:
+    """A Qwen3-MoE decoder: the Thinker's text model, and (with a shared expert) the Talker's."""
+
+    vocab_size: int = 152064
+    hidden_size: int = 2048
+    intermediate_size: int = 768
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    max_position_embeddings: int = 65536
+    rope_theta: float = 1000000.0
+    mrope_section: tuple = (24, 20, 20)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any] | None, where: str, *, shared_expert: bool = False) -> TextConfig:
+        cfg = dict(cfg or {})
+        rope = rope_settings(cfg, where, 10000.0 if shared_expert else 1000000.0)
+        cfg.setdefault("head_dim", cfg.get("hidden_size", 2048) // cfg.get("num_attention_heads", 32))
+        extra = {"rope_theta": float(rope["rope_theta"]),
+                 "mrope_section": _check(rope.get("mrope_section", (24, 20, 20)), (24, 20, 20),
+                                         f"{where}.rope_scaling.mrope_section")}
+        if not shared_expert:
+            extra["shared_expert_intermediate_size"] = 0
+        else:
+            cfg.setdefault("norm_topk_prob", False)  # the Talker's default, unlike the Thinker's
+        text = _read(cls, cfg, where, **extra)
+        if sum(text.mrope_section) != text.head_dim // 2:
+            raise ConfigError(f"config.json: '{where}' mrope_section {list(text.mrope_section)} must add up to "
+                              f"head_dim / 2 = {text.head_dim // 2}")
+        if text.num_attention_heads % text.num_key_value_heads:
+            raise ConfigError(f"config.json: '{where}.num_attention_heads' must be a multiple of num_key_value_heads")
+        return text
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+
+
+@attrs.frozen(kw_only=True)
+class AudioConfig:
+    num_mel_bins: int = 128
+    encoder_layers: int = 32
+    encoder_attention_heads: int = 20
+    encoder_ffn_dim: int = 5120
+    d_model: int = 1280
+    activation_function: str = "gelu"
+    max_source_positions: int = 1500
+    n_window: int = 50
+    n_window_infer: int = 800
+    output_dim: int = 2048
+    downsample_hidden_size: int = 480
+
+
+@attrs.frozen(kw_only=True)
+class VisionConfig:
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 2048
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple = (8, 16, 24)
+    rope_theta: float = 10000.0
+
+
+@attrs.frozen(kw_only=True)
+class ThinkerConfig:
+    text: TextConfig
+    audio: AudioConfig
+    vision: VisionConfig
+    audio_token_id: int = 151646
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    audio_start_token_id: int = 151647
+    audio_end_token_id: int = 151648
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    position_id_per_seconds: int = 13
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any] | None) -> ThinkerConfig:
+        cfg = cfg or {}
+        text = TextConfig.from_hf(cfg.get("text_config"), "thinker_config.text_config")
+        audio = _read(AudioConfig, cfg.get("audio_config"), "thinker_config.audio_config")
+        vcfg = dict(cfg.get("vision_config") or {})
+        vision = _read(VisionConfig, vcfg, "thinker_config.vision_config",
+                       rope_theta=float(rope_settings(vcfg, "thinker_config.vision_config", 10000.0,
+                                                      ("default", "axial"))["rope_theta"]))
+        return _read(cls, cfg, "thinker_config", text=text, audio=audio, vision=vision)
+
+
+@attrs.frozen(kw_only=True)
+class CodePredictorConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    num_code_groups: int = 16
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1000000.0
+
+
+@attrs.frozen(kw_only=True)
+class TalkerConfig:
+    text: TextConfig
+    predictor: CodePredictorConfig
+    num_code_groups: int = 16
+    thinker_hidden_size: int = 2048
+    accept_hidden_layer: int = 24
+    codec_eos_token_id: int = 2150
+    codec_nothink_id: int = 2155
+    codec_think_bos_id: int = 2156
+    codec_think_eos_id: int = 2157
+    codec_pad_id: int = 2148
+    codec_bos_id: int = 2149
+    # ids at or above this are never sampled as code0 (but EOS); the published rule is vocab_size - 1024
+    suppress_from: int = -1
+    speaker_id: dict = attrs.field(factory=lambda: dict(SPEAKERS))
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any] | None) -> TalkerConfig:
+        cfg = dict(cfg or {})
+        text = TextConfig.from_hf(cfg.get("text_config"), "talker_config.text_config", shared_expert=True)
+        pcfg = dict(cfg.get("code_predictor_config") or {})
+        pcfg.setdefault("head_dim", pcfg.get("hidden_size", 1024) // pcfg.get("num_attention_heads", 16))
+        predictor = _read(CodePredictorConfig, pcfg, "talker_config.code_predictor_config",
+                          rope_theta=float(rope_settings(pcfg, "talker_config.code_predictor_config",
+                                                         10000.0)["rope_theta"]))
+        speakers = cfg.get("speaker_id") or dict(SPEAKERS)
+        if not isinstance(speakers, Mapping) or not all(isinstance(v, int) for v in speakers.values()):
+            raise ConfigError("config.json: 'talker_config.speaker_id' must map voice names to codec ids")
+        talker = _read(cls, cfg, "talker_config", text=text, predictor=predictor,
+                       speaker_id={str(k).lower(): v for k, v in speakers.items()})
+        if talker.suppress_from < 0:
+            talker = attrs.evolve(talker, suppress_from=max(0, text.vocab_size - 1024))
+        ids = {k: getattr(talker, k) for k in ("codec_eos_token_id", "codec_nothink_id", "codec_think_bos_id",
+                                                "codec_think_eos_id", "codec_pad_id", "codec_bos_id")}
+        ids.update({f"speaker_id.{k}": v for k, v in talker.speaker_id.items()})
+        bad = [f"{k}={v}" for k, v in ids.items() if not 0 <= v < text.vocab_size]
+        if bad:
+            raise ConfigError(f"config.json: talker codec ids {bad} must be below the talker vocab "
+                              f"({text.vocab_size})")
+        if predictor.num_code_groups != talker.num_code_groups:
+            raise ConfigError("config.json: 'talker_config.num_code_groups' must equal the code predictor's")
+        return talker
+
+
+@attrs.frozen(kw_only=True)
+class Code2WavConfig:
+    codebook_size: int = 2048
+    hidden_size: int = 1024
+    max_position_embeddings: int = 8000
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    attention_bias: bool = False
+    sliding_window: int = 72
+    intermediate_size: int = 3072
+    hidden_act: str = "silu"
+    layer_scale_initial_scale: float = 0.01
+    rms_norm_eps: float = 1e-5
+    num_hidden_layers: int = 8
+    num_quantizers: int = 16
+    upsample_rates: tuple = (8, 5, 4, 3)
+    upsampling_ratios: tuple = (2, 2)
+    decoder_dim: int = 1536
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def samples_per_frame(self) -> int:
+        total = 1
+        for r in (*self.upsample_rates, *self.upsampling_ratios):
+            total *= r
+        return total
+
+
+@attrs.frozen(kw_only=True)
+class OmniConfig:
+    thinker: ThinkerConfig
+    talker: TalkerConfig
+    code2wav: Code2WavConfig
+    enable_audio_output: bool = True
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
+    tts_pad_token_id: int = 151671
+    tts_bos_token_id: int = 151672
+    tts_eos_token_id: int = 151673
+    system_token_id: int = 8948
+    user_token_id: int = 872
+    assistant_token_id: int = 77091
+    raw: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> OmniConfig:
+        if not isinstance(cfg, Mapping):
+            raise ConfigError("config.json must hold an object")
+        thinker = ThinkerConfig.from_hf(cfg.get("thinker_config"))
+        talker = TalkerConfig.from_hf(cfg.get("talker_config"))
+        c2w = dict(cfg.get("code2wav_config") or {})
+        code2wav = _read(Code2WavConfig, c2w, "code2wav_config",
+                         rope_theta=float(rope_settings(c2w, "code2wav_config", 10000.0)["rope_theta"]))
+        omni = _read(cls, cfg, "config", thinker=thinker, talker=talker, code2wav=code2wav, raw=dict(cfg))
+        if talker.accept_hidden_layer > thinker.text.num_hidden_layers:
+            raise ConfigError(f"config.json: 'talker_config.accept_hidden_layer' ({talker.accept_hidden_layer}) must "
+                              f"be at most the thinker's {thinker.text.num_hidden_layers} layers")
+        if talker.thinker_hidden_size != thinker.text.hidden_size:
+            raise ConfigError("config.json: 'talker_config.thinker_hidden_size' must equal the thinker's hidden_size")
+        if code2wav.num_quantizers != talker.num_code_groups:
+            raise ConfigError("config.json: 'code2wav_config.num_quantizers' must equal talker num_code_groups")
+        return omni

@@ -1,0 +1,146 @@
+"""The Talker (MoE decoder over codec frames) and its code predictor (a small dense decoder, one head per group).
+
+`Talker` is a `kvcache` node module: `input_embeds` only (text/hidden projections plus codec embeddings,
+built outside), M-RoPE positions, `codec_head` logits with the top `1024` ids suppressed except EOS
+(`TalkerConfig.suppress_from`). Checkpoint names: `talker.model.{layers, norm, codec_embedding}`,
+`talker.{text_projection, hidden_projection, codec_head, code_predictor}`.
+
+`CodePredictor` predicts codes 1..G-1 of a frame from [Talker hidden, embed(code 0)]. It runs as an AR
+LM over a *joined* vocabulary of `(G - 1) * codebook` ids: id `g * V + c` is code `c` of group `g + 1`,
+so a sampled id is directly the next step's input (`embed` picks table `g`), and the row at position
+`p` may only pick group `p - 1`'s ids. Its `forward` returns the hidden rows with one extra column
+holding that group, which `compute_logits` reads to mask the other heads' ids (the engine hands it
+only the rows it samples, without their positions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.llama_config import LlamaConfig
+from mstar_core.nn.mlp import activation
+from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.rotary import RotaryEmbedding
+from mstar_qwen_omni.config import CodePredictorConfig, TalkerConfig
+from mstar_qwen_omni.decoder import MoeDecoder
+
+
+class ResizeMLP(nn.Module):
+    """`fc2(silu(fc1(x)))`: Thinker width -> Talker width (`text_projection`, `hidden_projection`)."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.thinker_hidden_size, cfg.text.intermediate_size)
+        self.linear_fc2 = nn.Linear(cfg.text.intermediate_size, cfg.text.hidden_size)
+        self.act = activation(cfg.text.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class TalkerModel(MoeDecoder):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.text)
+        self.codec_embedding = nn.Embedding(cfg.text.vocab_size, cfg.text.hidden_size)
+
+
+class CodePredictorModel(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig):
+        super().__init__()
+        from mstar_core.nn.llama import LlamaDecoderLayer
+
+        llama = LlamaConfig.from_hf({
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+            "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias, "rope_theta": cfg.rope_theta,
+            "model_type": "qwen3", "max_position_embeddings": cfg.max_position_embeddings,
+        })
+        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, llama.rope)
+        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                                             for _ in range(cfg.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    """Joined-vocabulary AR decoder: `forward` -> `[T, H + 1]` (hidden, head index); `compute_logits` -> `[N, (G-1)V]`."""
+
+    def __init__(self, cfg: CodePredictorConfig):
+        super().__init__()
+        self.predictor_config = cfg
+        self.codebook = cfg.vocab_size
+        self.heads = cfg.num_code_groups - 1
+        self.config = {"num_hidden_layers": cfg.num_hidden_layers, "num_key_value_heads": cfg.num_key_value_heads,
+                       "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
+                       "vocab_size": self.heads * cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads}
+        self.model = CodePredictorModel(cfg)
+        self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(self.heads))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Joined ids -> embeddings from table `id // codebook`."""
+        table, code = ids // self.codebook, ids % self.codebook
+        every = torch.stack([emb(code) for emb in self.model.codec_embedding])  # [G-1, T, H], small T
+        return every.gather(0, table.view(1, -1, 1).expand(1, -1, every.shape[-1])).squeeze(0)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        context: AttentionContext,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
+        rope = self.model.rotary_emb(positions)
+        for layer in self.model.layers:
+            x = layer(x, rope, context)
+        head = (positions.view(-1) - 1).clamp(0, self.heads - 1).to(x.dtype)
+        return torch.cat([self.model.norm(x), head[:, None]], dim=-1)
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        hidden, head = rows[:, :-1], rows[:, -1].long()
+        weight = torch.cat([h.weight for h in self.lm_head])  # [(G-1) V, H]
+        logits = F.linear(hidden, weight).view(-1, self.heads, self.codebook)
+        keep = torch.arange(self.heads, device=rows.device)[None, :] == head[:, None]
+        return logits.masked_fill(~keep[..., None], float("-inf")).view(-1, self.heads * self.codebook)
+
+
+class Talker(nn.Module):
+    """`forward(None, positions, context, input_embeds=)` -> normed hidden `[T, H]`; `compute_logits` -> code 0 logits."""
+
+    position_axes = 3
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.talker_config = cfg
+        self.config = cfg.text
+        self.model = TalkerModel(cfg)
+        self.text_projection = ResizeMLP(cfg)
+        self.hidden_projection = ResizeMLP(cfg)
+        self.codec_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg.predictor)
+        suppressed = torch.zeros(cfg.text.vocab_size, dtype=torch.bool, device="cpu")
+        suppressed[cfg.suppress_from:] = True
+        suppressed[cfg.codec_eos_token_id] = False
+        self.suppressed = suppressed  # derived from the config, not a weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.codec_embedding(ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        context: AttentionContext,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
+        hidden, _ = self.model.run(x, positions, context)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.codec_head(hidden)
+        return logits.masked_fill(self.suppressed.to(logits.device), float("-inf"))

@@ -1,0 +1,70 @@
+"""The Thinker: a MoE decoder reading text, audio and image tokens (M-RoPE, deepstack), and its two encoders.
+
+`Thinker` is the `kvcache` node's module (packed tokens, `positions` `[3, T]`, per-token `deepstack`
+rows) and owns the encoders the stateless nodes run (`audio_tower`, `visual`), so the checkpoint's
+`thinker.*` subtree loads into it as is: `model.{embed_tokens, layers, norm}`, `lm_head`,
+`audio_tower.*`, `visual.*`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn.attention import AttentionContext
+from mstar_qwen_omni.audio_encoder import AudioEncoder
+from mstar_qwen_omni.config import ThinkerConfig
+from mstar_qwen_omni.decoder import MoeDecoder
+from mstar_qwen_omni.vision_encoder import VisionEncoder
+
+
+class ThinkerTextModel(MoeDecoder):
+    def __init__(self, cfg: ThinkerConfig):
+        super().__init__(cfg.text)
+        self.embed_tokens = nn.Embedding(cfg.text.vocab_size, cfg.text.hidden_size)
+
+
+class Thinker(nn.Module):
+    """`forward(ids, positions, context, input_embeds=, deepstack=)` -> final hidden `[T, H]`; `compute_logits`."""
+
+    position_axes = 3
+    call_inputs = {"deepstack": "token"}  # [T, K, H]: added after decoder layer k (zeros: no visual token)
+
+    def __init__(self, cfg: ThinkerConfig):
+        super().__init__()
+        self.thinker_config = cfg
+        self.config = cfg.text
+        self.model = ThinkerTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.audio_tower = AudioEncoder(cfg.audio)
+        self.visual = VisionEncoder(cfg.vision)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        context: AttentionContext,
+        input_embeds: torch.Tensor | None = None,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
+        hidden, _ = self.model.run(x, positions, context, deepstack)
+        return hidden
+
+    def hidden_states(
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        context: AttentionContext,
+        keep_layer: int,
+        deepstack: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden, the output of layer `keep_layer`) for the same tokens (what the Talker reads)."""
+        return self.model.run(input_embeds, positions, context, deepstack, keep_layer)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight)
