@@ -12,10 +12,10 @@ import re
 import pytest
 import torch
 from mstar_bagel.checkpoint import ensure_tiny, load_bagel
+from mstar_diffusion.schedules import flow_euler
 
 from mstar_core.nn import DenseAttention
 from mstar_core.nn.siglip_navit import patchify
-from mstar_diffusion.schedules import flow_euler
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
+from mstar_bagel.checkpoint import ensure_tiny, load_bagel
+from mstar_bagel.graph import build_graph
+from mstar_bagel.prepare import Preparer
+from mstar_bagel.tokenizer import open_tokenizer, special_ids
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 
 PRESETS = ("tiny",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXAMPLE = {"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3}
 
 
 def load(options: LoadOptions) -> LoadedModel:
-    raise ConfigError("bagel: the graph is not wired yet")
+    if options.checkpoint and options.preset:
+        raise ConfigError("bagel: pass a checkpoint or a preset, not both")
+    if options.dtype is not None and options.dtype not in _DTYPES:
+        raise ConfigError(f"bagel: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
+    preset = None if options.checkpoint else (options.preset or "tiny")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"bagel: unknown preset {preset!r}; known: {list(PRESETS)}")
+    directory = Path(ensure_tiny() if preset else options.checkpoint)
+    bagel, vae = load_bagel(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+    tokenizer = open_tokenizer(directory)
+    prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer))
+    return LoadedModel(
+        name="bagel",
+        graph=build_graph(bagel, vae, tokenizer),
+        random_weights=preset is not None,
+        prepare=prepare,
+        request_schema=prepare.schema,
+        engine_settings={"llm": {"num_pages": 512, "page_size": 16}, "llm_gen": {"num_pages": 512, "page_size": 16}},
+        extras={"bagel": bagel, "vae": vae, "config": bagel.config, "tokenizer": tokenizer, "checkpoint": str(directory),
+                "special_ids": prepare.ids},
+    )
 
 
-SPEC = ModelSpec(name="bagel", load=load, presets=PRESETS,
-                 description="BAGEL: MoT LLM + SigLIP NaViT + FLUX VAE; understanding, text-to-image, image editing")
+SPEC = ModelSpec(name="bagel", load=load, presets=PRESETS, example=EXAMPLE,
+                 description="BAGEL: MoT LLM + SigLIP NaViT + FLUX VAE; understanding, text-to-image, image editing "
+                             "(three CFG cache labels, read-only flow steps)")

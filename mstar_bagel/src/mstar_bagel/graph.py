@@ -1,0 +1,177 @@
+"""BAGEL as a Walk Graph. Three cache labels per request (`main`, `cfg_text`, `cfg_img`), all on `llm`:
+
+    t2i:        llm(<|im_start|>prompt<|im_end|>) into main  [snapshot before -> cfg_text, after -> cfg_img]
+                -> flow -> vae_decode
+    edit:       (vae_encode || vit)(input image)
+                -> llm(VAE block, bidirectional, gen expert) -> llm(ViT block, bidirectional)   [each: -> cfg_text]
+                -> llm(text) into main [snapshot before -> cfg_text] -> llm(text) into cfg_img
+                -> flow (at the input's size) -> vae_decode
+    understand: Loop(images){ vit -> llm(ViT block) } -> llm(text + <|im_start|>, samples) -> decode loop
+    flow:       noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
+                  -> Parallel(count=cfg_branches){ pick -> llm_gen read-only on main | cfg_text | cfg_img }
+                  -> split -> euler (guidance + Euler step) }
+
+Every image block is [<|vision_start|>, rows, <|vision_end|>] at one RoPE position. In the flow loop the
+labels are frozen: each branch is a read-only call of `llm_gen` (sharing `llm`'s pages), so the branches of
+all requests meet in one forward and nothing is copied per step.
+"""
+
+from __future__ import annotations
+
+from mstar_kvcache.walks import decode_iterations
+
+from mstar_bagel.modeling import Bagel
+from mstar_bagel.nodes import (
+    LABELS,
+    Detokenize,
+    FlowInputs,
+    GenLLM,
+    PickBranch,
+    PickImage,
+    SplitVelocities,
+    UnderstandLLM,
+    VAEDecodeNode,
+    VAEEncodeNode,
+    ViTNode,
+)
+from mstar_core.graph import (
+    Copy,
+    DynamicLoop,
+    FromEnv,
+    Graph,
+    GraphNode,
+    Loop,
+    NodeCall,
+    Parallel,
+    Sequential,
+    Walk,
+)
+from mstar_core.nn.flux_vae import FluxAutoEncoder
+
+WALKS = ("t2i", "edit", "understand")
+MAX_STEPS = 200
+ABSENT = "_absent"  # an env name nothing supplies: binds a call's unused optional ports
+GUIDANCE = ("guidance_scale", "image_guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
+FLOW_INPUTS = ("num_steps", "latent_shape", "latent_ids", "latent_grid", "gen_block_ids", "gen_block_at",
+               "gen_block_routing", "gen_rows", "gen_position_table")
+FLOW_OPTIONAL = ("seed", "shift", *GUIDANCE)
+LLM_OPTIONAL = ("input_embeds", "embeds_at", "routing", "positions", "sampling")
+
+
+def _write(inputs: dict[str, str], **options) -> NodeCall:
+    """A writing call of `llm`: the ports given, the others bound to nothing; its sampled token kept apart."""
+    ports = {p: ABSENT for p in LLM_OPTIONAL} | inputs
+    return NodeCall("llm", inputs=ports, outputs={"next_token": "prefill_token", "finish_reason": "prefill_finish"},
+                    options=options)
+
+
+def _image_block(prefix: str, rows: str, *, gen: bool) -> NodeCall:
+    """An image block [BOI, rows, EOI] into main, bidirectional, at one position; main -> cfg_text after it."""
+    inputs = {"input_ids": f"{prefix}_block_ids", "input_embeds": rows, "embeds_at": f"{prefix}_block_at",
+              "positions": f"{prefix}_block_positions"}
+    if gen:
+        inputs["routing"] = f"{prefix}_block_routing"
+    return _write(inputs, bidirectional=True, snapshot_after="cfg_text")
+
+
+def _flow() -> Sequential:
+    branch = Sequential(
+        NodeCall("pick"),
+        NodeCall("llm_gen", inputs={"input_ids": "gen_block_ids", "input_embeds": "latent_rows", "embeds_at": "gen_block_at",
+                                    "routing": "gen_block_routing", "positions": "gen_positions", "output_index": "gen_rows"},
+                 options={"cache_label": FromEnv("cfg_branch", lambda i: LABELS[i]), "write_cache": False,
+                          "bidirectional": True}),
+    )
+    step = Sequential(
+        NodeCall("flow_inputs"),
+        Parallel(branch, count="cfg_branches", index_name="cfg_branch", collect={"velocity": "branch_velocities"}),
+        NodeCall("split"),
+        NodeCall("euler", inputs={"step": "loop_index"}),
+    )
+    return Sequential("noise", Loop(body=step, iters="num_steps"), "vae_decode")
+
+
+def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bagel") -> Graph:
+    cfg = bagel.config
+    latent = (None, cfg.patch_latent_dim)
+    diffusion = {"schedule": "flow_euler", "latent_shape": latent, "max_steps": MAX_STEPS}
+    nodes = [
+        GraphNode("vit", inputs=("pixels",), outputs=("vit_rows",), engine="stateless", module=lambda: ViTNode(bagel)),
+        GraphNode("vae_encode", inputs=("pixels",), outputs=("vae_rows",), engine="stateless",
+                  module=lambda: VAEEncodeNode(bagel, vae)),
+        GraphNode("llm", inputs=("input_ids",), optional_inputs=LLM_OPTIONAL, outputs=("next_token", "finish_reason"),
+                  engine="kvcache", module=lambda: UnderstandLLM(bagel)),
+        GraphNode("llm_gen", inputs=("input_ids", "input_embeds", "embeds_at", "routing", "positions", "output_index"),
+                  outputs=("velocity",), engine="kvcache", module=lambda: GenLLM(bagel),
+                  options={"share_cache_with": "llm"}),
+        GraphNode("noise", inputs=("num_steps", "latent_shape"), optional_inputs=("seed", "shift"),
+                  outputs=("latents", "timestep", "sigma", "seed"), engine="diffusion", options={"role": "init", **diffusion}),
+        GraphNode("flow_inputs", inputs=("latents", "timestep", "sigma", "latent_ids"),
+                  optional_inputs=("guidance_scale", "image_guidance_scale", "cfg_interval"),
+                  outputs=("latent_rows", "cfg_branches"), engine="function", module=lambda: FlowInputs(bagel)),
+        GraphNode("pick", inputs=("gen_position_table", "cfg_branch"), outputs=("gen_positions",), engine="function",
+                  module=PickBranch),
+        GraphNode("split", inputs=("branch_velocities",), outputs=("velocity", "velocity_uncond", "velocity_uncond_image"),
+                  engine="function", module=SplitVelocities),
+        GraphNode("euler", inputs=("latents", "step", "num_steps", "velocity"),
+                  optional_inputs=("velocity_uncond", "velocity_uncond_image", "shift", *GUIDANCE),
+                  outputs=("latents", "timestep", "sigma"), engine="diffusion", options=diffusion),
+        GraphNode("vae_decode", inputs=("latents", "latent_grid"), outputs=("image",), engine="stateless",
+                  module=lambda: VAEDecodeNode(vae, cfg.latent_patch_size)),
+        GraphNode("pick_image", inputs=("images", "index"),
+                  outputs=("vit_pixels", "vit_block_ids", "vit_block_at", "vit_block_positions"), engine="function",
+                  module=PickImage),
+        GraphNode("detokenize", inputs=("first_token", "decoded"), outputs=("text",), engine="function",
+                  module=lambda: Detokenize(tokenizer)),
+    ]
+    text_main = _write({"input_ids": "prompt_ids", "positions": "prompt_positions"}, snapshot_before="cfg_text")
+    t2i = Walk(
+        name="t2i",
+        body=Sequential(_write({"input_ids": "prompt_ids", "positions": "prompt_positions"},
+                               snapshot_before="cfg_text", snapshot_after="cfg_img"), _flow()),
+        inputs=("prompt_ids", "prompt_positions", *FLOW_INPUTS),
+        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        outputs=("image", "seed"),
+        description="prompt into main (cfg_text: empty; cfg_img: main), then the CFG flow loop and the VAE decode",
+    )
+    edit = Walk(
+        name="edit",
+        body=Sequential(
+            Parallel(NodeCall("vae_encode", inputs={"pixels": "vae_pixels"}), NodeCall("vit", inputs={"pixels": "vit_pixels"})),
+            _image_block("vae", "vae_rows", gen=True),
+            _image_block("vit", "vit_rows", gen=False),
+            text_main,
+            _write({"input_ids": "prompt_ids", "positions": "text_only_positions"}, cache_label="cfg_img"),
+            _flow(),
+        ),
+        inputs=("vae_pixels", "vit_pixels", "vae_block_ids", "vae_block_at", "vae_block_routing", "vae_block_positions",
+                "vit_block_ids", "vit_block_at", "vit_block_positions", "prompt_ids", "prompt_positions",
+                "text_only_positions", *FLOW_INPUTS),
+        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        outputs=("image", "seed"),
+        description="the input image as a VAE block and a ViT block, the instruction, then the flow at the input's size",
+    )
+    understand = Walk(
+        name="understand",
+        body=Sequential(
+            Loop(body=Sequential(
+                NodeCall("pick_image", inputs={"index": "loop_index"}),
+                NodeCall("vit", inputs={"pixels": "vit_pixels"}),
+                _image_block("vit", "vit_rows", gen=False),
+            ), iters="num_images"),
+            NodeCall("llm", inputs={**{p: ABSENT for p in LLM_OPTIONAL}, "input_ids": "prompt_ids",
+                                    "positions": "prompt_positions", "sampling": "sampling"}),
+            Copy(first_token="next_token"),
+            DynamicLoop(body=NodeCall("llm", inputs={**{p: ABSENT for p in LLM_OPTIONAL}, "input_ids": "next_token",
+                                                     "sampling": "sampling"}),
+                        until=lambda env: env.get("finish_reason") is not None,
+                        max_iters=decode_iterations("sampling"), accumulate={"next_token": "decoded"}),
+            NodeCall("detokenize"),
+        ),
+        inputs=("images", "num_images", "prompt_ids", "prompt_positions", "sampling"),
+        optional_inputs=(ABSENT,),
+        outputs=("text", "finish_reason"),
+        emit=("next_token",),
+        description="each image as a ViT block, then the prompt; decode until <|im_end|>",
+    )
+    return Graph.build(name, nodes, [t2i, edit, understand], plan=lambda env: [env["walk"]])

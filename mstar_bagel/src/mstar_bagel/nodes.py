@@ -1,0 +1,144 @@
+"""The modules behind BAGEL's graph nodes; each wraps part of one `Bagel` (weights shared, never copied).
+
+- `ViTNode`, `VAEEncodeNode`, `VAEDecodeNode` (stateless): an image's ViT rows, its clean VAE-latent rows
+  (flow time 0), and latents back to pixels;
+- `UnderstandLLM` (kvcache, samples) writes every label and decodes text; `GenLLM` (kvcache, per-token
+  `velocity`) reads those labels read-only in the flow loop. Both run the MoT LLM, rows routed by expert;
+- `FlowInputs`, `PickBranch`, `SplitVelocities` (function): the per-step glue around the CFG branches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from mstar_diffusion.guidance import Guidance
+from torch import nn
+
+from mstar_bagel.modeling import Bagel, latent_tokens, tokens_to_image
+from mstar_core.nn.flux_vae import FluxAutoEncoder
+
+#: The three cache labels, in branch order: full context, without the last text, without any image.
+LABELS = ("main", "cfg_text", "cfg_img")
+
+
+def _each(pixels: torch.Tensor, fn) -> torch.Tensor:
+    """Apply `fn` to every image of a stacked `[B, 3, H, W]` batch (or to one `[3, H, W]`)."""
+    if pixels.dim() == 3:
+        return fn(pixels)
+    return torch.stack([fn(p) for p in pixels])
+
+
+class ViTNode(nn.Module):
+    """`pixels` `[3, H, W]` in [-1, 1] (stacked `[B, ...]`) -> ViT rows in the LLM's width `[patches, hidden]`."""
+
+    def __init__(self, bagel: Bagel):
+        super().__init__()
+        self.bagel = bagel
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return _each(pixels, self.bagel.vit_rows)
+
+
+class VAEEncodeNode(nn.Module):
+    """`pixels` `[3, H, W]` -> clean latent rows `[tokens, hidden]` (vae2llm + time 0 + grid position)."""
+
+    def __init__(self, bagel: Bagel, vae: FluxAutoEncoder):
+        super().__init__()
+        self.bagel, self.vae = bagel, vae
+
+    def _one(self, pixels: torch.Tensor) -> torch.Tensor:
+        tokens = latent_tokens(self.vae, pixels, self.bagel.config.latent_patch_size)
+        ids = self.bagel.latent_ids(pixels.shape[1], pixels.shape[2]).to(pixels.device)
+        return self.bagel.latent_rows(tokens, 0.0, ids)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return _each(pixels, self._one)
+
+
+class VAEDecodeNode(nn.Module):
+    """Final latents `[rows*cols, p*p*z]` and `latent_grid` `[rows, cols]` -> the image `[H, W, 3]` uint8."""
+
+    def __init__(self, vae: FluxAutoEncoder, patch: int):
+        super().__init__()
+        self.vae, self.patch = vae, patch
+
+    def forward(self, latents: torch.Tensor, latent_grid: Any) -> torch.Tensor:
+        rows, cols = (int(v) for v in latent_grid)
+        return tokens_to_image(self.vae, latents.float(), rows, cols, self.patch)
+
+
+class UnderstandLLM(nn.Module):
+    """The `llm` node: the MoT LLM over packed rows (routing 0 = und, 1 = gen expert), logits for sampling."""
+
+    def __init__(self, bagel: Bagel):
+        super().__init__()
+        self.bagel = bagel
+        self.config = bagel.config.llm
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.bagel.language_model.embed(ids)
+
+    def forward(self, input_ids, positions, context, /, *, input_embeds=None, routing=None) -> torch.Tensor:
+        return self.bagel.language_model(input_ids, positions, context, input_embeds=input_embeds, routing=routing)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.bagel.language_model.compute_logits(hidden)
+
+
+class GenLLM(UnderstandLLM):
+    """The `llm_gen` node: the same LLM in generation mode, a velocity (`llm2vae`) per returned row."""
+
+    def compute_velocity(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.bagel.velocity(hidden)
+
+
+class FlowInputs:
+    """Function node, once per flow step: the latent rows the branches feed the LLM, and how many branches run.
+
+    Branches follow upstream BAGEL: outside the CFG interval, or with a text scale <= 1, only the
+    conditional one (`main`); inside, `cfg_text` too, and `cfg_img` when the image scale is > 1.
+    """
+
+    def __init__(self, bagel: Bagel):
+        self.bagel = bagel
+
+    def __call__(self, latents, timestep, sigma, latent_ids, guidance_scale=1.0, image_guidance_scale=1.0,
+                 cfg_interval=(0.0, 1.0)):
+        with torch.no_grad():
+            rows = self.bagel.latent_rows(latents, timestep, latent_ids)
+        g = Guidance(float(guidance_scale), float(image_guidance_scale), tuple(float(v) for v in cfg_interval))
+        count = 1 + int(g.text_active(float(sigma))) + int(g.image_active(float(sigma)))
+        return {"latent_rows": rows, "cfg_branches": count}
+
+
+class PickBranch:
+    """Function node inside a CFG branch: that branch's RoPE positions (each label ends at its own position)."""
+
+    def __call__(self, gen_position_table: torch.Tensor, cfg_branch: int) -> torch.Tensor:
+        return gen_position_table[cfg_branch]
+
+
+class SplitVelocities:
+    """Function node: the branches' velocities (in `LABELS` order) under the names the Euler node reads."""
+
+    def __call__(self, branch_velocities: list) -> dict[str, Any]:
+        v = list(branch_velocities) + [None] * (3 - len(branch_velocities))
+        return {"velocity": v[0], "velocity_uncond": v[1], "velocity_uncond_image": v[2]}
+
+
+class PickImage:
+    """Function node in the understanding loop: image `index`'s ViT pixels and its block's ids, slots, position."""
+
+    def __call__(self, images: list, index: int) -> dict[str, Any]:
+        return dict(images[index])
+
+
+class Detokenize:
+    """Function node: the reply's text from its token ids, up to (not including) <|im_end|>."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, first_token: int, decoded: list) -> str:
+        return self.tokenizer.decode([int(first_token), *(int(t) for t in decoded)], skip_special_tokens=True)

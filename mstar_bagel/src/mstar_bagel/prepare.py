@@ -1,0 +1,211 @@
+"""Requests: the task, the prompt laid out as BAGEL's blocks, images resized to the VAE / ViT grids, CFG bounds.
+
+Positions follow BAGEL: text tokens advance the RoPE position one by one; an image block
+[<|vision_start|>, rows, <|vision_end|>] sits at one position and advances it by one. Each cache
+label has its own next position (`main` after everything, `cfg_text` before the last text, `cfg_img`
+after the text alone), so each CFG branch's latent block gets its label's position.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mstar_bagel.config import BagelConfig
+from mstar_bagel.graph import MAX_STEPS
+from mstar_bagel.tokenizer import SpecialIds
+from mstar_core.errors import RequestError
+from mstar_core.nn.sincos import flattened_grid_ids
+from mstar_core.sampling import SamplingParams
+from mstar_core.schema import RequestField, RequestSchema, sampling_fields
+
+TASKS = ("t2i", "edit", "understand")
+RENORMS = ("none", "global", "channel", "text_channel")
+#: Published defaults per task: (text scale, image scale, interval, renorm).
+CFG_DEFAULTS = {"t2i": (4.0, 1.0, (0.4, 1.0), "global"), "edit": (4.0, 2.0, (0.0, 1.0), "text_channel")}
+MAX_SCALE = 30.0
+MAX_IMAGES = 8
+MAX_PROMPT = 4096
+
+
+def _interval(value: Any, name: str) -> tuple[float, float]:
+    if not isinstance(value, list | tuple) or len(value) != 2 or not all(isinstance(v, int | float) for v in value):
+        raise RequestError(f"'{name}' must be [lo, hi] with 0 <= lo <= hi <= 1", param=name)
+    lo, hi = float(value[0]), float(value[1])
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise RequestError(f"'{name}' must be [lo, hi] with 0 <= lo <= hi <= 1, got {[lo, hi]}", param=name)
+    return lo, hi
+
+
+def decode_image(value: Any, name: str) -> torch.Tensor:
+    """An image as `[H, W, 3]` uint8: a tensor (uint8, or float in [0, 1]) or PNG/JPEG bytes."""
+    if isinstance(value, bytes | bytearray):
+        try:
+            from PIL import Image
+
+            with Image.open(io.BytesIO(value)) as im:
+                import numpy as np
+
+                value = torch.from_numpy(np.array(im.convert("RGB")))
+        except Exception:
+            raise RequestError(f"'{name}' could not be decoded as an image (send a PNG or JPEG)", param=name) from None
+    t = torch.as_tensor(value)
+    if t.dim() != 3 or t.shape[-1] != 3 or min(t.shape[:2]) < 1:
+        raise RequestError(f"'{name}' must be an RGB image [H, W, 3], got shape {list(t.shape)}", param=name)
+    if t.dtype != torch.uint8:
+        if not t.dtype.is_floating_point:
+            raise RequestError(f"'{name}' must be uint8 or float in [0, 1], got {t.dtype}", param=name)
+        t = (t.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return t
+
+
+def fit_size(h: int, w: int, max_side: int, min_side: int, stride: int) -> tuple[int, int]:
+    """BAGEL's resize rule: the long side at most `max_side`, the short at least `min_side`, both multiples of `stride`."""
+    scale = min(1.0, max_side / max(h, w))
+    if min(h, w) * scale < min_side:
+        scale = min_side / min(h, w)
+    cap = max_side // stride * stride
+    return tuple(min(cap, max(stride, round(s * scale) // stride * stride)) for s in (h, w))  # type: ignore[return-value]
+
+
+def to_pixels(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """`[H, W, 3]` uint8 -> `[3, h, w]` float in [-1, 1] at `size` (bilinear with antialiasing)."""
+    x = image.permute(2, 0, 1).float()[None] / 255.0
+    if tuple(x.shape[2:]) != size:
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True).clamp(0, 1)
+    return x[0] * 2 - 1
+
+
+def _block(n: int, ids: SpecialIds, position: int, gen: bool) -> dict[str, torch.Tensor]:
+    out = {
+        "block_ids": torch.tensor([ids.boi] + [0] * n + [ids.eoi]),
+        "block_at": torch.arange(1, n + 1),
+        "block_positions": torch.full((n + 2,), position, dtype=torch.long),
+    }
+    if gen:
+        out["block_routing"] = torch.tensor([0] + [1] * n + [0])
+    return out
+
+
+class Preparer:
+    """`prepare(inputs) -> env` for one loaded BAGEL."""
+
+    def __init__(self, cfg: BagelConfig, tokenizer, ids: SpecialIds):
+        self.cfg, self.tokenizer, self.ids = cfg, tokenizer, ids
+        down = cfg.latent_downsample
+        self.vae_max = min(1024, cfg.max_latent_size * down)
+        self.vae_min = max(down, min(512, self.vae_max // 2) // down * down)
+        p = cfg.vit.patch_size
+        self.vit_max = min(980, cfg.vit_max_num_patch_per_side * p)
+        self.vit_min = max(p, min(224, self.vit_max // 2) // p * p)
+        side = self.vae_max
+        self.schema = RequestSchema(
+            fields=(
+                RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> text)",
+                             default="t2i", choices=TASKS),
+                RequestField("prompt", "string", "the prompt or instruction", required=True, min_length=1,
+                             max_length=MAX_PROMPT, blank=False),
+                RequestField("image", "any", "edit: the input image ([H, W, 3] tensor, or PNG/JPEG bytes)"),
+                RequestField("images", "array", "understand: images before the prompt", items="any",
+                             max_length=MAX_IMAGES),
+                RequestField("width", "integer", f"t2i: output width, a multiple of {down}", default=side,
+                             minimum=down, maximum=side),
+                RequestField("height", "integer", f"t2i: output height, a multiple of {down}", default=side,
+                             minimum=down, maximum=side),
+                RequestField("num_steps", "integer", "flow Euler steps", default=cfg.num_timesteps - 1, minimum=1,
+                             maximum=MAX_STEPS),
+                RequestField("shift", "number", "timestep shift", default=cfg.timestep_shift, minimum=0.05,
+                             maximum=20.0),
+                RequestField("guidance_scale", "number", "text CFG scale (1: off)", minimum=0.0, maximum=MAX_SCALE),
+                RequestField("image_guidance_scale", "number", "image CFG scale (1: off)", minimum=0.0,
+                             maximum=MAX_SCALE),
+                RequestField("cfg_interval", "array", "[lo, hi]: CFG applies where lo < t <= hi", items="number",
+                             check=_interval),
+                RequestField("cfg_renorm", "string", "velocity renormalisation", choices=RENORMS),
+                RequestField("cfg_renorm_min", "number", "renorm floor", default=0.0, minimum=0.0, maximum=1.0),
+                RequestField("seed", "integer", "noise / sampling seed", minimum=0, maximum=2**63 - 1),
+                *sampling_fields("max_tokens", "temperature", "top_k", "top_p", defaults={"max_tokens": 64}),
+            ),
+            example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
+        )
+
+    def text_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if ids and max(ids) >= self.cfg.llm.vocab_size:
+            raise RequestError("the prompt has tokens outside the model's vocabulary", param="prompt")
+        return ids
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        task = inputs["task"]
+        if task == "understand":
+            return self._understand(inputs)
+        if task == "edit" and inputs.get("image") is None:
+            raise RequestError("task 'edit' needs 'image' (the picture to edit)", param="image")
+        prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos]
+        env: dict[str, Any] = {"walk": task, "prompt_ids": torch.tensor(prompt)}
+        n_text = len(prompt)
+        if task == "edit":
+            image = decode_image(inputs["image"], "image")
+            h, w = fit_size(image.shape[0], image.shape[1], self.vae_max, self.vae_min, self.cfg.latent_downsample)
+            vh, vw = fit_size(image.shape[0], image.shape[1], self.vit_max, self.vit_min, self.cfg.vit.patch_size)
+            n_vae = (h // self.cfg.latent_downsample) * (w // self.cfg.latent_downsample)
+            n_vit = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
+            env.update({"vae_pixels": to_pixels(image, (h, w)), "vit_pixels": to_pixels(image, (vh, vw))})
+            env.update({f"vae_{k}": v for k, v in _block(n_vae, self.ids, 0, gen=True).items()})
+            env.update({f"vit_{k}": v for k, v in _block(n_vit, self.ids, 1, gen=False).items()})
+            env["prompt_positions"] = torch.arange(2, 2 + n_text)
+            env["text_only_positions"] = torch.arange(n_text)
+            next_pos = (2 + n_text, 2, n_text)  # main, cfg_text (the images), cfg_img (the text)
+        else:
+            h, w = inputs["height"], inputs["width"]
+            for name, v in (("height", h), ("width", w)):
+                if v % self.cfg.latent_downsample:
+                    raise RequestError(f"'{name}' must be a multiple of {self.cfg.latent_downsample}, got {v}", param=name)
+            env["prompt_positions"] = torch.arange(n_text)
+            next_pos = (n_text, 0, n_text)
+        env.update(self._flow(task, inputs, h, w, next_pos))
+        return env
+
+    def _flow(self, task: str, inputs: Mapping[str, Any], h: int, w: int, next_pos: tuple[int, int, int]) -> dict:
+        cfg = self.cfg
+        rows, cols = h // cfg.latent_downsample, w // cfg.latent_downsample
+        n = rows * cols
+        scale, image_scale, interval, renorm = CFG_DEFAULTS[task]
+        pick = lambda key, default: default if inputs.get(key) is None else inputs[key]  # noqa: E731
+        block = _block(n, self.ids, 0, gen=True)
+        env = {
+            "num_steps": inputs["num_steps"], "shift": float(inputs["shift"]),
+            "latent_shape": [n, cfg.patch_latent_dim], "latent_ids": flattened_grid_ids(rows, cols, cfg.max_latent_size),
+            "latent_grid": [rows, cols],
+            "gen_block_ids": block["block_ids"], "gen_block_at": block["block_at"],
+            "gen_block_routing": block["block_routing"], "gen_rows": torch.arange(1, n + 1),
+            "gen_position_table": torch.tensor(next_pos)[:, None].expand(3, n + 2).contiguous(),
+            "guidance_scale": float(pick("guidance_scale", scale)),
+            "image_guidance_scale": float(pick("image_guidance_scale", image_scale)),
+            "cfg_interval": list(pick("cfg_interval", interval)),
+            "cfg_renorm": pick("cfg_renorm", renorm), "cfg_renorm_min": float(inputs["cfg_renorm_min"]),
+        }
+        if inputs.get("seed") is not None:
+            env["seed"] = inputs["seed"]
+        return env
+
+    def _understand(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        images = []
+        for i, value in enumerate(inputs.get("images") or []):
+            image = decode_image(value, f"images[{i}]")
+            vh, vw = fit_size(image.shape[0], image.shape[1], self.vit_max, self.vit_min, self.cfg.vit.patch_size)
+            n = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
+            item = {"vit_pixels": to_pixels(image, (vh, vw))}
+            item.update({f"vit_{k}": v for k, v in _block(n, self.ids, i, gen=False).items()})
+            images.append(item)
+        prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos, self.ids.bos]
+        k = len(images)
+        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "seed") if inputs.get(n) is not None}
+        sampling = SamplingParams.from_mapping({**fields, "stop_token_ids": [self.ids.eos]})
+        sampling = sampling.check_vocab(self.cfg.llm.vocab_size)
+        return {"walk": "understand", "images": images, "num_images": k, "prompt_ids": torch.tensor(prompt),
+                "prompt_positions": torch.arange(k, k + len(prompt)), "sampling": sampling}

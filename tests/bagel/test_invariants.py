@@ -1,0 +1,168 @@
+"""BAGEL served on the shared engines equals the dense upstream-style baseline, and frees every page.
+
+M* keeps three cache labels per request (forks sharing pages), runs each flow step's CFG branches as
+read-only calls batched into one forward; the baseline deep-copies each label's cache and runs each
+branch as its own forward over [cached K/V; latents]. Same weights, same noise: same latents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from mstar_bagel import reference
+from mstar_core.model import LoadOptions
+from mstar_core.nn import DenseAttention
+from mstar_core.runtime import AsyncEngine
+
+TOL = 1e-5
+
+
+async def _idle(eng, tries=200):
+    for _ in range(tries):
+        if not eng.active_requests():
+            return
+        await asyncio.sleep(0.02)
+
+
+def _serve(requests, during=None):
+    async def go():
+        async with AsyncEngine() as engine:
+            loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
+            engines = engine.node_engines("bagel")
+            handles = [engine.submit("bagel", r) for r in requests]
+            seen = await during(engine, handles) if during else None
+            envs = await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+            await _idle(engines["llm"])
+            await _idle(engines["llm_gen"])
+            return loaded, engines, envs, seen
+
+    return asyncio.run(go())
+
+
+def _ids(loaded):
+    return loaded.extras["special_ids"]
+
+
+def _dense(loaded, req, env):
+    """The baseline's latents for one request, from the request's own prepared env."""
+    bagel, vae, ids = loaded.extras["bagel"], loaded.extras["vae"], _ids(loaded)
+    prompt = env["prompt_ids"].tolist()
+    if env["walk"] == "edit":
+        labels = reference.edit_labels(bagel, vae, env["vae_pixels"], env["vit_pixels"], prompt, ids.boi, ids.eoi)
+    else:
+        labels = reference.t2i_labels(bagel, prompt)
+    rows, cols = env["latent_grid"]
+    return reference.generate(bagel, labels, ids.boi, ids.eoi, rows, cols, num_steps=env["num_steps"],
+                              shift=env["shift"], seed=req["seed"], text_scale=env["guidance_scale"],
+                              img_scale=env["image_guidance_scale"], interval=env["cfg_interval"],
+                              renorm=env["cfg_renorm"], floor=env["cfg_renorm_min"])
+
+
+def _image(seed=0, h=40, w=52):
+    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_t2i_label_forks_and_read_only_steps_equal_dense_baseline():
+    req = {"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 6, "seed": 5}
+    loaded, engines, (env,), _ = _serve([req])
+    prepared = loaded.prepare_inputs(req)
+    want = _dense(loaded, req, prepared)
+    assert (env["latents"] - want).abs().max() < TOL
+    rows, cols = prepared["latent_grid"]
+    image = reference.decode(loaded.extras["vae"], want, rows, cols, loaded.extras["config"].latent_patch_size)
+    assert (env["image"].int() - image.int()).abs().max() <= 1
+    # t2i defaults: text CFG only inside (0.4, 1]: two branches at the first steps, one at the last
+    assert engines["llm_gen"].largest_batch == 2
+    assert engines["llm"].pool.num_used == 0 and not engines["llm"].active_requests()
+
+
+def test_edit_three_branches_batched_equal_three_separate_dense_forwards():
+    req = {"task": "edit", "prompt": "make it blue", "image": _image(), "num_steps": 4, "seed": 7}
+    loaded, engines, (env,), _ = _serve([req])
+    want = _dense(loaded, req, loaded.prepare_inputs(req))
+    assert (env["latents"] - want).abs().max() < TOL
+    assert env["image"].shape == (24, 32, 3)  # the input's size after the VAE resize (40x52 -> 24x32)
+    gen = engines["llm_gen"]
+    assert gen.largest_batch == 3 and gen.num_steps == 4  # main, cfg_text, cfg_img: one forward per step
+
+
+def test_read_only_flow_step_equals_dense_recompute_over_context_and_latents():
+    """A step over the frozen text cache equals one dense pass over [text; BOI, latents, EOI] with BAGEL's mask."""
+    from mstar_core.runtime import AsyncEngine
+
+    async def load():
+        async with AsyncEngine() as engine:
+            return await engine.load_model("bagel", LoadOptions(preset="tiny"))
+
+    loaded = asyncio.run(load())
+    bagel, ids = loaded.extras["bagel"], _ids(loaded)
+    lm = bagel.language_model
+    prompt = [ids.bos, 5, 77, 300 % 256, ids.eos]
+    g = torch.Generator().manual_seed(3)
+    rows_in = bagel.latent_rows(torch.randn(16, bagel.config.patch_latent_dim, generator=g), torch.tensor(0.7),
+                                torch.arange(16))
+    with torch.inference_mode():
+        label = reference.Label()
+        reference.prefill_text(bagel, label, prompt)
+        cached = reference.branch_velocity(bagel, label, ids.boi, ids.eoi, rows_in)
+        n_text, n = len(prompt), 18
+        x = torch.cat([lm.embed(torch.tensor(prompt)), lm.embed(torch.tensor([ids.boi])), rows_in,
+                       lm.embed(torch.tensor([ids.eoi]))])
+        mask = torch.ones(n_text + n, n_text + n, dtype=torch.bool).tril()
+        mask[n_text:, :] = True  # the latent block sees the text and all of itself
+        positions = torch.cat([torch.arange(n_text), torch.full((n,), n_text)])
+        routing = torch.tensor([0] * n_text + [0] + [1] * 16 + [0])
+        dense = bagel.velocity(lm(None, positions, DenseAttention(mask=mask), input_embeds=x, routing=routing)[n_text + 1:-1])
+    assert (cached - dense).abs().max() < TOL
+
+
+def test_eight_concurrent_t2i_each_equal_alone():
+    reqs = [{"task": "t2i", "prompt": f"prompt number {i}" + "!" * i, "num_steps": 3, "seed": 100 + i,
+             "width": 16 + 4 * (i % 3), "height": 32} for i in range(8)]
+    _, engines, together, _ = _serve(reqs)
+    assert engines["llm_gen"].largest_batch > 2  # several requests' branches shared forwards
+    for req, env in zip(reqs, together, strict=True):
+        _, _, (alone,), _ = _serve([req])
+        assert (env["latents"] - alone["latents"]).abs().max() < TOL
+        assert torch.equal(env["image"], alone["image"])
+
+
+def test_every_page_is_free_after_normal_end_error_and_cancellation():
+    ok = {"task": "edit", "prompt": "make it blue", "image": _image(1), "num_steps": 30, "seed": 1}
+
+    async def during(engine, handles):
+        # cancel the second request mid-flow (its labels are written, the loop is running)
+        gen = engine.node_engines("bagel")["llm_gen"]
+        for _ in range(2000):
+            if gen.num_steps >= 3:
+                break
+            await asyncio.sleep(0.005)
+        used = gen.group.pool.num_used if gen.group is not None else None
+        handles[1].cancel()
+        return used
+
+    loaded, engines, envs, used_at_cancel = _serve([dict(ok, num_steps=3), ok], during=during)
+    assert isinstance(envs[0], dict) and "cancelled" in str(envs[1])
+    assert used_at_cancel  # the cancelled request held pages mid-flow
+    pool = engines["llm"].pool
+    assert pool.num_used == 0 and not engines["llm"].active_requests() and not engines["llm_gen"].active_requests()
+
+    async def failing():
+        async with AsyncEngine() as engine:
+            loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
+            env = loaded.prepare_inputs(dict(ok, num_steps=3))
+            env["gen_position_table"] = env["gen_position_table"][:, :3]  # wrong length: the first step fails
+            handle = engine.submit("bagel", env, prepared=True)
+            try:
+                await handle.result()
+            except Exception as exc:
+                error = exc
+            eng = engine.node_engines("bagel")["llm"]
+            await _idle(eng)
+            return error, eng
+
+    error, eng = asyncio.run(failing())
+    assert "positions" in str(error)
+    assert eng.pool.num_used == 0 and not eng.active_requests()
