@@ -341,7 +341,7 @@ class Cluster:
         state = self.workers[worker]
         frames = state.encode(msg)
         state.check_request(msg.request_id)
-        key = (msg.request_id, msg.loop)
+        key = (msg.request_id, msg.loop, msg.branch)  # fan-out branches run copies of one loop at once
         future = asyncio.get_running_loop().create_future()
         state.loops[key] = (future, on_values)
         try:

@@ -193,10 +193,8 @@ class Conductor:
             await (self._fan_out(state, frame, site, env) if site.spec.fan_out else
                    self._parallel(state, frame, site, env))
         elif isinstance(site, LoopSite):
-            runner = self.remote_loops.get((site.walk, site.index)) if site.index is not None else None
-            # A loop inside a fan-out branch runs here, one call at a time: a delegated loop is keyed by
-            # (request, loop) on the worker, which cannot tell the branches' copies of one loop apart.
-            if runner is not None and frame.branch is None:
+            runner = self.remote_loops.get((site.walk, site.index))
+            if runner is not None:
                 await runner.run(self, state, frame, site, env)
             else:
                 await self.run_loop(state, frame, site, env)
@@ -391,9 +389,13 @@ class RequestState:
 
 class WalkFrame:
     """One walk's run for one request: what it emits, the streams its nodes feed, the streams a fragment takes,
-    and the dynamic fan-out branch it runs in (None outside one; what its emitted outputs carry)."""
+    and the dynamic fan-out branch it runs in (None outside one; what its emitted outputs carry).
 
-    __slots__ = ("branch", "emit", "streams", "takes", "walk")
+    `branches` is the path of fan-out indices down to this frame (nested fan-outs): with the loop's
+    index it names one running copy of a loop, which is how a delegated loop is keyed on the wire.
+    """
+
+    __slots__ = ("branch", "branches", "emit", "streams", "takes", "walk")
 
     def __init__(self, walk: Walk, emit: set[str]):
         self.walk = walk
@@ -401,11 +403,13 @@ class WalkFrame:
         self.streams: dict[str, list[RequestStream]] = {}
         self.takes: dict[str, RequestStream] = {}
         self.branch: int | None = None
+        self.branches: tuple[int, ...] = ()
 
     def branch_frame(self, index: int) -> WalkFrame:
         """The frame of fan-out branch `index`: the same walk, streams and takes; its outputs carry `index`."""
         child = WalkFrame(self.walk, self.emit)
         child.streams, child.takes, child.branch = self.streams, self.takes, index
+        child.branches = (*self.branches, index)
         return child
 
     def fragment(self, takes: dict[str, RequestStream]) -> WalkFrame:
@@ -413,5 +417,10 @@ class WalkFrame:
         child = WalkFrame(self.walk, self.emit)
         child.streams = self.streams
         child.takes = takes
-        child.branch = self.branch
+        child.branch, child.branches = self.branch, self.branches
         return child
+
+    @property
+    def branch_key(self) -> str:
+        """`branches` as a wire string: '' outside a fan-out, '2' in branch 2, '2.0' in branch 0 of a fan-out inside it."""
+        return ".".join(map(str, self.branches))

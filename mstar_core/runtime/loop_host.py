@@ -26,12 +26,13 @@ def visible_ports(graph: Graph, walk: Walk, call: NodeCall) -> tuple[str, ...]:
 
 
 class _LoopState(RequestState):
-    __slots__ = ("forward", "loop_index", "send")
+    __slots__ = ("branch", "forward", "loop_index", "send")
 
-    def __init__(self, request_id: str, loop_index: int, forward: dict[tuple[int, ...], tuple[int, tuple[str, ...]]],
-                 send: Callable[[Any], Any]):
+    def __init__(self, request_id: str, loop_index: int, branch: str,
+                 forward: dict[tuple[int, ...], tuple[int, tuple[str, ...]]], send: Callable[[Any], Any]):
         super().__init__(request_id, emit=lambda _output: None)
         self.loop_index = loop_index
+        self.branch = branch
         self.forward = forward
         self.send = send
 
@@ -46,7 +47,8 @@ class LoopHostConductor(Conductor):
             if entry is not None:
                 index, ports = entry
                 state.send(LoopValues(request_id=state.request_id, loop=state.loop_index, call=index,
-                                      outputs=to_wire({p: outputs[p] for p in ports if p in outputs})))
+                                      outputs=to_wire({p: outputs[p] for p in ports if p in outputs}),
+                                      branch=state.branch))
 
     async def host(self, msg: RunLoop, send: Callable[[Any], Any]) -> LoopDone:
         """Run the loop a `RunLoop` names; returns the `LoopDone` to answer with."""
@@ -67,11 +69,11 @@ class LoopHostConductor(Conductor):
                 frame.streams.setdefault(edge.src_node, []).append(RequestStream(edge, accounting=True))
         env = from_wire(msg.env)
         before = dict(env)
-        state = _LoopState(msg.request_id, msg.loop, forward, send)
+        state = _LoopState(msg.request_id, msg.loop, msg.branch, forward, send)
         try:
             await self.run_loop(state, frame, loop, env)
         except Exception as exc:
-            return LoopDone(request_id=msg.request_id, loop=msg.loop, node=getattr(exc, "node", None),
-                            **error_fields(exc))
+            return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch,
+                            node=getattr(exc, "node", None), **error_fields(exc))
         changed = {k: v for k, v in env.items() if k not in before or before[k] is not v}
-        return LoopDone(request_id=msg.request_id, loop=msg.loop, env=to_wire(changed))
+        return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, env=to_wire(changed))

@@ -40,8 +40,10 @@ class RemoteLoop:
         for node in self.nodes:  # state of per-walk nodes moves here before the loop starts
             await conductor.hold(state, node, conductor.scheduler_for(self.walk.name, node))
         try:
+            # a consumer fragment's last stream chunk stays here: the loop does not read it (see `delegate_loops`)
+            sent = {k: v for k, v in env.items() if k not in frame.takes} if frame.takes else env
             msg = RunLoop(request_id=state.request_id, model=self.model, walk=self.walk.name, loop=self.index,
-                          env=to_wire(env))
+                          env=to_wire(sent), branch=frame.branch_key)
             worker = self.scheduler.replica_for(state.request_id)
 
             def on_values(call: int, outputs: dict[str, Any]) -> None:
@@ -65,14 +67,15 @@ def delegate_loops(conductor: Conductor, cluster: Cluster, model: str) -> int:
     """Mark every outermost loop whose nodes all live on one worker group for delegation; returns the count.
 
     Loops are marked per position in their walk (a loop object shared by two walks is decided per
-    walk); loops inside a streaming consumer fragment stay here, where their stream is.
+    walk), fan-out branches' and consumer fragments' loops too; a loop that takes chunks from a
+    stream stays here, where its stream is (the worker would need each chunk sent after it).
     """
     count = 0
     for sites in conductor.sites.values():
         walk = sites.walk
         covered: set[int] = set()
         for loop in sites.loops:
-            if loop.index in covered:
+            if loop.index in covered or loop.reads:
                 continue
             nodes = {c.node for c in iter_call_sites(loop.body)}
             scheds = [conductor.scheduler_for(walk.name, n) for n in nodes]

@@ -78,12 +78,12 @@ class ParallelSite:
 
 
 class LoopSite:
-    """A loop at one position. `index` numbers the body's loops depth first (None in a consumer fragment);
-    `reads` names the streams its body takes chunks from (its exit waits for them to drain)."""
+    """A loop at one position. `index` numbers the walk's loops depth first, the body's first, then each
+    consumer fragment's; `reads` names the streams its body takes chunks from (its exit waits for them to drain)."""
 
     __slots__ = ("body", "index", "path", "reads", "spec", "walk")
 
-    def __init__(self, spec: Loop | DynamicLoop, body: Any, walk: str, index: int | None, reads: frozenset[str],
+    def __init__(self, spec: Loop | DynamicLoop, body: Any, walk: str, index: int, reads: frozenset[str],
                  path: Path):
         self.spec = spec
         self.body = body
@@ -101,8 +101,8 @@ class WalkSites:
 
     `consumers[k]` is edge k's consumer fragment, `stream_calls[k]` its per-chunk consumer call;
     `closes[stage]` lists the streams whose producer runs in that stage (None: the body; k: edge k's
-    consumer), closed when the stage ends. `loops[i]` is the body's i-th loop, depth first (the
-    numbering delegated loops use on the wire).
+    consumer), closed when the stage ends. `loops[i]` is the walk's i-th loop, depth first, the body's
+    before the consumer fragments' (the numbering delegated loops use on the wire).
     """
 
     def __init__(self, walk: Walk):
@@ -119,33 +119,29 @@ def compile_walk(graph: Graph, walk: Walk, scheduler: Callable[[str, str], Any])
     sites = WalkSites(walk)
     stream_names = frozenset(e.into for e in walk.streams if e.consumer is not None)
 
-    def build(step: Step, path: Path, body_loops: bool) -> Site:
+    def build(step: Step, path: Path) -> Site:
         if isinstance(step, NodeCall):
             return CallSite(graph, walk, step, path, scheduler(walk.name, step.node))
         if isinstance(step, Assign):
             return AssignSite(step, path)
         if isinstance(step, Sequential):
-            return SequenceSite(tuple(build(s, (*path, i), body_loops) for i, s in enumerate(step.steps)), path)
+            return SequenceSite(tuple(build(s, (*path, i)) for i, s in enumerate(step.steps)), path)
         if isinstance(step, Parallel):
-            return ParallelSite(step, tuple(build(s, (*path, i), body_loops) for i, s in enumerate(step.branches)),
-                                path)
-        index = None
-        if body_loops:
-            index = len(sites.loops)
-            sites.loops.append(None)  # numbered before its inner loops, as `iter_loops` does
+            return ParallelSite(step, tuple(build(s, (*path, i)) for i, s in enumerate(step.branches)), path)
+        index = len(sites.loops)
+        sites.loops.append(None)  # numbered before its inner loops, as `iter_loops` does
         reads = frozenset(name for c in iter_calls(step.body) for name in _reads(graph, c) if name in stream_names)
-        site = LoopSite(step, build(step.body, (*path, 0), body_loops), walk.name, index, reads, path)
-        if index is not None:
-            sites.loops[index] = site
+        site = LoopSite(step, build(step.body, (*path, 0)), walk.name, index, reads, path)
+        sites.loops[index] = site
         return site
 
-    sites.body = build(walk.body, (0,), True)
+    sites.body = build(walk.body, (0,))
     producers: dict[str, int | None] = {}
     for call in iter_calls(walk.body):
         producers.setdefault(call.node, None)
     for k, edge in enumerate(walk.streams):
         if edge.consumer is not None:
-            sites.consumers[k] = build(edge.consumer, (k + 1,), False)
+            sites.consumers[k] = build(edge.consumer, (k + 1,))
             for call in iter_calls(edge.consumer):
                 producers.setdefault(call.node, k)
         else:

@@ -293,17 +293,18 @@ class Worker:
     async def _run_loop(self, msg: RunLoop) -> None:
         host = self.hosts.get(msg.model)
         if host is None:
-            done = LoopDone(request_id=msg.request_id, loop=msg.loop, error=f"worker {self.name} has no model "
-                            f"'{msg.model}'", error_type="KeyError")
+            done = LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch,
+                            error=f"worker {self.name} has no model '{msg.model}'", error_type="KeyError")
         else:
             try:
                 done = await host.host(msg, self.send_soon)
             except Exception as exc:  # e.g. an env value that does not decode: fail the request, answer anyway
-                done = LoopDone(request_id=msg.request_id, loop=msg.loop, **error_fields(exc))
+                done = LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc))
         try:
             self.send_soon(done)
         except WireError as exc:  # the loop's env changes cannot travel: fail the request, do not leave it waiting
-            self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, error=str(exc), error_type="WireError"))
+            self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, error=str(exc),
+                                    error_type="WireError"))
 
     def _invoke(self, msg: InvokeNode) -> None:
         sched = self.schedulers.get(msg.node)

@@ -108,7 +108,7 @@ class WorkerLink:
                 future.set_exception(RequestError(f"worker '{self.name}' answered {msg.node}: {exc}", status=500))
 
     def on_loop_message(self, msg: LoopValues | LoopDone) -> None:
-        entry = self.loops.get((msg.request_id, msg.loop))
+        entry = self.loops.get((msg.request_id, msg.loop, msg.branch))
         if entry is None or entry[0].done():
             return
         future, on_values = entry

@@ -217,7 +217,8 @@ class ErrorReport:
 class RunLoop:
     """Run one loop of a walk on the worker that hosts all of its nodes ("loops run where their nodes live").
 
-    `loop` indexes the walk's loops in depth-first order; `env` is the request's env on entry.
+    `loop` indexes the walk's loops in depth-first order; `env` is the request's env on entry;
+    `branch` tells apart the copies of one loop that fan-out branches run at once ("" outside one).
     """
 
     request_id: str
@@ -225,6 +226,7 @@ class RunLoop:
     walk: str
     loop: int
     env: dict[str, Any]
+    branch: str = ""
 
 
 @message("loop_values")
@@ -235,6 +237,7 @@ class LoopValues:
     loop: int
     call: int
     outputs: dict[str, Any]
+    branch: str = ""
 
 
 @message("loop_done")
@@ -248,3 +251,4 @@ class LoopDone:
     error_type: str | None = None
     node: str | None = None
     error_status: int | None = None
+    branch: str = ""
