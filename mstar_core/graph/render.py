@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import string
+
 import attrs
 
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import (
     Assign,
     DynamicLoop,
+    FromEnv,
     Loop,
     NodeCall,
     Parallel,
@@ -31,6 +34,27 @@ def _group_label(step: Step) -> str:
     if step.fan_out:
         return f"Parallel x{step.count} ({step.index_name})"
     return "Parallel"
+
+
+def _option_text(value) -> str:
+    """A call option as a drawing shows it: a `FromEnv` as what it computes from the env name (`$name`), not its repr.
+
+    `FromEnv("choice")` -> `$choice`; `FromEnv("choice", "choice{}")` -> `choice{$choice}`;
+    `FromEnv("i", label_of)` -> `label_of($i)`.
+    """
+    if not isinstance(value, FromEnv):
+        return str(value)
+    ref = f"${value.name}"
+    if value.derive is None:
+        return ref
+    if callable(value.derive):
+        return f"{getattr(value.derive, '__name__', 'f')}({ref})"
+    parts = []
+    for literal, field, spec, conversion in string.Formatter().parse(value.derive):
+        parts.append(literal)
+        if field is not None:  # the env value fills every replacement field, with its own format spec kept
+            parts.append("{" + ref + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}")
+    return "".join(parts)
 
 
 def _policy_label(policy) -> str:
@@ -92,7 +116,7 @@ class _Layout:
             self.edges.append((src, dst, name, back))
 
     def label(self, call: NodeCall) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in call.options.items())
+        opts = ", ".join(f"{k}={_option_text(v)}" for k, v in call.options.items())
         return f"{call.node} [{self.graph.nodes[call.node].engine}]" + (f" {opts}" if opts else "")
 
     def stream_label(self, edge) -> str:
