@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import email.parser
+import email.policy
+import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from mstar_core.api.common import adapter_call, map_result, result_or_disconnect, submit
 from mstar_core.api.errors import ApiError
@@ -29,13 +34,50 @@ async def create_images(body: ImageRequest, request: Request):
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse, responses=ERROR_RESPONSES,
-             summary="Edit an image (JSON body; the source image as base64 in `image`)")
-async def edit_images(body: ImageEditRequest, request: Request):
+             summary="Edit an image (JSON with the source image as base64 in `image`, or multipart/form-data "
+                     "with an `image` file, as the openai client sends it)",
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/json": {"schema": ImageEditRequest.model_json_schema()}}}})
+async def edit_images(request: Request):
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        data = multipart_fields(request.headers["content-type"], await request.body())
+    else:
+        try:
+            data = json.loads(await request.body())
+        except ValueError:
+            raise ApiError(400, "the body must be JSON (or multipart/form-data with an 'image' file)") from None
+    try:
+        body = ImageEditRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
     try:
         base64.b64decode(body.image, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "'image' must be a base64-encoded PNG or JPEG", param="image") from None
     return await _run(body, request, edit=True)
+
+
+def multipart_fields(content_type: str, raw: bytes) -> dict[str, Any]:
+    """A multipart/form-data body as edit fields: the `image` file base64-encoded, other values JSON-read if they parse."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw)
+    if not message.is_multipart():
+        raise ApiError(400, "malformed multipart/form-data body")
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        name = (part.get_param("name", header="content-disposition") or "").removesuffix("[]")
+        payload = part.get_payload(decode=True) or b""
+        if name == "image" or part.get_filename() is not None:
+            fields[name] = base64.b64encode(payload).decode()
+            continue
+        text = payload.decode("utf-8", errors="replace")
+        try:
+            fields[name] = json.loads(text) if name not in ("prompt", "model", "size", "response_format") else text
+        except ValueError:
+            fields[name] = text
+    if "image" not in fields:
+        raise ApiError(400, "the form has no 'image' file", param="image")
+    return fields
 
 
 async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""OpenAI routes for BAGEL: `/v1/images/generations` (t2i), `/v1/images/edits` (edit), `/v1/chat/completions`
+(understanding: the messages' images, in order, before their text)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mstar_core.api.adapters import ApiAdapter
+from mstar_core.errors import RequestError
+
+#: Request fields of the images routes that are OpenAI's, not BAGEL's settings.
+_OPENAI_IMAGE_FIELDS = {"model", "prompt", "n", "size", "seed", "response_format", "index", "image", "user",
+                        "quality", "style", "background", "output_format", "moderation", "mask"}
+_CHAT_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+class BagelImagesAdapter(ApiAdapter):
+    model = "bagel"
+    routes = {"images", "chat"}
+    chat_media = frozenset({"image"})
+    image_output = "image"
+    token_output = "next_token"
+
+    def bind(self, loaded: Any) -> None:
+        super().bind(loaded)
+        self.tokenizer = loaded.extras["tokenizer"]
+        self.ids = loaded.extras["special_ids"]
+        self.prepare = loaded.prepare
+
+    def image_inputs(self, body: Mapping[str, Any], *, edit: bool) -> dict[str, Any]:
+        inputs: dict[str, Any] = {"task": "edit" if edit else "t2i", "prompt": body["prompt"]}
+        if body.get("seed") is not None:
+            inputs["seed"] = body["seed"]
+        if edit:
+            inputs["image"] = bytes(body["image"])  # BAGEL edits at the input's size; 'size' is not used
+        else:
+            width, height = (int(v) for v in str(body["size"]).split("x"))
+            side, stride = self.prepare.vae_max, self.loaded.extras["config"].latent_downsample
+            if not (stride <= width <= side and stride <= height <= side) or width % stride or height % stride:
+                raise RequestError(f"'size' {body['size']} is not one this model draws: each side a multiple of "
+                                   f"{stride} from {stride} to {side} (e.g. {side}x{side})", param="size")
+            inputs.update(width=width, height=height)
+        inputs.update({k: v for k, v in body.items() if k not in _OPENAI_IMAGE_FIELDS and v is not None})
+        return inputs
+
+    def chat_message_inputs(self, body: Mapping[str, Any], messages: Sequence[Any]) -> dict[str, Any]:
+        images, texts = [], []
+        for turn in messages:
+            for part in turn.parts:
+                if hasattr(part, "tensor") and hasattr(part, "image"):
+                    images.append(part.tensor())
+                elif getattr(part, "text", None):
+                    texts.append(part.text)
+        if not texts:
+            raise RequestError("the messages have no text to answer", param="messages")
+        inputs = {"task": "understand", "prompt": "\n".join(texts), "images": images}
+        inputs.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
+        return inputs
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return int(token_id) == self.ids.eos

@@ -1,0 +1,64 @@
+"""`mstar serve bagel` (tiny) through the official openai client: images.generate / images.edit give PNGs, chat
+answers about an image, bad input is a 4xx naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+from tests.server.conftest import Server
+
+openai = pytest.importorskip("openai")
+Image = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def client():
+    server = Server(["bagel"], api_key=None)
+    try:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    finally:
+        server.stop()
+
+
+def _png(w=40, h=30) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _image(item) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+
+
+def test_images_generate_and_edit_give_pngs(client):
+    r = client.images.generate(model="bagel", prompt="a red fox", size="32x16", extra_body={"seed": 3, "num_steps": 2})
+    assert _image(r.data[0]).size == (32, 16)
+    again = client.images.generate(model="bagel", prompt="a red fox", size="32x16", extra_body={"seed": 3, "num_steps": 2})
+    assert again.data[0].b64_json == r.data[0].b64_json  # same seed, same image
+    r = client.images.edit(model="bagel", prompt="make it blue", image=("in.png", _png(), "image/png"),
+                           extra_body={"num_steps": 2, "seed": 1})
+    assert _image(r.data[0]).size == (32, 24)  # the input's aspect at the VAE's grid
+
+
+def test_chat_answers_about_an_image(client):
+    url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    r = client.chat.completions.create(model="bagel", max_tokens=4, seed=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this?"}]}])
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(("call", "param"), [
+    (lambda c: c.images.generate(model="bagel", prompt="x", size="30x32"), "size"),
+    (lambda c: c.images.generate(model="bagel", prompt="x", size="512x512"), "size"),
+    (lambda c: c.images.generate(model="bagel", prompt="", size="32x32"), "prompt"),
+    (lambda c: c.images.edit(model="bagel", prompt="x", image=("a.png", b"not an image", "image/png")), "image"),
+    (lambda c: c.images.generate(model="bagel", prompt="x", size="32x32", extra_body={"guidance_scale": 99}),
+     "guidance_scale"),
+])
+def test_bad_input_is_a_4xx_naming_the_field(client, call, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        call(client)
+    assert err.value.body.get("param") == param or param in str(err.value)
