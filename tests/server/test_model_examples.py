@@ -16,8 +16,8 @@ import pytest
 from mstar_core.plugins.manager import discover
 from tests.server.conftest import Server
 
-#: Models whose package has not declared its request schema yet (the V-JEPA refit is under way).
-NOT_YET = {"vjepa2", "vjepa2-ac"}  # not yet on a declared schema with an example (issue 13)
+#: Models whose package has not declared its request schema with an example yet (issue 13): none left.
+NOT_YET: set[str] = set()
 
 
 def _models() -> dict:

@@ -1,14 +1,9 @@
-"""Model specs: `vjepa2` (encode, predict) and `vjepa2-ac` (encode, rollout, plan), graphs and input checks.
+"""Model specs: `vjepa2` (encode, predict) and `vjepa2-ac` (encode, rollout, plan) and their graphs.
 
-Frame inputs (`video`, `frames`, `goal`) are either model-ready float frames `[T, C, crop, crop]`, or, with
-`"preprocess": true` (the default for uint8 tensors/arrays), raw pixels 0..255 `[T, H, W, C]` / `[T, C, H, W]`
-of any size that get HF `VJEPA2VideoProcessor`'s preprocessing (`mstar_vjepa.preprocess`).
+Request fields and their checks: `mstar_vjepa.request`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -26,8 +21,8 @@ from mstar_core.graph import (
     Walk,
 )
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
-from mstar_core.sampling import check_int, check_seed
 from mstar_vjepa import checkpoint as ckpt
+from mstar_vjepa import request
 from mstar_vjepa.ac_predictor import PagedACPredictor
 from mstar_vjepa.nodes import (
     PREFIX_LABEL,
@@ -42,82 +37,8 @@ from mstar_vjepa.nodes import (
     sample_node,
     update_node,
 )
-from mstar_vjepa.preprocess import preprocess_video
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _as_tensor(inputs: Mapping[str, Any], name: str, what: str) -> torch.Tensor:
-    """`inputs[name]` as a tensor; ragged or non-numeric lists and ints beyond int64 are the request's fault."""
-    try:
-        return torch.as_tensor(inputs[name])
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise RequestError(f"input '{name}' is not a numeric array ({str(exc)[:120]}); expected {what}",
-                           param=name) from None
-
-
-def _tensor(inputs: Mapping[str, Any], name: str, ndims: tuple[int, ...], what: str) -> torch.Tensor:
-    if name not in inputs:
-        raise RequestError(f"missing input '{name}': {what}")
-    t = _as_tensor(inputs, name, what)
-    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
-        raise RequestError(f"input '{name}' has dtype {t.dtype}; expected a float array: {what}")
-    if t.dim() not in ndims:
-        raise RequestError(f"input '{name}' has shape {tuple(t.shape)}; expected {what}")
-    return t.float()
-
-
-def _int(inputs: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
-    value = inputs.get(name, default)
-    return check_int(value, name, lo, hi)
-
-
-def _wants_preprocess(inputs: Mapping[str, Any], name: str) -> bool:
-    """`preprocess` if given (a bool), else on exactly when the frames arrive as a uint8 tensor or array."""
-    flag = inputs.get("preprocess")
-    if flag is not None:
-        if not isinstance(flag, bool):
-            raise RequestError(f"input 'preprocess' must be true or false, got {flag!r}")
-        return flag
-    dtype = getattr(inputs.get(name), "dtype", None)
-    return dtype == torch.uint8 or str(dtype) == "uint8"  # a torch tensor or a numpy array
-
-
-def _pixel_frames(inputs, name, cfg) -> torch.Tensor:
-    """Raw pixels (0..255) of any size, `[T, H, W, C]` or `[T, C, H, W]`, through the HF/upstream preprocessing."""
-    what = f"pixel frames (0..255) [T, H, W, {cfg.in_chans}] or [T, {cfg.in_chans}, H, W], any size"
-    if name not in inputs:
-        raise RequestError(f"missing input '{name}': {what}")
-    t = _as_tensor(inputs, name, what)
-    if t.dtype == torch.bool or t.is_complex() or t.dim() not in (3, 4) or t.numel() == 0:
-        raise RequestError(f"input '{name}' has shape {tuple(t.shape)} and dtype {t.dtype}; expected {what}")
-    if not t.is_floating_point():
-        if t.min() < 0 or t.max() > 255:
-            raise RequestError(f"input '{name}' has pixel values outside 0..255; expected {what}")
-        t = t.to(torch.uint8)
-    try:
-        return preprocess_video(t[None] if t.dim() == 3 else t, cfg.crop_size, cfg.in_chans)
-    except ValueError as exc:
-        raise RequestError(f"input '{name}': {exc}") from None
-
-
-def _frames(inputs, name, cfg) -> torch.Tensor:
-    if _wants_preprocess(inputs, name):
-        return _pixel_frames(inputs, name, cfg)
-    what = (f"float frames [T, {cfg.in_chans}, {cfg.crop_size}, {cfg.crop_size}] (or pixel frames of any size "
-            "with 'preprocess': true)")
-    t = _tensor(inputs, name, (3, 4), what)
-    t = t[None] if t.dim() == 3 else t
-    if tuple(t.shape[1:]) != (cfg.in_chans, cfg.crop_size, cfg.crop_size) or t.shape[0] < 1:
-        raise RequestError(f"input '{name}' has shape {tuple(t.shape)}; expected {what}")
-    return t
-
-
-def _pick_walk(inputs, graph: Graph, default: str) -> str:
-    walk = inputs.get("walk", default)
-    if walk not in graph.walks:
-        raise RequestError(f"input 'walk' must be one of {sorted(graph.walks)}, got {walk!r}")
-    return walk
 
 
 # -- vjepa2: HF encoder + masked predictor -------------------------------------------------------
@@ -146,20 +67,8 @@ def load_vjepa2(options: LoadOptions) -> LoadedModel:
     graph = _hf_graph(model)
     cfg = model.cfg
 
-    def prepare(inputs: Mapping[str, Any]) -> dict[str, Any]:
-        env: dict[str, Any] = {"walk": _pick_walk(inputs, graph, "encode"), "video": _frames(inputs, "video", cfg)}
-        n = (max(env["video"].shape[0], cfg.tubelet_size) // cfg.tubelet_size) * cfg.grid_size**2
-        for name in ("context_mask", "target_mask"):
-            if name in inputs:
-                idx = _as_tensor(inputs, name, "a 1-D list of token indices")
-                if idx.dim() != 1 or idx.is_floating_point() or idx.numel() == 0 or idx.min() < 0 or idx.max() >= n:
-                    raise RequestError(f"input '{name}' must be a non-empty 1-D list of token indices in [0, {n})")
-                env[name] = idx.long()
-        if ("context_mask" in env) != ("target_mask" in env):
-            raise RequestError("pass both 'context_mask' and 'target_mask', or neither (full coverage)")
-        return env
-
-    return LoadedModel("vjepa2", graph, random_weights=random, prepare=prepare, extras={"config": cfg})
+    return LoadedModel("vjepa2", graph, random_weights=random, prepare=lambda inputs: request.prepare_hf(inputs, cfg),
+                       request_schema=request.hf_schema(), extras={"config": cfg})
 
 
 # -- vjepa2-ac: encoder + action-conditioned predictor --------------------------------------------
@@ -243,40 +152,10 @@ def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     # a page holds one time step (forked samples never share a partial page); every sample's step in one forward
     settings = {"ac_predictor": {"page_size": tps, "num_pages": 8 * pcfg.max_frames, "max_num_seqs": 512,
                                  "max_num_batched_tokens": 128 * tps, "enable_prefix_caching": False}}
-    return LoadedModel("vjepa2-ac", graph, random_weights=random, prepare=lambda raw: prepare_ac(raw, graph, ecfg, pcfg),
-                       engine_settings=settings, extras={"encoder_config": ecfg, "predictor_config": pcfg})
-
-
-def prepare_ac(inputs: Mapping[str, Any], graph: Graph, ecfg, pcfg) -> dict[str, Any]:
-    """Validate an AC request; the walk defaults to `plan` with a goal, `rollout` with actions, else `encode`."""
-    default = "plan" if "goal" in inputs else "rollout" if "actions" in inputs else "encode"
-    walk = _pick_walk(inputs, graph, default)
-    env: dict[str, Any] = {"walk": walk, "frames": _frames(inputs, "frames", ecfg)}
-    if walk == "encode":
-        return env
-    n_ctx = env["frames"].shape[0]
-    states = _tensor(inputs, "states", (1, 2), f"states [7] or [{n_ctx}, 7] (xyz, euler xyz, gripper)")
-    states = states[None] if states.dim() == 1 else states
-    if tuple(states.shape) != (n_ctx, 7):
-        raise RequestError(f"input 'states' has shape {tuple(states.shape)}; expected [{n_ctx}, 7], one per frame")
-    env["states"] = states
-    max_h = pcfg.max_frames - n_ctx + 1
-    if max_h < 1:
-        raise RequestError(f"input 'frames' has {n_ctx} frames; at most {pcfg.max_frames} fit the predictor's mask")
-    if walk == "rollout":
-        actions = _tensor(inputs, "actions", (2,), "actions [H, 7]")
-        if actions.shape[1] != 7 or not 1 <= actions.shape[0] <= max_h:
-            raise RequestError(f"input 'actions' has shape {tuple(actions.shape)}; expected [H, 7] with 1 <= H <= {max_h}")
-        env.update(actions=actions, horizon=actions.shape[0])
-        return env
-    env["goal"] = _frames(inputs, "goal", ecfg)[-1:]
-    env["horizon"] = _int(inputs, "horizon", 1, 1, max_h)
-    samples = _int(inputs, "samples", 64, 1, 4096)
-    env["cem"] = {"samples": samples, "topk": _int(inputs, "topk", min(10, samples), 1, samples),
-                  "iterations": _int(inputs, "iterations", 10, 1, 1000)}
-    env.update(samples=samples, iterations=env["cem"]["iterations"])
-    env["seed"] = check_seed(inputs.get("seed", 0))
-    return env
+    return LoadedModel("vjepa2-ac", graph, random_weights=random,
+                       prepare=lambda inputs: request.prepare_ac(inputs, ecfg, pcfg),
+                       request_schema=request.ac_schema(pcfg.max_frames), engine_settings=settings,
+                       extras={"encoder_config": ecfg, "predictor_config": pcfg})
 
 
 def _resolve(options: LoadOptions, preset_name: str, writer, marker: str):
@@ -289,7 +168,8 @@ def _resolve(options: LoadOptions, preset_name: str, writer, marker: str):
 
 
 SPECS = (
-    ModelSpec("vjepa2", load_vjepa2, presets=("tiny",), description="V-JEPA 2 video encoder + masked predictor"),
+    ModelSpec("vjepa2", load_vjepa2, presets=("tiny",), description="V-JEPA 2 video encoder + masked predictor",
+              example=request.HF_EXAMPLE),
     ModelSpec("vjepa2-ac", load_vjepa2_ac, presets=("tiny",),
-              description="V-JEPA 2-AC world model: cached rollouts and CEM planning"),
+              description="V-JEPA 2-AC world model: cached rollouts and CEM planning", example=request.AC_EXAMPLE),
 )
