@@ -1,0 +1,134 @@
+"""Qwen3-Omni as a Walk Graph: Thinker, Talker, code predictor and Code2Wav as concurrent partitions.
+
+```
+prefill:  thinker(prompt) -> first reply token
+decode:   thinker loop until a finish reason                             (text-only requests: nothing else)
+speak:    thinker loop until a finish reason
+            |-- next_token stream (1 token a chunk) --> talker fragment:
+            |     talker_prompt -> text_start
+            |     loop until the Talker's finish reason:
+            |       talker(step embeds) -> code 0, hidden
+            |       frame_seed -> code_predictor(label 'frame', reset) -> (G - 2) x code_predictor
+            |       frame_step -> frame codes, next step embeds (codec embeddings + text part)
+            |-- frame_step.codes (LeftContextChunkPolicy(25, 25)) --> code2wav -> audio
+```
+
+The plan picks `["prefill", "decode"]` or `["prefill", "speak"]`, so text-only requests never touch the
+Talker. The Talker's fragment starts with the walk and waits on the Thinker's stream, so it speaks
+while the Thinker writes; Code2Wav decodes each window as soon as 25 new frames exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mstar_kvcache.walks import decode_iterations
+
+from mstar_core.graph import (
+    Copy,
+    DynamicLoop,
+    Graph,
+    GraphNode,
+    Loop,
+    NodeCall,
+    Sequential,
+    StreamingGraphEdge,
+    Walk,
+)
+from mstar_core.streaming import FixedChunkPolicy, LeftContextChunkPolicy
+from mstar_qwen_omni.checkpoint import QwenOmni
+from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, TalkerPrompt, TextStart
+
+CHUNK_FRAMES, LEFT_FRAMES = 25, 25
+#: An env name nothing ever supplies: binds the code predictor's port a call must not take (ids vs embeddings).
+UNSET = "unset"
+
+
+def _finished(env: Mapping[str, Any]) -> bool:
+    return env.get("finish_reason") is not None
+
+
+def _talker_done(env: Mapping[str, Any]) -> bool:
+    return env.get("talker_finish") is not None
+
+
+def plan(env: Mapping[str, Any]) -> list[str]:
+    return ["prefill", "speak"] if env.get("speaker") is not None else ["prefill", "decode"]
+
+
+def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
+    groups = model.config.talker.num_code_groups
+    nodes = [
+        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling",),
+                  outputs=("next_token", "finish_reason"), engine="kvcache", module=lambda: model.thinker),
+    ]
+    walks = [
+        Walk(name="prefill",
+             body=NodeCall("thinker", inputs={"input_ids": "prompt_ids", "sampling": "sampling"}),
+             inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
+        Walk(name="decode",
+             body=_thinker_loop(),
+             inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
+    ]
+    if model.talker is not None:
+        nodes += [
+            GraphNode("talker", inputs=("input_embeds",), optional_inputs=("sampling",),
+                      outputs=("next_token", "finish_reason", "hidden"), engine="kvcache", module=lambda: model.talker),
+            GraphNode("code_predictor", inputs=(), optional_inputs=("input_ids", "input_embeds", "sampling"),
+                      outputs=("next_token",), engine="kvcache", module=lambda: model.talker.code_predictor),
+            GraphNode("talker_prompt", inputs=("prompt_ids", "first_token", "speaker"), outputs=("talker_in",),
+                      engine="function", module=lambda: TalkerPrompt(model)),
+            GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
+            GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
+                      module=lambda: FrameSeed(model)),
+            GraphNode("frame_step", inputs=("code0", "cp_first", "cp_rest", "text", "feed", "talker_finish"),
+                      outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model)),
+            GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
+                      module=lambda: Code2WavWindow(model)),
+        ]
+        walks.append(Walk(
+            name="speak",
+            body=_thinker_loop(),
+            inputs=("next_token", "prompt_ids", "speaker", "talker_sampling", "predictor_sampling", "talker_max_tokens"),
+            optional_inputs=("sampling", UNSET),
+            outputs=("next_token", "finish_reason", "audio"),
+            emit=("next_token", "codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
+            streams=(
+                StreamingGraphEdge("thinker.next_token", policy=FixedChunkPolicy(1), into="reply_text",
+                                   consumer=_talker_fragment(groups)),
+                StreamingGraphEdge("frame_step.codes", "code2wav.codes", LeftContextChunkPolicy(CHUNK_FRAMES, LEFT_FRAMES),
+                                   keep=lambda codes: codes is not None),
+            ),
+            description="the Thinker writes while the Talker speaks its tokens and Code2Wav decodes 25-frame windows",
+        ))
+    return Graph.build(name, nodes, walks, plan=plan)
+
+
+def _thinker_loop() -> DynamicLoop:
+    return DynamicLoop(body=NodeCall("thinker", inputs={"input_ids": "next_token", "sampling": "sampling"}),
+                       until=_finished, max_iters=decode_iterations("sampling"))
+
+
+def _talker_fragment(groups: int) -> Sequential:
+    frame = Sequential(
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling"},
+                 outputs={"next_token": "code0", "hidden": "talker_hidden", "finish_reason": "talker_finish"}),
+        NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
+        NodeCall("code_predictor", inputs={"input_embeds": "cp_seed", "input_ids": UNSET,
+                                           "sampling": "predictor_sampling"},
+                 outputs={"next_token": "cp_first"}, options={"cache_label": "frame", "reset": True}),
+        Copy(cp_token="cp_first", replace=True),
+        Loop(body=NodeCall("code_predictor", inputs={"input_ids": "cp_token", "input_embeds": UNSET,
+                                                     "sampling": "predictor_sampling"},
+                           outputs={"next_token": "cp_next"}, options={"cache_label": "frame"}),
+             iters=groups - 2, carry={"cp_next": "cp_token"}, accumulate={"cp_next": "cp_rest"}),
+        NodeCall("frame_step", inputs={"text": "reply_text"}, outputs={"step_embeds": "talker_in"}),
+    )
+    return Sequential(
+        NodeCall("talker_prompt", inputs={"first_token": "next_token"}),
+        NodeCall("text_start", inputs={"text": "reply_text"}),
+        DynamicLoop(body=frame, until=_talker_done, max_iters="talker_max_tokens"),
+    )

@@ -1,0 +1,49 @@
+"""`ModelSpec("qwen3-omni")`: a Qwen3-Omni checkpoint directory or the `tiny` preset -> `LoadedModel`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_qwen_omni.prepare import EXAMPLE
+
+PRESETS = ("tiny",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load(options: LoadOptions) -> LoadedModel:
+    from mstar_core.checkpoint import load_tokenizer
+    from mstar_qwen_omni.checkpoint import load_omni
+    from mstar_qwen_omni.graph import build_graph
+    from mstar_qwen_omni.prepare import Preparer
+    from mstar_qwen_omni.preset import ensure_tiny
+
+    if options.checkpoint and options.preset:
+        raise ConfigError("qwen3-omni: pass a checkpoint or a preset, not both")
+    if options.dtype is not None and options.dtype not in _DTYPES:
+        raise ConfigError(f"qwen3-omni: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
+    preset = None if options.checkpoint else (options.preset or "tiny")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"qwen3-omni: unknown preset {preset!r}; known: {list(PRESETS)}")
+    directory = Path(ensure_tiny() if preset else options.checkpoint)
+    model = load_omni(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+    if model.code2wav is not None and options.device != "meta":
+        model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
+    prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)
+    pages = {"num_pages": 512, "page_size": 16}
+    return LoadedModel(
+        name="qwen3-omni",
+        graph=build_graph(model),
+        random_weights=preset is not None,
+        prepare=prepare,
+        request_schema=prepare.schema,
+        engine_settings={"thinker": dict(pages), "talker": dict(pages), "code_predictor": dict(pages)},
+        extras={"model": model, "config": model.config, "tokenizer": prepare.tokenizer, "checkpoint": str(directory)},
+    )
+
+
+SPEC = ModelSpec(name="qwen3-omni", load=load, presets=PRESETS, example=EXAMPLE,
+                 description="Qwen3-Omni: MoE Thinker writes while the Talker, code predictor and Code2Wav speak")

@@ -1,0 +1,96 @@
+"""The `function` / `stateless` glue between the three partitions (cheap, per request).
+
+- `TalkerPrompt`: the Talker's prefill embeddings (see `reference.talker_prompt`).
+- `FrameSeed`: [Talker hidden, embed(code 0)], the code predictor's first input each frame.
+- `TextStart` / `FrameStep`: the text side of each Talker step, reading the Thinker's token stream one
+  token ahead (a token is spoken only once a later one shows it was fed back), and the frame's codes.
+- `Code2WavWindow`: one `LeftContextChunkPolicy` window of frames -> its new samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mstar_core.streaming import Chunk
+from mstar_qwen_omni.checkpoint import QwenOmni
+from mstar_qwen_omni.reference import talker_prompt
+
+#: Feed states carried between Talker steps: the held token id, or one of these.
+NOTHING, ENDED = -1, -2
+
+
+class TalkerPrompt:
+    def __init__(self, model: QwenOmni):
+        self.model = model
+
+    def __call__(self, prompt_ids: list[int], first_token: int, speaker: str) -> torch.Tensor:
+        with torch.no_grad():
+            return talker_prompt(self.model, prompt_ids, int(first_token), speaker)
+
+
+class FrameSeed:
+    def __init__(self, model: QwenOmni):
+        self.talker = model.talker
+
+    def __call__(self, hidden: torch.Tensor, code0: int) -> torch.Tensor:
+        with torch.no_grad():
+            code = torch.tensor([int(code0)], device=hidden.device)
+            return torch.cat([hidden.view(1, -1), self.talker.embed(code).to(hidden.dtype)])
+
+
+def _first(chunk: Chunk) -> int:
+    return int(chunk.new_items[0]) if chunk.new_items else NOTHING
+
+
+class TextStart:
+    """The first reply token after the one in the prompt, or NOTHING when the Thinker stopped already."""
+
+    def __call__(self, text: Chunk) -> int:
+        return _first(text)
+
+
+class FrameStep:
+    """Frame k's codes (None past the end) and the Talker's next input: its codec embeddings plus the text part."""
+
+    def __init__(self, model: QwenOmni):
+        cfg = model.config
+        self.talker, self.thinker = model.talker, model.thinker
+        self.codebook = model.talker.code_predictor.codebook
+        self.pad_id, self.eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
+
+    def _text(self, held: int, text: Chunk) -> tuple[int, int]:
+        """(token to speak now, next feed state): the held token once a later one arrived, tts_eos at the end."""
+        if held == ENDED:
+            return self.pad_id, ENDED
+        later = _first(text)
+        if later == NOTHING:  # the stream ended: the held token was the last one sampled, never fed back
+            return self.eos_id, ENDED
+        return held, later
+
+    def __call__(self, code0: int, cp_first: int, cp_rest: list[int], text: Chunk, feed: int,
+                 talker_finish: str | None) -> dict[str, Any]:
+        joined = [int(cp_first), *(int(t) for t in cp_rest)]
+        with torch.no_grad():
+            device = self.talker.codec_head.weight.device
+            spoken, feed = self._text(int(feed), text)
+            step = (self.talker.embed(torch.tensor(int(code0), device=device))
+                    + self.talker.code_predictor.embed(torch.tensor(joined, device=device)).sum(0)
+                    + self.talker.text_projection(self.thinker.embed(torch.tensor(spoken, device=device))))
+        # the last sampled code 0 (EOS, or the one at the length limit) gets no frame
+        codes = None if talker_finish is not None else torch.tensor([int(code0), *(j % self.codebook for j in joined)])
+        return {"codes": codes, "step_embeds": step[None], "feed": feed}
+
+
+class Code2WavWindow:
+    """A window of frames (context first) -> the new frames' samples `[n]` (fp32)."""
+
+    def __init__(self, model: QwenOmni):
+        self.code2wav = model.code2wav
+
+    def __call__(self, codes: Chunk) -> torch.Tensor:
+        frames = torch.stack(list(codes.items), dim=1)[None]  # [1, Q, frames]
+        with torch.inference_mode():
+            wav = self.code2wav.decode_window(frames.to(self.code2wav.code_embedding.weight.device), codes.num_context)
+        return wav[0, 0].float()
