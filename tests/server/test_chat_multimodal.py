@@ -18,6 +18,8 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai import OpenAI
 from PIL import Image
 
@@ -326,6 +328,42 @@ def test_stored_audio_references_are_refused(srv):
         {"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_1"}},
         {"role": "user", "content": "again"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].audio"
+
+
+# --- fuzz: whatever the parts hold, the answer is a 2xx or a 4xx, never a 5xx --------------------------------
+
+_junk = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                     max_leaves=5)
+_b64 = st.binary(max_size=96).map(lambda b: base64.b64encode(b).decode())
+_urls = st.one_of(st.sampled_from([png_uri(IMAGE), "http://[bad", "https://x/../y", "data:", "data:image/png;base64,",
+                                   "data:image/gif;base64,R0lGODlh", "data:;base64,aGk="]),
+                  _b64.map(lambda b: "data:image/png;base64," + b), st.text(max_size=12), _junk)
+_parts = st.one_of(
+    st.fixed_dictionaries({"type": st.just("image_url"),
+                           "image_url": st.one_of(st.fixed_dictionaries({"url": _urls}, optional={"detail": _junk}),
+                                                  _junk)}),
+    st.fixed_dictionaries({"type": st.just("input_audio"),
+                           "input_audio": st.one_of(st.fixed_dictionaries(
+                               {"data": st.one_of(_b64, st.just(wav_b64(PCM[:16])), _junk),
+                                "format": st.one_of(st.sampled_from(["wav", "mp3", "flac"]), _junk)}), _junk)}),
+    st.fixed_dictionaries({"type": st.one_of(st.text(max_size=10), _junk)}, optional={"text": _junk}),
+)
+_audio = st.one_of(_junk, st.fixed_dictionaries({"voice": st.one_of(st.sampled_from(["alto", "x"]), _junk),
+                                                 "format": st.one_of(st.sampled_from(["wav", "opus"]), _junk)}))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(model=st.sampled_from(["fixture-media", "fixture-talker", "toy-chat"]),
+       parts=st.lists(_parts, max_size=3), modalities=st.one_of(st.none(), st.just(["text", "audio"]), _junk),
+       audio=st.one_of(st.none(), _audio), stream=st.booleans())
+def test_parts_fuzz_never_5xx(srv, model, parts, modalities, audio, stream):
+    body = {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 4, "stream": stream}
+    body.update({k: v for k, v in (("modalities", modalities), ("audio", audio)) if v is not None})
+    r = post(srv, body)
+    assert r.status_code < 500, r.text
+    if stream and r.status_code == 200:
+        assert '"error"' not in r.text and r.text.rstrip().endswith("data: [DONE]")
 
 
 # --- units ---------------------------------------------------------------------------------------------------
