@@ -25,7 +25,7 @@ from mstar_core.graph.walk import iter_walk_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
-from mstar_core.runtime.engine import Engine, EngineContext
+from mstar_core.runtime.engine import Engine, EngineContext, build_order
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
 
@@ -235,15 +235,14 @@ class AsyncEngine:
     def _build_engines(
         self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]], only: set[str] | None = None
     ) -> dict[str, Engine]:
-        engines = {}
-        for node in loaded.graph.nodes.values():
-            if only is not None and node.name not in only:
-                continue
+        engines: dict[str, Engine] = {}
+        for name in build_order(loaded.graph, loaded.graph.nodes if only is None else only):
+            node = loaded.graph.nodes[name]
             engine_cls = self.registry.engines.get(node.engine)
             merged = {**loaded.engine_settings.get(node.name, {}), **settings.get(node.name, {})}
             # settings the runtime consumes are not the engine's (engines check theirs strictly)
             runtime_settings = {key: merged.pop(key) for key in RUNTIME_SETTINGS if key in merged}
-            context = EngineContext(self.worker, self.device, merged, self.registry)
+            context = EngineContext(self.worker, self.device, merged, self.registry, peers=dict(engines))
             module = node.module() if node.module is not None else None
             engines[node.name] = engine = engine_cls(node, module, context)
             engine.own_thread = bool(runtime_settings.get("own_thread", False))

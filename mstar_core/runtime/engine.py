@@ -15,7 +15,7 @@ failing every request in it; `step()` raising fails everything the engine holds.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -51,12 +51,44 @@ Result = tuple[Invocation, "dict[str, Any] | BaseException"]
 
 @attrs.frozen
 class EngineContext:
-    """What a worker tells an engine about where it runs."""
+    """What a worker tells an engine about where it runs.
+
+    `peers` are the engines of the same model this process built before this one, by node name
+    (`build_order`: a node another node's option names, e.g. `share_cache_with`, is built first).
+    That is how engines share state the runtime owns nothing of: a KV-cache reader adopts its
+    partner's page pool, which lives with the partner.
+    """
 
     worker: str
     device: torch.device
     settings: Mapping[str, Any]
     registry: Registry | None = None
+    peers: Mapping[str, Engine] = attrs.field(factory=dict, eq=False)
+
+
+def build_order(graph: Any, names: Iterable[str]) -> list[str]:
+    """`names` in graph order, except that a node named by another's node-ref option comes before it."""
+    from mstar_core.graph.options import node_ref_options
+
+    todo = [n for n in graph.nodes if n in set(names)]
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in order or name not in todo:
+            return
+        if name in path:  # a cycle of references: graph order decides (the engines report what they miss)
+            return
+        node = graph.nodes[name]
+        for option in sorted(node_ref_options(node.engine)):
+            ref = node.options.get(option)
+            if isinstance(ref, str):
+                visit(ref, (*path, name))
+        if name not in order:
+            order.append(name)
+
+    for name in todo:
+        visit(name, ())
+    return order
 
 
 class Engine(abc.ABC):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mstar_core.errors import GraphValidationError, ModelLoadError
 from mstar_core.graph import Graph, GraphNode, NodeCall, Sequential, Walk
-from mstar_core.runtime.engine import EngineContext, Invocation
+from mstar_core.runtime.engine import EngineContext, Invocation, build_order
 from tests.engines.paged_tiny import TinyNode, drain
 
 PREFIX, SUFFIX = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34]
@@ -29,8 +29,11 @@ def _graph(expert_kv_heads: int = 2, share: str = "vlm") -> tuple[Graph, dict]:
 def _engines(graph: Graph, modules: dict, worker: str = "w0") -> dict:
     from mstar_kvcache import KVCacheEngine
 
-    ctx = EngineContext(worker, torch.device("cpu"), {"page_size": 4, "num_pages": 32})
-    return {name: KVCacheEngine(node, modules[name], ctx) for name, node in graph.nodes.items()}
+    engines = {}
+    for name in build_order(graph, graph.nodes):  # the owner of the pool first, as the runtime builds them
+        ctx = EngineContext(worker, torch.device("cpu"), {"page_size": 4, "num_pages": 32}, peers=dict(engines))
+        engines[name] = KVCacheEngine(graph.nodes[name], modules[name], ctx)
+    return engines
 
 
 class _Record:
@@ -99,3 +102,36 @@ def test_a_missing_label_of_the_partner_fails_the_call():
     engines["expert"].add(Invocation("r", "expert", {"input_ids": SUFFIX}, {"write_cache": False}))
     (inv, res), = engines["expert"].step()
     assert "holds no cache label" in str(res)
+
+
+def test_the_runtime_builds_the_owner_first_and_each_load_gets_its_own_pool():
+    from mstar_core.model import LoadedModel
+    from mstar_core.runtime import AsyncEngine
+
+    graph, modules = _graph()
+    # the reader listed first: the runtime still builds the pool's owner ('vlm') before it
+    graph = Graph.build("pi-tiny", [graph.nodes["expert"], graph.nodes["vlm"]], list(graph.walks.values()))
+    assert build_order(graph, graph.nodes) == ["vlm", "expert"]
+
+    async def go():
+        async with AsyncEngine() as engine:
+            for alias in ("a", "b"):
+                await engine.add_model(LoadedModel("pi-tiny", graph), alias=alias)
+            a, b = engine.node_engines("a"), engine.node_engines("b")
+            assert a["expert"].pool is a["vlm"].pool and b["expert"].pool is b["vlm"].pool
+            assert a["vlm"].pool is not b["vlm"].pool  # the same model loaded twice shares nothing
+            out = await engine.submit("a", {"prefix": PREFIX, "suffix": SUFFIX}).result()
+            assert out["velocity"].shape[0] == len(SUFFIX) and a["vlm"].pool.num_used == 0
+
+    import asyncio
+
+    asyncio.run(go())
+
+
+def test_a_reader_without_its_owner_in_the_process_fails_at_load():
+    from mstar_kvcache import KVCacheEngine
+
+    graph, modules = _graph()
+    ctx = EngineContext("w0", torch.device("cpu"), {"page_size": 4, "num_pages": 32})
+    with pytest.raises(ModelLoadError, match="node 'expert'.*shares the KV cache of node 'vlm', which is not built"):
+        KVCacheEngine(graph.nodes["expert"], modules["expert"], ctx)

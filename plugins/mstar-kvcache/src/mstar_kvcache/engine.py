@@ -20,7 +20,7 @@ from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sampler import Sampled, sample
 from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
-from mstar_kvcache.sharing import join_group
+from mstar_kvcache.sharing import cache_owner
 from mstar_kvcache.transfer import CacheTransfer
 
 declare_call_options("kvcache", OPTIONS, node_refs=("share_cache_with",))
@@ -63,18 +63,14 @@ class KVCacheEngine(CacheTransfer, Engine):
         self.routed = "routing" in node.all_inputs
         self.extra_outputs = [o for o in node.outputs if o not in BUILTIN_OUTPUTS]
         self.share_with = node.options.get("share_cache_with")
-
-        def make_pool() -> PagePool:
-            pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
-            return PagePool(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
-
-        self.group = None
-        if getattr(node, "graph", None) is not None:  # a graph's node may share its pool (see sharing.py)
-            owner = self.share_with or node.name
-            self.group = join_group(self, owner, (layers, kv_heads, head_dim, dtype), make_pool)
-            self.pool = self.group.pool
+        self.kv_shape = (layers, kv_heads, head_dim, dtype)
+        # a reader of another node's labels uses that node's pool (see sharing.py); every other node owns its own
+        self.partner = None if self.share_with is None else cache_owner(self, self.share_with, self.kv_shape)
+        if self.partner is not None:
+            self.pool = self.partner.pool
         else:
-            self.pool = make_pool()
+            pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
+            self.pool = PagePool(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
@@ -313,13 +309,7 @@ class KVCacheEngine(CacheTransfer, Engine):
 
     def _label(self, request_id: str, label: str) -> Sequence | None:
         """A label read-only calls attend to: this node's, or with `share_cache_with` the partner node's."""
-        if self.share_with is None:
-            return self.seqs.get((request_id, label))
-        partner = self.group.engines.get(self.share_with) if self.group is not None else None
-        if partner is None:
-            raise RequestError(f"node '{self.node.name}': it reads the cache of node '{self.share_with}', "
-                               "which no engine of this process serves; place both nodes on one worker")
-        return partner.seqs.get((request_id, label))
+        return (self.seqs if self.partner is None else self.partner.seqs).get((request_id, label))
 
     def _attach_readers(self) -> None:
         """Attach waiting read-only calls whose labels are all cached (holding references to their pages)."""

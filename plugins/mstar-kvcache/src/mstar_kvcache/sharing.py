@@ -1,59 +1,31 @@
-"""Pages shared across nodes: engines of one model in one process whose nodes share a KV pool.
+"""Pages shared across nodes: a node reading, read-only, the labels another node of its model wrote.
 
-A node with the option `share_cache_with: 'vlm'` reads, read-only, the labels node `vlm` wrote for
-the same request (pi0.5's action expert attends to the VLM prefix layer by layer). Both engines
-then use one `PagePool`, so a reader holds plain page references into it and no KV is copied.
-
-The runtime builds engines one node at a time and gives each only its node, so the engines find
-each other here: a registry keyed by (model, worker, device, owner node) inside this plugin. The
-first engine of the group to be built creates the pool, the others adopt it once their KV shape
-(layers, KV heads, head dim, dtype) is checked against it. (The runtime could instead build one
-pool per group and hand it to each engine; then this registry goes away.)
+A node with the option `share_cache_with: 'vlm'` reads the labels node `vlm` wrote for the same
+request (pi0.5's action expert attends to the VLM prefix layer by layer). The pool lives with the
+owner, `vlm`'s engine: the runtime builds it first and hands it to the reader's engine
+(`EngineContext.peers`), which adopts the owner's pool once their KV shapes agree, so the reader
+holds plain page references into it and no KV is copied.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 from mstar_core.errors import ModelLoadError
-from mstar_kvcache.pool import PagePool
+
+_SHAPE = ("layers", "kv_heads", "head_dim", "dtype")
 
 
-class CacheGroup:
-    """One pool and the engines (by node name) that share it."""
-
-    def __init__(self, pool: PagePool, shape: tuple[Any, ...], owner_node: str):
-        self.pool = pool
-        self.shape = shape
-        self.owner_node = owner_node
-        self.engines: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-
-_GROUPS: weakref.WeakValueDictionary[tuple[Any, ...], CacheGroup] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
-
-
-def join_group(engine: Any, owner: str, shape: tuple[Any, ...], make_pool: Any) -> CacheGroup:
-    """The group of `owner`'s pool for `engine` (created with `make_pool()` if this is the first member)."""
-    node = engine.node
-    key = (node.graph, engine.context.worker, str(engine.device), owner)
-    with _LOCK:
-        group = _GROUPS.get(key)
-        if group is None:
-            group = CacheGroup(make_pool(), shape, owner)
-            _GROUPS[key] = group
-        elif group.shape != shape:
-            names = ("layers", "kv_heads", "head_dim", "dtype")
-            diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(names, shape, group.shape, strict=True) if a != b)
-            raise ModelLoadError(
-                f"node '{node.name}' (engine 'kvcache') shares the KV cache of node '{owner}', but their KV shapes "
-                f"differ ({diff}); only nodes with equal layer count, KV heads, head dim and dtype can share pages"
-            )
-        if node.name in group.engines and group.engines[node.name] is not engine:
-            # the same model loaded again in this process: this load gets a group of its own
-            group = CacheGroup(make_pool(), shape, owner)
-            _GROUPS[key] = group
-        group.engines[node.name] = engine
-        return group
+def cache_owner(engine: Any, owner: str, shape: tuple[Any, ...]) -> Any:
+    """The engine of node `owner`, whose pool `engine` (a reader of its labels, of KV shape `shape`) adopts."""
+    partner = engine.context.peers.get(owner)
+    name = engine.node.name
+    if partner is None:
+        raise ModelLoadError(f"node '{name}' (engine 'kvcache') shares the KV cache of node '{owner}', which is not "
+                             "built in this process; place both nodes in the same process (or worker)")
+    if partner.kv_shape != shape:
+        diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(_SHAPE, shape, partner.kv_shape, strict=True) if a != b)
+        raise ModelLoadError(f"node '{name}' (engine 'kvcache') shares the KV cache of node '{owner}', but their KV "
+                             f"shapes differ ({diff}); only nodes with equal layer count, KV heads, head dim and "
+                             "dtype can share pages")
+    return partner
