@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from mstar_core.api.media import ChatTurn, MediaLimits
+from mstar_core.api.media import ChatTurn, MediaLimits, decode_messages
 from mstar_core.errors import RequestError
 
 ROUTES = frozenset({"speech", "chat", "completions", "images"})
@@ -87,6 +87,12 @@ class ApiAdapter:
 
     def chat_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Turn a validated chat body (`messages`, sampling fields) into the model's raw inputs."""
+        typed = getattr(self.chat_message_inputs, "__func__", None)
+        if typed is not None and typed is not ApiAdapter.chat_message_inputs:
+            # an adapter written against typed parts serves bodies given directly too (`mstar run --prompt`)
+            limits = (getattr(self, "media_limits", None) or MediaLimits()).with_env()
+            accepts = frozenset(getattr(self, "chat_media", ()) or ())
+            return self.chat_message_inputs(body, decode_messages(body["messages"], accepts, self.model, limits))
         raise RequestError(f"model '{self.model}' does not serve /v1/chat/completions", status=404)
 
     #: Content-part modalities the model takes in chat besides text: "image" (`image_url`), "audio" (`input_audio`).

@@ -47,6 +47,10 @@ class TokenizerChatAdapter(ApiAdapter):
         self.eos_ids = {int(t) for t in extras.get("eos_token_ids", ()) or ()}
         self.routes = {"chat", "completions"} if extras.get("chat_template") is not None else {"completions"}
 
+    def sampling_inputs(self, body: Mapping[str, Any], route: str = "chat") -> dict[str, Any]:
+        """The sampling fields the client set (a 400 for fields neither the route nor sampling knows)."""
+        return self._sampling(body, route)
+
     def _sampling(self, body: Mapping[str, Any], route: str) -> dict[str, Any]:
         unknown = sorted(k for k, v in body.items()
                          if v is not None and k not in ROUTE_FIELDS[route] and k not in SAMPLING_FIELDS)

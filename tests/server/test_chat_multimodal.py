@@ -400,3 +400,12 @@ def test_resample_keeps_a_tone(src, dst):
     high = resample(np.sin(2 * np.pi * 15000 * t).astype(np.float32), src, dst) if src > 30000 else None
     if high is not None:  # above the new Nyquist: filtered out, not folded back as a 1 kHz alias
         assert np.abs(high[200:-200]).max() < 0.02
+
+
+def test_typed_adapter_serves_plain_bodies_too():
+    from mstar_fixture_plugin.chat_models import MediaAdapter, TalkerAdapter
+
+    body = {"messages": [{"role": "developer", "content": "sys"}, {"role": "user", "content": "hey"}], "max_tokens": 3}
+    assert MediaAdapter().chat_inputs(body) == {"items": [("text", "sys"), ("text", "hey")], "max_tokens": 3}
+    assert TalkerAdapter().chat_inputs(body) == {"text": "hey", "max_tokens": 3, "voice": None}
+
