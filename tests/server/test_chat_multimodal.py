@@ -409,3 +409,40 @@ def test_typed_adapter_serves_plain_bodies_too():
     assert MediaAdapter().chat_inputs(body) == {"items": [("text", "sys"), ("text", "hey")], "max_tokens": 3}
     assert TalkerAdapter().chat_inputs(body) == {"text": "hey", "max_tokens": 3, "voice": None}
 
+
+def test_transcript_from_the_final_env_and_a_buffered_wav():
+    from types import SimpleNamespace
+
+    from mstar_core.api.adapters import to_int16_pcm
+    from mstar_core.api.chat_audio import AudioReply
+
+    adapter = SimpleNamespace(chat_audio_output="wave", chat_transcript_output="said", sample_rate=8000,
+                              audio_chunk=to_int16_pcm)
+    reply = AudioReply(adapter, "wav", stream=False)
+    assert reply.feed(SimpleNamespace(name="wave", value=np.array([0.5, -0.5], np.float32))) == ""
+    assert reply.feed(SimpleNamespace(name="next_token", value=3)) is None  # not the reply's: the text's
+    assert reply.take() == b""  # a WAV with exact sizes needs the whole signal
+    assert reply.finish({"said": ["he", "llo"]}) == "hello" and reply.transcript == "hello"
+    samples, rate = soundfile.read(io.BytesIO(reply.take()), dtype="int16")
+    assert rate == 8000 and samples.tolist() == [16384, -16384]
+
+
+def test_image_decoding_details():
+    from mstar_core.api.media import decode_image
+    from mstar_core.errors import RequestError
+
+    limits = MediaLimits()
+    frames = [Image.fromarray(np.full((4, 4, 3), v, np.uint8)) for v in (0, 255)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
+    with pytest.raises(RequestError, match="animation"):
+        decode_image(buf.getvalue(), "f", limits)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: the camera was turned; the pixels are stored sideways
+    buf = io.BytesIO()
+    Image.fromarray(IMAGE).save(buf, format="JPEG", exif=exif)
+    assert decode_image(buf.getvalue(), "f", limits).size == (24, 32)  # upright: width and height swapped
+    buf = io.BytesIO()
+    Image.fromarray(IMAGE[..., 0]).save(buf, format="PNG")  # greyscale comes out RGB
+    assert decode_image(buf.getvalue(), "f", limits).mode == "RGB"
+
