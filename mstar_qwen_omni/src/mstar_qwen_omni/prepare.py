@@ -57,6 +57,8 @@ class Preparer:
                 RequestField("talker_top_k", "integer", "Talker top-k", default=50, minimum=0),
                 RequestField("talker_repetition_penalty", "number", "Talker repetition penalty on code 0",
                              default=1.05, exclusive_minimum=0),
+                RequestField("ignore_eos", "boolean", "fixed lengths: the Thinker writes max_tokens tokens and the Talker "
+                             "talker_max_tokens frames, past their end tokens (benchmarks)", default=False),
                 *(sampling_field(name) for name in SAMPLING),
             ),
             exactly_one_of=(("messages", "prompt_ids"),),
@@ -72,7 +74,8 @@ class Preparer:
         cfg = self.cfg
         ids = list(inputs["prompt_ids"]) if inputs.get("prompt_ids") is not None else self.prompt_ids(inputs["messages"])
         fields = {k: inputs[k] for k in SAMPLING if inputs.get(k) is not None}
-        sampling = SamplingParams(**{"stop_token_ids": (cfg.im_end_token_id,), **fields})
+        ignore_eos = bool(inputs.get("ignore_eos"))
+        sampling = SamplingParams(**{"stop_token_ids": () if ignore_eos else (cfg.im_end_token_id,), **fields})
         env: dict[str, Any] = {"prompt_ids": ids, "sampling": sampling.check_vocab(cfg.thinker.text.vocab_size)}
         speaker = inputs.get("speaker")
         if speaker is None:
@@ -89,7 +92,9 @@ class Preparer:
             talker_sampling=SamplingParams(
                 temperature=inputs["talker_temperature"], top_k=0 if greedy else inputs["talker_top_k"],
                 repetition_penalty=inputs["talker_repetition_penalty"], max_tokens=int(inputs["talker_max_tokens"]),
-                stop_token_ids=(tc.codec_eos_token_id,), seed=inputs.get("seed")),
+                stop_token_ids=() if ignore_eos else (tc.codec_eos_token_id,), seed=inputs.get("seed"),
+                # ignoring EOS: never sample it (it is no codebook entry Code2Wav could decode)
+                logit_bias=((tc.codec_eos_token_id, -100.0),) if ignore_eos else ()),
             predictor_sampling=SamplingParams(
                 temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 50, top_p=1.0 if greedy else 0.8,
                 max_tokens=1 << 30, seed=inputs.get("seed")),
