@@ -139,7 +139,7 @@ def test_every_page_is_free_after_normal_end_error_and_cancellation():
             if gen.num_steps >= 3:
                 break
             await asyncio.sleep(0.005)
-        used = gen.group.pool.num_used if gen.group is not None else None
+        used = gen.pool.num_used
         handles[1].cancel()
         return used
 

@@ -80,7 +80,13 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
 
 
 def write_tiny(directory: Path, seed: int = 0) -> Path:
-    cfg = BagelConfig.from_dicts(TINY_TOP, TINY_LLM, TINY_VIT)
+    return write_preset(directory, TINY_TOP, TINY_LLM, TINY_VIT, seed)
+
+
+def write_preset(directory: Path, top: dict, llm: dict, vit: dict, seed: int = 0) -> Path:
+    """Seeded random weights of the given sizes, written in the published layout (presets, benchmarks)."""
+    directory = Path(directory)
+    cfg = BagelConfig.from_dicts(top, llm, vit)
     generator = torch.Generator().manual_seed(seed)
     bagel, vae = Bagel(cfg), FluxAutoEncoder(cfg.vae)
     _randomize(bagel, generator)
@@ -89,7 +95,7 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
         state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
         save_file(state, str(directory / name), metadata={"format": "pt"})
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
-    for name, content in (("llm_config.json", TINY_LLM), ("vit_config.json", TINY_VIT), ("config.json", TINY_TOP)):
+    for name, content in (("llm_config.json", llm), ("vit_config.json", vit), ("config.json", top)):
         (directory / name).write_text(json.dumps(content, indent=2))
     return directory
 

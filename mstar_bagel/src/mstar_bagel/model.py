@@ -18,6 +18,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 EXAMPLE = {"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3}
 
 
+def engine_settings(cfg) -> dict:
+    """Room for every request's KV, and a token budget that lets 4 requests' 3 CFG branches share one forward.
+
+    A latent block is bidirectional, so it is never split across steps: under a smaller budget the
+    branches would run one per forward.
+    """
+    block = cfg.max_latent_size**2 + 2
+    pages = max(512, 8 * 2 * (2 * block + 1024) // 16)
+    return {"llm": {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": max(2048, block)},
+            "llm_gen": {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": max(512, 4 * 3 * block)}}
+
+
 def load(options: LoadOptions) -> LoadedModel:
     if options.checkpoint and options.preset:
         raise ConfigError("bagel: pass a checkpoint or a preset, not both")
@@ -36,7 +48,7 @@ def load(options: LoadOptions) -> LoadedModel:
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,
-        engine_settings={"llm": {"num_pages": 512, "page_size": 16}, "llm_gen": {"num_pages": 512, "page_size": 16}},
+        engine_settings=engine_settings(bagel.config),
         extras={"bagel": bagel, "vae": vae, "config": bagel.config, "tokenizer": tokenizer, "checkpoint": str(directory),
                 "special_ids": prepare.ids},
     )

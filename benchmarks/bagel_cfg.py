@@ -1,0 +1,162 @@
+"""BAGEL classifier-free guidance: M*'s label forks + read-only steps + batched branches vs upstream-style dense CFG.
+
+Both sides run the same weights in the same process on the same requests:
+
+- M*: `mstar_bagel` served through AsyncEngine. The three cache labels share pages copy-on-write
+  (`cfg_text` is a snapshot of `main`), every flow step's CFG branches are read-only calls on the shared
+  `kvcache` engine, batched into one forward (and with other requests' branches at c=4).
+- baseline (upstream BAGEL's structure, `mstar_bagel.reference`): each label's cache a dense deep copy, each
+  branch its own forward per step, each step concatenating the branch's cached keys/values with its own;
+  requests one after another (no cross-request batching).
+
+Shape (full): LLM hidden 512, 8 layers; 256 output latent tokens; edit with a 256-token VAE image and a
+256-token ViT image; 49 Euler steps (t2i: text CFG 4 in (0.4, 1]; edit: text 4, image 2 in [0, 1]).
+`--quick` (< 60 s on 2 cores): 2 layers, 2 steps, one run per side. Latency p50 per request at c=1 and c=4 (closed batch:
+all c requests start together). `edit_kv_bytes_ratio`: peak KV bytes of one edit request, M* over baseline.
+Prints one final JSON line.
+
+    python benchmarks/bagel_cfg.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from mstar_bagel.checkpoint import write_preset
+
+from mstar_bagel import reference
+from mstar_core.model import LoadOptions
+from mstar_core.runtime import AsyncEngine
+
+
+def sizes(quick: bool) -> tuple[dict, dict, dict]:
+    llm = {"model_type": "qwen2", "hidden_size": 512, "num_hidden_layers": 2 if quick else 8,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1376, "vocab_size": 1024,
+           "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "hidden_act": "silu",
+           "qk_norm": True, "tie_word_embeddings": False, "layer_module": "Qwen2MoTDecoderLayer"}
+    vit = {"model_type": "siglip_vision_model", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "image_size": 224, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh"}
+    # 16x16 latent tokens: a 64x64 image through a 2x VAE and 2x2 latent patches; the ViT sees 16x16 patches of 224px
+    top = {"latent_patch_size": 2, "max_latent_size": 16, "vit_max_num_patch_per_side": 16, "timestep_shift": 3.0,
+           "num_timesteps": 50, "mstar_vae": {"ch": 32, "ch_mult": [1, 2], "z_channels": 16, "norm_groups": 8}}
+    return top, llm, vit
+
+
+def requests(task: str, count: int, steps: int) -> list[dict]:
+    out = []
+    for i in range(count):
+        req = {"task": task, "prompt": f"a small red fox sitting in fresh snow, picture {i}", "num_steps": steps,
+               "seed": 10 + i}
+        if task == "edit":
+            g = torch.Generator().manual_seed(i)
+            req["image"] = torch.randint(0, 256, (224, 224, 3), dtype=torch.uint8, generator=g)
+        else:
+            req.update(width=64, height=64)
+        out.append(req)
+    return out
+
+
+async def mstar_latencies(engine: AsyncEngine, reqs: list[dict]) -> list[float]:
+    start = time.perf_counter()
+    handles = [engine.submit("bagel", r) for r in reqs]
+
+    async def done(h):
+        await h.result()
+        return time.perf_counter() - start
+
+    return list(await asyncio.gather(*(done(h) for h in handles)))
+
+
+def baseline_one(loaded, env: dict, seed: int) -> torch.Tensor:
+    bagel, vae, ids = loaded.extras["bagel"], loaded.extras["vae"], loaded.extras["special_ids"]
+    prompt = env["prompt_ids"].tolist()
+    if env["walk"] == "edit":
+        labels = reference.edit_labels(bagel, vae, env["vae_pixels"], env["vit_pixels"], prompt, ids.boi, ids.eoi)
+    else:
+        labels = reference.t2i_labels(bagel, prompt)
+    rows, cols = env["latent_grid"]
+    x = reference.generate(bagel, labels, ids.boi, ids.eoi, rows, cols, num_steps=env["num_steps"], shift=env["shift"],
+                           seed=seed, text_scale=env["guidance_scale"], img_scale=env["image_guidance_scale"],
+                           interval=env["cfg_interval"], renorm=env["cfg_renorm"], floor=env["cfg_renorm_min"])
+    reference.decode(vae, x, rows, cols, bagel.config.latent_patch_size)
+    return labels
+
+
+def baseline_latencies(loaded, reqs: list[dict]) -> list[float]:
+    start, out = time.perf_counter(), []
+    for r in reqs:  # upstream serves one request at a time
+        baseline_one(loaded, loaded.prepare_inputs(r), r["seed"])
+        out.append(time.perf_counter() - start)
+    return out
+
+
+async def peak_pages(engine: AsyncEngine, req: dict) -> int:
+    pool = engine.node_engines("bagel")["llm"].pool
+    handle = engine.submit("bagel", req)
+    peak = 0
+    while not handle.done:
+        peak = max(peak, pool.num_used)
+        await asyncio.sleep(0)
+    await handle.result()
+    return peak
+
+
+async def run(args) -> dict:
+    steps = args.steps or (2 if args.quick else 49)
+    top, llm, vit = sizes(args.quick)
+    results: dict = {"steps": steps, "layers": llm["num_hidden_layers"], "hidden": llm["hidden_size"],
+                     "latent_tokens": 256}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_preset(Path(tmp), top, llm, vit)
+        async with AsyncEngine() as engine:
+            loaded = await engine.load_model("bagel", LoadOptions(checkpoint=tmp))
+            page = 16
+            for task in ("t2i", "edit"):
+                warm = requests(task, 1, 1)
+                await mstar_latencies(engine, warm)
+                baseline_latencies(loaded, warm)
+                for c in (1, 4):
+                    reqs = requests(task, c, steps)
+                    rounds = (args.repeats or (1 if args.quick else 3)) if c == 1 else 1
+                    m = [t for _ in range(rounds) for t in await mstar_latencies(engine, reqs)]
+                    b = [t for _ in range(rounds) for t in baseline_latencies(loaded, reqs)]
+                    results[f"{task}_c{c}_mstar_p50_s"] = round(statistics.median(m), 3)
+                    results[f"{task}_c{c}_baseline_p50_s"] = round(statistics.median(b), 3)
+                    results[f"{task}_c{c}_p50_ratio"] = round(statistics.median(m) / statistics.median(b), 3)
+            # peak KV of one edit request: M*'s pages (labels sharing them) vs the baseline's three dense caches
+            edit = requests("edit", 1, 1)[0]
+            cfg = loaded.extras["config"].llm
+            page_bytes = page * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+            mstar_bytes = await peak_pages(engine, edit) * page_bytes
+            labels = baseline_one(loaded, loaded.prepare_inputs(edit), edit["seed"])
+            base_bytes = sum(label.cache.nbytes() for label in labels.values())
+            results.update(edit_kv_bytes_mstar=mstar_bytes, edit_kv_bytes_baseline=base_bytes,
+                           edit_kv_bytes_ratio=round(mstar_bytes / base_bytes, 3))
+            results["llm_gen_largest_batch"] = engine.node_engines("bagel")["llm_gen"].largest_batch
+    results["t2i_p50_ratio"] = results["t2i_c1_p50_ratio"]
+    results["edit_p50_ratio"] = results["edit_c1_p50_ratio"]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, 2 steps, one run each: under 60 s on 2 cores")
+    parser.add_argument("--steps", type=int, default=None, help="Euler steps (default 49, --quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per side at c=1, median (default 3, --quick 1)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    results = asyncio.run(run(args))
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
