@@ -13,6 +13,7 @@ import io
 import re
 import struct
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -193,6 +194,24 @@ def test_transcript_from_its_own_output(srv, client):
     reply = post(srv, {"model": "fixture-narrator", "messages": [{"role": "user", "content": "ok"}],
                        "modalities": ["audio"], "audio": {"voice": "alto", "format": "wav"}}).json()
     assert reply["choices"][0]["message"]["audio"]["transcript"] == "OK"
+
+
+def test_hanging_up_mid_speech_cancels_the_request(srv):
+    before = metric(srv, "mstar_node_invocations", model="fixture-talker", node="lm")
+    body = {"model": "fixture-talker", "messages": [{"role": "user", "content": "la" * 500}], "max_tokens": 2000,
+            "modalities": ["text", "audio"], "audio": {"voice": "alto", "format": "pcm16"}, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, headers=srv.headers, timeout=30) as r:
+        for line in r.iter_lines():
+            if '"data":' in line:
+                break  # the first audio is out: hang up
+    for _ in range(50):
+        if metric(srv, "mstar_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(srv, "mstar_running_requests") == 0
+    steps = metric(srv, "mstar_node_invocations", model="fixture-talker", node="lm") - before
+    print(f"lm steps before the hang-up took effect: {steps:.0f} of 1001")
+    assert 0 < steps < 500, steps  # cancelled, not run to its 1001 tokens
 
 
 def test_text_only_request_to_a_talker(client):
