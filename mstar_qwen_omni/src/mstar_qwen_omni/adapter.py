@@ -1,0 +1,76 @@
+"""OpenAI routes for `qwen3-omni`: chat (text in; text, and speech with `modalities: ["text", "audio"]`) and
+`/v1/audio/speech`.
+
+Qwen3-Omni is not a text-to-speech model: it speaks what its Thinker answers. `/v1/audio/speech` therefore
+asks it to read the input aloud (the published speech system prompt, then `Read this aloud exactly: ...`)
+and returns the spoken answer; a trained checkpoint repeats the text, the tiny preset speaks noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mstar_core.api.adapters import ApiAdapter
+from mstar_core.errors import RequestError
+
+VOICES = ("chelsie", "ethan", "aiden")
+SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+          "auditory and visual inputs, as well as generating text and speech.")
+_FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
+
+
+class QwenOmniAdapter(ApiAdapter):
+    model = "qwen3-omni"
+    routes = {"chat", "speech"}
+    voices = VOICES
+    sample_rate = 24000
+    audio_output = "audio"
+    chat_audio_output = "audio"
+    token_output = "next_token"
+
+    def bind(self, loaded: Any) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.extras["tokenizer"]
+        cfg = loaded.extras["config"]
+        self.stop_id = cfg.im_end_token_id
+        self.special = {cfg.im_start_token_id, cfg.im_end_token_id}
+        if loaded.extras["model"].talker is None:
+            self.chat_audio_output = None
+            self.routes = {"chat"}
+        else:
+            self.voices = tuple(sorted(cfg.talker.speaker_id))
+
+    def _extras(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: body[k] for k in _FORWARD if body.get(k) is not None}
+        if "max_tokens" in out:  # speech runs about 4 frames per text token; 8x bounds a Talker that never ends
+            out["talker_max_tokens"] = min(4096, 8 * int(out["max_tokens"]) + 32)
+        return out
+
+    def speech_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        text = body.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError("'input' must be a non-empty string: the text to speak", param="input")
+        voice = str(body.get("voice") or self.voices[0]).lower()
+        if voice not in self.voices:
+            raise RequestError(f"unknown voice {voice!r} for model '{self.model}'; choose one of "
+                               f"{', '.join(self.voices)}", param="voice")
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Read this aloud exactly: {text}"}]
+        budget = 2 * len(self.tokenizer.encode(text, add_special_tokens=False).ids) + 8
+        return {"messages": messages, "speaker": voice, **self._extras({"max_tokens": budget, **body})}
+
+    def chat_message_inputs(self, body: Mapping[str, Any], messages: list) -> dict[str, Any]:
+        turns = [{"role": m.role if m.role in ("system", "user", "assistant") else "user", "content": m.text}
+                 for m in messages]
+        audio = body.get("audio")
+        inputs = {"messages": turns, **self._extras(body)}
+        if audio:
+            inputs["speaker"] = str(audio["voice"]).lower()
+        return inputs
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([t for t in token_ids if t not in self.special], skip_special_tokens=True)
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return token_id == self.stop_id
