@@ -18,6 +18,9 @@ from mstar_core.errors import MStarError
 from mstar_core.model import LoadOptions
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
 class ExamplesHelp(argparse.Action):
     """`-h/--help` that also lists each installed model's example request (plugins are discovered only then)."""
 
@@ -59,10 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", help="speak this text (speech models); writes audio")
-    what.add_argument("--prompt", help="chat: one user message; writes the reply")
+    what.add_argument("--prompt", help="chat: one user message; writes the reply (with --out *.png: generates an image)")
     what.add_argument("--inputs", help="raw walk inputs as JSON (native); writes the final outputs as JSON")
     p.add_argument("--voice", help="voice for --text (default: the model's first)")
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--size", default=None, help="image size WxH for --prompt with --out *.png (default: the model's)")
+    p.add_argument("--seed", type=int, default=None, help="seed for --prompt with --out *.png")
     p.add_argument("--out", "-o", default=None, help="output file (default speech.wav / reply.txt / outputs.json)")
     p.add_argument("--checkpoint")
     p.add_argument("--preset", default="tiny")
@@ -117,6 +122,21 @@ async def _run(args: argparse.Namespace) -> str:
             audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
             soundfile.write(out_path, audio, int(adapter.sample_rate), subtype="PCM_16")
             return f"wrote {out_path}: {audio.size / adapter.sample_rate:.2f} s at {adapter.sample_rate} Hz"
+        if args.prompt is not None and Path(args.out or "").suffix.lower() in IMAGE_SUFFIXES:
+            adapter = _adapter(registry, args.model, loaded, "images")
+            body = {"model": args.model, "prompt": args.prompt, "n": 1, "size": args.size, "seed": args.seed,
+                    "response_format": "b64_json", "index": 0}
+            handle = engine.submit(args.model, adapter.image_inputs(body, edit=False))
+            bar.set_description("steps")
+            async for _out in handle:  # a model emits per denoising step (BAGEL: each step's sigma)
+                bar.update(1)
+            env = await handle.result()
+            bar.close()
+            images = adapter.images_from_env(env)
+            if not images:
+                raise MStarError(f"model '{args.model}' produced no image")
+            Path(args.out).write_bytes(images[0])
+            return f"wrote {args.out}"
         if args.prompt is not None:
             adapter = _adapter(registry, args.model, loaded, "chat")
             body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}],

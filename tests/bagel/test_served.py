@@ -62,3 +62,17 @@ def test_bad_input_is_a_4xx_naming_the_field(client, call, param):
     with pytest.raises(openai.BadRequestError) as err:
         call(client)
     assert err.value.body.get("param") == param or param in str(err.value)
+
+
+def test_mstar_run_writes_an_image(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.conftest import server_env
+
+    out = tmp_path / "fox.png"
+    proc = subprocess.run([sys.executable, "-m", "mstar_core.cli", "run", "bagel", "--prompt", "a red fox", "--out",
+                           str(out), "--size", "16x8", "--seed", "1", "--no-progress"],
+                          env=server_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Image.open(out).size == (16, 8)

@@ -34,7 +34,7 @@ class BagelImagesAdapter(ApiAdapter):
             inputs["seed"] = body["seed"]
         if edit:
             inputs["image"] = bytes(body["image"])  # BAGEL edits at the input's size; 'size' is not used
-        else:
+        elif body.get("size") is not None:  # without one (mstar run), the model's default size
             width, height = (int(v) for v in str(body["size"]).split("x"))
             side, stride = self.prepare.vae_max, self.loaded.extras["config"].latent_downsample
             if not (stride <= width <= side and stride <= height <= side) or width % stride or height % stride:

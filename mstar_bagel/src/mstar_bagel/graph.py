@@ -132,6 +132,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
         inputs=("prompt_ids", "prompt_positions", *FLOW_INPUTS),
         optional_inputs=(ABSENT, *FLOW_OPTIONAL),
         outputs=("image", "seed"),
+        emit=("sigma",),
         description="prompt into main (cfg_text: empty; cfg_img: main), then the CFG flow loop and the VAE decode",
     )
     edit = Walk(
@@ -149,6 +150,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
                 "text_only_positions", *FLOW_INPUTS),
         optional_inputs=(ABSENT, *FLOW_OPTIONAL),
         outputs=("image", "seed"),
+        emit=("sigma",),
         description="the input image as a VAE block and a ViT block, the instruction, then the flow at the input's size",
     )
     understand = Walk(
