@@ -17,7 +17,6 @@ from mstar_core.api.tensors import decode_inputs, encode_value
 from mstar_core.errors import MStarError
 from mstar_core.model import LoadOptions
 
-
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
