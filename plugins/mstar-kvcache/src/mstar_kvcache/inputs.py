@@ -34,6 +34,7 @@ OPTIONS = (
     "snapshot_after",  # label(s) made a fork of cache_label once this call is done
     "drop",  # label(s) dropped once this call is done
     "bidirectional",  # this call's tokens form one bidirectional block
+    "blocks",  # block lengths summing to the call's tokens: each block bidirectional, causal across blocks
     "frame_size",  # frame-causal mask over absolute token indices
     "output_rows",  # outputs per token: "all" rows of the call (default) or the "last"
     "transfer",  # "export" / "import": move the request's caches between engines
@@ -68,6 +69,7 @@ class ParsedInvocation:
     drop: tuple[str, ...] = ()
     output_rows: str = "all"
     seed_offset: int | None = None
+    blocks: tuple[int, ...] | None = None
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -221,8 +223,14 @@ def parse_invocation(
     if frame is not None and (not isinstance(frame, int) or frame < 1):
         raise RequestError(f"node '{node}': option frame_size must be a positive int, got {frame!r}")
     bidirectional = bool(opts.get("bidirectional", False))
-    if bidirectional and frame is not None:
-        raise RequestError(f"node '{node}': options bidirectional and frame_size are exclusive; pick one mask")
+    blocks = opts.get("blocks")
+    if blocks is not None:
+        if not isinstance(blocks, list | tuple) or not all(type(b) is int and b > 0 for b in blocks) or sum(blocks) != n:
+            raise RequestError(f"node '{node}': option blocks must be positive block lengths summing to the call's "
+                               f"{n} tokens, got {blocks!r:.60}")
+        blocks = tuple(blocks)
+    if bidirectional + (frame is not None) + (blocks is not None) > 1:
+        raise RequestError(f"node '{node}': options bidirectional, blocks and frame_size are exclusive; pick one mask")
     label = opts.get("cache_label", "main")
     if not isinstance(label, str) or not label:
         raise RequestError(f"node '{node}': option cache_label must be a non-empty string, got {label!r}")
@@ -253,13 +261,21 @@ def parse_invocation(
         drop=_labels(opts.get("drop"), "drop", node),
         output_rows=rows,
         seed_offset=offset,
+        blocks=blocks,
     )
 
 
-def mask_limits(start: int, count: int, bidirectional: bool, frame_size: int | None) -> list[int] | None:
+def mask_limits(start: int, count: int, bidirectional: bool, frame_size: int | None,
+                blocks: tuple[int, ...] | None = None) -> list[int] | None:
     """Exclusive key-position bounds for tokens `start..start+count-1`; None for plain causal."""
     if bidirectional:
         return [start + count] * count
+    if blocks is not None:  # a token sees every earlier block and the whole of its own
+        bounds, end = [], start
+        for size in blocks:
+            end += size
+            bounds.extend([end] * size)
+        return bounds
     if frame_size is not None:
         return [(p // frame_size + 1) * frame_size for p in range(start, start + count)]
     return None

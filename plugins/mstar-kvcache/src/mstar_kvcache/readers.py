@@ -1,0 +1,93 @@
+"""Read-only calls of `KVCacheEngine`: attend to frozen labels (this node's or, with `share_cache_with`,
+the owner node's) plus the call's own tokens, which are never stored and take no page."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_core.errors import RequestError
+from mstar_core.runtime.engine import Invocation
+from mstar_kvcache.inputs import ParsedInvocation, mask_limits
+from mstar_kvcache.sequence import Sequence
+
+
+class ReadOnlyCalls:
+    """Mixin of `KVCacheEngine`: read-only calls as transient sequences holding page references."""
+
+    def _label(self, request_id: str, label: str) -> Sequence | None:
+        """A label read-only calls attend to: this node's, or with `share_cache_with` the partner node's."""
+        return (self.seqs if self.partner is None else self.partner.seqs).get((request_id, label))
+
+    def _attach_readers(self) -> None:
+        """Attach waiting read-only calls whose labels are all cached (holding references to their pages)."""
+        waiting, self.waiting_readers = self.waiting_readers, []
+        for inv, parsed in waiting:
+            try:
+                labels = [self._label(inv.request_id, name) for name in parsed.read_labels]
+                if self.share_with is not None and any(s is None for s in labels):
+                    missing = [n for n, s in zip(parsed.read_labels, labels, strict=True) if s is None]
+                    raise RequestError(f"node '{self.node.name}': node '{self.share_with}' holds no cache label "
+                                       f"{missing} for request {inv.request_id}")
+                labels = [s for s in labels if s is not None]
+                busy = [s for s in labels if s.pending is not None or s.remaining]
+                if busy:
+                    for s in busy:  # a preempted idle label is recomputed for its readers
+                        s.recompute = s.recompute or s.pending is None
+                    self.waiting_readers.append((inv, parsed))
+                    continue
+                self.readers.append(self._reader(inv, parsed, labels))
+            except Exception as exc:
+                self.answered.append((inv, exc))
+
+    def _reader(self, inv: Invocation, parsed: ParsedInvocation, labels: list[Sequence]) -> Sequence:
+        """A read-only call as a transient sequence: the frozen labels' tokens, then its own (never stored)."""
+        ctx = sum(len(s.tokens) for s in labels)
+        n = len(parsed.ids)
+        first = labels[0] if labels else None
+        reader = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival, readonly=True,
+                          tokens=[t for s in labels for t in s.tokens] + parsed.ids, num_computed=ctx,
+                          context=[(list(s.pages), len(s.tokens)) for s in labels], chunkable=False,
+                          generated=list(first.generated) if first else [], priority=inv.priority)
+        if any(s.positions is not None for s in labels) or parsed.positions is not None:
+            parts = [s.positions if s.positions is not None else torch.arange(len(s.tokens)).expand(self.axes, -1)
+                     for s in labels]
+            reader.positions = torch.cat(parts, dim=1) if parts else torch.zeros(self.axes, 0, dtype=torch.long)
+            reader.tokens = reader.tokens[:ctx]  # (next_position counts tokens so far)
+            new = parsed.positions
+            if new is None:
+                new = (torch.arange(n) + reader.next_position).expand(self.axes, -1)
+            reader.positions = torch.cat((reader.positions, new), dim=1)
+            reader.tokens.extend(parsed.ids)
+        limits = mask_limits(ctx, n, parsed.bidirectional, parsed.frame_size, parsed.blocks)
+        if limits is not None:
+            reader.limits = [0] * ctx + limits  # only the own rows' bounds are read
+        self._append_inputs_reader(reader, parsed, ctx)
+        sampling = parsed.sampling or (first.sampling if first else None)
+        reader.sampling = sampling
+        if parsed.sampling is not None and (first is None or first.sampling is None
+                                            or parsed.sampling.seed != first.sampling.seed):
+            reader.generator = self._generator(parsed.sampling.seed)
+        elif first is not None:
+            reader.generator = first.generator  # today's semantics: the label's random stream advances
+        for pages, _ in reader.context:
+            for page in pages:
+                self.pool.incref(page)
+        reader.pending, reader.pending_start, reader.call = inv, ctx, parsed
+        return reader
+
+    def _append_inputs_reader(self, reader: Sequence, parsed: ParsedInvocation, ctx: int) -> None:
+        n = len(parsed.ids)
+        for offset, rows in parsed.embeds:
+            reader.embeds.append((ctx + offset, rows.to(self.device)))
+        if parsed.routing is not None:
+            reader.routing = [0] * ctx + parsed.routing
+        for name, (value, per_token) in parsed.extras.items():
+            reader.extras.append((ctx, ctx + n, name, value.to(self.device), per_token))
+
+    def _drop_reader(self, reader: Sequence) -> None:
+        if reader in self.readers:
+            self.readers.remove(reader)
+            for pages, _ in reader.context:
+                for page in pages:
+                    self.pool.decref(page)
+            reader.context = []
