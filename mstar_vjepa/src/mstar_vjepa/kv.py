@@ -1,9 +1,8 @@
 """The dense frame cache behind `ACPredictor.forward` (upstream's batch API; the reference for the paged engine).
 
 With a frame-causal mask, a frame's keys and values never change once computed, so a rollout step only
-projects the new frame's tokens and attends over the cache. `fork(n)` gives n sequences that share this
-cache's frames by reference (the parent is never written after a fork); `copy(n)` materialises them.
-Served rollouts keep their frames in the `kvcache` engine's paged pool instead.
+projects the new frame's tokens and attends over the cache; `copy(n)` continues n sequences from it.
+Served rollouts keep their frames in the `kvcache` engine's paged pool instead (forks share pages there).
 """
 
 from __future__ import annotations
@@ -20,43 +19,26 @@ def frame_causal_mask(new_frames: int, cached_frames: int, tokens_per_frame: int
 
 
 class DenseFrameCache:
-    """Per-layer buffers `[B, H, capacity, D]` of B equally long sequences, optionally behind a shared prefix."""
+    """Per-layer buffers `[B, H, capacity, D]` of B equally long sequences."""
 
     def __init__(self, num_layers: int, batch: int, heads: int, head_dim: int, tokens_per_frame: int,
-                 max_frames: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefix: DenseFrameCache | None = None):
-        if prefix is not None and prefix.batch not in (1, batch):
-            raise ValueError(f"a prefix of batch {prefix.batch} cannot be shared by {batch} sequences")
-        self.batch, self.tokens_per_frame, self.max_frames, self.prefix = batch, tokens_per_frame, max_frames, prefix
-        self.prefix_frames = prefix.num_frames if prefix is not None else 0
+                 max_frames: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.batch, self.tokens_per_frame, self.max_frames = batch, tokens_per_frame, max_frames
         self._shape = (num_layers, heads, head_dim, dtype, torch.device(device))
-        own = (max_frames - self.prefix_frames) * tokens_per_frame
-        self.k = [torch.empty(batch, heads, own, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(batch, heads, own, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.own_frames = 0
+        size = max_frames * tokens_per_frame
+        self.k = [torch.empty(batch, heads, size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(batch, heads, size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_frames = 0
         self._mask = None
-
-    @property
-    def num_frames(self) -> int:
-        return self.prefix_frames + self.own_frames
-
-    def layer_kv(self, layer: int, frames: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the first `frames` frames of `layer` (prefix included), plus `extra` own tokens."""
-        own = (frames - self.prefix_frames) * self.tokens_per_frame + extra
-        k, v = self.k[layer][:, :, :own], self.v[layer][:, :, :own]
-        if self.prefix is None or self.prefix_frames == 0:
-            return k, v
-        pk, pv = (t.expand(self.batch, -1, -1, -1) for t in self.prefix.layer_kv(layer, self.prefix_frames))
-        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new k/v `[B, H, n, D]` for `layer`; return the layer's full k/v including them."""
-        start, n = self.own_frames * self.tokens_per_frame, k.shape[2]
+        start, n = self.num_frames * self.tokens_per_frame, k.shape[2]
         if start + n > self.k[layer].shape[2]:
             raise ValueError(f"frame cache full: at most {self.max_frames} frames fit the frame-causal mask")
         self.k[layer][:, :, start : start + n] = k
         self.v[layer][:, :, start : start + n] = v
-        return self.layer_kv(layer, self.num_frames, n)
+        return self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """The attention context: packed rows `[B * N, H, D]` (N new tokens per sequence) -> `[B * N, H, D]`."""
@@ -71,23 +53,14 @@ class DenseFrameCache:
 
     def commit(self, frames: int) -> None:
         """Mark `frames` more frames as cached (after every layer has been extended)."""
-        self.own_frames += frames
-
-    def fork(self, n: int) -> DenseFrameCache:
-        """n sequences continuing from this cache; its frames are shared, not copied."""
-        layers, heads, head_dim, dtype, device = self._shape
-        return DenseFrameCache(layers, n, heads, head_dim, self.tokens_per_frame, self.max_frames, dtype, device, self)
+        self.num_frames += frames
 
     def copy(self, n: int) -> DenseFrameCache:
-        """n sequences continuing from this cache, each with its own copy of its frames."""
+        """n sequences continuing from this cache (of batch 1), each with its own copy of its frames."""
         layers, heads, head_dim, dtype, device = self._shape
         out = DenseFrameCache(layers, n, heads, head_dim, self.tokens_per_frame, self.max_frames, dtype, device)
+        used = self.num_frames * self.tokens_per_frame
         for layer in range(layers):
-            k, v = self.layer_kv(layer, self.num_frames)
-            out.extend(layer, k.expand(n, -1, -1, -1).clone(), v.expand(n, -1, -1, -1).clone())
+            out.extend(layer, *(t[layer][:, :, :used].expand(n, -1, -1, -1) for t in (self.k, self.v)))
         out.commit(self.num_frames)
         return out
-
-    def nbytes(self) -> int:
-        """Memory this cache owns (a forked prefix is counted by its owner)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

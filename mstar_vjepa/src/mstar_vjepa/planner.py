@@ -89,21 +89,18 @@ def cem_plan(stats: dict[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def plan_cem(predictor, context: torch.Tensor, states: torch.Tensor, goal: torch.Tensor, horizon: int,
-             cfg: CEMSettings, generator: torch.Generator | None = None, share: str = "fork") -> dict[str, Any]:
+             cfg: CEMSettings, generator: torch.Generator | None = None) -> dict[str, Any]:
     """context `[1, C, P, D]`, states `[1, C, 7]`, goal `[P, D]` -> plan, costs per iteration, best sampled plan.
 
-    The context prefix is cached once; each iteration's samples continue from forks (shared by reference) or,
-    with `share="copy"`, copies of it.
+    The context prefix is cached once; each iteration's samples continue from copies of it.
     """
-    if share not in ("fork", "copy"):
-        raise ValueError(f"share must be 'fork' or 'copy', got {share!r}")
     check_horizon(predictor, context.shape[1], horizon)
     prefix = prefill_prefix(predictor, context, states)
     stats = cem_start(horizon, cfg, context)
     frame, state = context[:, -1].expand(cfg.samples, -1, -1), states[:, -1].expand(cfg.samples, -1)
     for _ in range(cfg.iterations):
         sampled = cem_sample(stats, cfg, generator)
-        cache = prefix.fork(cfg.samples) if share == "fork" else prefix.copy(cfg.samples)
+        cache = prefix.copy(cfg.samples)
         latents, _ = roll(predictor, cache, frame, state, to_actions(sampled))
         stats = cem_update(stats, sampled, latents[:, -1], goal, cfg)
     return {**cem_plan(stats), "rollouts": cfg.samples * cfg.iterations}
