@@ -22,9 +22,14 @@ class LoadOptions:
     #: the nodes whose weights this process needs (a worker's nodes); None = all. A model builds the
     #: modules of the other nodes on the meta device (shapes, no memory, nothing read).
     nodes: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    #: nodes only other processes host (what a serving process's placement sends to workers, known before the
+    #: graph is): built on the meta device too, so a partly-local model is built once, with only its local weights
+    remote: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def device_for(self, *nodes: str) -> str:
         """The device for a module that `nodes` use: `device` if this process hosts any of them, else meta."""
+        if nodes and all(node in self.remote for node in nodes):
+            return "meta"
         if self.nodes is None or any(node in self.nodes for node in nodes):
             return self.device
         return "meta"

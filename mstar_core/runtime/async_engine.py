@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 
+from mstar_core.checkpoint.partial import release_unhosted
 from mstar_core.config.placement import LOCAL, Placement
 from mstar_core.errors import ConfigError, RequestCancelled, RequestError, RequestTimeout
 from mstar_core.graph.graph import Graph
@@ -107,10 +108,7 @@ class AsyncEngine:
         options = options or LoadOptions(device=str(self.device))
         loop = asyncio.get_running_loop()
         if placement is not None and placement.remote:
-            loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, device="meta"))
-            here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
-            if here:  # only the weights of the nodes that run here (a model may ignore `nodes` and load all)
-                loaded = await loop.run_in_executor(self._executor, spec.load, attrs.evolve(options, nodes=here))
+            loaded = await loop.run_in_executor(self._executor, self._load_local_part, spec, options, placement)
         else:
             loaded = await loop.run_in_executor(self._executor, spec.load, options)
         if placement is None or not placement.remote:
@@ -119,6 +117,27 @@ class AsyncEngine:
                 settings = {**placement.engine_settings, **(settings or {})}
             return await self.add_model(loaded, settings=settings, alias=alias)
         return await self._add_placed_model(spec.name, loaded, options, placement, settings or {}, alias)
+
+    @staticmethod
+    def _load_local_part(spec: Any, options: LoadOptions, placement: Placement) -> LoadedModel:
+        """Build the model once with the weights of the nodes that run in this process only.
+
+        Nodes the placement sends to workers are built on the meta device (`LoadOptions.remote`). A node
+        placed per walk runs here if any of its walks does, which only the graph tells: then the model is
+        first built on the meta device (no weights read) to learn its walks. A model that ignores
+        `LoadOptions` has the other nodes' weights released afterwards.
+        """
+        if placement.walks:
+            loaded = spec.load(attrs.evolve(options, device="meta"))
+            here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
+            if not here:
+                return loaded
+            loaded = spec.load(attrs.evolve(options, nodes=here))
+        else:
+            loaded = spec.load(attrs.evolve(options, remote=tuple(n for n, w in placement.nodes.items() if w != LOCAL)))
+        here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
+        release_unhosted(loaded.graph, here)
+        return loaded
 
     async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
         from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler

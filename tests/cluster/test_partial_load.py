@@ -4,6 +4,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from torch import nn
 
@@ -106,8 +107,17 @@ async def test_a_serving_process_hosting_one_node_loads_only_that_node():
     placement = Placement.from_dict({"workers": {"codec": {"device": "cpu"}}, "nodes": {"snac": "codec"},
                                      "engine_settings": {"lm": {"num_pages": 64}}})
     engine = AsyncEngine(discover())
+    spec = engine.registry.models.get("orpheus")
+    builds = []  # the serving process builds the model once (it used to build it on meta first, then again)
+
+    def load(options):
+        builds.append(options)
+        return spec.load(options)
+
+    engine.registry.models._items["orpheus"] = attrs.evolve(spec, load=load)
     try:
         await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
+        assert [(o.device, o.remote) for o in builds] == [("cpu", ("snac",))]
         graph = engine.models["orpheus"].graph
         here = {name: resident_parameters([node_module(n)])["parameters"] for name, n in graph.nodes.items()}
         assert here == {"lm": full["lm"], "snac": 0}

@@ -179,3 +179,16 @@ def test_concurrent_rollouts_batch_and_stay_exact():
     if ac.pool is not None:
         assert ac.largest_batch > 1  # requests at the same step shared predictor passes
         assert ac.pool.num_used == 0
+
+
+def test_ac_parts_hosted_elsewhere_are_built_on_the_meta_device():
+    encoder_elsewhere = load_vjepa2_ac(LoadOptions(preset="tiny", remote=("encoder",))).graph.nodes
+    assert all(p.is_meta for p in encoder_elsewhere["encoder"].module().encoder.parameters())
+    assert not any(p.is_meta for p in encoder_elsewhere["ac_predictor"].module().parameters())
+    # the walks' function nodes embed frames with the predictor's weights: it stays while one of them runs here
+    predictor_elsewhere = load_vjepa2_ac(LoadOptions(preset="tiny", remote=("ac_predictor",))).graph.nodes
+    assert not any(p.is_meta for p in predictor_elsewhere["ac_predictor"].module().parameters())
+    remote = ("ac_predictor", "rollout_step", "sample_step", "cem_start", "encoder")
+    nothing_here = load_vjepa2_ac(LoadOptions(preset="tiny", remote=remote)).graph.nodes
+    assert all(p.is_meta for p in nothing_here["encoder"].module().encoder.parameters())
+    assert all(p.is_meta for p in nothing_here["ac_predictor"].module().parameters())

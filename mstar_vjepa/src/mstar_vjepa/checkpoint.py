@@ -90,21 +90,27 @@ def ac_configs(directory: Path) -> tuple[VJEPA2Config, ACPredictorConfig]:
     return VJEPA2Config(**VIT_SIZES["vitg"], crop_size=256), ACPredictorConfig()
 
 
-def load_ac(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None):
-    """Upstream AC checkpoint (a `.pt` file or a directory holding one) -> (encoder, AC predictor)."""
+def load_ac(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+            predictor_device: str | None = None):
+    """Upstream AC checkpoint (a `.pt` file or a directory holding one) -> (encoder, AC predictor).
+
+    `predictor_device` (default `device`) lets a process build one part on the meta device (hosted elsewhere);
+    the file is memory-mapped, so a part built there is never read.
+    """
     path = Path(path)
     file = path / AC_FILE if path.is_dir() else path
     if not file.is_file():
         raise CheckpointError(f"no AC checkpoint at {file}; expected upstream's {{encoder, predictor}} .pt file")
     enc_cfg, pred_cfg = ac_configs(file.parent)
-    blob = torch.load(file, map_location="cpu", weights_only=True)
+    blob = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     for part in ("encoder", "predictor"):
         if part not in blob:
             raise CheckpointError(f"{file} has no '{part}' state dict (keys: {sorted(blob)})")
     encoder = build_and_load(lambda: VJEPA2Encoder(enc_cfg), _DictSource(blob["encoder"], f"{file}[encoder]"),
                              UpstreamEncoderMapping(), dtype=dtype, device=device, progress=False)
     predictor = build_and_load(lambda: ACPredictor(pred_cfg), _DictSource(blob["predictor"], f"{file}[predictor]"),
-                               UpstreamPredictorMapping(), dtype=dtype, device=device, progress=False)
+                               UpstreamPredictorMapping(), dtype=dtype, device=predictor_device or device,
+                               progress=False)
     return encoder, predictor
 
 

@@ -145,7 +145,9 @@ def _ac_graph(encoder, predictor) -> Graph:
 def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     """Load upstream's AC `.pt` checkpoint, or the `tiny` preset written in that layout."""
     directory, random = _resolve(options, "vjepa2-ac-tiny", ckpt.write_ac_preset, ckpt.AC_FILE)
-    encoder, predictor = ckpt.load_ac(directory, options.device, _DTYPES.get(options.dtype or "float32"))
+    # the function nodes of the walks use the predictor's embeddings too: it is built where any of them runs
+    encoder, predictor = ckpt.load_ac(directory, options.device_for("encoder"), _DTYPES.get(options.dtype or "float32"),
+                                      options.device_for("ac_predictor", "rollout_step", "sample_step", "cem_start"))
     graph = _ac_graph(encoder, predictor)
     ecfg, pcfg = encoder.cfg, predictor.cfg
     tps = predictor.tokens_per_step
