@@ -1,0 +1,171 @@
+"""Qwen3-Omni speech: M* (Thinker, Talker, code predictor and Code2Wav as concurrent partitions) vs transformers.
+
+Baseline: `Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)` request by request (its audio
+path is batch 1), which returns the audio when everything is done. Same random weights (a realistic CPU
+shape, written in the published layout and loaded by both), same run, text in, text and speech out with
+fixed lengths: the Thinker writes `--text-tokens` tokens and the Talker `--frames` frames (80 ms each),
+end tokens ignored on both sides.
+
+- `ttfa_ratio_c1`: M*'s time to its first audio chunk (25 frames, as streamed) over the baseline's time to
+  its audio (the whole generate call). Target <= 0.25.
+- `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M*, over the
+  baseline's request-by-request rate. Target >= 2.7 (the published edge over vLLM-Omni).
+
+    python benchmarks/qwen_omni_speech.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def bench_config(tok, quick: bool) -> dict:
+    """The tiny preset's config widened: Thinker 512 x 8 layers (8 experts, top 2), Talker 256 x 4,
+    code predictor 2 layers, Code2Wav with the published codebooks and rates but narrower."""
+    from mstar_qwen_omni.preset import tiny_config
+
+    cfg = tiny_config(tok)
+    text = cfg["thinker_config"]["text_config"]
+    text.update(hidden_size=512, num_hidden_layers=8 if not quick else 4, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=64, moe_intermediate_size=256, intermediate_size=1024,
+                rope_scaling={"rope_type": "default", "mrope_section": [12, 10, 10], "interleaved": True})
+    cfg["thinker_config"]["audio_config"]["output_dim"] = 512
+    cfg["thinker_config"]["vision_config"]["out_hidden_size"] = 512
+    talker = cfg["talker_config"]
+    talker["text_config"].update(vocab_size=2048 + 1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64, moe_intermediate_size=128, intermediate_size=512,
+                                 shared_expert_intermediate_size=256,
+                                 rope_scaling={"rope_type": "default", "mrope_section": [12, 10, 10], "interleaved": True})
+    talker["code_predictor_config"].update(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=64, num_code_groups=16)
+    talker.update(num_code_groups=16, thinker_hidden_size=512, accept_hidden_layer=4,
+                  codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
+                  codec_think_bos_id=2156, codec_think_eos_id=2157,
+                  speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303})
+    cfg["code2wav_config"].update(codebook_size=2048, num_quantizers=16, hidden_size=128, num_attention_heads=4,
+                                  num_key_value_heads=4, intermediate_size=256, num_hidden_layers=2 if quick else 4,
+                                  sliding_window=72, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
+                                  decoder_dim=128)
+    return cfg
+
+
+def write_checkpoint(directory: Path, quick: bool) -> Path:
+    from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
+    from mstar_qwen_omni.config import OmniConfig
+    from mstar_qwen_omni.preset import build_tokenizer, randomize
+
+    tok = build_tokenizer()
+    cfg = bench_config(tok, quick)
+    model = QwenOmni(OmniConfig.from_hf(cfg))
+    randomize(model, seed=0)
+    save_omni(model, directory, cfg, extra_files={"tokenizer.json": tok.to_str()})
+    return directory
+
+
+def prompt_ids(tokenizer, i: int) -> list[int]:
+    text = (f"<|im_start|>system\nYou are Qwen, a virtual human.<|im_end|>\n<|im_start|>user\nTell me story number "
+            f"{i}, please.<|im_end|>\n<|im_start|>assistant\n")
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def baseline(hf, ids: list[int], text_tokens: int, frames: int, im_end: int) -> tuple[float, float]:
+    """(seconds to the audio, audio seconds) of one `generate(return_audio=True)` call, EOS ignored on both sides."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        _, wav = hf.generate(torch.tensor([ids]), speaker="ethan", return_audio=True,
+                             thinker_max_new_tokens=text_tokens, thinker_min_new_tokens=text_tokens,
+                             thinker_eos_token_id=im_end, thinker_do_sample=False, talker_do_sample=False,
+                             talker_repetition_penalty=1.0, talker_max_new_tokens=frames + 1,
+                             talker_min_new_tokens=frames + 1)  # min = max: end tokens never sampled
+    return time.perf_counter() - start, wav.shape[-1] / 24000
+
+
+async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: int) -> list[dict]:
+    async def one(i: int) -> dict:
+        start = time.perf_counter()
+        handle = engine.submit("qwen3-omni", {"prompt_ids": prompt_ids(tokenizer, i), "speaker": "ethan",
+                                              "max_tokens": text_tokens, "talker_max_tokens": frames + 1,
+                                              "ignore_eos": True, "talker_temperature": 0.0,
+                                              "talker_repetition_penalty": 1.0})
+        first, samples = None, 0
+        async for out in handle:
+            if out.name == "audio":
+                first = first or time.perf_counter() - start
+                samples += out.value.numel()
+        await handle.result()
+        return {"ttfa": first, "seconds": time.perf_counter() - start, "audio": samples / 24000}
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def main_async(args) -> dict:
+    from mstar_qwen_omni.config import OmniConfig
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from mstar_core.checkpoint import load_tokenizer
+    from mstar_core.model import LoadOptions
+    from mstar_core.plugins import discover
+    from mstar_core.runtime import AsyncEngine
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_checkpoint(Path(tmp), args.quick)
+        tokenizer = load_tokenizer(directory)
+        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+        im_end = OmniConfig.from_hf(json.loads((directory / "config.json").read_text())).im_end_token_id
+        baseline(hf, prompt_ids(tokenizer, 0), 4, 2, im_end)  # warm-up
+        base = [baseline(hf, prompt_ids(tokenizer, i), args.text_tokens, args.frames, im_end)
+                for i in range(args.baseline_runs)]
+        base_time = statistics.median(t for t, _ in base)
+        base_rate = sum(a for _, a in base) / sum(t for t, _ in base)
+        async with AsyncEngine(discover()) as engine:
+            await engine.load_model("qwen3-omni", LoadOptions(checkpoint=str(directory)))
+            await mstar_requests(engine, tokenizer, 1, 4, 2)  # warm-up
+            c1 = [(await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames))[0]
+                  for _ in range(1 if args.quick else 2)]
+            start = time.perf_counter()
+            many = await mstar_requests(engine, tokenizer, args.concurrency, args.text_tokens, args.frames)
+            wall = time.perf_counter() - start
+    mstar_ttfa = statistics.median(r["ttfa"] for r in c1)
+    mstar_rate = sum(r["audio"] for r in many) / wall
+    return {
+        "benchmark": "qwen_omni_speech", "quick": args.quick, "text_tokens": args.text_tokens, "frames": args.frames,
+        "audio_seconds_per_request": round(many[0]["audio"], 3),
+        "baseline_seconds_to_audio": round(base_time, 3), "mstar_ttfa_c1": round(mstar_ttfa, 3),
+        "ttfa_ratio_c1": round(mstar_ttfa / base_time, 3),
+        "baseline_audio_s_per_s": round(base_rate, 3),
+        f"mstar_audio_s_per_s_c{args.concurrency}": round(mstar_rate, 3),
+        f"throughput_ratio_c{args.concurrency}": round(mstar_rate / base_rate, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer frames, smaller Thinker (< 60 s on 2 CPU cores)")
+    parser.add_argument("--frames", type=int, default=None, help="audio frames per request (12.5 per second)")
+    parser.add_argument("--text-tokens", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--baseline-runs", type=int, default=None)
+    args = parser.parse_args()
+    args.frames = args.frames or (30 if args.quick else 125)
+    args.text_tokens = args.text_tokens or (8 if args.quick else 40)
+    args.baseline_runs = args.baseline_runs or (1 if args.quick else 2)
+    if args.quick and args.concurrency == 16:
+        args.concurrency = 4
+    print(json.dumps(asyncio.run(main_async(args))))
+
+
+if __name__ == "__main__":
+    main()
