@@ -7,6 +7,8 @@
                 -> llm(text) into main [snapshot before -> cfg_text] -> llm(text) into cfg_img
                 -> flow (at the input's size) -> vae_decode
     understand: Loop(images){ vit -> llm(ViT block) } -> llm(text + <|im_start|>, samples) -> decode loop
+    think:      llm(system) -> llm(prompt) [before -> cfg_text, after -> cfg_img] -> llm(<|im_start|>) -> decode
+                loop (the thought, into main) ; then think_image: llm(<|im_end|>) -> flow -> vae_decode
     flow:       noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
                   -> Parallel(count=cfg_branches){ pick -> llm_gen read-only on main | cfg_text | cfg_img }
                   -> split -> euler (guidance + Euler step) }
@@ -29,6 +31,7 @@ from mstar_bagel.nodes import (
     PickBranch,
     PickImage,
     SplitVelocities,
+    ThinkClose,
     UnderstandLLM,
     VAEDecodeNode,
     VAEEncodeNode,
@@ -48,7 +51,7 @@ from mstar_core.graph import (
 )
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 
-WALKS = ("t2i", "edit", "understand")
+WALKS = ("t2i", "edit", "understand", "think")
 MAX_STEPS = 200
 ABSENT = "_absent"  # an env name nothing supplies: binds a call's unused optional ports
 GUIDANCE = ("guidance_scale", "image_guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
@@ -91,7 +94,7 @@ def _flow() -> Sequential:
     return Sequential("noise", Loop(body=step, iters="num_steps"), "vae_decode")
 
 
-def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bagel") -> Graph:
+def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: str = "bagel") -> Graph:
     cfg = bagel.config
     latent = (None, cfg.patch_latent_dim)
     diffusion = {"schedule": "flow_euler", "latent_shape": latent, "max_steps": MAX_STEPS}
@@ -123,6 +126,8 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
                   module=PickImage),
         GraphNode("detokenize", inputs=("first_token", "decoded"), outputs=("text",), engine="function",
                   module=lambda: Detokenize(tokenizer)),
+        GraphNode("think_close", inputs=("decoded", "gen_position_base", "gen_block_ids"),
+                  outputs=("close_ids", "gen_position_table"), engine="function", module=lambda: ThinkClose(eos)),
     ]
     text_main = _write({"input_ids": "prompt_ids", "positions": "prompt_positions"}, snapshot_before="cfg_text")
     t2i = Walk(
@@ -153,6 +158,30 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
         emit=("sigma",),
         description="the input image as a VAE block and a ViT block, the instruction, then the flow at the input's size",
     )
+    think = Walk(
+        name="think",
+        body=Sequential(
+            _write({"input_ids": "system_ids", "positions": "system_positions"}, snapshot_before="cfg_text"),
+            _write({"input_ids": "prompt_ids", "positions": "prompt_positions"}, snapshot_before="cfg_text",
+                   snapshot_after="cfg_img"),
+            *_decode("think_start"),
+        ),
+        inputs=("system_ids", "system_positions", "prompt_ids", "prompt_positions", "think_start", "sampling"),
+        optional_inputs=(ABSENT,),
+        outputs=("text", "decoded", "finish_reason"),
+        emit=("next_token",),
+        description="system prompt and prompt (cfg_text: the system prompt; cfg_img: both), then the thought, decoded "
+                    "until <|im_end|> or <|vision_start|>",
+    )
+    think_image = Walk(
+        name="think_image",
+        body=Sequential(NodeCall("think_close"), _write({"input_ids": "close_ids"}), _flow()),
+        inputs=("decoded", "gen_position_base", *(n for n in FLOW_INPUTS if n != "gen_position_table")),
+        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        outputs=("image", "seed"),
+        emit=("sigma",),
+        description="the thought closed with <|im_end|> in main, then the flow at the position after it",
+    )
     understand = Walk(
         name="understand",
         body=Sequential(
@@ -161,14 +190,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
                 NodeCall("vit", inputs={"pixels": "vit_pixels"}),
                 _image_block("vit", "vit_rows", gen=False),
             ), iters="num_images"),
-            NodeCall("llm", inputs={**{p: ABSENT for p in LLM_OPTIONAL}, "input_ids": "prompt_ids",
-                                    "positions": "prompt_positions", "sampling": "sampling"}),
-            Copy(first_token="next_token"),
-            DynamicLoop(body=NodeCall("llm", inputs={**{p: ABSENT for p in LLM_OPTIONAL}, "input_ids": "next_token",
-                                                     "sampling": "sampling"}),
-                        until=lambda env: env.get("finish_reason") is not None,
-                        max_iters=decode_iterations("sampling"), accumulate={"next_token": "decoded"}),
-            NodeCall("detokenize"),
+            *_decode("prompt_ids", positions="prompt_positions"),
         ),
         inputs=("images", "num_images", "prompt_ids", "prompt_positions", "sampling"),
         optional_inputs=(ABSENT,),
@@ -176,4 +198,21 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, name: str = "bage
         emit=("next_token",),
         description="each image as a ViT block, then the prompt; decode until <|im_end|>",
     )
-    return Graph.build(name, nodes, [t2i, edit, understand], plan=lambda env: [env["walk"]])
+    return Graph.build(name, nodes, [t2i, edit, understand, think, think_image], plan=_plan)
+
+
+def _plan(env) -> list[str]:
+    return ["think", "think_image"] if env["walk"] == "think" else [env["walk"]]
+
+
+def _decode(first: str, positions: str = ABSENT) -> tuple:
+    """Feed `first` (sampling its last row), then each sampled token until a stop id or max_tokens; the text."""
+    ports = {p: ABSENT for p in LLM_OPTIONAL}
+    return (
+        NodeCall("llm", inputs={**ports, "input_ids": first, "positions": positions, "sampling": "sampling"}),
+        Copy(first_token="next_token"),
+        DynamicLoop(body=NodeCall("llm", inputs={**ports, "input_ids": "next_token", "sampling": "sampling"}),
+                    until=lambda env: env.get("finish_reason") is not None,
+                    max_iters=decode_iterations("sampling"), accumulate={"next_token": "decoded"}),
+        NodeCall("detokenize"),
+    )

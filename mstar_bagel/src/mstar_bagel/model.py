@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,10 +42,11 @@ def load(options: LoadOptions) -> LoadedModel:
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     bagel, vae = load_bagel(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
     tokenizer = open_tokenizer(directory)
-    prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer))
+    top = json.loads((directory / "config.json").read_text())
+    prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer), top.get("think_system_prompt"))
     return LoadedModel(
         name="bagel",
-        graph=build_graph(bagel, vae, tokenizer),
+        graph=build_graph(bagel, vae, tokenizer, prepare.ids.eos),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,

@@ -142,3 +142,19 @@ class Detokenize:
 
     def __call__(self, first_token: int, decoded: list) -> str:
         return self.tokenizer.decode([int(first_token), *(int(t) for t in decoded)], skip_special_tokens=True)
+
+
+class ThinkClose:
+    """Function node after a thought: the <|im_end|> that closes it, and each label's position for the image.
+
+    The thought's tokens went into `main` as they were fed back (all but the last sampled one), so the
+    image block starts after them and the closing <|im_end|>; `cfg_text` and `cfg_img` never saw the thought.
+    """
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    def __call__(self, decoded: list, gen_position_base: list, gen_block_ids: torch.Tensor) -> dict[str, Any]:
+        main, cfg_text, cfg_img = gen_position_base
+        table = torch.tensor([main + len(decoded) + 1, cfg_text, cfg_img])[:, None].expand(3, gen_block_ids.numel())
+        return {"close_ids": [self.eos], "gen_position_table": table.contiguous()}

@@ -23,10 +23,14 @@ from mstar_core.nn.sincos import flattened_grid_ids
 from mstar_core.sampling import SamplingParams
 from mstar_core.schema import RequestField, RequestSchema, sampling_fields
 
-TASKS = ("t2i", "edit", "understand")
+TASKS = ("t2i", "edit", "understand", "think")
+#: The system prompt of think mode when the checkpoint's config.json gives none (`think_system_prompt`).
+THINK_SYSTEM_PROMPT = ("Plan the picture before drawing it: reason about it step by step inside <think> </think>, "
+                       "then generate the image.")
 RENORMS = ("none", "global", "channel", "text_channel")
 #: Published defaults per task: (text scale, image scale, interval, renorm).
-CFG_DEFAULTS = {"t2i": (4.0, 1.0, (0.4, 1.0), "global"), "edit": (4.0, 2.0, (0.0, 1.0), "text_channel")}
+CFG_DEFAULTS = {"t2i": (4.0, 1.0, (0.4, 1.0), "global"), "edit": (4.0, 2.0, (0.0, 1.0), "text_channel"),
+                "think": (4.0, 1.0, (0.4, 1.0), "global")}
 MAX_SCALE = 30.0
 MAX_IMAGES = 8
 MAX_PROMPT = 4096
@@ -94,8 +98,9 @@ def _block(n: int, ids: SpecialIds, position: int, gen: bool) -> dict[str, torch
 class Preparer:
     """`prepare(inputs) -> env` for one loaded BAGEL."""
 
-    def __init__(self, cfg: BagelConfig, tokenizer, ids: SpecialIds):
+    def __init__(self, cfg: BagelConfig, tokenizer, ids: SpecialIds, think_system_prompt: str | None = None):
         self.cfg, self.tokenizer, self.ids = cfg, tokenizer, ids
+        self.think_system_prompt = think_system_prompt or THINK_SYSTEM_PROMPT
         down = cfg.latent_downsample
         self.vae_max = min(1024, cfg.max_latent_size * down)
         self.vae_min = max(down, min(512, self.vae_max // 2) // down * down)
@@ -105,7 +110,8 @@ class Preparer:
         side = self.vae_max
         self.schema = RequestSchema(
             fields=(
-                RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> text)",
+                RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> "
+                             "text), think (a thought, then the image)",
                              default="t2i", choices=TASKS),
                 RequestField("prompt", "string", "the prompt or instruction", required=True, min_length=1,
                              max_length=MAX_PROMPT, blank=False),
@@ -128,6 +134,8 @@ class Preparer:
                 RequestField("cfg_renorm", "string", "velocity renormalisation", choices=RENORMS),
                 RequestField("cfg_renorm_min", "number", "renorm floor", default=0.0, minimum=0.0, maximum=1.0),
                 RequestField("seed", "integer", "noise / sampling seed", minimum=0, maximum=2**63 - 1),
+                RequestField("system_prompt", "string", "think: the system prompt (default: the checkpoint's)",
+                             max_length=MAX_PROMPT),
                 *sampling_fields("max_tokens", "temperature", "top_k", "top_p", defaults={"max_tokens": 64}),
             ),
             example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
@@ -143,6 +151,8 @@ class Preparer:
         task = inputs["task"]
         if task == "understand":
             return self._understand(inputs)
+        if task == "think":
+            return self._think(inputs)
         if task == "edit" and inputs.get("image") is None:
             raise RequestError("task 'edit' needs 'image' (the picture to edit)", param="image")
         prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos]
@@ -161,10 +171,7 @@ class Preparer:
             env["text_only_positions"] = torch.arange(n_text)
             next_pos = (2 + n_text, 2, n_text)  # main, cfg_text (the images), cfg_img (the text)
         else:
-            h, w = inputs["height"], inputs["width"]
-            for name, v in (("height", h), ("width", w)):
-                if v % self.cfg.latent_downsample:
-                    raise RequestError(f"'{name}' must be a multiple of {self.cfg.latent_downsample}, got {v}", param=name)
+            h, w = self._size(inputs)
             env["prompt_positions"] = torch.arange(n_text)
             next_pos = (n_text, 0, n_text)
         env.update(self._flow(task, inputs, h, w, next_pos))
@@ -193,6 +200,39 @@ class Preparer:
             env["seed"] = inputs["seed"]
         return env
 
+    def _sampling(self, inputs: Mapping[str, Any], stops: list[int], prefills: int) -> SamplingParams:
+        """Text sampling: greedy unless the request sets a temperature (upstream BAGEL decodes greedily).
+
+        Every writing call of the `llm` node samples a token (ignored for prefills), and the engine counts
+        those against `max_tokens`: the `prefills` calls before the reply's first one are added to it.
+        """
+        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "seed") if inputs.get(n) is not None}
+        fields.setdefault("temperature", 0.0)
+        fields["max_tokens"] = fields.get("max_tokens", 64) + prefills
+        return SamplingParams.from_mapping({**fields, "stop_token_ids": stops}).check_vocab(self.cfg.llm.vocab_size)
+
+    def _size(self, inputs: Mapping[str, Any]) -> tuple[int, int]:
+        h, w = inputs["height"], inputs["width"]
+        for name, v in (("height", h), ("width", w)):
+            if v % self.cfg.latent_downsample:
+                raise RequestError(f"'{name}' must be a multiple of {self.cfg.latent_downsample}, got {v}", param=name)
+        return h, w
+
+    def _think(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        system = [self.ids.bos, *self.text_ids(inputs.get("system_prompt") or self.think_system_prompt), self.ids.eos]
+        prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos]
+        ls, p0 = len(system), len(system) + len(prompt)
+        h, w = self._size(inputs)
+        env = {"walk": "think", "system_ids": torch.tensor(system), "system_positions": torch.arange(ls),
+               "prompt_ids": torch.tensor(prompt), "prompt_positions": torch.arange(ls, p0),
+               "think_start": [self.ids.bos], "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=2),
+               # main continues after the thought (ThinkClose adds its length); cfg_text: the system prompt; cfg_img: both
+               "gen_position_base": [p0 + 1, ls, p0]}
+        flow = self._flow("think", inputs, h, w, (0, 0, 0))
+        del flow["gen_position_table"]
+        env.update(flow)
+        return env
+
     def _understand(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         images = []
         for i, value in enumerate(inputs.get("images") or []):
@@ -204,8 +244,6 @@ class Preparer:
             images.append(item)
         prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos, self.ids.bos]
         k = len(images)
-        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "seed") if inputs.get(n) is not None}
-        sampling = SamplingParams.from_mapping({**fields, "stop_token_ids": [self.ids.eos]})
-        sampling = sampling.check_vocab(self.cfg.llm.vocab_size)
+        sampling = self._sampling(inputs, [self.ids.eos], prefills=k)
         return {"walk": "understand", "images": images, "num_images": k, "prompt_ids": torch.tensor(prompt),
                 "prompt_positions": torch.arange(k, k + len(prompt)), "sampling": sampling}

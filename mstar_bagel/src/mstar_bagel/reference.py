@@ -72,6 +72,22 @@ def prefill_text(bagel: Bagel, label: Label, ids: list[int]) -> None:
 
 
 @torch.inference_mode()
+def decode_greedy(bagel: Bagel, label: Label, first: list[int], max_tokens: int, stops: tuple[int, ...]) -> list[int]:
+    """Feed `first`, then each argmax token back, until a stop id or `max_tokens` sampled; the sampled ids."""
+    lm, out, ids = bagel.language_model, [], first
+    label.cache.write, label.cache.bidirectional = True, False
+    while True:
+        n = len(ids)
+        hidden = lm(torch.tensor(ids), torch.arange(label.position, label.position + n), label.cache)
+        label.position += n
+        token = int(lm.compute_logits(hidden[-1:]).argmax(-1))
+        out.append(token)
+        if token in stops or len(out) >= max_tokens:
+            return out
+        ids = [token]
+
+
+@torch.inference_mode()
 def prefill_block(bagel: Bagel, label: Label, boi: int, eoi: int, rows: torch.Tensor, gen: bool) -> None:
     """[BOI, rows, EOI] at one position, bidirectional; `gen` routes the rows to the generation expert."""
     lm = bagel.language_model

@@ -1,0 +1,58 @@
+"""BAGEL's text-producing walks served equal the dense reference: `understand` (images, then the prompt, greedy
+decode) and `think` (a greedy thought into `main`, then the image over the three labels)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from mstar_bagel import reference
+from mstar_core.model import LoadOptions
+from mstar_core.runtime import AsyncEngine
+
+
+def _serve(requests):
+    async def go():
+        async with AsyncEngine() as engine:
+            loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
+            envs = await asyncio.gather(*(engine.submit("bagel", r).result() for r in requests))
+            return loaded, envs, engine.node_engines("bagel")["llm"].pool.num_used
+
+    return asyncio.run(go())
+
+
+def _image(seed, h, w):
+    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_understand_and_think_equal_dense_greedy_reference():
+    und = {"task": "understand", "prompt": "what is in the pictures?", "max_tokens": 6,
+           "images": [_image(0, 30, 44), _image(1, 60, 28)]}
+    think = {"task": "think", "prompt": "a red fox", "max_tokens": 5, "num_steps": 3, "seed": 4}
+    loaded, (env_u, env_t), pages_left = _serve([und, think])
+    assert pages_left == 0
+    bagel, ids = loaded.extras["bagel"], loaded.extras["special_ids"]
+
+    prep = loaded.prepare_inputs(und)
+    main = reference.Label()
+    for item in prep["images"]:
+        reference.prefill_block(bagel, main, ids.boi, ids.eoi, bagel.vit_rows(item["vit_pixels"]), gen=False)
+    want = reference.decode_greedy(bagel, main, prep["prompt_ids"].tolist(), 6, (ids.eos,))
+    assert [env_u["first_token"], *env_u["decoded"]] == want
+
+    prep = loaded.prepare_inputs(think)
+    main = reference.Label()
+    reference.prefill_text(bagel, main, prep["system_ids"].tolist())
+    cfg_text = main.copy()
+    reference.prefill_text(bagel, main, prep["prompt_ids"].tolist())
+    cfg_img = main.copy()
+    thought = reference.decode_greedy(bagel, main, [ids.bos], 5, (ids.eos, ids.boi))
+    assert [env_t["first_token"], *env_t["decoded"]] == thought
+    reference.prefill_text(bagel, main, [ids.eos])  # the thought's last sampled token is never fed; <|im_end|> closes it
+    rows, cols = prep["latent_grid"]
+    labels = {"main": main, "cfg_text": cfg_text, "cfg_img": cfg_img}
+    latents = reference.generate(bagel, labels, ids.boi, ids.eoi, rows, cols, num_steps=3, shift=prep["shift"], seed=4,
+                                 text_scale=prep["guidance_scale"], img_scale=prep["image_guidance_scale"],
+                                 interval=prep["cfg_interval"], renorm=prep["cfg_renorm"], floor=0.0)
+    assert (env_t["latents"] - latents).abs().max() < 1e-5
