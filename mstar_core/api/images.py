@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from mstar_core.api.choices import forks_choices
 from mstar_core.api.common import adapter_call, map_result, result_or_disconnect, submit
 from mstar_core.api.errors import ApiError
 from mstar_core.api.schemas import (
@@ -89,10 +90,12 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
     if edit:
         payload["image"] = base64.b64decode(payload["image"])
     handles = []
+    # a model whose schema takes `n` draws the n images in one request (sharing the prompt's prefill)
+    shared = body.n > 1 and forks_choices(adapter)
     try:
-        for i in range(body.n):
-            one = dict(payload, n=1, index=i)
-            if body.seed is not None:
+        for i in range(1 if shared else body.n):
+            one = dict(payload, n=body.n if shared else 1, index=i)
+            if body.seed is not None and not shared:
                 one["seed"] = (body.seed + i) % (MAX_SEED + 1)  # distinct but reproducible images, still in range
             inputs = adapter_call(adapter.image_inputs, one, edit=edit, what=f"the images adapter of '{body.model}'")
             handles.append(await submit(state, body.model, inputs))

@@ -69,10 +69,10 @@ def test_t2i_label_forks_and_read_only_steps_equal_dense_baseline():
     loaded, engines, (env,), _ = _serve([req])
     prepared = loaded.prepare_inputs(req)
     want = _dense(loaded, req, prepared)
-    assert (env["latents"] - want).abs().max() < TOL
+    assert (env["latents"][0] - want).abs().max() < TOL
     rows, cols = prepared["latent_grid"]
     image = reference.decode(loaded.extras["vae"], want, rows, cols, loaded.extras["config"].latent_patch_size)
-    assert (env["image"].int() - image.int()).abs().max() <= 1
+    assert (env["image"][0].int() - image.int()).abs().max() <= 1
     # t2i defaults: text CFG only inside (0.4, 1]: two branches at the first steps, one at the last
     assert engines["llm_gen"].largest_batch == 2
     assert engines["llm"].pool.num_used == 0 and not engines["llm"].active_requests()
@@ -82,8 +82,8 @@ def test_edit_three_branches_batched_equal_three_separate_dense_forwards():
     req = {"task": "edit", "prompt": "make it blue", "image": _image(), "num_steps": 4, "seed": 7}
     loaded, engines, (env,), _ = _serve([req])
     want = _dense(loaded, req, loaded.prepare_inputs(req))
-    assert (env["latents"] - want).abs().max() < TOL
-    assert env["image"].shape == (24, 32, 3)  # the input's size after the VAE resize (40x52 -> 24x32)
+    assert (env["latents"][0] - want).abs().max() < TOL
+    assert env["image"][0].shape == (24, 32, 3)  # the input's size after the VAE resize (40x52 -> 24x32)
     gen = engines["llm_gen"]
     assert gen.largest_batch == 3 and gen.num_steps == 4  # main, cfg_text, cfg_img: one forward per step
 
@@ -125,8 +125,8 @@ def test_eight_concurrent_t2i_each_equal_alone():
     assert engines["llm_gen"].largest_batch > 2  # several requests' branches shared forwards
     for req, env in zip(reqs, together, strict=True):
         _, _, (alone,), _ = _serve([req])
-        assert (env["latents"] - alone["latents"]).abs().max() < TOL
-        assert torch.equal(env["image"], alone["image"])
+        assert (env["latents"][0] - alone["latents"][0]).abs().max() < TOL
+        assert torch.equal(env["image"][0], alone["image"][0])
 
 
 def test_every_page_is_free_after_normal_end_error_and_cancellation():
@@ -166,3 +166,14 @@ def test_every_page_is_free_after_normal_end_error_and_cancellation():
     error, eng = asyncio.run(failing())
     assert "positions" in str(error)
     assert eng.pool.num_used == 0 and not eng.active_requests()
+
+
+def test_n_images_share_the_prompt_labels_and_equal_single_requests_seeded_apart():
+    req = {"task": "t2i", "prompt": "three foxes", "num_steps": 2, "seed": 20, "n": 3, "width": 16, "height": 16}
+    _, engines, (env,), _ = _serve([req])
+    assert len(env["image"]) == 3 and env["seeds"] == [20, 21, 22]
+    assert engines["llm"].num_steps == 1  # one prefill of the prompt for all three images
+    assert engines["llm_gen"].largest_batch == 6  # three images x two CFG branches in one forward
+    for i in range(3):
+        _, _, (alone,), _ = _serve([dict(req, n=1, seed=20 + i)])
+        assert (env["latents"][i] - alone["latents"][0]).abs().max() < TOL

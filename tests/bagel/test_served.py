@@ -43,6 +43,14 @@ def test_images_generate_and_edit_give_pngs(client):
     assert _image(r.data[0]).size == (32, 24)  # the input's aspect at the VAE's grid
 
 
+def test_n_images_in_one_request_equal_single_requests_seeded_apart(client):
+    both = client.images.generate(model="bagel", prompt="two foxes", size="16x16", n=2,
+                                  extra_body={"seed": 9, "num_steps": 2})
+    singles = [client.images.generate(model="bagel", prompt="two foxes", size="16x16",
+                                      extra_body={"seed": 9 + i, "num_steps": 2}) for i in range(2)]
+    assert [d.b64_json for d in both.data] == [s.data[0].b64_json for s in singles]
+
+
 def test_chat_answers_about_an_image(client):
     url = "data:image/png;base64," + base64.b64encode(_png()).decode()
     r = client.chat.completions.create(model="bagel", max_tokens=4, seed=0, messages=[{"role": "user", "content": [
@@ -64,6 +72,7 @@ def test_bad_input_is_a_4xx_naming_the_field(client, call, param):
     assert err.value.body.get("param") == param or param in str(err.value)
 
 
+@pytest.mark.slow
 def test_mstar_run_writes_an_image(tmp_path):
     import subprocess
     import sys

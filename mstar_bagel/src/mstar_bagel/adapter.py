@@ -29,7 +29,7 @@ class BagelImagesAdapter(ApiAdapter):
         self.prepare = loaded.prepare
 
     def image_inputs(self, body: Mapping[str, Any], *, edit: bool) -> dict[str, Any]:
-        inputs: dict[str, Any] = {"task": "edit" if edit else "t2i", "prompt": body["prompt"]}
+        inputs: dict[str, Any] = {"task": "edit" if edit else "t2i", "prompt": body["prompt"], "n": body.get("n", 1)}
         if body.get("seed") is not None:
             inputs["seed"] = body["seed"]
         if edit:

@@ -9,9 +9,9 @@
     understand: Loop(images){ vit -> llm(ViT block) } -> llm(text + <|im_start|>, samples) -> decode loop
     think:      llm(system) -> llm(prompt) [before -> cfg_text, after -> cfg_img] -> llm(<|im_start|>) -> decode
                 loop (the thought, into main) ; then think_image: llm(<|im_end|>) -> flow -> vae_decode
-    flow:       noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
+    flow:       Parallel(count=n){ image_seed -> noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
                   -> Parallel(count=cfg_branches){ pick -> llm_gen read-only on main | cfg_text | cfg_img }
-                  -> split -> euler (guidance + Euler step) }
+                  -> split -> euler (guidance + Euler step) } -> vae_decode }
 
 Every image block is [<|vision_start|>, rows, <|vision_end|>] at one RoPE position. In the flow loop the
 labels are frozen: each branch is a read-only call of `llm_gen` (sharing `llm`'s pages), so the branches of
@@ -55,7 +55,7 @@ WALKS = ("t2i", "edit", "understand", "think")
 MAX_STEPS = 200
 ABSENT = "_absent"  # an env name nothing supplies: binds a call's unused optional ports
 GUIDANCE = ("guidance_scale", "image_guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
-FLOW_INPUTS = ("num_steps", "latent_shape", "latent_ids", "latent_grid", "gen_block_ids", "gen_block_at",
+FLOW_INPUTS = ("n", "num_steps", "latent_shape", "latent_ids", "latent_grid", "gen_block_ids", "gen_block_at",
                "gen_block_routing", "gen_rows", "gen_position_table")
 FLOW_OPTIONAL = ("seed", "shift", *GUIDANCE)
 LLM_OPTIONAL = ("input_embeds", "embeds_at", "routing", "positions", "sampling")
@@ -91,7 +91,11 @@ def _flow() -> Sequential:
         NodeCall("split"),
         NodeCall("euler", inputs={"step": "loop_index"}),
     )
-    return Sequential("noise", Loop(body=step, iters="num_steps"), "vae_decode")
+    one = Sequential(NodeCall("image_seed"), NodeCall("noise", inputs={"seed": "image_seed"}, outputs={"seed": "drawn_seed"}),
+                     Loop(body=step, iters="num_steps"), "vae_decode")
+    # n images of one prompt: each its own noise and flow, all reading the same frozen labels (nothing copied)
+    return Parallel(one, count="n", index_name="image_index",
+                    collect={"image": "image", "latents": "latents", "drawn_seed": "seeds", "sigma": "sigma"})
 
 
 def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: str = "bagel") -> Graph:
@@ -107,6 +111,8 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         GraphNode("llm_gen", inputs=("input_ids", "input_embeds", "embeds_at", "routing", "positions", "output_index"),
                   outputs=("velocity",), engine="kvcache", module=lambda: GenLLM(bagel),
                   options={"share_cache_with": "llm"}),
+        GraphNode("image_seed", inputs=("image_index",), optional_inputs=("seed",), outputs=("image_seed",),
+                  engine="function", module=lambda: image_seed),
         GraphNode("noise", inputs=("num_steps", "latent_shape"), optional_inputs=("seed", "shift"),
                   outputs=("latents", "timestep", "sigma", "seed"), engine="diffusion", options={"role": "init", **diffusion}),
         GraphNode("flow_inputs", inputs=("latents", "timestep", "sigma", "latent_ids"),
@@ -136,7 +142,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
                                snapshot_before="cfg_text", snapshot_after="cfg_img"), _flow()),
         inputs=("prompt_ids", "prompt_positions", *FLOW_INPUTS),
         optional_inputs=(ABSENT, *FLOW_OPTIONAL),
-        outputs=("image", "seed"),
+        outputs=("image", "seeds"),
         emit=("sigma",),
         description="prompt into main (cfg_text: empty; cfg_img: main), then the CFG flow loop and the VAE decode",
     )
@@ -154,7 +160,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
                 "vit_block_ids", "vit_block_at", "vit_block_positions", "prompt_ids", "prompt_positions",
                 "text_only_positions", *FLOW_INPUTS),
         optional_inputs=(ABSENT, *FLOW_OPTIONAL),
-        outputs=("image", "seed"),
+        outputs=("image", "seeds"),
         emit=("sigma",),
         description="the input image as a VAE block and a ViT block, the instruction, then the flow at the input's size",
     )
@@ -178,7 +184,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         body=Sequential(NodeCall("think_close"), _write({"input_ids": "close_ids"}), _flow()),
         inputs=("decoded", "gen_position_base", *(n for n in FLOW_INPUTS if n != "gen_position_table")),
         optional_inputs=(ABSENT, *FLOW_OPTIONAL),
-        outputs=("image", "seed"),
+        outputs=("image", "seeds"),
         emit=("sigma",),
         description="the thought closed with <|im_end|> in main, then the flow at the position after it",
     )
@@ -199,6 +205,11 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         description="each image as a ViT block, then the prompt; decode until <|im_end|>",
     )
     return Graph.build(name, nodes, [t2i, edit, understand, think, think_image], plan=_plan)
+
+
+def image_seed(image_index: int, seed: int | None = None) -> int | None:
+    """Image `i` of a request seeded `s` is the image a single request seeded `s + i` draws (None: a fresh seed)."""
+    return None if seed is None else (seed + image_index) % (2**63)
 
 
 def _plan(env) -> list[str]:

@@ -33,6 +33,7 @@ CFG_DEFAULTS = {"t2i": (4.0, 1.0, (0.4, 1.0), "global"), "edit": (4.0, 2.0, (0.0
                 "think": (4.0, 1.0, (0.4, 1.0), "global")}
 MAX_SCALE = 30.0
 MAX_IMAGES = 8
+MAX_N = 10
 MAX_PROMPT = 4096
 
 
@@ -122,6 +123,8 @@ class Preparer:
                              minimum=down, maximum=side),
                 RequestField("height", "integer", f"t2i: output height, a multiple of {down}", default=side,
                              minimum=down, maximum=side),
+                RequestField("n", "integer", "images from one prompt (they share its cached labels)", default=1,
+                             minimum=1, maximum=MAX_N),
                 RequestField("num_steps", "integer", "flow Euler steps", default=cfg.num_timesteps - 1, minimum=1,
                              maximum=MAX_STEPS),
                 RequestField("shift", "number", "timestep shift", default=cfg.timestep_shift, minimum=0.05,
@@ -185,7 +188,7 @@ class Preparer:
         pick = lambda key, default: default if inputs.get(key) is None else inputs[key]  # noqa: E731
         block = _block(n, self.ids, 0, gen=True)
         env = {
-            "num_steps": inputs["num_steps"], "shift": float(inputs["shift"]),
+            "n": inputs["n"], "num_steps": inputs["num_steps"], "shift": float(inputs["shift"]),
             "latent_shape": [n, cfg.patch_latent_dim], "latent_ids": flattened_grid_ids(rows, cols, cfg.max_latent_size),
             "latent_grid": [rows, cols],
             "gen_block_ids": block["block_ids"], "gen_block_at": block["block_at"],
@@ -234,6 +237,8 @@ class Preparer:
         return env
 
     def _understand(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        if inputs["n"] != 1:
+            raise RequestError("'n' > 1 is for images (t2i, edit, think); ask for one reply", param="n")
         images = []
         for i, value in enumerate(inputs.get("images") or []):
             image = decode_image(value, f"images[{i}]")
