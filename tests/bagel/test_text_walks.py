@@ -27,8 +27,8 @@ def _image(seed, h, w):
 
 
 def test_understand_and_think_equal_dense_greedy_reference():
-    und = {"task": "understand", "prompt": "what is in the pictures?", "max_tokens": 6,
-           "images": [_image(0, 30, 44), _image(1, 60, 28)]}
+    und = {"task": "understand", "max_tokens": 6,
+           "content": ["first", _image(0, 30, 44), "then", _image(1, 60, 28), "what is in the pictures?"]}
     think = {"task": "think", "prompt": "a red fox", "max_tokens": 5, "num_steps": 3, "seed": 4}
     loaded, (env_u, env_t), pages_left = _serve([und, think])
     assert pages_left == 0
@@ -36,9 +36,14 @@ def test_understand_and_think_equal_dense_greedy_reference():
 
     prep = loaded.prepare_inputs(und)
     main = reference.Label()
-    for item in prep["images"]:
-        reference.prefill_block(bagel, main, ids.boi, ids.eoi, bagel.vit_rows(item["vit_pixels"]), gen=False)
-    want = reference.decode_greedy(bagel, main, prep["prompt_ids"].tolist(), 6, (ids.eos,))
+    tok = loaded.extras["tokenizer"]
+    pixels = iter([p["vit_pixels"] for p in prep["parts"] if "vit_pixels" in p])  # resized as served
+    for item in und["content"]:  # in order: text blocks causal, images as bidirectional ViT blocks
+        if isinstance(item, str):
+            reference.prefill_text(bagel, main, [ids.bos, *tok.encode(item, add_special_tokens=False).ids, ids.eos])
+        else:
+            reference.prefill_block(bagel, main, ids.boi, ids.eoi, bagel.vit_rows(next(pixels)), gen=False)
+    want = reference.decode_greedy(bagel, main, [ids.bos], 6, (ids.eos,))
     assert [env_u["first_token"], *env_u["decoded"]] == want
 
     prep = loaded.prepare_inputs(think)

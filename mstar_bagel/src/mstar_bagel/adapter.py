@@ -45,16 +45,17 @@ class BagelImagesAdapter(ApiAdapter):
         return inputs
 
     def chat_message_inputs(self, body: Mapping[str, Any], messages: Sequence[Any]) -> dict[str, Any]:
-        images, texts = [], []
+        """Every message's text and image parts, in order (BAGEL's understanding takes no roles)."""
+        content: list[Any] = []
         for turn in messages:
             for part in turn.parts:
                 if hasattr(part, "tensor") and hasattr(part, "image"):
-                    images.append(part.tensor())
+                    content.append(part.tensor())
                 elif getattr(part, "text", None):
-                    texts.append(part.text)
-        if not texts:
-            raise RequestError("the messages have no text to answer", param="messages")
-        inputs = {"task": "understand", "prompt": "\n".join(texts), "images": images}
+                    content.append(part.text)
+        if not content:
+            raise RequestError("the messages have nothing to answer", param="messages")
+        inputs = {"task": "understand", "content": content}
         inputs.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
         return inputs
 

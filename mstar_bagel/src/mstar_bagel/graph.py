@@ -6,7 +6,7 @@
                 -> llm(VAE block, bidirectional, gen expert) -> llm(ViT block, bidirectional)   [each: -> cfg_text]
                 -> llm(text) into main [snapshot before -> cfg_text] -> llm(text) into cfg_img
                 -> flow (at the input's size) -> vae_decode
-    understand: Loop(images){ vit -> llm(ViT block) } -> llm(text + <|im_start|>, samples) -> decode loop
+    understand: Loop(parts){ vit -> llm(ViT block) | llm(text block) } -> llm(<|im_start|>, samples) -> decode loop
     think:      llm(system) -> llm(prompt) [before -> cfg_text, after -> cfg_img] -> llm(<|im_start|>) -> decode
                 loop (the thought, into main) ; then think_image: llm(<|im_end|>) -> flow -> vae_decode
     flow:       Parallel(count=n){ image_seed -> noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
@@ -29,7 +29,7 @@ from mstar_bagel.nodes import (
     FlowInputs,
     GenLLM,
     PickBranch,
-    PickImage,
+    PickPart,
     SplitVelocities,
     ThinkClose,
     UnderstandLLM,
@@ -82,7 +82,7 @@ def _flow() -> Sequential:
         NodeCall("pick"),
         NodeCall("llm_gen", inputs={"input_ids": "gen_block_ids", "input_embeds": "latent_rows", "embeds_at": "gen_block_at",
                                     "routing": "gen_block_routing", "positions": "gen_positions", "output_index": "gen_rows"},
-                 options={"cache_label": FromEnv("cfg_branch", lambda i: LABELS[i]), "write_cache": False,
+                 options={"cache_label": FromEnv("cfg_branch", cfg_label), "write_cache": False,
                           "bidirectional": True}),
     )
     step = Sequential(
@@ -127,9 +127,9 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
                   outputs=("latents", "timestep", "sigma"), engine="diffusion", options=diffusion),
         GraphNode("vae_decode", inputs=("latents", "latent_grid"), outputs=("image",), engine="stateless",
                   module=lambda: VAEDecodeNode(vae, cfg.latent_patch_size)),
-        GraphNode("pick_image", inputs=("images", "index"),
-                  outputs=("vit_pixels", "vit_block_ids", "vit_block_at", "vit_block_positions"), engine="function",
-                  module=PickImage),
+        GraphNode("pick_part", inputs=("parts", "index"),
+                  outputs=("part_is_image", "part_is_text", "vit_pixels", "vit_block_ids", "vit_block_at",
+                           "vit_block_positions", "text_ids", "text_positions"), engine="function", module=PickPart),
         GraphNode("detokenize", inputs=("first_token", "decoded"), outputs=("text",), engine="function",
                   module=lambda: Detokenize(tokenizer)),
         GraphNode("think_close", inputs=("decoded", "gen_position_base", "gen_block_ids"),
@@ -191,20 +191,28 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
     understand = Walk(
         name="understand",
         body=Sequential(
+            # the parts in order; each iteration runs exactly one of the two fan-outs (count 1, the other 0)
             Loop(body=Sequential(
-                NodeCall("pick_image", inputs={"index": "loop_index"}),
-                NodeCall("vit", inputs={"pixels": "vit_pixels"}),
-                _image_block("vit", "vit_rows", gen=False),
-            ), iters="num_images"),
-            *_decode("prompt_ids", positions="prompt_positions"),
+                NodeCall("pick_part", inputs={"index": "loop_index"}),
+                Parallel(Sequential(NodeCall("vit", inputs={"pixels": "vit_pixels"}), _image_block("vit", "vit_rows", gen=False)),
+                         count="part_is_image", index_name="image_part", collect={}),
+                Parallel(_write({"input_ids": "text_ids", "positions": "text_positions"}),
+                         count="part_is_text", index_name="text_part", collect={}),
+            ), iters="num_parts"),
+            *_decode("reply_start", positions="reply_positions"),
         ),
-        inputs=("images", "num_images", "prompt_ids", "prompt_positions", "sampling"),
+        inputs=("parts", "num_parts", "reply_start", "reply_positions", "sampling"),
         optional_inputs=(ABSENT,),
         outputs=("text", "finish_reason"),
         emit=("next_token",),
-        description="each image as a ViT block, then the prompt; decode until <|im_end|>",
+        description="text and images in their order (images as ViT blocks), then <|im_start|>; decode until <|im_end|>",
     )
     return Graph.build(name, nodes, [t2i, edit, understand, think, think_image], plan=_plan)
+
+
+def cfg_label(branch: int) -> str:
+    """CFG branch i reads label LABELS[i]: main, cfg_text, cfg_img."""
+    return LABELS[branch]
 
 
 def image_seed(image_index: int, seed: int | None = None) -> int | None:

@@ -127,11 +127,17 @@ class SplitVelocities:
         return {"velocity": v[0], "velocity_uncond": v[1], "velocity_uncond_image": v[2]}
 
 
-class PickImage:
-    """Function node in the understanding loop: image `index`'s ViT pixels and its block's ids, slots, position."""
+class PickPart:
+    """Function node in the understanding loop: part `index` (an image or a text block), with a 1/0 count per kind."""
 
-    def __call__(self, images: list, index: int) -> dict[str, Any]:
-        return dict(images[index])
+    def __call__(self, parts: list, index: int) -> dict[str, Any]:
+        part = parts[index]
+        image = "vit_pixels" in part
+        blank = torch.zeros(1, dtype=torch.long)  # the skipped kind's inputs: never read (its fan-out runs 0 times)
+        out = {"part_is_image": int(image), "part_is_text": int(not image), "vit_pixels": None, "vit_block_ids": blank,
+               "vit_block_at": blank, "vit_block_positions": blank, "text_ids": blank, "text_positions": blank}
+        out.update(part)
+        return out
 
 
 class Detokenize:

@@ -114,8 +114,10 @@ class Preparer:
                 RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> "
                              "text), think (a thought, then the image)",
                              default="t2i", choices=TASKS),
-                RequestField("prompt", "string", "the prompt or instruction", required=True, min_length=1,
+                RequestField("prompt", "string", "the prompt or instruction (understand: the last text)", min_length=1,
                              max_length=MAX_PROMPT, blank=False),
+                RequestField("content", "array", "understand: text and images in order (strings; [H, W, 3] tensors "
+                             "or PNG/JPEG bytes), before 'images' and 'prompt'", items="any", max_length=4 * MAX_IMAGES),
                 RequestField("image", "any", "edit: the input image ([H, W, 3] tensor, or PNG/JPEG bytes)"),
                 RequestField("images", "array", "understand: images before the prompt", items="any",
                              max_length=MAX_IMAGES),
@@ -144,16 +146,18 @@ class Preparer:
             example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
         )
 
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, field: str = "prompt") -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if ids and max(ids) >= self.cfg.llm.vocab_size:
-            raise RequestError("the prompt has tokens outside the model's vocabulary", param="prompt")
+            raise RequestError(f"'{field}' has tokens outside the model's vocabulary", param=field)
         return ids
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         task = inputs["task"]
         if task == "understand":
             return self._understand(inputs)
+        if inputs.get("prompt") is None:
+            raise RequestError(f"task '{task}' needs 'prompt'", param="prompt")
         if task == "think":
             return self._think(inputs)
         if task == "edit" and inputs.get("image") is None:
@@ -239,16 +243,27 @@ class Preparer:
     def _understand(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if inputs["n"] != 1:
             raise RequestError("'n' > 1 is for images (t2i, edit, think); ask for one reply", param="n")
-        images = []
-        for i, value in enumerate(inputs.get("images") or []):
-            image = decode_image(value, f"images[{i}]")
+        items = [(f"content[{i}]", v) for i, v in enumerate(inputs.get("content") or [])]
+        items += [(f"images[{i}]", v) for i, v in enumerate(inputs.get("images") or [])]
+        if inputs.get("prompt") is not None:
+            items.append(("prompt", inputs["prompt"]))
+        if not items:
+            raise RequestError("task 'understand' needs 'prompt' (or 'content')", param="prompt")
+        if sum(not isinstance(v, str) for _, v in items) > MAX_IMAGES:
+            raise RequestError(f"at most {MAX_IMAGES} images per request", param="content")
+        parts, pos = [], 0
+        for name, value in items:
+            if isinstance(value, str):
+                ids = [self.ids.bos, *self.text_ids(value, name), self.ids.eos]
+                parts.append({"text_ids": torch.tensor(ids), "text_positions": torch.arange(pos, pos + len(ids))})
+                pos += len(ids)
+                continue
+            image = decode_image(value, name)
             vh, vw = fit_size(image.shape[0], image.shape[1], self.vit_max, self.vit_min, self.cfg.vit.patch_size)
             n = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
-            item = {"vit_pixels": to_pixels(image, (vh, vw))}
-            item.update({f"vit_{k}": v for k, v in _block(n, self.ids, i, gen=False).items()})
-            images.append(item)
-        prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos, self.ids.bos]
-        k = len(images)
-        sampling = self._sampling(inputs, [self.ids.eos], prefills=k)
-        return {"walk": "understand", "images": images, "num_images": k, "prompt_ids": torch.tensor(prompt),
-                "prompt_positions": torch.arange(k, k + len(prompt)), "sampling": sampling}
+            part = {"vit_pixels": to_pixels(image, (vh, vw))}
+            part.update({f"vit_{k}": v for k, v in _block(n, self.ids, pos, gen=False).items()})
+            parts.append(part)
+            pos += 1
+        return {"walk": "understand", "parts": parts, "num_parts": len(parts), "reply_start": [self.ids.bos],
+                "reply_positions": torch.tensor([pos]), "sampling": self._sampling(inputs, [self.ids.eos], len(parts))}
