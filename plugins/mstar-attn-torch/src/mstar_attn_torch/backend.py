@@ -139,12 +139,13 @@ class TorchPagedContext:
                     mask = torch.arange(kv_len, device=device)[None, :] < bound[:, None]
             self.prefill.append((start, n, slots, mask, fresh and causal))
         # read-only sequences: frozen context keys (gathered) then their own keys, which are never stored
-        self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in sorted(readonly):
             start, n, ctx = starts[i], batch.q_lens[i], batch.context_slots[i]
             pos = torch.arange(ctx.shape[0] + n, device=device)
             bound = limits[start : start + n] if limits is not None else batch.positions[start : start + n] + 1
-            self.readonly.append((start, n, ctx, pos[None, :] < bound[:, None]))
+            every_key = int(bound.min()) >= pos.shape[0]  # a bidirectional block at the end: no mask needed
+            self.readonly.append((start, n, ctx, None if every_key else pos[None, :] < bound[:, None]))
 
     @staticmethod
     def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:
@@ -197,17 +198,19 @@ class TorchPagedContext:
                 keys, vals = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
             else:
                 keys, vals = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+            # 4-D (a batch of one): CPU's flash kernel takes only 4-D inputs; 3-D falls back to the math path (~4x slower)
             res = F.scaled_dot_product_attention(
-                qh.to(keys.dtype), keys, vals, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-            )
+                qh.to(keys.dtype)[None], keys[None], vals[None], attn_mask=mask, is_causal=is_causal, scale=scale,
+                enable_gqa=gqa,
+            )[0]
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         for start, n, ctx, mask in self.readonly:
             keys = torch.cat((k_cache[ctx], k[start : start + n].to(k_cache.dtype))).transpose(0, 1)
             vals = torch.cat((v_cache[ctx], v[start : start + n].to(v_cache.dtype))).transpose(0, 1)
             res = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale,
-                enable_gqa=gqa,
-            )
+                q[start : start + n].transpose(0, 1).to(keys.dtype)[None], keys[None], vals[None], attn_mask=mask,
+                scale=scale, enable_gqa=gqa,
+            )[0]
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         return out
 
