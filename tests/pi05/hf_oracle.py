@@ -25,22 +25,33 @@ _RENAMES = [
 ]
 
 
-def hf_pi0(seed: int = 0):
+def hf_pi0(seed: int = 0, *, text: dict = TEXT, expert: dict = EXPERT, vision: dict = VISION,
+           image_token: int = IMAGE_TOKEN, chunk_size: int = 5, state_dim: int = 8, action_dim: int = 8,
+           num_steps: int = 3, std: float = 0.1):
+    """transformers' PI0 at the given sizes, weights drawn from N(0, std)."""
     from transformers import PI0Config, PI0ForConditionalGeneration
 
     cfg = PI0Config(
-        vlm_config={"text_config": {"model_type": "gemma", **TEXT},
-                    "vision_config": {"model_type": "siglip_vision_model", **VISION, "projection_dim": 64,
-                                      "vision_use_head": False},
-                    "projection_dim": 64, "image_token_id": IMAGE_TOKEN},
-        dit_config={"model_type": "gemma", **EXPERT}, chunk_size=5, max_state_dim=8, max_action_dim=8,
-        num_inference_steps=3)
+        vlm_config={"text_config": {"model_type": "gemma", **text},
+                    "vision_config": {"model_type": "siglip_vision_model", **vision,
+                                      "projection_dim": text["hidden_size"], "vision_use_head": False},
+                    "projection_dim": text["hidden_size"], "image_token_id": image_token},
+        dit_config={"model_type": "gemma", **expert}, chunk_size=chunk_size, max_state_dim=state_dim,
+        max_action_dim=action_dim, num_inference_steps=num_steps)
     torch.manual_seed(seed)
     model = PI0ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for _, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
+            p.normal_(0.0, std)
     return model
+
+
+def lerobot_config(*, text: dict, expert: dict, vision: dict, chunk_size: int, state_dim: int, action_dim: int,
+                   num_steps: int) -> dict:
+    """The LeRobot `config.json` M* loads for those sizes (the byte tokenizer: PI0 itself takes ids)."""
+    return {"type": "pi0", "chunk_size": chunk_size, "max_state_dim": state_dim, "max_action_dim": action_dim,
+            "num_inference_steps": num_steps, "mstar_tokenizer": "bytes",
+            "mstar_sizes": {"text": text, "expert": expert, "vision": vision}}
 
 
 def lerobot_state_dict(model) -> dict[str, torch.Tensor]:

@@ -52,12 +52,14 @@ def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tens
         GraphNode("noise", engine="diffusion", inputs=("num_steps", "latent_shape"), optional_inputs=("seed",),
                   outputs=("latents", "timestep"),
                   options={"role": "init", "schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim),
-                           "max_steps": 100}),
+                           "max_steps": 100, "inline": True}),
         GraphNode("expert", inputs=("input_embeds", "timestep"), outputs=("velocity",), engine="kvcache",
                   module=lambda: ActionExpert(policy), options={"share_cache_with": "vlm"}),
         GraphNode("euler", engine="diffusion", inputs=("latents", "step", "num_steps", "velocity"),
                   outputs=("latents", "timestep"),
-                  options={"schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim), "max_steps": 100}),
+                  options={"schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim), "max_steps": 100,
+                           # a [H, 32] axpy: on the event loop, not a round trip through the device thread per step
+                           "inline": True}),
         GraphNode("finish", inputs=("latents", "action_dim"), outputs="actions", engine="function",
                   module=lambda: Finish(unnormalize)),
     ]

@@ -17,6 +17,11 @@ from mstar_pi05.robots import policy_server
 PRESETS = ("tiny",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATS_FILES = ("stats.json", "norm_stats.json")
+#: One pool (the expert reads the VLM's pages): 1024 pages of 16 hold 16 robots' ~968-token pi0.5 prefixes, so eight
+#: robots at once never preempt (a preempted prefix is recomputed). Budgets large enough that the prefixes of robots
+#: arriving together share one forward, and every robot's expert step then runs in one batch.
+ENGINE_SETTINGS = {"vlm": {"num_pages": 1024, "page_size": 16, "max_num_batched_tokens": 8192},
+                   "expert": {"num_pages": 1024, "page_size": 16, "max_num_batched_tokens": 4096}}
 
 
 def _stats(directory: Path) -> dict | None:
@@ -41,14 +46,14 @@ def _loader(kind: str):
         if policy.config.type != kind:
             raise ConfigError(f"{kind}: {directory}/config.json has type {policy.config.type!r}; "
                               f"serve it as model '{policy.config.type}'")
-        prepare = Preparer(policy.config, tokenizer_for(str(directory), preset is not None), _stats(directory))
+        prepare = Preparer(policy.config, tokenizer_for(str(directory), preset is not None, policy.config.raw), _stats(directory))
         return LoadedModel(
             name=kind,
             graph=build_graph(policy, prepare.unnormalize_actions, kind),
             random_weights=preset is not None,
             prepare=prepare,
             request_schema=prepare.schema,
-            engine_settings={"vlm": {"num_pages": 256, "page_size": 16}, "expert": {"num_pages": 256, "page_size": 16}},
+            engine_settings=ENGINE_SETTINGS,
             extras={"policy": policy, "config": policy.config, "checkpoint": str(directory),
                     "policy_server": policy_server(policy.config)},
         )

@@ -29,10 +29,10 @@ class PrefixCache:
             k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
         if self.write:
             self.k[layer], self.v[layer] = k, v
-        reps = q.shape[1] // k.shape[1]
-        qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(reps, 1).transpose(0, 1), v.repeat_interleave(reps, 1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask, scale=scale)
-        return out.transpose(0, 1)
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # 4-D: CPU's flash kernel takes nothing else
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
 
 
 @torch.inference_mode()
