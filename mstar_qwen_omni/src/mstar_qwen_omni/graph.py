@@ -38,7 +38,7 @@ from mstar_core.graph import (
 )
 from mstar_core.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar_qwen_omni.checkpoint import QwenOmni
-from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, TalkerPrompt, TextStart
+from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, PromptEncoder, TalkerPrompt, TextStart
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
 #: An env name nothing ever supplies: binds the code predictor's port a call must not take (ids vs embeddings).
@@ -54,32 +54,56 @@ def _talker_done(env: Mapping[str, Any]) -> bool:
 
 
 def plan(env: Mapping[str, Any]) -> list[str]:
-    return ["prefill", "speak"] if env.get("speaker") is not None else ["prefill", "decode"]
+    first = "prefill_mm" if env.get("has_media") else "prefill"
+    return [first, "speak"] if env.get("speaker") is not None else [first, "decode"]
+
+
+#: The Thinker's ports only the media prefill binds; its other calls bind them to UNSET.
+_MM_PORTS = ("input_embeds", "embeds_at", "positions", "deepstack")
+
+
+def _thinker(ids: str, **ports: str) -> NodeCall:
+    inputs = {"input_ids": ids, "sampling": "sampling", **dict.fromkeys(_MM_PORTS, UNSET), **ports}
+    return NodeCall("thinker", inputs=inputs)
 
 
 def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
     groups = model.config.talker.num_code_groups
     nodes = [
-        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling",),
+        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
                   outputs=("next_token", "finish_reason"), engine="kvcache", module=lambda: model.thinker),
+        GraphNode("encode", inputs=("prompt_ids", "prompt_positions"),
+                  optional_inputs=("audio_features", "image_patches", "image_grid", "speaker"),
+                  outputs=("mm_rows", "mm_at", "mm_deepstack", "accept_hidden"), engine="function",
+                  module=lambda: PromptEncoder(model)),
     ]
     walks = [
         Walk(name="prefill",
-             body=NodeCall("thinker", inputs={"input_ids": "prompt_ids", "sampling": "sampling"}),
-             inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             body=_thinker("prompt_ids"),
+             inputs=("prompt_ids",), optional_inputs=("sampling", UNSET), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
+        Walk(name="prefill_mm",
+             body=Sequential(
+                 NodeCall("encode"),
+                 _thinker("prompt_ids", input_embeds="mm_rows", embeds_at="mm_at", positions="prompt_positions",
+                          deepstack="mm_deepstack")),
+             inputs=("prompt_ids", "prompt_positions"),
+             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "speaker", UNSET),
+             outputs=("next_token", "finish_reason"), emit=("next_token",),
+             description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"),
         Walk(name="decode",
              body=_thinker_loop(),
-             inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             inputs=("next_token",), optional_inputs=("sampling", UNSET), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
     ]
     if model.talker is not None:
         nodes += [
-            GraphNode("talker", inputs=("input_embeds",), optional_inputs=("sampling",),
+            GraphNode("talker", inputs=("input_embeds",), optional_inputs=("sampling", "positions"),
                       outputs=("next_token", "finish_reason", "hidden"), engine="kvcache", module=lambda: model.talker),
             GraphNode("code_predictor", inputs=(), optional_inputs=("input_ids", "input_embeds", "sampling"),
                       outputs=("next_token",), engine="kvcache", module=lambda: model.talker.code_predictor),
-            GraphNode("talker_prompt", inputs=("prompt_ids", "first_token", "speaker"), outputs=("talker_in",),
+            GraphNode("talker_prompt", inputs=("prompt_ids", "first_token", "speaker"),
+                      optional_inputs=("accept_hidden", "image_grid"), outputs=("talker_in", "talker_positions"),
                       engine="function", module=lambda: TalkerPrompt(model)),
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
@@ -93,7 +117,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
             name="speak",
             body=_thinker_loop(),
             inputs=("next_token", "prompt_ids", "speaker", "talker_sampling", "predictor_sampling", "talker_max_tokens"),
-            optional_inputs=("sampling", UNSET),
+            optional_inputs=("sampling", UNSET, "accept_hidden", "image_grid"),
             outputs=("next_token", "finish_reason", "audio"),
             emit=("next_token", "codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
             streams=(
@@ -108,14 +132,17 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
 
 
 def _thinker_loop() -> DynamicLoop:
-    return DynamicLoop(body=NodeCall("thinker", inputs={"input_ids": "next_token", "sampling": "sampling"}),
-                       until=_finished, max_iters=decode_iterations("sampling"))
+    return DynamicLoop(body=_thinker("next_token"), until=_finished, max_iters=decode_iterations("sampling"))
+
+
+def _frames_left(env: Mapping[str, Any]) -> int:
+    # the prefill sampled the first code 0; it may already have ended the speech
+    return 0 if env.get("talker_finish") is not None else int(env["talker_max_tokens"]) - 1
 
 
 def _talker_fragment(groups: int) -> Sequential:
+    talker_outputs = {"next_token": "code0", "hidden": "talker_hidden", "finish_reason": "talker_finish"}
     frame = Sequential(
-        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling"},
-                 outputs={"next_token": "code0", "hidden": "talker_hidden", "finish_reason": "talker_finish"}),
         NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
         NodeCall("code_predictor", inputs={"input_embeds": "cp_seed", "input_ids": UNSET,
                                            "sampling": "predictor_sampling"},
@@ -126,9 +153,14 @@ def _talker_fragment(groups: int) -> Sequential:
                            outputs={"next_token": "cp_next"}, options={"cache_label": "frame"}),
              iters=groups - 2, carry={"cp_next": "cp_token"}, accumulate={"cp_next": "cp_rest"}),
         NodeCall("frame_step", inputs={"text": "reply_text"}, outputs={"step_embeds": "talker_in"}),
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling", "positions": UNSET},
+                 outputs=talker_outputs),
     )
     return Sequential(
         NodeCall("talker_prompt", inputs={"first_token": "next_token"}),
         NodeCall("text_start", inputs={"text": "reply_text"}),
-        DynamicLoop(body=frame, until=_talker_done, max_iters="talker_max_tokens"),
+        # the prefill (with M-RoPE positions when the user turns hold images); decode continues after them
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling",
+                                   "positions": "talker_positions"}, outputs=talker_outputs),
+        DynamicLoop(body=frame, until=_talker_done, max_iters=_frames_left),
     )

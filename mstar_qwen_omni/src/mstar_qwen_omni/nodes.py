@@ -13,21 +13,74 @@ from typing import Any
 
 import torch
 
+from mstar_core.nn.attention import DenseAttention
 from mstar_core.streaming import Chunk
 from mstar_qwen_omni.checkpoint import QwenOmni
-from mstar_qwen_omni.reference import talker_prompt
+from mstar_qwen_omni.positions import prompt_positions
+from mstar_qwen_omni.reference import talker_prompt, user_positions
 
 #: Feed states carried between Talker steps: the held token id, or one of these.
 NOTHING, ENDED = -1, -2
 
 
+class PromptEncoder:
+    """Audio and image parts -> the Thinker's rows at their placeholders, per-token deepstack rows, and (for
+    speech) the accept-layer hidden states the Talker reads at media positions.
+
+    The accept-layer states come from a dense re-run of the prompt through the Thinker's first layers: the
+    kvcache engine answers a sampling call with its sample only, not with per-token states of a layer.
+    """
+
+    def __init__(self, model: QwenOmni):
+        self.thinker = model.thinker
+        self.accept = model.config.talker.accept_hidden_layer
+        t = model.config.thinker
+        self.audio_id, self.image_id = t.audio_token_id, t.image_token_id
+
+    def __call__(self, prompt_ids: list[int], prompt_positions: torch.Tensor, audio_features: list | None = None,
+                 image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
+                 speaker: str | None = None) -> dict[str, Any]:
+        th = self.thinker
+        device = th.lm_head.weight.device
+        ids = torch.tensor(prompt_ids, device=device)
+        with torch.no_grad():
+            embeds = th.embed(ids)
+            deep = None
+            if audio_features:
+                rows = torch.cat([th.audio_tower(f.to(device)) for f in audio_features])
+                embeds[ids == self.audio_id] = rows.to(embeds.dtype)
+            if image_patches is not None:
+                merged, stack = th.visual(image_patches.to(device), image_grid)
+                embeds[ids == self.image_id] = merged.to(embeds.dtype)
+                deep = embeds.new_zeros(len(prompt_ids), stack.shape[1], stack.shape[2])
+                deep[ids == self.image_id] = stack.to(embeds.dtype)
+            at = (ids == self.audio_id) | (ids == self.image_id)
+            out = {"mm_rows": embeds[at], "mm_at": at.cpu(), "mm_deepstack": deep, "accept_hidden": None}
+            if speaker is not None:
+                _, kept = th.hidden_states(embeds, prompt_positions.to(device), DenseAttention(), self.accept, deep)
+                out["accept_hidden"] = kept
+        return out
+
+
 class TalkerPrompt:
+    """The Talker's prefill embeddings, and its M-RoPE positions when user turns hold images (else None)."""
+
     def __init__(self, model: QwenOmni):
         self.model = model
 
-    def __call__(self, prompt_ids: list[int], first_token: int, speaker: str) -> torch.Tensor:
+    def __call__(self, prompt_ids: list[int], first_token: int, speaker: str, accept_hidden: torch.Tensor | None = None,
+                 image_grid: torch.Tensor | None = None) -> dict[str, Any]:
+        cfg = self.model.config
         with torch.no_grad():
-            return talker_prompt(self.model, prompt_ids, int(first_token), speaker)
+            embeds = talker_prompt(self.model, prompt_ids, int(first_token), speaker, accept_hidden)
+        positions = None
+        if image_grid is not None:
+            users = user_positions(prompt_ids, cfg.im_start_token_id, cfg.user_token_id)
+            ids = [prompt_ids[i] for i in users] + [cfg.tts_pad_token_id] * (embeds.shape[0] - len(users))
+            t = cfg.thinker
+            positions = prompt_positions(ids, t.image_token_id, image_grid.tolist(), t.vision.spatial_merge_size,
+                                         t.position_id_per_seconds)
+        return {"talker_in": embeds, "talker_positions": positions}
 
 
 class FrameSeed:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingParams
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
@@ -20,20 +22,14 @@ SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_p
 EXAMPLE = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 
 
-def _text_only(messages: list, name: str) -> list:
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant"):
-            raise RequestError(f"'{name}[{i}]' must be an object with role system, user or assistant", param=name)
-        if not isinstance(m.get("content"), str):
-            raise RequestError(f"'{name}[{i}].content' must be text here (audio and image parts: not yet)", param=name)
-    return messages
-
-
 class Preparer:
     """`prepare(inputs) -> env`: prompt ids, the Thinker's sampling, and for speech the Talker's and predictor's."""
 
-    def __init__(self, cfg: OmniConfig, tokenizer: Any, with_audio: bool):
+    def __init__(self, cfg: OmniConfig, tokenizer: Any, with_audio: bool, patcher: Any = None):
+        from mstar_qwen_omni.prompt import PromptBuilder
+
         self.cfg, self.tokenizer, self.with_audio = cfg, tokenizer, with_audio
+        self.build = PromptBuilder(cfg, tokenizer, patcher)
         vocab = cfg.thinker.text.vocab_size
         voices = sorted(cfg.talker.speaker_id) if with_audio else []
 
@@ -44,8 +40,9 @@ class Preparer:
 
         self.schema = RequestSchema(
             fields=(
-                RequestField("messages", "array", "chat messages [{role, content}]", min_length=1, items="object",
-                             check=_text_only),
+                RequestField("messages", "array", "chat messages [{role, content}]; content is text or a list of "
+                             "parts {type: text, text} | {type: audio, audio: 16 kHz samples} | "
+                             "{type: image, image: [H, W, 3] uint8}", min_length=1, items="object"),
                 RequestField("prompt_ids", "array", "a rendered prompt's token ids (ending in the assistant turn)",
                              min_length=1, items="integer", check=in_vocab),
                 RequestField("speaker", "string", "speak the reply in this voice (text only when absent)",
@@ -66,17 +63,32 @@ class Preparer:
             description="Qwen3-Omni: text in; text out, and speech with `speaker` (streams next_token and audio)",
         )
 
-    def prompt_ids(self, messages: list) -> list[int]:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return self.tokenizer.encode(text + "<|im_start|>assistant\n", add_special_tokens=False).ids
+    def _prompt(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        if inputs.get("prompt_ids") is not None:
+            ids = list(inputs["prompt_ids"])
+            t = self.cfg.thinker
+            if any(i in (t.image_token_id, t.audio_token_id) for i in ids):
+                raise RequestError("'prompt_ids' cannot hold media placeholders: send media as message parts",
+                                   param="prompt_ids")
+            return {"prompt_ids": ids}
+        prompt = self.build(inputs["messages"])
+        env: dict[str, Any] = {"prompt_ids": prompt.ids}
+        if prompt.has_media:
+            env.update(has_media=True, prompt_positions=prompt.positions)
+            if prompt.audio:
+                env["audio_features"] = prompt.audio
+            if prompt.patches:
+                env["image_patches"] = torch.cat(prompt.patches)
+                env["image_grid"] = torch.tensor(prompt.grids)
+        return env
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         cfg = self.cfg
-        ids = list(inputs["prompt_ids"]) if inputs.get("prompt_ids") is not None else self.prompt_ids(inputs["messages"])
+        env = self._prompt(inputs)
         fields = {k: inputs[k] for k in SAMPLING if inputs.get(k) is not None}
         ignore_eos = bool(inputs.get("ignore_eos"))
         sampling = SamplingParams(**{"stop_token_ids": () if ignore_eos else (cfg.im_end_token_id,), **fields})
-        env: dict[str, Any] = {"prompt_ids": ids, "sampling": sampling.check_vocab(cfg.thinker.text.vocab_size)}
+        env["sampling"] = sampling.check_vocab(cfg.thinker.text.vocab_size)
         speaker = inputs.get("speaker")
         if speaker is None:
             return env

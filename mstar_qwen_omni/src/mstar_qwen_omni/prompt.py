@@ -1,0 +1,108 @@
+"""Chat messages with text, audio and image parts -> the Thinker's prompt ids, media inputs and M-RoPE positions.
+
+Turns are Qwen's (`<|im_start|>role\\n ... <|im_end|>\\n`, then `<|im_start|>assistant\\n`). An audio part
+(16 kHz samples) becomes its log-mel features and `<|audio_start|>`, one `<|audio_pad|>` per encoder token,
+`<|audio_end|>`; an image part (`[H, W, 3]` uint8) its patches and `<|vision_start|>`, one `<|image_pad|>`
+per merged token, `<|vision_end|>`. Media keep the order in which the chat gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from mstar_core.errors import RequestError
+from mstar_core.nn.vision_patch import ImagePatcher
+from mstar_core.nn.whisper_features import LogMelFeatures
+from mstar_qwen_omni.audio_encoder import audio_token_count
+from mstar_qwen_omni.config import OmniConfig
+from mstar_qwen_omni.positions import prompt_positions
+
+ROLES = ("system", "user", "assistant")
+
+
+@attrs.define
+class Prompt:
+    ids: list[int]
+    positions: torch.Tensor  # [3, T]
+    audio: list[torch.Tensor] = attrs.field(factory=list)  # log-mel [mel, frames] per audio part
+    patches: list[torch.Tensor] = attrs.field(factory=list)  # [n, patch dims] per image part
+    grids: list[list[int]] = attrs.field(factory=list)
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.audio or self.patches)
+
+
+class PromptBuilder:
+    def __init__(self, cfg: OmniConfig, tokenizer: Any, patcher: ImagePatcher | None = None):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        t = cfg.thinker
+        self.features = LogMelFeatures(n_mels=t.audio.num_mel_bins)
+        v = t.vision
+        self.patcher = patcher or ImagePatcher(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                                               merge_size=v.spatial_merge_size)
+
+    def _text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _media(self, part: Any, where: str, prompt: Prompt) -> list[int]:
+        t = self.cfg.thinker
+        kind = part["type"]
+        if kind == "audio":
+            samples = torch.as_tensor(part.get("audio"), dtype=torch.float32).flatten()
+            if samples.numel() < 1600 or not torch.isfinite(samples).all():
+                raise RequestError(f"'{where}.audio' must be at least 0.1 s of finite 16 kHz samples",
+                                   param=f"{where}.audio")
+            feats = self.features(samples)
+            prompt.audio.append(feats)
+            n = audio_token_count(feats.shape[1], t.audio.n_window)
+            return [t.audio_start_token_id, *[t.audio_token_id] * n, t.audio_end_token_id]
+        image = part.get("image")
+        try:
+            patches, grid = self.patcher(image.numpy() if isinstance(image, torch.Tensor) else image)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"'{where}.image': {exc}", param=f"{where}.image") from None
+        prompt.patches.append(patches)
+        prompt.grids.append(grid)
+        n = grid[0] * grid[1] * grid[2] // t.vision.spatial_merge_size**2
+        return [t.vision_start_token_id, *[t.image_token_id] * n, t.vision_end_token_id]
+
+    def __call__(self, messages: Sequence[Mapping[str, Any]]) -> Prompt:
+        prompt = Prompt(ids=[], positions=torch.zeros(3, 0, dtype=torch.long))
+        ids: list[int] = []
+        text = ""  # text is tokenized in runs between media parts, as one string would be
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or m.get("role") not in ROLES:
+                raise RequestError(f"'messages[{i}]' must be an object with role system, user or assistant",
+                                   param=f"messages[{i}]")
+            text += f"<|im_start|>{m['role']}\n"
+            content = m.get("content")
+            if isinstance(content, str):
+                text += content
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    where = f"messages[{i}].content[{j}]"
+                    if not isinstance(part, Mapping) or part.get("type") not in ("text", "audio", "image"):
+                        raise RequestError(f"'{where}' must be a part {{type: text | audio | image, ...}}", param=where)
+                    if part["type"] == "text":
+                        if not isinstance(part.get("text"), str):
+                            raise RequestError(f"'{where}.text' must be a string", param=f"{where}.text")
+                        text += part["text"]
+                        continue
+                    ids += self._text(text) if text else []
+                    text = ""
+                    ids += self._media(part, where, prompt)
+            else:
+                raise RequestError(f"'messages[{i}].content' must be a string or a list of parts",
+                                   param=f"messages[{i}].content")
+            text += "<|im_end|>\n"
+        ids += self._text(text + "<|im_start|>assistant\n")
+        t = self.cfg.thinker
+        prompt.ids = ids
+        prompt.positions = prompt_positions(ids, t.image_token_id, prompt.grids, t.vision.spatial_merge_size,
+                                            t.position_id_per_seconds)
+        return prompt
