@@ -9,7 +9,16 @@ from hypothesis import strategies as st
 from mstar_fixture_plugin.chain import EVENTS, chain_graph, token_of
 
 from mstar_core.errors import GraphValidationError, RequestCancelled
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, StreamingGraphEdge, Walk
+from mstar_core.graph import (
+    DynamicLoop,
+    Graph,
+    GraphNode,
+    Loop,
+    NodeCall,
+    Sequential,
+    StreamingGraphEdge,
+    Walk,
+)
 from mstar_core.model import LoadedModel
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
@@ -151,3 +160,30 @@ def test_a_chain_draws_its_consumer_fragment():
     assert "stream consumer, takes 'text_in'" in text and "talker [fixture_chain]" in text
     assert 'c0 == "item ~ FixedChunkPolicy(2, flush)" ==> c1' in text  # the producer feeds the loop's call
     assert "window [fixture_chain] (stream)" in text and "subgraph cluster_g2" in to_dot(chain_graph(), "speak")
+
+
+def test_consumer_fragment_loops_are_delegated_unless_they_take_stream_chunks():
+    from mstar_core.runtime.conductor import Conductor
+    from mstar_core.runtime.remote_loop import delegate_loops
+    from mstar_core.runtime.remote_node import RemoteNodeScheduler
+
+    nodes = [GraphNode("a", inputs="x", outputs="y", engine="function", module=lambda: abs),
+             GraphNode("b", inputs="c", outputs="z", engine="function", module=lambda: abs),
+             GraphNode("c", inputs="z", outputs="q", engine="function", module=lambda: abs)]
+    # the outer consumer loop takes chunks (it stays where its stream is); the loop inside it only calls `c`
+    consumer = DynamicLoop(body=Sequential(NodeCall("b", inputs={"c": "chunks"}), Loop(body="c", iters=2)),
+                           until=lambda e: True, max_iters=9)
+    walk = Walk(name="w", body=DynamicLoop(body="a", until=lambda e: True, max_iters=3), inputs="x",
+                streams=(StreamingGraphEdge("a.y", policy=FixedChunkPolicy(1), into="chunks", consumer=consumer),))
+    graph = Graph.build("g", nodes, [walk])
+
+    class Cluster:
+        def replica_group(self, replicas):
+            return replicas
+
+    remote = {n: RemoteNodeScheduler(Cluster(), "g", n, ["w0"]) for n in graph.nodes}
+    conductor = Conductor(graph, remote)
+    sites = conductor.sites["w"]
+    assert [loop.path for loop in sites.loops] == [(0,), (1,), (1, 0, 1)]  # the body's loop, then the fragment's
+    assert delegate_loops(conductor, Cluster(), "g") == 2
+    assert sorted(conductor.remote_loops) == [("w", 0), ("w", 2)]
