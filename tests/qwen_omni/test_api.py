@@ -57,3 +57,21 @@ def test_bad_voices_are_4xx_naming_the_field(server):
         "model": "qwen3-omni", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
         "audio": {"voice": "alloy", "format": "wav"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "audio.voice"
+
+
+def test_chat_takes_audio_and_image_parts(server):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    soundfile.write(buf, (rng.standard_normal(8000) * 0.1).astype(np.float32), 8000, format="WAV", subtype="PCM_16")
+    wav = base64.b64encode(buf.getvalue()).decode()
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(buf, format="PNG")
+    png = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    reply = client.chat.completions.create(model="qwen3-omni", max_tokens=3, messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "What is this?"}]}])
+    assert reply.usage.prompt_tokens > 20  # the placeholders were expanded to the encoders' token counts

@@ -11,13 +11,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.media import AudioPart, ImagePart, TextPart, resample
 from mstar_core.errors import RequestError
 
 VOICES = ("chelsie", "ethan", "aiden")
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
           "auditory and visual inputs, as well as generating text and speech.")
 _FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
+
+
+def _part(part: Any) -> dict[str, Any]:
+    """A decoded chat part -> the model's message part (audio resampled to the encoder's 16 kHz)."""
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, AudioPart):
+        return {"type": "audio", "audio": torch.from_numpy(resample(part.samples, part.sample_rate, 16000))}
+    if isinstance(part, ImagePart):
+        return {"type": "image", "image": torch.from_numpy(np.asarray(part.image.convert("RGB"), dtype=np.uint8))}
+    raise RequestError(f"unsupported chat part {type(part).__name__}")
 
 
 class QwenOmniAdapter(ApiAdapter):
@@ -28,6 +43,7 @@ class QwenOmniAdapter(ApiAdapter):
     audio_output = "audio"
     chat_audio_output = "audio"
     token_output = "next_token"
+    chat_media = frozenset({"image", "audio"})
 
     def bind(self, loaded: Any) -> None:
         self.loaded = loaded
@@ -61,8 +77,8 @@ class QwenOmniAdapter(ApiAdapter):
         return {"messages": messages, "speaker": voice, **self._extras({"max_tokens": budget, **body})}
 
     def chat_message_inputs(self, body: Mapping[str, Any], messages: list) -> dict[str, Any]:
-        turns = [{"role": m.role if m.role in ("system", "user", "assistant") else "user", "content": m.text}
-                 for m in messages]
+        turns = [{"role": m.role if m.role in ("system", "user", "assistant") else "user",
+                  "content": [_part(p) for p in m.parts]} for m in messages]
         audio = body.get("audio")
         inputs = {"messages": turns, **self._extras(body)}
         if audio:
