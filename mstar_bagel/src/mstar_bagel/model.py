@@ -40,7 +40,9 @@ def load(options: LoadOptions) -> LoadedModel:
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"bagel: unknown preset {preset!r}; known: {list(PRESETS)}")
     directory = Path(ensure_tiny() if preset else options.checkpoint)
-    bagel, vae = load_bagel(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+    # presets are tiny: float32; a real checkpoint (14B parameters, stored bf16) loads as bf16 unless told otherwise
+    dtype = _DTYPES[options.dtype or ("float32" if preset else "bfloat16")]
+    bagel, vae = load_bagel(directory, device=options.device, dtype=dtype)
     tokenizer = open_tokenizer(directory)
     top = json.loads((directory / "config.json").read_text())
     prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer), top.get("think_system_prompt"))
