@@ -177,3 +177,21 @@ def test_n_images_share_the_prompt_labels_and_equal_single_requests_seeded_apart
     for i in range(3):
         _, _, (alone,), _ = _serve([dict(req, n=1, seed=20 + i)])
         assert (env["latents"][i] - alone["latents"][0]).abs().max() < TOL
+
+
+def test_think_cancelled_mid_thought_frees_its_pages():
+    req = {"task": "think", "prompt": "a fox", "max_tokens": 400, "num_steps": 2, "seed": 0}
+
+    async def during(engine, handles):
+        llm = engine.node_engines("bagel")["llm"]
+        for _ in range(4000):
+            if llm.num_steps >= 12:  # system, prompt, then ten thought tokens
+                break
+            await asyncio.sleep(0.002)
+        used = llm.pool.num_used
+        handles[0].cancel()
+        return used
+
+    _, engines, (env,), used = _serve([req], during=during)
+    assert "cancelled" in str(env) and used > 0
+    assert engines["llm"].pool.num_used == 0 and not engines["llm"].active_requests()
