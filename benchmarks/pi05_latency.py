@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.pi05.hf_oracle: the HF PI0 at our sizes
 
+from mstar_pi05.prepare import prompt_ids
+
 from mstar_core.checkpoint import save_hf_checkpoint
 from mstar_core.model import LoadOptions
 from mstar_core.runtime import AsyncEngine
@@ -69,8 +71,7 @@ class Baseline:
         self.model, self.loaded, self.num_steps, self.patches = model, loaded, num_steps, patches
 
     def inputs(self, robot: dict) -> dict:
-        tokenizer = self.loaded.prepare.tokenizer
-        text = torch.tensor(tokenizer.encode(robot["prompt"].strip() + "\n"))
+        text = torch.tensor(prompt_ids(self.loaded.prepare.tokenizer, robot["prompt"], None))
         ids = torch.cat([torch.full((len(robot["images"]) * self.patches,), IMAGE_TOKEN), text])[None]
         noise = torch.randn(self.loaded.prepare.cfg.chunk_size, self.loaded.prepare.cfg.max_action_dim,
                             generator=torch.Generator().manual_seed(robot["seed"]))

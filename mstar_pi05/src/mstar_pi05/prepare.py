@@ -27,30 +27,48 @@ def bin_state(state: np.ndarray) -> np.ndarray:
     return np.digitize(state, bins=STATE_BINS) - 1
 
 
+def clean_task(task: str) -> str:
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
 def pi05_prompt(task: str, state: np.ndarray) -> str:
-    cleaned = task.strip().replace("_", " ").replace("\n", " ")
-    return f"Task: {cleaned}, State: {' '.join(str(int(b)) for b in bin_state(state))};\nAction: "
+    return f"Task: {clean_task(task)}, State: {' '.join(str(int(b)) for b in bin_state(state))};\nAction: "
+
+
+def prompt_ids(tokenizer: Any, task: str, state: np.ndarray | None) -> list[int]:
+    """openpi's PaliGemma prompt: pi0.5 (`state` given) BOS + the prompt with the binned state; pi0 BOS + the cleaned
+    task, then the newline encoded on its own (so a SentencePiece model does not merge it into the task's last piece)."""
+    if state is not None:
+        return tokenizer.encode(pi05_prompt(task, state))
+    return tokenizer.encode(clean_task(task)) + tokenizer.encode("\n", bos=False)
 
 
 class ByteTokenizer:
     """The tiny preset's tokenizer (the real PaliGemma SentencePiece model is not in the checkpoint): BOS then bytes."""
 
     bos = 2
+    vocab_size = 259
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos, *(b + 3 for b in text.encode("utf-8"))]
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return [self.bos] * bos + [b + 3 for b in text.encode("utf-8")]
 
 
 class SentencePieceTokenizer:
+    """PaliGemma's tokenizer (Gemma's SentencePiece model, 257152 pieces) read from a `.model` file."""
+
     def __init__(self, path: str):
         try:
             import sentencepiece
         except ImportError:
             raise ConfigError("pi05: reading the PaliGemma tokenizer needs `pip install sentencepiece`") from None
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"pi05: {path} is not a SentencePiece model: {exc}") from None
+        self.vocab_size = self.sp.get_piece_size()
 
-    def encode(self, text: str) -> list[int]:
-        return [self.sp.bos_id(), *self.sp.encode(text)]
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return [self.sp.bos_id()] * bos + self.sp.encode(text)
 
 
 def tokenizer_for(directory: str | None, preset: bool, config: Mapping[str, Any] | None = None):
@@ -111,6 +129,9 @@ class Preparer:
     """`prepare(inputs) -> env` for one loaded policy."""
 
     def __init__(self, cfg: PolicyConfig, tokenizer: Any, stats: Mapping[str, Any] | None):
+        if tokenizer.vocab_size > cfg.text.vocab_size:
+            raise ConfigError(f"pi05: the tokenizer has {tokenizer.vocab_size} pieces but the language model's vocabulary "
+                              f"is {cfg.text.vocab_size}; use the model's own (PaliGemma) tokenizer")
         self.cfg, self.tokenizer, self.stats = cfg, tokenizer, stats or {}
         self.schema = RequestSchema(
             fields=(
@@ -158,8 +179,7 @@ class Preparer:
             raise RequestError(f"'state' has {state.shape[0]} values; this policy takes at most {cfg.max_state_dim}",
                                param="state")
         state = np.pad(self.normalize_state(state), (0, cfg.max_state_dim - state.shape[0]))
-        text = pi05_prompt(inputs["prompt"], state) if cfg.pi05 else inputs["prompt"].strip() + "\n"
-        ids = self.tokenizer.encode(text)[: cfg.tokenizer_max_length]
+        ids = prompt_ids(self.tokenizer, inputs["prompt"], state if cfg.pi05 else None)[: cfg.tokenizer_max_length]
         if max(ids) >= cfg.text.vocab_size:
             raise RequestError("the prompt has tokens outside the model's vocabulary", param="prompt")
         n_image = pixels.shape[0] * cfg.vision.num_patches
