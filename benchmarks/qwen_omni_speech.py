@@ -159,8 +159,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--baseline-runs", type=int, default=None)
     args = parser.parse_args()
-    args.frames = args.frames or (30 if args.quick else 125)
-    args.text_tokens = args.text_tokens or (8 if args.quick else 40)
+    args.frames = args.frames or (50 if args.quick else 125)
+    args.text_tokens = args.text_tokens or (12 if args.quick else 40)
     args.baseline_runs = args.baseline_runs or (1 if args.quick else 2)
     if args.quick and args.concurrency == 16:
         args.concurrency = 4

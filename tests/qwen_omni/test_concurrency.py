@@ -59,6 +59,7 @@ async def _engine():
     return engine
 
 
+@pytest.mark.slow  # ~30 s: the Thinker must outlast 25 frames; benchmarks/qwen_omni_speech.py measures the same TTFA
 async def test_talker_and_audio_start_before_the_thinker_ends():
     engine = await _engine()
     try:

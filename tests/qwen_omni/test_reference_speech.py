@@ -18,7 +18,8 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
-CASES = [pytest.param("Hello! What is in this picture?", 5, 36, id="text-ends-first"),
+# slow: the served test (test_served_speech) compares the engines' output with transformers directly
+CASES = [pytest.param("Hello! What is in this picture?", 5, 36, id="text-ends-first", marks=pytest.mark.slow),
          pytest.param("The quick brown fox", 3, 12, id="short", marks=pytest.mark.slow)]
 
 

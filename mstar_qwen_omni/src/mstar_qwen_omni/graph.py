@@ -158,9 +158,10 @@ def _talker_fragment(groups: int) -> Sequential:
     )
     return Sequential(
         NodeCall("talker_prompt", inputs={"first_token": "next_token"}),
-        NodeCall("text_start", inputs={"text": "reply_text"}),
-        # the prefill (with M-RoPE positions when the user turns hold images); decode continues after them
+        # the prefill (with M-RoPE positions when the user turns hold images); decode continues after them.
+        # It needs only the first reply token, so it runs while the Thinker decodes the second.
         NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling",
                                    "positions": "talker_positions"}, outputs=talker_outputs),
+        NodeCall("text_start", inputs={"text": "reply_text"}),
         DynamicLoop(body=frame, until=_talker_done, max_iters=_frames_left),
     )
