@@ -61,3 +61,32 @@ def test_understand_and_think_equal_dense_greedy_reference():
                                  text_scale=prep["guidance_scale"], img_scale=prep["image_guidance_scale"],
                                  interval=prep["cfg_interval"], renorm=prep["cfg_renorm"], floor=0.0)
     assert (env_t["latents"][0] - latents).abs().max() < 1e-5
+
+
+def test_think_with_an_image_edits_after_the_thought():
+    req = {"task": "think", "prompt": "make it blue", "image": _image(3, 36, 52), "max_tokens": 4, "num_steps": 2,
+           "seed": 2}
+    loaded, (env,), pages_left = _serve([req])
+    assert pages_left == 0
+    bagel, vae, ids = loaded.extras["bagel"], loaded.extras["vae"], loaded.extras["special_ids"]
+    prep = loaded.prepare_inputs(req)
+    assert prep["walk"] == "think_edit"
+    main = reference.Label()
+    reference.prefill_text(bagel, main, prep["system_ids"].tolist())
+    cfg_img = main.copy()
+    tokens = bagel.latent_rows(reference.latent_tokens(vae, prep["vae_pixels"], bagel.config.latent_patch_size), 0.0,
+                               bagel.latent_ids(*prep["vae_pixels"].shape[1:]))
+    reference.prefill_block(bagel, main, ids.boi, ids.eoi, tokens, gen=True)
+    reference.prefill_block(bagel, main, ids.boi, ids.eoi, bagel.vit_rows(prep["vit_pixels"]), gen=False)
+    cfg_text = main.copy()
+    reference.prefill_text(bagel, main, prep["prompt_ids"].tolist())
+    reference.prefill_text(bagel, cfg_img, prep["prompt_ids"].tolist())
+    thought = reference.decode_greedy(bagel, main, [ids.bos], 4, (ids.eos, ids.boi))
+    assert [env["first_token"], *env["decoded"]] == thought
+    reference.prefill_text(bagel, main, [ids.eos])
+    rows, cols = prep["latent_grid"]
+    latents = reference.generate(bagel, {"main": main, "cfg_text": cfg_text, "cfg_img": cfg_img}, ids.boi, ids.eoi,
+                                 rows, cols, num_steps=2, shift=prep["shift"], seed=2, text_scale=4.0, img_scale=2.0,
+                                 interval=(0.0, 1.0), renorm="text_channel")
+    assert (env["latents"][0] - latents).abs().max() < 1e-5
+    assert env["image"][0].shape[:2] == (rows * 4, cols * 4)

@@ -179,6 +179,26 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         description="system prompt and prompt (cfg_text: the system prompt; cfg_img: both), then the thought, decoded "
                     "until <|im_end|> or <|vision_start|>",
     )
+    think_edit = Walk(
+        name="think_edit",
+        body=Sequential(
+            _write({"input_ids": "system_ids", "positions": "system_positions"}, snapshot_before="cfg_text",
+                   snapshot_after="cfg_img"),
+            Parallel(NodeCall("vae_encode", inputs={"pixels": "vae_pixels"}), NodeCall("vit", inputs={"pixels": "vit_pixels"})),
+            _image_block("vae", "vae_rows", gen=True),
+            _image_block("vit", "vit_rows", gen=False),
+            _write({"input_ids": "prompt_ids", "positions": "prompt_positions"}, snapshot_before="cfg_text"),
+            _write({"input_ids": "prompt_ids", "positions": "text_only_positions"}, cache_label="cfg_img"),
+            *_decode("think_start"),
+        ),
+        inputs=("system_ids", "system_positions", "vae_pixels", "vit_pixels", "vae_block_ids", "vae_block_at",
+                "vae_block_routing", "vae_block_positions", "vit_block_ids", "vit_block_at", "vit_block_positions",
+                "prompt_ids", "prompt_positions", "text_only_positions", "think_start", "sampling"),
+        optional_inputs=(ABSENT,),
+        outputs=("text", "decoded", "finish_reason"),
+        emit=("next_token",),
+        description="system prompt, the input image (VAE and ViT blocks) and the instruction, then the thought",
+    )
     think_image = Walk(
         name="think_image",
         body=Sequential(NodeCall("think_close"), _write({"input_ids": "close_ids"}), _flow()),
@@ -207,7 +227,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         emit=("next_token",),
         description="text and images in their order (images as ViT blocks), then <|im_start|>; decode until <|im_end|>",
     )
-    return Graph.build(name, nodes, [t2i, edit, understand, think, think_image], plan=_plan)
+    return Graph.build(name, nodes, [t2i, edit, understand, think, think_edit, think_image], plan=_plan)
 
 
 def cfg_label(branch: int) -> str:
@@ -221,7 +241,7 @@ def image_seed(image_index: int, seed: int | None = None) -> int | None:
 
 
 def _plan(env) -> list[str]:
-    return ["think", "think_image"] if env["walk"] == "think" else [env["walk"]]
+    return [env["walk"], "think_image"] if env["walk"] in ("think", "think_edit") else [env["walk"]]
 
 
 def _decode(first: str, positions: str = ABSENT) -> tuple:

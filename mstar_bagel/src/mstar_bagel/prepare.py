@@ -112,7 +112,7 @@ class Preparer:
         self.schema = RequestSchema(
             fields=(
                 RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> "
-                             "text), think (a thought, then the image)",
+                             "text), think (a thought, then the image; with 'image': an edit)",
                              default="t2i", choices=TASKS),
                 RequestField("prompt", "string", "the prompt or instruction (understand: the last text)", min_length=1,
                              max_length=MAX_PROMPT, blank=False),
@@ -166,14 +166,7 @@ class Preparer:
         env: dict[str, Any] = {"walk": task, "prompt_ids": torch.tensor(prompt)}
         n_text = len(prompt)
         if task == "edit":
-            image = decode_image(inputs["image"], "image")
-            h, w = fit_size(image.shape[0], image.shape[1], self.vae_max, self.vae_min, self.cfg.latent_downsample)
-            vh, vw = fit_size(image.shape[0], image.shape[1], self.vit_max, self.vit_min, self.cfg.vit.patch_size)
-            n_vae = (h // self.cfg.latent_downsample) * (w // self.cfg.latent_downsample)
-            n_vit = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
-            env.update({"vae_pixels": to_pixels(image, (h, w)), "vit_pixels": to_pixels(image, (vh, vw))})
-            env.update({f"vae_{k}": v for k, v in _block(n_vae, self.ids, 0, gen=True).items()})
-            env.update({f"vit_{k}": v for k, v in _block(n_vit, self.ids, 1, gen=False).items()})
+            h, w = self._edit_image(inputs, env, 0)
             env["prompt_positions"] = torch.arange(2, 2 + n_text)
             env["text_only_positions"] = torch.arange(n_text)
             next_pos = (2 + n_text, 2, n_text)  # main, cfg_text (the images), cfg_img (the text)
@@ -225,17 +218,40 @@ class Preparer:
                 raise RequestError(f"'{name}' must be a multiple of {self.cfg.latent_downsample}, got {v}", param=name)
         return h, w
 
+    def _edit_image(self, inputs: Mapping[str, Any], env: dict[str, Any], position: int) -> tuple[int, int]:
+        """The input image as a VAE block at `position` and a ViT block at `position + 1`; the output's size."""
+        image = decode_image(inputs["image"], "image")
+        h, w = fit_size(image.shape[0], image.shape[1], self.vae_max, self.vae_min, self.cfg.latent_downsample)
+        vh, vw = fit_size(image.shape[0], image.shape[1], self.vit_max, self.vit_min, self.cfg.vit.patch_size)
+        n_vae = (h // self.cfg.latent_downsample) * (w // self.cfg.latent_downsample)
+        n_vit = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
+        env.update({"vae_pixels": to_pixels(image, (h, w)), "vit_pixels": to_pixels(image, (vh, vw))})
+        env.update({f"vae_{k}": v for k, v in _block(n_vae, self.ids, position, gen=True).items()})
+        env.update({f"vit_{k}": v for k, v in _block(n_vit, self.ids, position + 1, gen=False).items()})
+        return h, w
+
     def _think(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         system = [self.ids.bos, *self.text_ids(inputs.get("system_prompt") or self.think_system_prompt), self.ids.eos]
         prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos]
-        ls, p0 = len(system), len(system) + len(prompt)
-        h, w = self._size(inputs)
-        env = {"walk": "think", "system_ids": torch.tensor(system), "system_positions": torch.arange(ls),
-               "prompt_ids": torch.tensor(prompt), "prompt_positions": torch.arange(ls, p0),
-               "think_start": [self.ids.bos], "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=2),
-               # main continues after the thought (ThinkClose adds its length); cfg_text: the system prompt; cfg_img: both
-               "gen_position_base": [p0 + 1, ls, p0]}
-        flow = self._flow("think", inputs, h, w, (0, 0, 0))
+        ls, lp = len(system), len(prompt)
+        env = {"system_ids": torch.tensor(system), "system_positions": torch.arange(ls),
+               "prompt_ids": torch.tensor(prompt), "think_start": [self.ids.bos]}
+        if inputs.get("image") is None:
+            h, w = self._size(inputs)
+            p0 = ls + lp
+            env.update({"walk": "think", "prompt_positions": torch.arange(ls, p0),
+                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=2),
+                        # main continues after the thought (ThinkClose adds its length); cfg_text: the system
+                        # prompt; cfg_img: system prompt and prompt
+                        "gen_position_base": [p0 + 1, ls, p0]})
+        else:  # the image's VAE and ViT blocks at ls and ls + 1, as in edit, after the system prompt
+            h, w = self._edit_image(inputs, env, ls)
+            p0 = ls + 2 + lp
+            env.update({"walk": "think_edit", "prompt_positions": torch.arange(ls + 2, p0),
+                        "text_only_positions": torch.arange(ls, ls + lp),
+                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=4),
+                        "gen_position_base": [p0 + 1, ls + 2, ls + lp]})
+        flow = self._flow("edit" if inputs.get("image") is not None else "think", inputs, h, w, (0, 0, 0))
         del flow["gen_position_table"]
         env.update(flow)
         return env
