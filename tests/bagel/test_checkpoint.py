@@ -42,3 +42,14 @@ def test_a_missing_gen_expert_weight_is_named(tmp_path):
     save_file(state, str(tmp_path / "ck" / EMA))
     with pytest.raises(WeightMismatchError, match="mlp_moe_gen.down_proj.weight"):
         load_bagel(tmp_path / "ck", progress=False)
+
+
+def test_position_table_sides_come_from_the_checkpoint_not_config_json(tmp_path):
+    import json
+
+    shutil.copytree(ensure_tiny(), tmp_path / "ck")
+    top = json.loads((tmp_path / "ck" / "config.json").read_text())
+    top["max_latent_size"] = 4  # upstream's loader overrides config.json's value in code; the tables are the truth
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(top))
+    bagel, _ = load_bagel(tmp_path / "ck", progress=False)
+    assert bagel.config.max_latent_size == 8 and bagel.latent_pos_embed.pos_embed.shape[0] == 64

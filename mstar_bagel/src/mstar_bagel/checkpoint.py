@@ -9,6 +9,7 @@ A directory holds `ema.safetensors` (every non-VAE weight: `language_model.*` wi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -58,13 +59,31 @@ def _file(directory: Path, name: str) -> Path:
 def load_bagel(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
                progress: bool = True) -> tuple[Bagel, FluxAutoEncoder]:
     d = Path(directory)
-    cfg = BagelConfig.from_dir(d)
+    cfg = BagelConfig.from_dir(d, table_sides(_file(d, EMA)))
     bagel = build_and_load(lambda: Bagel(cfg), open_checkpoint(_file(d, EMA)), ema_mapping(cfg), dtype=dtype,
                            device=device, progress=progress)
     # the VAE stays float32: its decode is cheap next to the LLM and bf16 convolutions band the image
     vae = build_and_load(lambda: FluxAutoEncoder(cfg.vae), open_checkpoint(_file(d, AE)), RuleMapping(),
                          dtype=torch.float32, device=device, progress=progress)
     return bagel, vae
+
+
+def table_sides(path: Path) -> dict[str, int]:
+    """The sin-cos tables' grid sides as the checkpoint stores them (`max_latent_size`, `vit_max_num_patch_per_side`)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        for key, name in (("max_latent_size", "latent_pos_embed.pos_embed"),
+                          ("vit_max_num_patch_per_side", "vit_pos_embed.pos_embed")):
+            if name in names:
+                rows = f.get_slice(name).get_shape()[0]
+                side = round(math.sqrt(rows))
+                if side * side != rows:
+                    raise ConfigError(f"bagel: {path} tensor {name} has {rows} rows, not a square grid")
+                out[key] = side
+    return out
 
 
 def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:

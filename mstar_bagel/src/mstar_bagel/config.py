@@ -90,6 +90,9 @@ class BagelConfig:
         return out
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> BagelConfig:
+    def from_dir(cls, directory: str | Path, table_sides: Mapping[str, int] | None = None) -> BagelConfig:
+        """`table_sides`: grid sides read off the checkpoint's position tables; they win over config.json, whose
+        values upstream's loader overrides in code (BAGEL's inference sets max_latent_size 64 itself)."""
         d = Path(directory)
-        return cls.from_dicts(*(_read(d, name) for name in FILES))
+        top, llm, vit = (_read(d, name) for name in FILES)
+        return cls.from_dicts({**top, **(table_sides or {})}, llm, vit)
