@@ -44,8 +44,8 @@ def sizes(quick: bool) -> tuple[dict, dict, dict]:
     vit = {"model_type": "siglip_vision_model", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
            "num_attention_heads": 4, "image_size": 224, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh"}
     # 16x16 latent tokens: a 64x64 image through a 2x VAE and 2x2 latent patches; the ViT sees 16x16 patches of 224px
-    top = {"latent_patch_size": 2, "max_latent_size": 16, "vit_max_num_patch_per_side": 16, "timestep_shift": 3.0,
-           "num_timesteps": 50, "mstar_vae": {"ch": 32, "ch_mult": [1, 2], "z_channels": 16, "norm_groups": 8}}
+    top = {"latent_patch_size": 2, "max_latent_size": 16, "vit_max_num_patch_per_side": 16, "mstar_timestep_shift": 3.0,
+           "mstar_num_timesteps": 50, "mstar_vae": {"ch": 32, "ch_mult": [1, 2], "z_channels": 16, "norm_groups": 8}}
     return top, llm, vit
 
 

@@ -3,8 +3,9 @@
 `llm_config.json` is a Qwen2 config (BAGEL forces `qk_norm`, untied embeddings); `vit_config.json` is a
 SigLIP vision config whose last layer the loader drops (BAGEL uses the penultimate layer's features).
 `config.json` carries BAGEL's own settings (`latent_patch_size`, `max_latent_size`,
-`vit_max_num_patch_per_side`, `connector_act`, `timestep_shift`) and, for presets, `mstar_vae` (the
-FLUX autoencoder's sizes; absent = FLUX.1's, which has no config file of its own).
+`vit_max_num_patch_per_side`, `connector_act`) and, for presets, `mstar_vae` (the FLUX autoencoder's
+sizes; absent = FLUX.1's, which has no config file of its own) and the sampling defaults
+`mstar_timestep_shift` / `mstar_num_timesteps` (absent: BAGEL's inference settings, 3.0 and 50).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mstar_core.nn.siglip import SiglipVisionConfig
 FILES = ("config.json", "llm_config.json", "vit_config.json")
 _DEFAULTS = {"latent_patch_size": 2, "max_latent_size": 64, "vit_max_num_patch_per_side": 70,
              "connector_act": "gelu_pytorch_tanh", "timestep_shift": 3.0, "num_timesteps": 50}
+INFERENCE_KEYS = {"timestep_shift": "mstar_timestep_shift", "num_timesteps": "mstar_num_timesteps"}
 
 
 def _read(directory: Path, name: str) -> dict[str, Any]:
@@ -68,7 +70,9 @@ class BagelConfig:
 
     @classmethod
     def from_dicts(cls, top: Mapping[str, Any], llm: Mapping[str, Any], vit: Mapping[str, Any]) -> BagelConfig:
-        values = {k: top.get(k, d) for k, d in _DEFAULTS.items()}
+        # the sampling defaults are BAGEL's inference settings (shift 3, 50 timesteps), not config.json's training
+        # `timestep_shift`; a preset may set its own under `mstar_timestep_shift` / `mstar_num_timesteps`
+        values = {k: top.get(INFERENCE_KEYS.get(k, k), d) for k, d in _DEFAULTS.items()}
         for key in ("latent_patch_size", "max_latent_size", "vit_max_num_patch_per_side", "num_timesteps"):
             if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
                 raise ConfigError(f"bagel config.json: key '{key}' must be a positive integer, got {values[key]!r}")
