@@ -1,6 +1,8 @@
 """Served Qwen3-Omni on the shared engines: greedy text and speech equal transformers' generate(return_audio=True)."""
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,35 +32,46 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
-def test_served_speech_equals_transformers_generate(omni, hf, tokenizer, monkeypatch):
-    cfg = omni.config
+def hf_speech(hf, ids, thinker_max, talker_max, penalty, monkeypatch):
+    """transformers' reply tokens and codes `[G, frames]` (caught on their way into its Code2Wav)."""
+    seen = []
+    decode = hf.code2wav.chunked_decode
+    monkeypatch.setattr(hf.code2wav, "chunked_decode", lambda c, **kw: seen.append(c) or decode(c, **kw))
+    im_end = json.loads((Path(hf.name_or_path) / "config.json").read_text())["im_end_token_id"]
+    with torch.no_grad():
+        seqs, _ = hf.generate(torch.tensor([ids]), speaker="ethan", return_audio=True,
+                              thinker_max_new_tokens=thinker_max, thinker_eos_token_id=im_end,
+                              thinker_do_sample=False, talker_do_sample=False, talker_repetition_penalty=penalty,
+                              talker_max_new_tokens=talker_max)
+    monkeypatch.setattr(hf.code2wav, "chunked_decode", decode)
+    return seqs[0, len(ids):].tolist(), seen[0][0]
+
+
+def test_served_speech_equals_transformers_generate(hf, tokenizer, monkeypatch):
     ids = chat_ids(tokenizer, "Hello! What is in this picture?")
     thinker_max, talker_max = 5, 36
+    speech_inputs = {"prompt_ids": ids, "speaker": "ethan", "max_tokens": thinker_max,
+                     "talker_max_tokens": talker_max, "talker_temperature": 0.0}
 
     async def main():
         async with AsyncEngine(discover()) as engine:
             await engine.load_model("qwen3-omni", LoadOptions(preset="tiny"))
-            speech, text = await asyncio.gather(
-                run(engine, {"prompt_ids": ids, "speaker": "ethan", "max_tokens": thinker_max,
-                             "talker_max_tokens": talker_max, **GREEDY}),
+            return await asyncio.gather(
+                run(engine, {**speech_inputs, "talker_repetition_penalty": 1.0}),
+                # a strong penalty on code 0 changes the speech and ends it early (EOS): the penalty must count
+                # exactly the codes spoken, as transformers' does
+                run(engine, {**speech_inputs, "talker_repetition_penalty": 3.0}),
                 run(engine, {"prompt_ids": ids, "max_tokens": thinker_max}))
-            return speech, text
 
-    speech, text = asyncio.run(main())
-    seen = []
-    decode = hf.code2wav.chunked_decode
-    monkeypatch.setattr(hf.code2wav, "chunked_decode", lambda c, **kw: seen.append(c) or decode(c, **kw))
-    with torch.no_grad():
-        seqs, _ = hf.generate(torch.tensor([ids]), speaker="ethan", return_audio=True,
-                              thinker_max_new_tokens=thinker_max, thinker_eos_token_id=cfg.im_end_token_id,
-                              thinker_do_sample=False, talker_do_sample=False, talker_repetition_penalty=1.0,
-                              talker_max_new_tokens=talker_max)
-    reply = seqs[0, len(ids):].tolist()
-    assert speech["next_token"] == reply and text["next_token"] == reply
+    plain, penalised, text = asyncio.run(main())
+    for got, penalty in ((plain, 1.0), (penalised, 3.0)):
+        reply, hf_codes = hf_speech(hf, ids, thinker_max, talker_max, penalty, monkeypatch)
+        assert got["next_token"] == reply and text["next_token"] == reply
+        codes = torch.stack([c for c in got["codes"] if c is not None], dim=1)
+        assert torch.equal(codes, hf_codes), penalty
+        wav = torch.cat(got["audio"])
+        ref = hf.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
+        assert wav.shape == ref.shape and (wav - ref).abs().max() < 1e-4
+        assert len(got["audio"]) == -(-codes.shape[1] // 25)  # one chunk per 25 frames, the tail flushed
+    assert len(penalised["codes"]) < len(plain["codes"])  # ended by EOS, not by the length limit
     assert not text["codes"] and not text["audio"]  # the text-only plan never touched the Talker
-    codes = torch.stack([c for c in speech["codes"] if c is not None], dim=1)
-    assert torch.equal(codes, seen[0][0])
-    wav = torch.cat(speech["audio"])
-    ref = hf.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
-    assert wav.shape == ref.shape and (wav - ref).abs().max() < 1e-4
-    assert len(speech["audio"]) == -(-codes.shape[1] // 25)  # one chunk per 25 frames, the tail flushed

@@ -98,12 +98,13 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
     ]
     if model.talker is not None:
         nodes += [
-            GraphNode("talker", inputs=("input_embeds",), optional_inputs=("sampling", "positions"),
+            GraphNode("talker", inputs=("input_embeds",), optional_inputs=("input_ids", "sampling", "positions"),
                       outputs=("next_token", "finish_reason", "hidden"), engine="kvcache", module=lambda: model.talker),
             GraphNode("code_predictor", inputs=(), optional_inputs=("input_ids", "input_embeds", "sampling"),
                       outputs=("next_token",), engine="kvcache", module=lambda: model.talker.code_predictor),
             GraphNode("talker_prompt", inputs=("prompt_ids", "first_token", "speaker"),
-                      optional_inputs=("accept_hidden", "image_grid"), outputs=("talker_in", "talker_positions"),
+                      optional_inputs=("accept_hidden", "image_grid"),
+                      outputs=("talker_in", "talker_positions", "talker_ids"),
                       engine="function", module=lambda: TalkerPrompt(model)),
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
@@ -153,15 +154,17 @@ def _talker_fragment(groups: int) -> Sequential:
                            outputs={"next_token": "cp_next"}, options={"cache_label": "frame"}),
              iters=groups - 2, carry={"cp_next": "cp_token"}, accumulate={"cp_next": "cp_rest"}),
         NodeCall("frame_step", inputs={"text": "reply_text"}, outputs={"step_embeds": "talker_in"}),
-        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling", "positions": UNSET},
-                 outputs=talker_outputs),
+        # input_ids: the code 0 this step's embeddings carry, so the repetition penalty sees the codes spoken
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "code0", "sampling": "talker_sampling",
+                                   "positions": UNSET}, outputs=talker_outputs),
     )
     return Sequential(
         NodeCall("talker_prompt", inputs={"first_token": "next_token"}),
         # the prefill (with M-RoPE positions when the user turns hold images); decode continues after them.
         # It needs only the first reply token, so it runs while the Thinker decodes the second.
-        NodeCall("talker", inputs={"input_embeds": "talker_in", "sampling": "talker_sampling",
-                                   "positions": "talker_positions"}, outputs=talker_outputs),
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "talker_ids",
+                                   "sampling": "talker_sampling", "positions": "talker_positions"},
+                 outputs=talker_outputs),
         NodeCall("text_start", inputs={"text": "reply_text"}),
         DynamicLoop(body=frame, until=_talker_done, max_iters=_frames_left),
     )

@@ -80,7 +80,10 @@ class TalkerPrompt:
             t = cfg.thinker
             positions = prompt_positions(ids, t.image_token_id, image_grid.tolist(), t.vision.spatial_merge_size,
                                          t.position_id_per_seconds)
-        return {"talker_in": embeds, "talker_positions": positions}
+        # ids under the prefill's embeddings: codec_pad, never sampled (suppressed), so the repetition penalty
+        # counts only the codes the Talker speaks, as transformers' does
+        return {"talker_in": embeds, "talker_positions": positions,
+                "talker_ids": [cfg.talker.codec_pad_id] * embeds.shape[0]}
 
 
 class FrameSeed:
