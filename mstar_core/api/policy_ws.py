@@ -81,7 +81,10 @@ def _unpack_hook(obj: dict) -> Any:
                              f"{int(np.prod(shape)) * dtype.itemsize} bytes, got {len(data)}")
         return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # a copy: writable, owns its memory
     if b"__npgeneric__" in obj:
-        return _dtype(obj.get(b"dtype")).type(obj.get(b"data"))
+        data = obj.get(b"data")
+        if isinstance(data, str | bytes):  # a numpy string scalar (np.str_ prompts): its value is all we need
+            return data
+        return _dtype(obj.get(b"dtype")).type(data)
     return obj
 
 
@@ -189,7 +192,7 @@ class ObservationMapping:
 
 def _value(value: Any, key: str) -> Any:
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
+        return torch.from_numpy(value.astype(value.dtype.newbyteorder("="), copy=False))  # torch takes native order
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, bytes):
