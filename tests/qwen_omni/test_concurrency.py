@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from mstar_core.errors import RequestCancelled
 from mstar_core.model import LoadOptions
@@ -117,5 +118,28 @@ async def test_labels_are_freed_after_normal_end_error_and_cancel(monkeypatch):
         # and the engine keeps serving
         await engine.submit("qwen3-omni", {**SPEECH, "max_tokens": 4, "talker_max_tokens": 4}).result()
         assert_all_free(engine)
+    finally:
+        await engine.close()
+
+
+async def test_sampled_speech_is_seeded_and_stays_in_the_codebook():
+    engine = await _engine()
+    try:
+        inputs = {"messages": SPEECH["messages"], "speaker": "ethan", "max_tokens": 5, "talker_max_tokens": 30,
+                  "temperature": 0.8, "seed": 11}  # the published sampling on Talker and code predictor
+
+        async def codes_of(inputs):
+            handle = engine.submit("qwen3-omni", inputs)
+            frames = [out.value for out in [o async for o in handle] if out.name == "codes" and out.value is not None]
+            await handle.result()
+            return frames
+
+        first, again = await asyncio.gather(codes_of(inputs), codes_of(inputs))
+        other = await codes_of({**inputs, "seed": 12})
+        codebook = engine.node_engines("qwen3-omni")["talker"].module.code_predictor.codebook
+        assert first and all(int(f.max()) < codebook and int(f.min()) >= 0 for f in first)  # never EOS or specials
+        assert len(first) == len(again) and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        assert len(other) != len(first) or any(not torch.equal(a, b) for a, b in zip(first, other, strict=True))
+        await wait_all_free(engine)
     finally:
         await engine.close()
