@@ -9,6 +9,7 @@
     understand: Loop(parts){ vit -> llm(ViT block) | llm(text block) } -> llm(<|im_start|>, samples) -> decode loop
     think:      llm(system) -> llm(prompt) [before -> cfg_text, after -> cfg_img] -> llm(<|im_start|>) -> decode
                 loop (the thought, into main) ; then think_image: llm(<|im_end|>) -> flow -> vae_decode
+    think_edit: as think with the input image's VAE and ViT blocks after the system prompt (edit's labels)
     flow:       Parallel(count=n){ image_seed -> noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
                   -> Parallel(count=cfg_branches){ pick -> llm_gen read-only on main | cfg_text | cfg_img }
                   -> split -> euler (guidance + Euler step) } -> vae_decode }
