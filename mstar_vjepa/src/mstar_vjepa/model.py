@@ -26,17 +26,16 @@ from mstar_vjepa import request
 from mstar_vjepa.ac_predictor import PagedACPredictor
 from mstar_vjepa.nodes import (
     PREFIX_LABEL,
-    ROLLOUT_LABEL,
     SAMPLE_LABEL,
     FrameEncoderNode,
     MaskedPredictorNode,
     PlanStartNode,
     StepTokensNode,
     VideoEncoderNode,
-    result_node,
     sample_node,
     update_node,
 )
+from mstar_vjepa.planner import cem_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,16 +85,16 @@ def _ac_graph(encoder, predictor) -> Graph:
         *(GraphNode(name, inputs=("context", "states", "actions", "step", "horizon", *more),
                     optional_inputs=("latent", "state"), engine="function", module=lambda: StepTokensNode(predictor),
                     outputs=("step_embeds", "step_positions", "step_rows", "state", "drop_label"))
-          for name, more in (("rollout_step", ()), ("sample_step", ("sample", "prefix_frames")))),
+          for name, more in (("rollout_step", ()), ("sample_step", ("sample",)))),
         GraphNode("cem_start", inputs=("context", "states", "horizon", "cem", "seed"),
-                  outputs=("cem_stats", "cem_rng", "prefix_calls", "prefix_label", "prefix_frames", "prefix_embeds",
-                           "prefix_positions", "prefix_rows"), engine="function", module=lambda: PlanStartNode(predictor)),
+                  outputs=("cem_stats", "cem_rng", "prefix_calls", "prefix_label", "prefix_embeds", "prefix_positions",
+                           "prefix_rows"), engine="function", module=lambda: PlanStartNode(predictor)),
         GraphNode("cem_sample", inputs=("cem_stats", "cem", "cem_rng"), outputs=("sampled", "actions", "cem_rng"),
                   engine="function", module=lambda: sample_node),
         GraphNode("cem_update", inputs=("cem_stats", "cem", "sampled", "finals", "goal_latents"), outputs="cem_stats",
                   engine="function", module=lambda: update_node),
         GraphNode("cem_result", inputs="cem_stats", outputs=("plan", "costs", "best_actions", "best_cost"),
-                  engine="function", module=lambda: result_node),
+                  engine="function", module=lambda: cem_plan),
     ]
     encode_ctx = NodeCall("encoder", outputs={"latents": "context"})
     step_inputs = {"input_embeds": "step_embeds", "positions": "step_positions", "output_index": "step_rows"}
@@ -112,8 +111,8 @@ def _ac_graph(encoder, predictor) -> Graph:
         Walk(
             name="rollout",
             body=Sequential(encode_ctx, DynamicLoop(
-                body=Sequential("rollout_step", NodeCall("ac_predictor", inputs=step_inputs, options={
-                    "cache_label": ROLLOUT_LABEL, "drop": FromEnv("drop_label")})),
+                # one label, the engine's default; it is freed when the request ends
+                body=Sequential("rollout_step", NodeCall("ac_predictor", inputs=step_inputs)),
                 until=lambda env: env["step"] + 1 >= env["horizon"], max_iters="horizon",
                 accumulate=("latent", "state"), index_name="step",
             )),
@@ -153,7 +152,7 @@ def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     tps = predictor.tokens_per_step
     # a page holds one time step (forked samples never share a partial page); every sample's step in one forward
     settings = {"ac_predictor": {"page_size": tps, "num_pages": 8 * pcfg.max_frames, "max_num_seqs": 512,
-                                 "max_num_batched_tokens": 128 * tps, "enable_prefix_caching": False}}
+                                 "max_num_batched_tokens": 128 * tps}}
     return LoadedModel("vjepa2-ac", graph, random_weights=random,
                        prepare=lambda inputs: request.prepare_ac(inputs, ecfg, pcfg),
                        request_schema=request.ac_schema(pcfg.max_frames), engine_settings=settings,

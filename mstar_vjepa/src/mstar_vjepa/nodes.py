@@ -8,12 +8,11 @@ import torch
 
 from mstar_vjepa.ac_predictor import COND_TOKENS, ACPredictor
 from mstar_vjepa.encoder import VJEPA2Encoder
-from mstar_vjepa.planner import CEMSettings, cem_plan, cem_sample, cem_start, cem_update, to_actions
+from mstar_vjepa.planner import CEMSettings, cem_sample, cem_start, cem_update, to_actions
 from mstar_vjepa.pose import compute_new_pose, poses_to_actions
 from mstar_vjepa.predictor import VJEPA2Model
 from mstar_vjepa.rollout import normalize
 
-ROLLOUT_LABEL = "main"  # a rollout's cache label
 PREFIX_LABEL = "context"  # a plan's context prefix
 SAMPLE_LABEL = "sample{}"  # CEM sample i's cache label (a fork of PREFIX_LABEL)
 
@@ -68,25 +67,26 @@ class StepTokensNode:
     """One call of the predictor node: step 0 feeds the context frames not cached yet, step k the last prediction.
 
     Returns the call's tokens (`step_embeds`), positions, the rows to return (the newest frame's patches), the
-    state after action k, and the label to drop once the last step is done.
+    state after action k, and a plan sample's label to drop after its last step (the next iteration forks anew).
     """
 
     def __init__(self, predictor: ACPredictor):
         self.predictor = predictor
 
     @torch.no_grad()
-    def __call__(self, context, states, actions, step, horizon, latent=None, state=None, sample=None,
-                 prefix_frames=0) -> dict[str, Any]:
+    def __call__(self, context, states, actions, step, horizon, latent=None, state=None,
+                 sample=None) -> dict[str, Any]:
         acts = actions if sample is None else actions[sample]
         if step == 0:  # the frames before the first action: their actions follow from the states
-            frames, first, now = context[prefix_frames:], prefix_frames, states[-1]
-            feed = torch.cat([poses_to_actions(states)[prefix_frames:], acts[:1]]), states[prefix_frames:]
+            cached = 0 if sample is None else context.shape[0] - 1  # a sample forks all frames but the last
+            frames, first, now = context[cached:], cached, states[-1]
+            feed = torch.cat([poses_to_actions(states)[cached:], acts[:1]]), states[cached:]
         else:
             frames, first, now = latent[None], context.shape[0] - 1 + step, state
             feed = acts[step : step + 1], state[None]
-        last = step == horizon - 1
+        drop = SAMPLE_LABEL.format(sample) if sample is not None and step == horizon - 1 else None
         return {**frame_call(self.predictor, frames, *feed, first), "state": compute_new_pose(now, acts[step]),
-                "drop_label": (ROLLOUT_LABEL if sample is None else SAMPLE_LABEL.format(sample)) if last else None}
+                "drop_label": drop}
 
 
 def frame_call(predictor: ACPredictor, frames, actions, states, first: int, name: str = "step") -> dict[str, Any]:
@@ -111,8 +111,7 @@ class PlanStartNode:
             prefix = frame_call(self.predictor, context[:cached], poses_to_actions(states), states[:cached], 0, "prefix")
         return {"cem_stats": cem_start(horizon, CEMSettings(**cem), context),
                 "cem_rng": torch.Generator().manual_seed(int(seed)).get_state(),
-                "prefix_calls": int(cached > 0), "prefix_label": PREFIX_LABEL if cached else None,
-                "prefix_frames": cached, **prefix}
+                "prefix_calls": int(cached > 0), "prefix_label": PREFIX_LABEL if cached else None, **prefix}
 
 
 def sample_node(cem_stats, cem, cem_rng) -> dict[str, Any]:
@@ -126,8 +125,3 @@ def sample_node(cem_stats, cem, cem_rng) -> dict[str, Any]:
 def update_node(cem_stats, cem, sampled, finals, goal_latents) -> dict[str, Any]:
     """Elites and the refit mean/std, from the samples' final latents."""
     return {"cem_stats": cem_update(cem_stats, sampled, torch.stack(finals), goal_latents[-1], CEMSettings(**cem))}
-
-
-def result_node(cem_stats) -> dict[str, Any]:
-    """The plan, the best cost per iteration, and the best sample seen."""
-    return cem_plan(cem_stats)

@@ -19,7 +19,7 @@ from mstar_vjepa.rollout import check_horizon, prefill_prefix, roll
 
 @attrs.frozen(kw_only=True)
 class CEMSettings:
-    """Upstream defaults of the `WorldModel` wrapper are 400 samples, top-10, 10 iterations."""
+    """Upstream defaults of the `WorldModel` wrapper are 400 samples, top-10, 10 iterations (bounds: `request`)."""
 
     samples: int = 400
     topk: int = 10
@@ -30,12 +30,6 @@ class CEMSettings:
     momentum_std_gripper: float = 0.15
     maxnorm: float = 0.05
     gripper_limit: float = 0.75
-
-    def __attrs_post_init__(self) -> None:
-        if not 1 <= self.topk <= self.samples:
-            raise ValueError(f"topk must be between 1 and samples ({self.samples}), got {self.topk}")
-        if self.iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
 
 
 def to_actions(samples: torch.Tensor) -> torch.Tensor:
@@ -79,12 +73,12 @@ def cem_update(stats: dict[str, Any], sampled: torch.Tensor, finals: torch.Tenso
     return out
 
 
-def cem_plan(stats: dict[str, Any]) -> dict[str, Any]:
+def cem_plan(cem_stats: dict[str, Any]) -> dict[str, Any]:
     """The plan (final mean, small gripper moves rounded to zero), costs per iteration, best sample."""
-    mean = stats["mean"]
+    mean = cem_stats["mean"]
     grip = torch.where(mean[:, 3:].abs() < 0.25, torch.zeros_like(mean[:, 3:]), mean[:, 3:])
-    return {"plan": to_actions(torch.cat([mean[:, :3], grip], -1)), "costs": torch.tensor(stats["costs"]),
-            "best_actions": stats["best"], "best_cost": stats["best_cost"]}
+    return {"plan": to_actions(torch.cat([mean[:, :3], grip], -1)), "costs": torch.tensor(cem_stats["costs"]),
+            "best_actions": cem_stats["best"], "best_cost": cem_stats["best_cost"]}
 
 
 @torch.no_grad()

@@ -35,10 +35,10 @@ def check_horizon(predictor, context_frames: int, horizon: int) -> None:
                          f"frame(s) (the mask covers {limit} steps), got {horizon}")
 
 
-def prefill_prefix(predictor, context: torch.Tensor, states: torch.Tensor, cache=None) -> DenseFrameCache:
+def prefill_prefix(predictor, context: torch.Tensor, states: torch.Tensor) -> DenseFrameCache:
     """Cache every context frame but the last (their actions are known from the states)."""
     predictor = dense(predictor)
-    cache = cache if cache is not None else predictor.new_cache(context.shape[0], context.device, context.dtype)
+    cache = predictor.new_cache(context.shape[0], context.device, context.dtype)
     if context.shape[1] > 1:
         predictor(context[:, :-1], poses_to_actions(states), states[:, :-1], cache=cache)
     return cache
