@@ -142,6 +142,7 @@ class AsyncEngine:
     async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
         from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
         from mstar_core.runtime.remote_loop import delegate_loops
+        from mstar_core.runtime.remote_stream import plan_direct_streams
         from mstar_core.wire import LoadModel
         from mstar_core.wire.auth import secret_from_env
 
@@ -200,6 +201,7 @@ class AsyncEngine:
         runtime = _ModelRuntime(loaded, engines, schedulers, walk_schedulers)
         if placement.delegate_loops:
             delegate_loops(runtime.conductor, self.cluster, family)
+            plan_direct_streams(runtime.conductor, self.cluster, family)  # items between workers go peer to peer
         self._models[name] = runtime
         return loaded
 

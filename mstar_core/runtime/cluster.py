@@ -52,7 +52,6 @@ from mstar_core.wire import (
     ModelLoaded,
     NodeResult,
     Release,
-    RunLoop,
     Shutdown,
     WireError,
     decode,
@@ -332,11 +331,12 @@ class Cluster:
                 future.set_exception(exc if isinstance(exc, RequestError) else WorkerLost(
                     f"worker '{state.name}': sending failed: {exc}"))
 
-    async def run_loop(self, worker: str, msg: RunLoop, on_values: Any) -> dict[str, Any]:
-        """Run a walk's loop on `worker`; `on_values(call, outputs)` sees its visible values in order.
+    async def run_loop(self, worker: str, msg: Any, on_values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run a walk's loop (a `RunLoop`) or a stream's consumer (a `RunConsumer`) on `worker`.
 
-        Returns the env names the loop changed. A WireError (an env value that cannot travel)
-        surfaces before anything was sent, so the caller can run the loop itself instead.
+        `on_values(call, outputs)` sees its visible values in order. Returns the env names it changed
+        and, per stream index, the items it sent straight to another worker. A WireError (an env
+        value that cannot travel) surfaces before anything was sent, so the caller can run it itself.
         """
         state = self.workers[worker]
         frames = state.encode(msg)
@@ -357,9 +357,15 @@ class Cluster:
         state.forget(request_id)
         if not state.alive or state.channel is None:
             return
+        self.notify(worker, Release(request_id=request_id))
+
+    def notify(self, worker: str, msg: Any) -> None:
+        """Send a control message that needs no answer; a worker that is gone takes its requests with it."""
+        state = self.workers.get(worker)
+        if state is None or not state.alive or state.channel is None:
+            return
         try:
-            asyncio.ensure_future(self._send_or_fail(state, encode(Release(request_id=request_id)),
-                                                     asyncio.get_running_loop().create_future()))
+            asyncio.ensure_future(self._send_or_fail(state, state.encode(msg), asyncio.get_running_loop().create_future()))
         except WireError:
             pass
 
@@ -430,6 +436,7 @@ class Cluster:
         except WireError as exc:
             self.refusals.refuse("malformed-worker", "dropping a malformed message from worker %s: %s", state.name, exc)
             return
+        state.count("received", msg, body)
         self._dispatch(state, msg)
 
     async def _on_unsealed(self, identity: bytes, body: list[Any]) -> None:

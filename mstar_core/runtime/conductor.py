@@ -49,6 +49,8 @@ class Conductor:
         self.walk_schedulers = dict(walk_schedulers or {})
         # loops delegated to the worker that hosts all their nodes: (walk, loop index) -> runner (remote_loop.py)
         self.remote_loops: dict[tuple[str, int], Any] = {}
+        # streams whose items go worker to worker: walk -> stream index -> plan (remote_stream.py)
+        self.direct_streams: dict[str, dict[int, Any]] = {}
         # every walk compiled once: each call site with its options and scheduler, by position
         self.sites: dict[str, WalkSites] = {
             name: compile_walk(graph, walk, self._site_scheduler) for name, walk in graph.walks.items()
@@ -94,9 +96,17 @@ class Conductor:
             await self._step(state, frame, sites.body, env)
             return
         started = time.monotonic()
-        streams = [RequestStream(edge, started) for edge in walk.streams]
+        plans = self.direct_streams.get(walk.name, {})
+        streams: list[Any] = []
+        for k, edge in enumerate(walk.streams):
+            direct = plans[k].open(state.request_id) if k in plans else None
+            if direct is not None:  # its producer's worker sends the items to its consumer's
+                frame.routes[k] = direct
+            else:
+                direct = RequestStream(edge, started)
+                frame.streams.setdefault(edge.src_node, []).append(direct)
+            streams.append(direct)
         for stream in streams:
-            frame.streams.setdefault(stream.edge.src_node, []).append(stream)
             if stream.edge.consumer is None:
                 for out in self.graph.nodes[stream.edge.dst_node].outputs:
                     env[stream.edge.outputs.get(out, out)] = []
@@ -109,7 +119,9 @@ class Conductor:
 
         async def consumer(k: int) -> None:
             stream = streams[k]
-            if stream.edge.consumer is None:
+            if k in frame.routes:
+                await stream.consume(self, state, frame, env, entry)
+            elif stream.edge.consumer is None:
                 await self._consume(state, frame, stream, sites.stream_calls[k], env)
             else:
                 cenv = dict(entry)
@@ -145,15 +157,20 @@ class Conductor:
             chunk = await stream.next_chunk()
             if chunk is None:
                 return
-            outputs = await self._invoke(state, frame, site, env, {edge.dst_input: chunk})
-            for port, value in outputs.items():
-                name = edge.outputs.get(port, port)
-                if name not in env or port not in self.graph.nodes[site.node].outputs:
-                    continue
-                env[name].append(value)
-                if name in frame.emit:
-                    state.emit(Output(name, value, frame.walk.name, frame.branch))
-            self._feed(frame, site.node, outputs)
+            self.collect(state, frame, site, edge, env, await self._invoke(state, frame, site, env,
+                                                                         {edge.dst_input: chunk}))
+
+    def collect(self, state: RequestState, frame: WalkFrame, site: CallSite, edge: Any, env: dict[str, Any],
+                outputs: Mapping[str, Any]) -> None:
+        """One per-chunk consumer call's outputs: appended to the env's lists, emitted, fed on (also from a worker)."""
+        for port, value in outputs.items():
+            name = edge.outputs.get(port, port)
+            if name not in env or port not in self.graph.nodes[site.node].outputs:
+                continue
+            env[name].append(value)
+            if name in frame.emit:
+                state.emit(Output(name, value, frame.walk.name, frame.branch))
+        self._feed(frame, site.node, outputs)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -395,13 +412,15 @@ class WalkFrame:
     index it names one running copy of a loop, which is how a delegated loop is keyed on the wire.
     """
 
-    __slots__ = ("branch", "branches", "emit", "streams", "takes", "walk")
+    __slots__ = ("branch", "branches", "emit", "routes", "streams", "takes", "walk")
 
     def __init__(self, walk: Walk, emit: set[str]):
         self.walk = walk
         self.emit = emit
         self.streams: dict[str, list[RequestStream]] = {}
         self.takes: dict[str, RequestStream] = {}
+        # stream index -> its route worker to worker (remote_stream.DirectStream): fed by a delegated loop, not here
+        self.routes: dict[int, Any] = {}
         self.branch: int | None = None
         self.branches: tuple[int, ...] = ()
 
@@ -409,6 +428,7 @@ class WalkFrame:
         """The frame of fan-out branch `index`: the same walk, streams and takes; its outputs carry `index`."""
         child = WalkFrame(self.walk, self.emit)
         child.streams, child.takes, child.branch = self.streams, self.takes, index
+        child.routes = self.routes
         child.branches = (*self.branches, index)
         return child
 
@@ -416,6 +436,7 @@ class WalkFrame:
         """The frame of a consumer fragment: the same walk and streams, taking chunks from `takes`."""
         child = WalkFrame(self.walk, self.emit)
         child.streams = self.streams
+        child.routes = self.routes
         child.takes = takes
         child.branch, child.branches = self.branch, self.branches
         return child

@@ -114,10 +114,18 @@ class PeerMailbox:
     from the shared secret and that nonce (`wire.session.Channel`) and sends it to b, which opens it
     and hands it to its import: the serving process sees only the two control messages. A session id
     is accepted once; state that arrives before b's import asks for it waits (a bounded number of moves).
+
+    A stream whose producer and consumer run on two workers uses the same line: every item is one
+    message sealed on the stream's own session (sequence numbers in order, so none is replayed or
+    reordered unnoticed), tagged `s` + nonce in its first frame; the consumer's worker hands them to
+    the stream it registered (`accept_stream`), keeping those that come before it did (bounded).
     """
 
     #: moves whose state may wait for their import at once (more: the oldest is dropped)
     MAX_WAITING = 64
+    #: streams open at once on this mailbox, and items one may hold before its consumer registers
+    MAX_STREAMS = 1024
+    MAX_EARLY_ITEMS = 65536
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", encrypt: bool = False):
         import zmq
@@ -141,20 +149,25 @@ class PeerMailbox:
         self._used: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.sent_bytes = self.received_bytes = 0
         self.sent_moves = self.received_moves = 0
+        self.stream_sent_bytes = self.stream_received_bytes = 0
+        self.stream_sent_items = self.stream_received_items = self.stream_late_items = 0
         self.refused = 0
+        # stream session -> [channel, nonce, deliver (None until accepted), items that came before]
+        self._streams: dict[bytes, list[Any]] = {}
+        self._ended: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._task = asyncio.ensure_future(self._receive())
 
     def stats(self) -> dict[str, Any]:
         return {"address": self.address, "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
-                "sent_moves": self.sent_moves, "received_moves": self.received_moves, "refused": self.refused}
+                "sent_moves": self.sent_moves, "received_moves": self.received_moves, "refused": self.refused,
+                "stream_sent_bytes": self.stream_sent_bytes, "stream_received_bytes": self.stream_received_bytes,
+                "stream_sent_items": self.stream_sent_items, "stream_received_items": self.stream_received_items,
+                "stream_late_items": self.stream_late_items, "streams_open": len(self._streams)}
 
-    async def send(self, address: str, nonce: str, session: str, frames: list[Any]) -> None:
-        """Seal `frames` for move (`nonce`, `session`) and send them to the worker at `address`."""
+    def _socket(self, address: str) -> Any:
         import zmq
 
         from mstar_core.wire.curve import client_keys
-        from mstar_core.wire.session import Channel
-        from mstar_core.wire.transport import frames_bytes
 
         sock = self._out.get(address)
         if sock is None:
@@ -164,10 +177,88 @@ class PeerMailbox:
                 client_keys(sock, self.secret)
             sock.connect(address)
             self._out[address] = sock
+        return sock
+
+    async def send(self, address: str, nonce: str, session: str, frames: list[Any]) -> None:
+        """Seal `frames` for move (`nonce`, `session`) and send them to the worker at `address`."""
+        from mstar_core.wire.session import Channel
+        from mstar_core.wire.transport import frames_bytes
+
+        sock = self._socket(address)
         sealed = Channel.for_worker(self.secret, nonce, session).seal(frames)
         self.sent_bytes += frames_bytes(frames)
         self.sent_moves += 1
         await sock.send_multipart([nonce.encode(), *sealed], copy=False)
+
+    # -- streams -----------------------------------------------------------------------------------
+
+    def stream_channel(self, nonce: str, session: str, start: int) -> Any:
+        """The sealing end of stream (`nonce`, `session`) whose first `start` items went out earlier (another loop run)."""
+        from mstar_core.wire.session import Channel
+
+        channel = Channel.for_worker(self.secret, nonce, session)
+        channel._sent = start  # item i is sealed with sequence i + 1 whichever run sends it: the consumer sees one order
+        return channel
+
+    def send_stream(self, address: str, nonce: str, channel: Any, frames: list[Any]) -> None:
+        """Seal one stream item and send it, after every item sent before it (never waits: the producer goes on)."""
+        from mstar_core.wire.transport import frames_bytes
+
+        sealed = channel.seal(frames)
+        self.stream_sent_bytes += frames_bytes(frames)
+        self.stream_sent_items += 1
+        sent = self._socket(address).send_multipart([b"s" + nonce.encode(), *sealed], copy=False)
+        sent.add_done_callback(_retrieve)
+
+    def accept_stream(self, session: str, nonce: str, deliver: Callable[[list[Any]], None]) -> None:
+        """Hand stream `session`'s items to `deliver`, in order: at once those already here, then as they come."""
+        from mstar_core.wire.session import Channel
+
+        key = bytes.fromhex(session)
+        entry = self._streams.get(key)
+        if entry is None or entry[1] != nonce:  # early items sealed under another nonce are not this stream's
+            entry = self._streams[key] = [Channel.for_coordinator(self.secret, nonce, session), nonce, None, []]
+        early, entry[3] = entry[3], []
+        entry[2] = deliver
+        for frames in early:
+            deliver(frames)
+
+    def drop_stream(self, session: str) -> None:
+        """The consumer is done (or released): later items of this stream are dropped."""
+        key = bytes.fromhex(session)
+        self._streams.pop(key, None)
+        self._ended[key] = None
+        while len(self._ended) > self.MAX_STREAMS:
+            self._ended.popitem(last=False)
+
+    def _on_stream_item(self, nonce: str, body: list[Any]) -> None:
+        from mstar_core.wire.errors import WireError
+        from mstar_core.wire.session import Channel, session_of
+        from mstar_core.wire.transport import frames_bytes
+
+        session = session_of(body)
+        if session is None:
+            raise WireError("not a sealed stream item")
+        if session in self._ended:  # still in flight when its consumer ended (a cancelled request): nothing to do
+            self.stream_late_items += 1
+            return
+        entry = self._streams.get(session)
+        made = entry is None
+        if made:
+            if len(self._streams) >= self.MAX_STREAMS:
+                raise WireError("too many open streams")
+            entry = [Channel.for_coordinator(self.secret, nonce, session.hex()), nonce, None, []]
+        frames = entry[0].open(body)  # AuthError (a WireError) when forged, replayed or out of order
+        if made:
+            self._streams[session] = entry
+        self.stream_received_bytes += frames_bytes(frames)
+        self.stream_received_items += 1
+        if entry[2] is not None:
+            entry[2](frames)
+        elif len(entry[3]) < self.MAX_EARLY_ITEMS:
+            entry[3].append(frames)
+        else:
+            raise WireError("a stream's consumer did not register in time; item dropped")
 
     def expect(self, session: str) -> asyncio.Future:
         """The frames of move `session`, when they arrive (at once if they already did)."""
@@ -194,8 +285,12 @@ class PeerMailbox:
             except Exception:  # the context is closing
                 return
             try:
-                nonce = raw[1].bytes.decode("ascii")
+                head = raw[1].bytes
+                nonce = head.decode("ascii")
                 body = [f.buffer for f in raw[2:]]
+                if head[:1] == b"s":  # a stream item (a move's nonce is hex: never starts with 's')
+                    self._on_stream_item(nonce[1:], body)
+                    continue
                 session = session_of(body)
                 if session is None or session in self._used:
                     raise WireError("not a sealed move, or one already received")
@@ -225,3 +320,8 @@ class PeerMailbox:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
+
+
+def _retrieve(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("peer line: a stream item could not be sent: %s", future.exception())

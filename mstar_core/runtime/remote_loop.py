@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mstar_core.errors import RequestError
 from mstar_core.graph.walk import Assign, Walk, iter_leaves
 from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
@@ -42,19 +43,27 @@ class RemoteLoop:
         try:
             # a consumer fragment's last stream chunk stays here: the loop does not read it (see `delegate_loops`)
             sent = {k: v for k, v in env.items() if k not in frame.takes} if frame.takes else env
+            # streams this loop feeds whose consumer is on another worker: it sends their items there itself
+            routes = {k: r for k, r in frame.routes.items() if r.edge.src_node in self.nodes}
             msg = RunLoop(request_id=state.request_id, model=self.model, walk=self.walk.name, loop=self.index,
-                          env=to_wire(sent), branch=frame.branch_key)
+                          env=to_wire(sent), branch=frame.branch_key,
+                          streams={str(k): r.route() for k, r in routes.items()})
             worker = self.scheduler.replica_for(state.request_id)
 
             def on_values(call: int, outputs: dict[str, Any]) -> None:
                 site = self.calls[call]
                 conductor.after_call(state, frame, site.call, outputs, env, site)
 
-            delta = await self.cluster.run_loop(worker, msg, on_values)
-        except WireError:
+            delta, streamed = await self.cluster.run_loop(worker, msg, on_values)
+        except WireError as exc:
+            if routes:  # their consumer waits on its worker for items only this loop's worker can send
+                raise RequestError(f"request {state.request_id}: the env of walk '{self.walk.name}' cannot be sent "
+                                   f"to its worker: {exc}", status=400) from None
             # something in the env cannot travel: run the loop from here, one call at a time
             await conductor.run_loop(state, frame, loop, env)
             return
+        for k, count in streamed.items():
+            routes[int(k)].sent += int(count)
         env.update(delta)
         env.pop(loop.spec.index_name, None)
         for move in self.moves:

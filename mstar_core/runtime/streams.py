@@ -43,6 +43,10 @@ class RequestStream:
         """One produced value: part of the stream unless the edge's `keep` says otherwise."""
         if self.edge.keep is not None and not self.edge.keep(value):
             return
+        self.push_kept(value)
+
+    def push_kept(self, value: Any) -> None:
+        """One value already known to be part of the stream (its producer worker applied `keep`)."""
         self._release(self.state.push(value))
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, build_order
 from mstar_core.runtime.links import PeerMailbox, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
+from mstar_core.runtime.peer_streams import InboundStream
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
@@ -49,6 +50,7 @@ from mstar_core.wire import (
 )
 from mstar_core.wire.auth import SECRET_ENV, make_hello, secret_from_env, verify_welcome
 from mstar_core.wire.curve import client_keys, needs_encryption
+from mstar_core.wire.messages import RunConsumer, StreamEnd
 from mstar_core.wire.session import Channel
 
 log = logging.getLogger("mstar.worker")
@@ -86,6 +88,8 @@ class Worker:
         self.channel: Channel | None = None  # the authenticated session, once welcomed
         self.refusals = RefusalLog(log)
         self.mailbox: PeerMailbox | None = None  # state moved here directly by other workers (per-walk KV moves)
+        #: streams whose consumer runs here, fed by their producer's worker: (request, stream, branch) -> end
+        self._inbound: dict[tuple[str, int, str], InboundStream] = {}
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent this way before (loop values, then done).
@@ -214,9 +218,17 @@ class Worker:
             task = asyncio.ensure_future(self._run_loop(msg))
             self._loops.setdefault(msg.request_id, set()).add(task)
             task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
+        elif isinstance(msg, RunConsumer):
+            self._start_consumer(msg)
+        elif isinstance(msg, StreamEnd):
+            inbound = self._inbound.get((msg.request_id, msg.stream, msg.branch))
+            if inbound is not None:
+                inbound.end(msg.items)
         elif isinstance(msg, Release):
             for task in self._loops.pop(msg.request_id, set()):
                 task.cancel()
+            for key in [k for k in self._inbound if k[0] == msg.request_id]:
+                self._drop_inbound(key)
             for sched in self.schedulers.values():
                 sched.release(msg.request_id)
         elif isinstance(msg, LoadModel):
@@ -298,7 +310,7 @@ class Worker:
                             error=f"worker {self.name} has no model '{msg.model}'", error_type="KeyError")
         else:
             try:
-                done = await host.host(msg, self.send_soon)
+                done = await host.host(msg, self.send_soon, self.mailbox)
             except Exception as exc:  # e.g. an env value that does not decode: fail the request, answer anyway
                 done = LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc))
         try:
@@ -306,6 +318,46 @@ class Worker:
         except WireError as exc:  # the loop's env changes cannot travel: fail the request, do not leave it waiting
             self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, error=str(exc),
                                     error_type="WireError"))
+
+    def _start_consumer(self, msg: RunConsumer) -> None:
+        """Register the stream's inbound end now (its items may already be arriving), then run the consumer."""
+        key = (msg.request_id, msg.stream, msg.branch)
+        host = self.hosts.get(msg.model)
+        try:
+            if host is None:
+                raise KeyError(f"worker {self.name} has no model '{msg.model}'")
+            if self.mailbox is None:
+                raise RuntimeError(f"worker {self.name} has no peer mailbox yet")
+            if key in self._inbound:
+                raise RuntimeError(f"stream {msg.stream} of request {msg.request_id} already has a consumer here")
+            edge = host.sites[msg.walk].walk.streams[msg.stream]
+            inbound = InboundStream(edge, msg.session)
+            self.mailbox.accept_stream(msg.session, msg.nonce, inbound.deliver)
+        except Exception as exc:
+            self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc)))
+            return
+        self._inbound[key] = inbound
+
+        async def consume() -> None:
+            try:
+                done = await host.host_consumer(msg, self.send_soon, inbound)
+            finally:
+                if self._inbound.get(key) is inbound:
+                    self._drop_inbound(key)
+            try:
+                self.send_soon(done)
+            except WireError as exc:  # the fragment's env changes cannot travel: fail the request, answer anyway
+                self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, error=str(exc),
+                                        error_type="WireError"))
+
+        task = asyncio.ensure_future(consume())
+        self._loops.setdefault(msg.request_id, set()).add(task)
+        task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
+
+    def _drop_inbound(self, key: tuple[str, int, str]) -> None:
+        inbound = self._inbound.pop(key)
+        if self.mailbox is not None:
+            self.mailbox.drop_stream(inbound.session)
 
     def _invoke(self, msg: InvokeNode) -> None:
         sched = self.schedulers.get(msg.node)

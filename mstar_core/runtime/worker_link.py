@@ -15,8 +15,9 @@ from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, NodeExecutionError, RequestError
 from mstar_core.runtime.remote_values import from_wire
 from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult, encode
+from mstar_core.wire.messages import TAGS
 from mstar_core.wire.session import Channel
-from mstar_core.wire.transport import TransportLink
+from mstar_core.wire.transport import TransportLink, frames_bytes
 
 
 class WorkerLost(RequestError):
@@ -75,10 +76,20 @@ class WorkerLink:
         self.restart_task: asyncio.Task | None = None
         #: node calls' round trip through this link as the server sees it (send to answer, compute included), EWMA
         self.round_trip_s: float | None = None
+        #: messages through the serving process to and from this worker: direction -> wire tag -> [count, bytes]
+        self.traffic: dict[str, dict[str, list[int]]] = {"sent": {}, "received": {}}
 
     def encode(self, msg: Any) -> list[Any]:
         """Frames of `msg` for this worker (device tensors stay on the device when its link moves them itself)."""
-        return encode(msg, keep_device=self.link is not None and self.link.keep_device)
+        frames = encode(msg, keep_device=self.link is not None and self.link.keep_device)
+        self.count("sent", msg, frames)
+        return frames
+
+    def count(self, direction: str, msg: Any, frames: list[Any]) -> None:
+        """Account one message through the serving process (its frames' bytes, before any transport moved them)."""
+        entry = self.traffic[direction].setdefault(TAGS.get(type(msg), "?"), [0, 0])
+        entry[0] += 1
+        entry[1] += frames_bytes(frames)
 
     def observe_round_trip(self, seconds: float) -> None:
         self.round_trip_s = seconds if self.round_trip_s is None else 0.9 * self.round_trip_s + 0.1 * seconds
@@ -90,6 +101,8 @@ class WorkerLink:
             "server": self.link.stats.as_dict() if self.link is not None else {},
             "worker": {k: v for k, v in (self.load.get("link") or {}).items() if k != "transport"},
             "round_trip_s": self.round_trip_s,
+            "messages": {d: {tag: {"count": c, "bytes": b} for tag, (c, b) in by_tag.items()}
+                         for d, by_tag in self.traffic.items()},
         }
 
     # -- answers -------------------------------------------------------------------------------
@@ -119,7 +132,7 @@ class WorkerLink:
                 future.set_exception(remote_failure(msg.node or "?", msg.request_id, msg.error, msg.error_type,
                                                     msg.error_status))
             else:
-                future.set_result(from_wire(msg.env))
+                future.set_result((from_wire(msg.env), msg.streamed))
         except Exception as exc:  # e.g. a stream's `keep` raised: fail this request, not the socket
             if not future.done():
                 future.set_exception(exc)

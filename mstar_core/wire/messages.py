@@ -219,6 +219,9 @@ class RunLoop:
 
     `loop` indexes the walk's loops in depth-first order; `env` is the request's env on entry;
     `branch` tells apart the copies of one loop that fan-out branches run at once ("" outside one).
+    `streams` maps a stream's index (as a str) to where the loop sends that stream's items itself,
+    worker to worker (`to`: the consumer's peer mailbox, `nonce`, `session`, `start`: items already
+    sent on it); those items are then not forwarded to the caller unless the walk emits them.
     """
 
     request_id: str
@@ -227,6 +230,7 @@ class RunLoop:
     loop: int
     env: dict[str, Any]
     branch: str = ""
+    streams: dict[str, Any] = attrs.field(factory=dict)
 
 
 @message("loop_values")
@@ -251,4 +255,48 @@ class LoopDone:
     error_type: str | None = None
     node: str | None = None
     error_status: int | None = None
+    branch: str = ""
+    #: stream index (as a str) -> items this run sent straight to the stream's consumer worker
+    streamed: dict[str, Any] = attrs.field(factory=dict)
+
+
+@message("run_consumer")
+class RunConsumer:
+    """Run stream `stream`'s consumer on this worker, fed by items its producer worker sends here directly.
+
+    The items come sealed under (`nonce`, `session`) to this worker's peer mailbox; the stream's
+    chunk policy runs here. Answers are `LoopValues`/`LoopDone` with `loop` = -1 - `stream`.
+    """
+
+    request_id: str
+    model: str
+    walk: str
+    stream: int
+    env: dict[str, Any]
+    nonce: str
+    session: str
+    branch: str = ""
+
+    @property
+    def loop(self) -> int:
+        """The key its answers travel under (negative: never a loop's index)."""
+        return -1 - self.stream
+
+
+@message("stream_item")
+class StreamItem:
+    """One item of a stream, from the producer worker straight to the consumer worker (never via the server)."""
+
+    request_id: str
+    stream: int
+    value: Any
+
+
+@message("stream_end")
+class StreamEnd:
+    """The stage producing stream `stream` ended after `items` items: the consumer closes it once all arrived."""
+
+    request_id: str
+    stream: int
+    items: int
     branch: str = ""

@@ -1,5 +1,8 @@
 """The three-stage streaming chain split across two worker processes gives the colocated outputs."""
 
+import asyncio
+import time
+
 import pytest
 import torch
 from mstar_fixture_plugin.chain import token_of
@@ -23,7 +26,16 @@ async def run_all(placement=None):
     engine = AsyncEngine(discover())
     await engine.load_model("fixture-chain", LoadOptions(preset="tiny"), placement=placement)
     try:
-        return [await speak(engine, seed, length) for seed, length in ((1, 9), (2, 14))], engine.cluster is not None
+        outs = [await speak(engine, seed, length) for seed, length in ((1, 9), (2, 14))]
+        if engine.cluster is None:
+            return outs, None
+        direct = {walk: sorted(plans) for walk, plans in engine._models["fixture-chain"].conductor.direct_streams.items()}
+        talker = engine.cluster.workers["talker"]
+        deadline = time.monotonic() + 10
+        while (talker.load.get("peer") or {}).get("stream_received_items", 0) < 9 + 14:
+            assert time.monotonic() < deadline, talker.load.get("peer")
+            await asyncio.sleep(0.05)
+        return outs, (direct, talker.load["peer"]["stream_received_items"])
     finally:
         await engine.close()
 
@@ -33,8 +45,10 @@ async def test_the_chain_split_across_two_workers_matches_the_colocated_run():
     # the producer on one worker (its loop delegated there), the consumer loop and the decoder on another
     placement = Placement.from_dict({"workers": {"thinker": {}, "talker": {}},
                                      "nodes": {"gen": "thinker", "talker": "talker", "window": "talker"}})
-    split, clustered = await run_all(placement)
-    assert clustered
+    split, (direct, received) = await run_all(placement)
+    # gen -> talker goes worker to worker (the talker loop and its policy run on the talker worker); talker ->
+    # window has both ends on one worker and stays with the serving process
+    assert direct == {"speak": [0]} and received == 9 + 14
     for (seed, length), a, b in zip(((1, 9), (2, 14)), colocated, split, strict=True):
         for name in ("frame", "wav"):  # the stages interleave differently; each output stream is identical
             mine, theirs = [v for n, v in a if n == name], [v for n, v in b if n == name]

@@ -1,0 +1,86 @@
+"""Both worker ends of a stream whose producer and consumer run on two different workers.
+
+The producer's worker sends every kept item straight to the consumer's worker over the peer line
+(`links.PeerMailbox`); the consumer's worker runs the stream's chunk policy (the only place it
+runs) and its consumer. The serving process only starts both sides and says how many items the
+producing stage sent in all (`StreamEnd`), so the consumer knows when the stream is complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mstar_core.graph.walk import StreamingGraphEdge, StreamProgress
+from mstar_core.runtime.remote_values import from_wire, to_wire
+from mstar_core.runtime.streams import RequestStream
+from mstar_core.wire import WireError, decode, encode
+from mstar_core.wire.messages import StreamItem
+
+
+class StreamSender:
+    """The producer worker's end: counts progress (for priorities) and sends each kept item to the consumer."""
+
+    __slots__ = ("accounting", "address", "channel", "edge", "index", "mailbox", "nonce", "request_id", "sent")
+
+    def __init__(self, edge: StreamingGraphEdge, index: int, request_id: str, route: dict[str, Any], mailbox: Any):
+        self.edge = edge
+        self.index = index
+        self.request_id = request_id
+        self.mailbox = mailbox
+        self.address, self.nonce = str(route["to"]), str(route["nonce"])
+        self.channel = mailbox.stream_channel(self.nonce, str(route["session"]), int(route["start"]))
+        self.accounting = RequestStream(edge, accounting=True)
+        self.sent = 0  # items this run sent (the serving process adds them up for the stream's end)
+
+    def push(self, value: Any) -> None:
+        if self.edge.keep is not None and not self.edge.keep(value):
+            return
+        self.accounting.push_kept(value)
+        frames = encode(StreamItem(request_id=self.request_id, stream=self.index, value=to_wire(value)))
+        self.mailbox.send_stream(self.address, self.nonce, self.channel, frames)
+        self.sent += 1
+
+    def progress(self, now: float | None = None) -> StreamProgress:
+        return self.accounting.progress(now)
+
+
+class InboundStream:
+    """The consumer worker's end: items from the peer line into the stream, closed once all `StreamEnd` counts came."""
+
+    __slots__ = ("error", "expected", "received", "session", "stream")
+
+    def __init__(self, edge: StreamingGraphEdge, session: str):
+        self.stream = RequestStream(edge)
+        self.session = session
+        self.received = 0
+        self.expected: int | None = None
+        self.error: Exception | None = None
+
+    def deliver(self, frames: list[Any]) -> None:
+        """One item's frames, in the order the producer sent them (called by the mailbox)."""
+        if self.stream.closed:
+            return
+        try:
+            msg = decode(frames)
+            if not isinstance(msg, StreamItem):
+                raise WireError(f"expected a stream item, got a {type(msg).__name__}")
+            value = from_wire(msg.value)
+        except Exception as exc:  # a bug on the other side: fail this request's consumer, not the line
+            self.fail(exc)
+            return
+        self.stream.push_kept(value)
+        self.received += 1
+        self._close_when_complete()
+
+    def end(self, items: int) -> None:
+        """The producing stage ended after `items` items: close once they all arrived (the policy flushes its tail)."""
+        self.expected = items
+        self._close_when_complete()
+
+    def fail(self, exc: Exception) -> None:
+        self.error = exc
+        self.stream.close()
+
+    def _close_when_complete(self) -> None:
+        if self.expected is not None and self.received >= self.expected:
+            self.stream.close()

@@ -1,0 +1,162 @@
+"""A stream between two workers goes peer to peer (issue 17): disaggregated Orpheus, LM on one, SNAC on another.
+
+The LM worker's decode loop sends each audio token straight to the codec worker, whose copy of the
+stream runs the sliding-window policy and the SNAC calls; the serving process only starts both sides
+and tells the codec how many items the stream had. Counted: what passes through the serving process.
+"""
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar_core.config import load_placement
+from mstar_core.errors import RequestCancelled
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from mstar_core.runtime.cluster import WorkerLost
+from tests.cluster.helpers import kv_pages_used
+
+pytest.importorskip("mstar_orpheus")
+pytestmark = pytest.mark.timeout(240)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "placement"
+REQUEST = {"text": "Hello from M star.", "voice": "tara", "seed": 7, "max_tokens": 160}
+LONG = {"text": "Hello from M star, " * 8, "voice": "tara", "seed": 7, "max_tokens": 4000}
+
+
+async def audio_of(engine, request=REQUEST):
+    outs = [o async for o in engine.submit("orpheus", dict(request))]
+    return [torch.as_tensor(o.value).clone() for o in outs if o.name == "audio"], \
+        [o.value for o in outs if o.name == "next_token"]
+
+
+def traffic(engine, worker):
+    """{direction: {tag: [count, bytes]}} through the serving process to and from `worker`, copied."""
+    return {d: {t: list(v) for t, v in by.items()} for d, by in engine.cluster.workers[worker].traffic.items()}
+
+
+def since(after, before, direction, tag):
+    a, b = after[direction].get(tag, [0, 0]), before[direction].get(tag, [0, 0])
+    return a[0] - b[0], a[1] - b[1]
+
+
+async def peer(engine, worker, key, at_least):
+    """A worker's peer-line figure from its heartbeats, once it reaches `at_least`."""
+    state = engine.cluster.workers[worker]
+    deadline = time.monotonic() + 10
+    while (state.load.get("peer") or {}).get(key, -1) < at_least:
+        assert time.monotonic() < deadline, state.load.get("peer")
+        await asyncio.sleep(0.05)
+    return state.load["peer"][key]
+
+
+async def disaggregated():
+    engine = AsyncEngine(discover())
+    await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(
+        EXAMPLES / "orpheus-disaggregated.yaml"))
+    deadline = time.monotonic() + 20
+    while any("peer" not in w.load for w in engine.cluster.workers.values()):  # mailboxes in heartbeats
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    return engine
+
+
+async def test_the_stream_goes_worker_to_worker_and_only_control_messages_pass_the_server():
+    colocated = AsyncEngine(discover())
+    await colocated.load_model("orpheus", LoadOptions(preset="tiny"))
+    try:
+        want, want_tokens = await audio_of(colocated)
+    finally:
+        await colocated.close()
+    engine = await disaggregated()
+    try:
+        conductor = engine._models["orpheus"].conductor
+        assert set(conductor.direct_streams) == {"decode"}
+        before = traffic(engine, "codec")
+        got, tokens = await audio_of(engine)
+        after = traffic(engine, "codec")
+        assert tokens == want_tokens and len(got) == len(want) > 2
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        # to the codec worker: one RunConsumer, one StreamEnd, one Release; no node call carrying a window
+        assert since(after, before, "sent", "invoke_node") == (0, 0)
+        sent = {tag: since(after, before, "sent", tag)[0] for tag in after["sent"]}
+        assert {t: n for t, n in sent.items() if n} == {"run_consumer": 1, "stream_end": 1, "release": 1}
+        to_codec = sum(since(after, before, "sent", tag)[1] for tag in after["sent"])
+        assert to_codec < 2_000, to_codec  # the request's few env values and ids, never the 28-token windows
+        # back: the audio itself (the walk emits it) and the end of the consumer
+        assert since(after, before, "received", "loop_values")[0] == len(got)
+        keep = conductor.graph.walks["decode"].streams[0].keep  # which tokens are audio codes
+        audio_tokens = sum(1 for t in tokens if keep(t))
+        assert await peer(engine, "codec", "stream_received_items", audio_tokens) == audio_tokens
+        assert await peer(engine, "lm", "stream_sent_items", audio_tokens) == audio_tokens
+
+        # the same request with the stream kept in the serving process (the fallback path) gives the same audio,
+        # and then every window passes through it as a node call's input
+        plans, conductor.direct_streams = conductor.direct_streams, {}
+        before = traffic(engine, "codec")
+        fallback, _ = await audio_of(engine)
+        after = traffic(engine, "codec")
+        conductor.direct_streams = plans
+        assert all(torch.equal(a, b) for a, b in zip(fallback, want, strict=True)) and len(fallback) == len(want)
+        assert since(after, before, "sent", "invoke_node")[0] == len(want)
+        assert since(after, before, "sent", "invoke_node")[1] > len(want) * 28 * 6  # windows of 28 ids as JSON
+    finally:
+        await engine.close()
+
+
+async def test_a_request_cancelled_mid_stream_frees_both_workers():
+    engine = await disaggregated()
+    try:
+        for _ in range(2):
+            handle = engine.submit("orpheus", dict(LONG))
+            async for out in handle:
+                if out.name == "audio":
+                    break
+            handle.cancel()
+            with pytest.raises(RequestCancelled):
+                await asyncio.wait_for(handle.result(), 10)
+            assert await kv_pages_used(engine, "lm", "orpheus/lm") == 0
+            codec = engine.cluster.workers["codec"]
+            deadline = time.monotonic() + 5
+            while codec.load.get("peer", {}).get("streams_open") != 0:  # the codec dropped its end of the stream
+                assert time.monotonic() < deadline, codec.load.get("peer")
+                await asyncio.sleep(0.05)
+        got, _ = await audio_of(engine)  # both workers serve the next request as before
+        assert got
+    finally:
+        await engine.close()
+
+
+async def test_a_killed_producer_worker_fails_its_request_and_the_codec_drops_its_stream():
+    engine = await disaggregated()
+    lm = engine.cluster.workers["lm"]
+    try:
+        handle = engine.submit("orpheus", dict(LONG))
+        async for out in handle:
+            if out.name == "audio":
+                break
+        engine.cluster.kill("lm")
+        killed_at = time.monotonic()
+        with pytest.raises(WorkerLost, match="lm"):
+            await asyncio.wait_for(handle.result(), 20)
+        assert time.monotonic() - killed_at < 1.5
+        codec = engine.cluster.workers["codec"]
+        deadline = time.monotonic() + 5
+        while codec.load.get("peer", {}).get("streams_open") != 0:
+            assert time.monotonic() < deadline, codec.load.get("peer")
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 90
+        while not lm.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while "peer" not in lm.load:  # the new process's mailbox has a new address
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        got, _ = await audio_of(engine)
+        assert got  # served again, peer to peer, by the restarted LM worker
+    finally:
+        await engine.close()
