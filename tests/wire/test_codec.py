@@ -23,6 +23,7 @@ from mstar_core.wire import (
     decode,
     encode,
 )
+from mstar_core.wire.messages import RunConsumer, StreamEnd, StreamItem
 from mstar_core.wire.tensors import DTYPES
 
 
@@ -58,6 +59,13 @@ SAMPLES = [
     LoopValues(request_id="r3", loop=0, call=1, outputs={"next_token": 17, "finish_reason": None}),
     LoopDone(request_id="r3", loop=0, env={"next_token": 9, "finish_reason": "stop"}),
     LoopDone(request_id="r3", loop=0, error="boom", error_type="ValueError", node="lm"),
+    RunLoop(request_id="r3", model="orpheus", walk="decode", loop=0, env={},
+            streams={"0": {"to": "tcp://127.0.0.1:5", "nonce": "ab", "session": "00" * 8, "start": 3}}),
+    LoopDone(request_id="r3", loop=0, env={}, streamed={"0": 12}),
+    RunConsumer(request_id="r3", model="orpheus", walk="decode", stream=0, env={"n": 4}, nonce="ab",
+                session="00" * 8, branch="1"),
+    StreamItem(request_id="r3", stream=0, value={"token": 5, "hidden": torch.randn(4)}),
+    StreamEnd(request_id="r3", stream=0, items=12),
 ]
 
 
