@@ -61,7 +61,7 @@ def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tens
                            # a [H, 32] axpy: on the event loop, not a round trip through the device thread per step
                            "inline": True}),
         GraphNode("finish", inputs=("latents", "action_dim"), outputs="actions", engine="function",
-                  module=lambda: Finish(unnormalize)),
+                  module=lambda: Finish(unnormalize), options={"inline": True}),
     ]
     first = {"input_ids": "prefix_ids", "input_embeds": "image_rows", "embeds_at": "image_at"}
     if not cfg.pi05:  # names nothing supplies: the state rows come in their own call
