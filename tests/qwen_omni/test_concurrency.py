@@ -102,7 +102,7 @@ async def test_labels_are_freed_after_normal_end_error_and_cancel(monkeypatch):
 
         # an error in the middle of speech fails the request and frees everything
         calls = {"n": 0}
-        step = nodes.FrameStep.__call__
+        step = nodes.FrameStep.forward
 
         def failing(self, *args, **kwargs):
             calls["n"] += 1
@@ -110,11 +110,11 @@ async def test_labels_are_freed_after_normal_end_error_and_cancel(monkeypatch):
                 raise RuntimeError("frame step broke")
             return step(self, *args, **kwargs)
 
-        monkeypatch.setattr(nodes.FrameStep, "__call__", failing)
+        monkeypatch.setattr(nodes.FrameStep, "forward", failing)
         with pytest.raises(Exception, match="frame step broke"):
             await engine.submit("qwen3-omni", {**SPEECH, "max_tokens": 40, "talker_max_tokens": 40}).result()
         await wait_all_free(engine)
-        monkeypatch.setattr(nodes.FrameStep, "__call__", step)
+        monkeypatch.setattr(nodes.FrameStep, "forward", step)
         # and the engine keeps serving
         await engine.submit("qwen3-omni", {**SPEECH, "max_tokens": 4, "talker_max_tokens": 4}).result()
         assert_all_free(engine)

@@ -67,8 +67,14 @@ def _thinker(ids: str, **ports: str) -> NodeCall:
     return NodeCall("thinker", inputs=inputs)
 
 
-def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
+#: The nodes on the speaking side: they read the Thinker's token embeddings, never its other weights.
+SPEECH_NODES = ("talker", "code_predictor", "talker_prompt", "text_start", "frame_seed", "frame_step", "code2wav")
+
+
+def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = None) -> Graph:
+    """`text_embed`: the Thinker's token embeddings for the speaking side (default: the Thinker's own table)."""
     groups = model.config.talker.num_code_groups
+    text_embed = text_embed if text_embed is not None else model.thinker.model.embed_tokens
     nodes = [
         GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
                   outputs=("next_token", "finish_reason"), engine="kvcache", module=lambda: model.thinker),
@@ -105,12 +111,12 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni") -> Graph:
             GraphNode("talker_prompt", inputs=("prompt_ids", "first_token", "speaker"),
                       optional_inputs=("accept_hidden", "image_grid"),
                       outputs=("talker_in", "talker_positions", "talker_ids"),
-                      engine="function", module=lambda: TalkerPrompt(model)),
+                      engine="function", module=lambda: TalkerPrompt(model, text_embed)),
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
                       module=lambda: FrameSeed(model)),
             GraphNode("frame_step", inputs=("code0", "cp_first", "cp_rest", "text", "feed", "talker_finish"),
-                      outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model)),
+                      outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model, text_embed)),
             GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
                       module=lambda: Code2WavWindow(model)),
         ]

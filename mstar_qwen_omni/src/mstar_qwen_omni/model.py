@@ -17,7 +17,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load(options: LoadOptions) -> LoadedModel:
     from mstar_core.checkpoint import load_tokenizer
     from mstar_qwen_omni.checkpoint import load_omni
-    from mstar_qwen_omni.graph import build_graph
+    from mstar_qwen_omni.graph import SPEECH_NODES, build_graph
     from mstar_qwen_omni.prepare import Preparer
     from mstar_qwen_omni.preset import ensure_tiny
 
@@ -33,10 +33,15 @@ def load(options: LoadOptions) -> LoadedModel:
     if model.code2wav is not None and options.device != "meta":
         model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
     prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)
+    text_embed = None
+    hosted = set(options.nodes or ())
+    if options.nodes is not None and hosted & set(SPEECH_NODES) and not hosted & {"thinker", "encode"}:
+        # this process speaks but does not think: a copy of the token embeddings lets the Thinker go
+        text_embed = torch.nn.Embedding.from_pretrained(model.thinker.model.embed_tokens.weight.detach().clone())
     pages = {"num_pages": 512, "page_size": 16}
     return LoadedModel(
         name="qwen3-omni",
-        graph=build_graph(model),
+        graph=build_graph(model, text_embed=text_embed),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,

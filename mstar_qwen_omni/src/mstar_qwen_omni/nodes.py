@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from mstar_core.nn.attention import DenseAttention
 from mstar_core.streaming import Chunk
@@ -23,7 +24,7 @@ from mstar_qwen_omni.reference import talker_prompt, user_positions
 NOTHING, ENDED = -1, -2
 
 
-class PromptEncoder:
+class PromptEncoder(nn.Module):
     """Audio and image parts -> the Thinker's rows at their placeholders, per-token deepstack rows, and (for
     speech) the accept-layer hidden states the Talker reads at media positions.
 
@@ -32,12 +33,13 @@ class PromptEncoder:
     """
 
     def __init__(self, model: QwenOmni):
+        super().__init__()
         self.thinker = model.thinker
         self.accept = model.config.talker.accept_hidden_layer
         t = model.config.thinker
         self.audio_id, self.image_id = t.audio_token_id, t.image_token_id
 
-    def __call__(self, prompt_ids: list[int], prompt_positions: torch.Tensor, audio_features: list | None = None,
+    def forward(self, prompt_ids: list[int], prompt_positions: torch.Tensor, audio_features: list | None = None,
                  image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
                  speaker: str | None = None) -> dict[str, Any]:
         th = self.thinker
@@ -62,17 +64,23 @@ class PromptEncoder:
         return out
 
 
-class TalkerPrompt:
-    """The Talker's prefill embeddings, and its M-RoPE positions when user turns hold images (else None)."""
+class TalkerPrompt(nn.Module):
+    """The Talker's prefill embeddings, and its M-RoPE positions when user turns hold images (else None).
 
-    def __init__(self, model: QwenOmni):
-        self.model = model
+    Modules registered here are the weights it uses, so a worker hosting it keeps exactly those.
+    """
 
-    def __call__(self, prompt_ids: list[int], first_token: int, speaker: str, accept_hidden: torch.Tensor | None = None,
+    def __init__(self, model: QwenOmni, text_embed: nn.Module):
+        super().__init__()
+        self.talker, self.text_embed = model.talker, text_embed
+        self.config, self.model_ref = model.config, [model]  # a list: not a submodule (the Thinker may be released)
+
+    def forward(self, prompt_ids: list[int], first_token: int, speaker: str, accept_hidden: torch.Tensor | None = None,
                  image_grid: torch.Tensor | None = None) -> dict[str, Any]:
-        cfg = self.model.config
+        cfg = self.config
         with torch.no_grad():
-            embeds = talker_prompt(self.model, prompt_ids, int(first_token), speaker, accept_hidden)
+            embeds = talker_prompt(self.model_ref[0], prompt_ids, int(first_token), speaker, accept_hidden,
+                                   self.text_embed)
         positions = None
         if image_grid is not None:
             users = user_positions(prompt_ids, cfg.im_start_token_id, cfg.user_token_id)
@@ -86,11 +94,12 @@ class TalkerPrompt:
                 "talker_ids": [cfg.talker.codec_pad_id] * embeds.shape[0]}
 
 
-class FrameSeed:
+class FrameSeed(nn.Module):
     def __init__(self, model: QwenOmni):
+        super().__init__()
         self.talker = model.talker
 
-    def __call__(self, hidden: torch.Tensor, code0: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, code0: int) -> torch.Tensor:
         with torch.no_grad():
             code = torch.tensor([int(code0)], device=hidden.device)
             return torch.cat([hidden.view(1, -1), self.talker.embed(code).to(hidden.dtype)])
@@ -107,12 +116,13 @@ class TextStart:
         return _first(text)
 
 
-class FrameStep:
+class FrameStep(nn.Module):
     """Frame k's codes (None past the end) and the Talker's next input: its codec embeddings plus the text part."""
 
-    def __init__(self, model: QwenOmni):
+    def __init__(self, model: QwenOmni, text_embed: nn.Module):
+        super().__init__()
         cfg = model.config
-        self.talker, self.thinker = model.talker, model.thinker
+        self.talker, self.text_embed = model.talker, text_embed
         self.codebook = model.talker.code_predictor.codebook
         self.pad_id, self.eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
 
@@ -125,7 +135,7 @@ class FrameStep:
             return self.eos_id, ENDED
         return held, later
 
-    def __call__(self, code0: int, cp_first: int, cp_rest: list[int], text: Chunk, feed: int,
+    def forward(self, code0: int, cp_first: int, cp_rest: list[int], text: Chunk, feed: int,
                  talker_finish: str | None) -> dict[str, Any]:
         joined = [int(cp_first), *(int(t) for t in cp_rest)]
         with torch.no_grad():
@@ -133,19 +143,20 @@ class FrameStep:
             spoken, feed = self._text(int(feed), text)
             step = (self.talker.embed(torch.tensor(int(code0), device=device))
                     + self.talker.code_predictor.embed(torch.tensor(joined, device=device)).sum(0)
-                    + self.talker.text_projection(self.thinker.embed(torch.tensor(spoken, device=device))))
+                    + self.talker.text_projection(self.text_embed(torch.tensor(spoken, device=device))))
         # the last sampled code 0 (EOS, or the one at the length limit) gets no frame
         codes = None if talker_finish is not None else torch.tensor([int(code0), *(j % self.codebook for j in joined)])
         return {"codes": codes, "step_embeds": step[None], "feed": feed}
 
 
-class Code2WavWindow:
+class Code2WavWindow(nn.Module):
     """A window of frames (context first) -> the new frames' samples `[n]` (fp32)."""
 
     def __init__(self, model: QwenOmni):
+        super().__init__()
         self.code2wav = model.code2wav
 
-    def __call__(self, codes: Chunk) -> torch.Tensor:
+    def forward(self, codes: Chunk) -> torch.Tensor:
         frames = torch.stack(list(codes.items), dim=1)[None]  # [1, Q, frames]
         with torch.inference_mode():
             wav = self.code2wav.decode_window(frames.to(self.code2wav.code_embedding.weight.device), codes.num_context)

@@ -45,9 +45,14 @@ def last_assistant_start(ids: Sequence[int], im_start: int, assistant: int) -> i
 
 @torch.no_grad()
 def talker_prompt(model: QwenOmni, ids: Sequence[int], first_token: int, speaker: str,
-                  accept_hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """The Talker's prefill embeddings `[user tokens + 9, H]` (see the module docstring)."""
-    cfg, thinker, talker = model.config, model.thinker, model.talker
+                  accept_hidden: torch.Tensor | None = None, text_embed: torch.nn.Module | None = None) -> torch.Tensor:
+    """The Talker's prefill embeddings `[user tokens + 9, H]` (see the module docstring).
+
+    `text_embed`: the Thinker's token embedding table (default: the Thinker's own; a process hosting only the
+    Talker's side holds a copy, so the Thinker's weights need not stay there).
+    """
+    cfg, talker = model.config, model.talker
+    embed = text_embed or model.thinker.model.embed_tokens
     t = cfg.thinker
     tensor_ids = torch.tensor(list(ids))
     users = user_positions(ids, cfg.im_start_token_id, cfg.user_token_id)
@@ -59,11 +64,10 @@ def talker_prompt(model: QwenOmni, ids: Sequence[int], first_token: int, speaker
                 raise ValueError("a prompt with audio or images needs the Thinker's accept-layer hidden states")
             rows.append(talker.hidden_projection(accept_hidden[i]))
         else:
-            rows.append(talker.text_projection(thinker.embed(tensor_ids[i])))
+            rows.append(talker.text_projection(embed(tensor_ids[i])))
     start = last_assistant_start(ids, cfg.im_start_token_id, cfg.assistant_token_id)
-    role = talker.text_projection(thinker.embed(tensor_ids[start : start + 3]))
-    tts = talker.text_projection(thinker.embed(torch.tensor([cfg.tts_pad_token_id, cfg.tts_bos_token_id,
-                                                             first_token])))
+    role = talker.text_projection(embed(tensor_ids[start : start + 3]))
+    tts = talker.text_projection(embed(torch.tensor([cfg.tts_pad_token_id, cfg.tts_bos_token_id, first_token])))
     tc = cfg.talker
     codec = talker.embed(torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id,
                                        tc.speaker_id[speaker.lower()], tc.codec_pad_id, tc.codec_bos_id]))
