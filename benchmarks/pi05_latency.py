@@ -45,7 +45,7 @@ IMAGE_TOKEN = VOCAB - 1
 
 
 def sizes(quick: bool) -> dict:
-    layers, vision_layers = (4, 3) if quick else (8, 6)
+    layers, vision_layers = (3, 2) if quick else (8, 6)
     gemma = {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 64, "num_hidden_layers": layers}
     return {
         "text": {**gemma, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": VOCAB},
@@ -160,7 +160,7 @@ async def run(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 Gemma layers, 3 SigLIP layers, fewer requests (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="3 Gemma layers, 2 SigLIP layers, fewer requests (< 60 s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, both sides (default 1: on a shared box a second thread stalls every op)")
     parser.add_argument("--c1-requests", type=int, default=None)
