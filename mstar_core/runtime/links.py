@@ -167,13 +167,15 @@ class PeerMailbox:
     def _socket(self, address: str) -> Any:
         import zmq
 
-        from mstar_core.wire.curve import client_keys
+        from mstar_core.wire.curve import client_keys, needs_encryption
 
         sock = self._out.get(address)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            if self.encrypt:
+            # by the receiver's address, as it chose (a worker joined over loopback may send to one that joined
+            # from another host, and the other way round)
+            if needs_encryption(address):
                 client_keys(sock, self.secret)
             sock.connect(address)
             self._out[address] = sock

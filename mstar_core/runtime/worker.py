@@ -169,7 +169,9 @@ class Worker:
         self.link.on_failure = lambda why: loop.call_soon_threadsafe(self._link_failed, why)
         self.channel = Channel.for_worker(self.secret, hello.nonce, welcome.session)
         self.heartbeat_interval = welcome.heartbeat_interval
-        self.mailbox = PeerMailbox(self.secret, self._peer_host(), self.encrypt)
+        host = self._peer_host()
+        # CURVE exactly when the mailbox is reachable from other hosts: senders decide by its address the same way
+        self.mailbox = PeerMailbox(self.secret, host, needs_encryption(f"tcp://{host}:0"))
         beat = asyncio.ensure_future(self._heartbeat())
         try:
             while not self._stop.is_set():

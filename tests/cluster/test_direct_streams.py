@@ -160,3 +160,54 @@ async def test_a_killed_producer_worker_fails_its_request_and_the_codec_drops_it
         assert got  # served again, peer to peer, by the restarted LM worker
     finally:
         await engine.close()
+
+
+def _outward_address() -> str | None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))  # no packet: picks the interface a route leaves by
+            host = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if host.startswith("127.") else host
+
+
+async def test_stream_items_reach_a_mailbox_open_to_other_hosts_from_one_on_loopback_sealed_and_in_order():
+    from mstar_core.runtime.links import PeerMailbox
+    from mstar_core.wire import encode
+    from mstar_core.wire.messages import StreamItem
+
+    host = _outward_address()
+    if host is None:
+        pytest.skip("no non-loopback interface to bind a mailbox on")
+    secret = b"s" * 24
+    remote = PeerMailbox(secret, host, encrypt=True)  # a worker joined from another host: CURVE
+    local = PeerMailbox(secret)  # a worker joined over loopback: sends to it with CURVE all the same
+    try:
+        got = []
+        channel = local.stream_channel("ab", "11" * 8, start=0)
+        for i in range(3):  # two items arrive before the consumer registers, kept in order
+            local.send_stream(remote.address, "ab", channel, encode(StreamItem(request_id="r", stream=0, value=i)))
+        deadline = time.monotonic() + 5
+        while remote.stream_received_items < 3:
+            assert time.monotonic() < deadline, remote.stats()
+            await asyncio.sleep(0.02)
+        remote.accept_stream("11" * 8, "ab", got.append)
+        local.send_stream(remote.address, "ab", channel, encode(StreamItem(request_id="r", stream=0, value=3)))
+        while len(got) < 4:
+            assert time.monotonic() < deadline, remote.stats()
+            await asyncio.sleep(0.02)
+        from mstar_core.wire import decode
+
+        assert [decode(f).value for f in got] == [0, 1, 2, 3]
+        remote.drop_stream("11" * 8)  # later items of an ended stream are dropped quietly
+        local.send_stream(remote.address, "ab", channel, encode(StreamItem(request_id="r", stream=0, value=4)))
+        while remote.stream_late_items < 1:
+            assert time.monotonic() < deadline, remote.stats()
+            await asyncio.sleep(0.02)
+        assert remote.refused == 0 and len(got) == 4
+    finally:
+        remote.close()
+        local.close()
