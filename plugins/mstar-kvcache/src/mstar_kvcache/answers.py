@@ -1,4 +1,4 @@
-"""Answers of `KVCacheEngine` calls: per-token rows or sampled tokens, finish reasons, failures, what attaches next."""
+"""Answers of `KVCacheEngine` calls: per-token rows and/or sampled tokens, finish reasons, failures, what attaches next."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from mstar_core.runtime.engine import Result
+from mstar_kvcache.inputs import ParsedInvocation
 from mstar_kvcache.sampler import Sampled, sample
 from mstar_kvcache.sequence import Sequence
 
@@ -14,37 +15,71 @@ from mstar_kvcache.sequence import Sequence
 class CallAnswers:
     """Mixin of `KVCacheEngine`: turns a step's hidden states into each finished call's result."""
 
+    def _wants_rows(self, call: ParsedInvocation) -> bool:
+        """Whether the call's rows are gathered: every call of a per-token node; on a sampling node, a call
+        that asks (`output_rows` or `output_index`) when the node declares `compute_<name>` outputs."""
+        if not self.samples:
+            return True
+        return bool(self.extra_outputs) and (call.output_rows is not None or call.output_index is not None)
+
+    def _rows_from(self, call: ParsedInvocation, start: int) -> int | None:
+        """The first token (of the label) whose row the call returns; None when only its last row is needed."""
+        if not self._wants_rows(call):
+            return None
+        if call.output_index is not None:
+            n = len(call.ids)
+            return start + min((int(i) % n for i in call.output_index), default=n - 1)
+        # (a per-token node's "all" call still takes prefix hits and returns the rows after them, as before)
+        return start if self.samples and call.output_rows == "all" else None
+
+    def _call_rows(self, seq: Sequence) -> torch.Tensor:
+        """The call's gathered hidden rows, narrowed to `output_index` or the last row when it asks."""
+        got = torch.cat(seq.collected) if len(seq.collected) > 1 else seq.collected[0]
+        seq.collected = []
+        call = seq.call
+        if call.output_index is not None:
+            n = len(call.ids)
+            skipped = n - got.shape[0]  # leading rows a prefix hit reused (never one of those asked for)
+            return got[(call.output_index % n - skipped).to(got.device)]
+        return got[-1:] if call.output_rows == "last" else got
+
+    def _per_token(self, rows: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each call's `compute_<name>` outputs over its rows (one module call per output for all of them)."""
+        if not rows:
+            return []
+        with torch.inference_mode():
+            joined = torch.cat(rows)
+            sizes = [r.shape[0] for r in rows]
+            computed = {name: getattr(self.module, f"compute_{name}")(joined).split(sizes) for name in self.extra_outputs}
+        return [{name: values[i] for name, values in computed.items()} for i in range(len(rows))]
+
     def _finish_rows(self, done: list[tuple[Sequence, int]]) -> list[Result]:
         """Per-token outputs: the calls' rows of hidden states and the module's outputs computed from them."""
-        rows = []
-        for seq, _ in done:
-            got = torch.cat(seq.collected) if len(seq.collected) > 1 else seq.collected[0]
-            call = seq.call
-            if call.output_index is not None:
-                got = got[call.output_index.to(got.device)]
-            elif call.output_rows == "last":
-                got = got[-1:]
-            rows.append(got)
-            seq.collected = []
-        computed: dict[str, list[torch.Tensor]] = {}
+        rows = [self._call_rows(seq) for seq, _ in done]
         try:
-            with torch.inference_mode():
-                joined = torch.cat(rows)
-                for name in self.extra_outputs:
-                    computed[name] = list(getattr(self.module, f"compute_{name}")(joined).split([r.shape[0] for r in rows]))
+            computed = self._per_token(rows)
         except Exception as exc:
             return [self._fail(seq, exc) for seq, _ in done]
         results = []
         for i, (seq, _) in enumerate(done):
-            out: dict[str, Any] = {}
+            out: dict[str, Any] = dict(computed[i])
             if "hidden" in self.node.outputs:
                 out["hidden"] = rows[i]
-            for name, values in computed.items():
-                out[name] = values[i]
             results.append(self._complete(seq, out))
         return results
 
     def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
+        # per-token outputs of the calls that asked, computed before sampling (a failure there fails them alone)
+        asked = [(s, r) for s, r in done if s.collected]
+        extras: dict[int, dict[str, torch.Tensor]] = {}
+        if asked:
+            try:
+                extras = dict(zip((id(s) for s, _ in asked), self._per_token([self._call_rows(s) for s, _ in asked]),
+                                  strict=True))
+            except Exception as exc:
+                failed = [self._fail(s, exc) for s, _ in asked]
+                rest = [(s, r) for s, r in done if not any(s is a for a, _ in asked)]
+                return failed + (self._finish(rest, hidden) if rest else [])
         last = hidden[torch.tensor([r for _, r in done], device=hidden.device)]
         seqs = [s for s, _ in done]
         try:
@@ -52,15 +87,15 @@ class CallAnswers:
         except Exception:
             # One row's parameters broke the batched sampling: sample each row alone so only it fails.
             # (The sampler draws last, so no row's generator advanced before the failure.)
-            return [self._finish_alone(seq, last[i : i + 1]) for i, seq in enumerate(seqs)]
-        return [self._answer(seq, i, logits, picked, last) for i, seq in enumerate(seqs)]
+            return [self._finish_alone(seq, last[i : i + 1], extras.get(id(seq))) for i, seq in enumerate(seqs)]
+        return [self._answer(seq, i, logits, picked, last, extras.get(id(seq))) for i, seq in enumerate(seqs)]
 
-    def _finish_alone(self, seq: Sequence, last: torch.Tensor) -> Result:
+    def _finish_alone(self, seq: Sequence, last: torch.Tensor, extras: dict[str, torch.Tensor] | None) -> Result:
         try:
             logits, picked = self._sample([seq], last)
         except Exception as exc:
             return self._fail(seq, exc)
-        return self._answer(seq, 0, logits, picked, last)
+        return self._answer(seq, 0, logits, picked, last, extras)
 
     def _sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
         with torch.inference_mode():
@@ -71,8 +106,9 @@ class CallAnswers:
                             logprobs=wanted, generated=[s.generated for s in seqs])
         return logits, picked
 
-    def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor) -> Result:
-        """Row `i`'s outputs; the call is done, and the label's next queued call (if any) attaches."""
+    def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor,
+                extras: dict[str, torch.Tensor] | None = None) -> Result:
+        """Row `i`'s outputs (and the call's per-token `extras`); the call is done, the label's next queued call attaches."""
         token = picked.tokens[i]
         keep = not seq.readonly
         if keep:
@@ -94,6 +130,7 @@ class CallAnswers:
             out["logits"] = logits[i]
         if "hidden" in self.node.outputs:
             out["hidden"] = last[i]
+        out.update(extras or {})
         return self._complete(seq, out)
 
     def _complete(self, seq: Sequence, out: dict[str, Any]) -> Result:

@@ -98,12 +98,14 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Reuse cached pages for a sequence that holds none; returns the number of tokens reused.
 
-        At least one token is always left to compute, so the step still produces logits.
+        At least one token is always left to compute, so the step still produces logits, and every token
+        whose row the pending call returns (`rows_from` on) is computed.
         """
         if not (self.prefix_caching and seq.cacheable) or seq.pages or seq.num_computed:
             return 0
         previous = self.root
-        for i in range((len(seq.tokens) - 1) // self.page_size):
+        reusable = len(seq.tokens) - 1 if seq.rows_from is None else min(len(seq.tokens) - 1, seq.rows_from)
+        for i in range(reusable // self.page_size):
             key = self._key(seq, i, previous)
             page = self.pool.lookup(key)
             if page is None:

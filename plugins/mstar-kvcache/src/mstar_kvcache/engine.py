@@ -34,9 +34,11 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
     What a call takes and returns is in `inputs.py` (inputs and options) and `contract.py` (what
     the module provides). A node that declares `next_token` samples: outputs `next_token`,
     `finish_reason`, and when declared `logprob` / `top_logprobs` (as the sampling params ask),
-    `logits` and `hidden` of the last row. Any other node returns per-token rows with no vocabulary
-    projection: `hidden` and each `compute_<name>` output, for every row of the call
-    (`output_rows: "all"`), the last one, or the rows at input `output_index`.
+    `logits` and `hidden` of the last row; a sampling call that asks (option `output_rows` or input
+    `output_index`) also gets each `compute_<name>` output over its rows, as below. Any other node
+    returns per-token rows with no vocabulary projection: `hidden` and each `compute_<name>` output,
+    for every row of the call (`output_rows: "all"`, the default), the last one, or the rows at input
+    `output_index`.
 
     A call appends its tokens to its cache label and attends to everything before them; with
     `write_cache: False` it is read-only: it attends to the frozen `read_labels` (default its
@@ -231,6 +233,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
         seq.priority = inv.priority
         seq.collected = []
+        seq.rows_from = self._rows_from(parsed, start)
         if parsed.sampling is not None:
             seq.generator, seq.sampling = generator, parsed.sampling
 
@@ -272,8 +275,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             seq.num_computed += n
             if not seq.readonly:
                 self.blocks.commit(seq)
-            if not self.samples and seq.call is not None and lo < row:
-                keep_all = seq.call.output_rows == "all" or seq.call.output_index is not None
+            if seq.call is not None and lo < row and self._wants_rows(seq.call):
+                keep_all = seq.call.output_rows != "last" or seq.call.output_index is not None
                 seq.collected.append(hidden[lo:row] if keep_all else hidden[row - 1 : row])
             if seq.remaining == 0:
                 if seq.pending is not None:

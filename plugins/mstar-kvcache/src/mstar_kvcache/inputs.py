@@ -36,7 +36,7 @@ OPTIONS = (
     "bidirectional",  # this call's tokens form one bidirectional block
     "blocks",  # block lengths summing to the call's tokens: each block bidirectional, causal across blocks
     "frame_size",  # frame-causal mask over absolute token indices
-    "output_rows",  # outputs per token: "all" rows of the call (default) or the "last"
+    "output_rows",  # outputs per token: "all" rows of the call (default) or the "last"; a sampling call asks so
     "transfer",  # "export" / "import": move the request's caches between engines
     "share_cache_with",  # node-static: read-only calls read that node's labels (its pages, same pool)
 )
@@ -67,7 +67,7 @@ class ParsedInvocation:
     snapshot_before: tuple[str, ...] = ()
     snapshot_after: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
-    output_rows: str = "all"
+    output_rows: str | None = None  # None: "all" on a per-token node, no per-token outputs on a sampling one
     seed_offset: int | None = None
     blocks: tuple[int, ...] | None = None
 
@@ -238,8 +238,8 @@ def parse_invocation(
     reads = _labels(opts.get("read_labels"), "read_labels", node)
     if reads and write:
         raise RequestError(f"node '{node}': option read_labels is for read-only calls (write_cache: False)")
-    rows = opts.get("output_rows", "all")
-    if rows not in ("all", "last"):
+    rows = opts.get("output_rows")
+    if rows not in (None, "all", "last"):
         raise RequestError(f"node '{node}': option output_rows must be 'all' or 'last', got {rows!r}")
     return ParsedInvocation(
         ids=ids,

@@ -55,6 +55,8 @@ class Sequence:
     context: list[tuple[list[int], int]] = attrs.field(factory=list)
     #: Per-token output rows of the pending call, gathered across prefill chunks.
     collected: list[torch.Tensor] = attrs.field(factory=list)
+    #: The first token whose row the pending call returns (a prefix-cache hit stops before it); None: the last only.
+    rows_from: int | None = None
     #: The pending call as parsed (`inputs.ParsedInvocation`): what to return and what to do when it is done.
     call: Any = None
     #: Set when a reader needs this (preempted, idle) label's cache back: it is recomputed without a call.
