@@ -40,6 +40,8 @@ class QwenOmni(nn.Module):
         self.thinker = Thinker(cfg.thinker)
         self.talker = Talker(cfg.talker) if with_audio else None
         self.code2wav = Code2Wav(cfg.code2wav) if with_audio else None
+        if with_audio:  # the Thinker's forward also returns the layer the Talker reads at media tokens
+            self.thinker.keep_layer = cfg.talker.accept_hidden_layer
 
 
 class OmniMapping(WeightMapping):

@@ -62,9 +62,9 @@ def plan(env: Mapping[str, Any]) -> list[str]:
 _MM_PORTS = ("input_embeds", "embeds_at", "positions", "deepstack")
 
 
-def _thinker(ids: str, **ports: str) -> NodeCall:
+def _thinker(ids: str, options: Mapping[str, Any] | None = None, **ports: str) -> NodeCall:
     inputs = {"input_ids": ids, "sampling": "sampling", **dict.fromkeys(_MM_PORTS, UNSET), **ports}
-    return NodeCall("thinker", inputs=inputs)
+    return NodeCall("thinker", inputs=inputs, options=options or {})
 
 
 #: The nodes on the speaking side: they read the Thinker's token embeddings, never its other weights.
@@ -75,12 +75,14 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     """`text_embed`: the Thinker's token embeddings for the speaking side (default: the Thinker's own table)."""
     groups = model.config.talker.num_code_groups
     text_embed = text_embed if text_embed is not None else model.thinker.model.embed_tokens
+    # a speaking model's Thinker also gives the Talker's accept-layer states, per token, to the media prefill
+    accept = ("accept_hidden",) if model.talker is not None else ()
     nodes = [
         GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
-                  outputs=("next_token", "finish_reason"), engine="kvcache", module=lambda: model.thinker),
-        GraphNode("encode", inputs=("prompt_ids", "prompt_positions"),
-                  optional_inputs=("audio_features", "image_patches", "image_grid", "speaker"),
-                  outputs=("mm_rows", "mm_at", "mm_deepstack", "accept_hidden"), engine="function",
+                  outputs=("next_token", "finish_reason", *accept), engine="kvcache", module=lambda: model.thinker),
+        GraphNode("encode", inputs=("prompt_ids",),
+                  optional_inputs=("audio_features", "image_patches", "image_grid"),
+                  outputs=("mm_rows", "mm_at", "mm_deepstack"), engine="function",
                   module=lambda: PromptEncoder(model)),
     ]
     walks = [
@@ -91,10 +93,11 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
         Walk(name="prefill_mm",
              body=Sequential(
                  NodeCall("encode"),
-                 _thinker("prompt_ids", input_embeds="mm_rows", embeds_at="mm_at", positions="prompt_positions",
-                          deepstack="mm_deepstack")),
+                 # every prompt row's accept-layer state comes back beside the sample (read for speech only)
+                 _thinker("prompt_ids", {"output_rows": "all"} if accept else None, input_embeds="mm_rows",
+                          embeds_at="mm_at", positions="prompt_positions", deepstack="mm_deepstack")),
              inputs=("prompt_ids", "prompt_positions"),
-             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "speaker", UNSET),
+             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", UNSET),
              outputs=("next_token", "finish_reason"), emit=("next_token",),
              description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"),
         Walk(name="decode",

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar_core.nn.attention import DenseAttention
 from mstar_core.streaming import Chunk
 from mstar_qwen_omni.checkpoint import QwenOmni
 from mstar_qwen_omni.positions import prompt_positions
@@ -25,23 +24,20 @@ NOTHING, ENDED = -1, -2
 
 
 class PromptEncoder(nn.Module):
-    """Audio and image parts -> the Thinker's rows at their placeholders, per-token deepstack rows, and (for
-    speech) the accept-layer hidden states the Talker reads at media positions.
+    """Audio and image parts -> the Thinker's rows at their placeholders and per-token deepstack rows.
 
-    The accept-layer states come from a dense re-run of the prompt through the Thinker's first layers: the
-    kvcache engine answers a sampling call with its sample only, not with per-token states of a layer.
+    (The accept-layer states the Talker reads at media positions come back from the Thinker's prefill
+    itself: the kvcache engine returns a sampling call's per-token outputs when the call asks.)
     """
 
     def __init__(self, model: QwenOmni):
         super().__init__()
         self.thinker = model.thinker
-        self.accept = model.config.talker.accept_hidden_layer
         t = model.config.thinker
         self.audio_id, self.image_id = t.audio_token_id, t.image_token_id
 
-    def forward(self, prompt_ids: list[int], prompt_positions: torch.Tensor, audio_features: list | None = None,
-                 image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
-                 speaker: str | None = None) -> dict[str, Any]:
+    def forward(self, prompt_ids: list[int], audio_features: list | None = None,
+                image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None) -> dict[str, Any]:
         th = self.thinker
         device = th.lm_head.weight.device
         ids = torch.tensor(prompt_ids, device=device)
@@ -57,11 +53,7 @@ class PromptEncoder(nn.Module):
                 deep = embeds.new_zeros(len(prompt_ids), stack.shape[1], stack.shape[2])
                 deep[ids == self.image_id] = stack.to(embeds.dtype)
             at = (ids == self.audio_id) | (ids == self.image_id)
-            out = {"mm_rows": embeds[at], "mm_at": at.cpu(), "mm_deepstack": deep, "accept_hidden": None}
-            if speaker is not None:
-                _, kept = th.hidden_states(embeds, prompt_positions.to(device), DenseAttention(), self.accept, deep)
-                out["accept_hidden"] = kept
-        return out
+        return {"mm_rows": embeds[at], "mm_at": at.cpu(), "mm_deepstack": deep}
 
 
 class TalkerPrompt(nn.Module):

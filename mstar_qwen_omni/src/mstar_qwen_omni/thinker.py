@@ -26,7 +26,12 @@ class ThinkerTextModel(MoeDecoder):
 
 
 class Thinker(nn.Module):
-    """`forward(ids, positions, context, input_embeds=, deepstack=)` -> final hidden `[T, H]`; `compute_logits`."""
+    """`forward(ids, positions, context, input_embeds=, deepstack=)` -> final hidden `[T, H]`; `compute_logits`.
+
+    With `keep_layer` set (a model that speaks: the Talker's accept layer), `forward` returns `[T, 2H]`:
+    the final hidden, then that layer's output, which the engine hands back per token as output
+    `accept_hidden` (`compute_accept_hidden`) to calls that ask for rows; `compute_logits` reads the first half.
+    """
 
     position_axes = 3
     call_inputs = {"deepstack": "token"}  # [T, K, H]: added after decoder layer k (zeros: no visual token)
@@ -39,6 +44,7 @@ class Thinker(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.audio_tower = AudioEncoder(cfg.audio)
         self.visual = VisionEncoder(cfg.vision)
+        self.keep_layer: int | None = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
@@ -52,19 +58,12 @@ class Thinker(nn.Module):
         deepstack: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids) if input_embeds is None else input_embeds
-        hidden, _ = self.model.run(x, positions, context, deepstack)
-        return hidden
-
-    def hidden_states(
-        self,
-        input_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        context: AttentionContext,
-        keep_layer: int,
-        deepstack: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final hidden, the output of layer `keep_layer`) for the same tokens (what the Talker reads)."""
-        return self.model.run(input_embeds, positions, context, deepstack, keep_layer)
+        hidden, kept = self.model.run(x, positions, context, deepstack, self.keep_layer)
+        return hidden if kept is None else torch.cat((hidden, kept), dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return F.linear(hidden[..., : self.config.hidden_size], self.lm_head.weight)
+
+    def compute_accept_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The `keep_layer` output of each row `[N, H]` (what the Talker projects at audio and image tokens)."""
+        return hidden[..., self.config.hidden_size :].contiguous()  # a view would carry both halves between workers
