@@ -99,13 +99,13 @@ class Conductor:
         plans = self.direct_streams.get(walk.name, {})
         streams: list[Any] = []
         for k, edge in enumerate(walk.streams):
-            direct = plans[k].open(state.request_id) if k in plans else None
-            if direct is not None:  # its producer's worker sends the items to its consumer's
-                frame.routes[k] = direct
+            stream = plans[k].open(state.request_id) if k in plans else None
+            if stream is not None:  # its producer's worker sends the items to its consumer's (remote_stream.py)
+                frame.routes[k] = stream
             else:
-                direct = RequestStream(edge, started)
-                frame.streams.setdefault(edge.src_node, []).append(direct)
-            streams.append(direct)
+                stream = RequestStream(edge, started)
+                frame.streams.setdefault(edge.src_node, []).append(stream)
+            streams.append(stream)
         for stream in streams:
             if stream.edge.consumer is None:
                 for out in self.graph.nodes[stream.edge.dst_node].outputs:

@@ -279,7 +279,13 @@ class PeerMailbox:
         from mstar_core.wire.session import Channel, session_of
         from mstar_core.wire.transport import frames_bytes
 
+        handled = 0
         while True:
+            handled += 1
+            if handled % 16 == 0:
+                # a receive that finds a message waiting does not yield: a backlog of stream items would
+                # otherwise keep this worker's event loop (its heartbeats too) busy until it is drained
+                await asyncio.sleep(0)
             try:
                 raw = await self.sock.recv_multipart(copy=False)
             except asyncio.CancelledError:
