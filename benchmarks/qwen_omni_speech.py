@@ -169,7 +169,7 @@ async def main_async(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer frames and tokens, smaller parts, 4 at once (< 60 s on 2 CPU cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer frames and tokens, smaller parts, 2 at once (< 60 s on 2 CPU cores)")
     parser.add_argument("--frames", type=int, default=None, help="audio frames per request (12.5 per second)")
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -177,13 +177,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (--quick: 1, as a shared busy box gives one core at best)")
     args = parser.parse_args()
-    # --quick: 30 frames (one 25-frame window streams before the end), 6 reply tokens, 4 at once
-    args.frames = args.frames or (30 if args.quick else 125)
+    # --quick: 50 frames (the first 25-frame window streams at half time), 6 reply tokens, 2 at once
+    args.frames = args.frames or (50 if args.quick else 125)
     args.text_tokens = args.text_tokens or (6 if args.quick else 40)
     args.baseline_runs = args.baseline_runs or (1 if args.quick else 2)
     args.threads = args.threads or (1 if args.quick else None)
     if args.quick and args.concurrency == 16:
-        args.concurrency = 4
+        args.concurrency = 2
     print(json.dumps(asyncio.run(main_async(args))))
 
 
