@@ -58,6 +58,18 @@ def test_chat_answers_about_an_image(client):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 
+def test_a_think_that_draws_no_image_is_a_422_with_its_text(client):
+    # +100 on <|im_end|> (258): the thought ends at once, with text and no image; an images client gets a clear error
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        client.images.generate(model="bagel", prompt="a red fox", size="16x16",
+                               extra_body={"task": "think", "logit_bias": {"258": 100}, "num_steps": 2})
+    assert err.value.body.get("param") == "task" and "drew no image" in str(err.value)
+    # the thought that opens an image (+100 on <|vision_start|>, 259) is drawn
+    r = client.images.generate(model="bagel", prompt="a red fox", size="16x16",
+                               extra_body={"task": "think", "logit_bias": {"259": 100}, "num_steps": 2})
+    assert _image(r.data[0]).size == (16, 16)
+
+
 @pytest.mark.parametrize(("call", "param"), [
     (lambda c: c.images.generate(model="bagel", prompt="x", size="30x32"), "size"),
     (lambda c: c.images.generate(model="bagel", prompt="x", size="512x512"), "size"),

@@ -59,6 +59,18 @@ class BagelImagesAdapter(ApiAdapter):
         inputs.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
         return inputs
 
+    def images_from_env(self, env: Mapping[str, Any]) -> list[bytes]:
+        """The images; a think request whose thought opened no image is answered 422 with the thought's text.
+
+        An OpenAI images client cannot read text from an images response, and an empty `data` list would
+        look like success: the error says what the model said and where to get it (task think, native route).
+        """
+        if env.get("image") is None and "text" in env:
+            raise RequestError(f"the model answered in text and drew no image (its thought ended with "
+                               f"{env.get('finish_reason')!r}, not <|vision_start|>): {env['text']!r}; the native "
+                               f"route returns this text with task 'think'", param="task", status=422)
+        return super().images_from_env(env)
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
 

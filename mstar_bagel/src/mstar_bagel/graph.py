@@ -8,7 +8,9 @@
                 -> flow (at the input's size) -> vae_decode
     understand: Loop(parts){ vit -> llm(ViT block) | llm(text block) } -> llm(<|im_start|>, samples) -> decode loop
     think:      llm(system) -> llm(prompt) [before -> cfg_text, after -> cfg_img] -> llm(<|im_start|>) -> decode
-                loop (the thought, into main) ; then think_image: llm(<|im_end|>) -> flow -> vae_decode
+                loop (the thought, into main); a plan Branch: if the thought ends by opening an image
+                (<|vision_start|>) -> think_image: llm(<|im_end|>) -> flow -> vae_decode; else (<|im_end|> or
+                max_tokens) the request ends with the text alone
     think_edit: as think with the input image's VAE and ViT blocks after the system prompt (edit's labels)
     flow:       Parallel(count=n){ image_seed -> noise -> Loop(num_steps){ flow_inputs (latent rows, how many CFG branches run)
                   -> Parallel(count=cfg_branches){ pick -> llm_gen read-only on main | cfg_text | cfg_img }
@@ -39,6 +41,7 @@ from mstar_bagel.nodes import (
     ViTNode,
 )
 from mstar_core.graph import (
+    Branch,
     Copy,
     DynamicLoop,
     FromEnv,
@@ -99,7 +102,7 @@ def _flow() -> Sequential:
                     collect={"image": "image", "latents": "latents", "drawn_seed": "seeds", "sigma": "sigma"})
 
 
-def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: str = "bagel") -> Graph:
+def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: int, name: str = "bagel") -> Graph:
     cfg = bagel.config
     latent = (None, cfg.patch_latent_dim)
     diffusion = {"schedule": "flow_euler", "latent_shape": latent, "max_steps": MAX_STEPS}
@@ -228,7 +231,10 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, name: s
         emit=("next_token",),
         description="text and images in their order (images as ViT blocks), then <|im_start|>; decode until <|im_end|>",
     )
-    return Graph.build(name, nodes, [t2i, edit, understand, think, think_edit, think_image], plan=_plan)
+    draws = opens_image(boi)
+    branches = [Branch(after=w, choose=draws, walks=("think_image",)) for w in ("think", "think_edit")]
+    return Graph.build(name, nodes, [t2i, edit, understand, think, think_edit, think_image], plan=_plan,
+                       branches=branches)
 
 
 def cfg_label(branch: int) -> str:
@@ -242,7 +248,20 @@ def image_seed(image_index: int, seed: int | None = None) -> int | None:
 
 
 def _plan(env) -> list[str]:
-    return [env["walk"], "think_image"] if env["walk"] in ("think", "think_edit") else [env["walk"]]
+    return [env["walk"]]
+
+
+def opens_image(boi: int):
+    """The think branch: the image walk if the thought's last sampled token opens an image, else nothing.
+
+    A thought that stops on <|im_end|> or runs out of max_tokens is a text answer: no flow, no VAE decode.
+    """
+
+    def choose(env) -> str | None:
+        last = ([env["first_token"], *env.get("decoded", ())])[-1]
+        return "think_image" if env.get("finish_reason") == "stop" and int(last) == boi else None
+
+    return choose
 
 
 def _decode(first: str, positions: str = ABSENT) -> tuple:

@@ -48,7 +48,7 @@ def load(options: LoadOptions) -> LoadedModel:
     prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer), top.get("think_system_prompt"))
     return LoadedModel(
         name="bagel",
-        graph=build_graph(bagel, vae, tokenizer, prepare.ids.eos),
+        graph=build_graph(bagel, vae, tokenizer, prepare.ids.eos, prepare.ids.boi),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,

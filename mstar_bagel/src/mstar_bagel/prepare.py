@@ -112,7 +112,8 @@ class Preparer:
         self.schema = RequestSchema(
             fields=(
                 RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> "
-                             "text), think (a thought, then the image; with 'image': an edit)",
+                             "text), think (a thought, then the image if the thought opens one with "
+                             "<|vision_start|>, else the text alone; with 'image': an edit)",
                              default="t2i", choices=TASKS),
                 RequestField("prompt", "string", "the prompt or instruction (understand: the last text)", min_length=1,
                              max_length=MAX_PROMPT, blank=False),
@@ -141,7 +142,7 @@ class Preparer:
                 RequestField("seed", "integer", "noise / sampling seed", minimum=0, maximum=2**63 - 1),
                 RequestField("system_prompt", "string", "think: the system prompt (default: the checkpoint's)",
                              max_length=MAX_PROMPT),
-                *sampling_fields("max_tokens", "temperature", "top_k", "top_p", defaults={"max_tokens": 64}),
+                *sampling_fields("max_tokens", "temperature", "top_k", "top_p", "logit_bias", defaults={"max_tokens": 64}),
             ),
             example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
         )
@@ -206,7 +207,7 @@ class Preparer:
         Every writing call of the `llm` node samples a token (ignored for prefills), and the engine counts
         those against `max_tokens`: the `prefills` calls before the reply's first one are added to it.
         """
-        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "seed") if inputs.get(n) is not None}
+        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "seed") if inputs.get(n) is not None}
         fields.setdefault("temperature", 0.0)
         fields["max_tokens"] = fields.get("max_tokens", 64) + prefills
         return SamplingParams.from_mapping({**fields, "stop_token_ids": stops}).check_vocab(self.cfg.llm.vocab_size)

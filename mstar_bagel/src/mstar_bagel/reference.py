@@ -72,15 +72,20 @@ def prefill_text(bagel: Bagel, label: Label, ids: list[int]) -> None:
 
 
 @torch.inference_mode()
-def decode_greedy(bagel: Bagel, label: Label, first: list[int], max_tokens: int, stops: tuple[int, ...]) -> list[int]:
-    """Feed `first`, then each argmax token back, until a stop id or `max_tokens` sampled; the sampled ids."""
+def decode_greedy(bagel: Bagel, label: Label, first: list[int], max_tokens: int, stops: tuple[int, ...],
+                  bias: dict[int, float] | None = None) -> list[int]:
+    """Feed `first`, then each argmax token (after adding `bias` to the logits) back, until a stop id or
+    `max_tokens` sampled; the sampled ids."""
     lm, out, ids = bagel.language_model, [], first
     label.cache.write, label.cache.bidirectional = True, False
     while True:
         n = len(ids)
         hidden = lm(torch.tensor(ids), torch.arange(label.position, label.position + n), label.cache)
         label.position += n
-        token = int(lm.compute_logits(hidden[-1:]).argmax(-1))
+        logits = lm.compute_logits(hidden[-1:]).float()
+        for t, b in (bias or {}).items():
+            logits[..., t] += b
+        token = int(logits.argmax(-1))
         out.append(token)
         if token in stops or len(out) >= max_tokens:
             return out
