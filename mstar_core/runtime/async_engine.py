@@ -27,6 +27,7 @@ from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext, build_order
+from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
 
@@ -76,6 +77,7 @@ class AsyncEngine:
         self.max_running = max_running
         self.max_queued = max_queued
         self._models: dict[str, _ModelRuntime] = {}
+        keep_freed_memory()  # the device thread's forwards reuse their pages instead of faulting them in again
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{worker}")
         self._slots: asyncio.Semaphore | None = None
         self._ids = itertools.count()

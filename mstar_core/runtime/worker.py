@@ -27,6 +27,7 @@ from mstar_core.checkpoint.partial import node_module, release_unhosted, residen
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, build_order
+from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.runtime.links import PeerMailbox, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
 from mstar_core.runtime.peer_streams import InboundStream
@@ -74,6 +75,7 @@ class Worker:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keep_freed_memory()  # the device thread's forwards reuse their pages instead of faulting them in again
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{name}")
         self.schedulers: dict[str, NodeScheduler] = {}
         self.heartbeat_interval = 0.5
