@@ -64,6 +64,14 @@ def test_a_think_that_draws_no_image_is_a_422_with_its_text(client):
         client.images.generate(model="bagel", prompt="a red fox", size="16x16",
                                extra_body={"task": "think", "logit_bias": {"258": 100}, "num_steps": 2})
     assert err.value.body.get("param") == "task" and "drew no image" in str(err.value)
+    # the native route answers the same request with the text
+    import httpx
+
+    url = str(client.base_url).rstrip("/") + "/walks/bagel"
+    r = httpx.post(url, json={"stream": False, "inputs": {"task": "think", "prompt": "a red fox",
+                                                           "logit_bias": {"258": 100}}}, timeout=60)
+    out = r.json()["outputs"]
+    assert r.status_code == 200 and out["finish_reason"] == "stop" and "image" not in out and "text" in out
     # the thought that opens an image (+100 on <|vision_start|>, 259) is drawn
     r = client.images.generate(model="bagel", prompt="a red fox", size="16x16",
                                extra_body={"task": "think", "logit_bias": {"259": 100}, "num_steps": 2})
