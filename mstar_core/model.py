@@ -6,7 +6,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import torch
 
+from mstar_core.errors import ConfigError
 from mstar_core.graph.graph import Graph
 from mstar_core.schema import RequestSchema
 
@@ -33,6 +35,17 @@ class LoadOptions:
         if self.nodes is None or any(node in self.nodes for node in nodes):
             return self.device
         return "meta"
+
+    def torch_dtype(self, model: str, default: str = "float32") -> torch.dtype:
+        """`dtype` (or `default`) as a torch floating dtype; a `ConfigError` naming the choices otherwise."""
+        name = self.dtype or default
+        if name not in WEIGHT_DTYPES:
+            raise ConfigError(f"{model}: unknown dtype {name!r}; use one of {sorted(WEIGHT_DTYPES)}")
+        return WEIGHT_DTYPES[name]
+
+
+#: The weight dtypes a model can be loaded in (`LoadOptions.dtype`).
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @attrs.define

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from mstar_bagel.checkpoint import ensure_tiny, load_bagel
 from mstar_bagel.graph import build_graph
 from mstar_bagel.prepare import Preparer
@@ -15,7 +13,6 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 
 PRESETS = ("tiny",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXAMPLE = {"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3}
 
 
@@ -34,14 +31,12 @@ def engine_settings(cfg) -> dict:
 def load(options: LoadOptions) -> LoadedModel:
     if options.checkpoint and options.preset:
         raise ConfigError("bagel: pass a checkpoint or a preset, not both")
-    if options.dtype is not None and options.dtype not in _DTYPES:
-        raise ConfigError(f"bagel: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
     preset = None if options.checkpoint else (options.preset or "tiny")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"bagel: unknown preset {preset!r}; known: {list(PRESETS)}")
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     # presets are tiny: float32; a real checkpoint (14B parameters, stored bf16) loads as bf16 unless told otherwise
-    dtype = _DTYPES[options.dtype or ("float32" if preset else "bfloat16")]
+    dtype = options.torch_dtype("bagel", "float32" if preset else "bfloat16")
     bagel, vae = load_bagel(directory, device=options.device, dtype=dtype)
     tokenizer = open_tokenizer(directory)
     top = json.loads((directory / "config.json").read_text())

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_pi05.checkpoint import ensure_tiny, load_policy
@@ -15,7 +13,6 @@ from mstar_pi05.prepare import EXAMPLE, Preparer, tokenizer_for
 from mstar_pi05.robots import policy_server
 
 PRESETS = ("tiny",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATS_FILES = ("stats.json", "norm_stats.json")
 #: One pool (the expert reads the VLM's pages): 1024 pages of 16 hold 16 robots' ~968-token pi0.5 prefixes, so eight
 #: robots at once never preempt (a preempted prefix is recomputed). Budgets large enough that the prefixes of robots
@@ -36,13 +33,11 @@ def _loader(kind: str):
     def load(options: LoadOptions) -> LoadedModel:
         if options.checkpoint and options.preset:
             raise ConfigError(f"{kind}: pass a checkpoint or a preset, not both")
-        if options.dtype is not None and options.dtype not in _DTYPES:
-            raise ConfigError(f"{kind}: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
         preset = None if options.checkpoint else (options.preset or "tiny")
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"{kind}: unknown preset {preset!r}; known: {list(PRESETS)}")
         directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
-        policy = load_policy(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+        policy = load_policy(directory, device=options.device, dtype=options.torch_dtype(kind))
         if policy.config.type != kind:
             raise ConfigError(f"{kind}: {directory}/config.json has type {policy.config.type!r}; "
                               f"serve it as model '{policy.config.type}'")

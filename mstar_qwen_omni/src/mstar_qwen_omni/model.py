@@ -11,7 +11,6 @@ from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_omni.prepare import EXAMPLE
 
 PRESETS = ("tiny",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load(options: LoadOptions) -> LoadedModel:
@@ -23,13 +22,11 @@ def load(options: LoadOptions) -> LoadedModel:
 
     if options.checkpoint and options.preset:
         raise ConfigError("qwen3-omni: pass a checkpoint or a preset, not both")
-    if options.dtype is not None and options.dtype not in _DTYPES:
-        raise ConfigError(f"qwen3-omni: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
     preset = None if options.checkpoint else (options.preset or "tiny")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"qwen3-omni: unknown preset {preset!r}; known: {list(PRESETS)}")
     directory = Path(ensure_tiny() if preset else options.checkpoint)
-    model = load_omni(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+    model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))
     if model.code2wav is not None and options.device != "meta":
         model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
     prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)

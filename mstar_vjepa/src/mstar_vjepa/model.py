@@ -5,8 +5,6 @@ Request fields and their checks: `mstar_vjepa.request`.
 
 from __future__ import annotations
 
-import torch
-
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import RequestError
 from mstar_core.graph import (
@@ -37,9 +35,6 @@ from mstar_vjepa.nodes import (
 )
 from mstar_vjepa.planner import cem_plan
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 # -- vjepa2: HF encoder + masked predictor -------------------------------------------------------
 
 
@@ -62,7 +57,7 @@ def _hf_graph(model) -> Graph:
 def load_vjepa2(options: LoadOptions) -> LoadedModel:
     """Load a HF `facebook/vjepa2-*` checkpoint, or the `tiny` preset written in that layout."""
     directory, random = _resolve(options, "vjepa2-tiny", ckpt.write_hf_preset, "config.json")
-    model = ckpt.load_hf(directory, options.device, _DTYPES.get(options.dtype or "float32"))
+    model = ckpt.load_hf(directory, options.device, options.torch_dtype("vjepa2"))
     graph = _hf_graph(model)
     cfg = model.cfg
 
@@ -145,7 +140,7 @@ def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     """Load upstream's AC `.pt` checkpoint, or the `tiny` preset written in that layout."""
     directory, random = _resolve(options, "vjepa2-ac-tiny", ckpt.write_ac_preset, ckpt.AC_FILE)
     # the function nodes of the walks use the predictor's embeddings too: it is built where any of them runs
-    encoder, predictor = ckpt.load_ac(directory, options.device_for("encoder"), _DTYPES.get(options.dtype or "float32"),
+    encoder, predictor = ckpt.load_ac(directory, options.device_for("encoder"), options.torch_dtype("vjepa2"),
                                       options.device_for("ac_predictor", "rollout_step", "sample_step", "cem_start"))
     graph = _ac_graph(encoder, predictor)
     ecfg, pcfg = encoder.cfg, predictor.cfg

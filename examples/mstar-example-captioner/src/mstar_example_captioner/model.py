@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_example_captioner.checkpoint import ensure_tiny, load_captioner
@@ -13,20 +11,17 @@ from mstar_example_captioner.tokenizer import CharTokenizer
 
 NAME = "example-captioner"
 PRESETS = ("tiny",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load(options: LoadOptions) -> LoadedModel:
     if options.checkpoint and options.preset:
         raise ConfigError(f"{NAME}: pass a checkpoint or a preset, not both")
-    if options.dtype is not None and options.dtype not in _DTYPES:
-        raise ConfigError(f"{NAME}: unknown dtype {options.dtype!r}; use one of {sorted(_DTYPES)}")
     preset = None if options.checkpoint else (options.preset or "tiny")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"{NAME}: unknown preset {preset!r}; known: {list(PRESETS)}")
     directory = ensure_tiny() if preset else options.checkpoint
     # device="meta" (a serving process whose nodes all run in workers) builds shapes and reads no weights
-    model = load_captioner(directory, device=options.device, dtype=_DTYPES.get(options.dtype or "float32"))
+    model = load_captioner(directory, device=options.device, dtype=options.torch_dtype(NAME))
     tokenizer = CharTokenizer()
     return LoadedModel(
         name=NAME,
