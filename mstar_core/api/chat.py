@@ -54,12 +54,12 @@ def with_choice(adapter: Any, inputs: Mapping[str, Any], seed: int | None, i: in
     return out
 
 
-async def decode_messages(adapter: Any, model: str, messages: list[dict[str, Any]]) -> list[media.ChatTurn]:
+async def decode_messages(adapter: Any, model: str, messages: list[dict[str, Any]],
+                          limits: media.MediaLimits) -> list[media.ChatTurn]:
     """The messages as typed parts for the adapter: media checked against what the model takes, fetched where
     allowed, decoded off the event loop when there is any."""
     accepts = frozenset(getattr(adapter, "chat_media", ()) or ())
     try:
-        limits = (getattr(adapter, "media_limits", None) or media.MediaLimits()).with_env()
         if not media.has_media(messages):
             return media.decode_messages(messages, accepts, model, limits)
         fetched = await media.fetch_remote(messages, accepts, model, limits)
@@ -92,7 +92,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
-    messages = await decode_messages(adapter, body.model, payload["messages"])
+    limits = state.media_limits[(body.model, "chat")]
+    messages = await decode_messages(adapter, body.model, payload["messages"], limits)
     inputs = adapter_call(adapter.chat_message_inputs, payload, messages, what=f"the chat adapter of '{body.model}'")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     started = time.perf_counter()

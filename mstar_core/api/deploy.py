@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from mstar_core.api.media import MediaLimits
 from mstar_core.api.server import ModelToServe, ServerConfig
 from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
 from mstar_core.errors import ConfigError
@@ -14,7 +15,7 @@ from mstar_core.model import LoadOptions
 
 _SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
                 "max_n"}
-_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement"}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media"}
 
 
 def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
@@ -37,6 +38,8 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
         models:
           orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}},
                     placement: placement/orpheus-disaggregated.yaml}   # a file (relative to this one) or inline
+          qwen3-omni: {checkpoint: /ckpt/qwen3-omni,
+                       media: {max_image_pixels: 4000000, url_prefixes: ["https://cdn.example.com/img/"]}}
 
     A deploy file may also be a bare placement file (top-level `workers`/`nodes`/...): it then
     applies to every model named on the command line.
@@ -58,8 +61,11 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
             device=spec.get("device", "cpu"),
             dtype=spec.get("dtype"),
         )
+        media = spec.get("media") or {}
+        MediaLimits().with_settings(media, f"{path}: models.{name}.media")  # checked now, applied at startup
         models[name] = ModelToServe(
-            name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement"))
+            name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement")),
+            media=dict(media),
         )
     return server, models
 

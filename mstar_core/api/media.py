@@ -4,9 +4,10 @@
 
 A chat adapter receives the decoded messages as `ChatTurn`s whose `parts` keep the client's order:
 `TextPart`, `ImagePart` (an RGB PIL image) and `AudioPart` (mono float32 samples and their rate).
-Limits come from the adapter's `media_limits`; `MSTAR_MEDIA_*` environment variables override them for a
-whole server (see `MediaLimits.with_env`). The server never fetches a URL nobody allowed: remote images are
-a 400 unless their URL starts with one of `MSTAR_MEDIA_URL_PREFIXES`.
+Limits come from the adapter's `media_limits`, then the deploy file's `media:` section of the model, then the
+`MSTAR_MEDIA_*` environment variables (the operator's last word); the server resolves them once at startup and a
+bad value stops it there. The server never fetches a URL nobody allowed: remote images are a 400 unless their URL
+starts with one of `url_prefixes`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 
 #: Content-part type on the wire -> the modality a model declares in `ApiAdapter.chat_media`.
 MODALITY_OF_TYPE = {"image_url": "image", "input_audio": "audio"}
@@ -120,7 +121,7 @@ class ChatTurn:
 
 @attrs.frozen
 class MediaLimits:
-    """Per-request bounds on chat media; an adapter sets the model's, `with_env` applies the operator's."""
+    """Per-request bounds on chat media: the adapter's, then `with_settings` (deploy file), then `with_env`."""
 
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
@@ -132,26 +133,56 @@ class MediaLimits:
     url_prefixes: tuple[str, ...] = ()
     fetch_timeout: float = 10.0
 
+    def with_settings(self, settings: Mapping[str, Any] | None, where: str) -> MediaLimits:
+        """These limits with a deploy file's `media:` section applied; a bad key or value is a ConfigError naming it."""
+        if not settings:
+            return self
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"{where} must be a mapping of media limits")
+        names = [f.name for f in attrs.fields(MediaLimits)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown key(s) {unknown} in {where}; allowed: {names}")
+        return attrs.evolve(self, **{k: _limit(k, v, f"{where}.{k}") for k, v in settings.items()})
+
     def with_env(self, environ: Mapping[str, str] | None = None) -> MediaLimits:
         """These limits with `MSTAR_MEDIA_MAX_IMAGE_BYTES`, `_MAX_IMAGE_PIXELS`, `_MAX_AUDIO_BYTES`,
         `_MAX_AUDIO_SECONDS`, `_MAX_PARTS`, `_FETCH_TIMEOUT` and `_URL_PREFIXES` (comma-separated) applied."""
         environ = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
         for field in attrs.fields(MediaLimits):
-            raw = environ.get(f"MSTAR_MEDIA_{field.name.upper()}")
+            name = f"MSTAR_MEDIA_{field.name.upper()}"
+            raw = environ.get(name)
             if raw is None or not raw.strip():
                 continue
             if field.name == "url_prefixes":
-                changes[field.name] = tuple(p.strip() for p in raw.split(",") if p.strip())
+                changes[field.name] = _limit(field.name, [p.strip() for p in raw.split(",") if p.strip()],
+                                             f"environment variable {name}")
                 continue
-            kind = float if field.name in ("max_audio_seconds", "fetch_timeout") else int
             try:
-                value = kind(raw)
+                value = float(raw) if field.name in _FLOAT_LIMITS else int(raw)
             except ValueError:
-                raise RequestError(f"server misconfigured: MSTAR_MEDIA_{field.name.upper()}={raw!r} is not a "
-                                   f"{kind.__name__}", status=500) from None
-            changes[field.name] = value
+                value = raw
+            changes[field.name] = _limit(field.name, value, f"environment variable {name}")
         return attrs.evolve(self, **changes) if changes else self
+
+
+_FLOAT_LIMITS = ("max_audio_seconds", "fetch_timeout")
+
+
+def _limit(name: str, value: Any, where: str) -> Any:
+    """One limit's value checked: positive counts and durations, URL prefixes as a list of http(s) strings."""
+    if name == "url_prefixes":
+        if not isinstance(value, list | tuple) or not all(
+                isinstance(p, str) and p.startswith(("http://", "https://")) for p in value):
+            raise ConfigError(f"{where} must be a list of URL prefixes starting with http:// or https://, "
+                              f"got {value!r}")
+        return tuple(value)
+    kinds = (int, float) if name in _FLOAT_LIMITS else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        what = "a positive number" if name in _FLOAT_LIMITS else "a positive integer"
+        raise ConfigError(f"{where} must be {what}, got {value!r}")
+    return float(value) if name in _FLOAT_LIMITS else value
 
 
 # --- decoding ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from mstar_core.api import chat, completions, images, native, policy_ws, speech
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers
+from mstar_core.api.media import MediaLimits
 from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
 from mstar_core.api.responses import OrjsonResponse
@@ -44,6 +45,8 @@ class ModelToServe:
     options: LoadOptions = attrs.field(factory=lambda: LoadOptions(preset="tiny"))
     settings: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     placement: Placement | None = None
+    #: the deploy file's `media:` section (MediaLimits fields), over the adapter's limits
+    media: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -73,6 +76,8 @@ class ServerState:
         self.engine: Any = None
         self.metrics: Metrics | None = None
         self.adapters: dict[tuple[str, str], ApiAdapter] = {}
+        #: each adapter's media limits with the deploy file's and the environment's applied, resolved at startup
+        self.media_limits: dict[tuple[str, str], MediaLimits] = {}
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
@@ -126,6 +131,7 @@ class ServerState:
 
     async def load(self) -> None:
         """Create the engine, load every model, bind the adapters; `ready` flips when all are in."""
+        MediaLimits().with_env()  # a bad MSTAR_MEDIA_* stops the server before minutes of loading
         self.engine = self.engine_factory()
         self.metrics = Metrics(self.engine)
         for item in self.config.models:
@@ -137,10 +143,10 @@ class ServerState:
             )
             log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
                      " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
-            self.bind_adapters(item.name, loaded)
+            self.bind_adapters(item.name, loaded, item.media)
         self.ready = True
 
-    def bind_adapters(self, name: str, loaded: Any) -> None:
+    def bind_adapters(self, name: str, loaded: Any, media: dict[str, Any] | None = None) -> None:
         registry = getattr(self.engine, "registry", None)
         for raw in list(getattr(registry, "api_adapters", []) or []):
             if getattr(raw, "model", None) not in (name, loaded.name):
@@ -154,6 +160,10 @@ class ServerState:
             generic = TokenizerChatAdapter(name, loaded)  # chat needs the chat template too; completions does not
             for route in generic.routes:
                 self.adapters.setdefault((name, route), generic)
+        for (model, route), adapter in self.adapters.items():
+            if model == name:
+                limits = getattr(adapter, "media_limits", None) or MediaLimits()
+                self.media_limits[(model, route)] = limits.with_settings(media, f"models.{name}.media").with_env()
 
     async def close(self) -> None:
         self.draining = True
