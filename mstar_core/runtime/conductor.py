@@ -326,7 +326,7 @@ class Conductor:
         if state.holders.get(site.node) is not scheduler:  # first call, or a per-walk node changing workers
             await self.hold(state, site.node, scheduler)
         return await scheduler.submit(Invocation(state.request_id, site.node, inputs, options,
-                                                 self._count(state, site.node), priority))
+                                                 self._count(state, site.node), priority, state.arrival))
 
     async def hold(self, state: RequestState, node: str, scheduler: Any) -> None:
         """Make `scheduler` the one holding the request's state for `node`, moving the state there if another held it.
@@ -393,10 +393,11 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class RequestState:
-    __slots__ = ("call_counts", "emit", "holders", "move_locks", "request_id", "visited")
+    __slots__ = ("arrival", "call_counts", "emit", "holders", "move_locks", "request_id", "visited")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None]):
         self.request_id = request_id
+        self.arrival = time.monotonic()  # every call carries it: schedulers serve older requests first
         self.emit = emit
         self.holders: dict[str, Any] = {}  # node -> the scheduler whose engine holds this request's state
         self.visited: dict[int, Any] = {}  # every scheduler that held some of its state (released at the end)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from mstar_core.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,6 +68,15 @@ class EngineContext:
     peers: Mapping[str, Engine] = attrs.field(factory=dict, eq=False)
 
 
+def active_limit(node: str, value: Any) -> int | None:
+    """The node setting `max_active_requests` checked: a positive int, or None for no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"node '{node}': setting 'max_active_requests' must be a positive integer, got {value!r}")
+    return value
+
+
 def build_order(graph: Any, names: Iterable[str]) -> list[str]:
     """`names` in graph order, except that a node named by another's node-ref option comes before it."""
     from mstar_core.graph.options import node_ref_options
@@ -99,6 +110,9 @@ class Engine(abc.ABC):
     inline: ClassVar[bool] = False
     #: Set by the runtime from the node setting `own_thread`: steps run on a device thread of their own.
     own_thread: bool = False
+    #: Set by the runtime from the node setting `max_active_requests`: at most that many requests' calls
+    #: reach the engine at once, admitted oldest first (None: no limit). See `runtime.scheduler`.
+    max_active_requests: int | None = None
     #: Whether the engine answers the transfer invocations that move a request's state to another
     #: worker (per-walk placement): option `transfer="export"` returns `{"state": ...}` and frees
     #: the request here; `transfer="import"` with input `state` adopts it.

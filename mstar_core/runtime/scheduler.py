@@ -1,7 +1,10 @@
 """The micro-scheduler: one per (worker, node); batches ready invocations across requests.
 
 It hands invocations that reach the node to the engine, at most `engine.max_batch_size` held at
-once (the rest wait here, the most urgent `Invocation.priority` first), and calls `engine.step()`
+once (the rest wait here: the most urgent `Invocation.priority` first, then the oldest request by
+`Invocation.arrival`), and, with `engine.max_active_requests`, from at most that many requests at a
+time (admitted oldest first, each until it is released: so a few requests finish early instead of
+all of them late, and none waits behind a younger one). It calls `engine.step()`
 on the worker's device thread while the engine has work, so the event loop stays free. Invocations
 that arrive while a step runs are batched into the next one. Releases (finished, failed or
 cancelled requests) are applied between steps, never during one. It never dies silently: an
@@ -23,6 +26,11 @@ from mstar_core.runtime.engine import Engine, Invocation
 log = logging.getLogger("mstar.scheduler")
 
 
+def _urgency(entry: tuple[Invocation, asyncio.Future]) -> tuple[float, float]:
+    """Sort key of a waiting invocation: the most urgent priority first (streams running dry), then the oldest request."""
+    return (-entry[0].priority, entry[0].arrival)
+
+
 class NodeScheduler:
     """Feeds one engine and resolves each invocation's future when the engine finishes it."""
 
@@ -37,6 +45,10 @@ class NodeScheduler:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._last_step_ok = False  # a step completed since the last crash (resets the restart backoff)
+        limit = getattr(engine, "max_active_requests", None)
+        #: requests whose calls may reach the engine (insertion order = admission order); None: no limit
+        self._admitted: dict[str, None] | None = {} if limit else None
+        self._limit = int(limit or 0)
         # observability
         self.steps = 0
         self.invocations = 0
@@ -59,8 +71,27 @@ class NodeScheduler:
         self._wakeup.set()
         return future
 
+    def _admit_oldest(self) -> None:
+        """Fill free places with the oldest waiting requests: admission goes strictly by arrival, so none starves.
+
+        (Within the admitted, calls still go most urgent first; an admitted request keeps its place
+        until it is released, so it finishes while the later ones wait instead of all finishing late.)
+        """
+        admitted = self._admitted
+        free = self._limit - len(admitted)
+        if free <= 0:
+            return
+        waiting: dict[str, float] = {}
+        for inv, fut in self._pending:
+            if inv.request_id not in admitted and not fut.done():
+                waiting.setdefault(inv.request_id, inv.arrival)
+        for rid in sorted(waiting, key=waiting.__getitem__)[:free]:
+            admitted[rid] = None
+
     def release(self, request_id: str) -> None:
         """Forget a request: drop its queued invocations now, free engine state before the next step."""
+        if self._admitted is not None:
+            self._admitted.pop(request_id, None)
         if any(inv.request_id == request_id for inv, _ in self._pending):
             self._pending = deque((i, f) for i, f in self._pending if i.request_id != request_id)
         self._releases.add(request_id)
@@ -111,12 +142,18 @@ class NodeScheduler:
             if self._releases:
                 self._apply_releases()
             room = engine.max_batch_size - len(self._inflight)
-            if room < len(self._pending) and any(inv.priority for inv, _ in self._pending):
-                # only some fit: the most urgent first (stable, so equal priorities stay first come first served)
-                self._pending = deque(sorted(self._pending, key=lambda entry: -entry[0].priority))
+            if self._pending and (room < len(self._pending) or self._admitted is not None):
+                # only some may go: the most urgent first, then the oldest request (stable: submission order after)
+                self._pending = deque(sorted(self._pending, key=_urgency))
+            if self._admitted is not None:
+                self._admit_oldest()
+            held: list[tuple[Invocation, asyncio.Future]] = []  # requests not admitted yet: they keep their place
             while self._pending and len(self._inflight) < engine.max_batch_size:
                 inv, fut = self._pending.popleft()
                 if fut.done():  # cancelled while queued
+                    continue
+                if self._admitted is not None and inv.request_id not in self._admitted:
+                    held.append((inv, fut))
                     continue
                 try:
                     engine.add(inv)
@@ -125,11 +162,13 @@ class NodeScheduler:
                     fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
                     continue  # (whatever add left in the engine goes when the failed request is released)
                 self._inflight[id(inv)] = (inv, fut)
+            if held:
+                self._pending.extendleft(reversed(held))
             if not engine.has_work():
                 self._wakeup.clear()
-                # (pending invocations that do not fit wait for a release: the engine will not step)
+                # (pending invocations that do not fit, or whose request is not admitted, wait for a release)
                 full = len(self._inflight) >= engine.max_batch_size
-                if (not self._pending or full) and not self._releases:
+                if (len(held) == len(self._pending) or full) and not self._releases:
                     await self._wakeup.wait()
                 continue
             started = time.perf_counter()

@@ -26,10 +26,10 @@ async def _idle(eng, tries=200):
         await asyncio.sleep(0.02)
 
 
-def _serve(requests, during=None):
+def _serve(requests, during=None, settings=None):
     async def go():
         async with AsyncEngine() as engine:
-            loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
+            loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"), settings=settings)
             engines = engine.node_engines("bagel")
             handles = [engine.submit("bagel", r) for r in requests]
             seen = await during(engine, handles) if during else None
@@ -121,12 +121,34 @@ def test_read_only_flow_step_equals_dense_recompute_over_context_and_latents():
 def test_eight_concurrent_t2i_each_equal_alone():
     reqs = [{"task": "t2i", "prompt": f"prompt number {i}" + "!" * i, "num_steps": 3, "seed": 100 + i,
              "width": 16 + 4 * (i % 3), "height": 32} for i in range(8)]
-    _, engines, together, _ = _serve(reqs)
+    # every flow admitted at once (the default runs one request's flow at a time)
+    _, engines, together, _ = _serve(reqs, settings={"llm_gen": {"max_active_requests": 8}})
     assert engines["llm_gen"].largest_batch > 2  # several requests' branches shared forwards
     for req, env in zip(reqs, together, strict=True):
         _, _, (alone,), _ = _serve([req])
         assert (env["latents"][0] - alone["latents"][0]).abs().max() < TOL
         assert torch.equal(env["image"][0], alone["image"][0])
+
+
+def test_flows_run_one_request_at_a_time_oldest_first_by_default():
+    """llm_gen admits one request's flow at a time, oldest first: the first request is done before the last starts."""
+    reqs = [{"task": "t2i", "prompt": f"prompt {i}", "num_steps": 3, "seed": i, "width": 16, "height": 16}
+            for i in range(3)]
+
+    async def during(engine, handles):
+        done = []
+
+        async def one(i, h):
+            await h.result()
+            done.append(i)
+
+        await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)))
+        return done
+
+    _, engines, envs, done = _serve(reqs, during)
+    assert done == [0, 1, 2]
+    assert engines["llm_gen"].largest_batch == 2  # one request's two CFG branches (t2i: text scale 4, image 1)
+    assert all(not isinstance(env, BaseException) for env in envs)
 
 
 def test_every_page_is_free_after_normal_end_error_and_cancellation():

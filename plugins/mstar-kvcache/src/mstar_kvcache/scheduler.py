@@ -23,9 +23,10 @@ class Schedule:
         return sum(n for _, n in self.work)
 
 
-def _rank(seq: Sequence) -> tuple[float, int]:
-    # higher priority first, then first come first served
-    return (-seq.priority, seq.order)
+def _rank(seq: Sequence) -> tuple[float, float, int]:
+    # higher priority first (a stream running dry), then the oldest request, then first come first served: a
+    # request's later calls (a decode, a flow step's read-only branch) keep their request's place
+    return (-seq.priority, seq.arrival, seq.order)
 
 
 class Scheduler:
