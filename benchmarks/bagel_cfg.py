@@ -12,8 +12,9 @@ Both sides run the same weights in the same process on the same requests:
 Shape (full): LLM hidden 512, 8 layers; 256 output latent tokens; edit with a 256-token VAE image and a
 256-token ViT image; 49 Euler steps (t2i: text CFG 4 in (0.4, 1]; edit: text 4, image 2 in [0, 1]).
 `--quick` (< 60 s on 2 cores): 2 layers, 2 steps. Latency p50 per request at c=1 and c=4 (closed batch:
-all c requests start together). `edit_kv_bytes_ratio`: peak KV bytes of one edit request, M* over baseline.
-Prints one final JSON line.
+all c requests start together; M* runs one request's flow at a time by default, `--flows N` admits N at
+once), CPU seconds of this process per side (`*_cpu_ratio`: load-independent). `edit_kv_bytes_ratio`: peak KV
+bytes of one edit request, M* over baseline. Prints one final JSON line (with the load average at start and end).
 
     python benchmarks/bagel_cfg.py --quick
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -118,7 +120,10 @@ async def run(args) -> dict:
         async with AsyncEngine() as engine:
             # --gen-budget: llm_gen's token budget per forward (one request's three branches: 774), the engine
             # setting a compute-bound deployment would lower so that batches stop growing past what pays off
-            settings = {"llm_gen": {"max_num_batched_tokens": args.gen_budget}} if args.gen_budget else None
+            # --flows: llm_gen's max_active_requests (requests whose flows run at once; bagel's default 1)
+            gen = ({"max_num_batched_tokens": args.gen_budget} if args.gen_budget else {}) | \
+                ({"max_active_requests": args.flows} if args.flows else {})
+            settings = {"llm_gen": gen} if gen else None
             loaded = await engine.load_model("bagel", LoadOptions(checkpoint=tmp, dtype="float32"), settings=settings)
             page = 16
             for task in ("t2i", "edit"):
@@ -128,10 +133,17 @@ async def run(args) -> dict:
                 for c in args.concurrency:
                     reqs = requests(task, c, steps)
                     rounds = (args.repeats or 3) if c == 1 else 1
-                    m, b = [], []
+                    m, b, cpu_m, cpu_b = [], [], 0.0, 0.0
                     for _ in range(rounds):  # sides interleaved, so a burst of load from other jobs hits both
+                        t = time.process_time()  # this process's CPU (both sides run alone in it): load-independent
                         m += await mstar_latencies(engine, reqs)
+                        t, cpu_m = time.process_time(), cpu_m + time.process_time() - t
                         b += baseline_latencies(loaded, reqs)
+                        cpu_b += time.process_time() - t
+                    if c > 1:  # completion times of the last round: M* staggers them like the sequential baseline
+                        results[f"{task}_c{c}_mstar_done_s"] = [round(x, 2) for x in sorted(m[-c:])]
+                        results[f"{task}_c{c}_baseline_done_s"] = [round(x, 2) for x in b[-c:]]
+                    results[f"{task}_c{c}_cpu_ratio"] = round(cpu_m / cpu_b, 3)
                     results[f"{task}_c{c}_mstar_p50_s"] = round(statistics.median(m), 3)
                     results[f"{task}_c{c}_baseline_p50_s"] = round(statistics.median(b), 3)
                     results[f"{task}_c{c}_p50_ratio"] = round(statistics.median(m) / statistics.median(b), 3)
@@ -159,12 +171,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per side at c=1, interleaved, median (default 3)")
     parser.add_argument("--gen-budget", type=int, default=None, help="llm_gen max_num_batched_tokens (default: 4 "
                         "requests' branches)")
+    parser.add_argument("--flows", type=int, default=None, help="llm_gen max_active_requests: flows run at once "
+                        "(default: bagel's, 1)")
     parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[1, 4],
                         help="comma-separated concurrencies (default 1,4)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), os.getloadavg()[0]
     results = asyncio.run(run(args))
+    results["load_avg_start_end"] = [round(load, 1), round(os.getloadavg()[0], 1)]
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(results))
 
