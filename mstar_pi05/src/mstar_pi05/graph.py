@@ -1,7 +1,7 @@
 """pi0 / pi0.5 as a Walk Graph:
 
-    prefix:  vision(cameras) -> vlm(image rows + prompt ids, one bidirectional block, written to the cache)
-             [pi0: -> vlm(state token, expert weights, causal: sees the prefix and itself)]
+    prefix:  vision(cameras) -> vlm(image rows + prompt ids, one bidirectional block, written to the cache;
+             pi0: + the state token on the expert's weights in the same call, seeing the block and itself)
     act:     noise(seed) -> Loop(num_steps){ expert(actions, t) read-only over vlm's pages -> euler }
              -> finish (unnormalise, slice to horizon x action_dim)
 """
@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from mstar_core.graph import Graph, GraphNode, Loop, NodeCall, Sequential, Walk
-from mstar_pi05.modeling import ActionExpert, Pi0Prefix, Policy, VisionEncoder
+from mstar_core.graph import FromEnv, Graph, GraphNode, Loop, NodeCall, Sequential, Walk
+from mstar_pi05.modeling import ActionExpert, Policy, PrefixWriter, VisionEncoder
 
 WALKS = ("prefix", "act")
 
@@ -41,14 +40,13 @@ class Finish:
 
 def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tensor], name: str) -> Graph:
     cfg = policy.config
-    vlm_module: Any = policy.language_model if cfg.pi05 else Pi0Prefix(policy)
-    vlm_inputs = ("input_ids",)
     vlm_optional = ("input_embeds", "embeds_at") if cfg.pi05 else ("input_embeds", "embeds_at", "routing", "state")
     nodes = [
         GraphNode("vision", inputs="pixels", outputs="image_rows", engine="stateless",
                   module=lambda: BatchedVision(policy)),
-        GraphNode("vlm", inputs=vlm_inputs, optional_inputs=vlm_optional, outputs=("hidden",), engine="kvcache",
-                  module=lambda: vlm_module),
+        # outputs nothing: the expert reads its keys and values (see PrefixWriter)
+        GraphNode("vlm", inputs=("input_ids",), optional_inputs=vlm_optional, outputs=(), engine="kvcache",
+                  module=lambda: PrefixWriter(policy)),
         GraphNode("noise", engine="diffusion", inputs=("num_steps", "latent_shape"), optional_inputs=("seed",),
                   outputs=("latents", "timestep"),
                   options={"role": "init", "schedule": "flow_euler", "latent_shape": (None, cfg.max_action_dim),
@@ -63,23 +61,19 @@ def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tens
         GraphNode("finish", inputs=("latents", "action_dim"), outputs="actions", engine="function",
                   module=lambda: Finish(unnormalize), options={"inline": True}),
     ]
-    first = {"input_ids": "prefix_ids", "input_embeds": "image_rows", "embeds_at": "image_at"}
-    if not cfg.pi05:  # names nothing supplies: the state rows come in their own call
-        first.update(routing="no_routing", state="no_state")
-    prefix_calls = [
-        NodeCall("vision"),
-        NodeCall("vlm", inputs=first, options={"bidirectional": True, "output_rows": "last"}),
-    ]
+    inputs = {"input_ids": "prefix_ids", "input_embeds": "image_rows", "embeds_at": "image_at"}
     prefix_inputs = ("pixels", "prefix_ids", "image_at")
-    if not cfg.pi05:
-        prefix_calls.append(NodeCall("vlm", inputs={"input_ids": "state_ids", "routing": "state_routing",
-                                                    "state": "state_row", "input_embeds": "no_embeds",
-                                                    "embeds_at": "no_embeds_at"},
-                                     options={"output_rows": "last"}))
-        prefix_inputs += ("state_ids", "state_routing", "state_row")
+    if cfg.pi05:
+        prefix_call = NodeCall("vlm", inputs=inputs, options={"bidirectional": True, "output_rows": "last"})
+    else:
+        # pi0's state token rides in the same call, routed to the expert's weights. Its mask as frames of the
+        # prefix's length: the prefix is frame 0 and sees itself; the state token opens frame 1 and sees all.
+        inputs.update(input_ids="prefix_state_ids", routing="prefix_routing", state="prefix_state")
+        prefix_call = NodeCall("vlm", inputs=inputs,
+                               options={"frame_size": FromEnv("prefix_length"), "output_rows": "last"})
+        prefix_inputs = ("pixels", "prefix_state_ids", "image_at", "prefix_routing", "prefix_state", "prefix_length")
     prefix = Walk(
-        name="prefix", body=Sequential(*prefix_calls), inputs=prefix_inputs,
-        optional_inputs=("no_embeds", "no_embeds_at", "no_routing", "no_state"), outputs=("hidden",),
+        name="prefix", body=Sequential(NodeCall("vision"), prefix_call), inputs=prefix_inputs, outputs=(),
         description="cameras through SigLIP, then images + prompt as one bidirectional block into the VLM's cache",
     )
     act = Walk(

@@ -4,9 +4,8 @@
 `paligemma_with_expert.gemma_expert.model.*`, `action_in_proj`, ...). The graph's nodes wrap parts of it:
 
 - `VisionEncoder` (stateless): SigLIP + projector, pixels -> image tokens in the language model's width;
-- the language model (kvcache) writes the prefix; for pi0 it is a `Pi0Prefix`, which also runs the continuous
-  state token through the expert's weights (routing id 1): the state token's keys and values do not depend on
-  the flow time, so it is computed once with the prefix instead of at every step;
+- `PrefixWriter` (kvcache): the language model writing the prefix's keys and values (for pi0 also the
+  continuous state token, through the expert's weights: routing id 1), and nothing else;
 - `ActionExpert` (kvcache, read-only over the prefix's pages): noisy actions + flow time -> velocity.
 """
 
@@ -131,20 +130,27 @@ def _qkv(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     return q, k, v.view(t, attn.num_kv_heads, attn.head_dim)
 
 
-class Pi0Prefix(nn.Module):
-    """pi0's `vlm` node: the language model for rows with routing 0, the expert for the state rows (routing 1).
+class PrefixWriter(nn.Module):
+    """The `vlm` node: writes the prefix's keys and values into the cache, layer by layer; outputs nothing.
 
-    Both towers attend jointly layer by layer (one `context.attend` per layer over all rows); each row runs
-    its own tower's norms, projections and MLP. Hidden states come back in the language model's width (state
-    rows zero-padded); nothing reads them but the cache.
+    Only the keys and values are ever read (the expert attends to them), so the last layer stops after its
+    attention: its output projection, MLP and the final norm would make hidden states nobody reads (openpi's
+    jitted prefill drops them the same way, as dead code). `forward` returns the residual stream before that
+    layer's attention, which the node does not output.
+
+    pi0: rows with routing id 1 (the continuous state token) run the expert's norms, projections and MLP and
+    attend jointly with the language model's rows (one `context.attend` per layer over all rows). Its keys and
+    values do not depend on the flow time, so the state token is written once here, in the prefix's own call,
+    instead of at every step. The language model also runs over the state rows (their values are replaced by
+    the expert's before attention and never read): no gather or scatter of the other rows.
     """
-
-    call_inputs = {"state": "token"}
 
     def __init__(self, policy: Policy):
         super().__init__()
         self.policy = policy
         self.config = policy.config.text
+        if not policy.config.pi05:
+            self.call_inputs = {"state": "token"}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.policy.language_model.embed(ids)
@@ -153,27 +159,27 @@ class Pi0Prefix(nn.Module):
                 state=None):
         lm, ex = self.policy.language_model, self.policy.expert
         x = lm.embed(input_ids) if input_embeds is None else input_embeds
-        if routing is None or not bool((routing == 1).any()):
-            return lm(None, positions, context, input_embeds=x)
-        expert_rows = routing == 1
-        ia, ib = (~expert_rows).nonzero().flatten(), expert_rows.nonzero().flatten()
-        xa = x[ia]
-        xb = self.policy.state_proj(state[ib].to(x.dtype))
-        cos, sin = lm.rotary_emb(positions.reshape(-1))
-        ropes = ((cos[ia], sin[ia]), (cos[ib], sin[ib]))
-        t = x.shape[0]
-        for la, lb in zip(lm.layers, ex.layers, strict=True):
-            ha, _ = la.attention_input(xa)
-            hb, _ = lb.attention_input(xb)
-            (qa, ka, va), (qb, kb, vb) = _qkv(la.self_attn, ha, ropes[0]), _qkv(lb.self_attn, hb, ropes[1])
-            q = qa.new_empty(t, *qa.shape[1:]).index_copy_(0, ia, qa).index_copy_(0, ib, qb)
-            k = ka.new_empty(t, *ka.shape[1:]).index_copy_(0, ia, ka).index_copy_(0, ib, kb)
-            v = va.new_empty(t, *va.shape[1:]).index_copy_(0, ia, va).index_copy_(0, ib, vb)
-            out = context.attend(la.self_attn.layer_idx, q, k, v, la.self_attn.scale).reshape(t, -1)
-            xa = la.finish(xa, la.self_attn.o_proj(out[ia]), None)
-            xb = lb.finish(xb, lb.self_attn.o_proj(out[ib]), None)
-        out = x.new_zeros(t, x.shape[1])
-        out[ia] = lm.norm(xa)
-        hb = ex.norm(xb)
-        out[ib, : hb.shape[1]] = hb
-        return out
+        rope = lm.rotary_emb(positions.reshape(-1))
+        ib = None if routing is None else (routing == 1).nonzero().flatten()
+        if ib is not None and ib.numel() == 0:
+            ib = None
+        if ib is not None:
+            xb = self.policy.state_proj(state[ib].to(x.dtype))
+            rope_b = (rope[0][ib], rope[1][ib])
+        t, last = x.shape[0], len(lm.layers) - 1
+        for i, (la, lb) in enumerate(zip(lm.layers, ex.layers, strict=True)):
+            attn = la.self_attn
+            q, k, v = _qkv(attn, la.attention_input(x)[0], rope)
+            if ib is not None:  # the state rows' projections replace the language model's
+                qb, kb, vb = _qkv(lb.self_attn, lb.attention_input(xb)[0], rope_b)
+                q.index_copy_(0, ib, qb)
+                k.index_copy_(0, ib, kb)
+                v = v.index_copy(0, ib, vb)
+            out = context.attend(attn.layer_idx, q, k, v, attn.scale)
+            if i == last:  # the cache now holds every layer's keys and values: all anyone reads
+                break
+            out = out.reshape(t, -1)
+            x = la.finish(x, attn.o_proj(out), None)
+            if ib is not None:
+                xb = lb.finish(xb, lb.self_attn.o_proj(out[ib]), None)
+        return x

@@ -192,8 +192,12 @@ class Preparer:
             "seed": inputs["seed"],
             "action_dim": inputs["action_dim"],
         }
-        if not cfg.pi05:
-            env["state_ids"] = torch.zeros(1, dtype=torch.long)
-            env["state_routing"] = torch.ones(1, dtype=torch.long)
+        if not cfg.pi05:  # the state token after the prefix, in the prefix's call: routed to the expert, its row
+            n = env["prefix_ids"].shape[0]
             env["state_row"] = torch.tensor(state, dtype=torch.float32)[None]
+            env["prefix_state_ids"] = F.pad(env["prefix_ids"], (0, 1))
+            env["prefix_routing"] = torch.zeros(n + 1, dtype=torch.long)
+            env["prefix_routing"][n] = 1
+            env["prefix_state"] = F.pad(env["state_row"], (0, 0, n, 0))  # per token: zeros, then the state
+            env["prefix_length"] = n
         return env

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mstar_pi05.modeling import ActionExpert, Pi0Prefix, Policy
+from mstar_pi05.modeling import ActionExpert, Policy, PrefixWriter
 
 
 class PrefixCache:
@@ -38,19 +38,24 @@ class PrefixCache:
 @torch.inference_mode()
 def write_prefix(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Tensor,
                  state: torch.Tensor | None = None) -> PrefixCache:
-    """Images `[n, P, W]` then text ids `[L]` as one bidirectional block (and pi0's state token after it, causal)."""
+    """Images `[n, P, W]` then text ids `[L]` as one bidirectional block (pi0: and the state token after it, in
+    the same forward, seeing the block and itself), written by the node's own module."""
     lm = policy.language_model
     embeds = torch.cat([image_tokens.reshape(-1, image_tokens.shape[-1]), lm.embed(input_ids)])
     n = embeds.shape[0]
-    cache = PrefixCache()
-    cache.mask = torch.ones(n, n, dtype=torch.bool)
-    lm(None, torch.arange(n), cache, input_embeds=embeds)
+    routing = state_rows = None
     if not policy.config.pi05:
-        cache.mask = None  # one row: sees the prefix and itself
-        routing = torch.ones(1, dtype=torch.long)
-        Pi0Prefix(policy)(torch.zeros(1, dtype=torch.long), torch.tensor([n]), cache,
-                          input_embeds=embeds.new_zeros(1, embeds.shape[1]), routing=routing,
-                          state=state.reshape(1, -1))
+        embeds = torch.cat([embeds, embeds.new_zeros(1, embeds.shape[1])])
+        routing = torch.zeros(n + 1, dtype=torch.long)
+        routing[n] = 1
+        state_rows = torch.zeros(n + 1, state.numel())
+        state_rows[n] = state.reshape(-1)
+    total = embeds.shape[0]
+    cache = PrefixCache()
+    cache.mask = torch.ones(total, total, dtype=torch.bool)
+    cache.mask[:n, n:] = False
+    PrefixWriter(policy)(torch.zeros(total, dtype=torch.long), torch.arange(total), cache, input_embeds=embeds,
+                         routing=routing, state=state_rows)
     return cache
 
 
