@@ -128,6 +128,13 @@ def test_code_predictor_heads(omni, hf):
     for g in range(heads):
         assert _close(logits[g, g], ref[g]) < TOL
         assert torch.isinf(logits[g]).sum() == (heads - 1) * v  # only its own head's ids may be sampled
+    # a batch mixing heads in any order (repeats included) gives each row its own head's logits
+    order = torch.tensor([2, 0, 2, 1, 0][: 2 * heads])
+    with torch.no_grad():
+        mixed = cp.compute_logits(rows[1:][order]).view(-1, heads, v)
+    for i, g in enumerate(order.tolist()):
+        assert _close(mixed[i, g], logits[g, g]) < 1e-6
+        assert torch.isinf(mixed[i]).sum() == (heads - 1) * v
 
 
 def test_code2wav_and_its_chunked_decode(omni, hf):

@@ -82,9 +82,22 @@ class CodePredictor(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Joined ids -> embeddings from table `id // codebook`."""
-        table, code = ids // self.codebook, ids % self.codebook
-        every = torch.stack([emb(code) for emb in self.model.codec_embedding])  # [G-1, T, H], small T
-        return every.gather(0, table.view(1, -1, 1).expand(1, -1, every.shape[-1])).squeeze(0)
+        ids = ids.view(-1)
+        code = ids % self.codebook
+        if torch.compiler.is_compiling():  # a compiled step: no host read of the ids (every table, then pick)
+            every = torch.stack([emb(code) for emb in self.model.codec_embedding])  # [G-1, T, H], small T
+            table = (ids // self.codebook).view(1, -1, 1).expand(1, -1, every.shape[-1])
+            return every.gather(0, table).squeeze(0)
+        # eager: one lookup per table present (an AR step has one id), not every table for every id
+        tables = (ids // self.codebook).tolist()
+        first = self.model.codec_embedding[tables[0]] if tables else self.model.codec_embedding[0]
+        if len(set(tables)) <= 1:
+            return first(code)
+        out = first.weight.new_empty(len(tables), first.weight.shape[1])
+        for t in set(tables):
+            at = torch.tensor([i for i, g in enumerate(tables) if g == t], device=ids.device)
+            out[at] = self.model.codec_embedding[t](code[at])
+        return out
 
     def forward(
         self,
@@ -101,11 +114,24 @@ class CodePredictor(nn.Module):
         return torch.cat([self.model.norm(x), head[:, None]], dim=-1)
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's own head only (the other heads' ids stay -inf): one `[V, H]` matmul per head present.
+
+        Computing every head for every row and masking afterwards cost (G-1)x the matmul plus a copy of all
+        heads' weights per call, most of a frame's CPU time. Grouping reads the heads back to the host once
+        per call, as the sampler does with its tokens.
+        """
         hidden, head = rows[:, :-1], rows[:, -1].long()
-        weight = torch.cat([h.weight for h in self.lm_head])  # [(G-1) V, H]
-        logits = F.linear(hidden, weight).view(-1, self.heads, self.codebook)
-        keep = torch.arange(self.heads, device=rows.device)[None, :] == head[:, None]
-        return logits.masked_fill(~keep[..., None], float("-inf")).view(-1, self.heads * self.codebook)
+        out = hidden.new_full((rows.shape[0], self.heads * self.codebook), float("-inf"))
+        picked = head.tolist()
+        for h in sorted(set(picked)):
+            at = [i for i, g in enumerate(picked) if g == h]
+            cols = slice(h * self.codebook, (h + 1) * self.codebook)
+            if len(at) == rows.shape[0]:
+                out[:, cols] = F.linear(hidden, self.lm_head[h].weight)
+            else:
+                index = torch.tensor(at, device=rows.device)
+                out[index, cols] = F.linear(hidden[index], self.lm_head[h].weight)
+        return out
 
 
 class Talker(nn.Module):
