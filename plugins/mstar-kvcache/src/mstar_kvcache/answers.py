@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from mstar_core.runtime.engine import Result
@@ -87,10 +88,12 @@ class CallAnswers:
         except Exception:
             # One row's parameters broke the batched sampling: sample each row alone so only it fails.
             # (The sampler draws last, so no row's generator advanced before the failure.)
-            return [self._finish_alone(seq, last[i : i + 1], extras.get(id(seq))) for i, seq in enumerate(seqs)]
-        return [self._answer(seq, i, logits, picked, last, extras.get(id(seq))) for i, seq in enumerate(seqs)]
+            answers = [self._finish_alone(seq, last[i : i + 1], extras.get(id(seq))) for i, seq in enumerate(seqs)]
+        else:
+            answers = [self._answer(seq, i, logits, picked, last, extras.get(id(seq))) for i, seq in enumerate(seqs)]
+        return [a for a in answers if a is not None]  # None: a decode_steps call goes on
 
-    def _finish_alone(self, seq: Sequence, last: torch.Tensor, extras: dict[str, torch.Tensor] | None) -> Result:
+    def _finish_alone(self, seq: Sequence, last: torch.Tensor, extras: dict[str, torch.Tensor] | None) -> Result | None:
         try:
             logits, picked = self._sample([seq], last)
         except Exception as exc:
@@ -107,8 +110,11 @@ class CallAnswers:
         return logits, picked
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor,
-                extras: dict[str, torch.Tensor] | None = None) -> Result:
-        """Row `i`'s outputs (and the call's per-token `extras`); the call is done, the label's next queued call attaches."""
+                extras: dict[str, torch.Tensor] | None = None) -> Result | None:
+        """Row `i`'s outputs (and the call's per-token `extras`); the call is done, the label's next queued call attaches.
+
+        None when the call has `decode_steps` left: the token was fed back and the call stays pending.
+        """
         token = picked.tokens[i]
         keep = not seq.readonly
         if keep:
@@ -122,6 +128,10 @@ class CallAnswers:
             if keep:
                 seq.generated.pop()
             return self._fail(seq, exc)
+        if seq.call.decode_steps is not None:
+            if self._step_again(seq, token, out["finish_reason"]):
+                return None
+            out["next_token"], seq.stepped = seq.stepped, []
         if picked.logprobs[i] is not None:
             out["logprob"] = picked.logprobs[i]
         if picked.top_logprobs[i] is not None:
@@ -132,6 +142,26 @@ class CallAnswers:
             out["hidden"] = last[i]
         out.update(extras or {})
         return self._complete(seq, out)
+
+    def _step_again(self, seq: Sequence, token: int, finish_reason: str | None) -> bool:
+        """Feed a `decode_steps` call's token back as its next input, unless it has all its tokens or a finish reason.
+
+        The continuation runs in the engine's next step beside whatever else is scheduled, with no
+        round trip through the walk; its outputs other than `next_token` are those of its last token.
+        """
+        seq.stepped.append(token)
+        start = len(seq.tokens)
+        if (finish_reason is not None or len(seq.stepped) >= seq.call.decode_steps
+                or (self.max_model_len is not None and start + 1 > self.max_model_len)):
+            return False
+        # the token as a one-id call of its own: implicit next position, routing 0, causal
+        self._append_inputs(seq, attrs.evolve(seq.call, ids=[token], embeds=[], positions=None, routing=None,
+                                              extras={}), start)
+        if seq.limits is not None:
+            seq.limits.append(start + 1)
+        seq.tokens.append(token)
+        seq.chunkable = True
+        return True
 
     def _complete(self, seq: Sequence, out: dict[str, Any]) -> Result:
         """Answer the sequence's call with `out`; run its after-call label operations; attach what waits."""
@@ -169,6 +199,9 @@ class CallAnswers:
     def _fail(self, seq: Sequence, exc: BaseException) -> Result:
         inv = seq.pending
         seq.pending, seq.call, seq.collected = None, None, []
+        if seq.stepped:  # a decode_steps call failing midway: its tokens go with it
+            del seq.generated[len(seq.generated) - len(seq.stepped):]
+            seq.stepped = []
         if seq.readonly:
             self._drop_reader(seq)
             return (inv, exc)

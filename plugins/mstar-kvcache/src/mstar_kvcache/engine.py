@@ -232,7 +232,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
         seq.priority = inv.priority
-        seq.collected = []
+        seq.collected, seq.stepped = [], []
         seq.rows_from = self._rows_from(parsed, start)
         if parsed.sampling is not None:
             seq.generator, seq.sampling = generator, parsed.sampling

@@ -37,6 +37,7 @@ OPTIONS = (
     "blocks",  # block lengths summing to the call's tokens: each block bidirectional, causal across blocks
     "frame_size",  # frame-causal mask over absolute token indices
     "output_rows",  # outputs per token: "all" rows of the call (default) or the "last"; a sampling call asks so
+    "decode_steps",  # a sampling call samples this many tokens, each fed back as the next input; next_token is their list
     "transfer",  # "export" / "import": move the request's caches between engines
     "share_cache_with",  # node-static: read-only calls read that node's labels (its pages, same pool)
 )
@@ -70,6 +71,7 @@ class ParsedInvocation:
     output_rows: str | None = None  # None: "all" on a per-token node, no per-token outputs on a sampling one
     seed_offset: int | None = None
     blocks: tuple[int, ...] | None = None
+    decode_steps: int | None = None
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -241,6 +243,13 @@ def parse_invocation(
     rows = opts.get("output_rows")
     if rows not in (None, "all", "last"):
         raise RequestError(f"node '{node}': option output_rows must be 'all' or 'last', got {rows!r}")
+    steps = opts.get("decode_steps")
+    if steps is not None:
+        if type(steps) is not int or steps < 1:
+            raise RequestError(f"node '{node}': option decode_steps must be a positive int, got {steps!r:.40}")
+        if sampling is None or not write or rows is not None or output_index is not None:
+            raise RequestError(f"node '{node}': option decode_steps needs a sampling call that writes its cache "
+                               "and asks for no per-token outputs")
     return ParsedInvocation(
         ids=ids,
         label=label,
@@ -262,6 +271,7 @@ def parse_invocation(
         output_rows=rows,
         seed_offset=offset,
         blocks=blocks,
+        decode_steps=steps,
     )
 
 

@@ -61,6 +61,8 @@ class Sequence:
     call: Any = None
     #: Set when a reader needs this (preempted, idle) label's cache back: it is recomputed without a call.
     recompute: bool = False
+    #: Tokens the pending `decode_steps` call sampled so far (each already appended as its next input).
+    stepped: list[int] = attrs.field(factory=list)
 
     @property
     def next_position(self) -> int:
