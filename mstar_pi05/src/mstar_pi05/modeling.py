@@ -18,18 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
-from mstar_core.nn.gemma import GemmaDecoder
+from mstar_core.nn.gemma import AdaRMSNorm, GemmaDecoder
 from mstar_core.nn.rotary import apply_rotary
 from mstar_core.nn.siglip import SiglipVisionTransformer
 from mstar_pi05.config import PolicyConfig
-
-
-def time_features(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
-    """Sine-cosine features of the flow time `t` `[S]` -> `[S, width]`, periods geometric from min to max (fp32)."""
-    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float32, device=t.device)
-    period = min_period * (max_period / min_period) ** fraction
-    angles = (2 * math.pi / period)[None, :] * t.float()[:, None]
-    return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
 class Policy(nn.Module):
@@ -51,6 +43,7 @@ class Policy(nn.Module):
         width = cfg.expert.hidden_size
         self.action_in_proj = nn.Linear(cfg.max_action_dim, width)
         self.action_out_proj = nn.Linear(width, cfg.max_action_dim)
+        self._time_freqs: dict[torch.device, torch.Tensor] = {}  # the time features' frequencies, per device
         if cfg.pi05:
             self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
@@ -71,15 +64,29 @@ class Policy(nn.Module):
         pm = self.paligemma_with_expert.paligemma.model
         return pm.multi_modal_projector.linear(pm.vision_tower.vision_model(pixels))
 
-    def expert_inputs(self, actions: torch.Tensor, t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Noisy actions `[T, A]` and each row's flow time `[T]` -> (expert input rows, adaRMS conditioning or None)."""
+    def time_features(self, t: torch.Tensor) -> torch.Tensor:
+        """Sine-cosine features of flow times `t` `[S]` -> `[S, expert width]` (fp32), periods geometric from
+        `min_period` to `max_period`; the frequencies are built once per device, not at every step."""
+        freqs = self._time_freqs.get(t.device)
+        if freqs is None:
+            cfg = self.config
+            fraction = torch.linspace(0.0, 1.0, cfg.expert.hidden_size // 2, dtype=torch.float32, device=t.device)
+            freqs = self._time_freqs[t.device] = 2 * math.pi / (cfg.min_period * (cfg.max_period / cfg.min_period) ** fraction)
+        angles = freqs[None, :] * t.float()[:, None]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    def expert_inputs(self, actions: torch.Tensor, t: torch.Tensor,
+                      index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Noisy actions `[T, A]`, flow times `t` `[S]` and each row's sequence `index` `[T]` (None: `t` has one
+        time per row) -> (expert input rows `[T, W]`, pi0.5's adaRMS conditioning `[S, W]` or None for pi0).
+
+        The time features and pi0.5's time MLP run once per sequence, not once per action row."""
         dtype = self.action_in_proj.weight.dtype
         x = self.action_in_proj(actions.to(dtype))
-        cfg = self.config
-        feats = time_features(t_rows, cfg.expert.hidden_size, cfg.min_period, cfg.max_period).to(dtype)
-        if cfg.pi05:  # time conditions every norm; the action tokens carry no time
-            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(feats))))
-            return x, cond
+        feats = self.time_features(t).to(dtype)
+        if self.config.pi05:  # time conditions every norm; the action tokens carry no time
+            return x, F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(feats))))
+        feats = feats if index is None else feats[index]
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([x, feats], dim=-1))))
         return x, None
 
@@ -113,13 +120,33 @@ class ActionExpert(nn.Module):
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, timestep=None, sequence_index=None):
         if input_embeds is None:
             raise ValueError("the action expert takes the noisy actions as input_embeds")
-        t = timestep if timestep is not None else torch.zeros(1, device=input_embeds.device)
-        rows = t.reshape(-1)[sequence_index] if sequence_index is not None else t.reshape(-1).expand(input_embeds.shape[0])
-        x, cond = self.policy.expert_inputs(input_embeds, rows)
-        return self.policy.expert(None, positions, context, input_embeds=x, cond=cond)
+        t = timestep.reshape(-1) if timestep is not None else torch.zeros(1, device=input_embeds.device)
+        index = sequence_index if sequence_index is not None else \
+            torch.zeros(input_embeds.shape[0], dtype=torch.long, device=input_embeds.device)
+        x, cond = self.policy.expert_inputs(input_embeds, t, index)
+        ex = self.policy.expert
+        if cond is None:
+            return ex(None, positions, context, input_embeds=x)
+        # pi0.5: GemmaDecoder's layers with each adaRMS projection on one row per sequence (all of a sequence's
+        # rows share its time), not on every row: at pi0.5's widths that projection is ~1/4 of a step's compute
+        rope = ex.rotary_emb(positions.reshape(-1))
+        for layer in ex.layers:
+            h, gate = _modulated(layer.input_layernorm, x, cond, index)
+            x = x + gate * layer.self_attn(h, rope, context)
+            h, gate = _modulated(layer.post_attention_layernorm, x, cond, index)
+            x = x + gate * layer.mlp(h)
+        return _modulated(ex.norm, x, cond, index)[0]
 
     def compute_velocity(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.policy.action_out_proj(hidden)
+
+
+def _modulated(norm: AdaRMSNorm, x: torch.Tensor, cond: torch.Tensor, index: torch.Tensor):
+    """`norm(x, cond[index])`, its projection `dense` applied to the `[S, W]` conditioning before the rows pick theirs."""
+    scale, shift, gate = norm.dense(cond)[index].chunk(3, dim=-1)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (h * (1.0 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):

@@ -100,13 +100,16 @@ def tokenizer_for(directory: str | None, preset: bool, config: Mapping[str, Any]
 def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
     """`[H, W, 3]` integers in 0..255 (or floats in [0, 1]) -> `[3, size, size]` in [-1, 1], aspect kept, padded
     with black. Integers of any dtype count as 0..255: JSON lists arrive as int64."""
+    h, w = image.shape[:2]
+    if (h, w) == (size, size):  # what openpi's clients send (they resize first): only scale, in place (~3x faster)
+        x = torch.empty(3, size, size).copy_(image.permute(2, 0, 1))
+        if not image.is_floating_point():
+            x.div_(255.0)
+        return x.clamp_(0, 1).mul_(2).sub_(1)
     # contiguous: the antialiased kernel is ~50x slower on the permuted view
     x = image.permute(2, 0, 1).float().contiguous()
     if not image.is_floating_point():
         x = x / 255.0
-    h, w = x.shape[1:]
-    if (h, w) == (size, size):  # what openpi's clients send (they resize first): nothing to do
-        return x.clamp(0, 1) * 2 - 1
     scale = size / max(h, w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
     x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
