@@ -8,13 +8,14 @@ speak:    thinker loop until a finish reason
             |     talker_prompt -> text_start
             |     loop until the Talker's finish reason:
             |       talker(step embeds) -> code 0, hidden
-            |       frame_seed -> code_predictor(label 'frame', reset) -> (G - 2) x code_predictor
+            |       frame_seed -> code_predictor(label 'frame', reset, decode_steps G - 1)
             |       frame_step -> frame codes, next step embeds (codec embeddings + text part)
             |-- frame_step.codes (LeftContextChunkPolicy(25, 25)) --> code2wav -> audio
 ```
 
 The plan picks `["prefill", "decode"]` or `["prefill", "speak"]`, so text-only requests never touch the
-Talker. The Talker's fragment starts with the walk and waits on the Thinker's stream, so it speaks
+Talker. A frame's G - 1 code-predictor steps are one call: the kvcache engine feeds each sampled code back
+itself (`decode_steps`), batching the steps of every request's frame, with no walk round trip per code. The Talker's fragment starts with the walk and waits on the Thinker's stream, so it speaks
 while the Thinker writes; Code2Wav decodes each window as soon as 25 new frames exist.
 """
 
@@ -26,11 +27,9 @@ from typing import Any
 from mstar_kvcache.walks import decode_iterations
 
 from mstar_core.graph import (
-    Copy,
     DynamicLoop,
     Graph,
     GraphNode,
-    Loop,
     NodeCall,
     Sequential,
     StreamingGraphEdge,
@@ -118,7 +117,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
                       module=lambda: FrameSeed(model)),
-            GraphNode("frame_step", inputs=("code0", "cp_first", "cp_rest", "text", "feed", "talker_finish"),
+            GraphNode("frame_step", inputs=("code0", "cp_codes", "text", "feed", "talker_finish"),
                       outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model, text_embed)),
             GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
                       module=lambda: Code2WavWindow(model)),
@@ -154,14 +153,11 @@ def _talker_fragment(groups: int) -> Sequential:
     talker_outputs = {"next_token": "code0", "hidden": "talker_hidden", "finish_reason": "talker_finish"}
     frame = Sequential(
         NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
+        # codes 1..G-1 in one call on a scratch label: the engine feeds each sampled code back as the next input
         NodeCall("code_predictor", inputs={"input_embeds": "cp_seed", "input_ids": UNSET,
                                            "sampling": "predictor_sampling"},
-                 outputs={"next_token": "cp_first"}, options={"cache_label": "frame", "reset": True}),
-        Copy(cp_token="cp_first", replace=True),
-        Loop(body=NodeCall("code_predictor", inputs={"input_ids": "cp_token", "input_embeds": UNSET,
-                                                     "sampling": "predictor_sampling"},
-                           outputs={"next_token": "cp_next"}, options={"cache_label": "frame"}),
-             iters=groups - 2, carry={"cp_next": "cp_token"}, accumulate={"cp_next": "cp_rest"}),
+                 outputs={"next_token": "cp_codes"},
+                 options={"cache_label": "frame", "reset": True, "decode_steps": groups - 1}),
         NodeCall("frame_step", inputs={"text": "reply_text"}, outputs={"step_embeds": "talker_in"}),
         # input_ids: the code 0 this step's embeddings carry, so the repetition penalty sees the codes spoken
         NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "code0", "sampling": "talker_sampling",

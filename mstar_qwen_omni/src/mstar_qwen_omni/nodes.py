@@ -127,9 +127,9 @@ class FrameStep(nn.Module):
             return self.eos_id, ENDED
         return held, later
 
-    def forward(self, code0: int, cp_first: int, cp_rest: list[int], text: Chunk, feed: int,
+    def forward(self, code0: int, cp_codes: list[int], text: Chunk, feed: int,
                  talker_finish: str | None) -> dict[str, Any]:
-        joined = [int(cp_first), *(int(t) for t in cp_rest)]
+        joined = [int(t) for t in cp_codes]
         with torch.no_grad():
             device = self.talker.codec_head.weight.device
             spoken, feed = self._text(int(feed), text)
