@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from mstar_pi05.model import SPECS
+from mstar_pi05.modeling import PrefixWriter
 
 from mstar_core.errors import NodeExecutionError
 from mstar_core.model import LoadOptions
@@ -122,13 +123,26 @@ def _serve(kind, requests, poison=None, during=None):
 
 
 @pytest.mark.parametrize("kind", ["pi05", "pi0"])
-def test_cached_prefix_read_only_equals_one_joint_forward(kind):
+def test_cached_prefix_read_only_equals_one_joint_forward(kind, monkeypatch):
+    routed = []  # each vlm forward's routing ids: pi0's state token rides in its prefix's forward, not its own
+    forward = PrefixWriter.forward
+
+    def spy(self, input_ids, positions, context, /, **kwargs):
+        routed.append(kwargs.get("routing"))
+        return forward(self, input_ids, positions, context, **kwargs)
+
+    monkeypatch.setattr(PrefixWriter, "forward", spy)
     requests = [_request(i) for i in range(2)]
     loaded, engines, envs, _ = _serve(kind, requests)
     for r, env in zip(requests, envs, strict=True):
         want = _joint_actions(loaded, r)
         assert env["actions"].shape == want.shape == (r["horizon"], 7)
         assert (env["actions"] - want).abs().max() <= 1e-5, (env["actions"] - want).abs().max()
+    if kind == "pi0":
+        assert sum(int((r == 1).sum()) for r in routed) == len(requests)
+        assert all(int((r == 0).sum()) > 0 for r in routed)
+    else:
+        assert routed and all(r is None for r in routed)
     _assert_all_freed(engines)
 
 
