@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -75,8 +76,9 @@ class GraphEdge:
     walk: str
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_port(port: str, what: str) -> tuple[str, str]:
-    """Split 'node.port' into its two names."""
+    """Split 'node.port' into its two names (cached: streaming edges ask once per produced item)."""
     node, sep, name = port.partition(".")
     if not sep or not node or not name:
         raise ValueError(f"{what} must look like 'node.port', got {port!r}")

@@ -181,20 +181,22 @@ class Conductor:
         `outputs` may hold only some of the node's outputs (a delegated loop forwards just the
         emitted and streamed ones); undeclared keys an engine adds are ignored.
         """
-        for port in self.graph.nodes[call.node].outputs:
+        wiring = site.outputs if site is not None else [(p, call.env_output(p)) for p in self.graph.nodes[call.node].outputs]
+        emit = frame.emit
+        for port, name in wiring:
             value = outputs.get(port, _MISSING)
             if value is _MISSING:
                 continue
-            name = call.env_output(port)
             env[name] = value
-            if name in frame.emit:
+            if name in emit:
                 state.emit(Output(name, value, frame.walk.name, frame.branch))
-        self._feed(frame, call.node, outputs)
+        if frame.streams:
+            self._feed(frame, call.node, outputs)
 
     @staticmethod
     def _feed(frame: WalkFrame, node: str, outputs: Mapping[str, Any]) -> None:
         for stream in frame.streams.get(node, ()):
-            value = outputs.get(stream.edge.src_output, _MISSING)
+            value = outputs.get(stream.src_output, _MISSING)
             if value is not _MISSING:
                 stream.push(value)
 
@@ -256,7 +258,7 @@ class Conductor:
                 values.append(env[name])
             for out, into in loop.carry.items():
                 env[into] = env[out]
-            if until is not None and until(env) and await _drained(fed_by):
+            if until is not None and until(env) and (not fed_by or await _drained(fed_by)):
                 break
         env.pop(loop.index_name, None)
         for name, values in accumulated.items():

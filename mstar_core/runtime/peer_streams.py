@@ -20,10 +20,12 @@ from mstar_core.wire.messages import StreamItem
 class StreamSender:
     """The producer worker's end: counts progress (for priorities) and sends each kept item to the consumer."""
 
-    __slots__ = ("accounting", "address", "channel", "edge", "index", "mailbox", "nonce", "request_id", "sent")
+    __slots__ = ("accounting", "address", "channel", "edge", "index", "mailbox", "nonce", "request_id", "sent",
+                 "src_output")
 
     def __init__(self, edge: StreamingGraphEdge, index: int, request_id: str, route: dict[str, Any], mailbox: Any):
         self.edge = edge
+        self.src_output = edge.src_output
         self.index = index
         self.request_id = request_id
         self.mailbox = mailbox

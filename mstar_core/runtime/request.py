@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 import attrs
@@ -38,15 +39,23 @@ class RequestHandle:
         self.model = model
         #: the walks the request has started, in order (its plan and the walks its branches chose)
         self.walks: list[str] = []
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # emitted outputs not read yet; `_more` is set when one arrives while a reader waits (a plain deque
+        # and one shared future: an asyncio.Queue costs a dozen calls per put and get, once per token)
+        self._items: deque[Any] = deque()
+        self._more: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
 
     def _attach(self, task: asyncio.Task) -> None:
         self._task = task
-        task.add_done_callback(lambda _t: self._queue.put_nowait(_END))
+        task.add_done_callback(lambda _t: self._emit(_END))
 
-    def _emit(self, output: Output) -> None:
-        self._queue.put_nowait(output)
+    def _emit(self, output: Any) -> None:
+        self._items.append(output)
+        more = self._more
+        if more is not None:
+            self._more = None
+            if not more.done():
+                more.set_result(None)
 
     @property
     def done(self) -> bool:
@@ -61,9 +70,14 @@ class RequestHandle:
         return self
 
     async def __anext__(self) -> Output:
-        item = await self._queue.get()
+        items = self._items
+        while not items:
+            if self._more is None or self._more.done():  # (done: a reader waiting on it was cancelled)
+                self._more = asyncio.get_running_loop().create_future()
+            await self._more
+        item = items.popleft()
         if item is _END:
-            self._queue.put_nowait(_END)  # later iterations end too
+            items.appendleft(_END)  # later iterations end too
             await self._raise_if_failed()
             raise StopAsyncIteration
         return item

@@ -32,7 +32,7 @@ Path = tuple[int, ...]
 class CallSite:
     """One NodeCall at one position: its env wiring, its merged options, the scheduler it goes to."""
 
-    __slots__ = ("call", "dynamic", "inputs", "node", "optional_inputs", "options", "path", "prioritised",
+    __slots__ = ("call", "dynamic", "inputs", "node", "optional_inputs", "options", "outputs", "path", "prioritised",
                  "scheduler")
 
     def __init__(self, graph: Graph, walk: Walk, call: NodeCall, path: Path, scheduler: Any):
@@ -42,6 +42,7 @@ class CallSite:
         self.path = path
         self.inputs = tuple((port, call.env_input(port)) for port in node.inputs)
         self.optional_inputs = tuple((port, call.env_input(port)) for port in node.optional_inputs)
+        self.outputs = tuple((port, call.env_output(port)) for port in node.outputs)  # (node output, env name)
         static = {k: v for k, v in call.options.items() if not isinstance(v, FromEnv)}
         # static node options overlaid with the call site's (graphs are immutable: once per site)
         self.options = MappingProxyType({**node.options, **static}) if call.options else node.options

@@ -20,11 +20,13 @@ from mstar_core.streaming.policies import Chunk
 
 
 class RequestStream:
-    __slots__ = ("_ready", "_wakeup", "chunks", "closed", "edge", "first_release", "released", "started", "state",
-                 "accounting", "taken", "unread")
+    __slots__ = ("_ready", "_wakeup", "chunks", "closed", "edge", "first_release", "keep", "released", "src_output",
+                 "started", "state", "accounting", "taken", "unread")
 
     def __init__(self, edge: StreamingGraphEdge, started: float | None = None, accounting: bool = False):
         self.edge = edge
+        self.keep = edge.keep
+        self.src_output = edge.src_output  # read for every value its producer emits
         self.state = edge.policy.open()
         self.started = time.monotonic() if started is None else started
         self._ready: deque[Chunk] = deque()
@@ -41,7 +43,7 @@ class RequestStream:
 
     def push(self, value: Any) -> None:
         """One produced value: part of the stream unless the edge's `keep` says otherwise."""
-        if self.edge.keep is not None and not self.edge.keep(value):
+        if self.keep is not None and not self.keep(value):
             return
         self.push_kept(value)
 
