@@ -117,7 +117,7 @@ class TorchPagedContext:
         self.num_tokens = batch.num_tokens
         self.gather_buf: torch.Tensor | None = None
         self.lanes = lanes
-        starts = batch.q_start.tolist()
+        starts = getattr(batch, "row_starts", None) or batch.q_start.tolist()
         device = batch.slot_mapping.device
         readonly = set(getattr(batch, "readonly", ()))
         self.write_rows = getattr(batch, "write_rows", None)
@@ -175,22 +175,33 @@ class TorchPagedContext:
             return None
         device = batch.slot_mapping.device
         seqs, lane_ids = [i for i, _ in picked], [g for _, g in picked]
-        rows = torch.tensor([starts[i] for i in seqs], device=device)
+        row_list = [starts[i] for i in seqs]
+        rows = torch.tensor(row_list, device=device)
         lane_t = torch.tensor(lane_ids, device=device)
-        pos = torch.tensor([batch.kv_lens[i] - 1 for i in seqs], device=device)
+        kv_lens = batch.kv_lens
+        pos = torch.tensor([kv_lens[i] - 1 for i in seqs], device=device)
         count = max(lane_ids) + 1
         # every row of the step decodes in a lane and the lanes in use are packed: the rows are a
         # permutation of lanes 0..count-1, so keys go in straight from k/v and only q is reordered
-        whole = len(picked) == count == batch.num_tokens and [starts[i] for i in seqs] == list(range(count))
+        in_order = row_list == list(range(count))
+        whole = len(picked) == count == batch.num_tokens and in_order
         order = None  # row serving each lane, when that is not lane l -> row l
         if whole and lane_ids != list(range(count)):
             order = torch.empty(count, dtype=torch.long, device=device)
             order[lane_t] = rows
-        bound = torch.ones(count, dtype=torch.long, device=device)  # lanes idle this step see one key
-        bound[lane_t] = _bounds(batch, seqs, rows)
-        width = int(bound.max())
+        if batch.limits is None:  # (the usual decode step: the bounds are the lengths, known here)
+            bounds = [1] * count  # lanes idle this step see one key
+            for i, lane in picked:
+                bounds[lane] = kv_lens[i]
+            width = max(bounds)
+            bound = torch.tensor(bounds, device=device) if min(bounds) != width else None
+        else:
+            bound = torch.ones(count, dtype=torch.long, device=device)
+            bound[lane_t] = _bounds(batch, seqs, rows)
+            width = int(bound.max())
+            bound = bound if int(bound.min()) != width else None
         mask = None
-        if int(bound.min()) != width:
+        if bound is not None:
             mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
         return LanePlan(rows, lane_t, pos, count, width, mask, whole, order)
 

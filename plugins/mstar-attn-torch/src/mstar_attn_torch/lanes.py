@@ -66,7 +66,7 @@ class DecodeLanes:
         if len(set(keys)) != len(keys):  # ids are not unique: no lane can be trusted
             return [None] * len(keys)
         page_size = pool.shape[3]
-        live = sum(o is not None for o in self.owner) + sum(k not in self.lane_of for k in keys)
+        live = len(self.lane_of) + sum(k not in self.lane_of for k in keys)  # (lane_of holds every owned lane)
         self._reserve(pool, max(len(keys), live), max(kv_lens))
         lanes: list[int | None] = []
         for key, pages, kv_len in zip(keys, page_lists, kv_lens, strict=True):

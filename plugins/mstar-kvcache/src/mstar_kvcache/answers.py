@@ -64,7 +64,7 @@ class CallAnswers:
         results = []
         for i, (seq, _) in enumerate(done):
             out: dict[str, Any] = dict(computed[i])
-            if "hidden" in self.node.outputs:
+            if self.returns_hidden:
                 out["hidden"] = rows[i]
             results.append(self._complete(seq, out))
         return results
@@ -90,7 +90,8 @@ class CallAnswers:
             # (The sampler draws last, so no row's generator advanced before the failure.)
             answers = [self._finish_alone(seq, last[i : i + 1], extras.get(id(seq))) for i, seq in enumerate(seqs)]
         else:
-            answers = [self._answer(seq, i, logits, picked, last, extras.get(id(seq))) for i, seq in enumerate(seqs)]
+            answers = [self._answer(seq, i, logits, picked, last, extras.get(id(seq)) if extras else None)
+                       for i, seq in enumerate(seqs)]
         return [a for a in answers if a is not None]  # None: a decode_steps call goes on
 
     def _finish_alone(self, seq: Sequence, last: torch.Tensor, extras: dict[str, torch.Tensor] | None) -> Result | None:
@@ -136,11 +137,12 @@ class CallAnswers:
             out["logprob"] = picked.logprobs[i]
         if picked.top_logprobs[i] is not None:
             out["top_logprobs"] = picked.top_logprobs[i]
-        if "logits" in self.node.outputs:
+        if self.returns_logits:
             out["logits"] = logits[i]
-        if "hidden" in self.node.outputs:
+        if self.returns_hidden:
             out["hidden"] = last[i]
-        out.update(extras or {})
+        if extras:
+            out.update(extras)
         return self._complete(seq, out)
 
     def _step_again(self, seq: Sequence, token: int, finish_reason: str | None) -> bool:
@@ -166,7 +168,7 @@ class CallAnswers:
     def _complete(self, seq: Sequence, out: dict[str, Any]) -> Result:
         """Answer the sequence's call with `out`; run its after-call label operations; attach what waits."""
         inv, call = seq.pending, seq.call
-        seq.pending, seq.call = None, None
+        seq.pending, seq.call, seq.gathers = None, None, False
         if seq.readonly:
             self._drop_reader(seq)
         try:
@@ -198,7 +200,7 @@ class CallAnswers:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> Result:
         inv = seq.pending
-        seq.pending, seq.call, seq.collected = None, None, []
+        seq.pending, seq.call, seq.collected, seq.gathers = None, None, [], False
         if seq.stepped:  # a decode_steps call failing midway: its tokens go with it
             del seq.generated[len(seq.generated) - len(seq.stepped):]
             seq.stepped = []
@@ -210,6 +212,8 @@ class CallAnswers:
         return (inv, exc)
 
     def _attach_backlog(self, seq: Sequence) -> None:
+        if not self.backlog:
+            return
         for inv in list(self.backlog):
             if inv.request_id == seq.request_id and inv.options.get("cache_label", "main") == seq.label:
                 self.backlog.remove(inv)

@@ -41,6 +41,8 @@ class PagedBatch:
     readonly: list[int] = attrs.field(factory=list)
     context_slots: dict[int, torch.Tensor] = attrs.field(factory=dict)
     context_pages: dict[int, list[tuple[list[int], int]]] = attrs.field(factory=dict)
+    #: `q_start` as a Python list (backends read it per step; None when built by other means).
+    row_starts: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -56,66 +58,101 @@ class PagedBatch:
         return all(n == 1 for n in self.q_lens)
 
 
+def _extend_slots(out: list[int], pages: list[int], start: int, n: int, page_size: int) -> None:
+    """Append the flat slots of key positions `start .. start+n-1` (one range per page touched)."""
+    pos, end = start, start + n
+    while pos < end:
+        page, offset = divmod(pos, page_size)
+        take = min(page_size - offset, end - pos)
+        first = pages[page] * page_size + offset
+        out.extend(range(first, first + take))
+        pos += take
+
+
 def context_slots(context: list[tuple[list[int], int]], page_size: int) -> torch.Tensor:
     """Flat slots of frozen keys: each `(pages, length)` segment's first `length` keys, in order."""
-    parts = []
+    slots: list[int] = []
     for pages, length in context:
-        pos = torch.arange(length)
-        parts.append(torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        _extend_slots(slots, pages, 0, length, page_size)
+    return torch.tensor(slots, dtype=torch.long)
 
 
 def build_batch(work: list[tuple[Sequence, int]], page_size: int, device: torch.device) -> tuple[torch.Tensor, PagedBatch]:
-    """Packed input ids `[T]` and the batch layout for `(sequence, tokens to run)` pairs."""
-    starts = [seq.num_computed for seq, _ in work]
-    q_lens = [n for _, n in work]
+    """Packed input ids `[T]` and the batch layout for `(sequence, tokens to run)` pairs.
+
+    Built with Python lists and one tensor per field: per-step bookkeeping is a few small tensor
+    creations whatever the batch (a decode step of 32 rows used to pay ~15 tensor ops).
+    """
     ids: list[int] = []
-    for (seq, n), start in zip(work, starts, strict=True):
-        ids.extend(seq.tokens[start : start + n])
-    page_lists = [seq.pages for seq, _ in work]
+    positions: list[int] = []
+    slots: list[int] = []
+    starts: list[int] = []
+    q_lens: list[int] = []
+    kv_lens: list[int] = []
+    row_starts = [0]
+    write_rows: list[int] = []  # rows whose keys are stored (a tensor only when some sequence is read-only)
+    readonly: list[int] = []
+    any_limits = False
+    for i, (seq, n) in enumerate(work):
+        start = seq.num_computed
+        starts.append(start)
+        q_lens.append(n)
+        kv_lens.append(start + n)
+        row = row_starts[-1]
+        row_starts.append(row + n)
+        any_limits = any_limits or seq.limits is not None
+        if n == 1:
+            ids.append(seq.tokens[start])
+            positions.append(start)
+        else:
+            ids.extend(seq.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+        if seq.readonly:
+            readonly.append(i)
+            continue
+        if n == 1:
+            write_rows.append(row)
+            page, offset = divmod(start, page_size)
+            slots.append(seq.pages[page] * page_size + offset)
+        else:
+            write_rows.extend(range(row, row + n))
+            _extend_slots(slots, seq.pages, start, n, page_size)
+    page_lists = [list(seq.pages) for seq, _ in work]
     width = max(1, max(len(p) for p in page_lists))
-    page_table = torch.tensor([p + [0] * (width - len(p)) for p in page_lists], dtype=torch.long)
-    lens = torch.tensor(q_lens, dtype=torch.long)
-    q_start = torch.zeros(len(work) + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=q_start[1:])
-    total = int(q_start[-1])
-    row = torch.repeat_interleave(torch.arange(len(work)), lens)
-    positions = torch.arange(total) - q_start[:-1][row] + torch.tensor(starts, dtype=torch.long)[row]
-    readonly = [i for i, (seq, _) in enumerate(work) if seq.readonly]
-    write_rows = None
-    if readonly:
-        writes = torch.tensor([not seq.readonly for seq, _ in work])[row]
-        write_rows = writes.nonzero().flatten()
-        wrow, wpos = row[write_rows], positions[write_rows]
-        slots = page_table[wrow, wpos // page_size] * page_size + wpos % page_size
-    else:
-        slots = page_table[row, positions // page_size] * page_size + positions % page_size
     limits = None
-    if any(seq.limits is not None for seq, _ in work):
-        parts = []
+    if any_limits:
+        bounds: list[int] = []
         for (seq, n), start in zip(work, starts, strict=True):
             if seq.limits is None:
-                parts.append(torch.arange(start + 1, start + n + 1))
+                bounds.extend(range(start + 1, start + n + 1))
             else:
-                parts.append(torch.tensor(seq.limits[start : start + n], dtype=torch.long))
-        limits = torch.cat(parts).to(device)
+                bounds.extend(seq.limits[start : start + n])
+        limits = torch.tensor(bounds, dtype=torch.long, device=device)
     batch = PagedBatch(
         page_size=page_size,
         q_lens=q_lens,
-        kv_lens=[s + n for s, n in zip(starts, q_lens, strict=True)],
-        q_start=q_start.to(device),
-        positions=positions.to(device),
-        slot_mapping=slots.to(device),
-        page_table=page_table.to(device),
-        page_lists=[list(p) for p in page_lists],
+        kv_lens=kv_lens,
+        q_start=torch.tensor(row_starts, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        page_table=torch.tensor([p + [0] * (width - len(p)) for p in page_lists], dtype=torch.long, device=device),
+        page_lists=page_lists,
         limits=limits,
         seq_ids=[seq.order for seq, _ in work],
-        write_rows=None if write_rows is None else write_rows.to(device),
+        write_rows=torch.tensor(write_rows, dtype=torch.long, device=device) if readonly else None,
         readonly=readonly,
-        context_slots={i: context_slots(work[i][0].context, page_size).to(device) for i in readonly},
+        context_slots={i: _context_slots(work[i][0], page_size).to(device) for i in readonly},
         context_pages={i: [(list(p), n) for p, n in work[i][0].context] for i in readonly},
+        row_starts=row_starts,
     )
     return torch.tensor(ids, dtype=torch.long, device=device), batch
+
+
+def _context_slots(reader: Sequence, page_size: int) -> torch.Tensor:
+    """A read-only sequence's frozen-key slots (the engine sets them when the call attaches)."""
+    if reader.context_slots is None:
+        reader.context_slots = context_slots(reader.context, page_size)
+    return reader.context_slots
 
 
 def rope_positions(work: list[tuple[Sequence, int]], batch: PagedBatch, axes: int) -> torch.Tensor:

@@ -71,6 +71,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self.call_inputs = {k: v for k, v in call_inputs(module, node.name).items() if k in node.all_inputs}
         self.routed = "routing" in node.all_inputs
         self.extra_outputs = [o for o in node.outputs if o not in BUILTIN_OUTPUTS]
+        self.returns_logits, self.returns_hidden = "logits" in node.outputs, "hidden" in node.outputs
         self.share_with = node.options.get("share_cache_with")
         self.kv_shape = (layers, kv_heads, head_dim, dtype)
         # a reader of another node's labels uses that node's pool (see sharing.py); every other node owns its own
@@ -221,19 +222,24 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             self.seqs[seq.key] = seq
         for name in parsed.snapshot_before:
             self.snapshot_label(seq.request_id, seq.label, name)
-        limits = mask_limits(start, n, parsed.bidirectional, parsed.frame_size, parsed.blocks)
+        limits = None
+        if parsed.bidirectional or parsed.frame_size is not None or parsed.blocks is not None:
+            limits = mask_limits(start, n, parsed.bidirectional, parsed.frame_size, parsed.blocks)
         if limits is not None or seq.limits is not None:
             if seq.limits is None:
                 seq.limits = list(range(1, start + 1))
             seq.limits.extend(limits or range(start + 1, start + n + 1))
             seq.cacheable = False  # a page's keys depend on tokens after it, not just on those before
-        self._append_inputs(seq, parsed, start)
+        if (parsed.embeds or parsed.extras or parsed.positions is not None or parsed.routing is not None
+                or seq.positions is not None or seq.routing is not None):  # (a plain token call records nothing)
+            self._append_inputs(seq, parsed, start)
         seq.chunkable = limits is None
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
         seq.priority = inv.priority
         seq.collected, seq.stepped = [], []
-        seq.rows_from = self._rows_from(parsed, start)
+        seq.gathers = self._wants_rows(parsed)
+        seq.rows_from = self._rows_from(parsed, start) if seq.gathers else None
         if parsed.sampling is not None:
             seq.generator, seq.sampling = generator, parsed.sampling
 
@@ -275,7 +281,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             seq.num_computed += n
             if not seq.readonly:
                 self.blocks.commit(seq)
-            if seq.call is not None and lo < row and self._wants_rows(seq.call):
+            if seq.gathers and lo < row and seq.call is not None:
                 keep_all = seq.call.output_rows != "last" or seq.call.output_index is not None
                 seq.collected.append(hidden[lo:row] if keep_all else hidden[row - 1 : row])
             if seq.remaining == 0:

@@ -42,6 +42,8 @@ OPTIONS = (
     "share_cache_with",  # node-static: read-only calls read that node's labels (its pages, same pool)
 )
 
+_OPTION_NAMES = frozenset(OPTIONS)
+
 #: Inputs the engine itself reads; any other input of a node must be declared by its module.
 BUILTIN_INPUTS = ("input_ids", "input_embeds", "embeds_at", "positions", "routing", "output_index", "sampling",
                   "state")
@@ -172,8 +174,8 @@ def parse_invocation(
 ) -> ParsedInvocation:
     """Validate an invocation of a `kvcache` node."""
     node, opts, inputs = inv.node, inv.options, inv.inputs
-    unknown = sorted(set(opts) - set(OPTIONS))
-    if unknown:
+    if not _OPTION_NAMES.issuperset(opts):
+        unknown = sorted(set(opts) - _OPTION_NAMES)
         raise RequestError(f"node '{node}': unknown call option(s) {unknown}; known: {sorted(OPTIONS)}")
     ids = _token_ids(inputs["input_ids"], node) if inputs.get("input_ids") is not None else None
     if ids is None and inputs.get("input_embeds") is None:
@@ -187,9 +189,11 @@ def parse_invocation(
             raise RequestError(f"node '{node}': token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     n = len(ids)
     sampling = inputs.get("sampling")
-    if isinstance(sampling, Mapping):
+    if sampling is None or isinstance(sampling, SamplingParams):
+        pass
+    elif isinstance(sampling, Mapping):
         sampling = SamplingParams.from_mapping(sampling)
-    elif sampling is not None and not isinstance(sampling, SamplingParams):
+    else:
         raise RequestError(f"node '{node}': input 'sampling' must be SamplingParams or a dict, got {type(sampling).__name__}")
     offset = opts.get("seed_offset")
     if offset is not None:

@@ -7,6 +7,7 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation
+from mstar_kvcache.batch import context_slots
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits
 from mstar_kvcache.sequence import Sequence
 
@@ -44,20 +45,20 @@ class ReadOnlyCalls:
         ctx = sum(len(s.tokens) for s in labels)
         n = len(parsed.ids)
         first = labels[0] if labels else None
+        tokens = labels[0].tokens + parsed.ids if len(labels) == 1 else [t for s in labels for t in s.tokens] + parsed.ids
         reader = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival, readonly=True,
-                          tokens=[t for s in labels for t in s.tokens] + parsed.ids, num_computed=ctx,
+                          tokens=tokens, num_computed=ctx,
                           context=[(list(s.pages), len(s.tokens)) for s in labels], chunkable=False,
                           generated=list(first.generated) if first else [], priority=inv.priority)
         if any(s.positions is not None for s in labels) or parsed.positions is not None:
             parts = [s.positions if s.positions is not None else torch.arange(len(s.tokens)).expand(self.axes, -1)
                      for s in labels]
-            reader.positions = torch.cat(parts, dim=1) if parts else torch.zeros(self.axes, 0, dtype=torch.long)
-            reader.tokens = reader.tokens[:ctx]  # (next_position counts tokens so far)
+            before = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) if parts
+                      else torch.zeros(self.axes, 0, dtype=torch.long))
             new = parsed.positions
-            if new is None:
-                new = (torch.arange(n) + reader.next_position).expand(self.axes, -1)
-            reader.positions = torch.cat((reader.positions, new), dim=1)
-            reader.tokens.extend(parsed.ids)
+            if new is None:  # implicit positions continue after the largest one so far (after the tokens if none)
+                new = (torch.arange(n) + (int(before.max()) + 1 if before.shape[1] else ctx)).expand(self.axes, -1)
+            reader.positions = torch.cat((before, new), dim=1)
         limits = mask_limits(ctx, n, parsed.bidirectional, parsed.frame_size, parsed.blocks)
         if limits is not None:
             reader.limits = [0] * ctx + limits  # only the own rows' bounds are read
@@ -72,8 +73,24 @@ class ReadOnlyCalls:
         for pages, _ in reader.context:
             for page in pages:
                 self.pool.incref(page)
+        reader.context_slots = self._frozen_slots(labels)
         reader.pending, reader.pending_start, reader.call = inv, ctx, parsed
+        reader.gathers = self._wants_rows(parsed)
         return reader
+
+    def _frozen_slots(self, labels: list[Sequence]) -> torch.Tensor:
+        """The flat slots of the labels' keys, in order; each label keeps its own until its tokens or pages change
+        (the steps of a flow or a denoising loop read the same frozen prefix call after call)."""
+        parts = []
+        for s in labels:
+            memo = s.frozen_slots
+            if memo is None or memo[0] != len(s.tokens) or memo[1] != s.pages:
+                slots = context_slots([(s.pages, len(s.tokens))], self.pool.page_size).to(self.device)
+                memo = s.frozen_slots = (len(s.tokens), list(s.pages), slots)
+            parts.append(memo[2])
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
 
     def _append_inputs_reader(self, reader: Sequence, parsed: ParsedInvocation, ctx: int) -> None:
         n = len(parsed.ids)

@@ -53,8 +53,14 @@ class Sequence:
     #: A read-only call: attends to `context` (frozen pages it holds references to) plus its own tokens.
     readonly: bool = False
     context: list[tuple[list[int], int]] = attrs.field(factory=list)
+    #: A read-only call's flat slots of `context`'s keys (the context never changes under it).
+    context_slots: torch.Tensor | None = None
+    #: `(tokens, pages, slots)`: this label's key slots as a read-only call last read them, reused while unchanged.
+    frozen_slots: tuple[int, list[int], torch.Tensor] | None = None
     #: Per-token output rows of the pending call, gathered across prefill chunks.
     collected: list[torch.Tensor] = attrs.field(factory=list)
+    #: Whether the pending call's rows are gathered into `collected` (set when it attaches).
+    gathers: bool = False
     #: The first token whose row the pending call returns (a prefix-cache hit stops before it); None: the last only.
     rows_from: int | None = None
     #: The pending call as parsed (`inputs.ParsedInvocation`): what to return and what to do when it is done.

@@ -54,8 +54,8 @@ class StepInputs:
                 per_seq = True
                 out[name] = torch.stack([e[-1][3] if e else sample.new_zeros(sample.shape) for _, _, e in found])
         if per_seq:
-            lens = torch.tensor([n for _, n in work], device=self.device)
-            out["sequence_index"] = torch.repeat_interleave(torch.arange(len(work), device=self.device), lens)
+            index = [i for i, (_, n) in enumerate(work) for _ in range(n)]
+            out["sequence_index"] = torch.tensor(index, dtype=torch.long, device=self.device)
         return out
 
     def _splice_embeds(self, work: list[tuple[Sequence, int]], ids: torch.Tensor) -> torch.Tensor | None:
