@@ -149,10 +149,17 @@ def _modulated(norm: AdaRMSNorm, x: torch.Tensor, cond: torch.Tensor, index: tor
     return (h * (1.0 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
-def _qkv(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+def _qkv(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], queries: bool = True):
+    """RoPE'd q, k, v of rows `x` (q None without `queries`: then only the key and value rows are projected)."""
     t = x.shape[0]
-    q, k, v = attn.qkv_proj(x).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-    q = apply_rotary(q.view(t, attn.num_heads, attn.head_dim), *rope)
+    if queries:
+        q, k, v = attn.qkv_proj(x).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
+        q = apply_rotary(q.view(t, attn.num_heads, attn.head_dim), *rope)
+    else:
+        bias = attn.qkv_proj.bias
+        k, v = F.linear(x, attn.qkv_proj.weight[attn.q_size:], None if bias is None else bias[attn.q_size:]).split(
+            attn.kv_size, dim=-1)
+        q = None
     k = apply_rotary(k.view(t, attn.num_kv_heads, attn.head_dim), *rope)
     return q, k, v.view(t, attn.num_kv_heads, attn.head_dim)
 
@@ -160,10 +167,11 @@ def _qkv(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
 class PrefixWriter(nn.Module):
     """The `vlm` node: writes the prefix's keys and values into the cache, layer by layer; outputs nothing.
 
-    Only the keys and values are ever read (the expert attends to them), so the last layer stops after its
-    attention: its output projection, MLP and the final norm would make hidden states nobody reads (openpi's
-    jitted prefill drops them the same way, as dead code). `forward` returns the residual stream before that
-    layer's attention, which the node does not output.
+    Only the keys and values are ever read (the expert attends to them), so the last layer projects keys and
+    values alone: its queries, attention output, output projection, MLP and the final norm would only make hidden
+    states nobody reads (openpi's jitted prefill drops them the same way, as dead code). The context stores keys
+    and values as it attends, so that layer attends with its keys as one query head: the least attention that
+    stores them. `forward` returns the residual stream before the last layer, which the node does not output.
 
     pi0: rows with routing id 1 (the continuous state token) run the expert's norms, projections and MLP and
     attend jointly with the language model's rows (one `context.attend` per layer over all rows). Its keys and
@@ -195,17 +203,18 @@ class PrefixWriter(nn.Module):
             rope_b = (rope[0][ib], rope[1][ib])
         t, last = x.shape[0], len(lm.layers) - 1
         for i, (la, lb) in enumerate(zip(lm.layers, ex.layers, strict=True)):
-            attn = la.self_attn
-            q, k, v = _qkv(attn, la.attention_input(x)[0], rope)
+            attn, queries = la.self_attn, i < last
+            q, k, v = _qkv(attn, la.attention_input(x)[0], rope, queries)
             if ib is not None:  # the state rows' projections replace the language model's
-                qb, kb, vb = _qkv(lb.self_attn, lb.attention_input(xb)[0], rope_b)
-                q.index_copy_(0, ib, qb)
+                qb, kb, vb = _qkv(lb.self_attn, lb.attention_input(xb)[0], rope_b, queries)
                 k.index_copy_(0, ib, kb)
                 v = v.index_copy(0, ib, vb)
-            out = context.attend(attn.layer_idx, q, k, v, attn.scale)
-            if i == last:  # the cache now holds every layer's keys and values: all anyone reads
+                if queries:
+                    q.index_copy_(0, ib, qb)
+            if not queries:  # the last layer: store its keys and values, nothing more (see above)
+                context.attend(attn.layer_idx, k, k, v, attn.scale)
                 break
-            out = out.reshape(t, -1)
+            out = context.attend(attn.layer_idx, q, k, v, attn.scale).reshape(t, -1)
             x = la.finish(x, attn.o_proj(out), None)
             if ib is not None:
                 xb = lb.finish(xb, lb.self_attn.o_proj(out[ib]), None)
