@@ -152,3 +152,17 @@ def test_prefix_cache_evicts_lru_under_pressure(llama_pair):
     assert engine.pool.num_cached == 8 and engine.pool.num_used == 0
     generate(engine, {"b": list(range(100, 140))}, 1)  # needs 10 pages: evicts the oldest cached ones
     assert engine.pool.num_used == 0 and engine.pool.num_cached <= 12
+
+
+def test_pool_pages_are_mapped_at_allocation():
+    """The pool is zeroed when made, so no request pays the page faults of first touching its KV pages."""
+    import resource
+
+    from mstar_kvcache.pool import PagePool
+
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        pytest.skip("needs per-thread rusage (Linux)")
+    pool = PagePool(256, 16, 4, 4, 64)  # 32 MiB: 8192 pages of 4 KiB, each a fault if mapped lazily
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    pool.kv.fill_(1.0)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before < 100
