@@ -284,8 +284,8 @@ class StreamingGraphEdge:
         return f"{self.src} -> {self.dst or self.into}"
 
 
-def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0,
-                    horizon: float = 30.0) -> Callable[[StreamProgress], float]:
+def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0, horizon: float = 30.0,
+                    start_lead: float = 0.0) -> Callable[[StreamProgress], float]:
     """The producer's priority = how close the listener is to running dry (seconds behind; larger = sooner).
 
     `per_item` / `per_chunk`: seconds of media per released item / chunk (see
@@ -293,10 +293,20 @@ def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0,
     stall; time itself makes every stream more urgent as its lead is played away, so none is
     starved by another. Calls without a priority stay at 0, i.e. level with a stream exactly at
     the edge of running dry. Clamped to +-`horizon`.
+
+    `start_lead`: before its first chunk a stream counts as `start_lead` seconds ahead, less the
+    time it has waited (a listener who has heard nothing cannot hear a gap, only a later start).
+    With 0 a waiting stream outranks every playing one with audio queued, so under overload every
+    arrival starts and then all run dry together; with a lead, a new stream starts once the playing
+    ones are that far ahead of their listeners, or once it has waited that long.
     """
 
     def priority(progress: StreamProgress) -> float:
-        return max(-horizon, min(horizon, -progress.seconds_ahead(per_item, per_chunk)))
+        if progress.first_release is None:
+            behind = progress.now - progress.started - start_lead
+        else:
+            behind = -progress.seconds_ahead(per_item, per_chunk)
+        return max(-horizon, min(horizon, behind))
 
     return priority
 

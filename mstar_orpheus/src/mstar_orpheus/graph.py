@@ -17,6 +17,9 @@ from mstar_core.graph import (
 from mstar_core.streaming import SlidingWindowChunkPolicy
 from mstar_orpheus.codes import STRIDE_TOKENS, WINDOW_TOKENS, AudioTokenMap
 
+#: Seconds of queued audio a waiting stream counts as having (`stream_priority(start_lead=...)`).
+START_LEAD = 0.0
+
 
 def _finished(env: Mapping[str, Any]) -> bool:
     # the engine sets finish_reason on end-of-speech (a stop token) or at max_tokens
@@ -38,12 +41,15 @@ def build_graph(
     lm_engine: str = "kvcache",
     snac_engine: str = "stateless",
     priority: bool = True,
+    start_lead: float = START_LEAD,
 ) -> Graph:
     """Nodes `lm` and `snac`; walks `prefill` (prompt minus its last id) and `decode` (streams audio).
 
     With `priority`, each decode step of the LM is ranked by how close the request's listener is to
     running out of audio (the seconds of audio its SNAC windows have released, minus the time since
-    the first one): a stream about to stall is decoded ahead of one with audio to spare.
+    the first one): a stream about to stall is decoded ahead of one with audio to spare. A stream
+    that has not started yet counts as `start_lead` seconds ahead less the time it has waited (see
+    `stream_priority`): it starts once the playing ones are that far ahead, or after that long.
     """
     nodes = [
         GraphNode(
@@ -92,7 +98,7 @@ def build_graph(
                 "snac.codes",
                 SlidingWindowChunkPolicy(window=WINDOW_TOKENS, stride=STRIDE_TOKENS),
                 keep=audio.is_audio,
-                priority=stream_priority(per_chunk=_seconds_per_window(snac)) if priority else None,
+                priority=stream_priority(per_chunk=_seconds_per_window(snac), start_lead=start_lead) if priority else None,
             ),
         ),
         description="generate audio tokens until end-of-speech; every 7 audio tokens SNAC decodes the last 28",
