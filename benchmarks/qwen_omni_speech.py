@@ -11,6 +11,12 @@ end tokens ignored on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M*, over the
   baseline's request-by-request rate. Target >= 2.7 (the published edge over vLLM-Omni).
 
+Both sides get the same torch intra-op threads (`--threads`, default 1: on a small shared CPU box a
+second thread makes the baseline's thousands of tiny ops wait at OpenMP barriers for a descheduled
+thread) and never run at the same time: baseline and M* c=1 requests alternate, then the c=16 wave.
+Beside the wall-clock ratios the JSON gives each side's process CPU seconds per audio second
+(`*_cpu_per_audio_s`), which a loaded box inflates far less than wall time, and the load average.
+
     python benchmarks/qwen_omni_speech.py --quick
 """
 
@@ -20,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -121,6 +128,16 @@ async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: in
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def cpu_seconds() -> float:
+    """This process's user + system CPU seconds (every thread: M*'s device thread and event loop alike)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
 async def main_async(args) -> dict:
     from mstar_qwen_omni.config import OmniConfig
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -131,31 +148,37 @@ async def main_async(args) -> dict:
     from mstar_core.runtime import AsyncEngine
 
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # both sides, same count
+    load_start = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_checkpoint(Path(tmp), args.quick)
         tokenizer = load_tokenizer(directory)
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
         im_end = OmniConfig.from_hf(json.loads((directory / "config.json").read_text())).im_end_token_id
-        baseline(hf, prompt_ids(tokenizer, 0, args.quick), 2, 2, im_end)  # warm-up
-        base = [baseline(hf, prompt_ids(tokenizer, i, args.quick), args.text_tokens, args.frames, im_end)
-                for i in range(args.baseline_runs)]
-        base_time = statistics.median(t for t, _ in base)
-        base_rate = sum(a for _, a in base) / sum(t for t, _ in base)
         async with AsyncEngine(discover()) as engine:
             await engine.load_model("qwen3-omni", LoadOptions(checkpoint=str(directory)))
-            await mstar_requests(engine, tokenizer, 1, 2, 2, args.quick)  # warm-up
-            c1 = [(await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.quick))[0]
-                  for _ in range(1 if args.quick else 2)]
-            start = time.perf_counter()
+            baseline(hf, prompt_ids(tokenizer, 0, args.quick), 2, 2, im_end)  # warm-ups
+            await mstar_requests(engine, tokenizer, 1, 2, 2, args.quick)
+            # one side at a time, alternating, so a change in the box's load falls on both
+            base, c1, base_cpu, c1_cpu = [], [], 0.0, 0.0
+            for i in range(args.baseline_runs):
+                cpu = cpu_seconds()
+                base.append(baseline(hf, prompt_ids(tokenizer, i, args.quick), args.text_tokens, args.frames, im_end))
+                base_cpu += cpu_seconds() - cpu
+                cpu = cpu_seconds()
+                c1.append((await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.quick))[0])
+                c1_cpu += cpu_seconds() - cpu
+            cpu, start = cpu_seconds(), time.perf_counter()
             many = await mstar_requests(engine, tokenizer, args.concurrency, args.text_tokens, args.frames, args.quick)
             wall = time.perf_counter() - start
+            many_cpu = cpu_seconds() - cpu
+    base_time = statistics.median(t for t, _ in base)
+    base_rate = sum(a for _, a in base) / sum(t for t, _ in base)
     mstar_ttfa = statistics.median(r["ttfa"] for r in c1)
     mstar_rate = sum(r["audio"] for r in many) / wall
     return {
         "benchmark": "qwen_omni_speech", "quick": args.quick, "text_tokens": args.text_tokens, "frames": args.frames,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "load_average_start": load_start, "load_average_end": load_average(),
         "audio_seconds_per_request": round(many[0]["audio"], 3),
         "baseline_seconds_to_audio": round(base_time, 3), "mstar_ttfa_c1": round(mstar_ttfa, 3),
         "ttfa_ratio_c1": round(mstar_ttfa / base_time, 3),
@@ -164,6 +187,12 @@ async def main_async(args) -> dict:
         "concurrency": args.concurrency,
         "mstar_audio_s_per_s_c16": round(mstar_rate, 3),
         "throughput_ratio_c16": round(mstar_rate / base_rate, 3),
+        # CPU seconds per audio second (all threads of the process): less load-sensitive than the wall ratios
+        "baseline_cpu_per_audio_s": round(base_cpu / sum(a for _, a in base), 3),
+        "mstar_c1_cpu_per_audio_s": round(c1_cpu / sum(r["audio"] for r in c1), 3),
+        "mstar_cpu_per_audio_s_c16": round(many_cpu / sum(r["audio"] for r in many), 3),
+        "mstar_c1_seconds": [round(r["seconds"], 2) for r in c1],
+        "baseline_seconds": [round(t, 2) for t, _ in base],
     }
 
 
@@ -174,14 +203,13 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--baseline-runs", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both sides (--quick: 1, as a shared busy box gives one core at best)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for both sides (default 1: a shared busy box gives one core at best)")
     args = parser.parse_args()
     # --quick: 50 frames (the first 25-frame window streams at half time), 6 reply tokens, 2 at once
     args.frames = args.frames or (50 if args.quick else 125)
     args.text_tokens = args.text_tokens or (6 if args.quick else 40)
     args.baseline_runs = args.baseline_runs or (1 if args.quick else 2)
-    args.threads = args.threads or (1 if args.quick else None)
     if args.quick and args.concurrency == 16:
         args.concurrency = 2
     print(json.dumps(asyncio.run(main_async(args))))

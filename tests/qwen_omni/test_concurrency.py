@@ -143,3 +143,20 @@ async def test_sampled_speech_is_seeded_and_stays_in_the_codebook():
         await wait_all_free(engine)
     finally:
         await engine.close()
+
+
+async def test_a_frame_is_one_code_predictor_call_of_g_minus_1_engine_steps():
+    engine = await _engine()
+    try:
+        handle = engine.submit("qwen3-omni", {**SPEECH, "max_tokens": 4, "talker_max_tokens": 9, "ignore_eos": True})
+        frames = [out.value for out in [o async for o in handle] if out.name == "codes" and out.value is not None]
+        await handle.result()
+        predictor = engine.node_engines("qwen3-omni")["code_predictor"]
+        groups = predictor.module.heads + 1
+        assert len(frames) == 8 and all(f.shape == (groups,) for f in frames)
+        # the engine fed each code back itself: one walk call per frame, G - 1 forwards each
+        assert engine.node_schedulers("qwen3-omni")["code_predictor"].invocations == len(frames)
+        assert predictor.num_steps == len(frames) * (groups - 1)
+        await wait_all_free(engine)
+    finally:
+        await engine.close()
