@@ -88,16 +88,11 @@ class CodePredictor(nn.Module):
             every = torch.stack([emb(code) for emb in self.model.codec_embedding])  # [G-1, T, H], small T
             table = (ids // self.codebook).view(1, -1, 1).expand(1, -1, every.shape[-1])
             return every.gather(0, table).squeeze(0)
-        # eager: one lookup per table present (an AR step has one id), not every table for every id
-        tables = (ids // self.codebook).tolist()
-        first = self.model.codec_embedding[tables[0]] if tables else self.model.codec_embedding[0]
-        if len(set(tables)) <= 1:
-            return first(code)
-        out = first.weight.new_empty(len(tables), first.weight.shape[1])
-        for t in set(tables):
-            at = torch.tensor([i for i, g in enumerate(tables) if g == t], device=ids.device)
-            out[at] = self.model.codec_embedding[t](code[at])
-        return out
+        # eager: an AR step's one id is one lookup; a frame's G - 1 ids (one per table) are one row each
+        tables, codes = (ids // self.codebook).tolist(), code.tolist()
+        if len(set(tables)) == 1:
+            return self.model.codec_embedding[tables[0]](code)
+        return torch.stack([self.model.codec_embedding[t].weight[c] for t, c in zip(tables, codes, strict=True)])
 
     def forward(
         self,
