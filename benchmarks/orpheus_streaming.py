@@ -230,7 +230,8 @@ async def add_viability_models(engine, args) -> float:
                               progress=False)
     lm, snac_node = loaded.graph.nodes["lm"].module(), loaded.graph.nodes["snac"].module()
     # the LM decodes at most `rows` rows a step and takes at most that many calls at once, so it has to choose
-    rows = {"lm": {"num_pages": 2048, "max_num_seqs": args.viability_rows, "max_batch_size": args.viability_rows}}
+    rows = {"lm": {"num_pages": args.viability_pages, "max_num_seqs": args.viability_rows,
+                   "max_batch_size": args.viability_rows}}
     for alias, priority in (("orpheus-priority", True), ("orpheus-fifo", False)):
         graph = build_graph(lm, snac_node, loaded.extras["vocab"].audio, priority=priority,
                             start_lead=args.viability_start_lead)
@@ -265,7 +266,8 @@ async def viability_runs(engine, args, lengths: list[int], window_s: float, rate
         "viability_c32_priority_cpu_clock": mean["priority", "cpu"],
         "viability_c32_fifo_cpu_clock": mean["fifo", "cpu"],
         "viability_runs": runs,
-        "viability_setup": {"rows_per_step": args.viability_rows, "arrival_gap_s": args.viability_gap,
+        "viability_setup": {"rows_per_step": args.viability_rows, "kv_pages": args.viability_pages,
+                            "arrival_gap_s": args.viability_gap,
                             "rounds": args.viability_rounds, "start_lead_s": args.viability_start_lead,
                             "lm": viability_config(args)[1], "snac_decoder_dim": args.viability_snac_width,
                             "snac_codebook": args.viability_codebook, "solo": solo, "load_average": load},
@@ -415,6 +417,7 @@ def main() -> None:
     parser.add_argument("--viability-start-lead", type=float, default=None,
                         help="seconds of audio a stream that has not started counts as having (priority runs; "
                              "default: Orpheus's own, mstar_orpheus.graph.START_LEAD)")
+    parser.add_argument("--viability-pages", type=int, default=2048, help="viability model: KV cache pages")
     parser.add_argument("--viability-hidden", type=int, default=64, help="viability model: LM width")
     parser.add_argument("--viability-layers", type=int, default=1, help="viability model: LM layers")
     parser.add_argument("--viability-codebook", type=int, default=256, help="viability model: SNAC codebook size")
