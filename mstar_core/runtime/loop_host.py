@@ -96,6 +96,7 @@ class LoopHostConductor(Conductor):
         before = dict(env)
         state = _LoopState(msg.request_id, msg.loop, msg.branch,
                            self._forward(self.graph, walk, loop.body, frozenset(senders)), send)
+        state.arrival = msg.arrival  # the serving process's: its calls queue here by the request's age, not the loop's
         try:
             await self.run_loop(state, frame, loop, env)
         except Exception as exc:

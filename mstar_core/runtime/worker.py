@@ -382,7 +382,7 @@ class Worker:
             self._loops.setdefault(msg.request_id, set()).add(task)
             task.add_done_callback(lambda t, rid=msg.request_id: self._loops.get(rid, set()).discard(t))
             return
-        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index)
+        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index, arrival=msg.arrival)
         future = sched.submit(inv)
         future.add_done_callback(lambda f, m=msg: asyncio.ensure_future(self._reply(m, f)))
 
@@ -401,7 +401,8 @@ class Worker:
                 frames = await asyncio.wait_for(self.mailbox.expect(str(session)), MOVE_TIMEOUT_S)
                 sent = decode(frames)
                 inputs = {**inputs, "state": from_wire(sent.outputs)["state"]}
-            result = await sched.submit(Invocation(msg.request_id, node, inputs, options, msg.call_index))
+            result = await sched.submit(Invocation(msg.request_id, node, inputs, options, msg.call_index,
+                                                    arrival=msg.arrival))
             if to is not None:
                 state = NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
                                    outputs=to_wire({"state": result["state"]}))

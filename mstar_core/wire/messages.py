@@ -157,13 +157,18 @@ class ModelLoaded:
 
 @message("invoke_node")
 class InvokeNode:
-    """Run one node call for one request; `inputs` values may be tensors or nested plain values."""
+    """Run one node call for one request; `inputs` values may be tensors or nested plain values.
+
+    `arrival` is the request's arrival on the serving process's monotonic clock (`Invocation.arrival`):
+    the worker's schedulers take the oldest request first, as they would in the serving process.
+    """
 
     request_id: str
     node: str
     call_index: int
     inputs: dict[str, Any]
     options: dict[str, Any] = attrs.field(factory=dict)
+    arrival: float = 0.0
 
 
 @message("node_result")
@@ -171,7 +176,8 @@ class NodeResult:
     """The outcome of an InvokeNode: exactly one of `outputs` or `error` (with `error_type`).
 
     `error_status` is the HTTP-style status of a request error raised in the worker (a 4xx for the
-    client's own mistakes), so it keeps its class at the edge; None for any other failure.
+    client's own mistakes), so it keeps its class at the edge, and `error_param` the request field it
+    names (`RequestError.param`), so the client's 4xx still says which field to fix; None otherwise.
     """
 
     request_id: str
@@ -181,6 +187,7 @@ class NodeResult:
     error: str | None = None
     error_type: str | None = None
     error_status: int | None = None
+    error_param: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.outputs is None) == (self.error is None):
@@ -218,7 +225,8 @@ class RunLoop:
     """Run one loop of a walk on the worker that hosts all of its nodes ("loops run where their nodes live").
 
     `loop` indexes the walk's loops in depth-first order; `env` is the request's env on entry;
-    `branch` tells apart the copies of one loop that fan-out branches run at once ("" outside one).
+    `branch` tells apart the copies of one loop that fan-out branches run at once ("" outside one);
+    `arrival` is the request's (see `InvokeNode`), for the calls the loop makes there.
     `streams` maps a stream's index (as a str) to where the loop sends that stream's items itself,
     worker to worker (`to`: the consumer's peer mailbox, `nonce`, `session`, `start`: items already
     sent on it); those items are then not forwarded to the caller unless the walk emits them.
@@ -231,6 +239,7 @@ class RunLoop:
     env: dict[str, Any]
     branch: str = ""
     streams: dict[str, Any] = attrs.field(factory=dict)
+    arrival: float = 0.0
 
 
 @message("loop_values")
@@ -255,6 +264,7 @@ class LoopDone:
     error_type: str | None = None
     node: str | None = None
     error_status: int | None = None
+    error_param: str | None = None
     branch: str = ""
     #: stream index (as a str) -> items this run sent straight to the stream's consumer worker
     streamed: dict[str, Any] = attrs.field(factory=dict)
