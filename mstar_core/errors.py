@@ -68,8 +68,9 @@ class NodeExecutionError(RequestError):
         super().__init__(f"node '{node}' failed for request {request_id}: {type(cause).__name__}: {cause}")
         self.node = node
         self.cause = cause
-        if isinstance(cause, RequestError):  # an engine's rejection (e.g. 413) keeps its status
+        if isinstance(cause, RequestError):  # an engine's rejection (e.g. 413) keeps its status and named field
             self.status = cause.status
+            self.param = cause.param
 
 
 class RequestCancelled(RequestError):

@@ -70,16 +70,18 @@ def from_wire(value: Any) -> Any:
 
 
 def error_fields(exc: BaseException) -> dict[str, Any]:
-    """How a failure travels back: the underlying cause's type and message, and a request error's status.
+    """How a failure travels back: the underlying cause's type and message, and a request error's status and param.
 
-    A `RequestError` (an engine rejecting the request's inputs: 400, 413, ...) keeps its status, so
-    the client sees the same 4xx as with the node in the serving process; anything else is a 500
-    (no status: the serving process reports it as the node's failure).
+    A `RequestError` (an engine rejecting the request's inputs: 400, 413, ...) keeps its status and
+    the field it names, so the client sees the same 4xx as with the node in the serving process;
+    anything else is a 500 (no status: the serving process reports it as the node's failure).
     """
     cause = getattr(exc, "cause", None) or exc
     status = getattr(exc, "status", None) if isinstance(exc, RequestError) else None
+    param = getattr(exc, "param", None) if isinstance(exc, RequestError) else None
     if isinstance(cause, RequestError):
-        status = cause.status
-    return {"error": str(cause), "error_type": type(cause).__name__,
-            "error_status": status if type(status) is int and 400 <= status <= 599 and status != 500 else None}
+        status, param = cause.status, cause.param
+    status = status if type(status) is int and 400 <= status <= 599 and status != 500 else None
+    return {"error": str(cause), "error_type": type(cause).__name__, "error_status": status,
+            "error_param": param if status is not None and type(param) is str else None}
 

@@ -34,10 +34,11 @@ class RemoteRequestError(RequestError):
     """A request error raised inside a worker (an engine's rejection): keeps its status at the edge."""
 
 
-def remote_failure(node: str, request_id: str, error: str, error_type: str | None, status: int | None) -> Exception:
-    """The exception a worker's error report becomes here: a 4xx stays a 4xx, anything else is a 500."""
+def remote_failure(node: str, request_id: str, error: str, error_type: str | None, status: int | None,
+                   param: str | None = None) -> Exception:
+    """The exception a worker's error report becomes here: a 4xx stays a 4xx naming its field, anything else a 500."""
     if type(status) is int and 400 <= status <= 599:
-        cause: Exception = RemoteRequestError(error, status=status)
+        cause: Exception = RemoteRequestError(error, status=status, param=param)
     else:
         cause = RemoteError(f"{error_type or 'Error'}: {error}")
     return NodeExecutionError(node, request_id, cause)
@@ -113,7 +114,8 @@ class WorkerLink:
             return
         if msg.error is not None:
             node = msg.node.split("/", 1)[-1]
-            future.set_exception(remote_failure(node, msg.request_id, msg.error, msg.error_type, msg.error_status))
+            future.set_exception(remote_failure(node, msg.request_id, msg.error, msg.error_type, msg.error_status,
+                                                msg.error_param))
         else:
             try:
                 future.set_result(from_wire(msg.outputs))
@@ -130,7 +132,7 @@ class WorkerLink:
                 on_values(msg.call, from_wire(msg.outputs))
             elif msg.error is not None:
                 future.set_exception(remote_failure(msg.node or "?", msg.request_id, msg.error, msg.error_type,
-                                                    msg.error_status))
+                                                    msg.error_status, msg.error_param))
             else:
                 future.set_result((from_wire(msg.env), msg.streamed))
         except Exception as exc:  # e.g. a stream's `keep` raised: fail this request, not the socket
