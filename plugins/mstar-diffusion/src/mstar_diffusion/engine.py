@@ -30,16 +30,21 @@ import attrs
 import torch
 
 from mstar_core.errors import ConfigError, ModelLoadError, RequestError
+from mstar_core.graph.options import check_call_options, declare_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
 from mstar_diffusion.guidance import Guidance, combine
 from mstar_diffusion.schedules import SigmaTable
+from mstar_diffusion.validated import SettingsCache
 
 SETTINGS = ("max_batch_size", "max_rows")
 INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
 STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity")
 _BRANCHES = ("cond", "uncond", "uncond_image")
+
+# Graph.build checks every option against these (node options included), so a misspelt one fails the build
+declare_call_options("diffusion", params.KNOWN_OPTIONS)
 
 
 @attrs.define(eq=False)
@@ -63,12 +68,16 @@ class DiffusionEngine(Engine):
 
     kind = "diffusion"
     module_contract = DenoiserModule
+    call_options = params.CALL_OPTIONS
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
         options = node.options
         self.role = options.get("role", "step")
         params.check_node_options(node, self.role)
+        # the walks' calls (graphs built before this plugin was imported were not checked by Graph.build), and
+        # only what a call can change: a per-call `schedule` or `role` would be silently ignored
+        check_call_options(node.name, self.kind, getattr(node, "call_sites", ()), params.CALL_OPTIONS)
         unknown = sorted(set(context.settings) - set(SETTINGS))
         if unknown:
             raise ConfigError(f"node '{node.name}' (engine 'diffusion'): unknown engine settings {unknown}; "
@@ -79,6 +88,7 @@ class DiffusionEngine(Engine):
         self.schedule = options.get("schedule", "flow_euler")
         self.template = options.get("latent_shape")
         self.sigmas = SigmaTable()
+        self.loop_settings = SettingsCache(self.schedule, self.sigmas)
         self.outputs = set(node.outputs)
         allowed = INIT_OUTPUTS if self.role == "init" else STEP_OUTPUTS
         self._check_ports(allowed)
@@ -174,22 +184,18 @@ class DiffusionEngine(Engine):
 
     def _parse(self, inv: Invocation) -> _Call:
         node, inputs, options = inv.node, inv.inputs, inv.options
-        unknown = params.unknown_options(options)
-        if unknown:  # a walk's per-call option the engine would otherwise ignore: the model is wrong, not the request
-            raise ValueError(f"node '{node}' (engine 'diffusion'): unknown call options {unknown}; "
-                             f"known: {', '.join(sorted(params.KNOWN_OPTIONS))}")
-        steps = params.num_steps(node, inputs, options)
-        shift = params.shift(node, inputs, options)
-        guidance = params.guidance(node, inputs, options)
-        sigmas = self.sigmas.get(self.schedule, steps, shift)
+        loop = self.loop_settings.get(node, inputs, options)  # validated once per distinct settings, then cached
+        steps, guidance = loop.steps, loop.guidance
         if self.role == "init":
             shape = params.latent_shape(node, inputs, options)
-            return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=float(sigmas[0]),
+            return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=loop.sigma[0],
                          guidance=guidance)
-        index = params.step_index(node, inputs.get("step"), steps)
+        index = inputs.get("step")
+        if type(index) is not int or not 0 <= index < steps:  # the common case skips the checker; the rest gets its 400
+            index = params.step_index(node, index, steps)
         x = params.latents(node, inputs.get("latents"), self.template)
-        call = _Call(inv, latents=x, sigma=float(sigmas[index]), sigma_next=float(sigmas[index + 1]),
-                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance)
+        call = _Call(inv, latents=x, sigma=loop.sigma[index], sigma_next=loop.sigma[index + 1],
+                     dt=loop.dt[index], guidance=guidance)
         branches = ["cond"]
         if guidance.text_active(call.sigma):
             branches.append("uncond")
