@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from mstar_diffusion import DiffusionEngine
+from mstar_diffusion.example import TinyFlowDiT, dit_graph
 from mstar_diffusion.params import CALL_OPTIONS, KNOWN_OPTIONS
 from mstar_diffusion.schedules import flow_euler
 
 from mstar_core.errors import GraphValidationError, RequestError
 from mstar_core.graph import Graph, GraphNode, Loop, NodeCall, Sequential, Walk
 from mstar_core.graph.options import known_call_options
+from mstar_core.model import LoadedModel
+from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.engine import EngineContext, Invocation
 
 
@@ -103,3 +108,22 @@ def test_a_bad_value_is_refused_at_every_call_even_after_an_equal_good_one(field
     assert isinstance(first, dict)
     for out in refused:
         assert isinstance(out, RequestError) and out.status == 400 and out.param == field, out
+
+
+def test_served_requests_validate_their_settings_once_per_distinct_set():
+    dit = TinyFlowDiT(channels=4, hidden=16, layers=1, heads=2, context_dim=8, seed=0).eval()
+    request = {"num_steps": 5, "latent_shape": [4, 2, 2], "shift": 3.0, "context": torch.zeros(3, 8)}
+
+    async def main():
+        engine = AsyncEngine()
+        await engine.add_model(LoadedModel("tiny-dit", dit_graph(dit), random_weights=True))
+        try:
+            for seed in (1, 2):  # the same settings from another request: reused, not validated again
+                await engine.generate("tiny-dit", request | {"seed": seed})
+            await engine.generate("tiny-dit", request | {"seed": 3, "num_steps": 3})
+            return engine.node_engines("tiny-dit")["denoise"].stats()
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(main())
+    assert (stats["diffusion_settings_validated"], stats["diffusion_settings_reused"]) == (2, 5 + 5 + 3 - 2)

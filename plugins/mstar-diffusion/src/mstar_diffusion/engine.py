@@ -174,6 +174,9 @@ class DiffusionEngine(Engine):
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
             "diffusion_queued": len(self.queue),
+            # calls whose settings were validated (a new distinct set, or one that cannot be keyed) vs reused
+            "diffusion_settings_validated": self.loop_settings.misses,
+            "diffusion_settings_reused": self.loop_settings.hits,
         }
 
     def close(self) -> None:
