@@ -45,9 +45,9 @@ NODE_OPTIONS = (
 
 KNOWN_OPTIONS = frozenset(NODE_OPTIONS) | frozenset(SETTINGS)
 
-#: What a walk's NodeCall may set per call: what the engine reads from each invocation's options
-#: (the settings' defaults and their limits); the other node options are read once, at load.
-CALL_OPTIONS = frozenset(SETTINGS) | {"max_steps", "max_latent_numel", "channel_dim"}
+#: What a walk's NodeCall may set per call: the settings' defaults. The node options are the model's
+#: (read once at load, or limits the author fixes for every request), so a call site may not change them.
+CALL_OPTIONS = frozenset(SETTINGS)
 
 #: The inputs the engine itself reads; a DiT node's other inputs are the module's conditioning.
 LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image")
