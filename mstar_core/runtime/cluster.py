@@ -297,7 +297,7 @@ class Cluster:
         return future
 
     async def move_state(self, held: RemoteNodeScheduler, target: RemoteNodeScheduler, request_id: str, node: str,
-                         export_index: int, import_index: int) -> bool:
+                         export_index: int, import_index: int, *, arrival: float = 0.0) -> bool:
         """Move a request's engine state for `node` from `held`'s worker straight to `target`'s (no tensor through here).
 
         Both get one control message naming a fresh move (nonce, session id): the exporter sends the
@@ -309,10 +309,11 @@ class Cluster:
         if src == dst or not isinstance(address, str):
             return False
         move = {"peer_nonce": secrets.token_hex(16), "peer_session": new_session_id()}
+        # the moves carry the request's arrival: a worker admitting oldest first must not take them for the oldest
         imported = self.invoke(dst, target.model, Invocation(request_id, node, {}, {"transfer": "import", **move},
-                                                             import_index))
+                                                             import_index, arrival=arrival))
         exported = self.invoke(src, held.model, Invocation(request_id, node, {}, {"transfer": "export", "peer_to": address,
-                                                                                  **move}, export_index))
+                                                                                  **move}, export_index, arrival=arrival))
         try:
             await exported
             await imported

@@ -352,11 +352,13 @@ class Conductor:
         export_index, import_index = self._count(state, node), self._count(state, node)
         cluster = getattr(held, "cluster", None)  # both on workers: the state goes straight from one to the other
         if cluster is not None and getattr(scheduler, "cluster", None) is cluster and \
-                await cluster.move_state(held, scheduler, state.request_id, node, export_index, import_index):
+                await cluster.move_state(held, scheduler, state.request_id, node, export_index, import_index,
+                                         arrival=state.arrival):
             return
-        out = await held.submit(Invocation(state.request_id, node, {}, {"transfer": "export"}, export_index))
+        out = await held.submit(Invocation(state.request_id, node, {}, {"transfer": "export"}, export_index,
+                                           arrival=state.arrival))
         await scheduler.submit(Invocation(state.request_id, node, {"state": out["state"]}, {"transfer": "import"},
-                                          import_index))
+                                          import_index, arrival=state.arrival))
 
     @staticmethod
     def _count(state: RequestState, node: str) -> int:

@@ -150,3 +150,22 @@ def test_diffusion_batch_takes_the_oldest_requests():
         engine.add(Invocation(rid, "euler", inputs, node.options, 0, 0.0, arrival))
     assert [inv.request_id for inv, out in engine.step()] == ["a", "b"]
     assert [inv.request_id for inv, out in engine.step()] == ["c"]  # the youngest is next, not dropped
+
+
+async def test_a_state_move_between_schedulers_carries_the_request_arrival():
+    # a per-walk node's state moving to another scheduler must not look like the oldest request there
+    from mstar_core.runtime.conductor import Conductor, RequestState
+
+    class Holder:
+        def __init__(self):
+            self.seen: list[Invocation] = []
+
+        async def submit(self, inv: Invocation):
+            self.seen.append(inv)
+            return {"state": "s"}
+
+    state = RequestState("r", emit=lambda out: None)
+    held, target = Holder(), Holder()
+    await Conductor._move(Conductor.__new__(Conductor), state, "n", held, target)
+    assert [i.options["transfer"] for i in held.seen + target.seen] == ["export", "import"]
+    assert {i.arrival for i in held.seen + target.seen} == {state.arrival} and state.arrival > 0
