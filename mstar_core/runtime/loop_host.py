@@ -123,6 +123,7 @@ class LoopHostConductor(Conductor):
                 site = sites.stream_calls[msg.stream]
                 frame = self._frame(walk, site)
                 state = _LoopState(msg.request_id, msg.loop, msg.branch, {}, send)
+                state.arrival = msg.arrival
                 ports = self.graph.nodes[site.node].outputs
                 while (chunk := await stream.next_chunk()) is not None:
                     outputs = await self._invoke(state, frame, site, env, {edge.dst_input: chunk})
@@ -133,6 +134,7 @@ class LoopHostConductor(Conductor):
             else:
                 body = sites.consumers[msg.stream]
                 state = _LoopState(msg.request_id, msg.loop, msg.branch, self._forward(self.graph, walk, body), send)
+                state.arrival = msg.arrival
                 await self._step(state, self._frame(walk, body).fragment({edge.into: stream}), body, env)
                 stream.finish_reading()
                 changed = {k: v for k, v in env.items()

@@ -107,7 +107,8 @@ class DirectStream:
                 conductor.after_call(state, fragment, site.call, outputs, scratch, site)
         try:
             msg = RunConsumer(request_id=self.request_id, model=plan.model, walk=plan.walk, stream=plan.index,
-                              env=to_wire(sent), nonce=self.nonce, session=self.session, branch=frame.branch_key)
+                              env=to_wire(sent), nonce=self.nonce, session=self.session, branch=frame.branch_key,
+                              arrival=state.arrival)
             delta, _ = await plan.cluster.run_loop(self.worker, msg, on_values)
         except WireError as exc:
             raise RequestError(f"request {self.request_id}: an input of the consumer of stream {edge.name} cannot be "

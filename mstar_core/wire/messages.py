@@ -286,6 +286,7 @@ class RunConsumer:
     nonce: str
     session: str
     branch: str = ""
+    arrival: float = 0.0  # the request's (see `InvokeNode`), for the consumer's calls there
 
     @property
     def loop(self) -> int:

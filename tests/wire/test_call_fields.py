@@ -4,6 +4,7 @@ from mstar_core.errors import RequestError
 from mstar_core.runtime.remote_values import error_fields
 from mstar_core.runtime.worker_link import remote_failure
 from mstar_core.wire import InvokeNode, LoopDone, NodeResult, RunLoop, decode, encode
+from mstar_core.wire.messages import RunConsumer
 
 
 def roundtrip(msg):
@@ -16,6 +17,8 @@ def test_arrival_travels_on_calls_and_loops_and_defaults_to_zero():
     loop = RunLoop(request_id="r", model="m", walk="w", loop=0, env={}, arrival=7)
     assert roundtrip(loop).arrival == 7.0 and type(roundtrip(loop).arrival) is float
     assert roundtrip(InvokeNode(request_id="r", node="m/n", call_index=0, inputs={})).arrival == 0.0
+    consumer = RunConsumer(request_id="r", model="m", walk="w", stream=0, env={}, nonce="n", session="s", arrival=3.5)
+    assert roundtrip(consumer).arrival == 3.5
 
 
 def test_a_request_error_keeps_status_and_param_through_node_result_and_loop_done():
