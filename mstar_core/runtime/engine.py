@@ -47,6 +47,12 @@ class Invocation:
     priority: float = 0.0
     arrival: float = 0.0
 
+    @property
+    def urgency(self) -> tuple[float, float]:
+        """Sort key where a step cannot take every waiting call: the most urgent priority (a stream running dry)
+        first, then the oldest request."""
+        return (-self.priority, self.arrival)
+
 
 Result = tuple[Invocation, "dict[str, Any] | BaseException"]
 

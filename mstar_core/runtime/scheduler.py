@@ -27,8 +27,7 @@ log = logging.getLogger("mstar.scheduler")
 
 
 def _urgency(entry: tuple[Invocation, asyncio.Future]) -> tuple[float, float]:
-    """Sort key of a waiting invocation: the most urgent priority first (streams running dry), then the oldest request."""
-    return (-entry[0].priority, entry[0].arrival)
+    return entry[0].urgency
 
 
 class NodeScheduler:

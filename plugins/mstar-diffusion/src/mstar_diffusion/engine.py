@@ -141,7 +141,7 @@ class DiffusionEngine(Engine):
         if not take:
             return results
         if take < len(self.queue):  # only some fit: the most urgent, then the oldest requests (stable: FIFO after)
-            self.queue = deque(sorted(self.queue, key=lambda c: (-c.inv.priority, c.inv.arrival)))
+            self.queue = deque(sorted(self.queue, key=lambda c: c.inv.urgency))
         batch = [self.queue.popleft() for _ in range(take)]
         self.num_steps += 1
         requests = {c.inv.request_id for c in batch}
