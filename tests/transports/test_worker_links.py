@@ -54,16 +54,32 @@ def test_links_come_from_the_registry_and_round_trip():
 
 
 def test_a_transport_that_cannot_carry_worker_links_is_refused_naming_those_that_can():
-    registry = discover(extra_modules=[])
-    placement = Placement.from_dict({"workers": {"a": {"transport": "nccl"}}}, "deploy.yaml")
-    if "nccl" not in registry.transports:
-        pytest.skip("the nccl transport plugin is not installed")
+    # fixture_pipe is a registered point-to-point transport with no worker link (nccl carries worker links now)
+    registry = discover()
     from mstar_core.runtime.links import carries_worker_links
 
-    if carries_worker_links(registry.transports.get("nccl")):
-        pytest.skip("nccl carries worker links in this build")
-    with pytest.raises(ConfigError, match="cannot carry a worker's tensors; use one of: .*fixture_spool"):
+    assert not carries_worker_links(registry.transports.get("fixture_pipe"))
+    placement = Placement.from_dict({"workers": {"a": {"transport": "fixture_pipe"}}}, "deploy.yaml")
+    with pytest.raises(ConfigError, match=r"deploy.yaml: workers.a.transport: transport 'fixture_pipe' cannot carry "
+                                          r"a worker's tensors; use one of: (?!.*fixture_pipe).*fixture_spool.*zmq"):
         placement.check_transports(registry)
+    # the pipe itself is a working point-to-point channel: what it refuses is only the worker link
+    a, b = registry.transports.get("fixture_pipe")(), registry.transports.get("fixture_pipe")()
+    b.connect(a.bind("pipe://refusal-test"))
+    b.send_msg(NodeResult(request_id="r", node="m/n", call_index=0, outputs={"y": torch.arange(3.0)}))
+    assert torch.equal(a.recv_msg(timeout=1).outputs["y"], torch.arange(3.0))
+    a.close()
+
+
+async def test_a_placement_selecting_a_transport_without_worker_links_fails_the_load():
+    placement = Placement.from_dict({"workers": {"w": {"transport": "fixture_pipe"}}, "nodes": {"bump": "w"}}, "p.yaml")
+    engine = AsyncEngine(discover())
+    try:
+        with pytest.raises(ConfigError, match=r"p.yaml: workers.w.transport: transport 'fixture_pipe' cannot carry"):
+            await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
+        assert engine.cluster is None or not engine.cluster.workers  # refused before any worker was started
+    finally:
+        await engine.close()
 
 
 async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
@@ -123,3 +139,4 @@ def test_mstar_plugins_says_which_transports_carry_worker_links(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("transports:"))
     assert "shm (transport_shm; worker links, same host)" in line and "zmq (transport_zmq; worker links)" in line
     assert "fixture_spool (fixture; worker links, same host)" in line
+    assert "fixture_pipe (fixture; point to point only)" in line

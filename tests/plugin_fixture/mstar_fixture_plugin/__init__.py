@@ -44,6 +44,8 @@ def mstar_register_api_adapters(register):
 
 @hookimpl
 def mstar_register_transports(register):
+    from mstar_fixture_plugin.pipe import PipeTransport
     from mstar_fixture_plugin.spool import SpoolTransport
 
     register("fixture_spool", SpoolTransport)
+    register("fixture_pipe", PipeTransport)  # point to point only: no worker links
