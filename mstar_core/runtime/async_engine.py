@@ -26,7 +26,7 @@ from mstar_core.graph.walk import iter_walk_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.conductor import Conductor
-from mstar_core.runtime.engine import Engine, EngineContext, active_limit, build_order
+from mstar_core.runtime.engine import Engine, EngineContext, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
@@ -34,7 +34,7 @@ from mstar_core.runtime.scheduler import NodeScheduler
 log = logging.getLogger("mstar.engine")
 
 #: Per-node settings the runtime itself reads; every other setting goes to the node's engine.
-RUNTIME_SETTINGS = ("own_thread", "max_active_requests")
+RUNTIME_SETTINGS = ("own_thread", "max_active_requests", "call_order")
 
 
 class _ModelRuntime:
@@ -270,6 +270,7 @@ class AsyncEngine:
             engines[node.name] = engine = engine_cls(node, module, context)
             engine.own_thread = bool(runtime_settings.get("own_thread", False))
             engine.max_active_requests = active_limit(name, runtime_settings.get("max_active_requests"))
+            engine.call_order = call_order(name, runtime_settings.get("call_order"))
         return engines
 
     @property

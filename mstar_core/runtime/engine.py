@@ -45,6 +45,8 @@ class Invocation:
     options: Mapping[str, Any]
     call_index: int = 0
     priority: float = 0.0
+    #: the request's arrival (`time.monotonic()` in the serving process); on a node with `call_order="fifo"`
+    #: the node's scheduler restamps each call with its submission instead (see `call_order`)
     arrival: float = 0.0
 
     @property
@@ -80,6 +82,21 @@ def active_limit(node: str, value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"node '{node}': setting 'max_active_requests' must be a positive integer, got {value!r}")
+    return value
+
+
+#: The node setting `call_order`: "urgency" (default) takes the calls a step cannot all take most urgent stream
+#: first, then oldest request; "fifo" serves them in submission order, ignoring stream priority and request age.
+CALL_ORDERS = ("urgency", "fifo")
+
+
+def call_order(node: str, value: Any) -> str:
+    """The node setting `call_order` checked: one of `CALL_ORDERS` (None: "urgency")."""
+    if value is None:
+        return "urgency"
+    if not isinstance(value, str) or value not in CALL_ORDERS:
+        raise ConfigError(f"node '{node}': setting 'call_order' must be one of {', '.join(map(repr, CALL_ORDERS))}, "
+                          f"got {value!r}")
     return value
 
 
@@ -119,6 +136,10 @@ class Engine(abc.ABC):
     #: Set by the runtime from the node setting `max_active_requests`: at most that many requests' calls
     #: reach the engine at once, admitted oldest first (None: no limit). See `runtime.scheduler`.
     max_active_requests: int | None = None
+    #: Set by the runtime from the node setting `call_order`: with "fifo" the node's scheduler hands every call
+    #: over at priority 0 stamped with its submission as `arrival`, so an engine that orders by `urgency` serves
+    #: calls in submission order without knowing the setting. See `runtime.scheduler`.
+    call_order: str = "urgency"
     #: Whether the engine answers the transfer invocations that move a request's state to another
     #: worker (per-walk placement): option `transfer="export"` returns `{"state": ...}` and frees
     #: the request here; `transfer="import"` with input `state` adopts it.

@@ -4,21 +4,27 @@ It hands invocations that reach the node to the engine, at most `engine.max_batc
 once (the rest wait here: the most urgent `Invocation.priority` first, then the oldest request by
 `Invocation.arrival`), and, with `engine.max_active_requests`, from at most that many requests at a
 time (admitted oldest first, each until it is released: so a few requests finish early instead of
-all of them late, and none waits behind a younger one). It calls `engine.step()`
-on the worker's device thread while the engine has work, so the event loop stays free. Invocations
-that arrive while a step runs are batched into the next one. Releases (finished, failed or
-cancelled requests) are applied between steps, never during one. It never dies silently: an
-`add` that raises fails that invocation alone, and if the loop itself breaks, a supervisor logs
-why, fails what was in flight and starts it again.
+all of them late, and none waits behind a younger one). With `engine.call_order == "fifo"` (plain
+fairness) calls go in submission order instead: each is handed over at priority 0, stamped with its
+submission as its arrival, so an engine that orders by `Invocation.urgency` follows it too.
+
+It calls `engine.step()` on the worker's device thread while the engine has work, so the event loop
+stays free. Invocations that arrive while a step runs are batched into the next one. Releases
+(finished, failed or cancelled requests) are applied between steps, never during one. It never dies
+silently: an `add` that raises fails that invocation alone, and if the loop itself breaks, a
+supervisor logs why, fails what was in flight and starts it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
 from concurrent.futures import Executor
+
+import attrs
 
 from mstar_core.errors import NodeExecutionError
 from mstar_core.runtime.engine import Engine, Invocation
@@ -48,6 +54,9 @@ class NodeScheduler:
         #: requests whose calls may reach the engine (insertion order = admission order); None: no limit
         self._admitted: dict[str, None] | None = {} if limit else None
         self._limit = int(limit or 0)
+        # "fifo": plain fairness, calls in submission order (no stream priority, no request age); a counter, not a
+        # clock, so two calls submitted in the same tick keep their order
+        self._submissions = itertools.count() if getattr(engine, "call_order", "urgency") == "fifo" else None
         # observability
         self.steps = 0
         self.invocations = 0
@@ -65,6 +74,8 @@ class NodeScheduler:
         if self._closed:
             raise RuntimeError(f"node '{self.engine.node.name}' is shut down")
         self._ensure_started()
+        if self._submissions is not None:  # (a copy: the caller's invocation keeps its request's arrival)
+            invocation = attrs.evolve(invocation, priority=0.0, arrival=float(next(self._submissions)))
         future = asyncio.get_running_loop().create_future()
         self._pending.append((invocation, future))
         self._wakeup.set()

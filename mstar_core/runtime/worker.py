@@ -26,7 +26,7 @@ import zmq.asyncio
 from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
-from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order
+from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.runtime.links import PeerMailbox, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
@@ -285,11 +285,12 @@ class Worker:
                 settings = {**loaded.engine_settings.get(node_name, {}), **msg.settings.get(node_name, {})}
                 settings.pop("own_thread", None)  # a worker's nodes share its one device thread
                 limit = active_limit(node_name, settings.pop("max_active_requests", None))
+                order = call_order(node_name, settings.pop("call_order", None))
                 engine_cls = registry.engines.get(node.engine)
                 context = EngineContext(self.name, device, settings, registry, peers=dict(built))
                 module = node.module() if node.module is not None else None
                 built[node_name] = engine = await loop.run_in_executor(self.executor, engine_cls, node, module, context)
-                engine.max_active_requests = limit
+                engine.max_active_requests, engine.call_order = limit, order
                 self.schedulers[f"{msg.model}/{node_name}"] = NodeScheduler(engine, self.executor)
             local = {n: self.schedulers[f"{msg.model}/{n}"] for n in msg.nodes}
             self._count_resident()

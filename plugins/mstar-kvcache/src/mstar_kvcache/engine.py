@@ -236,7 +236,9 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         seq.chunkable = limits is None
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
-        seq.priority = inv.priority
+        # each call's: the request's arrival, or its submission on a node with call_order "fifo" (a fork, a snapshot
+        # or a moved cache made the sequence without one)
+        seq.priority, seq.arrival = inv.priority, inv.arrival
         seq.collected, seq.stepped = [], []
         seq.gathers = self._wants_rows(parsed)
         seq.rows_from = self._rows_from(parsed, start) if seq.gathers else None
