@@ -76,13 +76,15 @@ def test_native_done_event_holds_only_the_walks_run():
         assert list(lines[-1]["outputs"]) == ["y", "total"], lines[-1]
 
 
-def test_mstar_run_writes_each_output_once(tmp_path):
+def test_mstar_run_writes_and_lists_each_output_once(tmp_path, capsys):
     from mstar_core.cli import main
 
     out = tmp_path / "outputs.json"
     assert main(["run", "two-walks", "--plugin", PLUGIN, "--inputs", '{"x": [1.0, 2.0], "reduce": true}',
                  "--out", str(out), "--no-progress"]) == 0
     assert list(json.loads(out.read_text())) == ["y", "total"]
+    # the summary line named 'y' twice (declared by both walks) and 'x' (walk 'negate', never run)
+    assert capsys.readouterr().out.strip().endswith(f"wrote {out}: outputs y, total")
 
 
 @pytest.fixture(autouse=True)
