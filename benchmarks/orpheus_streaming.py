@@ -10,14 +10,20 @@ do. `ttfa_ratio_c1` divides M*'s TTFA at concurrency 1 by the compute floor time
 28 decode steps with a dense KV cache and the same sampling rules + one SNAC window, with no
 runtime around them (medians of interleaved pairs).
 
-Streaming viability at 32 concurrent streams (`viability_c32_priority`, `viability_c32_fifo`): the
-fraction of requests whose audio never stalls after its first chunk when played back in real time
-(a chunk arriving after the audio before it has finished playing is a stall). The same load runs
-with the LM's decode steps ranked by the listener's remaining audio (Orpheus's stream priority) and
-in arrival order (FIFO), alternately, on one engine; the LM decodes at most `--viability-rows`
-rows per step, so it has to choose. It runs on its own, smaller Orpheus (`viability_config`: one
-stream alone is well ahead of real time here), and is also scored on a CPU-time listener clock
-(`*_cpu_clock`), which other jobs on a shared box cannot stall. Final line: JSON.
+Streaming viability at 32 concurrent streams: the fraction of requests whose audio never stalls
+after its first chunk when played back in real time (a chunk arriving after the audio before it has
+finished playing is a stall). The same load runs on one engine, alternately, with the LM's decode
+steps in three orders: ranked by the listener's remaining audio (Orpheus's stream priority,
+`viability_c32_priority`); in submission order, the LM node's `call_order: "fifo"`, no stream
+priority and no request age (`viability_c32_fifo`, the issue's FIFO: plain fairness, each decode
+queues behind those submitted before it); and oldest request first without stream priority, the
+runtime's default order for a model that declares none (`viability_c32_age`). The LM decodes at most
+`--viability-rows` rows per step, so it has to choose. These three are the issue's figure. Oldest
+first with a row cap is admission control (a stream starts only when an older one ends, and the
+metric does not count the wait before the first chunk), so each is also scored with that wait
+bounded (`*_bounded_start`, see `run_viability`). It runs on its own, smaller Orpheus
+(`viability_config`: one stream alone is well ahead of real time here), and is also scored on a
+CPU-time listener clock (`*_cpu_clock`), which other jobs on a shared box cannot stall. Final line: JSON.
 
     python benchmarks/orpheus_streaming.py --quick
 """
@@ -155,8 +161,12 @@ async def run_mstar(engine, lengths: list[int], rate: int, model: str = "orpheus
     return summary
 
 
-async def run_viability(engine, model: str, lengths: list[int], gap: float, window_s: float) -> dict[str, float]:
-    """Fraction of requests whose playback never stalls after the first chunk (arrivals `gap` s apart).
+CLOCKS = ("wall", "cpu")
+
+
+async def run_viability(engine, model: str, lengths: list[int], gap: float, window_s: float,
+                        start_bound: float) -> dict:
+    """Per-clock fractions of requests whose playback never stalls (arrivals `gap` s apart), and per-stream traces.
 
     Every SNAC window counts as `window_s` of audio, also one whose codes a random-weight LM left
     outside the codebook (decoded to nothing, as the reference skips it): the figure is about when
@@ -166,32 +176,67 @@ async def run_viability(engine, model: str, lengths: list[int], gap: float, wind
     and `cpu` (this process's CPU time: what the streams would see with the machine to themselves,
     so other jobs on a shared box cannot stall them; stricter wherever the process's threads ran
     in parallel).
+
+    `never_stalls` is the issue's metric: playback starts with the first chunk, however late.
+    `bounded_start` also counts a stream as stalled when its first chunk comes more than
+    `start_bound` s after its submission: a listener kept waiting that long has heard a gap too.
+    The default bound, twice the stream priority's start lead, is the longest wait that ranking
+    lets happen with room to spare (a waiting stream outranks every playing one with audio queued
+    once it has waited the lead). Without such a bound an order that starts a stream only when an
+    older one ends scores perfectly however long the last ones wait.
     """
 
-    async def one(i: int, n: int) -> dict[str, bool]:
+    async def one(i: int, n: int) -> dict:
         await asyncio.sleep(i * gap)
+        submitted = (time.perf_counter(), time.process_time())
         handle = engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i})
         arrivals = []  # (wall, cpu) when each chunk arrived
         async for out in handle:
             if out.name == "audio":
                 arrivals.append((time.perf_counter(), time.process_time()))
         await handle.result()
-        return {clock: _never_stalls([a[c] for a in arrivals], window_s) for c, clock in enumerate(("wall", "cpu"))}
+        trace = {}
+        for c, clock in enumerate(CLOCKS):
+            times = [a[c] for a in arrivals]
+            first = times[0] - submitted[c] if times else 0.0
+            trace[clock] = {"first_chunk_s": round(first, 3), "stalls": _stalls(times, window_s),
+                            "stalled_s": round(_stalled_seconds(times, window_s), 3)}
+        return trace
 
-    ok = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
-    return {clock: sum(o[clock] for o in ok) / len(ok) for clock in ("wall", "cpu")}
+    traces = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+    out: dict = {"traces": traces}
+    for clock in CLOCKS:
+        ok = [t[clock]["stalls"] == 0 for t in traces]
+        bounded = [o and t[clock]["first_chunk_s"] <= start_bound for o, t in zip(ok, traces, strict=True)]
+        out[clock] = sum(ok) / len(ok)
+        out[f"{clock}_bounded_start"] = sum(bounded) / len(bounded)
+    return out
 
 
-def _never_stalls(arrivals: list[float], window_s: float) -> bool:
-    """Playback starts with the first chunk; a chunk arriving after the audio before it has played is a stall."""
-    if not arrivals:
-        return True
-    start, queued = arrivals[0], window_s
-    for now in arrivals[1:]:
-        if now > start + queued + 1e-3:
-            return False
-        queued += window_s
-    return True
+def _stalls(arrivals: list[float], window_s: float) -> int:
+    """How often playback runs dry: it starts with the first chunk, and after a stall resumes when the next chunk comes."""
+    stalls, played_until = 0, None
+    for now in arrivals:
+        if played_until is None:
+            played_until = now
+        elif now > played_until + 1e-3:
+            stalls += 1
+            played_until = now
+        played_until += window_s
+    return stalls
+
+
+def _stalled_seconds(arrivals: list[float], window_s: float) -> float:
+    """Seconds of silence after the first chunk (the same playback as `_stalls`)."""
+    silent, played_until = 0.0, None
+    for now in arrivals:
+        if played_until is None:
+            played_until = now
+        elif now > played_until:
+            silent += now - played_until
+            played_until = now
+        played_until += window_s
+    return silent
 
 
 def viability_config(args):
@@ -214,8 +259,12 @@ def viability_config(args):
     return snac, lm
 
 
+#: The viability runs: model alias -> (Orpheus's stream priority on the LM's decode, the LM node's `call_order`).
+VIABILITY_KINDS = {"priority": (True, "urgency"), "fifo": (False, "fifo"), "age": (False, "urgency")}
+
+
 async def add_viability_models(engine, args) -> float:
-    """Load the viability model twice (decode ranked by stream priority; FIFO); returns seconds of audio per window."""
+    """Load the viability model once per kind in `VIABILITY_KINDS`; returns seconds of audio per window."""
     from mstar_orpheus.graph import START_LEAD, _seconds_per_window, build_graph
     from mstar_orpheus.model import load_orpheus
     from mstar_orpheus.preset import write_tiny
@@ -229,46 +278,64 @@ async def add_viability_models(engine, args) -> float:
         loaded = load_orpheus(LoadOptions(checkpoint=str(write_tiny(Path(tmp), seed=0, snac=snac_cfg, **lm_cfg))),
                               progress=False)
     lm, snac_node = loaded.graph.nodes["lm"].module(), loaded.graph.nodes["snac"].module()
-    # the LM decodes at most `rows` rows a step and takes at most that many calls at once, so it has to choose
-    rows = {"lm": {"num_pages": args.viability_pages, "max_num_seqs": args.viability_rows,
-                   "max_batch_size": args.viability_rows}}
-    for alias, priority in (("orpheus-priority", True), ("orpheus-fifo", False)):
+    for kind, (priority, order) in VIABILITY_KINDS.items():
+        # the LM decodes at most `rows` rows a step and takes at most that many calls at once, so it has to choose
+        rows = {"lm": {"num_pages": args.viability_pages, "max_num_seqs": args.viability_rows,
+                       "max_batch_size": args.viability_rows, "call_order": order}}
         graph = build_graph(lm, snac_node, loaded.extras["vocab"].audio, priority=priority,
                             start_lead=args.viability_start_lead)
-        await engine.add_model(attrs.evolve(loaded, graph=graph), settings=rows, alias=alias)
+        await engine.add_model(attrs.evolve(loaded, graph=graph), settings=rows, alias=f"orpheus-{kind}")
     return _seconds_per_window(snac_node)
 
 
 async def viability_runs(engine, args, lengths: list[int], window_s: float, rate: int) -> dict:
-    """One stream alone (how far ahead of real time), then priority/FIFO pairs at 32 streams, alternating."""
-    for kind in ("priority", "fifo"):  # warm-up (allocations, first-call paths)
+    """One stream alone (how far ahead of real time), then rounds of every kind at 32 streams, alternating."""
+    for kind in VIABILITY_KINDS:  # warm-up (allocations, first-call paths)
         await run_mstar(engine, [35, 35], rate, model=f"orpheus-{kind}")
     solo = []
     for _ in range(2):
         c0 = time.process_time()
         run = await run_mstar(engine, [max(lengths)], rate, model="orpheus-priority")
         solo.append({"rtf_wall": run["rtf"], "rtf_cpu": (time.process_time() - c0) / run["audio_s"]})
+    bound = args.viability_start_bound
+    if bound is None:
+        bound = 2 * args.viability_start_lead
     load = [os.getloadavg()[0]]
-    runs = {"priority": [], "fifo": []}
+    runs: dict[str, list[dict]] = {kind: [] for kind in VIABILITY_KINDS}
     for _ in range(args.viability_rounds):
-        for kind in ("fifo", "priority"):
-            runs[kind].append(await run_viability(engine, f"orpheus-{kind}", lengths, args.viability_gap, window_s))
+        for kind in ("fifo", "age", "priority"):
+            runs[kind].append(await run_viability(engine, f"orpheus-{kind}", lengths, args.viability_gap, window_s,
+                                                  bound))
             load.append(os.getloadavg()[0])
-    mean = {(k, c): statistics.mean(r[c] for r in runs[k]) for k in runs for c in ("wall", "cpu")}
-    print(f"viability at c=32 (never stalls after the first chunk; {args.viability_rows} rows per step, arrivals "
-          f"{args.viability_gap * 1e3:.0f} ms apart; one stream alone: RTF {solo[-1]['rtf_wall']:.2f} wall, "
-          f"{solo[-1]['rtf_cpu']:.2f} CPU): priority {[r['wall'] for r in runs['priority']]}, fifo "
-          f"{[r['wall'] for r in runs['fifo']]}; on the CPU clock priority {[r['cpu'] for r in runs['priority']]}, "
-          f"fifo {[r['cpu'] for r in runs['fifo']]}; load average {load[0]:.1f} -> {load[-1]:.1f}", flush=True)
+    scores = [f"{clock}{suffix}" for suffix in ("", "_bounded_start") for clock in CLOCKS]
+    mean = {(k, s): statistics.mean(r[s] for r in runs[k]) for k in runs for s in scores}
+    print(f"viability at c=32 ({args.viability_rows} rows per step, arrivals {args.viability_gap * 1e3:.0f} ms apart, "
+          f"{len(lengths)} streams of {min(lengths)}-{max(lengths)} tokens; one stream alone: RTF "
+          f"{solo[-1]['rtf_wall']:.2f} wall, {solo[-1]['rtf_cpu']:.2f} CPU; load average {load[0]:.1f} -> "
+          f"{load[-1]:.1f})", flush=True)
+    for score in scores:
+        print(f"  {score:>18}: " + "   ".join(f"{kind} {mean[kind, score]:.3f} {[round(r[score], 3) for r in runs[kind]]}"
+                                            for kind in runs), flush=True)
+    for kind in runs:  # what the traces say: stalls per stream and when first chunks came (wall clock)
+        traces = [t["wall"] for r in runs[kind] for t in r["traces"]]
+        firsts = sorted(t["first_chunk_s"] for t in traces)
+        print(f"  {kind:>8} traces (wall): streams stalled {sum(t['stalls'] > 0 for t in traces)}/{len(traces)}, "
+              f"stalls {sum(t['stalls'] for t in traces)}, silent {sum(t['stalled_s'] for t in traces):.1f} s; "
+              f"first chunk median {statistics.median(firsts):.2f} s, max {firsts[-1]:.2f} s", flush=True)
+    result = {}
+    for kind in runs:
+        result[f"viability_c32_{kind}"] = mean[kind, "wall"]
+        result[f"viability_c32_{kind}_cpu_clock"] = mean[kind, "cpu"]
+        result[f"viability_c32_{kind}_bounded_start"] = mean[kind, "wall_bounded_start"]
+        result[f"viability_c32_{kind}_bounded_start_cpu_clock"] = mean[kind, "cpu_bounded_start"]
     return {
-        "viability_c32_priority": mean["priority", "wall"],
-        "viability_c32_fifo": mean["fifo", "wall"],
-        "viability_c32_priority_cpu_clock": mean["priority", "cpu"],
-        "viability_c32_fifo_cpu_clock": mean["fifo", "cpu"],
-        "viability_runs": runs,
+        **result,
+        "viability_runs": {k: [{s: r[s] for s in scores} for r in v] for k, v in runs.items()},
+        "viability_traces": runs if args.viability_traces else None,
         "viability_setup": {"rows_per_step": args.viability_rows, "kv_pages": args.viability_pages,
-                            "arrival_gap_s": args.viability_gap,
+                            "arrival_gap_s": args.viability_gap, "tokens_per_stream": [min(lengths), max(lengths)],
                             "rounds": args.viability_rounds, "start_lead_s": args.viability_start_lead,
+                            "start_bound_s": bound,
                             "lm": viability_config(args)[1], "snac_decoder_dim": args.viability_snac_width,
                             "snac_codebook": args.viability_codebook, "solo": solo, "load_average": load},
     }
@@ -413,10 +480,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved M*/floor TTFA pairs at concurrency 1")
     parser.add_argument("--viability-rows", type=int, default=4, help="LM rows per step in the viability runs")
     parser.add_argument("--viability-gap", type=float, default=0.05, help="seconds between arrivals (viability)")
-    parser.add_argument("--viability-rounds", type=int, default=3, help="priority/FIFO pairs (viability)")
+    parser.add_argument("--viability-rounds", type=int, default=3, help="rounds of the three orders (viability)")
     parser.add_argument("--viability-start-lead", type=float, default=None,
                         help="seconds of audio a stream that has not started counts as having (priority runs; "
                              "default: Orpheus's own, mstar_orpheus.graph.START_LEAD)")
+    parser.add_argument("--viability-start-bound", type=float, default=None,
+                        help="seconds before a stream's first chunk counts as a stall in the *_bounded_start scores "
+                             "(default: twice the start lead)")
+    parser.add_argument("--viability-traces", action="store_true", help="per-stream traces in the JSON")
     parser.add_argument("--viability-pages", type=int, default=2048, help="viability model: KV cache pages")
     parser.add_argument("--viability-hidden", type=int, default=64, help="viability model: LM width")
     parser.add_argument("--viability-layers", type=int, default=1, help="viability model: LM layers")
