@@ -36,7 +36,6 @@ from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
 from mstar_diffusion.guidance import Guidance, combine
 from mstar_diffusion.schedules import SigmaTable
-from mstar_diffusion.validated import SettingsCache
 
 SETTINGS = ("max_batch_size", "max_rows")
 INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
@@ -88,7 +87,6 @@ class DiffusionEngine(Engine):
         self.schedule = options.get("schedule", "flow_euler")
         self.template = options.get("latent_shape")
         self.sigmas = SigmaTable()
-        self.loop_settings = SettingsCache(self.schedule, self.sigmas)
         self.outputs = set(node.outputs)
         allowed = INIT_OUTPUTS if self.role == "init" else STEP_OUTPUTS
         self._check_ports(allowed)
@@ -174,9 +172,6 @@ class DiffusionEngine(Engine):
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
             "diffusion_queued": len(self.queue),
-            # calls whose settings were validated (a new distinct set, or one that cannot be keyed) vs reused
-            "diffusion_settings_validated": self.loop_settings.misses,
-            "diffusion_settings_reused": self.loop_settings.hits,
         }
 
     def close(self) -> None:
@@ -187,18 +182,23 @@ class DiffusionEngine(Engine):
 
     def _parse(self, inv: Invocation) -> _Call:
         node, inputs, options = inv.node, inv.inputs, inv.options
-        loop = self.loop_settings.get(node, inputs, options)  # validated once per distinct settings, then cached
-        steps, guidance = loop.steps, loop.guidance
+        # every call is checked afresh (a few microseconds): a request's settings come with each of its calls
+        unknown = params.unknown_options(options)
+        if unknown:  # a walk's per-call option the engine would otherwise ignore: the model is wrong, not the request
+            raise ValueError(f"node '{node}' (engine 'diffusion'): unknown call options {unknown}; "
+                             f"known: {', '.join(sorted(params.KNOWN_OPTIONS))}")
+        steps = params.num_steps(node, inputs, options)
+        shift = params.shift(node, inputs, options)
+        guidance = params.guidance(node, inputs, options)
+        sigmas = self.sigmas.get(self.schedule, steps, shift)
         if self.role == "init":
             shape = params.latent_shape(node, inputs, options)
-            return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=loop.sigma[0],
+            return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=float(sigmas[0]),
                          guidance=guidance)
-        index = inputs.get("step")
-        if type(index) is not int or not 0 <= index < steps:  # the common case skips the checker; the rest gets its 400
-            index = params.step_index(node, index, steps)
+        index = params.step_index(node, inputs.get("step"), steps)
         x = params.latents(node, inputs.get("latents"), self.template)
-        call = _Call(inv, latents=x, sigma=loop.sigma[index], sigma_next=loop.sigma[index + 1],
-                     dt=loop.dt[index], guidance=guidance)
+        call = _Call(inv, latents=x, sigma=float(sigmas[index]), sigma_next=float(sigmas[index + 1]),
+                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance)
         branches = ["cond"]
         if guidance.text_active(call.sigma):
             branches.append("uncond")
