@@ -29,6 +29,12 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def where(self) -> tuple[int, str]:
+        """This actor's process id and the id of the Ray node it was placed on."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
     def run(self) -> int:
         import torch
 
@@ -61,8 +67,9 @@ def connect(address: str | None) -> None:
 class RayWorkerProcess:
     """A `Popen`-like handle on a worker actor: `poll` is None while its `run` call is going."""
 
-    def __init__(self, actor: Any, run_ref: Any, pid: int):
+    def __init__(self, actor: Any, run_ref: Any, pid: int, node_id: str = ""):
         self.actor, self._ref, self.pid = actor, run_ref, pid
+        self.node_id = node_id  # the Ray node the actor runs on (logs, tests: which host got which worker)
         self.returncode: int | None = None
         self.error = ""
 
@@ -92,17 +99,17 @@ def launch_ray_worker(name: str, join: str, secret: bytes, spec: WorkerSpec, enc
     """Place one worker actor with the resources its device needs; blocks until it runs (call off the loop)."""
     ray = _ray()
     connect(spec.ray_address)
-    # run() blocks for the worker's lifetime; a second slot keeps pid() answerable meanwhile
+    # run() blocks for the worker's lifetime; a second slot keeps where() answerable meanwhile
     cls = ray.remote(max_concurrency=2)(WorkerActor)
     # supervision restarts the worker (and reloads its models), so Ray must not restart the actor itself
     actor = cls.options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0).remote(
         name, join, secret.decode(), spec.num_cpus, encrypt)
     try:
-        pid = ray.get(actor.pid.remote(), timeout=PLACE_TIMEOUT_S)
+        pid, node_id = ray.get(actor.where.remote(), timeout=PLACE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         ray.kill(actor, no_restart=True)
         raise MStarError(
             f"Ray could not place worker '{name}' within {PLACE_TIMEOUT_S:.0f}s: it needs num_cpus={spec.num_cpus}, "
             f"num_gpus={spec.num_gpus}; the cluster has {ray.available_resources()} free"
         ) from None
-    return RayWorkerProcess(actor, actor.run.remote(), pid)
+    return RayWorkerProcess(actor, actor.run.remote(), pid, node_id)
