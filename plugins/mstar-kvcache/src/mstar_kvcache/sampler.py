@@ -6,6 +6,8 @@ finds its cut with a histogram of log-probabilities (only the one bucket the cut
 ranked exactly), min-p compares with the row maximum. The draw is one uniform number per row
 from that request's own generator, mapped through the cumulative distribution of the kept
 tokens in vocabulary order, so a seeded request gets the same tokens whatever shares its batch.
+A row with a small top-k does all of this over its k candidates only (`candidates`), drawing the
+token the whole-vocabulary pass would.
 
 Before all that, `adjust_logits` applies the rows' logit biases and penalties (see `SamplingParams`);
 a batch in which no row sets one skips it after one look at the parameters.
@@ -17,6 +19,7 @@ import attrs
 import torch
 
 from mstar_core.sampling import GREEDY, SamplingParams
+from mstar_kvcache import candidates
 
 #: Histogram resolution for the top-p cut: buckets per nat of log-probability, and how far down they go.
 _PER_NAT = 256
@@ -181,19 +184,72 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     return probs, keep
 
 
+def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One float64 uniform number per row from the row's own generator, in row order."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=device) for g in generators])
+
+
 def draw(probs: torch.Tensor, keep: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row with probability proportional to `probs` over `keep`, from the row's own generator."""
-    weights = probs * keep
+    return draw_with(probs, keep, uniforms(generators, probs.device))
+
+
+def draw_with(probs: torch.Tensor, keep: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """The column whose cumulative weight (`probs` over `keep`, in column order) first exceeds `u` of the row's total."""
+    weights = probs if keep is None else probs * keep
     # float32 is enough: adding a zero weight leaves the running sum unchanged, so a dropped token
     # can never be the first index whose cumulative weight exceeds the target
     cdf = weights.cumsum(1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators])
     picks = torch.searchsorted(cdf, (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1), right=True).squeeze(1)
     vocab = probs.shape[1]
     if bool((picks >= vocab).any()):  # u * total rounded up to total: take the last kept token
         last = vocab - 1 - (weights.flip(1) > 0).int().argmax(1)
         picks = torch.where(picks >= vocab, last, picks)
     return picks
+
+
+def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per (stochastic) row: top-k rows over their candidates (`candidates`), the others over the vocabulary.
+
+    Every row's filters run before the first uniform number is drawn (a bad row raises with no
+    generator advanced), and the numbers are drawn in row order, as one whole-vocabulary pass would.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    by_k: dict[int, list[int]] = {}
+    wide: list[int] = []
+    for i, p in enumerate(params):
+        if candidates.narrows(p, vocab):
+            by_k.setdefault(p.top_k, []).append(i)
+        else:
+            wide.append(i)
+    narrow = []  # (rows, candidate ids, weights) per top-k
+    for k, rows in by_k.items():
+        whole = len(rows) == n
+        ids, weights, left_out = candidates.take(logits if whole else logits[torch.tensor(rows, device=dev)], k,
+                                                 [params[i] for i in rows])
+        if left_out:  # ties at the k-th or non-finite logits: those rows take the whole vocabulary
+            wide.extend(rows[j] for j in left_out)
+            rows, whole = [r for j, r in enumerate(rows) if j not in set(left_out)], False
+        narrow.append((rows, whole, ids, weights))
+    full = None
+    if wide:
+        wide.sort()
+        index = torch.tensor(wide, device=dev)
+        full = (index, *filtered(logits if len(wide) == n else logits[index], [params[i] for i in wide]))
+    u = uniforms(generators, dev)
+    if full is None and len(narrow) == 1 and narrow[0][1]:  # the usual batch: one top-k, every row narrow
+        _, _, ids, weights = narrow[0]
+        return ids.gather(1, draw_with(weights, None, u).unsqueeze(1)).squeeze(1)
+    chosen = torch.empty(n, dtype=torch.long, device=dev)
+    if full is not None:
+        index, probs, keep = full
+        chosen[index] = draw_with(probs, keep, u[index])
+    for rows, _, ids, weights in narrow:
+        if rows:
+            index = torch.tensor(rows, device=dev)
+            chosen[index] = ids.gather(1, draw_with(weights, None, u[index]).unsqueeze(1)).squeeze(1)
+    return chosen
 
 
 def sample(
@@ -231,14 +287,12 @@ def sample(
     logits = adjust_logits(logits, params, history, history if generated is None else generated)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
     if len(stochastic) == len(params):
-        probs, keep = filtered(logits, params)
-        chosen = draw(probs, keep, generators)
+        chosen = pick(logits, params, generators)
     else:
         chosen = logits.argmax(-1)
         if stochastic:
             rows = torch.tensor(stochastic, device=logits.device)
-            probs, keep = filtered(logits[rows], [params[i] for i in stochastic])
-            chosen[rows] = draw(probs, keep, [generators[i] for i in stochastic])
+            chosen[rows] = pick(logits[rows], [params[i] for i in stochastic], [generators[i] for i in stochastic])
     chosen_logprobs: list[float | None] = [None] * len(params)
     if normaliser is not None:
         chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser).tolist()
