@@ -3,7 +3,8 @@
 The worker runs every iteration of the loop against its own engines and sends back only what the
 walk makes visible while it runs (`LoopValues`), then the env names the loop changed (`LoopDone`).
 A stream the loop feeds whose consumer runs on another worker goes there directly (`RunLoop.streams`),
-and a stream's consumer can run here too (`host_consumer`, fed by `peer_streams.InboundStream`).
+and a stream's consumer can run here too (`host_consumer`, fed by `peer_streams.InboundStream`),
+itself sending the streams it produces on to their consumers' workers (`RunConsumer.streams`).
 """
 
 from __future__ import annotations
@@ -85,10 +86,7 @@ class LoopHostConductor(Conductor):
         walk = sites.walk
         loop = sites.loops[msg.loop]
         try:
-            if msg.streams and mailbox is None:
-                raise RuntimeError("this worker has no peer mailbox to send its streams from")
-            senders = {int(k): StreamSender(walk.streams[int(k)], int(k), msg.request_id, route, mailbox)
-                       for k, route in msg.streams.items()}
+            senders = _senders(msg, walk, mailbox)
         except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
             return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc))
         frame = self._frame(walk, loop.body, senders)
@@ -106,11 +104,13 @@ class LoopHostConductor(Conductor):
         return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, env=to_wire(changed),
                         streamed={str(k): s.sent for k, s in senders.items()})
 
-    async def host_consumer(self, msg: RunConsumer, send: Callable[[Any], Any], inbound: InboundStream) -> LoopDone:
+    async def host_consumer(self, msg: RunConsumer, send: Callable[[Any], Any], inbound: InboundStream,
+                            mailbox: Any = None) -> LoopDone:
         """Run the consumer of the stream a `RunConsumer` names, on chunks this worker's policy forms from `inbound`.
 
         A per-chunk consumer forwards every call's outputs (the caller collects them as lists); a
         consumer fragment forwards what the walk makes visible, then the env names it changed.
+        Streams it produces in turn go straight to their consumer's worker when `msg.streams` routes them.
         """
         sites = self.sites[msg.walk]
         walk = sites.walk
@@ -118,10 +118,12 @@ class LoopHostConductor(Conductor):
         stream = inbound.stream
         env = from_wire(msg.env)
         before = dict(env)
+        senders: dict[int, StreamSender] = {}
         try:
+            senders = _senders(msg, walk, mailbox)
             if edge.consumer is None:
                 site = sites.stream_calls[msg.stream]
-                frame = self._frame(walk, site)
+                frame = self._frame(walk, site, senders)
                 state = _LoopState(msg.request_id, msg.loop, msg.branch, {}, send)
                 state.arrival = msg.arrival
                 ports = self.graph.nodes[site.node].outputs
@@ -133,9 +135,10 @@ class LoopHostConductor(Conductor):
                 changed = {}
             else:
                 body = sites.consumers[msg.stream]
-                state = _LoopState(msg.request_id, msg.loop, msg.branch, self._forward(self.graph, walk, body), send)
+                state = _LoopState(msg.request_id, msg.loop, msg.branch,
+                                   self._forward(self.graph, walk, body, frozenset(senders)), send)
                 state.arrival = msg.arrival
-                await self._step(state, self._frame(walk, body).fragment({edge.into: stream}), body, env)
+                await self._step(state, self._frame(walk, body, senders).fragment({edge.into: stream}), body, env)
                 stream.finish_reading()
                 changed = {k: v for k, v in env.items()
                            if k != edge.into and (k not in before or before[k] is not v)}
@@ -144,4 +147,13 @@ class LoopHostConductor(Conductor):
         except Exception as exc:
             return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch,
                             node=getattr(exc, "node", None), **error_fields(exc))
-        return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, env=to_wire(changed))
+        return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, env=to_wire(changed),
+                        streamed={str(k): s.sent for k, s in senders.items()})
+
+
+def _senders(msg: RunLoop | RunConsumer, walk: Walk, mailbox: Any) -> dict[int, StreamSender]:
+    """The sending ends of the streams `msg` routes worker to worker (`streams`: index -> route)."""
+    if msg.streams and mailbox is None:
+        raise RuntimeError("this worker has no peer mailbox to send its streams from")
+    return {int(k): StreamSender(walk.streams[int(k)], int(k), msg.request_id, route, mailbox)
+            for k, route in msg.streams.items()}

@@ -1,14 +1,19 @@
-"""Streams between two workers go peer to peer: the serving process's side (the workers' is `peer_streams.py`).
+"""Streams between workers go peer to peer: the serving process's side (the workers' is `peer_streams.py`).
 
-When a stream's producer runs in a loop delegated to one worker and its consumer (a per-chunk node
-call, or a consumer fragment) lives wholly on another, the items go straight from the first
-worker to the second, whose copy of the stream runs the chunk policy and the consumer. The serving
-process sends the consumer's worker a `RunConsumer` and, once the producing stage ended, a
-`StreamEnd` with the number of items sent; it sees the consumer's visible outputs (emitted values,
-lists a per-chunk consumer collects) as it would for a delegated loop, never the chunks.
+When a stream's producer runs on a worker as a whole stage (in a loop delegated to it, or in the
+consumer of another stream that itself runs on a worker) and its consumer (a per-chunk node call,
+or a consumer fragment) lives wholly on one worker group, the items go straight from the first
+worker to the second, whose copy of the stream runs the chunk policy and the consumer. Both ends
+on one worker use the same line (the worker sends to its own mailbox), so the chunks never come
+here either. The serving process sends the consumer's worker a `RunConsumer` and, once the
+producing stage ended, a `StreamEnd` with the number of items sent; it sees the consumer's visible
+outputs (emitted values, lists a per-chunk consumer collects) as it would for a delegated loop,
+never the chunks.
 
-Anything else (a producer called outside such a loop, both ends on one worker, an end in this
-process, a worker whose peer mailbox is not known yet) keeps the stream here, as before.
+Anything else keeps the stream here, as before: a producer called from here one call at a time
+(its outputs come here anyway), a producer loop inside a Parallel (several runs would feed one
+stream's sequence at once), an end in this process, a per-walk node, a worker whose peer mailbox
+is not known yet, and a stream whose producing consumer stays here for the request.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from mstar_core.wire.session import new_session_id
 
 
 class StreamPlan:
-    """One stream of one walk that goes worker to worker when a request's two ends land on two workers."""
+    """One stream of one walk that goes worker to worker: where its producer and its consumer run."""
 
     def __init__(self, cluster: Cluster, model: str, walk: str, index: int, edge: StreamingGraphEdge,
-                 producer: RemoteNodeScheduler, consumer: RemoteNodeScheduler, calls: list[CallSite]):
+                 producer: RemoteNodeScheduler, consumer: RemoteNodeScheduler, calls: list[CallSite],
+                 parent: StreamPlan | None = None):
         self.cluster = cluster
         self.model = model
         self.walk = walk
@@ -48,14 +54,21 @@ class StreamPlan:
         self.producer = producer
         self.consumer = consumer
         self.calls = calls  # the consumer's call sites, in the order its worker numbers forwarded values
+        # the stream whose consumer produces this one (None: a delegated loop of the walk's body does)
+        self.parent = parent
+
+    def target(self, request_id: str) -> tuple[str, str] | None:
+        """(consumer worker, its peer mailbox address) for this request, or None if the stream stays here."""
+        if self.parent is not None and self.parent.target(request_id) is None:
+            return None  # the producing consumer runs here for this request: so are the items
+        worker = self.consumer.replica_for(request_id)
+        address = (self.cluster.workers[worker].load.get("peer") or {}).get("address")
+        return (worker, address) if isinstance(address, str) else None
 
     def open(self, request_id: str) -> DirectStream | None:
-        """This request's stream, if its ends are on two workers and the consumer's mailbox is known; else None."""
-        src, dst = self.producer.replica_for(request_id), self.consumer.replica_for(request_id)
-        address = (self.cluster.workers[dst].load.get("peer") or {}).get("address")
-        if src == dst or not isinstance(address, str):
-            return None
-        return DirectStream(self, request_id, dst, address)
+        """This request's stream going worker to worker, or None when it stays here."""
+        target = self.target(request_id)
+        return None if target is None else DirectStream(self, request_id, *target)
 
 
 class DirectStream:
@@ -105,50 +118,78 @@ class DirectStream:
             def on_values(call: int, outputs: dict[str, Any]) -> None:
                 site = plan.calls[call]
                 conductor.after_call(state, fragment, site.call, outputs, scratch, site)
+        # the streams this consumer produces that go on worker to worker: its worker sends their items itself
+        routes = {k: r for k, r in frame.routes.items() if r.plan.parent is plan}
         try:
             msg = RunConsumer(request_id=self.request_id, model=plan.model, walk=plan.walk, stream=plan.index,
                               env=to_wire(sent), nonce=self.nonce, session=self.session, branch=frame.branch_key,
-                              arrival=state.arrival)
-            delta, _ = await plan.cluster.run_loop(self.worker, msg, on_values)
+                              arrival=state.arrival, streams={str(k): r.route() for k, r in routes.items()})
+            delta, streamed = await plan.cluster.run_loop(self.worker, msg, on_values)
         except WireError as exc:
             raise RequestError(f"request {self.request_id}: an input of the consumer of stream {edge.name} cannot be "
                                f"sent to worker '{self.worker}': {exc}", status=400) from None
+        for k, count in streamed.items():
+            routes[int(k)].sent += int(count)
         env.update(delta)
 
 
 def plan_direct_streams(conductor: Conductor, cluster: Cluster, model: str) -> int:
-    """Mark every stream whose producer runs in one delegated loop and whose consumer lives on one worker group.
+    """Mark every stream whose producing stage and whose consumer each run wholly on one worker group.
 
-    Call after `delegate_loops`. Returns the number of streams marked; a request still keeps a
-    stream here when its two ends land on the same worker.
+    Call after `delegate_loops`. A stream produced by another stream's consumer is marked once
+    that stream is (it goes direct only for requests whose producing consumer runs on its
+    worker). Returns the number of streams marked.
     """
     count = 0
     for name, sites in conductor.sites.items():
-        for k, edge in enumerate(sites.walk.streams):
-            plan = _plan(conductor, cluster, model, sites, k, edge)
-            if plan is not None:
-                conductor.direct_streams.setdefault(name, {})[k] = plan
-                count += 1
+        plans: dict[int, StreamPlan] = {}
+        changed = True
+        while changed:  # a chained stream is planned in the pass after the one that planned its parent
+            changed = False
+            for k, edge in enumerate(sites.walk.streams):
+                if k not in plans and (plan := _plan(conductor, cluster, model, sites, k, edge, plans)) is not None:
+                    plans[k] = plan
+                    changed = True
+        if plans:
+            conductor.direct_streams[name] = plans
+        count += len(plans)
     return count
 
 
 def _plan(conductor: Conductor, cluster: Cluster, model: str, sites: WalkSites, k: int,
-          edge: StreamingGraphEdge) -> StreamPlan | None:
+          edge: StreamingGraphEdge, plans: dict[int, StreamPlan]) -> StreamPlan | None:
     name = sites.walk.name
-    if k not in sites.closes[None]:
-        return None  # produced by another stream's consumer: it stays where that consumer's values arrive
-    loop = _producing_loop(conductor, sites, edge.src_node)
-    if loop is None:
-        return None
-    producer = conductor.remote_loops[name, loop.index].scheduler
+    parent = None
+    if k in sites.closes[None]:  # produced by the body: by a loop delegated to one worker group, or stays here
+        loop = _producing_loop(conductor, sites, edge.src_node)
+        if loop is None:
+            return None
+        producer = conductor.remote_loops[name, loop.index].scheduler
+    else:  # produced by stream j's consumer: goes on direct from where that consumer runs, if it runs on a worker
+        j = next(j for j, closed in sites.closes.items() if j is not None and k in closed)
+        parent = plans.get(j)
+        if parent is None or not _only_in(sites, edge.src_node, j):
+            return None
+        producer = parent.consumer
     calls = [sites.stream_calls[k]] if edge.consumer is None else list(iter_call_sites(sites.consumers[k]))
     scheds = [conductor.scheduler_for(name, c.node) for c in calls]
     if not scheds or not all(isinstance(s, RemoteNodeScheduler) for s in scheds) or \
-            len({tuple(s.replicas) for s in scheds}) != 1 or tuple(scheds[0].replicas) == tuple(producer.replicas):
+            len({tuple(s.replicas) for s in scheds}) != 1:
         return None
     if any((name, c.node) in conductor.walk_schedulers for c in calls):
         return None  # a per-walk node's state may have to move first: keep the consumer's calls here
-    return StreamPlan(cluster, model, name, k, edge, producer, scheds[0], calls)
+    return StreamPlan(cluster, model, name, k, edge, producer, scheds[0], calls, parent)
+
+
+def _only_in(sites: WalkSites, node: str, stage: int) -> bool:
+    """True when every call of `node` in the walk is in stream `stage`'s consumer."""
+    def stage_calls(j):
+        return [sites.stream_calls[j]] if j in sites.stream_calls else list(iter_call_sites(sites.consumers[j]))
+
+    inside = [c for c in stage_calls(stage) if c.node == node]
+    elsewhere = [c for c in iter_call_sites(sites.body) if c.node == node] + \
+        [c for j in range(len(sites.walk.streams)) if j != stage for c in stage_calls(j) if c.node == node]
+    return bool(inside) and not elsewhere
 
 
 def _producing_loop(conductor: Conductor, sites: WalkSites, node: str) -> LoopSite | None:

@@ -347,7 +347,7 @@ class Worker:
 
         async def consume() -> None:
             try:
-                done = await host.host_consumer(msg, self.send_soon, inbound)
+                done = await host.host_consumer(msg, self.send_soon, inbound, self.mailbox)
             finally:
                 if self._inbound.get(key) is inbound:
                     self._drop_inbound(key)

@@ -276,6 +276,8 @@ class RunConsumer:
 
     The items come sealed under (`nonce`, `session`) to this worker's peer mailbox; the stream's
     chunk policy runs here. Answers are `LoopValues`/`LoopDone` with `loop` = -1 - `stream`.
+    `streams` routes the streams this consumer produces in turn straight to their own consumer's
+    worker, as `RunLoop.streams` does (the items sent are counted in `LoopDone.streamed`).
     """
 
     request_id: str
@@ -287,6 +289,7 @@ class RunConsumer:
     session: str
     branch: str = ""
     arrival: float = 0.0  # the request's (see `InvokeNode`), for the consumer's calls there
+    streams: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def loop(self) -> int:

@@ -22,36 +22,107 @@ async def speak(engine, seed, length):
     return outs
 
 
-async def run_all(placement=None):
+def traffic(engine):
+    """{worker: {direction: {tag: [count, bytes]}}} through the serving process, copied."""
+    return {name: {d: {t: list(v) for t, v in by.items()} for d, by in w.traffic.items()}
+            for name, w in engine.cluster.workers.items()}
+
+
+def sent_since(after, before, worker):
+    """{tag: count} the serving process sent `worker` between two `traffic` snapshots (tags that moved)."""
+    was = before[worker]["sent"]
+    counts = {t: n - was.get(t, [0, 0])[0] for t, (n, _) in after[worker]["sent"].items()}
+    return {t: n for t, n in counts.items() if n}
+
+
+async def peer_figure(engine, worker, key, want):
+    """A worker's peer-line figure from its heartbeats, once it reaches `want`."""
+    state = engine.cluster.workers[worker]
+    deadline = time.monotonic() + 10
+    while (state.load.get("peer") or {}).get(key, 0) < want:
+        assert time.monotonic() < deadline, state.load.get("peer")
+        await asyncio.sleep(0.05)
+    return state.load["peer"][key]
+
+
+REQUESTS = ((1, 9), (2, 14))
+
+
+async def run_all(placement=None, check=None):
     engine = AsyncEngine(discover())
     await engine.load_model("fixture-chain", LoadOptions(preset="tiny"), placement=placement)
     try:
-        outs = [await speak(engine, seed, length) for seed, length in ((1, 9), (2, 14))]
-        if engine.cluster is None:
-            return outs, None
-        direct = {walk: sorted(plans) for walk, plans in engine._models["fixture-chain"].conductor.direct_streams.items()}
-        talker = engine.cluster.workers["talker"]
-        deadline = time.monotonic() + 10
-        while (talker.load.get("peer") or {}).get("stream_received_items", 0) < 9 + 14:
-            assert time.monotonic() < deadline, talker.load.get("peer")
-            await asyncio.sleep(0.05)
-        return outs, (direct, talker.load["peer"]["stream_received_items"])
+        before = traffic(engine) if engine.cluster else None
+        outs = [await speak(engine, seed, length) for seed, length in REQUESTS]
+        if check is not None:
+            direct = {walk: sorted(plans) for walk, plans in engine._models["fixture-chain"].conductor.direct_streams.items()}
+            await check(engine, direct, before, traffic(engine), outs)
+        return outs
     finally:
         await engine.close()
 
 
-async def test_the_chain_split_across_two_workers_matches_the_colocated_run():
-    colocated, _ = await run_all()
-    # the producer on one worker (its loop delegated there), the consumer loop and the decoder on another
-    placement = Placement.from_dict({"workers": {"thinker": {}, "talker": {}},
-                                     "nodes": {"gen": "thinker", "talker": "talker", "window": "talker"}})
-    split, (direct, received) = await run_all(placement)
-    # gen -> talker goes worker to worker (the talker loop and its policy run on the talker worker); talker ->
-    # window has both ends on one worker and stays with the serving process
-    assert direct == {"speak": [0]} and received == 9 + 14
-    for (seed, length), a, b in zip(((1, 9), (2, 14)), colocated, split, strict=True):
+def frames_streamed(outs):
+    """Items of the talker.frame stream: the non-empty frames (the edge keeps only those)."""
+    return sum(1 for out in outs for name, v in out if name == "frame" and v.numel() > 0)
+
+
+def assert_same(colocated, split):
+    for (seed, length), a, b in zip(REQUESTS, colocated, split, strict=True):
         for name in ("frame", "wav"):  # the stages interleave differently; each output stream is identical
             mine, theirs = [v for n, v in a if n == name], [v for n, v in b if n == name]
             assert len(mine) == len(theirs) and all(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
         wav = torch.cat([v for name, v in b if name == "wav"])
         assert torch.equal(wav, torch.tensor([2.0 * token_of(seed, i) for i in range(length)]))
+
+
+async def test_the_chain_split_across_two_workers_matches_the_colocated_run():
+    colocated = await run_all()
+    # the producer on one worker (its loop delegated there), the consumer loop and the decoder on another
+
+    async def check(engine, direct, before, after, outs):
+        # gen -> talker goes worker to worker (the talker loop and its policy run on the talker worker); talker ->
+        # window has both ends on the talker worker, which sends the frames to its own peer mailbox
+        assert direct == {"speak": [0, 1]}
+        frames = frames_streamed(outs)
+        assert frames > 4
+        assert await peer_figure(engine, "talker", "stream_received_items", 9 + 14 + frames) == 9 + 14 + frames
+        assert await peer_figure(engine, "talker", "stream_sent_items", frames) == frames
+        assert await peer_figure(engine, "thinker", "stream_sent_items", 9 + 14) == 9 + 14
+        # no window reaches the talker worker as a node call: two consumers, two stream ends, one release each
+        assert sent_since(after, before, "talker") == {"run_consumer": 4, "stream_end": 4, "release": 2}
+
+    placement = Placement.from_dict({"workers": {"thinker": {}, "talker": {}},
+                                     "nodes": {"gen": "thinker", "talker": "talker", "window": "talker"}})
+    assert_same(colocated, await run_all(placement, check))
+
+
+async def test_the_chain_across_three_workers_sends_each_stream_peer_to_peer():
+    colocated = await run_all()
+
+    async def check(engine, direct, before, after, outs):
+        # talker.frame is produced by gen.item's consumer, which runs on the talker worker: it goes on from there
+        assert direct == {"speak": [0, 1]}
+        frames = frames_streamed(outs)
+        assert await peer_figure(engine, "codec", "stream_received_items", frames) == frames
+        assert await peer_figure(engine, "talker", "stream_sent_items", frames) == frames
+        assert sent_since(after, before, "codec") == {"run_consumer": 2, "stream_end": 2, "release": 2}
+        to_codec = sum(after["codec"]["sent"][t][1] - before["codec"]["sent"].get(t, [0, 0])[1]
+                       for t in after["codec"]["sent"])
+        assert to_codec < 2_000, to_codec  # ids and small env values; never a window of frames
+        # with the stream kept here (the fallback), every window goes to the codec as a node call
+        conductor = engine._models["fixture-chain"].conductor
+        plans = conductor.direct_streams["speak"]
+        conductor.direct_streams["speak"] = {0: plans[0]}
+        try:
+            before = traffic(engine)
+            again = [await speak(engine, seed, length) for seed, length in REQUESTS]
+            windows = sum(1 for out in again for name, _ in out if name == "wav")
+            assert sent_since(traffic(engine), before, "codec") == {"invoke_node": windows, "release": 2}
+            assert_same(outs, again)
+        finally:
+            conductor.direct_streams["speak"] = plans
+
+    placement = Placement.from_dict({"workers": {"thinker": {}, "talker": {}, "codec": {}},
+                                     "nodes": {"gen": "thinker", "talker": "talker", "window": "codec"}})
+    assert_same(colocated, await run_all(placement, check))
