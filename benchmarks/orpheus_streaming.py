@@ -18,12 +18,13 @@ steps in three orders: ranked by the listener's remaining audio (Orpheus's strea
 priority and no request age (`viability_c32_fifo`, the issue's FIFO: plain fairness, each decode
 queues behind those submitted before it); and oldest request first without stream priority, the
 runtime's default order for a model that declares none (`viability_c32_age`). The LM decodes at most
-`--viability-rows` rows per step, so it has to choose. These three are the issue's figure. Oldest
-first with a row cap is admission control (a stream starts only when an older one ends, and the
-metric does not count the wait before the first chunk), so each is also scored with that wait
-bounded (`*_bounded_start`, see `run_viability`). It runs on its own, smaller Orpheus
-(`viability_config`: one stream alone is well ahead of real time here), and is also scored on a
-CPU-time listener clock (`*_cpu_clock`), which other jobs on a shared box cannot stall. Final line: JSON.
+`--viability-rows` rows per step, so it has to choose. The issue's figure is priority vs fifo on
+this metric (wall clock); age is reported beside them. Oldest first with a row cap is admission
+control (a stream starts only when an older one ends, and the metric does not count the wait before
+the first chunk), so each is also scored with that wait bounded (`*_bounded_start`, see
+`run_viability`). It runs on its own, smaller Orpheus (`viability_config`: one stream alone is well
+ahead of real time here), and is also scored on a CPU-time listener clock (`*_cpu_clock`), which
+other jobs on a shared box cannot stall. Final line: JSON.
 
     python benchmarks/orpheus_streaming.py --quick
 """
