@@ -97,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden `[N, H]` -> logits `[N, vocab]`."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)  # (the module, so a packed LM head runs packed, see nn/packed.py)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
 
 def llama_weight_mapping(cfg: LlamaConfig):

@@ -30,6 +30,8 @@ class KVCacheSettings:
     compile: bool = False
     compile_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     cuda_graphs: bool | None = None  # None: on when compiling on CUDA
+    # wide fp32 linears prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
+    pack_weights: bool | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
@@ -41,7 +43,7 @@ class KVCacheSettings:
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
-        for key in ("compile", "cuda_graphs"):
+        for key in ("compile", "cuda_graphs", "pack_weights"):
             if values.get(key) is not None and not isinstance(values[key], bool):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be true or false, got {values[key]!r}")
         buckets = values.get("compile_buckets")

@@ -84,6 +84,11 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
+        self.packed_linears = 0
+        if self.settings.pack_weights is not False and self.device.type == "cpu" and isinstance(module, torch.nn.Module):
+            from mstar_core.nn.packed import pack_linears
+
+            self.packed_linears = pack_linears(module)  # a CPU step's wide GEMMs stop repacking their weights
         self.forward_fn = module if not self.settings.compile else self._compiled(module)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
@@ -187,6 +192,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "kv_prefix_hit_pages": self.pool.hits,
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
+            "packed_linears": self.packed_linears,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
             **({"compile_seconds": self.forward_fn.compile_seconds} if self.forward_fn is not self.module else {}),

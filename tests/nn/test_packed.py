@@ -1,0 +1,102 @@
+"""Wide linears prepacked for oneDNN: same results as `F.linear` (fp32, a few ulps), never stale, invisible outside."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn import DenseAttention, LlamaForCausalLM
+from mstar_core.nn import packed as packed_mod
+from mstar_core.nn.packed import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _close(a, b):
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
+
+
+def test_only_wide_fp32_linears_are_packed_and_match_f_linear():
+    torch.manual_seed(0)
+    wide, narrow, half = nn.Linear(32, 4096), nn.Linear(32, 64), nn.Linear(32, 4096).to(torch.bfloat16)
+    model = nn.Sequential(wide, narrow, half)
+    assert pack_linears(model) == 1
+    assert type(wide) is PackedLinear and type(narrow) is nn.Linear and type(half) is nn.Linear
+    for rows in (1, 5, 32, 70):
+        x = torch.randn(rows, 32)
+        with torch.inference_mode():
+            _close(wide(x), F.linear(x, wide.weight, wide.bias))
+    x = torch.randn(2, 3, 32)  # leading dims kept
+    with torch.inference_mode():
+        assert wide(x).shape == (2, 3, 4096)
+        _close(wide(x), F.linear(x, wide.weight, wide.bias))
+
+
+def test_a_changed_weight_is_never_served_from_the_stale_pack():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 2048, bias=False)
+    pack_linears(layer)
+    x = torch.randn(4, 16)
+    new = torch.randn(2048, 16)
+    layer.load_state_dict({"weight": new})  # in place: bumps the weight's version
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, new))  # unpacked path: exactly F.linear
+    layer.pack()
+    with torch.inference_mode():
+        _close(layer(x), F.linear(x, new))
+    layer.weight = nn.Parameter(torch.randn(2048, 16))  # a new tensor altogether
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def test_autograd_copies_and_state_dict_see_a_plain_linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 2048)
+    keys = list(layer.state_dict())
+    pack_linears(layer)
+    assert list(layer.state_dict()) == keys
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).sum().backward()  # grad mode: runs F.linear, gradients flow
+    assert layer.weight.grad is not None and x.grad is not None
+    twin = copy.deepcopy(layer)  # the opaque packed tensor is not copied; the copy runs unpacked
+    with torch.inference_mode():
+        assert torch.equal(twin(x.detach()), F.linear(x.detach(), layer.weight, layer.bias))
+
+
+def test_packed_llama_matches_transformers(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
+    ours = LlamaForCausalLM(hf.config.to_dict())
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    monkeypatch.setattr(packed_mod, "PACK_MIN_OUT", 1)
+    assert pack_linears(ours) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    ids = torch.tensor([[3, 17, 99, 5, 250, 42, 7]])
+    with torch.inference_mode():
+        want = hf(ids).logits[0]
+        hidden = ours(ids[0], torch.arange(ids.shape[1]), DenseAttention())
+        _close(ours.compute_logits(hidden), want)
+
+
+def test_engine_packs_on_cpu_unless_told_not_to_and_decodes_like_transformers(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from tests.engines.conftest import hf_greedy, make_pair
+    from tests.engines.driver import generate, make_engine
+
+    hf, ours = make_pair(tmp_path)
+    monkeypatch.setattr(packed_mod, "PACK_MIN_OUT", 1)
+    off = make_engine(copy.deepcopy(ours), num_pages=64, page_size=4, pack_weights=False)
+    assert off.stats()["packed_linears"] == 0 and not any(isinstance(m, PackedLinear) for m in off.module.modules())
+    engine = make_engine(ours, num_pages=64, page_size=4)
+    assert engine.stats()["packed_linears"] == 2 * 4 + 1
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7]}
+    got = generate(engine, prompts, 32)
+    for rid, prompt in prompts.items():
+        assert got[rid] == hf_greedy(hf, prompt, 32), rid
