@@ -10,11 +10,16 @@ fed back through the conductor's decode loop to the `kvcache` engine. All in thi
     in flight, which weighs more the fewer waves there are). M* refills a finished request's
     slot at once; HF `generate` gets the same requests in batches of N with left padding (each
     batch runs to its longest output; tokens/s counts only the tokens asked for);
-    Beside each whole-run figure, the steady state (`*_steady_*`): tokens/s over the steps where
-    the batch is full, i.e. every row of the step yields a token someone asked for (M*: engine steps
-    that answered N requests, timed end to end including the runtime between steps, so refills'
-    prefill chunks riding in a full batch count; `generate`: each batch's decode steps 2..min(outputs),
-    timed by a streamer, its prefill step left out, which favours `generate`);
+    Beside each whole-run figure, the steady state (`*_steady_*`): tokens/s over the full-batch
+    decode steps, i.e. steps that run one token per row and where every row yields a token someone
+    asked for. `generate`: each batch's decode steps 2..min(outputs), timed by a streamer (its
+    prefill step left out). M*: engine steps that answered N requests and ran nothing else, timed end
+    to end including the runtime between steps; steps carrying a refill's prefill chunk are left
+    out, as `generate`'s prefill is (until session 5 they counted, so M*'s window held prefill work
+    that `generate`'s did not: 0.68 in the quiet full run). The windows still favour `generate`:
+    its steps are the first of each batch, over the shortest KV of its run, while M*'s span every KV
+    length. `--profile` compares one step of each at equal KV lengths, and its roofline says how far
+    any fp32 step can beat `generate`'s on this CPU;
   * framework tax: 32 requests of equal prompt and output length decoded in lockstep, M* against
     a bare loop over the same decoder with a preallocated dense KV cache and no framework;
   * compiled steps: the same lockstep on a second engine with `compile: true` (the 32-row decode
@@ -77,6 +82,9 @@ def workload(n: int, prompt_range, output_range, seed: int):
     return prompts, outputs
 
 
+ENGINE_EXTRA: dict = {}  # settings every engine of this run gets (--unpacked)
+
+
 async def start_engine(loaded, pages: int, **extra):
     """M* as an integrator embeds it: an `AsyncEngine` serving the model; requests go through the conductor."""
     from mstar_core.runtime import AsyncEngine
@@ -84,46 +92,56 @@ async def start_engine(loaded, pages: int, **extra):
     engine = AsyncEngine()
     # no prefix caching: runs repeat the same prompts, and a cache hit would skip prefill HF has to do
     settings = {"num_pages": pages, "page_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 64,
-                "enable_prefix_caching": False, **extra}
+                "enable_prefix_caching": False, **ENGINE_EXTRA, **extra}
     await engine.add_model(loaded, settings={"lm": settings})
     return engine
 
 
 class StepClock:
-    """Timestamps every kvcache engine step (end time, requests answered) for the steady-state figures."""
+    """Timestamps every kvcache engine step (end time, requests answered, tokens run) for the steady-state figures."""
 
     def __init__(self):
         from mstar_kvcache import KVCacheEngine
 
-        self.cls, self.original = KVCacheEngine, KVCacheEngine.step
-        self.events: list[tuple[float, int]] = []
+        self.cls, self.original, self.original_run = KVCacheEngine, KVCacheEngine.step, KVCacheEngine._run
+        self.events: list[tuple[float, int, int]] = []
         self.engines: list = []
         self.t0 = time.perf_counter()
+        self.tokens = 0
         clock = self
 
+        def run(engine, work):
+            clock.tokens += sum(n for _, n in work)
+            return clock.original_run(engine, work)
+
         def step(engine):
+            clock.tokens = 0
             results = clock.original(engine)
-            clock.events.append((time.perf_counter(), len(results)))
+            clock.events.append((time.perf_counter(), len(results), clock.tokens))
             if engine not in clock.engines:
                 clock.engines.append(engine)
             return results
 
-        KVCacheEngine.step = step
+        KVCacheEngine.step, KVCacheEngine._run = step, run
 
     def start(self) -> None:
         self.events, self.t0 = [], time.perf_counter()
 
     def steady(self, full: int) -> tuple[int, float]:
-        """(tokens, seconds) over the steps that answered `full` requests, each timed from the previous step's end."""
+        """(tokens, seconds) over the full-batch decode steps, each timed from the previous step's end.
+
+        A full-batch decode step answered `full` requests and ran no other tokens: a step carrying a
+        refill's prefill chunk is left out, as `generate`'s prefill step is left out of its window.
+        """
         tokens, seconds, prev = 0, 0.0, self.t0
-        for end, answered in self.events:
-            if answered >= full:
+        for end, answered, ran in self.events:
+            if answered >= full and ran == answered:
                 tokens, seconds = tokens + answered, seconds + end - prev
             prev = end
         return tokens, seconds
 
     def restore(self) -> None:
-        self.cls.step = self.original
+        self.cls.step, self.cls._run = self.original, self.original_run
 
 
 CLOCK: StepClock | None = None
@@ -204,8 +222,11 @@ class DenseKV:
         return out.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[-1])
 
 
-def run_bare(model, prompts, steps) -> tuple[float, int]:
-    """Lockstep greedy decoding of equal-length prompts with a dense KV cache and nothing else."""
+def run_bare(model, prompts, steps, stamps: list[float] | None = None) -> tuple[float, int]:
+    """Lockstep greedy decoding of equal-length prompts with a dense KV cache and nothing else.
+
+    `stamps`, when given, gets the thread CPU time after each step (prefill first), like `StepStamps`.
+    """
     cfg = model.config
     b, p = len(prompts), len(prompts[0])
     cache = DenseKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads, p + steps, cfg.head_dim)
@@ -218,6 +239,8 @@ def run_bare(model, prompts, steps) -> tuple[float, int]:
         last = hidden.view(b, p, -1)[:, -1]
         for i in range(steps):
             token = model.compute_logits(last).argmax(-1)
+            if stamps is not None:
+                stamps.append(time.thread_time())
             if i == steps - 1:
                 break
             cache.pos += cache.step_len
@@ -263,9 +286,19 @@ def hf_steady() -> tuple[int, float]:
 
 async def main_async(args) -> dict:
     torch.set_num_threads(args.threads)
+    if args.unpacked:
+        ENGINE_EXTRA["pack_weights"] = False
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         hf, loaded = load_models(tmp)
+    if args.profile:
+        from decode_profile import profile
+
+        p_len, steps = (32, 16) if args.quick else (64, 32)
+        figures = await profile(hf, loaded, p_len, steps, args.repeats)
+        return {"benchmark": "decode_throughput", "mode": "profile", "quick": args.quick, "threads": args.threads,
+                "packed": not args.unpacked,
+                "load_avg": [round(load_start, 2), round(os.getloadavg()[0], 2)], **figures}
     decoder = loaded.graph.nodes["lm"].module()
     if args.quick:
         prompt_range, output_range, lock = (8, 32), (8, 96), (16, 32)
@@ -318,6 +351,7 @@ async def main_async(args) -> dict:
         CLOCK.restore()
         await engine.close()
     return {"benchmark": "decode_throughput", "quick": args.quick, "threads": args.threads, "waves": args.waves,
+            "packed": not args.unpacked,
             "load_avg": [round(load_start, 2), round(os.getloadavg()[0], 2)], **figures}
 
 
@@ -352,8 +386,12 @@ def main() -> None:
                         help="requests per concurrency level, in multiples of the level (default 2 quick, 6 full)")
     parser.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)),
                         help="torch intra-op threads (default: half the cores, at most 4)")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="engines with pack_weights: false (MKL repacks wide weights every call, as before session 5)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only the per-step profile and roofline at batch 32 (see decode_profile.py)")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (3 if args.profile else 1 if args.quick else 2)
     args.waves = args.waves or (2 if args.quick else 6)
     print(json.dumps(asyncio.run(main_async(args))))
 
