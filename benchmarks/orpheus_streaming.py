@@ -282,7 +282,7 @@ async def add_viability_models(engine, args) -> float:
     for kind, (priority, order) in VIABILITY_KINDS.items():
         # the LM decodes at most `rows` rows a step and takes at most that many calls at once, so it has to choose
         rows = {"lm": {"num_pages": args.viability_pages, "max_num_seqs": args.viability_rows,
-                       "max_batch_size": args.viability_rows, "call_order": order}}
+                       "max_batch_size": args.viability_batch or args.viability_rows, "call_order": order}}
         graph = build_graph(lm, snac_node, loaded.extras["vocab"].audio, priority=priority,
                             start_lead=args.viability_start_lead)
         await engine.add_model(attrs.evolve(loaded, graph=graph), settings=rows, alias=f"orpheus-{kind}")
@@ -334,6 +334,7 @@ async def viability_runs(engine, args, lengths: list[int], window_s: float, rate
         "viability_runs": {k: [{s: r[s] for s in scores} for r in v] for k, v in runs.items()},
         "viability_traces": runs if args.viability_traces else None,
         "viability_setup": {"rows_per_step": args.viability_rows, "kv_pages": args.viability_pages,
+                            "lm_max_batch_size": args.viability_batch or args.viability_rows,
                             "arrival_gap_s": args.viability_gap, "tokens_per_stream": [min(lengths), max(lengths)],
                             "rounds": args.viability_rounds, "start_lead_s": args.viability_start_lead,
                             "start_bound_s": bound,
@@ -480,6 +481,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer tokens (< 60 s on 2 CPU cores)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved M*/floor TTFA pairs at concurrency 1")
     parser.add_argument("--viability-rows", type=int, default=4, help="LM rows per step in the viability runs")
+    parser.add_argument("--viability-batch", type=int, default=None,
+                        help="calls the LM engine holds at once in the viability runs (default: the rows; more lets "
+                             "the engine prefill streams it cannot yet decode every step, and choose among them)")
     parser.add_argument("--viability-gap", type=float, default=0.05, help="seconds between arrivals (viability)")
     parser.add_argument("--viability-rounds", type=int, default=3, help="rounds of the three orders (viability)")
     parser.add_argument("--viability-start-lead", type=float, default=None,
