@@ -7,11 +7,16 @@ through MKL and ~10.6 ms through oneDNN with the weight packed at load, the 512 
 ~2.5 vs ~2.1 ms; at 4 rows 11.4 vs 5.2 ms for the LM head. Narrow weights (out <= 1024: q/k/v, o,
 down) gain nothing there, so only weights with at least `PACK_MIN_OUT` output features are packed.
 
+Under `torch.compile` a packed linear is one opaque op (`mstar_nn::packed_linear`) that runs the
+eager packed GEMM, so a compiled step keeps it and inductor fuses the elementwise work around it.
+
 The packed copy is extra memory (the weight stays, for `state_dict`, autograd and compiled graphs),
 and its sums run in another order than MKL's (fp32 results differ by a few ulps, ~1e-6 relative).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +51,11 @@ class PackedLinear(nn.Linear):
         self._packed_for = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # first: a traced graph sees a plain linear (data_ptr would break it)
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # first: data_ptr would break the graph
+            if self._packed is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+                return F.linear(x, self.weight, self.bias)
+            # one opaque op in the graph (inductor fuses around it), running this layer's packed weight
+            return torch.ops.mstar_nn.packed_linear(x, self.weight, self.bias, _register(self))
         packed = self._packed
         if (packed is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
                 or (self.weight.data_ptr(), self.weight._version) != self._packed_for):
@@ -61,6 +69,31 @@ class PackedLinear(nn.Linear):
         state.pop("_packed", None)
         state.pop("_packed_for", None)
         return state
+
+
+_LAYERS: dict[int, weakref.ref] = {}  # key -> PackedLinear, for the compiled op
+
+
+def _register(layer: PackedLinear) -> int:
+    key = id(layer)
+    if key not in _LAYERS or _LAYERS[key]() is not layer:
+        _LAYERS[key] = weakref.ref(layer)
+    return key
+
+
+@torch.library.custom_op("mstar_nn::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    """A `PackedLinear`'s eager forward inside a compiled graph (weight and bias passed for the graph's bookkeeping)."""
+    ref = _LAYERS.get(key)
+    layer = ref() if ref is not None else None
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr():  # (the graph may hand over an alias)
+        return F.linear(x, weight, bias)
+    return layer(x)
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def pack_linears(module: nn.Module, min_out: int | None = None) -> int:

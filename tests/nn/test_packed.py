@@ -100,3 +100,21 @@ def test_engine_packs_on_cpu_unless_told_not_to_and_decodes_like_transformers(tm
     got = generate(engine, prompts, 32)
     for rid, prompt in prompts.items():
         assert got[rid] == hf_greedy(hf, prompt, 32), rid
+
+
+def test_a_compiled_graph_keeps_the_packed_gemm_as_one_op():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 2048), nn.SiLU(), nn.Linear(2048, 4096, bias=False))
+    assert pack_linears(model) == 2
+    seen = []
+
+    def backend(gm, example_inputs):  # records the traced graph, runs it as traced (no C++ compiler needed)
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        want = model(x)
+    assert seen.count("mstar_nn.packed_linear") == 2, seen  # no graph break, no plain linear
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
