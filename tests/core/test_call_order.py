@@ -126,3 +126,32 @@ async def test_async_engine_reads_the_setting_and_refuses_a_bad_one():
         assert torch.equal((await engine.submit("fifo", {"x": torch.ones(2)}).result())["y"], 2 * torch.ones(2))
     finally:
         await engine.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_node_with_fifo_admits_the_request_sent_first_not_the_older_one():
+    """The setting travels with a placement: the worker's `gen` (one request at a time) takes calls as sent."""
+    from mstar_core.config import Placement
+    from mstar_core.model import LoadOptions
+    from mstar_core.plugins import discover
+
+    placement = {"workers": {"gen": {}}, "nodes": {"gen": "gen"},
+                 "engine_settings": {"gen": {"max_active_requests": 1, "call_order": "fifo"}}}
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=Placement.from_dict(placement))
+    try:
+        cluster = engine.cluster
+
+        def call(rid: str, arrival: float) -> Invocation:
+            return Invocation(rid, "gen", {"start": 0}, {}, 0, 0.0, arrival)
+
+        await asyncio.wait_for(cluster.invoke("gen", "fixture-stream", call("hold", 1.0)), 60)
+        young = cluster.invoke("gen", "fixture-stream", call("young", 30.0))  # sent first: by age it would wait
+        old = cluster.invoke("gen", "fixture-stream", call("old", 20.0))
+        cluster.release("gen", "hold")
+        done, _ = await asyncio.wait((young, old), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {young} and not old.done()
+        cluster.release("gen", "young")
+        assert (await asyncio.wait_for(old, 60))["token"] == 0
+    finally:
+        await engine.close()
