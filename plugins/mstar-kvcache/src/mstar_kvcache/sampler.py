@@ -134,8 +134,8 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     mass = torch.zeros(rows, _BUCKETS, dtype=probs.dtype, device=logp.device).scatter_add_(1, bucket, probs).double()
     cum = mass.cumsum(1)
     crit = (cum <= top_p).sum(1, keepdim=True)
-    crosses = crit < _BUCKETS  # else rounding left the total under top_p: keep everything
-    crit = crit.clamp(max=_BUCKETS - 1)
+    # a row whose total rounding left under top_p keeps everything: every bucket is "above" its cut
+    above_cut, crit = crit, crit.clamp(max=_BUCKETS - 1)
     before = (cum.gather(1, crit) - mass.gather(1, crit)).squeeze(1)  # mass of the buckets above the critical one
     in_crit = bucket == crit
     # rank the critical bucket's tokens: sort by (row ascending, probability descending) in one flat sort
@@ -150,16 +150,19 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     ok = above <= top_p.squeeze(1)[row]
     kept = torch.bincount(row[ok], minlength=rows)  # the kept candidates are a prefix of each row's ranking
     if vals.numel() == 0:  # only rows that keep everything
-        return (bucket < crit) | ~crosses
+        return bucket < above_cut
     smallest = vals[(first + kept - 1).clamp(0, vals.shape[0] - 1)]
     bound = torch.where(kept > 0, smallest, float("inf")).to(probs.dtype).unsqueeze(1)
-    return (bucket < crit) | (in_crit & (probs >= bound)) | ~crosses
+    return (bucket < above_cut) | (in_crit & (probs >= bound))
 
 
-def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Probabilities after temperature and top-k `[n, vocab]`, and the mask of tokens top-p and min-p keep.
 
     Sampling from `probs * keep` (renormalised) is transformers' temperature, top-k, top-p, min-p chain.
+    `for_draw`: the mask only weights a draw, so it may keep tokens of probability 0 (two passes fewer),
+    and is None when no row filters.
     """
     dev = logits.device
     temp = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev, dtype=logits.dtype)
@@ -169,18 +172,21 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     # ranking sort that all rows share.
     logp = scaled.log_softmax(-1).nan_to_num_(nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
     probs = logp.exp()
-    keep = probs > 0
+    keep = None if for_draw else probs > 0
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
         top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=torch.float64).unsqueeze(1)
         if len(nucleus) == len(params):
-            keep &= _top_p_keep(logp, probs, top_p)
+            cut = _top_p_keep(logp, probs, top_p)
+            keep = cut if keep is None else keep.logical_and_(cut)
         else:
             idx = torch.tensor(nucleus, device=dev)
+            keep = torch.ones_like(probs, dtype=torch.bool) if keep is None else keep
             keep[idx] &= _top_p_keep(logp[idx], probs[idx], top_p)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype).unsqueeze(1)
-        keep &= probs >= min_p * probs.max(-1, keepdim=True).values
+        floor = probs >= min_p * probs.max(-1, keepdim=True).values
+        keep = floor if keep is None else keep.logical_and_(floor)
     return probs, keep
 
 
@@ -236,7 +242,7 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
     if wide:
         wide.sort()
         index = torch.tensor(wide, device=dev)
-        full = (index, *filtered(logits if len(wide) == n else logits[index], [params[i] for i in wide]))
+        full = (index, *filtered(logits if len(wide) == n else logits[index], [params[i] for i in wide], for_draw=True))
     u = uniforms(generators, dev)
     if full is None and len(narrow) == 1 and narrow[0][1]:  # the usual batch: one top-k, every row narrow
         _, _, ids, weights = narrow[0]
