@@ -406,6 +406,27 @@ def run_reference(hf, snac_ref, prompts: list[list[int]], lengths: list[int], vo
     return _summary([first] * len(prompts), [wall] * len(prompts), samples, wall, rate)
 
 
+async def throughput_rounds(engine, hf, snac_ref, prompts, lengths: list[int], vocab, rate: int, rounds: int) -> dict:
+    """`--only-throughput`: M* and the reference at c=16 in alternating waves; wall and process-CPU ratios per round."""
+    walls, cpus, load = [], [], [os.getloadavg()[0]]
+    for _ in range(rounds):
+        c0 = time.process_time()
+        ours = await run_mstar(engine, lengths, rate)
+        c1 = time.process_time()
+        theirs = run_reference(hf, snac_ref, [prompts[i % len(prompts)] for i in range(len(lengths))], lengths, vocab,
+                               rate)
+        c2 = time.process_time()
+        walls.append(ours["audio_s_per_s"] / theirs["audio_s_per_s"])
+        # audio seconds per CPU second, M* over the reference: what neighbours' load inflates least
+        cpus.append((ours["audio_s"] / (c1 - c0)) / (theirs["audio_s"] / (c2 - c1)))
+        load.append(os.getloadavg()[0])
+        print(f"c=16  M* {ours['audio_s_per_s']:.2f} audio-s/s, reference {theirs['audio_s_per_s']:.2f}: "
+              f"{walls[-1]:.3f} wall, {cpus[-1]:.3f} CPU (load {load[-1]:.1f})", flush=True)
+    return {"throughput_vs_reference_c16": statistics.median(walls), "throughput_cpu_vs_reference_c16":
+            statistics.median(cpus), "throughput_rounds": [round(w, 3) for w in walls],
+            "throughput_cpu_rounds": [round(c, 3) for c in cpus], "load_average": [round(x, 2) for x in load]}
+
+
 async def main_async(args) -> dict:
     from mstar_orpheus.model import load_orpheus
     from mstar_orpheus.preset import write_tiny
@@ -433,9 +454,14 @@ async def main_async(args) -> dict:
 
     engine = AsyncEngine()
     await engine.add_model(loaded, settings={"lm": {"num_pages": 1024}})
-    window_s = await add_viability_models(engine, args)
+    window_s = None if args.only_throughput else await add_viability_models(engine, args)
     await run_mstar(engine, [35, 35], rate)  # warm-up (allocations, first-call paths)
     run_reference(hf, snac_ref, prompts[:2], [35, 35], vocab, rate)
+    if args.only_throughput:
+        result = await throughput_rounds(engine, hf, snac_ref, prompts, request_lengths(16, shortest, longest), vocab,
+                                         rate, args.throughput_rounds)
+        await engine.close()
+        return {"benchmark": "orpheus_streaming", "quick": args.quick, **result}
 
     mstar, ref = {}, {}
     for c in levels:
@@ -499,6 +525,9 @@ def main() -> None:
     parser.add_argument("--viability-codebook", type=int, default=256, help="viability model: SNAC codebook size")
     parser.add_argument("--viability-snac-width", type=int, default=16, help="viability model: SNAC decoder width")
     parser.add_argument("--only-viability", action="store_true", help="only the c=32 viability figure (and its JSON)")
+    parser.add_argument("--only-throughput", action="store_true",
+                        help="only the c=16 audio-s/s comparison with the reference (alternating waves, and its JSON)")
+    parser.add_argument("--throughput-rounds", type=int, default=3, help="M*/reference c=16 wave pairs (--only-throughput)")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(json.dumps(result))
