@@ -181,10 +181,11 @@ async def run_viability(engine, model: str, lengths: list[int], gap: float, wind
     `never_stalls` is the issue's metric: playback starts with the first chunk, however late.
     `bounded_start` also counts a stream as stalled when its first chunk comes more than
     `start_bound` s after its submission: a listener kept waiting that long has heard a gap too.
-    The default bound, twice the stream priority's start lead, is the longest wait that ranking
-    lets happen with room to spare (a waiting stream outranks every playing one with audio queued
-    once it has waited the lead). Without such a bound an order that starts a stream only when an
-    older one ends scores perfectly however long the last ones wait.
+    The default bound is twice the stream priority's start lead: by `stream_priority`'s rule a stream
+    that has waited the lead outranks playing ones with audio queued, so a wait of twice that is one
+    the ranking means to prevent (the rule is read when a call is submitted, not while it queues).
+    Without such a bound an order that starts a stream only when an older one ends scores perfectly
+    however long the last ones wait.
     """
 
     async def one(i: int, n: int) -> dict:
