@@ -1,4 +1,4 @@
-"""Deployment configuration: strict schemas that name the offending key."""
+"""Configuration read strictly, errors naming the offending key: placement files and checkpoint configs (`hf`)."""
 
 from mstar_core.config.placement import Placement, WorkerSpec, load_placement
 

@@ -17,36 +17,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.config.hf import config_field, dotted, read_fields
 from mstar_core.errors import ConfigError
 
 
 @attrs.frozen(kw_only=True)
 class FluxVAEConfig:
-    in_channels: int = 3
-    out_ch: int = 3
-    ch: int = 128
+    in_channels: int = config_field(3, minimum=1)
+    out_ch: int = config_field(3, minimum=1)
+    ch: int = config_field(128, minimum=1)
     ch_mult: tuple[int, ...] = attrs.field(default=(1, 2, 4, 4), converter=tuple)
-    num_res_blocks: int = 2
-    z_channels: int = 16
+    num_res_blocks: int = config_field(2, minimum=1)
+    z_channels: int = config_field(16, minimum=1)
     scale_factor: float = 0.3611
     shift_factor: float = 0.1159
-    norm_groups: int = 32
+    norm_groups: int = config_field(32, minimum=1)
 
     @property
     def downsample(self) -> int:
         return 2 ** (len(self.ch_mult) - 1)
 
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None) -> FluxVAEConfig:
-        cfg = dict(cfg or {})
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ConfigError(f"vae config: unknown keys {unknown}; known: {sorted(known)}")
-        out = cls(**cfg)
+    def from_dict(cls, cfg: Mapping[str, Any] | None, where: str = "", *, file: str = "config.json") -> FluxVAEConfig:
+        """Sizes from section `where` of `file` (absent: FLUX.1's); M* defines this section, so unknown keys fail."""
+        out = read_fields(cls, cfg, where, file=file, strict=True)
         widths = [out.ch * m for m in (1, *out.ch_mult)]
         if any(w % out.norm_groups for w in widths):
-            raise ConfigError(f"vae config: every width {widths} must be a multiple of norm_groups ({out.norm_groups})")
+            raise ConfigError(f"{file}: key '{dotted(where, 'norm_groups')}': every width {widths} must be a multiple "
+                              f"of norm_groups ({out.norm_groups})")
         return out
 
 

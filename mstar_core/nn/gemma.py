@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.errors import ConfigError
+from mstar_core.config.hf import check, config_field, dotted, read_fields, section
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.rotary import RotaryEmbedding
@@ -74,17 +74,25 @@ def _apply_norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> 
     return norm(x), None
 
 
+# reader defaults for keys a HF Gemma config may leave out: PaliGemma's vocabulary, MHA, hidden / heads
+_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 257152,
+    "num_key_value_heads": lambda values: values["num_attention_heads"],
+    "head_dim": lambda values: values["hidden_size"] // values["num_attention_heads"],
+}
+
+
 @attrs.frozen(kw_only=True)
 class GemmaConfig:
     """Decoder hyper-parameters; `GemmaConfig.from_hf(config_dict)` reads a HF `gemma` text config strictly."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    vocab_size: int = config_field(minimum=1)
+    hidden_size: int = config_field(minimum=1)
+    intermediate_size: int = config_field(minimum=1)
+    num_hidden_layers: int = config_field(minimum=1)
+    num_attention_heads: int = config_field(minimum=1)
+    num_key_value_heads: int = config_field(minimum=1)
+    head_dim: int = config_field(minimum=1)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     hidden_act: str = "gelu_pytorch_tanh"
@@ -92,39 +100,21 @@ class GemmaConfig:
     adarms_cond_dim: int | None = None  # set: every norm is an AdaRMSNorm conditioned on a vector of this width
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any], **overrides: Any) -> GemmaConfig:
-        """Read a HF Gemma config dict; a missing or mistyped key raises `ConfigError` naming it."""
-
-        def get(key: str, kind: type, default: Any = attrs.NOTHING) -> Any:
-            value = cfg.get(key)
-            if value is None:
-                if default is attrs.NOTHING:
-                    raise ConfigError(f"gemma config: missing required key '{key}'")
-                return default
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ConfigError(f"gemma config: key '{key}' must be {kind.__name__}, got {value!r}")
-            return value
-
-        heads = get("num_attention_heads", int)
-        hidden = get("hidden_size", int)
-        rope = cfg.get("rope_parameters") or {}
+    def from_hf(cls, cfg: Mapping[str, Any], where: str = "", *, file: str = "config.json",
+                **overrides: Any) -> GemmaConfig:
+        """Read a HF Gemma config dict (section `where` of `file`); a missing or mistyped key raises `ConfigError`."""
+        cfg = section(cfg, where, file=file)
+        rope = section(cfg.get("rope_parameters"), dotted(where, "rope_parameters"), file=file)
+        theta_key = "rope_parameters.rope_theta" if rope.get("rope_theta") is not None else "rope_theta"
+        theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        # transformers names it `hidden_activation` (Gemma 1.1 on) and keeps `hidden_act` for older files
+        act_key = "hidden_activation" if cfg.get("hidden_activation") is not None else "hidden_act"
+        act = cfg.get(act_key)
         values = dict(
-            vocab_size=get("vocab_size", int, 257152),
-            hidden_size=hidden,
-            intermediate_size=get("intermediate_size", int),
-            num_hidden_layers=get("num_hidden_layers", int),
-            num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads", int, heads),
-            head_dim=get("head_dim", int, hidden // heads),
-            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            hidden_act=cfg.get("hidden_activation") or get("hidden_act", str, "gelu_pytorch_tanh"),
-            max_position_embeddings=get("max_position_embeddings", int, 8192),
+            rope_theta=10000.0 if theta is None else check(theta, float, dotted(where, theta_key), file=file),
+            hidden_act="gelu_pytorch_tanh" if act is None else check(act, str, dotted(where, act_key), file=file),
         )
-        values.update(overrides)
-        return cls(**values)
+        return read_fields(cls, cfg, where, file=file, defaults=_DEFAULTS, **{**values, **overrides})
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `gemma` config dict for these sizes."""

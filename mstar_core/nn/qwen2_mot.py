@@ -30,7 +30,7 @@ def mot_config(cfg: dict) -> LlamaConfig:
     """A BAGEL `llm_config.json` (model_type qwen2, `qk_norm`, `layer_module`) as the decoder's config."""
     plain = {k: v for k, v in cfg.items() if k not in ("qk_norm", "layer_module", "freeze_und", "is_causal")}
     plain["model_type"] = "qwen2"
-    base = LlamaConfig.from_hf(plain)
+    base = LlamaConfig.from_hf(plain, file="llm_config.json")
     return attrs.evolve(base, qkv_bias=True, o_bias=False, qk_norm=bool(cfg.get("qk_norm", True)))
 
 

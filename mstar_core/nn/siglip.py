@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.config.hf import config_field, dotted, read_fields
 from mstar_core.errors import ConfigError
 from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.mlp import MLP
@@ -26,13 +27,13 @@ from mstar_core.nn.norm import LayerNorm
 class SiglipVisionConfig:
     """Vision tower sizes; `from_hf` reads a HF `siglip_vision_model` config dict strictly."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
+    hidden_size: int = config_field(minimum=1)
+    intermediate_size: int = config_field(minimum=1)
+    num_hidden_layers: int = config_field(minimum=1)
+    num_attention_heads: int = config_field(minimum=1)
+    image_size: int = config_field(minimum=1)
+    patch_size: int = config_field(minimum=1)
+    num_channels: int = config_field(3, minimum=1)
     layer_norm_eps: float = 1e-6
     hidden_act: str = "gelu_pytorch_tanh"
 
@@ -41,18 +42,13 @@ class SiglipVisionConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> SiglipVisionConfig:
-        names = [f.name for f in attrs.fields(cls)]
-        required = [n for n in names[:6] if cfg.get(n) is None]
-        if required:
-            raise ConfigError(f"siglip vision config: missing required key(s) {required}")
-        values = {n: cfg[n] for n in names if cfg.get(n) is not None}
-        for key in names[:7]:
-            if not isinstance(values.get(key, 1), int) or isinstance(values.get(key), bool):
-                raise ConfigError(f"siglip vision config: key '{key}' must be an int, got {values[key]!r}")
-        if values["hidden_size"] % values["num_attention_heads"]:
-            raise ConfigError("siglip vision config: hidden_size must be a multiple of num_attention_heads")
-        return cls(**values)
+    def from_hf(cls, cfg: Mapping[str, Any], where: str = "", *, file: str = "config.json") -> SiglipVisionConfig:
+        """Read a HF SigLIP vision config (section `where` of `file`); a bad or missing key raises `ConfigError`."""
+        out = read_fields(cls, cfg, where, file=file)
+        if out.hidden_size % out.num_attention_heads:
+            raise ConfigError(f"{file}: key '{dotted(where, 'hidden_size')}' ({out.hidden_size}) must be a multiple "
+                              f"of num_attention_heads ({out.num_attention_heads})")
+        return out
 
     def to_hf(self) -> dict[str, Any]:
         return {"model_type": "siglip_vision_model", **attrs.asdict(self)}
