@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
 from mstar_core.nn.flux_vae import FluxVAEConfig
 from mstar_core.nn.llama_config import LlamaConfig
@@ -24,9 +25,6 @@ from mstar_core.nn.qwen2_mot import mot_config
 from mstar_core.nn.siglip import SiglipVisionConfig
 
 FILES = ("config.json", "llm_config.json", "vit_config.json")
-_DEFAULTS = {"latent_patch_size": 2, "max_latent_size": 64, "vit_max_num_patch_per_side": 70,
-             "connector_act": "gelu_pytorch_tanh", "timestep_shift": 3.0, "num_timesteps": 50}
-INFERENCE_KEYS = {"timestep_shift": "mstar_timestep_shift", "num_timesteps": "mstar_num_timesteps"}
 
 
 def _read(directory: Path, name: str) -> dict[str, Any]:
@@ -44,12 +42,14 @@ class BagelConfig:
     llm: LlamaConfig
     vit: SiglipVisionConfig
     vae: FluxVAEConfig
-    latent_patch_size: int = 2
-    max_latent_size: int = 64
-    vit_max_num_patch_per_side: int = 70
+    latent_patch_size: int = config_field(2, minimum=1)
+    max_latent_size: int = config_field(64, minimum=1)
+    vit_max_num_patch_per_side: int = config_field(70, minimum=1)
     connector_act: str = "gelu_pytorch_tanh"
-    timestep_shift: float = 3.0
-    num_timesteps: int = 50
+    # BAGEL's inference settings (shift 3, 50 timesteps), not config.json's training `timestep_shift`;
+    # a preset may set its own under the `mstar_` names
+    timestep_shift: float = config_field(3.0, key="mstar_timestep_shift")
+    num_timesteps: int = config_field(50, minimum=2, why="it counts the schedule's points", key="mstar_num_timesteps")
 
     @property
     def hidden_size(self) -> int:
@@ -70,24 +70,16 @@ class BagelConfig:
 
     @classmethod
     def from_dicts(cls, top: Mapping[str, Any], llm: Mapping[str, Any], vit: Mapping[str, Any]) -> BagelConfig:
-        # the sampling defaults are BAGEL's inference settings (shift 3, 50 timesteps), not config.json's training
-        # `timestep_shift`; a preset may set its own under `mstar_timestep_shift` / `mstar_num_timesteps`
-        values = {k: top.get(INFERENCE_KEYS.get(k, k), d) for k, d in _DEFAULTS.items()}
-        for key in ("latent_patch_size", "max_latent_size", "vit_max_num_patch_per_side", "num_timesteps"):
-            if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
-                raise ConfigError(f"bagel config.json: key '{key}' must be a positive integer, got {values[key]!r}")
-        if values["num_timesteps"] < 2:
-            raise ConfigError("bagel config.json: key 'num_timesteps' must be at least 2 (it counts the schedule's points)")
-        vit_cfg = dict(vit)
-        layers = vit_cfg.get("num_hidden_layers")
-        if not isinstance(layers, int) or layers < 2:
-            raise ConfigError(f"bagel vit_config.json: num_hidden_layers must be an int >= 2 (the last is dropped), got {layers!r}")
+        vit_cfg = dict(section(vit, "", file="vit_config.json"))
+        layers = check(vit_cfg.get("num_hidden_layers"), int, "num_hidden_layers", file="vit_config.json",
+                       minimum=2, why="the last is dropped")
         vit_cfg["num_hidden_layers"] = layers - 1  # BAGEL reads the penultimate layer: the last is never built
-        vision = SiglipVisionConfig.from_hf(vit_cfg)
-        llm_cfg = mot_config(dict(llm))
+        vision = SiglipVisionConfig.from_hf(vit_cfg, file="vit_config.json")
+        llm_cfg = mot_config(dict(section(llm, "", file="llm_config.json")))
         if llm_cfg.tie_word_embeddings:
             raise ConfigError("bagel llm_config.json: tie_word_embeddings must be false (BAGEL unties them)")
-        out = cls(llm=llm_cfg, vit=vision, vae=FluxVAEConfig.from_dict(top.get("mstar_vae")), **values)
+        vae = FluxVAEConfig.from_dict(section(top, "").get("mstar_vae"), "mstar_vae")
+        out = read_fields(cls, top, llm=llm_cfg, vit=vision, vae=vae)
         if vision.image_size // vision.patch_size < out.vit_max_num_patch_per_side:
             raise ConfigError(f"bagel: the ViT's position table has {vision.image_size // vision.patch_size} patches per "
                               f"side, fewer than vit_max_num_patch_per_side ({out.vit_max_num_patch_per_side})")

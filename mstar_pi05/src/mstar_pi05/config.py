@@ -3,7 +3,8 @@
 LeRobot's config names the Gemma sizes by variant (`paligemma_variant: gemma_2b`,
 `action_expert_variant: gemma_300m`) and fixes the SigLIP So400m tower; presets at other sizes add a
 `mstar_sizes` block (`text`, `expert`: HF Gemma dicts; `vision`: a HF SigLIP vision dict). Training keys
-(optimizer, scheduler, features) are LeRobot's business and are ignored; the keys read here are checked.
+(optimizer, scheduler, features) are LeRobot's business and are ignored; the keys read here are checked
+(`mstar_core.config.hf`), errors naming the dotted key.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
 from mstar_core.nn.gemma import GemmaConfig
 from mstar_core.nn.siglip import SiglipVisionConfig
@@ -31,11 +33,13 @@ VOCAB = 257152
 TYPES = ("pi0", "pi05")
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: int) -> int:
-    value = cfg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"config.json: key '{key}' must be a positive integer, got {value!r}")
-    return value
+@attrs.frozen(kw_only=True)
+class _Sizes:
+    """`mstar_sizes`: M*'s own block (HF dicts for presets at other sizes), so unknown keys are refused."""
+
+    text: Mapping[str, Any] | None = None
+    expert: Mapping[str, Any] | None = None
+    vision: Mapping[str, Any] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -44,11 +48,11 @@ class PolicyConfig:
     text: GemmaConfig
     expert: GemmaConfig
     vision: SiglipVisionConfig
-    chunk_size: int = 50
-    max_state_dim: int = 32
-    max_action_dim: int = 32
-    num_inference_steps: int = 10
-    tokenizer_max_length: int = 200
+    chunk_size: int = config_field(50, minimum=1)
+    max_state_dim: int = config_field(32, minimum=1)
+    max_action_dim: int = config_field(32, minimum=1)
+    num_inference_steps: int = config_field(10, minimum=1)
+    tokenizer_max_length: int = config_field(200, minimum=1)
     min_period: float = 4e-3
     max_period: float = 4.0
     raw: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
@@ -59,18 +63,17 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> PolicyConfig:
+        cfg = section(cfg, "")
         kind = cfg.get("type")
         if kind not in TYPES:
             raise ConfigError(f"config.json: key 'type' is {kind!r}; this package serves {list(TYPES)}")
-        sizes = cfg.get("mstar_sizes") or {}
-        unknown = sorted(set(sizes) - {"text", "expert", "vision"})
-        if unknown:
-            raise ConfigError(f"config.json: unknown keys {unknown} in 'mstar_sizes'; known: text, expert, vision")
+        sizes = read_fields(_Sizes, cfg.get("mstar_sizes"), "mstar_sizes", strict=True)
 
         def gemma(key: str, variant_key: str, default: str, **extra: Any) -> GemmaConfig:
-            if key in sizes:
-                return GemmaConfig.from_hf({"vocab_size": VOCAB, **sizes[key]}, **extra)
-            variant = cfg.get(variant_key, default)
+            given = getattr(sizes, key)
+            if given is not None:
+                return GemmaConfig.from_hf({"vocab_size": VOCAB, **given}, f"mstar_sizes.{key}", **extra)
+            variant = check(cfg.get(variant_key, default), str, variant_key, example=default)
             if variant not in _GEMMA:
                 raise ConfigError(f"config.json: key '{variant_key}' is {variant!r}; known: {sorted(_GEMMA)}")
             return GemmaConfig(vocab_size=VOCAB, **_GEMMA[variant], **extra)
@@ -83,13 +86,5 @@ class PolicyConfig:
                 expert.num_hidden_layers, expert.num_key_value_heads, expert.head_dim):
             raise ConfigError("config.json: the action expert must match the language model in layers, KV heads and "
                               "head_dim (it attends to the prefix's keys and values layer by layer)")
-        vision = SiglipVisionConfig.from_hf(sizes.get("vision", _SO400M))
-        return cls(
-            type=kind, text=text, expert=expert, vision=vision,
-            chunk_size=_int(cfg, "chunk_size", 50),
-            max_state_dim=_int(cfg, "max_state_dim", 32),
-            max_action_dim=_int(cfg, "max_action_dim", 32),
-            num_inference_steps=_int(cfg, "num_inference_steps", 10),
-            tokenizer_max_length=_int(cfg, "tokenizer_max_length", 200),
-            raw=dict(cfg),
-        )
+        vision = SiglipVisionConfig.from_hf(_SO400M if sizes.vision is None else sizes.vision, "mstar_sizes.vision")
+        return read_fields(cls, cfg, type=kind, text=text, expert=expert, vision=vision, raw=dict(cfg))

@@ -1,7 +1,7 @@
 """`OmniConfig`: a Qwen3-Omni `config.json` (thinker, talker, code2wav) read into the sizes M* builds.
 
 Defaults are the published Qwen3-Omni-30B-A3B values. Each section keeps only the keys it uses and checks
-their types, naming the offending key (`thinker_config.text_config.num_experts`). RoPE settings are read
+their types (`mstar_core.config.hf`), naming the offending key (`thinker_config.text_config.num_experts`). RoPE settings are read
 from either layout: `rope_theta` + `rope_scaling` (the published JSON) or `rope_parameters` (transformers v5).
 """
 
@@ -12,43 +12,10 @@ from typing import Any
 
 import attrs
 
+from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
 
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
-
-
-def _check(value: Any, default: Any, where: str) -> Any:
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif isinstance(default, tuple):
-        ok = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        value = tuple(value) if ok else value
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    else:
-        ok = True
-    if not ok:
-        raise ConfigError(f"config.json: key '{where}' must be like {default!r}, got {value!r}")
-    return value
-
-
-def _read(cls: type, cfg: Mapping[str, Any] | None, where: str, **extra: Any) -> Any:
-    """Build `cls` from the keys of `cfg` it declares (others ignored), each checked against its default's type."""
-    cfg = cfg or {}
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"config.json: '{where}' must be an object, got {type(cfg).__name__}")
-    values = {}
-    for field in attrs.fields(cls):
-        if field.name in extra or field.name not in cfg or cfg[field.name] is None:
-            continue
-        default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
-        values[field.name] = _check(cfg[field.name], default, f"{where}.{field.name}")
-    return cls(**values, **extra)
 
 
 def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float, kinds: tuple = ("default",)) -> dict[str, Any]:
@@ -66,9 +33,17 @@ def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float, kind
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in kinds:
         raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: {list(kinds)})")
-    if not isinstance(params["rope_theta"], int | float):
-        raise ConfigError(f"config.json: '{where}.rope_theta' must be a number")
+    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
     return params
+
+
+def _head_dim(values: dict[str, Any]) -> int:
+    # absent in the published JSON: hidden_size / heads, from the (checked) values read so far
+    return values["hidden_size"] // values["num_attention_heads"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @attrs.frozen(kw_only=True)
@@ -79,8 +54,8 @@ class TextConfig:
     hidden_size: int = 2048
     intermediate_size: int = 768
     num_hidden_layers: int = 48
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 4
+    num_attention_heads: int = config_field(32, minimum=1)  # divides hidden_size: 0 would fail deep in the build
+    num_key_value_heads: int = config_field(4, minimum=1)
     head_dim: int = 128
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -91,24 +66,24 @@ class TextConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
-    mlp_only_layers: tuple = ()
+    mlp_only_layers: tuple[int, ...] = ()
     max_position_embeddings: int = 65536
     rope_theta: float = 1000000.0
-    mrope_section: tuple = (24, 20, 20)
+    mrope_section: tuple[int, ...] = (24, 20, 20)
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None, where: str, *, shared_expert: bool = False) -> TextConfig:
-        cfg = dict(cfg or {})
+        cfg = section(cfg, where)
         rope = rope_settings(cfg, where, 10000.0 if shared_expert else 1000000.0)
-        cfg.setdefault("head_dim", cfg.get("hidden_size", 2048) // cfg.get("num_attention_heads", 32))
-        extra = {"rope_theta": float(rope["rope_theta"]),
-                 "mrope_section": _check(rope.get("mrope_section", (24, 20, 20)), (24, 20, 20),
-                                         f"{where}.rope_scaling.mrope_section")}
+        defaults: dict[str, Any] = {"head_dim": _head_dim}
+        extra = {"rope_theta": rope["rope_theta"],
+                 "mrope_section": check(rope.get("mrope_section", (24, 20, 20)), tuple[int, ...],
+                                        f"{where}.rope_scaling.mrope_section", example=(24, 20, 20))}
         if not shared_expert:
             extra["shared_expert_intermediate_size"] = 0
         else:
-            cfg.setdefault("norm_topk_prob", False)  # the Talker's default, unlike the Thinker's
-        text = _read(cls, cfg, where, **extra)
+            defaults["norm_topk_prob"] = False  # the Talker's default, unlike the Thinker's
+        text = read_fields(cls, cfg, where, defaults=defaults, **extra)
         if sum(text.mrope_section) != text.head_dim // 2:
             raise ConfigError(f"config.json: '{where}' mrope_section {list(text.mrope_section)} must add up to "
                               f"head_dim / 2 = {text.head_dim // 2}")
@@ -148,7 +123,7 @@ class VisionConfig:
     temporal_patch_size: int = 2
     out_hidden_size: int = 2048
     num_position_embeddings: int = 2304
-    deepstack_visual_indexes: tuple = (8, 16, 24)
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     rope_theta: float = 10000.0
 
 
@@ -168,14 +143,14 @@ class ThinkerConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None) -> ThinkerConfig:
-        cfg = cfg or {}
+        cfg = section(cfg, "thinker_config")
         text = TextConfig.from_hf(cfg.get("text_config"), "thinker_config.text_config")
-        audio = _read(AudioConfig, cfg.get("audio_config"), "thinker_config.audio_config")
-        vcfg = dict(cfg.get("vision_config") or {})
-        vision = _read(VisionConfig, vcfg, "thinker_config.vision_config",
-                       rope_theta=float(rope_settings(vcfg, "thinker_config.vision_config", 10000.0,
-                                                      ("default", "axial"))["rope_theta"]))
-        return _read(cls, cfg, "thinker_config", text=text, audio=audio, vision=vision)
+        audio = read_fields(AudioConfig, cfg.get("audio_config"), "thinker_config.audio_config")
+        vcfg = section(cfg.get("vision_config"), "thinker_config.vision_config")
+        vision = read_fields(VisionConfig, vcfg, "thinker_config.vision_config",
+                             rope_theta=rope_settings(vcfg, "thinker_config.vision_config", 10000.0,
+                                                      ("default", "axial"))["rope_theta"])
+        return read_fields(cls, cfg, "thinker_config", text=text, audio=audio, vision=vision)
 
 
 @attrs.frozen(kw_only=True)
@@ -184,8 +159,8 @@ class CodePredictorConfig:
     hidden_size: int = 1024
     intermediate_size: int = 3072
     num_hidden_layers: int = 5
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 8
+    num_attention_heads: int = config_field(16, minimum=1)
+    num_key_value_heads: int = config_field(8, minimum=1)
     head_dim: int = 128
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -214,18 +189,18 @@ class TalkerConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None) -> TalkerConfig:
-        cfg = dict(cfg or {})
+        cfg = section(cfg, "talker_config")
         text = TextConfig.from_hf(cfg.get("text_config"), "talker_config.text_config", shared_expert=True)
-        pcfg = dict(cfg.get("code_predictor_config") or {})
-        pcfg.setdefault("head_dim", pcfg.get("hidden_size", 1024) // pcfg.get("num_attention_heads", 16))
-        predictor = _read(CodePredictorConfig, pcfg, "talker_config.code_predictor_config",
-                          rope_theta=float(rope_settings(pcfg, "talker_config.code_predictor_config",
-                                                         10000.0)["rope_theta"]))
+        pcfg = section(cfg.get("code_predictor_config"), "talker_config.code_predictor_config")
+        predictor = read_fields(CodePredictorConfig, pcfg, "talker_config.code_predictor_config",
+                                defaults={"head_dim": _head_dim},
+                                rope_theta=rope_settings(pcfg, "talker_config.code_predictor_config",
+                                                         10000.0)["rope_theta"])
         speakers = cfg.get("speaker_id") or dict(SPEAKERS)
-        if not isinstance(speakers, Mapping) or not all(isinstance(v, int) for v in speakers.values()):
+        if not isinstance(speakers, Mapping) or not all(_is_int(v) for v in speakers.values()):
             raise ConfigError("config.json: 'talker_config.speaker_id' must map voice names to codec ids")
-        talker = _read(cls, cfg, "talker_config", text=text, predictor=predictor,
-                       speaker_id={str(k).lower(): v for k, v in speakers.items()})
+        talker = read_fields(cls, cfg, "talker_config", text=text, predictor=predictor,
+                             speaker_id={str(k).lower(): v for k, v in speakers.items()})
         if talker.suppress_from < 0:
             talker = attrs.evolve(talker, suppress_from=max(0, text.vocab_size - 1024))
         ids = {k: getattr(talker, k) for k in ("codec_eos_token_id", "codec_nothink_id", "codec_think_bos_id",
@@ -255,8 +230,8 @@ class Code2WavConfig:
     rms_norm_eps: float = 1e-5
     num_hidden_layers: int = 8
     num_quantizers: int = 16
-    upsample_rates: tuple = (8, 5, 4, 3)
-    upsampling_ratios: tuple = (2, 2)
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
     decoder_dim: int = 1536
     rope_theta: float = 10000.0
 
@@ -294,10 +269,10 @@ class OmniConfig:
             raise ConfigError("config.json must hold an object")
         thinker = ThinkerConfig.from_hf(cfg.get("thinker_config"))
         talker = TalkerConfig.from_hf(cfg.get("talker_config"))
-        c2w = dict(cfg.get("code2wav_config") or {})
-        code2wav = _read(Code2WavConfig, c2w, "code2wav_config",
-                         rope_theta=float(rope_settings(c2w, "code2wav_config", 10000.0)["rope_theta"]))
-        omni = _read(cls, cfg, "config", thinker=thinker, talker=talker, code2wav=code2wav, raw=dict(cfg))
+        c2w = section(cfg.get("code2wav_config"), "code2wav_config")
+        code2wav = read_fields(Code2WavConfig, c2w, "code2wav_config",
+                               rope_theta=rope_settings(c2w, "code2wav_config", 10000.0)["rope_theta"])
+        omni = read_fields(cls, cfg, thinker=thinker, talker=talker, code2wav=code2wav, raw=dict(cfg))
         if talker.accept_hidden_layer > thinker.text.num_hidden_layers:
             raise ConfigError(f"config.json: 'talker_config.accept_hidden_layer' ({talker.accept_hidden_layer}) must "
                               f"be at most the thinker's {thinker.text.num_hidden_layers} layers")

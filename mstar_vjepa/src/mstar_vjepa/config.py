@@ -9,33 +9,29 @@ from typing import Any
 
 import attrs
 
+from mstar_core.config.hf import config_field, read_fields, section
 from mstar_core.errors import ConfigError
-
-
-def _fields_from(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in attrs.fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
 
 
 @attrs.frozen(kw_only=True)
 class VJEPA2Config:
     """Encoder (ViT with tubelet stem and 3-D RoPE) and masked predictor sizes, HF field names."""
 
-    patch_size: int = 16
-    crop_size: int = 256
-    frames_per_clip: int = 64
-    tubelet_size: int = 2
-    hidden_size: int = 1024
-    in_chans: int = 3
-    num_attention_heads: int = 16
-    num_hidden_layers: int = 24
+    patch_size: int = config_field(16, minimum=1)
+    crop_size: int = config_field(256, minimum=1)
+    frames_per_clip: int = config_field(64, minimum=1)
+    tubelet_size: int = config_field(2, minimum=1)
+    hidden_size: int = config_field(1024, minimum=1)
+    in_chans: int = config_field(3, minimum=1)
+    num_attention_heads: int = config_field(16, minimum=1)
+    num_hidden_layers: int = config_field(24, minimum=1)
     mlp_ratio: float = 4.0
     layer_norm_eps: float = 1e-6
     qkv_bias: bool = True
     hidden_act: str = "gelu"
-    pred_hidden_size: int = 384
-    pred_num_attention_heads: int = 12
-    pred_num_hidden_layers: int = 12
+    pred_hidden_size: int = config_field(384, minimum=1)
+    pred_num_attention_heads: int = config_field(12, minimum=1)
+    pred_num_hidden_layers: int = config_field(12, minimum=1)
     pred_num_mask_tokens: int = 10
     pred_mlp_ratio: float = 4.0
 
@@ -52,11 +48,12 @@ class VJEPA2Config:
         return self.crop_size // self.patch_size
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> VJEPA2Config:
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> VJEPA2Config:
         """Build from a HF `config.json` mapping; generic HF keys (architectures, dtype, ...) are ignored."""
+        data = section(data, where)
         if data.get("model_type", "vjepa2") != "vjepa2":
             raise ConfigError(f"config.json has model_type {data.get('model_type')!r}, expected 'vjepa2'")
-        return cls(**_fields_from(cls, data))
+        return read_fields(cls, data, where)
 
     @classmethod
     def from_file(cls, path: str | Path) -> VJEPA2Config:
@@ -70,17 +67,17 @@ class VJEPA2Config:
 class ACPredictorConfig:
     """Upstream `vit_ac_predictor` kwargs: img 256, 64 frames / tubelet 2 -> a 32-step frame-causal mask."""
 
-    img_size: int = 256
-    patch_size: int = 16
-    num_frames: int = 64
-    tubelet_size: int = 2
-    embed_dim: int = 1408
-    predictor_embed_dim: int = 1024
-    depth: int = 24
-    num_heads: int = 16
+    img_size: int = config_field(256, minimum=1)
+    patch_size: int = config_field(16, minimum=1)
+    num_frames: int = config_field(64, minimum=1)
+    tubelet_size: int = config_field(2, minimum=1)
+    embed_dim: int = config_field(1408, minimum=1)
+    predictor_embed_dim: int = config_field(1024, minimum=1)
+    depth: int = config_field(24, minimum=1)
+    num_heads: int = config_field(16, minimum=1)
     mlp_ratio: float = 4.0
     qkv_bias: bool = True
-    action_embed_dim: int = 7
+    action_embed_dim: int = config_field(7, minimum=1)
     layer_norm_eps: float = 1e-6
 
     def __attrs_post_init__(self) -> None:
@@ -101,11 +98,9 @@ class ACPredictorConfig:
         return self.num_frames // self.tubelet_size
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ACPredictorConfig:
-        unknown = set(data) - {f.name for f in attrs.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown AC predictor config keys: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> ACPredictorConfig:
+        """Upstream's kwargs, which M* writes itself (the sidecar `config.json`): unknown keys are typos, refused."""
+        return read_fields(cls, data, where, strict=True)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
