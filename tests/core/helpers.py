@@ -1,6 +1,11 @@
-"""Small graphs and functions shared by the core tests."""
+"""Small graphs, functions and engines shared by the core tests."""
+
+from __future__ import annotations
+
+import torch
 
 from mstar_core.graph import GraphNode
+from mstar_core.runtime.engine import Engine, EngineContext, Invocation
 
 
 def fn_node(name, inputs, outputs, fn, **kw):
@@ -10,3 +15,36 @@ def fn_node(name, inputs, outputs, fn, **kw):
 
 def identity(**kw):
     return dict(kw)
+
+
+class Recording(Engine):
+    """Answers every invocation it holds in one step; records the requests each step served and the most it held."""
+
+    kind = "rec"
+
+    def __init__(self, max_batch_size: int, max_active: int | None = None):
+        node = GraphNode("n", inputs="x", outputs="y", engine="rec")
+        super().__init__(node, None, EngineContext("w", torch.device("cpu"), {"max_batch_size": max_batch_size}))
+        self.max_active_requests = max_active
+        self.queue: list[Invocation] = []
+        self.order: list[str] = []
+        self.released: list[str] = []
+        self.most = 0
+
+    def add(self, inv):
+        self.queue.append(inv)
+        self.most = max(self.most, len(self.queue))
+
+    def has_work(self):
+        return bool(self.queue)
+
+    def step(self):
+        batch, self.queue = self.queue, []
+        self.order += [inv.request_id for inv in batch]
+        return [(inv, {}) for inv in batch]
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+    def active_requests(self):
+        return {inv.request_id for inv in self.queue}

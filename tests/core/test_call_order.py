@@ -17,7 +17,7 @@ from mstar_core.model import LoadedModel
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.engine import Invocation, call_order
 from mstar_core.runtime.scheduler import NodeScheduler
-from tests.core.test_request_age import Recording
+from tests.core.helpers import Recording
 from tests.engines.paged_tiny import LM_NODE, TinyNode, engine_for
 
 

@@ -17,39 +17,9 @@ from mstar_kvcache.sequence import Sequence
 
 from mstar_core.errors import ConfigError
 from mstar_core.graph import GraphNode
-from mstar_core.runtime.engine import Engine, EngineContext, Invocation, active_limit
+from mstar_core.runtime.engine import EngineContext, Invocation, active_limit
 from mstar_core.runtime.scheduler import NodeScheduler
-
-
-class Recording(Engine):
-    """Answers every invocation it holds in one step and records which request each step served."""
-
-    kind = "rec"
-
-    def __init__(self, max_batch_size: int, max_active: int | None = None):
-        node = GraphNode("n", inputs="x", outputs="y", engine="rec")
-        super().__init__(node, None, EngineContext("w", torch.device("cpu"), {"max_batch_size": max_batch_size}))
-        self.max_active_requests = max_active
-        self.queue: list[Invocation] = []
-        self.order: list[str] = []
-        self.released: list[str] = []
-
-    def add(self, inv):
-        self.queue.append(inv)
-
-    def has_work(self):
-        return bool(self.queue)
-
-    def step(self):
-        batch, self.queue = self.queue, []
-        self.order += [inv.request_id for inv in batch]
-        return [(inv, {}) for inv in batch]
-
-    def release(self, request_id):
-        self.released.append(request_id)
-
-    def active_requests(self):
-        return {inv.request_id for inv in self.queue}
+from tests.core.helpers import Recording
 
 
 def _inv(rid: str, arrival: float, priority: float = 0.0, index: int = 0) -> Invocation:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-
 from mstar_core.errors import NodeExecutionError, RequestError
 from mstar_core.graph import GraphNode
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation
 from mstar_core.runtime.scheduler import NodeScheduler
+from tests.core.helpers import Recording
 
 
 class PlusOne(Engine):
@@ -131,33 +130,7 @@ async def test_a_loop_that_keeps_crashing_backs_off_instead_of_spinning(monkeypa
 
 
 async def test_the_scheduler_holds_at_most_max_batch_size_in_the_engine_most_urgent_first():
-    class Recording(Engine):
-        kind = "rec"
-
-        def __init__(self, node, module, context):
-            super().__init__(node, module, context)
-            self.queue, self.most, self.order = [], 0, []
-
-        def add(self, inv):
-            self.queue.append(inv)
-            self.most = max(self.most, len(self.queue))
-
-        def has_work(self):
-            return bool(self.queue)
-
-        def step(self):
-            batch, self.queue = self.queue, []
-            self.order += [inv.request_id for inv in batch]
-            return [(inv, {}) for inv in batch]
-
-        def release(self, request_id):
-            pass
-
-        def active_requests(self):
-            return set()
-
-    node = GraphNode("n", inputs="x", outputs="y", engine="rec")
-    engine = Recording(node, None, EngineContext("w", torch.device("cpu"), {"max_batch_size": 3}))
+    engine = Recording(max_batch_size=3)
     sched = NodeScheduler(engine, None)
     futures = [sched.submit(Invocation(f"r{i}", "n", {}, {}, priority=float(i % 4))) for i in range(10)]
     await asyncio.gather(*futures)
