@@ -108,6 +108,25 @@ def _block_runs(bound: torch.Tensor) -> list[tuple[int, int, int]] | None:
     return list(zip(edges[:-1], edges[1:], bounds, strict=True))
 
 
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """One query token per row: q `[B, Hq, D]` over keys/values `[B, Hkv, L, D]` -> `[B, Hq, D]`.
+
+    In fp32 two batched matmuls with the query heads of a KV head stacked (each key read once per KV
+    head, not once per query head): on CPU ~20-30 % faster than SDPA's flash kernel for a 1-token
+    query at 100-300 keys. Other dtypes keep SDPA (its softmax accumulates in fp32).
+    """
+    b, hq, d = q.shape
+    hkv = keys.shape[1]
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, scale=scale,
+                                              enable_gqa=hq != hkv).squeeze(2)
+    scores = torch.matmul(q.view(b, hkv, hq // hkv, d), keys.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))  # (every row sees at least one key)
+    return torch.matmul(scores.softmax(-1), vals).view(b, hq, d)
+
+
 class TorchPagedContext:
     """`AttentionContext` for one step over the paged pool."""
 
@@ -260,11 +279,9 @@ class TorchPagedContext:
             store[1].index_put_((lane_t, pos), v[rows].to(store.dtype))
             ql = q.new_zeros(count, q.shape[1], q.shape[2])
             ql[lane_t] = q[rows]
-        keys = store[0, :count, :width].transpose(1, 2)
+        keys = store[0, :count, :width].transpose(1, 2)  # [count, kv heads, width, dim], rows contiguous
         vals = store[1, :count, :width].transpose(1, 2)
-        res = F.scaled_dot_product_attention(
-            ql.unsqueeze(2).to(keys.dtype), keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa
-        ).squeeze(2)
+        res = _decode_attention(ql.to(keys.dtype), keys, vals, mask, scale)
         if whole:
             return (res if order is None else res.index_select(0, lane_t)).to(q.dtype)
         out[rows] = res[lane_t].to(q.dtype)
