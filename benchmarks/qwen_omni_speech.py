@@ -11,6 +11,10 @@ end tokens ignored on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M*, over the
   baseline's request-by-request rate. Target >= 2.7 (the published edge over vLLM-Omni).
 
+`--sample`: both sides sample the speech with the published defaults (Talker temperature 0.9, top-k 50,
+repetition penalty 1.05; code predictor top-k 50, top-p 0.8) instead of greedily; the Thinker stays greedy.
+`ttfa_cpu_ratio_c1` is the TTFA ratio in process CPU seconds (M*'s to its first chunk over a whole baseline call).
+
 Both sides get the same torch intra-op threads (`--threads`, default 1: on a small shared CPU box a
 second thread makes the baseline's thousands of tiny ops wait at OpenMP barriers for a descheduled
 thread) and never run at the same time: baseline and M* c=1 requests alternate, then the c=16 wave.
@@ -98,32 +102,43 @@ def prompt_ids(tokenizer, i: int, quick: bool = False) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def baseline(hf, ids: list[int], text_tokens: int, frames: int, im_end: int) -> tuple[float, float]:
+#: `--sample`: the speaking side's published sampling defaults, on both sides (the Talker's temperature, top-k and
+#: repetition penalty; the code predictor's top-k 50 / top-p 0.8 are fixed in both implementations)
+SAMPLED = {"temperature": 0.9, "top_k": 50, "repetition_penalty": 1.05}
+
+
+def baseline(hf, ids: list[int], text_tokens: int, frames: int, im_end: int, sample: bool = False) -> tuple[float, float]:
     """(seconds to the audio, audio seconds) of one `generate(return_audio=True)` call, EOS ignored on both sides."""
+    talker = ({f"talker_{k}": v for k, v in SAMPLED.items()} | {"talker_top_p": 1.0} if sample
+              else {"talker_repetition_penalty": 1.0})
     start = time.perf_counter()
     with torch.no_grad():
         _, wav = hf.generate(torch.tensor([ids]), speaker="ethan", return_audio=True,
                              thinker_max_new_tokens=text_tokens, thinker_min_new_tokens=text_tokens,
-                             thinker_eos_token_id=im_end, thinker_do_sample=False, talker_do_sample=False,
-                             talker_repetition_penalty=1.0, talker_max_new_tokens=frames + 1,
-                             talker_min_new_tokens=frames + 1)  # min = max: end tokens never sampled
+                             thinker_eos_token_id=im_end, thinker_do_sample=False, talker_do_sample=sample,
+                             talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,  # min = max: no EOS
+                             **talker)
     return time.perf_counter() - start, wav.shape[-1] / 24000
 
 
-async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: int, quick: bool) -> list[dict]:
+async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: int, quick: bool,
+                         sample: bool = False) -> list[dict]:
+    talker = ({f"talker_{k}": v for k, v in SAMPLED.items()} if sample
+              else {"talker_temperature": 0.0, "talker_repetition_penalty": 1.0})
+
     async def one(i: int) -> dict:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         handle = engine.submit("qwen3-omni", {"prompt_ids": prompt_ids(tokenizer, i, quick), "speaker": "ethan",
                                               "max_tokens": text_tokens, "talker_max_tokens": frames + 1,
-                                              "ignore_eos": True, "talker_temperature": 0.0,
-                                              "talker_repetition_penalty": 1.0})
-        first, samples = None, 0
+                                              "ignore_eos": True, "seed": i, **talker})
+        first, first_cpu, samples = None, None, 0
         async for out in handle:
             if out.name == "audio":
-                first = first or time.perf_counter() - start
+                if first is None:  # process CPU too: at c=1 the request is all this process does
+                    first, first_cpu = time.perf_counter() - start, cpu_seconds() - cpu
                 samples += out.value.numel()
         await handle.result()
-        return {"ttfa": first, "seconds": time.perf_counter() - start, "audio": samples / 24000}
+        return {"ttfa": first, "ttfa_cpu": first_cpu, "seconds": time.perf_counter() - start, "audio": samples / 24000}
 
     return await asyncio.gather(*(one(i) for i in range(n)))
 
@@ -154,22 +169,27 @@ async def main_async(args) -> dict:
         directory = write_checkpoint(Path(tmp), args.quick)
         tokenizer = load_tokenizer(directory)
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+        # transformers' code predictor samples (top-k 50, top-p 0.8) only when its generation config says so
+        hf.talker.code_predictor.generation_config.do_sample = args.sample
         im_end = OmniConfig.from_hf(json.loads((directory / "config.json").read_text())).im_end_token_id
         async with AsyncEngine(discover()) as engine:
             await engine.load_model("qwen3-omni", LoadOptions(checkpoint=str(directory)))
             baseline(hf, prompt_ids(tokenizer, 0, args.quick), 2, 2, im_end)  # warm-ups
             await mstar_requests(engine, tokenizer, 1, 2, 2, args.quick)
             # one side at a time, alternating, so a change in the box's load falls on both
-            base, c1, base_cpu, c1_cpu = [], [], 0.0, 0.0
+            base, c1, base_cpus, c1_cpu = [], [], [], 0.0
             for i in range(args.baseline_runs):
                 cpu = cpu_seconds()
-                base.append(baseline(hf, prompt_ids(tokenizer, i, args.quick), args.text_tokens, args.frames, im_end))
-                base_cpu += cpu_seconds() - cpu
+                base.append(baseline(hf, prompt_ids(tokenizer, i, args.quick), args.text_tokens, args.frames, im_end,
+                                     args.sample))
+                base_cpus.append(cpu_seconds() - cpu)
                 cpu = cpu_seconds()
-                c1.append((await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.quick))[0])
+                c1.append((await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.quick,
+                                                args.sample))[0])
                 c1_cpu += cpu_seconds() - cpu
             cpu, start = cpu_seconds(), time.perf_counter()
-            many = await mstar_requests(engine, tokenizer, args.concurrency, args.text_tokens, args.frames, args.quick)
+            many = await mstar_requests(engine, tokenizer, args.concurrency, args.text_tokens, args.frames, args.quick,
+                                        args.sample)
             wall = time.perf_counter() - start
             many_cpu = cpu_seconds() - cpu
     base_time = statistics.median(t for t, _ in base)
@@ -177,18 +197,21 @@ async def main_async(args) -> dict:
     mstar_ttfa = statistics.median(r["ttfa"] for r in c1)
     mstar_rate = sum(r["audio"] for r in many) / wall
     return {
-        "benchmark": "qwen_omni_speech", "quick": args.quick, "text_tokens": args.text_tokens, "frames": args.frames,
+        "benchmark": "qwen_omni_speech", "quick": args.quick, "sample": args.sample, "text_tokens": args.text_tokens,
+        "frames": args.frames,
         "torch_threads": torch.get_num_threads(), "load_average_start": load_start, "load_average_end": load_average(),
         "audio_seconds_per_request": round(many[0]["audio"], 3),
         "baseline_seconds_to_audio": round(base_time, 3), "mstar_ttfa_c1": round(mstar_ttfa, 3),
         "ttfa_ratio_c1": round(mstar_ttfa / base_time, 3),
+        # the same ratio in process CPU seconds (M*'s to its first chunk over a whole baseline call): less load-bound
+        "ttfa_cpu_ratio_c1": round(statistics.median(r["ttfa_cpu"] for r in c1) / statistics.median(base_cpus), 3),
         "baseline_audio_s_per_s": round(base_rate, 3),
         # the key names stay those of the target (c=16); `concurrency` says how many ran at once (--quick: fewer)
         "concurrency": args.concurrency,
         "mstar_audio_s_per_s_c16": round(mstar_rate, 3),
         "throughput_ratio_c16": round(mstar_rate / base_rate, 3),
         # CPU seconds per audio second (all threads of the process): less load-sensitive than the wall ratios
-        "baseline_cpu_per_audio_s": round(base_cpu / sum(a for _, a in base), 3),
+        "baseline_cpu_per_audio_s": round(sum(base_cpus) / sum(a for _, a in base), 3),
         "mstar_c1_cpu_per_audio_s": round(c1_cpu / sum(r["audio"] for r in c1), 3),
         "mstar_cpu_per_audio_s_c16": round(many_cpu / sum(r["audio"] for r in many), 3),
         "mstar_c1_seconds": [round(r["seconds"], 2) for r in c1],
@@ -203,6 +226,9 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--baseline-runs", type=int, default=None)
+    parser.add_argument("--sample", action="store_true",
+                        help="both sides sample the speech as published (Talker temperature 0.9, top-k 50, repetition "
+                             "penalty 1.05; code predictor top-k 50, top-p 0.8); default: greedy on both sides")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for both sides (default 1: a shared busy box gives one core at best)")
     args = parser.parse_args()
