@@ -155,16 +155,15 @@ def read_fields(cls: type, cfg: Any, where: str = "", *, file: str = "config.jso
         default = defaults.get(f.name, f.default)
         if isinstance(default, attrs.Factory):
             default = default.factory()  # config fields never take self
-        elif callable(default):
-            default = default(values)
         if raw is None:
             if default is attrs.NOTHING:
                 raise ConfigError(f"{file}: missing required key '{key}' ({describe(f.type)})")
-            values[f.name] = default
+            # a derived default is computed only when used: its checks (divisibility) concern the derivation
+            values[f.name] = default(values) if callable(default) else default
         elif attrs.has(f.type):
             values[f.name] = read_fields(f.type, raw, key, file=file, strict=strict)
         else:
-            values[f.name] = check(raw, f.type, key, file=file, example=default,
+            values[f.name] = check(raw, f.type, key, file=file, example=None if callable(default) else default,
                                    minimum=f.metadata.get(_MIN), why=f.metadata.get(_WHY, ""))
     return cls(**values)
 

@@ -130,3 +130,13 @@ def test_siglip_and_vae_configs_name_the_key():
         FluxVAEConfig.from_dict({"channels": 8}, "mstar_vae")
     with pytest.raises(ConfigError, match=r"key 'mstar_vae\.ch_mult' must be a list of integers like \[1, 2, 4, 4\]"):
         FluxVAEConfig.from_dict({"ch_mult": [1, "2"]}, "mstar_vae")
+
+
+def test_a_derived_default_is_computed_only_when_its_key_is_absent():
+    from mstar_core.nn.llama_config import LlamaConfig
+
+    base = dict(vocab_size=10, hidden_size=12, intermediate_size=16, num_hidden_layers=1, num_attention_heads=5)
+    # 12 / 5 heads has no whole head_dim: refused when it must be derived, fine when the config gives one
+    with pytest.raises(ConfigError, match=r"key 'hidden_size' \(12\) is not divisible by 'num_attention_heads'"):
+        LlamaConfig.from_hf(base)
+    assert LlamaConfig.from_hf({**base, "head_dim": 4}).head_dim == 4
