@@ -10,8 +10,8 @@ disturb least), least over `rounds` alternating rounds, then the median over the
     steps outside the engine (conductor, request handles: the runtime's per-step cost).
 And the roofline: the step's weight GEMMs alone (the decoder's weights at the step's shapes, every
 layer plus the LM head; through `F.linear` as `generate` runs them, and with every weight prepacked
-for oneDNN, the fastest fp32 GEMM this torch has) and attention alone (SDPA over the window's middle
-KV length, every layer). `steady_ceiling` = `generate`'s step over the faster GEMMs + attention: no
+for oneDNN, the fastest fp32 GEMM this torch has) and attention alone (M*'s decode attention over
+contiguous keys of the window's middle KV length, every layer). `steady_ceiling` = `generate`'s step over the faster GEMMs + attention: no
 fp32 step can beat `generate`'s step by more than that on this CPU, whatever runs around the GEMMs.
 """
 
@@ -112,7 +112,9 @@ def gemm_floor(decoder, batch: int, reps: int, packed: bool) -> float:
 
 def attention_floor(cfg, batch: int, kv_len: int, reps: int) -> float:
     """Seconds of one step's attention alone: a 1-token query per row over `kv_len` contiguous keys, every layer."""
-    q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim)
+    from mstar_attn_torch.backend import decode_attention
+
+    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim)
     k = torch.randn(batch, cfg.num_key_value_heads, kv_len, cfg.head_dim)
     v = torch.randn_like(k)
     best = float("inf")
@@ -120,7 +122,7 @@ def attention_floor(cfg, batch: int, kv_len: int, reps: int) -> float:
         for _ in range(reps):
             started = time.thread_time()
             for _ in range(cfg.num_hidden_layers):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                decode_attention(q, k, v, None, cfg.head_dim**-0.5)  # the kernel M*'s decode lanes run
             best = min(best, time.thread_time() - started)
     return best
 

@@ -21,7 +21,8 @@ fed back through the conductor's decode loop to the `kvcache` engine. All in thi
     length. `--profile` compares one step of each at equal KV lengths, and its roofline says how far
     any fp32 step can beat `generate`'s on this CPU;
   * framework tax: 32 requests of equal prompt and output length decoded in lockstep, M* against
-    a bare loop over the same decoder with a preallocated dense KV cache and no framework;
+    a bare loop over the same decoder (the same module, so the same packed weights) with a
+    preallocated dense KV cache, the decode attention kernel M*'s lanes use, and no framework;
   * compiled steps: the same lockstep on a second engine with `compile: true` (the 32-row decode
     step compiled by inductor, prefill eager): `compiled_speedup` is its full-batch decode tokens/s
     over the eager engine's, `compile_s` what compiling took (0 when no C++ compiler: it runs eager).
@@ -43,6 +44,7 @@ from collections import deque
 
 import torch
 import torch.nn.functional as F
+from mstar_attn_torch.backend import decode_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -217,6 +219,8 @@ class DenseKV:
         end = self.pos + n
         self.k[layer, :, :, self.pos : end] = k.view(b, n, *k.shape[1:]).transpose(1, 2)
         self.v[layer, :, :, self.pos : end] = v.view(b, n, *v.shape[1:]).transpose(1, 2)
+        if n == 1:  # decode: the kernel M*'s lanes use (the same kernels on both sides of vs_bare_loop)
+            return decode_attention(q[:, :, 0], self.k[layer, :, :, :end], self.v[layer, :, :, :end], None, scale)
         out = F.scaled_dot_product_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end],
                                              is_causal=n > 1, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[-1])

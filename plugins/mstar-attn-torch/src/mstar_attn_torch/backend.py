@@ -108,7 +108,7 @@ def _block_runs(bound: torch.Tensor) -> list[tuple[int, int, int]] | None:
     return list(zip(edges[:-1], edges[1:], bounds, strict=True))
 
 
-def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
     """One query token per row: q `[B, Hq, D]` over keys/values `[B, Hkv, L, D]` -> `[B, Hq, D]`.
 
@@ -281,7 +281,7 @@ class TorchPagedContext:
             ql[lane_t] = q[rows]
         keys = store[0, :count, :width].transpose(1, 2)  # [count, kv heads, width, dim], rows contiguous
         vals = store[1, :count, :width].transpose(1, 2)
-        res = _decode_attention(ql.to(keys.dtype), keys, vals, mask, scale)
+        res = decode_attention(ql.to(keys.dtype), keys, vals, mask, scale)
         if whole:
             return (res if order is None else res.index_select(0, lane_t)).to(q.dtype)
         out[rows] = res[lane_t].to(q.dtype)
