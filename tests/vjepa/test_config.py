@@ -25,8 +25,14 @@ def test_ac_sidecar_is_type_checked_and_strict(tmp_path):
     write(TINY_AC.to_dict())
     assert ac_configs(tmp_path) == (TINY_AC_ENCODER, TINY_AC)
     write({**TINY_AC.to_dict(), "depth": 2.5})
-    with pytest.raises(ConfigError, match=r"key 'depth' must be an integer like 24, got 2\.5"):
+    with pytest.raises(ConfigError, match=r"key 'predictor\.depth' must be an integer like 24, got 2\.5"):
         ac_configs(tmp_path)
     write({**TINY_AC.to_dict(), "use_extrinsics": False})  # M* writes this file: an unknown key is a typo
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['use_extrinsics'\]"):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['predictor\.use_extrinsics'\]"):
+        ac_configs(tmp_path)
+
+
+def test_ac_sidecar_without_a_section_names_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"encoder": TINY_AC_ENCODER.to_dict()}))
+    with pytest.raises(ConfigError, match=r"needs sections 'encoder' and 'predictor'; missing \['predictor'\]"):
         ac_configs(tmp_path)

@@ -20,6 +20,7 @@ from mstar_core.checkpoint import (
     save_hf_checkpoint,
 )
 from mstar_core.checkpoint.presets import preset_root
+from mstar_core.errors import ConfigError
 from mstar_vjepa.ac_predictor import ACPredictor
 from mstar_vjepa.config import VIT_SIZES, ACPredictorConfig, VJEPA2Config
 from mstar_vjepa.encoder import VJEPA2Encoder
@@ -86,7 +87,11 @@ def ac_configs(directory: Path) -> tuple[VJEPA2Config, ACPredictorConfig]:
     path = directory / "config.json"
     if path.is_file():
         data = json.loads(path.read_text())
-        return VJEPA2Config.from_dict(data["encoder"]), ACPredictorConfig.from_dict(data["predictor"])
+        missing = [part for part in ("encoder", "predictor") if not isinstance(data, dict) or part not in data]
+        if missing:
+            raise ConfigError(f"{path}: the AC sidecar config needs sections 'encoder' and 'predictor'; missing {missing}")
+        return (VJEPA2Config.from_dict(data["encoder"], "encoder"),
+                ACPredictorConfig.from_dict(data["predictor"], "predictor"))
     return VJEPA2Config(**VIT_SIZES["vitg"], crop_size=256), ACPredictorConfig()
 
 
