@@ -62,6 +62,16 @@ async def run_all(placement=None, check=None):
         await engine.close()
 
 
+_COLOCATED: list = []
+
+
+async def colocated_outputs():
+    """The colocated run's outputs (in this process, no workers), computed once for the file's tests."""
+    if not _COLOCATED:
+        _COLOCATED.append(await run_all())
+    return _COLOCATED[0]
+
+
 def frames_streamed(outs):
     """Items of the talker.frame stream: the non-empty frames (the edge keeps only those)."""
     return sum(1 for out in outs for name, v in out if name == "frame" and v.numel() > 0)
@@ -77,7 +87,7 @@ def assert_same(colocated, split):
 
 
 async def test_the_chain_split_across_two_workers_matches_the_colocated_run():
-    colocated = await run_all()
+    colocated = await colocated_outputs()
     # the producer on one worker (its loop delegated there), the consumer loop and the decoder on another
 
     async def check(engine, direct, before, after, outs):
@@ -98,7 +108,7 @@ async def test_the_chain_split_across_two_workers_matches_the_colocated_run():
 
 
 async def test_the_chain_across_three_workers_sends_each_stream_peer_to_peer():
-    colocated = await run_all()
+    colocated = await colocated_outputs()
 
     async def check(engine, direct, before, after, outs):
         # talker.frame is produced by gen.item's consumer, which runs on the talker worker: it goes on from there
