@@ -64,6 +64,11 @@ from mstar_core.wire.transport import check_bind_address
 
 __all__ = ["Cluster", "RemoteError", "RemoteNodeScheduler", "ReplicaGroup", "WorkerLost"]
 
+#: How long a worker's Hello waits for a placement that names it (the worker waits MSTAR_JOIN_TIMEOUT, 15 s by
+#: default, for its Welcome), and how many such Hellos are kept.
+EARLY_HELLO_S = 60.0
+MAX_EARLY_HELLOS = 64
+
 log = logging.getLogger("mstar.cluster")
 
 #: Sessions of lost workers remembered, to tell a worker that wakes up later to leave.
@@ -90,6 +95,8 @@ class Cluster:
         self._retired: collections.OrderedDict[bytes, Channel] = collections.OrderedDict()
         self._groups: dict[tuple[str, ...], ReplicaGroup] = {}
         self._verifier = HelloVerifier(self.secret)
+        #: authenticated Hellos of hand-started workers that came before a placement named them, by name
+        self._early: collections.OrderedDict[str, tuple[bytes, Hello, float]] = collections.OrderedDict()
         self.supervisor = Supervisor(self)
         self.refusals = RefusalLog(log)
         self._tasks: list[asyncio.Task] = []
@@ -141,6 +148,9 @@ class Cluster:
                                        lambda exc, s=state: self._link_error(s, exc))
             loop = asyncio.get_running_loop()
             link.on_failure = lambda why, s=state: loop.call_soon_threadsafe(self._link_failed, s, why)
+            early = self._early.pop(name, None)
+            if early is not None and not spec.spawned and time.monotonic() - early[2] < EARLY_HELLO_S:
+                self._tasks.append(loop.create_task(self._welcome(early[0], early[1], state)))
         return self.workers[name]
 
     def _link_error(self, state: WorkerLink, exc: BaseException) -> None:
@@ -495,7 +505,14 @@ class Cluster:
         try:
             self._verifier.verify(hello)
             if state is None:
-                raise AuthError(f"no worker named {hello.worker!r} in the placement")
+                # `mstar worker --join` may start before the server loads the model that places it: keep the
+                # (authenticated) Hello a while and welcome it when a placement names the worker
+                self._early[hello.worker] = (identity, hello, time.monotonic())
+                self._early.move_to_end(hello.worker)
+                while len(self._early) > MAX_EARLY_HELLOS:
+                    self._early.popitem(last=False)
+                log.info("worker %s joined before a placement named it; held for %.0f s", hello.worker, EARLY_HELLO_S)
+                return
             process = state.process
             if state.spec.spawned and process is not None and process.poll() is None and hello.pid != process.pid:
                 raise AuthError(f"worker {hello.worker!r} is this server's process {process.pid}; a second process "
@@ -504,6 +521,10 @@ class Cluster:
             self.refused += 1
             self.refusals.refuse("hello", "refused a worker: %s", exc)
             return  # say nothing: an unauthenticated peer learns nothing
+        await self._welcome(identity, hello, state)
+
+    async def _welcome(self, identity: bytes, hello: Hello, state: WorkerLink) -> None:
+        """Open a session for an authenticated worker and answer its Hello."""
         session = new_session_id()
         welcome = self._verifier.welcome(hello, session=session, heartbeat_interval=self.heartbeat_interval,
                                          transport=state.spec.transport)

@@ -99,8 +99,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _join(address, name, secret):
-    env = {**os.environ, "MSTAR_SECRET": secret, "MSTAR_JOIN_TIMEOUT": "3"}
+def _join(address, name, secret, timeout="3"):
+    env = {**os.environ, "MSTAR_SECRET": secret, "MSTAR_JOIN_TIMEOUT": timeout}
     return subprocess.Popen(
         [sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", name],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -135,6 +135,30 @@ async def test_hand_joined_worker_on_another_address_and_a_peer_without_the_secr
         for p in (intruder, worker):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+async def test_a_worker_that_joins_before_its_placement_is_welcomed_once_placed():
+    """`mstar worker --join` started before the server loads the model that names it still joins (no start order)."""
+    from mstar_core.config.placement import WorkerSpec
+    from mstar_core.runtime.cluster import Cluster
+
+    secret = "the early worker knows this secret"
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    cluster = Cluster(bind=address, secret=secret.encode())
+    await cluster.start()
+    worker = _join(address, "early", secret, timeout="30")
+    try:
+        deadline = time.monotonic() + 30
+        # wait until its Hello has arrived (held for a placement; the old server refused it)
+        while "early" not in getattr(cluster, "_early", {}) and not cluster.refused and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await cluster.ensure_worker("early", WorkerSpec("early", host="127.0.0.1", launcher="manual"), timeout=20)
+        assert cluster.workers["early"].alive and cluster.workers["early"].pid == worker.pid
+        assert not cluster.refused
+    finally:
+        await cluster.close()
+        if worker.poll() is None:
+            worker.kill()
 
 
 async def test_loops_run_on_the_worker_that_hosts_their_nodes_and_cancel_frees_it():
