@@ -3,7 +3,7 @@
 With top-k set, every token outside the k largest logits has probability 0 after the filter, so
 temperature, the log-softmax, top-p and min-p need only those k values: one `topk` over the
 vocabulary, then `[rows, k]`-sized work, where the whole-vocabulary path pays a dozen passes over
-every id (a 30,720-id row: ~2.4 ms -> ~0.2 ms at one thread). The candidates are put back in
+every id (a 30,720-id row with top-k 50: 1.3-1.9 -> 0.34-0.53 ms CPU at one thread, benchmarks/sampler_cost.py). The candidates are put back in
 vocabulary order before the draw, so a row's uniform number picks the token the whole-vocabulary
 path would pick: the same kept set and the same cumulative order, the probabilities equal up to
 the rounding of a normaliser summed over k values instead of the row (about one float32 ulp, so a
