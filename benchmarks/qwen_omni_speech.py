@@ -11,8 +11,9 @@ end tokens ignored on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M*, over the
   baseline's request-by-request rate. Target >= 2.7 (the published edge over vLLM-Omni).
 
-`--sample`: both sides sample the speech with the published defaults (Talker temperature 0.9, top-k 50,
-repetition penalty 1.05; code predictor top-k 50, top-p 0.8) instead of greedily; the Thinker stays greedy.
+Both sides sample the speech with the published defaults (Talker temperature 0.9, top-k 50, repetition
+penalty 1.05; code predictor top-k 50, top-p 0.8), as a user runs the model; the Thinker stays greedy (fixed
+text). `--greedy` decodes the speech greedily on both sides instead (the sampler then plays no part).
 `ttfa_cpu_ratio_c1` is the TTFA ratio in process CPU seconds (M*'s to its first chunk over a whole baseline call).
 
 Both sides get the same torch intra-op threads (`--threads`, default 1: on a small shared CPU box a
@@ -226,12 +227,13 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--baseline-runs", type=int, default=None)
-    parser.add_argument("--sample", action="store_true",
-                        help="both sides sample the speech as published (Talker temperature 0.9, top-k 50, repetition "
-                             "penalty 1.05; code predictor top-k 50, top-p 0.8); default: greedy on both sides")
+    parser.add_argument("--greedy", action="store_true",
+                        help="both sides decode the speech greedily (default: both sample it as published: Talker "
+                             "temperature 0.9, top-k 50, repetition penalty 1.05; code predictor top-k 50, top-p 0.8)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for both sides (default 1: a shared busy box gives one core at best)")
     args = parser.parse_args()
+    args.sample = not args.greedy
     # --quick: 50 frames (the first 25-frame window streams at half time), 6 reply tokens, 2 at once
     args.frames = args.frames or (50 if args.quick else 125)
     args.text_tokens = args.text_tokens or (6 if args.quick else 40)
