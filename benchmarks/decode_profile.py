@@ -26,14 +26,15 @@ import torch.nn.functional as F
 from mstar_core.nn.packed import packing_available
 
 
-class CPUStamps:
-    """A `generate` streamer recording thread CPU time at each `put` (the prompt, then every step)."""
+class StepStamps:
+    """A `generate` streamer used as a clock: `put` is called with the prompt, then once per generated step."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock  # wall time by default; the profile reads the thread's CPU time
         self.times: list[float] = []
 
     def put(self, value) -> None:
-        self.times.append(time.thread_time())
+        self.times.append(self.clock())
 
     def end(self) -> None:
         pass
@@ -151,7 +152,7 @@ async def _profile(hf, loaded, engine, p_len: int, steps: int, rounds: int) -> d
     recorder = EngineSteps()
     try:
         for _ in range(rounds):
-            stamps = CPUStamps()
+            stamps = StepStamps(time.thread_time)
             with torch.no_grad():
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=stamps)

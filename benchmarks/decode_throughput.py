@@ -44,6 +44,7 @@ from collections import deque
 
 import torch
 import torch.nn.functional as F
+from decode_profile import StepStamps  # (benchmarks/ is on the path when a script here runs)
 from mstar_attn_torch.backend import decode_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -167,19 +168,6 @@ async def run_mstar(engine, prompts, outputs, concurrency: int | None = None) ->
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(min(concurrency or len(prompts), len(prompts)))))
     return time.perf_counter() - start, made
-
-
-class StepStamps:
-    """A `generate` streamer used as a clock: `put` is called with the prompt, then once per generated step."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 HF_STEADY: list[tuple[int, float]] = []  # (tokens, seconds) of each batch's full steps, for the last run_hf

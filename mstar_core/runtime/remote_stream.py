@@ -44,14 +44,12 @@ class StreamPlan:
     """One stream of one walk that goes worker to worker: where its producer and its consumer run."""
 
     def __init__(self, cluster: Cluster, model: str, walk: str, index: int, edge: StreamingGraphEdge,
-                 producer: RemoteNodeScheduler, consumer: RemoteNodeScheduler, calls: list[CallSite],
-                 parent: StreamPlan | None = None):
+                 consumer: RemoteNodeScheduler, calls: list[CallSite], parent: StreamPlan | None = None):
         self.cluster = cluster
         self.model = model
         self.walk = walk
         self.index = index
         self.edge = edge
-        self.producer = producer
         self.consumer = consumer
         self.calls = calls  # the consumer's call sites, in the order its worker numbers forwarded values
         # the stream whose consumer produces this one (None: a delegated loop of the walk's body does)
@@ -161,34 +159,33 @@ def _plan(conductor: Conductor, cluster: Cluster, model: str, sites: WalkSites, 
     name = sites.walk.name
     parent = None
     if k in sites.closes[None]:  # produced by the body: by a loop delegated to one worker group, or stays here
-        loop = _producing_loop(conductor, sites, edge.src_node)
-        if loop is None:
+        if _producing_loop(conductor, sites, edge.src_node) is None:
             return None
-        producer = conductor.remote_loops[name, loop.index].scheduler
     else:  # produced by stream j's consumer: goes on direct from where that consumer runs, if it runs on a worker
         j = next(j for j, closed in sites.closes.items() if j is not None and k in closed)
         parent = plans.get(j)
         if parent is None or not _only_in(sites, edge.src_node, j):
             return None
-        producer = parent.consumer
-    calls = [sites.stream_calls[k]] if edge.consumer is None else list(iter_call_sites(sites.consumers[k]))
+    calls = _stage_calls(sites, k)
     scheds = [conductor.scheduler_for(name, c.node) for c in calls]
     if not scheds or not all(isinstance(s, RemoteNodeScheduler) for s in scheds) or \
             len({tuple(s.replicas) for s in scheds}) != 1:
         return None
     if any((name, c.node) in conductor.walk_schedulers for c in calls):
         return None  # a per-walk node's state may have to move first: keep the consumer's calls here
-    return StreamPlan(cluster, model, name, k, edge, producer, scheds[0], calls, parent)
+    return StreamPlan(cluster, model, name, k, edge, scheds[0], calls, parent)
+
+
+def _stage_calls(sites: WalkSites, k: int) -> list[CallSite]:
+    """The call sites of stream `k`'s consumer: its per-chunk node call, or its consumer fragment's calls."""
+    return [sites.stream_calls[k]] if k in sites.stream_calls else list(iter_call_sites(sites.consumers[k]))
 
 
 def _only_in(sites: WalkSites, node: str, stage: int) -> bool:
     """True when every call of `node` in the walk is in stream `stage`'s consumer."""
-    def stage_calls(j):
-        return [sites.stream_calls[j]] if j in sites.stream_calls else list(iter_call_sites(sites.consumers[j]))
-
-    inside = [c for c in stage_calls(stage) if c.node == node]
+    inside = [c for c in _stage_calls(sites, stage) if c.node == node]
     elsewhere = [c for c in iter_call_sites(sites.body) if c.node == node] + \
-        [c for j in range(len(sites.walk.streams)) if j != stage for c in stage_calls(j) if c.node == node]
+        [c for j in range(len(sites.walk.streams)) if j != stage for c in _stage_calls(sites, j) if c.node == node]
     return bool(inside) and not elsewhere
 
 

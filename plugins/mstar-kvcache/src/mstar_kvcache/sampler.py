@@ -235,8 +235,9 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
         ids, weights, left_out = candidates.take(logits if whole else logits[torch.tensor(rows, device=dev)], k,
                                                  [params[i] for i in rows])
         if left_out:  # ties at the k-th or non-finite logits: those rows take the whole vocabulary
+            dropped = set(left_out)
             wide.extend(rows[j] for j in left_out)
-            rows, whole = [r for j, r in enumerate(rows) if j not in set(left_out)], False
+            rows, whole = [r for j, r in enumerate(rows) if j not in dropped], False
         narrow.append((rows, whole, ids, weights))
     full = None
     if wide:
