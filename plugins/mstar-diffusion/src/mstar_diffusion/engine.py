@@ -182,7 +182,7 @@ class DiffusionEngine(Engine):
 
     def _parse(self, inv: Invocation) -> _Call:
         node, inputs, options = inv.node, inv.inputs, inv.options
-        # every call is checked afresh (a few microseconds): a request's settings come with each of its calls
+        # every call is checked afresh (~30 µs of CPU, BENCHMARKS.md): a request's settings come with each of its calls
         unknown = params.unknown_options(options)
         if unknown:  # a walk's per-call option the engine would otherwise ignore: the model is wrong, not the request
             raise ValueError(f"node '{node}' (engine 'diffusion'): unknown call options {unknown}; "
