@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -100,6 +100,7 @@ class _EngineCollector:
         yield from named.values()
         yield every
         yield from _link_metrics(engine)
+        yield from _peer_metrics(engine)
         yield batch
         yield step
         yield steps
@@ -131,6 +132,52 @@ def _link_metrics(engine: Any):
     yield moved
     yield offloaded
     yield rtt
+
+
+#: a worker's peer-line counters (`PeerMailbox.stats()`, from its heartbeats): metric -> (help, stat per direction)
+_PEER_COUNTERS = {
+    "mstar_peer_stream_items": ("stream items sent straight to or received from another worker",
+                                {"sent": "stream_sent_items", "received": "stream_received_items"}),
+    "mstar_peer_stream_bytes": ("bytes of stream items sent straight to or received from another worker",
+                                {"sent": "stream_sent_bytes", "received": "stream_received_bytes"}),
+    "mstar_peer_moves": ("per-walk state moves sent straight to or received from another worker",
+                         {"sent": "sent_moves", "received": "received_moves"}),
+    "mstar_peer_move_bytes": ("bytes of per-walk state moves sent straight to or received from another worker",
+                              {"sent": "sent_bytes", "received": "received_bytes"}),
+}
+
+
+def _peer_metrics(engine: Any):
+    """Per worker, what went worker to worker on its peer line (stream items, state moves), not through here."""
+    cluster = getattr(engine, "cluster", None)
+    if cluster is None or not hasattr(cluster, "link_stats"):
+        return
+    # counters: they only grow while a worker lives (a restarted worker starts again at 0, which Prometheus reads
+    # as a counter reset)
+    counters = {name: CounterMetricFamily(name, doc, labels=["worker", "direction"])
+                for name, (doc, _) in _PEER_COUNTERS.items()}
+    late = CounterMetricFamily("mstar_peer_stream_late_items", "stream items that reached a worker after their "
+                               "consumer ended (a cancelled request's items still in flight)", labels=["worker"])
+    refused = CounterMetricFamily("mstar_peer_refused", "messages a worker's peer line dropped (forged, replayed, "
+                                  "out of order, or beyond its bounds)", labels=["worker"])
+    open_ = GaugeMetricFamily("mstar_peer_streams_open", "streams a worker's peer line holds now", labels=["worker"])
+    for worker, link in cluster.link_stats().items():
+        peer = link.get("peer") or {}
+        for name, (_, stats) in _PEER_COUNTERS.items():
+            for direction, key in stats.items():
+                if _number(peer.get(key)):
+                    counters[name].add_metric([worker, direction], float(peer[key]))
+        for family, key in ((late, "stream_late_items"), (refused, "refused"), (open_, "streams_open")):
+            if _number(peer.get(key)):
+                family.add_metric([worker], float(peer[key]))
+    yield from counters.values()
+    yield late
+    yield refused
+    yield open_
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _node_gauges(engine: Any, model: str) -> list[tuple[str, str, dict[str, Any]]]:

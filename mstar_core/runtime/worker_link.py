@@ -96,12 +96,14 @@ class WorkerLink:
         self.round_trip_s = seconds if self.round_trip_s is None else 0.9 * self.round_trip_s + 0.1 * seconds
 
     def link_stats(self) -> dict[str, Any]:
-        """Which transport carries this worker's tensors, and what each end moved (the worker's from its heartbeat)."""
+        """Which transport carries this worker's tensors, what each end moved, and its peer line (from its heartbeats)."""
         return {
             "transport": self.link.name if self.link is not None else self.spec.transport,
             "server": self.link.stats.as_dict() if self.link is not None else {},
             "worker": {k: v for k, v in (self.load.get("link") or {}).items() if k != "transport"},
             "round_trip_s": self.round_trip_s,
+            # what its peer line moved straight to and from other workers (its heartbeat's mailbox counters)
+            "peer": {k: v for k, v in (self.load.get("peer") or {}).items() if k != "address"},
             "messages": {d: {tag: {"count": c, "bytes": b} for tag, (c, b) in by_tag.items()}
                          for d, by_tag in self.traffic.items()},
         }
