@@ -1,0 +1,60 @@
+"""The peer line sends the stream items of one event-loop turn as one message; each item is still checked alone."""
+
+import asyncio
+import time
+
+from mstar_core.runtime.links import PeerMailbox
+from mstar_core.wire import decode, encode
+from mstar_core.wire.batch import join_messages
+from mstar_core.wire.messages import StreamItem
+
+SECRET = b"k" * 24
+
+
+async def _until(check, mailbox, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, mailbox.stats()
+        await asyncio.sleep(0.01)
+
+
+async def test_items_of_one_turn_for_many_streams_go_as_one_message_and_arrive_in_order_per_stream():
+    remote, local = PeerMailbox(SECRET), PeerMailbox(SECRET)
+    try:
+        got = {s: [] for s in ("aa", "bb", "cc")}
+        sessions = {s: f"{i + 1:02d}" * 8 for i, s in enumerate(got)}
+        channels = {s: local.stream_channel(s, sessions[s], start=0) for s in got}
+        for s in got:
+            remote.accept_stream(sessions[s], s, got[s].append)
+        for step in range(4):  # a decode step: one token per stream, all in one turn
+            for s in got:
+                local.send_stream(remote.address, s, channels[s], encode(StreamItem(request_id=s, stream=0, value=step)))
+            await asyncio.sleep(0)  # the turn ends: the step's items go out
+        await _until(lambda: remote.stream_received_items == 12, remote)
+        assert {s: [decode(f).value for f in items] for s, items in got.items()} == {s: [0, 1, 2, 3] for s in got}
+        assert local.stream_sent_items == 12 and local.stream_messages_sent == 4
+        assert remote.refused == 0
+    finally:
+        remote.close()
+        local.close()
+
+
+async def test_a_replayed_item_inside_a_batch_is_refused_alone_and_the_rest_are_delivered():
+    remote, local = PeerMailbox(SECRET), PeerMailbox(SECRET)
+    try:
+        got = []
+        session = "ab" * 8
+        channel = local.stream_channel("n1", session, start=0)
+        remote.accept_stream(session, "n1", got.append)
+        sealed = [channel.seal(encode(StreamItem(request_id="r", stream=0, value=i))) for i in range(3)]
+        messages = [[b"sn1", *sealed[0]], [b"sn1", *sealed[0]], [b"sn1", *sealed[1]], [b"sn1", *sealed[2]]]
+        sock = local._socket(remote.address)
+        await sock.send_multipart(join_messages(messages), copy=False)  # the second is a replay of the first
+        await _until(lambda: remote.refused == 1 and len(got) == 3, remote)
+        assert [decode(f).value for f in got] == [0, 1, 2]
+        await sock.send_multipart(join_messages([[b"sn1", b"x"], [b"sn1"]])[:3], copy=False)  # counts do not fit
+        await _until(lambda: remote.refused == 2, remote)
+        assert len(got) == 3
+    finally:
+        remote.close()
+        local.close()
