@@ -4,6 +4,10 @@ import asyncio
 import os
 import time
 
+import pytest
+
+from mstar_core.runtime.cluster import WorkerLost
+
 SHM_PREFIX = "mstar-shm-"
 
 
@@ -23,3 +27,27 @@ async def kv_pages_used(engine, worker: str, node: str, timeout: float = 5.0) ->
             return 0
         await asyncio.sleep(0.05)
     return state.load[node]["kv_pages_used"]
+
+
+async def until(condition, timeout: float, what: str) -> None:
+    """Wait until `condition()` holds; an AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def kill_mid_request(engine, model: str, request: dict, worker: str, output: str, bound: float = 1.5) -> None:
+    """Kill `worker` once `request`'s first `output` arrives; the request must fail naming it within `bound` s."""
+    handle = engine.submit(model, dict(request))
+    async for out in handle:
+        if out.name == output:
+            break
+    else:
+        raise AssertionError(f"the request ended without a '{output}' output")
+    engine.cluster.kill(worker)
+    killed_at = time.monotonic()
+    with pytest.raises(WorkerLost, match=worker):
+        await asyncio.wait_for(handle.result(), 20)
+    assert time.monotonic() - killed_at < bound

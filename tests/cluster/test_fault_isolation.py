@@ -20,16 +20,9 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.cluster import WorkerLost
+from tests.cluster.helpers import kill_mid_request, until
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def served(placement: dict, model: str = "fixture-stream") -> AsyncEngine:
@@ -75,13 +68,8 @@ async def test_a_dead_stream_consumer_fails_its_requests_at_once_and_the_produce
                            "engine_settings": {"gen": {"step_delay": 0.01}}, "control": {"heartbeat_interval": 0.2}})
     gen, codec = engine.cluster.workers["gen"], engine.cluster.workers["codec"]
     try:
-        handle = engine.submit("fixture-stream", {"start": 0, "stop": 10**6})
-        await first(handle, "total")  # the consumer (on `codec`) has run
-        engine.cluster.kill("codec")
-        killed_at = time.monotonic()
-        with pytest.raises(WorkerLost, match="codec"):
-            await asyncio.wait_for(handle.result(), 15)
-        assert time.monotonic() - killed_at < 1.5
+        # killed once the consumer (on `codec`) has run
+        await kill_mid_request(engine, "fixture-stream", {"start": 0, "stop": 10**6}, "codec", "total")
         # the producer's loop (delegated to `gen`) was stopped and freed, not left running to its end
         beat = time.monotonic()
         await until(lambda: gen.last_seen > beat + 0.3 and gen.load["fixture-stream/gen"]["active"] == 0.0, 10,

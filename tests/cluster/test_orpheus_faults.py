@@ -5,8 +5,6 @@ about a second and the LM stops computing it (its KV pages come back), instead o
 on for seconds and the request failing when its loop ends.
 """
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,7 @@ from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
-from tests.cluster.helpers import kv_pages_used
+from tests.cluster.helpers import kill_mid_request, kv_pages_used, until
 
 pytest.importorskip("mstar_orpheus")
 pytestmark = pytest.mark.timeout(240)
@@ -30,19 +27,9 @@ async def test_a_dead_codec_worker_fails_its_request_at_once_and_the_lm_stops_co
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(PLACEMENT))
     codec = engine.cluster.workers["codec"]
     try:
-        handle = engine.submit("orpheus", dict(LONG))
-        async for out in handle:
-            if out.name == "audio":
-                break
-        engine.cluster.kill("codec")
-        killed_at = time.monotonic()
-        with pytest.raises(WorkerLost, match="codec"):
-            await asyncio.wait_for(handle.result(), 20)
-        assert time.monotonic() - killed_at < 1.5
+        await kill_mid_request(engine, "orpheus", LONG, "codec", "audio")
         assert await kv_pages_used(engine, "lm", "orpheus/lm") == 0  # the LM dropped it
-        deadline = time.monotonic() + 90
-        while not codec.ready and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await until(lambda: codec.ready, 90, "the codec worker to come back")
         chunks = [o async for o in engine.submit("orpheus", {**LONG, "max_tokens": 120}) if o.name == "audio"]
         assert chunks  # served again after the codec came back
     finally:
