@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from mstar_core.runtime.engine import Result
+from mstar_kvcache.history import TokenIds
 from mstar_kvcache.inputs import ParsedInvocation
 from mstar_kvcache.sampler import Sampled, sample
 from mstar_kvcache.sequence import Sequence
@@ -106,9 +107,18 @@ class CallAnswers:
             logits = self.module.compute_logits(last)
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
-            picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs], [s.tokens for s in seqs],
-                            logprobs=wanted, generated=[s.generated for s in seqs])
+            picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                            [self._history(s) for s in seqs], logprobs=wanted, generated=[s.generated for s in seqs])
         return logits, picked
+
+    @staticmethod
+    def _history(seq: Sequence) -> list[int] | torch.Tensor:
+        """What the repetition penalty reads: the tokens, mirrored as a tensor when the row has a penalty."""
+        if seq.sampling is None or seq.sampling.repetition_penalty == 1.0:
+            return seq.tokens
+        if seq.token_ids is None:
+            seq.token_ids = TokenIds()
+        return seq.token_ids.of(seq.tokens)
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor,
                 extras: dict[str, torch.Tensor] | None = None) -> Result | None:

@@ -132,6 +132,7 @@ class BlockManager:
     def truncate(self, seq: Sequence, length: int) -> None:
         """Drop tokens from `length` on, releasing pages no longer needed."""
         del seq.tokens[length:]
+        seq.token_ids = None  # (it mirrors the dropped tokens)
         seq.num_computed = min(seq.num_computed, length)
         keep = -(-seq.num_computed // self.page_size)
         for page in seq.pages[keep:]:
@@ -175,4 +176,5 @@ class BlockManager:
             generated=list(src.generated),
             generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,
+            token_ids=None,  # a mirror of `src.tokens`, which the fork's list no longer is once either grows
         )

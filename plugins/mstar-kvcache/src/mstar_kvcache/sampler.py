@@ -39,15 +39,23 @@ class Sampled:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], penalties: list[float]) -> None:
-    """Divide positive and multiply negative logits of already-seen tokens by the penalty, in place."""
-    rows = [i for i, (seen, p) in enumerate(zip(history, penalties, strict=True)) if p != 1.0 and seen]
+def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int] | torch.Tensor], penalties: list[float]) -> None:
+    """Divide positive and multiply negative logits of already-seen tokens by the penalty, in place.
+
+    A row's history is a list of ids or a 1-D long tensor of them (the engine's `TokenIds` mirror,
+    which spares rebuilding a tensor from the whole list every step).
+    """
+    rows = [i for i, (seen, p) in enumerate(zip(history, penalties, strict=True)) if p != 1.0 and len(seen)]
     if not rows:
         return
     dev = logits.device
-    width = max(len(history[i]) for i in rows)
     # pad with a token the row has seen: a repeated index gathers and scatters the same value
-    ids = torch.tensor([history[i] + [history[i][0]] * (width - len(history[i])) for i in rows], device=dev)
+    if all(isinstance(history[i], torch.Tensor) for i in rows):
+        ids = _padded([history[i] for i in rows]).to(dev)
+    else:
+        seen = [history[i].tolist() if isinstance(history[i], torch.Tensor) else history[i] for i in rows]
+        width = max(len(h) for h in seen)
+        ids = torch.tensor([h + [h[0]] * (width - len(h)) for h in seen], device=dev)
     penalty = torch.tensor([penalties[i] for i in rows], device=dev, dtype=logits.dtype).unsqueeze(1)
     whole = len(rows) == logits.shape[0]
     target = logits if whole else logits[torch.tensor(rows, device=dev)]
@@ -55,6 +63,18 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
     target.scatter_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
     if not whole:
         logits[torch.tensor(rows, device=dev)] = target
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """`[len(rows), longest]` ids, each row padded with its own first id."""
+    if len(rows) == 1:
+        return rows[0].unsqueeze(0)
+    lengths = [r.shape[0] for r in rows]
+    if min(lengths) == max(lengths):
+        return torch.stack(rows)
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    short = torch.arange(ids.shape[1]) >= torch.tensor(lengths).unsqueeze(1)
+    return torch.where(short, ids[:, :1], ids)
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> None:
@@ -90,7 +110,7 @@ def apply_presence_frequency(logits: torch.Tensor, generated: list[list[int]], p
     logits[index] -= counts * freq + (counts > 0).to(logits.dtype) * pres
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]],
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int] | torch.Tensor],
                   generated: list[list[int]]) -> torch.Tensor:
     """`logits` after the rows' logit biases, repetition penalties and presence/frequency penalties, in that order.
 
@@ -122,7 +142,7 @@ def _top_k(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return scaled.masked_fill(scaled < bound, float("-inf"))
 
 
-def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
     """Tokens whose probability mass strictly above them is <= top_p (the nucleus), without a sort.
 
     A histogram of log-probabilities gives the mass of every bucket; buckets entirely above the cut
@@ -147,13 +167,20 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) ->
     first = count.cumsum(0) - count
     above_all = vals.cumsum(0) - vals  # mass above each token among all rows' candidates
     above = before[row] + above_all - above_all[first[row]]
-    ok = above <= top_p.squeeze(1)[row]
+    ok = above <= (top_p.squeeze(1)[row] if isinstance(top_p, torch.Tensor) else top_p)
     kept = torch.bincount(row[ok], minlength=rows)  # the kept candidates are a prefix of each row's ranking
     if vals.numel() == 0:  # only rows that keep everything
         return bucket < above_cut
     smallest = vals[(first + kept - 1).clamp(0, vals.shape[0] - 1)]
     bound = torch.where(kept > 0, smallest, float("inf")).to(probs.dtype).unsqueeze(1)
     return (bucket < above_cut) | (in_crit & (probs >= bound))
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor | float:
+    """Per-row float64 `[n, 1]` values, or the one float when every row has the same (compared alike, ops fewer)."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, device=device, dtype=torch.float64).unsqueeze(1)
 
 
 def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bool = False
@@ -165,8 +192,14 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
     and is None when no row filters.
     """
     dev = logits.device
-    temp = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev, dtype=logits.dtype)
-    scaled = _top_k(logits / temp.unsqueeze(1), params)
+    # one temperature for every row divides by a float (the same float32 quotient, two tensor ops fewer), and
+    # 1 leaves the logits as they are
+    temps = [max(p.temperature, _MIN_TEMPERATURE) for p in params]
+    if any(t != temps[0] for t in temps):
+        scaled = logits / torch.tensor(temps, device=dev, dtype=logits.dtype).unsqueeze(1)
+    else:
+        scaled = logits if temps[0] == 1.0 else logits / temps[0]
+    scaled = _top_k(scaled, params)
     # A row the model (or a penalty) made non-finite has NaN log-probabilities. As -inf they weigh
     # nothing: the row still gets a token, and no NaN reaches the histogram's indices or the
     # ranking sort that all rows share.
@@ -175,7 +208,7 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
     keep = None if for_draw else probs > 0
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=torch.float64).unsqueeze(1)
+        top_p = _column([params[i].top_p for i in nucleus], dev)
         if len(nucleus) == len(params):
             cut = _top_p_keep(logp, probs, top_p)
             keep = cut if keep is None else keep.logical_and_(cut)
@@ -192,6 +225,8 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One float64 uniform number per row from the row's own generator, in row order."""
+    if len(generators) == 1:
+        return torch.rand(1, generator=generators[0], dtype=torch.float64, device=device)
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=device) for g in generators])
 
 
@@ -229,6 +264,9 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
             by_k.setdefault(p.top_k, []).append(i)
         else:
             wide.append(i)
+    if not by_k:  # every row over the whole vocabulary (no top-k): no per-group index bookkeeping
+        probs, keep = filtered(logits, params, for_draw=True)
+        return draw_with(probs, keep, uniforms(generators, dev))
     narrow = []  # (rows, candidate ids, weights) per top-k
     for k, rows in by_k.items():
         whole = len(rows) == n
@@ -263,7 +301,7 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams | None],
     generators: list[torch.Generator | None],
-    history: list[list[int]],
+    history: list[list[int] | torch.Tensor],
     logprobs: bool = True,
     generated: list[list[int]] | None = None,
 ) -> Sampled:
