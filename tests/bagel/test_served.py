@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
@@ -97,7 +97,7 @@ def test_mstar_run_writes_an_image(tmp_path):
     import subprocess
     import sys
 
-    from tests.server.conftest import server_env
+    from tests.server.helpers import server_env
 
     out = tmp_path / "fox.png"
     proc = subprocess.run([sys.executable, "-m", "mstar_core.cli", "run", "bagel", "--prompt", "a red fox", "--out",

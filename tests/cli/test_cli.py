@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from tests.server.conftest import Server, server_env
+from tests.server.helpers import Server, server_env
 from tests.server.toy.mstar_toy_models import SAMPLE_RATE, SAMPLES_PER_CHUNK
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 pytest.importorskip("mstar_orpheus")
 pytestmark = pytest.mark.timeout(180)

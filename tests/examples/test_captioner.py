@@ -10,12 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import subprocess
-import sys
-import time
 from importlib import metadata
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +20,7 @@ from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.nn import DenseAttention
 from mstar_core.runtime import AsyncEngine
+from tests.server.helpers import Server
 
 # no importorskip: requirements-dev.txt installs the example (CI included), and a lost install must fail these
 # tests (the distribution lookup, the fixtures' imports), not skip them
@@ -65,57 +61,13 @@ REQUESTS = [
 ]
 
 
-class ServeProcess:
-    """`mstar serve example-captioner` on a free loopback port; the model comes from its entry point alone."""
-
-    def __init__(self):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"mstar-captioner-{self.port}.log", "w+")
-        # only what the model needs, loaded from installed distributions' entry points (as a deployment would)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSTAR_PLUGINS": "core,kvcache,stateless,attn_torch,example_captioner",
-               "OMP_NUM_THREADS": "1"}  # it boots while this process computes: do not fight over the cores
-        env.pop("MSTAR_API_KEY", None)
-        cmd = [sys.executable, "-m", "mstar_core.cli", "serve", MODEL, "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server did not become healthy:\n{self.output()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
 def served():
     # only the served test asks for it: under xdist every worker that ran a test using it would boot its own
-    srv = ServeProcess()
+    # only what the model needs, loaded from installed distributions' entry points (as a deployment would); it
+    # boots while this process computes the reference, so one thread: do not fight over the cores
+    srv = Server([MODEL], api_key=None, plugins=(), wait=False,
+                 MSTAR_PLUGINS="core,kvcache,stateless,attn_torch,example_captioner", OMP_NUM_THREADS="1")
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()[-3000:]
@@ -201,7 +153,7 @@ def _tensor_json(t: torch.Tensor) -> dict:
 def test_served_native_endpoint_streams_the_reference_caption(served, reference):
     request = REQUESTS[0]
     want, reason = dense_caption(reference, request)  # while the server boots
-    served.wait_ready()
+    served.wait_ready(90)
     body = {"inputs": {**request, "image": _tensor_json(request["image"])}}
     with httpx.stream("POST", f"{served.url}/v1/walks/{MODEL}", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.helpers import API_KEY, Server
 
 websockets_sync = pytest.importorskip("websockets.sync.client")
 

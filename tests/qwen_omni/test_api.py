@@ -9,7 +9,7 @@ import pytest
 import soundfile
 from openai import OpenAI
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 # The tiny preset's Talker samples noise codes (temperature 0.9) and may draw EOS first, a valid empty reply;
 # a fixed seed keeps these tests about the routes, not about that draw.

@@ -25,7 +25,7 @@ from openai import OpenAI
 from PIL import Image
 
 from mstar_core.api.media import MediaLimits, resample, url_allowed
-from tests.server.conftest import Server, metric
+from tests.server.helpers import Server, metric
 
 RATE, PER_TOKEN = 16000, 160
 PITCH = {"alto": 440.0, "bass": 110.0}

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 
 def post(server, path, body=None, *, headers=None, content=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 pytest.importorskip("mstar_llm")
 pytest.importorskip("mstar_kvcache")

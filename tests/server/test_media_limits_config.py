@@ -14,7 +14,7 @@ from PIL import Image
 from mstar_core.api.deploy import load_deploy
 from mstar_core.api.media import MediaLimits
 from mstar_core.errors import ConfigError
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 
 def deploy(tmp_path, media: str):

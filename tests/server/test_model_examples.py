@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mstar_core.plugins.manager import discover
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 
 #: Models whose package has not declared its request schema with an example yet (issue 13): none left.
 NOT_YET: set[str] = set()

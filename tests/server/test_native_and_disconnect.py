@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import torch
 
-from tests.server.conftest import metric
+from tests.server.helpers import metric
 from tests.server.toy.mstar_toy_models import SAMPLES_PER_CHUNK
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.server.conftest import Server, metric
+from tests.server.helpers import Server, metric
 
 pytest.importorskip("mstar_llm")
 pytest.importorskip("mstar_kvcache")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from tests.server.conftest import Server, metric, server_env
+from tests.server.helpers import Server, metric, server_env
 
 pytest.importorskip("mstar_orpheus")
 pytest.importorskip("mstar_kvcache")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import metric
+from tests.server.helpers import metric
 
 ST = str(Path(sys.executable).parent / "st")
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import Server
+from tests.server.helpers import Server
 from tests.server.toy.mstar_toy_models import SAMPLES_PER_CHUNK
 
 
