@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.config.hf import check
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.llama_config import LlamaConfig
@@ -31,7 +32,9 @@ def mot_config(cfg: dict) -> LlamaConfig:
     plain = {k: v for k, v in cfg.items() if k not in ("qk_norm", "layer_module", "freeze_und", "is_causal")}
     plain["model_type"] = "qwen2"
     base = LlamaConfig.from_hf(plain, file="llm_config.json")
-    return attrs.evolve(base, qkv_bias=True, o_bias=False, qk_norm=bool(cfg.get("qk_norm", True)))
+    # strictly a JSON boolean (bool("false") would be True); absent or null: BAGEL's qk-norm on
+    qk_norm = check(True if cfg.get("qk_norm") is None else cfg["qk_norm"], bool, "qk_norm", file="llm_config.json")
+    return attrs.evolve(base, qkv_bias=True, o_bias=False, qk_norm=qk_norm)
 
 
 class MoTAttention(nn.Module):

@@ -28,6 +28,8 @@ def test_tiny_files_read_back():
     ("top", "latent_patch_size", 0, r"config\.json: key 'latent_patch_size' must be a positive integer"),
     ("top", "mstar_vae", {"ch": "16"}, r"config\.json: key 'mstar_vae\.ch' must be an integer"),
     ("llm", "num_attention_heads", "4", r"llm_config\.json: key 'num_attention_heads' must be an integer"),
+    # a string is not a boolean: "false" must not switch qk-norm on (or off) by truthiness
+    ("llm", "qk_norm", "false", r"llm_config\.json: key 'qk_norm' must be true or false, got \"false\""),
     ("vit", "num_hidden_layers", 1, r"vit_config\.json: key 'num_hidden_layers' must be at least 2"),
     ("vit", "image_size", 28.0, r"vit_config\.json: key 'image_size' must be an integer"),
 ])
@@ -36,3 +38,10 @@ def test_a_bad_key_fails_naming_file_and_key(tmp_path, part, key, value, message
     files[part][key] = value
     with pytest.raises(ConfigError, match=message):
         _from_dir(tmp_path, **files)
+
+
+def test_qk_norm_is_read_as_given_and_defaults_to_on():
+    off = BagelConfig.from_dicts(copy.deepcopy(TINY_TOP), {**TINY_LLM, "qk_norm": False}, TINY_VIT)
+    absent = BagelConfig.from_dicts(copy.deepcopy(TINY_TOP), {k: v for k, v in TINY_LLM.items() if k != "qk_norm"},
+                                    TINY_VIT)
+    assert (off.llm.qk_norm, absent.llm.qk_norm) == (False, True)
