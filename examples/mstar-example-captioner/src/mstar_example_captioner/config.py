@@ -7,21 +7,23 @@ from typing import Any
 
 import attrs
 
+from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
 from mstar_core.nn import LlamaConfig
 
-_VISION_KEYS = ("image_size", "patch_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
 _TOP_KEYS = ("model_type", "vision_config", "text_config", "image_token_id")
 
 
 @attrs.frozen(kw_only=True)
 class VisionConfig:
-    image_size: int
-    patch_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
+    """`vision_config`: the example's own section, so read strictly (an unknown key is a typo)."""
+
+    image_size: int = config_field(minimum=1)
+    patch_size: int = config_field(minimum=1)
+    hidden_size: int = config_field(minimum=1)
+    num_layers: int = config_field(minimum=1)
+    num_heads: int = config_field(minimum=1)
+    intermediate_size: int = config_field(minimum=1)
 
     @property
     def num_patches(self) -> int:
@@ -42,28 +44,21 @@ class CaptionerConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> CaptionerConfig:
+        """Read `config.json`; a missing, unknown or wrong-typed key is a `ConfigError` naming it."""
+        cfg = section(cfg, "")
         unknown = sorted(set(cfg) - set(_TOP_KEYS))
         if unknown:
             raise ConfigError(f"config.json: unknown key(s) {unknown}; known: {list(_TOP_KEYS)}")
-        if cfg.get("model_type") != "example-captioner":
-            raise ConfigError(f"config.json: 'model_type' must be 'example-captioner', got {cfg.get('model_type')!r}")
-        vision = cfg.get("vision_config")
-        if not isinstance(vision, Mapping):
-            raise ConfigError("config.json: 'vision_config' must be an object")
-        values = {}
-        for key in _VISION_KEYS:
-            value = vision.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"config.json: 'vision_config.{key}' must be a positive integer, got {value!r}")
-            values[key] = value
-        if values["image_size"] % values["patch_size"] or values["hidden_size"] % values["num_heads"]:
+        model_type = check(cfg.get("model_type"), str, "model_type", example="example-captioner")
+        if model_type != "example-captioner":
+            raise ConfigError(f"config.json: key 'model_type' must be 'example-captioner', got {model_type!r}")
+        vision = read_fields(VisionConfig, cfg.get("vision_config"), "vision_config", strict=True)
+        if vision.image_size % vision.patch_size or vision.hidden_size % vision.num_heads:
             raise ConfigError("config.json: 'vision_config' needs image_size % patch_size == 0 and "
                               "hidden_size % num_heads == 0")
-        text = cfg.get("text_config")
-        if not isinstance(text, Mapping):
-            raise ConfigError("config.json: 'text_config' must be an object (a Llama config)")
-        text_cfg = LlamaConfig.from_hf(text)
-        image_token = cfg.get("image_token_id")
-        if not isinstance(image_token, int) or not 0 <= image_token < text_cfg.vocab_size:
-            raise ConfigError(f"config.json: 'image_token_id' must be a token id below {text_cfg.vocab_size}")
-        return cls(vision=VisionConfig(**values), text=text_cfg, image_token_id=image_token, raw=dict(cfg))
+        text = LlamaConfig.from_hf(check(cfg.get("text_config"), dict, "text_config"))
+        image_token = check(cfg.get("image_token_id"), int, "image_token_id", minimum=0)
+        if image_token >= text.vocab_size:
+            raise ConfigError(f"config.json: key 'image_token_id' must be a token id below {text.vocab_size}, "
+                              f"got {image_token}")
+        return cls(vision=vision, text=text, image_token_id=image_token, raw=dict(cfg))
