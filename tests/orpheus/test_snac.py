@@ -132,3 +132,21 @@ def test_unknown_config_key_is_named():
 
     with pytest.raises(ConfigError, match="decoder_dims"):
         SNACConfig.from_dict({**TINY_SNAC, "decoder_dims": 3})
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("codebook_size", "4096", r"key 'codebook_size' must be an integer like 4096, got \"4096\""),
+    ("decoder_rates", [8, "8"], r"key 'decoder_rates' must be a list of integers"),
+    ("noise", "false", r"key 'noise' must be true or false, got \"false\""),
+    ("decoder_dim", 0, r"key 'decoder_dim' must be a positive integer"),
+])
+def test_a_wrong_typed_config_key_names_the_file_and_the_key(tmp_path, key, value, message):
+    import json
+    import re
+
+    from mstar_core.errors import ConfigError
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_SNAC, key: value}))
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + ": " + message):
+        SNACConfig.from_file(path)
