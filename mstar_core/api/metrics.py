@@ -140,6 +140,9 @@ _PEER_COUNTERS = {
                                 {"sent": "stream_sent_items", "received": "stream_received_items"}),
     "mstar_peer_stream_bytes": ("bytes of stream items sent straight to or received from another worker",
                                 {"sent": "stream_sent_bytes", "received": "stream_received_bytes"}),
+    # several items one event-loop turn seals for a worker travel as one message
+    "mstar_peer_stream_messages": ("messages that carried a worker's stream items to another worker",
+                                   {"sent": "stream_messages_sent"}),
     "mstar_peer_moves": ("per-walk state moves sent straight to or received from another worker",
                          {"sent": "sent_moves", "received": "received_moves"}),
     "mstar_peer_move_bytes": ("bytes of per-walk state moves sent straight to or received from another worker",

@@ -207,6 +207,10 @@ class NodeScheduler:
                     fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
                 else:
                     fut.set_result(out)
+                    if self._admitted is not None and inv.options.get("transfer") == "export":
+                        # the request's state left with it (a per-walk move; the engine freed it): the place
+                        # goes to the next request now, not when the request ends on the other worker
+                        self._admitted.pop(inv.request_id, None)
             self._last_step_ok = True
             if results:
                 # Let the requests just answered come back before the next batch forms: their tasks

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(180)
 PLACEMENT = Path(__file__).resolve().parents[2] / "examples" / "placement" / "orpheus-disaggregated.yaml"
 PEER = {"address": "tcp://127.0.0.1:5555", "sent_bytes": 10, "received_bytes": 20, "sent_moves": 1,
         "received_moves": 2, "refused": 3, "stream_sent_bytes": 400, "stream_received_bytes": 0,
-        "stream_sent_items": 40, "stream_received_items": 0, "stream_late_items": 5, "streams_open": 1}
+        "stream_sent_items": 40, "stream_received_items": 0, "stream_late_items": 5, "streams_open": 1,
+        "stream_messages_sent": 7}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -56,6 +57,7 @@ def test_peer_counters_come_from_each_workers_heartbeat():
     assert peer(scrape, "mstar_peer_stream_items_total", "lm", "sent") == 40
     assert peer(scrape, "mstar_peer_stream_items_total", "lm", "received") == 0
     assert peer(scrape, "mstar_peer_stream_bytes_total", "lm", "sent") == 400
+    assert peer(scrape, "mstar_peer_stream_messages_total", "lm", "sent") == 7
     assert peer(scrape, "mstar_peer_moves_total", "lm", "received") == 2
     assert peer(scrape, "mstar_peer_move_bytes_total", "lm", "sent") == 10
     assert peer(scrape, "mstar_peer_stream_late_items_total", "lm") == 5
@@ -103,6 +105,7 @@ async def test_disaggregated_orpheus_stream_counters_rise_with_each_request():
             sent_bytes = rise(now, before, "mstar_peer_stream_bytes_total", "lm", "sent")
             assert sent_bytes >= audio_tokens
             assert sent_bytes == rise(now, before, "mstar_peer_stream_bytes_total", "codec", "received")
+            assert 0 < rise(now, before, "mstar_peer_stream_messages_total", "lm", "sent") <= audio_tokens
             # nothing went the other way, nothing came late or was refused, and no state moved
             assert rise(now, before, "mstar_peer_stream_items_total", "lm", "received") == 0
             assert rise(now, before, "mstar_peer_stream_items_total", "codec", "sent") == 0
