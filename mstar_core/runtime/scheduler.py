@@ -3,10 +3,11 @@
 It hands invocations that reach the node to the engine, at most `engine.max_batch_size` held at
 once (the rest wait here: the most urgent `Invocation.priority` first, then the oldest request by
 `Invocation.arrival`), and, with `engine.max_active_requests`, from at most that many requests at a
-time (admitted oldest first, each until it is released: so a few requests finish early instead of
-all of them late, and none waits behind a younger one). With `engine.call_order == "fifo"` (plain
-fairness) calls go in submission order instead: each is handed over at priority 0, stamped with its
-submission as its arrival, so an engine that orders by `Invocation.urgency` follows it too.
+time (admitted oldest first, each until it is released or exports its state to another worker: so
+a few requests finish early instead of all of them late, and none waits behind a younger one). With
+`engine.call_order == "fifo"` (plain fairness) calls go in submission order instead: each is handed
+over at priority 0, stamped with its submission as its arrival, so an engine that orders by
+`Invocation.urgency` follows it too.
 
 It calls `engine.step()` on the worker's device thread while the engine has work, so the event loop
 stays free. Invocations that arrive while a step runs are batched into the next one. Releases
@@ -85,7 +86,8 @@ class NodeScheduler:
         """Fill free places with the oldest waiting requests: admission goes strictly by arrival, so none starves.
 
         (Within the admitted, calls still go most urgent first; an admitted request keeps its place
-        until it is released, so it finishes while the later ones wait instead of all finishing late.)
+        until it is released, or its state leaves with an export, so it finishes while the later ones
+        wait instead of all finishing late.)
         """
         admitted = self._admitted
         free = self._limit - len(admitted)
