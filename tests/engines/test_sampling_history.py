@@ -17,18 +17,18 @@ def _penalised(logits: torch.Tensor, history, penalties) -> torch.Tensor:
     return out
 
 
-def test_tensor_histories_penalise_exactly_as_lists():
+def test_mirrored_histories_penalise_exactly_as_lists():
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0)) * 3
     cases = [
         [[3, 5, 5, 9], [0, 1, 2, 3, 4, 36], [7], [11, 12, 13, 11]],  # ragged
         [[3, 5, 5, 9], [1, 2, 3, 4], [7, 7, 8, 39], [11, 12, 13, 11]],  # equal lengths
     ]
     for history in cases:
-        for penalties in ([1.3] * 4, [1.3, 1.0, 0.7, 1.3], [1.0, 1.0, 1.2, 1.0]):
+        for penalties in ([1.3] * 4, [1.3, 1.0, 0.7, 1.3], [1.0, 1.0, 1.2, 1.0], [1.2, 1.2, 1.0, 1.2]):
             want = _penalised(logits, history, penalties)
-            as_tensors = [torch.tensor(h) for h in history]
-            assert torch.equal(_penalised(logits, as_tensors, penalties), want)
-            mixed = [torch.tensor(h) if i % 2 else h for i, h in enumerate(history)]
+            mirrored = [TokenIds().of(h) for h in history]
+            assert torch.equal(_penalised(logits, mirrored, penalties), want)
+            mixed = [TokenIds().of(h) if i % 2 else h for i, h in enumerate(history)]
             assert torch.equal(_penalised(logits, mixed, penalties), want)
 
 

@@ -15,6 +15,9 @@ a batch in which no row sets one skips it after one look at the parameters.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
+
 import attrs
 import torch
 
@@ -39,24 +42,21 @@ class Sampled:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int] | torch.Tensor], penalties: list[float]) -> None:
+def apply_repetition_penalty(logits: torch.Tensor, history: list[Sequence[int]], penalties: list[float]) -> None:
     """Divide positive and multiply negative logits of already-seen tokens by the penalty, in place.
 
-    A row's history is a list of ids or a 1-D long tensor of them (the engine's `TokenIds` mirror,
-    which spares rebuilding a tensor from the whole list every step).
+    A row's history is a list of ids or an int64 `array` of them (the engine's `TokenIds` mirror).
     """
     rows = [i for i, (seen, p) in enumerate(zip(history, penalties, strict=True)) if p != 1.0 and len(seen)]
     if not rows:
         return
     dev = logits.device
-    # pad with a token the row has seen: a repeated index gathers and scatters the same value
-    if all(isinstance(history[i], torch.Tensor) for i in rows):
-        ids = _padded([history[i] for i in rows]).to(dev)
+    ids = _padded_ids([history[i] for i in rows]).to(dev)
+    penalty = [penalties[i] for i in rows]  # one float when every row has the same: two tensor ops fewer
+    if logits.dtype != torch.float32 or any(p != penalty[0] for p in penalty):  # (a float: the same float32 math)
+        penalty = torch.tensor(penalty, device=dev, dtype=logits.dtype).unsqueeze(1)
     else:
-        seen = [history[i].tolist() if isinstance(history[i], torch.Tensor) else history[i] for i in rows]
-        width = max(len(h) for h in seen)
-        ids = torch.tensor([h + [h[0]] * (width - len(h)) for h in seen], device=dev)
-    penalty = torch.tensor([penalties[i] for i in rows], device=dev, dtype=logits.dtype).unsqueeze(1)
+        penalty = penalty[0]
     whole = len(rows) == logits.shape[0]
     target = logits if whole else logits[torch.tensor(rows, device=dev)]
     vals = target.gather(1, ids)
@@ -65,16 +65,16 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int] | tor
         logits[torch.tensor(rows, device=dev)] = target
 
 
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """`[len(rows), longest]` ids, each row padded with its own first id."""
-    if len(rows) == 1:
-        return rows[0].unsqueeze(0)
-    lengths = [r.shape[0] for r in rows]
-    if min(lengths) == max(lengths):
-        return torch.stack(rows)
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    short = torch.arange(ids.shape[1]) >= torch.tensor(lengths).unsqueeze(1)
-    return torch.where(short, ids[:, :1], ids)
+def _padded_ids(rows: list[Sequence[int]]) -> torch.Tensor:
+    """`[len(rows), longest]` int64 ids, each row padded with its own first id (a repeated index gathers and
+    scatters the same value). Built as bytes: `torch.tensor` over nested lists costs ~200 ns an id."""
+    width = max(len(r) for r in rows)
+    buf = bytearray()
+    for r in rows:
+        buf += r if isinstance(r, array) and r.typecode == "q" else array("q", r)
+        if len(r) < width:
+            buf += array("q", [r[0]]) * (width - len(r))
+    return torch.frombuffer(buf, dtype=torch.long).view(len(rows), width)
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> None:
@@ -110,7 +110,7 @@ def apply_presence_frequency(logits: torch.Tensor, generated: list[list[int]], p
     logits[index] -= counts * freq + (counts > 0).to(logits.dtype) * pres
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[list[int] | torch.Tensor],
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[Sequence[int]],
                   generated: list[list[int]]) -> torch.Tensor:
     """`logits` after the rows' logit biases, repetition penalties and presence/frequency penalties, in that order.
 
@@ -195,7 +195,7 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
     # one temperature for every row divides by a float (the same float32 quotient, two tensor ops fewer), and
     # 1 leaves the logits as they are
     temps = [max(p.temperature, _MIN_TEMPERATURE) for p in params]
-    if any(t != temps[0] for t in temps):
+    if logits.dtype != torch.float32 or any(t != temps[0] for t in temps):
         scaled = logits / torch.tensor(temps, device=dev, dtype=logits.dtype).unsqueeze(1)
     else:
         scaled = logits if temps[0] == 1.0 else logits / temps[0]
@@ -301,7 +301,7 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams | None],
     generators: list[torch.Generator | None],
-    history: list[list[int] | torch.Tensor],
+    history: list[Sequence[int]],
     logprobs: bool = True,
     generated: list[list[int]] | None = None,
 ) -> Sampled:

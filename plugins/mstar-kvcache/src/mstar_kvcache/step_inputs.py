@@ -70,6 +70,10 @@ class StepInputs:
                 if a < b:
                     spans.append((row + a - lo, row + b - lo, rows[a - start : b - start]))
             row += n
+        if not spans and self.forward_fn is self.module:
+            # no row of this step is an embedding (decode steps after an embedded prompt): the module embeds
+            # the ids itself, as `embed` would (a compiled forward keeps its embeddings graph: no new variant)
+            return None
         with torch.inference_mode():
             if sum(b - a for a, b, _ in spans) == row:  # every row is an embedding: no token embedding needed
                 embeds = spans[0][2].new_empty(row, spans[0][2].shape[1], dtype=self.dtype)
