@@ -15,7 +15,7 @@ from typing import Any
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import NodeCall, Walk
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
-from mstar_core.runtime.peer_streams import InboundStream, StreamSender
+from mstar_core.runtime.peer_streams import InboundStream, StreamLines, StreamSender
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.sites import Site, iter_call_sites
 from mstar_core.runtime.streams import RequestStream
@@ -80,13 +80,13 @@ class LoopHostConductor(Conductor):
                 forward[call.path] = (i, ports)
         return forward
 
-    async def host(self, msg: RunLoop, send: Callable[[Any], Any], mailbox: Any = None) -> LoopDone:
+    async def host(self, msg: RunLoop, send: Callable[[Any], Any], lines: StreamLines | None = None) -> LoopDone:
         """Run the loop a `RunLoop` names; returns the `LoopDone` to answer with."""
         sites = self.sites[msg.walk]
         walk = sites.walk
         loop = sites.loops[msg.loop]
         try:
-            senders = _senders(msg, walk, mailbox)
+            senders = _senders(msg, walk, lines)
         except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
             return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc))
         frame = self._frame(walk, loop.body, senders)
@@ -105,7 +105,7 @@ class LoopHostConductor(Conductor):
                         streamed={str(k): s.sent for k, s in senders.items()})
 
     async def host_consumer(self, msg: RunConsumer, send: Callable[[Any], Any], inbound: InboundStream,
-                            mailbox: Any = None) -> LoopDone:
+                            lines: StreamLines | None = None) -> LoopDone:
         """Run the consumer of the stream a `RunConsumer` names, on chunks this worker's policy forms from `inbound`.
 
         A per-chunk consumer forwards every call's outputs (the caller collects them as lists); a
@@ -120,7 +120,7 @@ class LoopHostConductor(Conductor):
         before = dict(env)
         senders: dict[int, StreamSender] = {}
         try:
-            senders = _senders(msg, walk, mailbox)
+            senders = _senders(msg, walk, lines)
             if edge.consumer is None:
                 site = sites.stream_calls[msg.stream]
                 frame = self._frame(walk, site, senders)
@@ -151,9 +151,9 @@ class LoopHostConductor(Conductor):
                         streamed={str(k): s.sent for k, s in senders.items()})
 
 
-def _senders(msg: RunLoop | RunConsumer, walk: Walk, mailbox: Any) -> dict[int, StreamSender]:
-    """The sending ends of the streams `msg` routes worker to worker (`streams`: index -> route)."""
-    if msg.streams and mailbox is None:
+def _senders(msg: RunLoop | RunConsumer, walk: Walk, lines: StreamLines | None) -> dict[int, StreamSender]:
+    """This run's sending ends of the streams `msg` routes worker to worker (`streams`: index -> route)."""
+    if msg.streams and lines is None:
         raise RuntimeError("this worker has no peer mailbox to send its streams from")
-    return {int(k): StreamSender(walk.streams[int(k)], int(k), msg.request_id, route, mailbox)
+    return {int(k): StreamSender(walk.streams[int(k)], int(k), msg.request_id, route, lines)
             for k, route in msg.streams.items()}

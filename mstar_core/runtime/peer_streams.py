@@ -1,8 +1,9 @@
 """Both worker ends of a stream whose producer and consumer run on two different workers.
 
 The producer's worker sends every kept item straight to the consumer's worker over the peer line
-(`links.PeerMailbox`); the consumer's worker runs the stream's chunk policy (the only place it
-runs) and its consumer. The serving process only starts both sides and says how many items the
+(`links.PeerMailbox`), on one sealed session per stream however many of its loop runs feed it
+(`StreamLines`); the consumer's worker runs the stream's chunk policy (the only place it runs)
+and its consumer. The serving process only starts both sides and says how many items the
 producing stage sent in all (`StreamEnd`), so the consumer knows when the stream is complete.
 """
 
@@ -17,22 +18,54 @@ from mstar_core.wire import WireError, decode, encode
 from mstar_core.wire.messages import StreamItem
 
 
+class StreamLines:
+    """The producer worker's sending side of each stream session, shared by every run that feeds the stream.
+
+    Several loop runs may feed one stream at once (the copies of a fan-out, loops in two Parallel
+    branches calling the same node): they seal on one channel, so the consumer's worker sees one
+    sequence in the order this worker made the items (no run's numbering collides with another's),
+    and a priority sees the whole stream's progress, as in one process. Kept until the request's release.
+    """
+
+    __slots__ = ("_by_request", "mailbox")
+
+    def __init__(self, mailbox: Any):
+        self.mailbox = mailbox
+        self._by_request: dict[str, dict[str, tuple[Any, RequestStream]]] = {}
+
+    def line(self, request_id: str, edge: StreamingGraphEdge, route: dict[str, Any]) -> tuple[Any, RequestStream]:
+        """(sealing channel, progress) of the stream `route` names; made on its first run here."""
+        lines = self._by_request.setdefault(request_id, {})
+        session = str(route["session"])
+        entry = lines.get(session)
+        if entry is None:  # `start`: items sent on it before this worker held it (0 while the request keeps it)
+            channel = self.mailbox.stream_channel(str(route["nonce"]), session, int(route["start"]))
+            entry = lines[session] = (channel, RequestStream(edge, accounting=True))
+        return entry
+
+    def release(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def open_count(self) -> int:
+        return sum(len(lines) for lines in self._by_request.values())
+
+
 class StreamSender:
-    """The producer worker's end: counts progress (for priorities) and sends each kept item to the consumer."""
+    """One run's end of a stream at the producer worker: counts progress (for priorities), sends each kept item."""
 
     __slots__ = ("accounting", "address", "channel", "edge", "index", "mailbox", "nonce", "request_id", "sent",
                  "src_output")
 
-    def __init__(self, edge: StreamingGraphEdge, index: int, request_id: str, route: dict[str, Any], mailbox: Any):
+    def __init__(self, edge: StreamingGraphEdge, index: int, request_id: str, route: dict[str, Any],
+                 lines: StreamLines):
         self.edge = edge
         self.src_output = edge.src_output
         self.index = index
         self.request_id = request_id
-        self.mailbox = mailbox
+        self.mailbox = lines.mailbox
         self.address, self.nonce = str(route["to"]), str(route["nonce"])
-        self.channel = mailbox.stream_channel(self.nonce, str(route["session"]), int(route["start"]))
-        self.accounting = RequestStream(edge, accounting=True)
-        self.sent = 0  # items this run sent (the serving process adds them up for the stream's end)
+        self.channel, self.accounting = lines.line(request_id, edge, route)
+        self.sent = 0  # items this run sent (the serving process adds up every run's for the stream's end)
 
     def push(self, value: Any) -> None:
         if self.edge.keep is not None and not self.edge.keep(value):

@@ -1,7 +1,8 @@
 """Streams between workers go peer to peer: the serving process's side (the workers' is `peer_streams.py`).
 
-When a stream's producer runs on a worker as a whole stage (in a loop delegated to it, or in the
-consumer of another stream that itself runs on a worker) and its consumer (a per-chunk node call,
+When a stream's producer runs on a worker as a whole stage (in loops delegated to it, also loops in
+Parallel branches or fan-out copies feeding the stream at once, or in the consumer of another stream
+that itself runs on a worker) and its consumer (a per-chunk node call,
 or a consumer fragment) lives wholly on one worker group, the items go straight from the first
 worker to the second, whose copy of the stream runs the chunk policy and the consumer. Both ends
 on one worker use the same line (the worker sends to its own mailbox), so the chunks never come
@@ -11,8 +12,7 @@ outputs (emitted values, lists a per-chunk consumer collects) as it would for a 
 never the chunks.
 
 Anything else keeps the stream here, as before: a producer called from here one call at a time
-(its outputs come here anyway), a producer loop inside a Parallel (several runs would feed one
-stream's sequence at once), an end in this process, a per-walk node, a worker whose peer mailbox
+(its outputs come here anyway), an end in this process, a per-walk node, a worker whose peer mailbox
 is not known yet, and a stream whose producing consumer stays here for the request.
 """
 
@@ -29,9 +29,6 @@ from mstar_core.runtime.remote_values import to_wire
 from mstar_core.runtime.sites import (
     CallSite,
     LoopSite,
-    ParallelSite,
-    SequenceSite,
-    Site,
     WalkSites,
     iter_call_sites,
 )
@@ -159,7 +156,7 @@ def _plan(conductor: Conductor, cluster: Cluster, model: str, sites: WalkSites, 
     name = sites.walk.name
     parent = None
     if k in sites.closes[None]:  # produced by the body: by a loop delegated to one worker group, or stays here
-        if _producing_loop(conductor, sites, edge.src_node) is None:
+        if not _in_delegated_loops(conductor, sites, edge.src_node):
             return None
     else:  # produced by stream j's consumer: goes on direct from where that consumer runs, if it runs on a worker
         j = next(j for j, closed in sites.closes.items() if j is not None and k in closed)
@@ -189,29 +186,22 @@ def _only_in(sites: WalkSites, node: str, stage: int) -> bool:
     return bool(inside) and not elsewhere
 
 
-def _producing_loop(conductor: Conductor, sites: WalkSites, node: str) -> LoopSite | None:
-    """The delegated loop holding every call of `node` in the walk, run once at a time (not in a Parallel); or None."""
+def _in_delegated_loops(conductor: Conductor, sites: WalkSites, node: str) -> bool:
+    """True when every call of `node` in the walk is in a loop delegated to a worker (none made from here).
+
+    Several loops, or several runs of one (the copies of a fan-out), may feed the stream at once:
+    they all run on the worker that hosts `node` for the request, which sends their items on one
+    session (`peer_streams.StreamLines`); each run reports how many it sent.
+    """
     calls = [c for c in iter_call_sites(sites.body) if c.node == node]
     elsewhere = [c for s in (*sites.consumers.values(), *sites.stream_calls.values())
                  for c in iter_call_sites(s) if c.node == node]
     if not calls or elsewhere:
-        return None
-    for loop, in_parallel in _loops(sites.body, False):
-        if (sites.walk.name, loop.index) in conductor.remote_loops:
-            inside = [c for c in calls if c.path[: len(loop.path)] == loop.path]
-            if inside:
-                return loop if len(inside) == len(calls) and not in_parallel else None
-    return None
+        return False
+    # the body's delegated loops (its sites' paths start with 0; delegated loops never nest)
+    loops = [loop for loop in sites.loops if loop.path[0] == 0 and (sites.walk.name, loop.index) in conductor.remote_loops]
+    return all(any(_within(c, loop) for loop in loops) for c in calls)
 
 
-def _loops(site: Site, in_parallel: bool):
-    """(loop site, whether a Parallel encloses it), outermost first."""
-    if isinstance(site, LoopSite):
-        yield site, in_parallel
-        yield from _loops(site.body, in_parallel)
-    elif isinstance(site, SequenceSite):
-        for s in site.steps:
-            yield from _loops(s, in_parallel)
-    elif isinstance(site, ParallelSite):
-        for s in site.branches:
-            yield from _loops(s, True)
+def _within(call: CallSite, loop: LoopSite) -> bool:
+    return call.path[: len(loop.path)] == loop.path

@@ -30,7 +30,7 @@ from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, b
 from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.runtime.links import PeerMailbox, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
-from mstar_core.runtime.peer_streams import InboundStream
+from mstar_core.runtime.peer_streams import InboundStream, StreamLines
 from mstar_core.runtime.refusals import RefusalLog
 from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
@@ -50,6 +50,7 @@ from mstar_core.wire import (
     encode,
 )
 from mstar_core.wire.auth import SECRET_ENV, make_hello, secret_from_env, verify_welcome
+from mstar_core.wire.batch import join_messages
 from mstar_core.wire.curve import client_keys, needs_encryption
 from mstar_core.wire.messages import RunConsumer, StreamEnd
 from mstar_core.wire.session import Channel
@@ -86,28 +87,31 @@ class Worker:
         self.resident: dict[str, dict[str, int]] = {}
         self.graphs: dict = {}  # model -> its graph (modules of nodes hosted elsewhere on the meta device)
         self._loops: dict[str, set[asyncio.Task]] = {}
-        self._send_tail: asyncio.Future | None = None
+        self._outbox: list[list] | None = None  # messages `send_soon` queued this turn of the event loop
         self.channel: Channel | None = None  # the authenticated session, once welcomed
         self.refusals = RefusalLog(log)
         self.mailbox: PeerMailbox | None = None  # state moved here directly by other workers (per-walk KV moves)
+        self.lines: StreamLines | None = None  # the streams this worker's runs send to other workers, per request
         #: streams whose consumer runs here, fed by their producer's worker: (request, stream, branch) -> end
         self._inbound: dict[tuple[str, int, str], InboundStream] = {}
 
     def send_soon(self, msg) -> None:
-        """Send without waiting, strictly after everything sent this way before (loop values, then done).
+        """Send without waiting, strictly after everything sent before it (loop values, then done).
 
         The message is encoded here, not in the background: a value that cannot travel raises in
-        the caller (a delegated loop then fails its request) instead of vanishing unsent.
+        the caller (a delegated loop then fails its request) instead of vanishing unsent. It goes
+        out at the end of this turn of the event loop, with every other message sent this way in
+        the meantime, as one sealed message (`wire.batch`): a decode step of N requests costs the
+        control socket one message, not N.
         """
         frames = self._encode(msg)
-        previous = self._send_tail
-
-        async def send_after() -> None:
-            if previous is not None:
-                await asyncio.gather(previous, return_exceptions=True)
-            await self._send_frames(frames)
-
-        self._send_tail = asyncio.ensure_future(send_after())
+        if self.channel is None:  # not welcomed yet (nothing sends this way before): no session to seal with
+            self.sock.send_multipart(frames, copy=False).add_done_callback(_log_send_failure)
+            return
+        if self._outbox is None:
+            self._outbox = []
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+        self._outbox.extend(self._packed(frames))
 
     async def send(self, msg) -> None:
         await self._send_frames(self._encode(msg))
@@ -116,20 +120,26 @@ class Worker:
         # device tensors stay on the device when the link moves them itself (NCCL)
         return encode(msg, keep_device=self.link is not None and self.channel is not None and self.link.keep_device)
 
+    def _packed(self, frames: list) -> list[list]:
+        """A message as the link sends it, after what the link has for the server's end (e.g. shm slots released)."""
+        if self.link is None:
+            return [frames]
+        packed = self.link.pack(frames)
+        ctl = self.link.control()
+        return [packed] if ctl is None else [ctl, packed]
+
+    def _flush_outbox(self) -> None:
+        pending, self._outbox = self._outbox, None
+        if pending and self.channel is not None:
+            sent = self.sock.send_multipart(self.channel.seal(join_messages(pending)), copy=False)
+            sent.add_done_callback(_log_send_failure)
+
     def _send_frames(self, frames: list) -> asyncio.Future:
         # sealing and handing to the socket happen in one go: sequence numbers go out in order
         if self.channel is None:  # only the Hello goes out before the session exists
             return self.sock.send_multipart(frames, copy=False)
-        if self.link is not None:
-            frames = self.link.pack(frames)
-            self.flush()
-        return self.sock.send_multipart(self.channel.seal(frames), copy=False)
-
-    def flush(self) -> None:
-        """Send the server's link what ours has for it (e.g. the shm slots we released, the segments we mapped)."""
-        ctl = self.link.control() if self.link is not None and self.channel is not None else None
-        if ctl is not None:
-            self.sock.send_multipart(self.channel.seal(ctl), copy=False)
+        self._flush_outbox()  # what `send_soon` queued goes first
+        return self.sock.send_multipart(self.channel.seal(join_messages(self._packed(frames))), copy=False)
 
     async def recv(self, timeout: float | None = None):
         """The next message from the coordinator; anything not sealed for our session is dropped (and logged)."""
@@ -174,6 +184,7 @@ class Worker:
         host = self._peer_host()
         # CURVE exactly when the mailbox is reachable from other hosts: senders decide by its address the same way
         self.mailbox = PeerMailbox(self.secret, host, needs_encryption(f"tcp://{host}:0"))
+        self.lines = StreamLines(self.mailbox)
         beat = asyncio.ensure_future(self._heartbeat())
         try:
             while not self._stop.is_set():
@@ -233,6 +244,8 @@ class Worker:
                 task.cancel()
             for key in [k for k in self._inbound if k[0] == msg.request_id]:
                 self._drop_inbound(key)
+            if self.lines is not None:
+                self.lines.release(msg.request_id)
             for sched in self.schedulers.values():
                 sched.release(msg.request_id)
         elif isinstance(msg, LoadModel):
@@ -261,7 +274,8 @@ class Worker:
             if self.link is not None:
                 load["link"] = {"transport": self.link.name, **self.link.stats.as_dict()}
             if self.mailbox is not None:
-                load["peer"] = self.mailbox.stats()
+                # stream_lines: the sending sessions this worker's runs hold open (until their requests' release)
+                load["peer"] = {**self.mailbox.stats(), "stream_lines": self.lines.open_count() if self.lines else 0}
             try:
                 await self.send(Heartbeat(worker=self.name, seq=seq, time=time.time(), load=load))
             except WireError:  # a gauge that cannot travel: beat without gauges
@@ -317,7 +331,7 @@ class Worker:
                             error=f"worker {self.name} has no model '{msg.model}'", error_type="KeyError")
         else:
             try:
-                done = await host.host(msg, self.send_soon, self.mailbox)
+                done = await host.host(msg, self.send_soon, self.lines)
             except Exception as exc:  # e.g. an env value that does not decode: fail the request, answer anyway
                 done = LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc))
         try:
@@ -347,7 +361,7 @@ class Worker:
 
         async def consume() -> None:
             try:
-                done = await host.host_consumer(msg, self.send_soon, inbound, self.mailbox)
+                done = await host.host_consumer(msg, self.send_soon, inbound, self.lines)
             finally:
                 if self._inbound.get(key) is inbound:
                     self._drop_inbound(key)
@@ -439,6 +453,11 @@ class Worker:
     async def _reply_error(self, msg: InvokeNode, exc: BaseException) -> None:
         await self.send(NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
                                    **error_fields(exc)))
+
+
+def _log_send_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a message to the server could not be sent: %s", sent.exception())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 
 The fixture chain: `gen` (a loop in the body) -> stream 0 -> the `talker` consumer loop -> stream 1
 -> `window` per chunk. Stream 1 is produced by stream 0's consumer, so it can go direct only from
-where that consumer runs: on a worker, reached directly.
+where that consumer runs: on a worker, reached directly. The fixture's Parallel walks (`branches.py`):
+producer loops in two branches, and in fan-out copies, each stream sent on from the producer's worker.
 """
 
 import types
@@ -72,3 +73,25 @@ def test_a_request_keeps_a_chained_stream_here_while_its_producing_consumer_is_n
     assert plans[0].open("r1") is None and plans[1].open("r1") is None
     plans = plan({"gen": "a", "talker": "b", "window": "c"}, reachable=["a", "b"])
     assert plans[0].open("r1") is not None and plans[1].open("r1") is None  # c not reachable: stays here
+
+
+def branch_plans(where):
+    """The direct streams of the fixture's Parallel walks for `where` (node -> worker; missing: this process)."""
+    from mstar_fixture_plugin.branches import branches_graph
+
+    cluster = StandInCluster(sorted(set(where.values())))
+    graph = branches_graph()
+    local = types.SimpleNamespace()
+    conductor = Conductor(graph, {n: RemoteNodeScheduler(cluster, "fixture-branches", n, [where[n]]) if n in where
+                                  else local for n in graph.nodes})
+    delegate_loops(conductor, cluster, "fixture-branches")
+    plan_direct_streams(conductor, cluster, "fixture-branches")
+    return {walk: sorted(plans) for walk, plans in conductor.direct_streams.items()}
+
+
+def test_streams_from_loops_in_parallel_branches_and_fan_out_copies_go_worker_to_worker():
+    assert branch_plans({"cond": "a", "uncond": "a", "gen": "a", "decode": "b"}) == {"cfg": [0, 1], "fan": [0]}
+    # each branch's stream on its own: one producer loop runs here, the other's stream still goes direct
+    assert branch_plans({"uncond": "a", "gen": "a", "decode": "b"}) == {"cfg": [1], "fan": [0]}
+    # the consumer here: every stream stays here
+    assert branch_plans({"cond": "a", "uncond": "a", "gen": "a"}) == {}

@@ -17,6 +17,7 @@ def mstar_register_engines(register):
 @hookimpl
 def mstar_register_models(register):
     from mstar_fixture_plugin.blob import SPEC as BLOB_SPEC
+    from mstar_fixture_plugin.branches import SPEC as BRANCHES_SPEC
     from mstar_fixture_plugin.chain import SPEC as CHAIN_SPEC
     from mstar_fixture_plugin.counter import SPEC as STREAM_SPEC
     from mstar_fixture_plugin.model import SPEC
@@ -27,6 +28,7 @@ def mstar_register_models(register):
     register(STREAM_SPEC)
     register(BLOB_SPEC)
     register(CHAIN_SPEC)
+    register(BRANCHES_SPEC)
     from mstar_fixture_plugin.chat_models import MEDIA, NARRATOR, TALKER
 
     register(TALKER)
