@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from alternating import alternate  # (benchmarks/ is on the path when a script here runs)
 from mstar_bagel.checkpoint import write_preset
 
 from mstar_bagel import reference
@@ -99,6 +100,14 @@ def baseline_latencies(loaded, reqs: list[dict]) -> list[float]:
     return out
 
 
+async def compare(engine: AsyncEngine, loaded, reqs: list[dict], rounds: int) -> list[tuple[list[float], float]]:
+    """(M*, baseline): every round's completion times, and the process CPU seconds of all rounds (load-independent:
+    both sides run alone in this process); the sides interleaved, M* first in each round."""
+    runs = await alternate({"mstar": lambda _: mstar_latencies(engine, reqs),
+                            "baseline": lambda _: baseline_latencies(loaded, reqs)}, rounds, swap=False)
+    return [([t for run in side for t in run.value], sum(run.cpu_s for run in side)) for side in runs.values()]
+
+
 async def peak_pages(engine: AsyncEngine, req: dict) -> int:
     pool = engine.node_engines("bagel")["llm"].pool
     handle = engine.submit("bagel", req)
@@ -133,13 +142,7 @@ async def run(args) -> dict:
                 for c in args.concurrency:
                     reqs = requests(task, c, steps)
                     rounds = (args.repeats or 3) if c == 1 else 1
-                    m, b, cpu_m, cpu_b = [], [], 0.0, 0.0
-                    for _ in range(rounds):  # sides interleaved, so a burst of load from other jobs hits both
-                        t = time.process_time()  # this process's CPU (both sides run alone in it): load-independent
-                        m += await mstar_latencies(engine, reqs)
-                        t, cpu_m = time.process_time(), cpu_m + time.process_time() - t
-                        b += baseline_latencies(loaded, reqs)
-                        cpu_b += time.process_time() - t
+                    (m, cpu_m), (b, cpu_b) = await compare(engine, loaded, reqs, rounds)
                     if c > 1:  # completion times of the last round: M* staggers them like the sequential baseline
                         results[f"{task}_c{c}_mstar_done_s"] = [round(x, 2) for x in sorted(m[-c:])]
                         results[f"{task}_c{c}_baseline_done_s"] = [round(x, 2) for x in b[-c:]]

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.pi05.hf_oracle: the HF PI0 at our sizes
 
+from alternating import alternate  # (benchmarks/ is on the path when a script here runs)
 from mstar_pi05.prepare import prompt_ids
 
 from mstar_core.checkpoint import save_hf_checkpoint
@@ -113,29 +114,19 @@ async def run(args) -> dict:
             got, want = await mstar(0), base(base_inputs[0])
             max_abs_diff = float((got - want).abs().max())
 
-            c1_mstar, c1_base, cpu1_mstar, cpu1_base = [], [], [], []
             load_start = os.getloadavg()[0]
-            for i in range(args.c1_requests):
-                # interleaved, so load on the shared machine hits both sides alike; who goes first alternates
-                # (ABBA), so neither side always runs with the other's weights just evicted from the caches
-                for side in ("mstar", "base") if i % 2 == 0 else ("base", "mstar"):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    if side == "mstar":
-                        await mstar(i)
-                    else:
-                        base(base_inputs[i])
-                    (c1_mstar if side == "mstar" else c1_base).append(time.perf_counter() - t0)
-                    (cpu1_mstar if side == "mstar" else cpu1_base).append(time.process_time() - c0)
+            # interleaved request by request, so load on the shared machine hits both sides alike; who goes first
+            # alternates (ABBA), so neither side always runs with the other's weights just evicted from the caches
+            c1 = await alternate({"mstar": mstar, "base": lambda i: base(base_inputs[i])}, args.c1_requests)
+            c1_mstar, c1_base = ([run.wall_s for run in c1[side]] for side in ("mstar", "base"))
+            cpu1_mstar, cpu1_base = ([run.cpu_s for run in c1[side]] for side in ("mstar", "base"))
 
-            c8_mstar, c8_base, cpu8_mstar, cpu8_base = (float("inf"),) * 4
-            for _ in range(args.c8_repeats):  # best of: the least disturbed run of each side
-                t0, c0 = time.perf_counter(), time.process_time()
-                await asyncio.gather(*(mstar(i) for i in range(args.robots)))
-                c8_mstar, cpu8_mstar = min(c8_mstar, time.perf_counter() - t0), min(cpu8_mstar, time.process_time() - c0)
-                t0, c0 = time.perf_counter(), time.process_time()
-                for i in range(args.robots):
-                    base(base_inputs[i])
-                c8_base, cpu8_base = min(c8_base, time.perf_counter() - t0), min(cpu8_base, time.process_time() - c0)
+            # best of: the least disturbed run of each side (M* first in each round)
+            c8 = await alternate({"mstar": lambda _: asyncio.gather(*(mstar(i) for i in range(args.robots))),
+                                  "base": lambda _: [base(x) for x in base_inputs[:args.robots]]},
+                                 args.c8_repeats, swap=False)
+            c8_mstar, c8_base = (min(run.wall_s for run in c8[side]) for side in ("mstar", "base"))
+            cpu8_mstar, cpu8_base = (min(run.cpu_s for run in c8[side]) for side in ("mstar", "base"))
             stats = {name: gauges for name, _worker, gauges in engine.node_stats("pi0")}
 
     p50_m, p50_b = statistics.median(c1_mstar), statistics.median(c1_base)
