@@ -118,7 +118,17 @@ def _link_metrics(engine: Any):
                                   labels=["worker", "transport", "end"])
     rtt = GaugeMetricFamily("mstar_link_round_trip_seconds", "node calls through the link, send to answer (EWMA)",
                             labels=["worker", "transport"])
+    # by message kind (a fixed set of wire tags): what passes through the serving process, e.g. only control
+    # messages when tensors go worker to worker
+    messages = CounterMetricFamily("mstar_link_messages", "messages the serving process sent to or received from "
+                                   "a worker, by kind", labels=["worker", "direction", "message"])
+    message_bytes = CounterMetricFamily("mstar_link_message_bytes", "bytes of the messages the serving process sent "
+                                        "to or received from a worker, by kind", labels=["worker", "direction", "message"])
     for worker, link in cluster.link_stats().items():
+        for direction, by_tag in (link.get("messages") or {}).items():
+            for tag, counted in by_tag.items():
+                messages.add_metric([worker, direction, tag], float(counted["count"]))
+                message_bytes.add_metric([worker, direction, tag], float(counted["bytes"]))
         transport = str(link["transport"])
         for end in ("server", "worker"):
             stats = link.get(end) or {}
@@ -132,6 +142,8 @@ def _link_metrics(engine: Any):
     yield moved
     yield offloaded
     yield rtt
+    yield messages
+    yield message_bytes
 
 
 #: a worker's peer-line counters (`PeerMailbox.stats()`, from its heartbeats): metric -> (help, stat per direction)

@@ -2,7 +2,8 @@
 
 The end-to-end test runs the disaggregated Orpheus (LM on one worker, SNAC on another, the audio-token
 stream going straight from one to the other) and reads the exposition /metrics serves before and after
-each request: the LM worker sent, and the codec worker received, one item per audio token.
+each request: the LM worker sent, and the codec worker received, one item per audio token, while only
+three control messages went from the serving process to the codec worker.
 """
 
 import asyncio
@@ -48,9 +49,20 @@ def rise(now, before, name: str, worker: str, direction: str | None = None) -> f
     return peer(now, name, worker, direction) - peer(before, name, worker, direction)
 
 
+def messages(scrape, worker: str, direction: str) -> dict[str, float]:
+    """Messages through the serving process to or from `worker`, by kind."""
+    out = {}
+    for (name, labels), value in scrape.items():
+        labels = dict(labels)
+        if name == "mstar_link_messages_total" and labels["worker"] == worker and labels["direction"] == direction:
+            out[labels["message"]] = value
+    return out
+
+
 def test_peer_counters_come_from_each_workers_heartbeat():
     worker = WorkerLink("lm", SimpleNamespace(transport="zmq"))
     worker.load = {"peer": PEER}
+    worker.traffic["sent"]["run_consumer"] = [2, 300]
     gone = WorkerLink("codec", SimpleNamespace(transport="zmq"))  # lost: no heartbeat, so no samples (not zeros)
     cluster = SimpleNamespace(link_stats=lambda: {"lm": worker.link_stats(), "codec": gone.link_stats()})
     scrape = samples(Metrics(SimpleNamespace(cluster=cluster, models={})).render().decode())
@@ -63,6 +75,8 @@ def test_peer_counters_come_from_each_workers_heartbeat():
     assert peer(scrape, "mstar_peer_stream_late_items_total", "lm") == 5
     assert peer(scrape, "mstar_peer_refused_total", "lm") == 3
     assert peer(scrape, "mstar_peer_streams_open", "lm") == 1
+    labels = (("direction", "sent"), ("message", "run_consumer"), ("worker", "lm"))
+    assert scrape["mstar_link_messages_total", labels] == 2 and scrape["mstar_link_message_bytes_total", labels] == 300
     assert not [key for key in scrape if dict(key[1]).get("worker") == "codec" and key[0].startswith("mstar_peer")]
     assert not [key for key in scrape if "address" in dict(key[1])]  # a worker's port is not a label
 
@@ -113,5 +127,9 @@ async def test_disaggregated_orpheus_stream_counters_rise_with_each_request():
                 assert rise(now, before, "mstar_peer_stream_late_items_total", worker) == 0
                 assert rise(now, before, "mstar_peer_refused_total", worker) == 0
                 assert rise(now, before, "mstar_peer_moves_total", worker, "sent") == 0
+            # and through the serving process to the codec: the consumer's start, the stream's end, the release
+            sent, earlier = messages(now, "codec", "sent"), messages(before, "codec", "sent")
+            rose = {kind: n - earlier.get(kind, 0) for kind, n in sent.items() if n > earlier.get(kind, 0)}
+            assert rose == {"run_consumer": 1, "stream_end": 1, "release": 1}
     finally:
         await engine.close()
