@@ -58,6 +58,7 @@ from mstar_core.wire import (
     encode,
 )
 from mstar_core.wire.auth import SECRET_ENV, HelloVerifier
+from mstar_core.wire.batch import split_messages
 from mstar_core.wire.curve import needs_encryption, server_keys, start_asyncio_authenticator
 from mstar_core.wire.session import Channel, new_session_id, session_of
 from mstar_core.wire.transport import check_bind_address
@@ -428,6 +429,15 @@ class Cluster:
             log.info("worker %s now reaches us from routing id %r", state.name, identity)
             state.identity = identity
         state.last_seen = time.monotonic()
+        try:
+            messages = split_messages(body)  # a worker sends what one turn of its event loop produced at once
+        except WireError as exc:
+            self.refusals.refuse("malformed-worker", "dropping a malformed batch from worker %s: %s", state.name, exc)
+            return
+        for message in messages:
+            self._on_message(state, message)
+
+    def _on_message(self, state: WorkerLink, body: Any) -> None:
         if state.link is not None:
             try:
                 body = state.link.unpack(body)
