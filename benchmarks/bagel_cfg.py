@@ -26,17 +26,22 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.bagel.helpers: the dense baseline
+
 from alternating import alternate  # (benchmarks/ is on the path when a script here runs)
 from mstar_bagel.checkpoint import write_preset
 
 from mstar_bagel import reference
 from mstar_core.model import LoadOptions
 from mstar_core.runtime import AsyncEngine
+from tests.bagel.helpers import dense_latents
 
 
 def sizes(quick: bool) -> tuple[dict, dict, dict]:
@@ -77,18 +82,11 @@ async def mstar_latencies(engine: AsyncEngine, reqs: list[dict]) -> list[float]:
     return list(await asyncio.gather(*(done(h) for h in handles)))
 
 
-def baseline_one(loaded, env: dict, seed: int) -> torch.Tensor:
-    bagel, vae, ids = loaded.extras["bagel"], loaded.extras["vae"], loaded.extras["special_ids"]
-    prompt = env["prompt_ids"].tolist()
-    if env["walk"] == "edit":
-        labels = reference.edit_labels(bagel, vae, env["vae_pixels"], env["vit_pixels"], prompt, ids.boi, ids.eoi)
-    else:
-        labels = reference.t2i_labels(bagel, prompt)
+def baseline_one(loaded, env: dict, seed: int) -> dict:
+    """One request through the dense baseline, decoded; its labels (whose caches the KV figure sums)."""
+    labels, x = dense_latents(loaded, env, seed)
     rows, cols = env["latent_grid"]
-    x = reference.generate(bagel, labels, ids.boi, ids.eoi, rows, cols, num_steps=env["num_steps"], shift=env["shift"],
-                           seed=seed, text_scale=env["guidance_scale"], img_scale=env["image_guidance_scale"],
-                           interval=env["cfg_interval"], renorm=env["cfg_renorm"], floor=env["cfg_renorm_min"])
-    reference.decode(vae, x, rows, cols, bagel.config.latent_patch_size)
+    reference.decode(loaded.extras["vae"], x, rows, cols, loaded.extras["bagel"].config.latent_patch_size)
     return labels
 
 

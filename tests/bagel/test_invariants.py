@@ -15,6 +15,7 @@ from mstar_bagel import reference
 from mstar_core.model import LoadOptions
 from mstar_core.nn import DenseAttention
 from mstar_core.runtime import AsyncEngine
+from tests.bagel.helpers import dense_latents
 
 TOL = 1e-5
 
@@ -45,21 +46,6 @@ def _ids(loaded):
     return loaded.extras["special_ids"]
 
 
-def _dense(loaded, req, env):
-    """The baseline's latents for one request, from the request's own prepared env."""
-    bagel, vae, ids = loaded.extras["bagel"], loaded.extras["vae"], _ids(loaded)
-    prompt = env["prompt_ids"].tolist()
-    if env["walk"] == "edit":
-        labels = reference.edit_labels(bagel, vae, env["vae_pixels"], env["vit_pixels"], prompt, ids.boi, ids.eoi)
-    else:
-        labels = reference.t2i_labels(bagel, prompt)
-    rows, cols = env["latent_grid"]
-    return reference.generate(bagel, labels, ids.boi, ids.eoi, rows, cols, num_steps=env["num_steps"],
-                              shift=env["shift"], seed=req["seed"], text_scale=env["guidance_scale"],
-                              img_scale=env["image_guidance_scale"], interval=env["cfg_interval"],
-                              renorm=env["cfg_renorm"], floor=env["cfg_renorm_min"])
-
-
 def _image(seed=0, h=40, w=52):
     return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
@@ -68,7 +54,7 @@ def test_t2i_label_forks_and_read_only_steps_equal_dense_baseline():
     req = {"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 6, "seed": 5}
     loaded, engines, (env,), _ = _serve([req])
     prepared = loaded.prepare_inputs(req)
-    want = _dense(loaded, req, prepared)
+    _, want = dense_latents(loaded, prepared, req["seed"])
     assert (env["latents"][0] - want).abs().max() < TOL
     rows, cols = prepared["latent_grid"]
     image = reference.decode(loaded.extras["vae"], want, rows, cols, loaded.extras["config"].latent_patch_size)
@@ -81,7 +67,7 @@ def test_t2i_label_forks_and_read_only_steps_equal_dense_baseline():
 def test_edit_three_branches_batched_equal_three_separate_dense_forwards():
     req = {"task": "edit", "prompt": "make it blue", "image": _image(), "num_steps": 4, "seed": 7}
     loaded, engines, (env,), _ = _serve([req])
-    want = _dense(loaded, req, loaded.prepare_inputs(req))
+    _, want = dense_latents(loaded, loaded.prepare_inputs(req), req["seed"])
     assert (env["latents"][0] - want).abs().max() < TOL
     assert env["image"][0].shape == (24, 32, 3)  # the input's size after the VAE resize (40x52 -> 24x32)
     gen = engines["llm_gen"]
