@@ -429,6 +429,7 @@ class Cluster:
             log.info("worker %s now reaches us from routing id %r", state.name, identity)
             state.identity = identity
         state.last_seen = time.monotonic()
+        state.socket_messages_received += 1
         try:
             messages = split_messages(body)  # a worker sends what one turn of its event loop produced at once
         except WireError as exc:

@@ -79,6 +79,8 @@ class WorkerLink:
         self.round_trip_s: float | None = None
         #: messages through the serving process to and from this worker: direction -> wire tag -> [count, bytes]
         self.traffic: dict[str, dict[str, list[int]]] = {"sent": {}, "received": {}}
+        #: sealed socket messages from the worker (one carries all it sent in one turn of its event loop)
+        self.socket_messages_received = 0
 
     def encode(self, msg: Any) -> list[Any]:
         """Frames of `msg` for this worker (device tensors stay on the device when its link moves them itself)."""

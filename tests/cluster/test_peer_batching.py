@@ -58,3 +58,32 @@ async def test_a_replayed_item_inside_a_batch_is_refused_alone_and_the_rest_are_
     finally:
         remote.close()
         local.close()
+
+
+async def test_a_decode_step_of_many_requests_reaches_the_server_and_the_codec_in_one_message_each():
+    """Disaggregated Orpheus at concurrency 4: the LM worker's loop values and stream items go out once a step."""
+    import pytest
+
+    pytest.importorskip("mstar_orpheus")
+    from tests.cluster.test_direct_streams import disaggregated, peer, since, traffic
+
+    engine = await disaggregated()
+    try:
+        lm = engine.cluster.workers["lm"]
+        before, sockets_before = traffic(engine, "lm"), lm.socket_messages_received
+
+        async def one(seed):
+            request = {"text": "Hello from M star.", "voice": "tara", "seed": seed, "max_tokens": 120}
+            return [o async for o in engine.submit("orpheus", request) if o.name == "next_token"]
+
+        tokens = await asyncio.gather(*(one(seed) for seed in range(4)))
+        after, sockets = traffic(engine, "lm"), lm.socket_messages_received - sockets_before
+        loop_values = since(after, before, "received", "loop_values")[0]
+        assert loop_values == sum(map(len, tokens)) > 300  # one per token, as before
+        # the four requests step together: about one socket message a step (plus heartbeats and the loop ends)
+        assert sockets < loop_values / 2, (sockets, loop_values)
+        items = await peer(engine, "lm", "stream_sent_items", 400)
+        messages = (engine.cluster.workers["lm"].load.get("peer") or {})["stream_messages_sent"]
+        assert messages < items / 2, (messages, items)
+    finally:
+        await engine.close()
