@@ -20,30 +20,23 @@ from mstar_core.graph import (
 )
 from mstar_core.model import LoadedModel
 from mstar_core.plugins import discover, hookimpl
-from mstar_core.runtime import AsyncEngine, Engine
+from mstar_core.runtime import AsyncEngine
 from mstar_core.streaming import FixedChunkPolicy, LeftContextChunkPolicy, SlidingWindowChunkPolicy
-from tests.core.helpers import fn_node
+from tests.core.helpers import Queued, fn_node
 
 
-class TickEngine(Engine):
+class TickEngine(Queued):
     """A stateful engine, like a KV cache: it keeps a per-request counter until released."""
 
     kind = "tick"
 
     def __init__(self, node, module, context):
         super().__init__(node, module, context)
-        self.queue = []
         self.counters = {}
         self.max_seen_batch = 0
 
-    def add(self, invocation):
-        self.queue.append(invocation)
-
-    def has_work(self):
-        return bool(self.queue)
-
     def step(self):
-        batch, self.queue = self.queue, []
+        batch = self.take()
         self.max_seen_batch = max(self.max_seen_batch, len(batch))
         out = []
         for inv in batch:
@@ -54,10 +47,10 @@ class TickEngine(Engine):
 
     def release(self, request_id):
         self.counters.pop(request_id, None)
-        self.queue = [i for i in self.queue if i.request_id != request_id]
+        super().release(request_id)
 
     def active_requests(self):
-        return set(self.counters) | {i.request_id for i in self.queue}
+        return set(self.counters) | super().active_requests()
 
 
 test_plugin = types.SimpleNamespace(mstar_register_engines=hookimpl(lambda register: register("tick", TickEngine)))

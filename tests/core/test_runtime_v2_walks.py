@@ -9,7 +9,7 @@ from mstar_core.model import LoadedModel
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.conductor import Conductor
-from tests.core.helpers import fn_node
+from tests.core.helpers import Queued, fn_node
 
 
 async def serve(model, **kw):
@@ -31,34 +31,13 @@ async def test_a_parallel_inside_a_loop_joins_only_what_each_branch_changed():
     await engine.close()
 
 
-def _option_engine():
+class OptionEcho(Queued):
     """An engine answering each call with its cache_label option (the test reads what the runtime passed)."""
-    from mstar_core.runtime.engine import Engine
 
-    class Opt(Engine):
-        kind = "optecho"
+    kind = "optecho"
 
-        def __init__(self, node, module, context):
-            super().__init__(node, module, context)
-            self.queue = []
-
-        def add(self, invocation):
-            self.queue.append(invocation)
-
-        def has_work(self):
-            return bool(self.queue)
-
-        def step(self):
-            batch, self.queue = self.queue, []
-            return [(inv, {"label": inv.options.get("cache_label"), "echo": inv.inputs.get("x")}) for inv in batch]
-
-        def release(self, request_id):
-            self.queue = [i for i in self.queue if i.request_id != request_id]
-
-        def active_requests(self):
-            return {i.request_id for i in self.queue}
-
-    return Opt
+    def step(self):
+        return [(inv, {"label": inv.options.get("cache_label"), "echo": inv.inputs.get("x")}) for inv in self.take()]
 
 
 def _registry():
@@ -67,7 +46,7 @@ def _registry():
     from mstar_core.plugins import hookimpl
 
     plugin = types.SimpleNamespace(
-        mstar_register_engines=hookimpl(lambda register: register("optecho", _option_engine())))
+        mstar_register_engines=hookimpl(lambda register: register("optecho", OptionEcho)))
     return discover(extra_modules=[plugin])
 
 

@@ -7,19 +7,18 @@ import logging
 
 from mstar_core.errors import NodeExecutionError, RequestError
 from mstar_core.graph import GraphNode
-from mstar_core.runtime.engine import Engine, EngineContext, Invocation
+from mstar_core.runtime.engine import EngineContext, Invocation
 from mstar_core.runtime.scheduler import NodeScheduler
-from tests.core.helpers import Recording
+from tests.core.helpers import Queued, Recording
 
 
-class PlusOne(Engine):
+class PlusOne(Queued):
     """Answers `x + 1`; `add` refuses the inputs the test marks as poison, as a real engine's parsing would."""
 
     kind = "plus_one"
 
     def __init__(self):
         super().__init__(GraphNode("plus", inputs="x", outputs="y", engine="plus_one"), None, EngineContext("t", "cpu", {}))
-        self.queue: list[Invocation] = []
         self.released: list[str] = []
 
     def add(self, invocation):
@@ -28,21 +27,14 @@ class PlusOne(Engine):
             raise RequestError("x must be a number", status=400)
         if x == "crash":
             raise ZeroDivisionError("engine bug on this input")
-        self.queue.append(invocation)
-
-    def has_work(self):
-        return bool(self.queue)
+        super().add(invocation)
 
     def step(self):
-        batch, self.queue = self.queue, []
-        return [(inv, {"y": inv.inputs["x"] + 1}) for inv in batch]
+        return [(inv, {"y": inv.inputs["x"] + 1}) for inv in self.take()]
 
     def release(self, request_id):
         self.released.append(request_id)
-        self.queue = [i for i in self.queue if i.request_id != request_id]
-
-    def active_requests(self):
-        return {i.request_id for i in self.queue}
+        super().release(request_id)
 
 
 def _submit(sched: NodeScheduler, rid: str, x) -> asyncio.Future:
