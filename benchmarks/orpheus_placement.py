@@ -3,7 +3,9 @@
 Same weights, same seeded requests, same run: time to first audio (median) at concurrency 1 and
 LM tokens per second at concurrency C (the tiny SNAC emits only 16 samples per window, so
 audio-seconds would say nothing). The disaggregated side pays for the control plane (ZeroMQ + wire
-codec for every decode step) and gains a second process for the codec.
+codec for every decode step) and gains a second process for the codec. Each side's CPU seconds per
+1,000 tokens (this process and its workers) is printed too: on a busy machine the wall figures move
+by +-10 % run to run, the CPU figures much less.
 
     python benchmarks/orpheus_placement.py [--quick]
 """
@@ -16,6 +18,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+from placement_shm import cpu_seconds
 
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
@@ -49,10 +53,12 @@ async def measure(placement_file: str, concurrency: int, requests: int, max_toke
             async with sem:
                 return await one(engine, seed, max_tokens)
 
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), cpu_seconds(engine)
         results = await asyncio.gather(*(limited(100 + i) for i in range(requests)))
-        wall = time.perf_counter() - started
-        return {"ttfa_ms_c1": statistics.median(ttfa) * 1e3, "tokens_per_s": sum(n for _, n in results) / wall}
+        wall, cpu = time.perf_counter() - started, cpu_seconds(engine) - cpu_before
+        tokens = sum(n for _, n in results)
+        return {"ttfa_ms_c1": statistics.median(ttfa) * 1e3, "tokens_per_s": tokens / wall,
+                "cpu_s_per_1k_tokens": cpu / tokens * 1e3}
     finally:
         await engine.close()
 
@@ -64,13 +70,15 @@ async def main(quick: bool) -> dict[str, float]:
     split = await measure("orpheus-disaggregated.yaml", concurrency, requests, max_tokens)
     for name, fig in (("colocated", colocated), ("disaggregated", split)):
         print(f"{name:14s} TTFA(c=1) {fig['ttfa_ms_c1']:7.1f} ms   throughput(c={concurrency}) "
-              f"{fig['tokens_per_s']:6.1f} tokens/s", flush=True)
+              f"{fig['tokens_per_s']:6.1f} tokens/s   CPU {fig['cpu_s_per_1k_tokens']:.3f} s per 1k tokens", flush=True)
     return {
         "colocated_ttfa_ms": round(colocated["ttfa_ms_c1"], 1),
         "disaggregated_ttfa_ms": round(split["ttfa_ms_c1"], 1),
         "colocated_tokens_per_s": round(colocated["tokens_per_s"], 1),
         "disaggregated_tokens_per_s": round(split["tokens_per_s"], 1),
         "ttfa_ratio_split_over_colocated": round(split["ttfa_ms_c1"] / colocated["ttfa_ms_c1"], 2),
+        "colocated_cpu_s_per_1k_tokens": round(colocated["cpu_s_per_1k_tokens"], 3),
+        "disaggregated_cpu_s_per_1k_tokens": round(split["cpu_s_per_1k_tokens"], 3),
         "throughput_ratio_split_over_colocated": round(split["tokens_per_s"] / colocated["tokens_per_s"], 2),
     }
 
