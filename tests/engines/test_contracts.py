@@ -19,7 +19,7 @@ from mstar_core.nn.llama import LlamaForCausalLM
 from mstar_core.runtime.async_engine import AsyncEngine
 from mstar_core.runtime.engine import EngineContext
 from mstar_core.runtime.function_engine import FunctionEngine
-from tests.engines.conftest import TINY
+from tests.engines.helpers import TINY
 
 CTX = EngineContext("t", torch.device("cpu"), {"num_pages": 8})
 LM = GraphNode("lm", inputs="input_ids", outputs=("next_token", "finish_reason"), engine="kvcache",

@@ -10,7 +10,7 @@ from mstar_core.graph import Graph, GraphNode
 from mstar_core.model import LoadedModel
 from mstar_core.runtime import AsyncEngine
 from mstar_core.sampling import SamplingParams
-from tests.engines.conftest import hf_greedy
+from tests.engines.helpers import hf_greedy
 
 
 def _loaded(model) -> LoadedModel:

@@ -87,8 +87,8 @@ def test_packed_llama_matches_transformers(monkeypatch):
 
 def test_engine_packs_on_cpu_unless_told_not_to_and_decodes_like_transformers(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    from tests.engines.conftest import hf_greedy, make_pair
     from tests.engines.driver import generate, make_engine
+    from tests.engines.helpers import hf_greedy, make_pair
 
     hf, ours = make_pair(tmp_path)
     monkeypatch.setattr(packed_mod, "PACK_MIN_OUT", 1)

@@ -1,21 +1,9 @@
-"""Shared tiny configs for the Orpheus tests."""
+"""Shared fixtures for the Orpheus tests."""
 
 import pytest
 import torch
 
-TINY_SNAC = dict(
-    sampling_rate=24000,
-    encoder_dim=8,
-    encoder_rates=[2, 2],
-    decoder_dim=16,
-    decoder_rates=[2, 2],
-    attn_window_size=None,
-    codebook_size=16,
-    codebook_dim=4,
-    vq_strides=[4, 2, 1],
-    noise=True,
-    depthwise=True,
-)
+from tests.orpheus.helpers import TINY_SNAC
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from mstar_orpheus.snac import (
     save_snac,
 )
 
-from tests.orpheus.conftest import TINY_SNAC
+from tests.orpheus.helpers import TINY_SNAC
 
 
 def _ours(reference) -> SNACDecoder:

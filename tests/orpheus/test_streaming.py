@@ -16,7 +16,7 @@ from mstar_orpheus.snac_node import SNACWindowDecoder
 from mstar_core.graph import to_mermaid
 from mstar_core.model import LoadedModel
 from mstar_core.runtime import AsyncEngine
-from tests.orpheus.conftest import TINY_SNAC
+from tests.orpheus.helpers import TINY_SNAC
 
 AUDIO = AudioTokenMap(base=300, offset=10, codebook_size=16)
 END_OF_SPEECH = AUDIO.base + 2

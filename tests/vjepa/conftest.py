@@ -22,10 +22,3 @@ def randomized(module: torch.nn.Module, seed: int = 0, scale: float = 0.1) -> to
 def ac_predictor() -> ACPredictor:
     torch.manual_seed(0)
     return randomized(ACPredictor(ACPredictorConfig(**TINY_AC)))
-
-
-def random_states(n: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    s = torch.randn(n, 7, generator=g) * 0.3
-    s[:, 6] = torch.rand(n, generator=g)
-    return s

@@ -6,7 +6,7 @@ from mstar_vjepa.planner import CEMSettings, plan_cem
 from mstar_vjepa.pose import compute_new_pose, poses_to_actions
 from mstar_vjepa.rollout import normalize, rollout_cached, rollout_reprefill
 
-from .conftest import random_states
+from tests.vjepa.helpers import random_states
 
 
 def _inputs(batch, context_frames, horizon, seed=3):
