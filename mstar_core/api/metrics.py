@@ -124,7 +124,12 @@ def _link_metrics(engine: Any):
                                    "a worker, by kind", labels=["worker", "direction", "message"])
     message_bytes = CounterMetricFamily("mstar_link_message_bytes", "bytes of the messages the serving process sent "
                                         "to or received from a worker, by kind", labels=["worker", "direction", "message"])
+    # a worker sends what one turn of its event loop produced as one socket message (`wire.batch`)
+    sockets = CounterMetricFamily("mstar_link_socket_messages", "sealed socket messages the serving process "
+                                  "received from a worker (each carries one or more messages)", labels=["worker"])
     for worker, link in cluster.link_stats().items():
+        if isinstance(link.get("socket_messages_received"), int):
+            sockets.add_metric([worker], float(link["socket_messages_received"]))
         for direction, by_tag in (link.get("messages") or {}).items():
             for tag, counted in by_tag.items():
                 messages.add_metric([worker, direction, tag], float(counted["count"]))
@@ -144,6 +149,7 @@ def _link_metrics(engine: Any):
     yield rtt
     yield messages
     yield message_bytes
+    yield sockets
 
 
 #: a worker's peer-line counters (`PeerMailbox.stats()`, from its heartbeats): metric -> (help, stat per direction)

@@ -108,6 +108,7 @@ class WorkerLink:
             "peer": {k: v for k, v in (self.load.get("peer") or {}).items() if k != "address"},
             "messages": {d: {tag: {"count": c, "bytes": b} for tag, (c, b) in by_tag.items()}
                          for d, by_tag in self.traffic.items()},
+            "socket_messages_received": self.socket_messages_received,
         }
 
     # -- answers -------------------------------------------------------------------------------

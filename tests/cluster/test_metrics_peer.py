@@ -63,6 +63,7 @@ def test_peer_counters_come_from_each_workers_heartbeat():
     worker = WorkerLink("lm", SimpleNamespace(transport="zmq"))
     worker.load = {"peer": PEER}
     worker.traffic["sent"]["run_consumer"] = [2, 300]
+    worker.socket_messages_received = 11
     gone = WorkerLink("codec", SimpleNamespace(transport="zmq"))  # lost: no heartbeat, so no samples (not zeros)
     cluster = SimpleNamespace(link_stats=lambda: {"lm": worker.link_stats(), "codec": gone.link_stats()})
     scrape = samples(Metrics(SimpleNamespace(cluster=cluster, models={})).render().decode())
@@ -77,6 +78,7 @@ def test_peer_counters_come_from_each_workers_heartbeat():
     assert peer(scrape, "mstar_peer_streams_open", "lm") == 1
     labels = (("direction", "sent"), ("message", "run_consumer"), ("worker", "lm"))
     assert scrape["mstar_link_messages_total", labels] == 2 and scrape["mstar_link_message_bytes_total", labels] == 300
+    assert scrape["mstar_link_socket_messages_total", (("worker", "lm"),)] == 11
     assert not [key for key in scrape if dict(key[1]).get("worker") == "codec" and key[0].startswith("mstar_peer")]
     assert not [key for key in scrape if "address" in dict(key[1])]  # a worker's port is not a label
 
