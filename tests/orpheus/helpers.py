@@ -1,4 +1,4 @@
-"""Shared tiny configs for the Orpheus tests."""
+"""Shared tiny configs and helpers for the Orpheus tests."""
 
 TINY_SNAC = dict(
     sampling_rate=24000,
@@ -13,3 +13,11 @@ TINY_SNAC = dict(
     noise=True,
     depthwise=True,
 )
+
+
+async def collect(handle):
+    """(audio chunks, other outputs' values, the final env) of one streamed request."""
+    audio, tokens = [], []
+    async for out in handle:
+        (audio if out.name == "audio" else tokens).append(out.value)
+    return audio, tokens, await handle.result()

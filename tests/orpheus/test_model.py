@@ -15,6 +15,7 @@ from mstar_core.checkpoint import CheckpointError
 from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.runtime import AsyncEngine
+from tests.orpheus.helpers import collect
 
 
 def test_tiny_preset_round_trips_through_the_loaders(tmp_path):
@@ -103,12 +104,6 @@ async def test_streaming_equals_offline_end_to_end(preset_cache):
         engine.submit("orpheus", {"text": t, "voice": "tara", "max_tokens": 60 + 5 * i, "seed": i})
         for i, t in enumerate(texts)
     ]
-
-    async def collect(handle):
-        audio, tokens = [], []
-        async for out in handle:
-            (audio if out.name == "audio" else tokens).append(out.value)
-        return audio, tokens, await handle.result()
 
     results = await asyncio.gather(*(collect(h) for h in handles))
     for i, (audio, tokens, env) in enumerate(results):

@@ -16,7 +16,7 @@ from mstar_orpheus.snac_node import SNACWindowDecoder
 from mstar_core.graph import to_mermaid
 from mstar_core.model import LoadedModel
 from mstar_core.runtime import AsyncEngine
-from tests.orpheus.helpers import TINY_SNAC
+from tests.orpheus.helpers import TINY_SNAC, collect
 
 AUDIO = AudioTokenMap(base=300, offset=10, codebook_size=16)
 END_OF_SPEECH = AUDIO.base + 2
@@ -93,12 +93,6 @@ async def test_streamed_audio_equals_offline_reference(n_audio, end):
     await engine.add_model(_loaded(snac_node))
     scripts = [_script(n_audio + k, seed=k, end=end) for k in range(4)]
     handles = [engine.submit("orpheus-scripted", {"tokens": s, "seed": 100 + k}) for k, s in enumerate(scripts)]
-
-    async def collect(handle):
-        audio, tokens = [], []
-        async for out in handle:
-            (audio if out.name == "audio" else tokens).append(out.value)
-        return audio, tokens, await handle.result()
 
     results = await asyncio.gather(*(collect(h) for h in handles))
     await engine.close()
