@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mstar_stateless import StatelessEngine
 
@@ -28,22 +29,14 @@ class Upsample(torch.nn.Module):
         return torch.repeat_interleave(x * 2, 2, dim=-1)
 
 
-def test_same_shapes_stack_into_one_call():
+@pytest.mark.parametrize(("options", "shapes"), [
+    ({}, [(3, 5)] * 4),  # same shapes stack as they are
+    ({"pad_dim": -1, "pad_value": 0.0}, [(2, 3), (2, 7), (2, 5)]),  # padded along the declared dim, trimmed back
+], ids=["same-shapes-stack", "padded-and-trimmed"])
+def test_a_batch_runs_in_one_call_and_each_answer_is_its_own(options, shapes):
     mod = Upsample()
-    engine = _engine(mod)
-    xs = [torch.rand(3, 5) for _ in range(4)]
-    for i, x in enumerate(xs):
-        engine.add(Invocation(f"r{i}", "codec", {"x": x}, {}))
-    results = engine.step()
-    assert mod.calls == 1
-    for (_, out), x in zip(results, xs, strict=True):
-        torch.testing.assert_close(out["y"], torch.repeat_interleave(x * 2, 2, dim=-1))
-
-
-def test_padding_along_declared_dim_and_trimmed_back():
-    mod = Upsample()
-    engine = _engine(mod, pad_dim=-1, pad_value=0.0)
-    xs = [torch.rand(2, n) for n in (3, 7, 5)]
+    engine = _engine(mod, **options)
+    xs = [torch.rand(*shape) for shape in shapes]
     for i, x in enumerate(xs):
         engine.add(Invocation(f"r{i}", "codec", {"x": x}, {}))
     results = engine.step()
