@@ -51,3 +51,18 @@ async def kill_mid_request(engine, model: str, request: dict, worker: str, outpu
     with pytest.raises(WorkerLost, match=worker):
         await asyncio.wait_for(handle.result(), 20)
     assert time.monotonic() - killed_at < bound
+
+
+def traffic(engine, worker: str) -> dict:
+    """{direction: {tag: [count, bytes]}} through the serving process to and from `worker`, copied."""
+    return {d: {t: list(v) for t, v in by.items()} for d, by in engine.cluster.workers[worker].traffic.items()}
+
+
+async def peer_figure(engine, worker: str, key: str, at_least: int, timeout: float = 10.0):
+    """A worker's peer-line figure `key` from its heartbeats, once it reaches `at_least`."""
+    state = engine.cluster.workers[worker]
+    deadline = time.monotonic() + timeout
+    while (state.load.get("peer") or {}).get(key, -1) < at_least:
+        assert time.monotonic() < deadline, (worker, key, at_least, state.load.get("peer"))
+        await asyncio.sleep(0.05)
+    return state.load["peer"][key]

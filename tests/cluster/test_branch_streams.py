@@ -18,6 +18,7 @@ from mstar_core.errors import RequestCancelled
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
+from tests.cluster.helpers import peer_figure, traffic
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,26 +44,11 @@ async def run(engine, request):
     return outs
 
 
-def traffic(engine, worker):
-    """{direction: {tag: [count, bytes]}} through the serving process to and from `worker`, copied."""
-    return {d: {t: list(v) for t, v in by.items()} for d, by in engine.cluster.workers[worker].traffic.items()}
-
-
 def sent_since(after, before, worker="b"):
     """{tag: (count, bytes)} the serving process sent `worker` between two `traffic` snapshots (tags that moved)."""
     was = before["sent"]
     moved = {t: (n - was.get(t, [0, 0])[0], b - was.get(t, [0, 0])[1]) for t, (n, b) in after["sent"].items()}
     return {t: v for t, v in moved.items() if v[0]}
-
-
-async def peer_figure(engine, worker, key, want):
-    """A worker's peer-line figure from its heartbeats, once it reaches `want`."""
-    state = engine.cluster.workers[worker]
-    deadline = time.monotonic() + 10
-    while (state.load.get("peer") or {}).get(key, 0) < want:
-        assert time.monotonic() < deadline, state.load.get("peer")
-        await asyncio.sleep(0.05)
-    return state.load["peer"][key]
 
 
 async def split_engine(delay: float = 0.0):

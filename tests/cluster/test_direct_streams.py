@@ -17,7 +17,7 @@ from mstar_core.errors import RequestCancelled
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from tests.cluster.helpers import kill_mid_request, kv_pages_used, until
+from tests.cluster.helpers import kill_mid_request, kv_pages_used, peer_figure, traffic, until
 
 pytest.importorskip("mstar_orpheus")
 pytestmark = pytest.mark.timeout(240)
@@ -33,24 +33,9 @@ async def audio_of(engine, request=REQUEST):
         [o.value for o in outs if o.name == "next_token"]
 
 
-def traffic(engine, worker):
-    """{direction: {tag: [count, bytes]}} through the serving process to and from `worker`, copied."""
-    return {d: {t: list(v) for t, v in by.items()} for d, by in engine.cluster.workers[worker].traffic.items()}
-
-
 def since(after, before, direction, tag):
     a, b = after[direction].get(tag, [0, 0]), before[direction].get(tag, [0, 0])
     return a[0] - b[0], a[1] - b[1]
-
-
-async def peer(engine, worker, key, at_least):
-    """A worker's peer-line figure from its heartbeats, once it reaches `at_least`."""
-    state = engine.cluster.workers[worker]
-    deadline = time.monotonic() + 10
-    while (state.load.get("peer") or {}).get(key, -1) < at_least:
-        assert time.monotonic() < deadline, state.load.get("peer")
-        await asyncio.sleep(0.05)
-    return state.load["peer"][key]
 
 
 async def disaggregated():
@@ -90,8 +75,8 @@ async def test_the_stream_goes_worker_to_worker_and_only_control_messages_pass_t
         assert since(after, before, "received", "loop_values")[0] == len(got)
         keep = conductor.graph.walks["decode"].streams[0].keep  # which tokens are audio codes
         audio_tokens = sum(1 for t in tokens if keep(t))
-        assert await peer(engine, "codec", "stream_received_items", audio_tokens) == audio_tokens
-        assert await peer(engine, "lm", "stream_sent_items", audio_tokens) == audio_tokens
+        assert await peer_figure(engine, "codec", "stream_received_items", audio_tokens) == audio_tokens
+        assert await peer_figure(engine, "lm", "stream_sent_items", audio_tokens) == audio_tokens
 
         # the same request with the stream kept in the serving process (the fallback path) gives the same audio,
         # and then every window passes through it as a node call's input

@@ -1,7 +1,5 @@
 """The three-stage streaming chain split across two worker processes gives the colocated outputs."""
 
-import asyncio
-import time
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
+from tests.cluster.helpers import peer_figure, traffic
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,10 +21,9 @@ async def speak(engine, seed, length):
     return outs
 
 
-def traffic(engine):
-    """{worker: {direction: {tag: [count, bytes]}}} through the serving process, copied."""
-    return {name: {d: {t: list(v) for t, v in by.items()} for d, by in w.traffic.items()}
-            for name, w in engine.cluster.workers.items()}
+def traffic_all(engine):
+    """{worker: traffic(engine, worker)} for every worker."""
+    return {name: traffic(engine, name) for name in engine.cluster.workers}
 
 
 def sent_since(after, before, worker):
@@ -35,16 +33,6 @@ def sent_since(after, before, worker):
     return {t: n for t, n in counts.items() if n}
 
 
-async def peer_figure(engine, worker, key, want):
-    """A worker's peer-line figure from its heartbeats, once it reaches `want`."""
-    state = engine.cluster.workers[worker]
-    deadline = time.monotonic() + 10
-    while (state.load.get("peer") or {}).get(key, 0) < want:
-        assert time.monotonic() < deadline, state.load.get("peer")
-        await asyncio.sleep(0.05)
-    return state.load["peer"][key]
-
-
 REQUESTS = ((1, 9), (2, 14))
 
 
@@ -52,11 +40,11 @@ async def run_all(placement=None, check=None):
     engine = AsyncEngine(discover())
     await engine.load_model("fixture-chain", LoadOptions(preset="tiny"), placement=placement)
     try:
-        before = traffic(engine) if engine.cluster else None
+        before = traffic_all(engine) if engine.cluster else None
         outs = [await speak(engine, seed, length) for seed, length in REQUESTS]
         if check is not None:
             direct = {walk: sorted(plans) for walk, plans in engine._models["fixture-chain"].conductor.direct_streams.items()}
-            await check(engine, direct, before, traffic(engine), outs)
+            await check(engine, direct, before, traffic_all(engine), outs)
         return outs
     finally:
         await engine.close()
@@ -125,10 +113,10 @@ async def test_the_chain_across_three_workers_sends_each_stream_peer_to_peer():
         plans = conductor.direct_streams["speak"]
         conductor.direct_streams["speak"] = {0: plans[0]}
         try:
-            before = traffic(engine)
+            before = traffic_all(engine)
             again = [await speak(engine, seed, length) for seed, length in REQUESTS]
             windows = sum(1 for out in again for name, _ in out if name == "wav")
-            assert sent_since(traffic(engine), before, "codec") == {"invoke_node": windows, "release": 2}
+            assert sent_since(traffic_all(engine), before, "codec") == {"invoke_node": windows, "release": 2}
             assert_same(outs, again)
         finally:
             conductor.direct_streams["speak"] = plans
