@@ -84,7 +84,6 @@ def predictor_rounds(module, conc: int, frames: int, clock: Clock, steps: list[d
     from mstar_core.sampling import SamplingParams
 
     engine = engine_for("code_predictor", module, ("input_ids", "input_embeds", "sampling"), ("next_token",))
-    engine.forward_fn = clock.wrap("forward", engine.forward_fn)
     groups = module.heads + 1
     hidden = module.predictor_config.hidden_size
     gen = torch.Generator().manual_seed(1)
@@ -109,7 +108,6 @@ def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dic
     from mstar_core.sampling import SamplingParams
 
     engine = engine_for("lm", module, ("input_ids", "sampling"), ("next_token", "finish_reason", "logprob"))
-    engine.forward_fn = clock.wrap("forward", engine.forward_fn)
     vocab = module.config.vocab_size
     params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=tokens + 1, seed=r)
               for r in range(conc)]
@@ -137,8 +135,9 @@ def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dic
 def measure(run, module, conc: int, size: int, rounds: int) -> dict[str, float]:
     """Median over steps of the least over rounds, ms: step total, forward, LM head, rest."""
     clock = Clock()
-    original = module.compute_logits
-    module.compute_logits = clock.wrap("logits", original)
+    # instance attributes over the methods: the engine calls the module itself, as it does when serving
+    module.forward = clock.wrap("forward", module.forward)
+    module.compute_logits = clock.wrap("logits", module.compute_logits)
     per_round = []
     try:
         run(module, conc, 1, clock, [])  # warm-up
@@ -147,7 +146,7 @@ def measure(run, module, conc: int, size: int, rounds: int) -> dict[str, float]:
             run(module, conc, size, clock, steps)
             per_round.append(steps)
     finally:
-        del module.compute_logits
+        del module.forward, module.compute_logits
     out = {}
     for key in ("total", "forward", "logits", "rest"):
         cols = zip(*[[s["total"] - s.get("forward", 0) - s.get("logits", 0) if key == "rest" else s.get(key, 0.0)
