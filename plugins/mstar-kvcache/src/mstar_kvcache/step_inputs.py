@@ -70,7 +70,7 @@ class StepInputs:
                 if a < b:
                     spans.append((row + a - lo, row + b - lo, rows[a - start : b - start]))
             row += n
-        if not spans and self.forward_fn is self.module:
+        if not spans and not self.settings.compile:
             # no row of this step is an embedding (decode steps after an embedded prompt): the module embeds
             # the ids itself, as `embed` would (a compiled forward keeps its embeddings graph: no new variant)
             return None
