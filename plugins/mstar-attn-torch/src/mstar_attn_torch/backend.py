@@ -45,6 +45,7 @@ class TorchPagedAttention:
         self.device = torch.device(device)
         self.use_lanes = self.device.type == "cpu" if decode_lanes is None else decode_lanes
         self.lanes: DecodeLanes | None = None
+        self._pages: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @staticmethod
     def available(device: torch.device | str) -> bool:
@@ -58,12 +59,20 @@ class TorchPagedAttention:
             if self.lanes is None:
                 self.lanes = DecodeLanes(kv.numel() * kv.element_size())
             lanes = self.lanes
-        return TorchPagedContext(batch, kv, lanes)
+        if self._pages is None or self._pages[0] is not kv:
+            self._pages = (kv, page_views(kv))
+        return TorchPagedContext(batch, kv, lanes, self._pages[1])
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop per-sequence state of a sequence the engine freed."""
         if self.lanes is not None:
             self.lanes.forget(seq_id)
+
+
+def page_views(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the pool's keys and values as `[slots, kv heads, head dim]` views (the same every step)."""
+    flat = kv.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
+    return [(flat[layer, 0], flat[layer, 1]) for layer in range(kv.shape[0])]
 
 
 def _key_slots(batch: Any, seqs: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +139,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
 class TorchPagedContext:
     """`AttentionContext` for one step over the paged pool."""
 
-    def __init__(self, batch: Any, kv: torch.Tensor, lanes: DecodeLanes | None = None):
+    def __init__(self, batch: Any, kv: torch.Tensor, lanes: DecodeLanes | None = None,
+                 pages: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.kv = kv
+        # views built once, not per layer (a few tensor ops each, times every layer of every step)
+        self.pages = pages if pages is not None else page_views(kv)
         self.slots = batch.slot_mapping
         self.num_tokens = batch.num_tokens
         self.gather_buf: torch.Tensor | None = None
@@ -146,6 +158,11 @@ class TorchPagedContext:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
                                [batch.kv_lens[i] for i in decode])
             self.in_lanes = self._lane_plan(batch, starts, [(i, g) for i, g in zip(decode, got, strict=True) if g is not None])
+            if self.in_lanes is not None:  # every layer's lane stores and the window attended, as views
+                count, width = self.in_lanes.count, self.in_lanes.width
+                store_k, store_v = lanes.kv[:, 0], lanes.kv[:, 1]
+                self.lane_views = (store_k, store_v, store_k[:, :count, :width].transpose(2, 3),
+                                   store_v[:, :count, :width].transpose(2, 3))
             decode = [i for i, g in zip(decode, got, strict=True) if g is None]
         self.decode: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
         if decode:
@@ -226,9 +243,8 @@ class TorchPagedContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
-        hkv, dim = k.shape[1], k.shape[2]
-        k_cache = self.kv[layer, 0].view(-1, hkv, dim)
-        v_cache = self.kv[layer, 1].view(-1, hkv, dim)
+        hkv = k.shape[1]
+        k_cache, v_cache = self.pages[layer]
         if self.write_rows is None:
             k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
             v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
@@ -269,18 +285,19 @@ class TorchPagedContext:
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):
         """Append each lane row's new key/value to its lane, then one SDPA over a strided view of the lanes."""
         rows, lane_t, pos, count, width, mask, whole, order = self.in_lanes
-        store = self.lanes.kv[layer]
+        store_k, store_v, window_k, window_v = self.lane_views
+        store_k, store_v = store_k[layer], store_v[layer]
         if whole:
-            store[0].index_put_((lane_t, pos), k.to(store.dtype))
-            store[1].index_put_((lane_t, pos), v.to(store.dtype))
+            store_k.index_put_((lane_t, pos), k.to(store_k.dtype))
+            store_v.index_put_((lane_t, pos), v.to(store_v.dtype))
             ql = q if order is None else q.index_select(0, order)
         else:
-            store[0].index_put_((lane_t, pos), k[rows].to(store.dtype))
-            store[1].index_put_((lane_t, pos), v[rows].to(store.dtype))
+            store_k.index_put_((lane_t, pos), k[rows].to(store_k.dtype))
+            store_v.index_put_((lane_t, pos), v[rows].to(store_v.dtype))
             ql = q.new_zeros(count, q.shape[1], q.shape[2])
             ql[lane_t] = q[rows]
-        keys = store[0, :count, :width].transpose(1, 2)  # [count, kv heads, width, dim], rows contiguous
-        vals = store[1, :count, :width].transpose(1, 2)
+        keys = window_k[layer]  # [count, kv heads, width, dim], rows contiguous
+        vals = window_v[layer]
         res = decode_attention(ql.to(keys.dtype), keys, vals, mask, scale)
         if whole:
             return (res if order is None else res.index_select(0, lane_t)).to(q.dtype)

@@ -166,9 +166,11 @@ class CallAnswers:
         if (finish_reason is not None or len(seq.stepped) >= seq.call.decode_steps
                 or (self.max_model_len is not None and start + 1 > self.max_model_len)):
             return False
-        # the token as a one-id call of its own: implicit next position, routing 0, causal
-        self._append_inputs(seq, attrs.evolve(seq.call, ids=[token], embeds=[], positions=None, routing=None,
-                                              extras={}), start)
+        # the token as a one-id call of its own: implicit next position, routing 0, causal (only a sequence that
+        # records positions or routing has anything to record for it, as in `_attach`)
+        if seq.positions is not None or seq.routing is not None:
+            self._append_inputs(seq, attrs.evolve(seq.call, ids=[token], embeds=[], positions=None, routing=None,
+                                                  extras={}), start)
         if seq.limits is not None:
             seq.limits.append(start + 1)
         seq.tokens.append(token)
