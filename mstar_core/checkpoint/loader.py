@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from mstar_core.checkpoint.errors import CheckpointError, WeightMismatchError
 from mstar_core.checkpoint.mapping import WeightMapping
+from mstar_core.checkpoint.meta import on_meta
 from mstar_core.checkpoint.sources import TensorSource
 
 M = TypeVar("M", bound=nn.Module)
@@ -87,6 +88,6 @@ def build_and_load(
     progress: bool = True,
 ) -> M:
     """Construct `factory()` on the meta device (no memory, no random init), then load it; returns it in eval mode."""
-    with torch.device("meta"):
+    with on_meta():
         module = factory()
     return load_weights(module, source, mapping, dtype=dtype, device=device, progress=progress).eval()

@@ -42,10 +42,11 @@ def _snac(directory: Path, device: str) -> torch.nn.Module:
     """The SNAC decoder, in fp32 (the codec always runs in fp32); on the meta device, built without reading it."""
     if device != "meta":
         return load_snac(directory, device=device)
+    from mstar_core.checkpoint.meta import on_meta
     from mstar_orpheus.snac.checkpoint import SNACConfig
     from mstar_orpheus.snac.model import SNACDecoder
 
-    with torch.device("meta"):
+    with on_meta():
         return SNACDecoder(SNACConfig.from_file(directory / "config.json")).fold_weight_norm().eval()
 
 
