@@ -180,18 +180,24 @@ class AsyncEngine:
             for worker in sorted(workers - {LOCAL}):
                 by_worker.setdefault(worker, []).append(node)
         share = self._thread_share(placement)
+
+        async def start_and_load(replica: str, spec: Any, msg: LoadModel) -> None:
+            await self.cluster.ensure_worker(replica, spec)
+            await self.cluster.load(replica, msg)
+
+        starts = []  # every worker starts and loads at once: one's imports and load overlap the others'
         for group, nodes in by_worker.items():
             spec = placement.workers[group]
             if spec.launcher == "spawn" and spec.threads is None:
                 spec = attrs.evolve(spec, threads=share)
             replicas = spec.replica_names()
-            await asyncio.gather(*(self.cluster.ensure_worker(r, spec) for r in replicas))
             msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
                             checkpoint=options.checkpoint, dtype=options.dtype,
                             settings={n: dict(settings.get(n, {})) for n in nodes})
-            await asyncio.gather(*(self.cluster.load(r, msg) for r in replicas))
+            starts += [start_and_load(r, spec, msg) for r in replicas]
             for node in nodes:
                 on_worker[node, group] = RemoteNodeScheduler(self.cluster, family, node, replicas)
+        await asyncio.gather(*starts)
         # a node's default scheduler (its only one, unless placed per walk: then the local one if any)
         schedulers = {n: on_worker[n, min(workers, key=lambda w: (w != LOCAL, w))] for n, workers in where.items()}
         walk_schedulers = {}
