@@ -171,8 +171,8 @@ class Cluster:
             state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
                                                     state.spec, self.encrypted)
         else:
-            state.process, state.log_path = spawn_worker(state.name, self.address, self.secret, state.spec.threads,
-                                                         encrypt=self.encrypted)
+            state.process, state.log_path = await asyncio.to_thread(  # waits while the worker zygote starts
+                spawn_worker, state.name, self.address, self.secret, state.spec.threads, encrypt=self.encrypted)
 
     def tcp_address(self) -> str:
         """A TCP endpoint of the control socket (Ray actors need one): the bind address, or an added loopback one."""
