@@ -6,7 +6,8 @@ figure is the engine's own):
     each frame is one call of 2 seed embeddings with `reset` and `decode_steps` 15 (top-k 50, top-p 0.8),
     so 15 steps a frame, at c=1 and c=8 requests;
   * the tiny Orpheus LM: one call per token, as its decode walk sends them (temperature 0.6, top-p 0.8,
-    repetition penalty 1.3), at c=1 and c=8 after a 64-token prompt.
+    repetition penalty 1.3), at c=1 and c=8 after a 64-token prompt, and at c=8 after a 768-token one
+    (the penalty reads every token a request holds: long histories cost more per step).
 Per step, thread CPU of `add` (the calls the step answers send back) + `step`, split into the module
 forward, the LM head (`compute_logits`) and the rest, the engine's bookkeeping (batch layout, attention
 plan, sampling, answers, parsing). Least over `--rounds` rounds per step index, then the median over
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -102,8 +104,8 @@ def predictor_rounds(module, conc: int, frames: int, clock: Clock, steps: list[d
     engine.close()
 
 
-def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dict]):
-    """`conc` requests: a 64-token prompt, then one call per token, each sending back the token."""
+def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dict], prompt: int = 64):
+    """`conc` requests: a `prompt`-token prompt, then one call per token, each sending back the token."""
     from mstar_core.runtime.engine import Invocation
     from mstar_core.sampling import SamplingParams
 
@@ -112,11 +114,11 @@ def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dic
     params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=tokens + 1, seed=r)
               for r in range(conc)]
     for r in range(conc):
-        engine.add(Invocation(f"r{r}", "lm", {"input_ids": [(7 * r + j) % vocab for j in range(64)],
+        engine.add(Invocation(f"r{r}", "lm", {"input_ids": [(7 * r + j) % vocab for j in range(prompt)],
                                                "sampling": params[r]}, {}))
-    first = True
     made = [0] * conc
     while engine.has_work():
+        decoding = all(made)  # every prompt is in (a long one takes several chunked prefill steps)
         clock.spent = {}
         started = time.thread_time()
         results = engine.step()
@@ -126,9 +128,8 @@ def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dic
             if made[r] < tokens:  # the walk's next call: the sampled token back in
                 engine.add(Invocation(inv.request_id, "lm", {"input_ids": res["next_token"], "sampling": params[r]}, {}))
         total = time.thread_time() - started
-        if not first:  # the prefill step is not a decode step
+        if decoding:
             steps.append({"total": total, **clock.spent, "answered": len(results)})
-        first = False
     engine.close()
 
 
@@ -180,9 +181,12 @@ def main() -> None:
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
         cp, lm = code_predictor(), orpheus_lm(Path(tmp))
-        for label, run, module, size in (("code_predictor", predictor_rounds, cp, frames),
-                                         ("orpheus_lm", orpheus_rounds, lm, tokens)):
-            for conc in (1, 8):
+        long_prompt = functools.partial(orpheus_rounds, prompt=768)
+        long_prompt.__name__ = "orpheus_long_rounds"
+        for label, run, module, size, concs in (("code_predictor", predictor_rounds, cp, frames, (1, 8)),
+                                                ("orpheus_lm", orpheus_rounds, lm, tokens, (1, 8)),
+                                                ("orpheus_lm_prompt768", long_prompt, lm, tokens, (8,))):
+            for conc in concs:
                 if args.profile:
                     profile(run, module, conc, size, 30)
                     continue

@@ -82,7 +82,9 @@ class CallAnswers:
                 failed = [self._fail(s, exc) for s, _ in asked]
                 rest = [(s, r) for s, r in done if not any(s is a for a, _ in asked)]
                 return failed + (self._finish(rest, hidden) if rest else [])
-        last = hidden[torch.tensor([r for _, r in done], device=hidden.device)]
+        rows = [r for _, r in done]
+        # every row of the step, in order (a decode step): the rows themselves, no index tensor and copy
+        last = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
         seqs = [s for s, _ in done]
         try:
             logits, picked = self._sample(seqs, last)
