@@ -11,7 +11,7 @@ figure is the engine's own):
 Per step, thread CPU of `add` (the calls the step answers send back) + `step`, split into the module
 forward, the LM head (`compute_logits`) and the rest, the engine's bookkeeping (batch layout, attention
 plan, sampling, answers, parsing). Least over `--rounds` rounds per step index, then the median over
-steps. `--profile` prints cProfile's top functions of the rest instead. Final line: JSON.
+steps. `--profile` prints cProfile's top functions (own time, whole steps) instead. Final line: JSON.
 
     python benchmarks/kvcache_step.py [--quick] [--profile]
 """
