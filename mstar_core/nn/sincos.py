@@ -39,7 +39,13 @@ class PositionTable(torch.nn.Module):
 
     def __init__(self, grid_size: int, dim: int):
         super().__init__()
-        self.pos_embed = torch.nn.Parameter(sincos_2d(dim, grid_size), requires_grad=False)
+        if torch.get_default_device().type == "meta":  # built to load a checkpoint into: nothing to compute
+            if dim % 4:  # (the same check as sincos_2d's)
+                raise ValueError(f"a 2-D sin-cos table needs a width divisible by 4, got {dim}")
+            table = torch.empty(grid_size * grid_size, dim)
+        else:
+            table = sincos_2d(dim, grid_size)
+        self.pos_embed = torch.nn.Parameter(table, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.pos_embed[ids.to(self.pos_embed.device)]

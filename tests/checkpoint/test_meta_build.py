@@ -113,3 +113,14 @@ def test_weight_norm_on_meta_has_the_real_result_shape(shape, dim, dtype, grad):
             assert not torch._weight_norm(v_meta, g_meta, dim).requires_grad
     for real, meta in ((g, g_meta), (w, w_meta)):
         assert (meta.shape, meta.dtype, meta.requires_grad, meta.is_meta) == (real.shape, real.dtype, grad, True)
+
+
+def test_a_sincos_table_built_on_meta_is_left_to_the_checkpoint():
+    from mstar_core.nn.sincos import PositionTable
+
+    with on_meta():
+        table = PositionTable(4, 8)
+        with pytest.raises(ValueError, match="divisible by 4"):
+            PositionTable(4, 6)
+    assert _layout(table) == [("pos_embed", (16, 8), torch.float32, False, "meta")]
+    assert [row[:4] for row in _layout(PositionTable(4, 8))] == [row[:4] for row in _layout(table)]
