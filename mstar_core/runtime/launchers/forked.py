@@ -126,8 +126,11 @@ _VOLATILE = frozenset({SECRET_ENV, "MSTAR_WORKER_THREADS", "PYTEST_CURRENT_TEST"
 
 
 def _key(env: dict[str, str]) -> tuple:
-    """What a zygote's imports may depend on: anything else differing means it would not be a plain spawn's twin."""
-    return os.getcwd(), sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE))
+    """What a zygote's imports may depend on: anything else differing means it would not be a plain spawn's twin.
+
+    (And this process: a fork of the serving process does not share its zygote's pipe.)
+    """
+    return os.getpid(), os.getcwd(), sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in _VOLATILE))
 
 
 def fork_worker(argv: list[str], env: dict[str, str], per_worker: dict[str, str], log_path: str) -> ForkedProcess | None:
