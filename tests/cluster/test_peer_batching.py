@@ -65,7 +65,8 @@ async def test_a_decode_step_of_many_requests_reaches_the_server_and_the_codec_i
     import pytest
 
     pytest.importorskip("mstar_orpheus")
-    from tests.cluster.test_direct_streams import disaggregated, peer, since, traffic
+    from tests.cluster.helpers import peer_figure, traffic
+    from tests.cluster.test_direct_streams import disaggregated, since
 
     engine = await disaggregated()
     try:
@@ -82,7 +83,7 @@ async def test_a_decode_step_of_many_requests_reaches_the_server_and_the_codec_i
         assert loop_values == sum(map(len, tokens)) > 300  # one per token, as before
         # the four requests step together: about one socket message a step (plus heartbeats and the loop ends)
         assert sockets < loop_values / 2, (sockets, loop_values)
-        items = await peer(engine, "lm", "stream_sent_items", 400)
+        items = await peer_figure(engine, "lm", "stream_sent_items", 300)
         messages = (engine.cluster.workers["lm"].load.get("peer") or {})["stream_messages_sent"]
         assert messages < items / 2, (messages, items)
     finally:
