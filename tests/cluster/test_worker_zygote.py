@@ -99,3 +99,13 @@ async def test_workers_of_a_zygote_that_dies_are_reported_ended():
     finally:
         zygote.process.kill()
         zygote.process.wait()
+
+
+def test_a_zygote_that_cannot_start_gives_plain_spawns_and_is_not_retried(monkeypatch):
+    monkeypatch.setattr(forked, "_zygote", None)
+    monkeypatch.setattr(forked.sys, "executable", "/bin/false")  # exits at once, never ready
+    env = dict(os.environ)
+    assert forked.fork_worker(["--help"], env, {}, os.devnull) is None
+    first = forked._zygote
+    assert first.gone and not first.worked
+    assert forked.fork_worker(["--help"], env, {}, os.devnull) is None and forked._zygote is first

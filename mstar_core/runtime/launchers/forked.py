@@ -68,6 +68,7 @@ class Zygote:
             os.close(fd)
         self.ready = threading.Event()
         self.gone = False
+        self.worked = False  # it got ready once (one that never does is not started again: its imports fail)
         self._children: dict[int, ForkedProcess] = {}
         self._answers: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # one request at a time: answers come back in order
@@ -77,6 +78,7 @@ class Zygote:
         for line in self.process.stdout:
             msg = json.loads(line)
             if "ready" in msg:
+                self.worked = True
                 self.ready.set()
             elif "exit" in msg:
                 child = self._children.pop(msg["exit"], None)
@@ -143,7 +145,7 @@ def fork_worker(argv: list[str], env: dict[str, str], per_worker: dict[str, str]
     if os.environ.get(ZYGOTE_ENV, "1") == "0" or not hasattr(os, "fork"):
         return None
     with _zygote_lock:
-        if _zygote is None or (_zygote.gone and _zygote.key == _key(env)):
+        if _zygote is None or (_zygote.gone and _zygote.worked and _zygote.key == _key(env)):
             _zygote = Zygote(_key(env))
         zygote = _zygote
     if zygote.key != _key(env):

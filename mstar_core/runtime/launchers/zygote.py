@@ -65,12 +65,18 @@ def _reap(out) -> None:
 
 def serve() -> None:
     """The zygote's loop: import everything a worker needs, then fork one per request until stdin closes."""
-    import torch  # noqa: F401 - the point: imported once, here
+    # CUDA initialised before a fork is unusable in the child: an import asking torch.cuda.is_available()
+    # must not initialise it here (NVML answers instead; the workers get the server's environment back)
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    import torch
 
     import mstar_core.runtime.worker  # noqa: F401
     from mstar_core.plugins.manager import default_registry
 
     default_registry()  # plugin imports too (a worker's first call finds them loaded)
+    if torch.cuda.is_initialized():  # an import used the GPU: forks could not; the server spawns plainly
+        print("mstar worker zygote: CUDA was initialised while importing; not forking workers", file=sys.stderr)
+        return
     out = sys.stdout
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
     out.flush()
