@@ -168,7 +168,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"mstar-chaos-{label}-", suffix=".log", delete=False)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        # workers as fresh interpreters: they are found and killed by the `--name` on their command line
+        # (a fork of the worker zygote carries the zygote's)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSTAR_WORKER_ZYGOTE": "0"}
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", "orpheus", "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", *extra]

@@ -17,17 +17,36 @@ pytestmark = pytest.mark.timeout(180)
 PLACEMENT = Path(__file__).resolve().parents[2] / "examples" / "placement" / "orpheus-disaggregated-shm.yaml"
 
 
-def worker_pids(server_pid: int) -> list[int]:
-    import subprocess
-
-    out = subprocess.run(["pgrep", "-f", "mstar_core.runtime.worker"], capture_output=True, text=True).stdout
-    pids = []
-    for pid in map(int, out.split()):
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
         try:
-            if f"--parent-pid\x00{server_pid}" in Path(f"/proc/{pid}/cmdline").read_text():
-                pids.append(pid)
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
         except OSError:
             pass
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's workers: its worker subprocesses, or the forks of its worker zygote."""
+    pids = []
+    for pid in _children(server_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        if "mstar_core.runtime.worker" in cmdline:
+            pids.append(pid)
+        elif "mstar_core.runtime.launchers.zygote" in cmdline:
+            pids += _children(pid)
     return pids
 
 
@@ -47,6 +66,6 @@ def test_serve_with_a_placement_file_and_stop_cleanly():
         code = srv.proc.wait(timeout=60)
     assert code == 0, srv.output()[-3000:]
     assert "Traceback" not in srv.output(), srv.output()[-3000:]
-    assert worker_pids(srv.proc.pid) == []
+    assert [p for p in pids[1:] if _running(p)] == []  # the workers left with the server
     left = [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"mstar-shm-{p}-")]
     assert left == [], left
