@@ -63,9 +63,10 @@ async def measure(placement_file: str, concurrency: int, requests: int, max_toke
         await engine.close()
 
 
-async def main(quick: bool) -> dict[str, float]:
+async def main(quick: bool, requests: int | None = None, max_tokens: int | None = None) -> dict[str, float]:
     concurrency = 8
-    requests, max_tokens = (16, 150) if quick else (64, 400)
+    default_requests, default_tokens = (16, 150) if quick else (64, 400)
+    requests, max_tokens = requests or default_requests, max_tokens or default_tokens
     colocated = await measure("orpheus-colocated.yaml", concurrency, requests, max_tokens)
     split = await measure("orpheus-disaggregated.yaml", concurrency, requests, max_tokens)
     for name, fig in (("colocated", colocated), ("disaggregated", split)):
@@ -86,4 +87,7 @@ async def main(quick: bool) -> dict[str, float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
-    print(json.dumps(asyncio.run(main(parser.parse_args().quick))))
+    parser.add_argument("--requests", type=int, help="requests in the throughput run (default 16 quick, 64 full)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per request (default 150 quick, 400 full)")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(main(args.quick, args.requests, args.max_tokens))))
