@@ -23,6 +23,10 @@ def test_the_tiny_config_reads_back():
     (("image_token_id",), True, r"config\.json: key 'image_token_id' must be an integer"),
     (("image_token_id",), 128, r"config\.json: key 'image_token_id' must be a token id below 128"),
     (("text_config",), None, r"config\.json: key 'text_config' must be an object, got null"),
+    (("text_config", "hidden_size"), "64", r"config\.json: key 'text_config\.hidden_size' must be an integer"),
+    (("text_config", "hidden_act"), "tanh", r"config\.json: key 'text_config\.hidden_act' is 'tanh'"),
+    (("text_config", "num_key_value_heads"), 3,
+     r"key 'text_config\.num_attention_heads' \(\d+\) must be a multiple of 'text_config\.num_key_value_heads'"),
     (("model_type",), "llama", r"config\.json: key 'model_type' must be 'example-captioner'"),
     (("image_size",), 32, r"config\.json: unknown key\(s\) \['image_size'\]"),
 ])

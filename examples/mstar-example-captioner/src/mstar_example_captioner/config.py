@@ -56,7 +56,7 @@ class CaptionerConfig:
         if vision.image_size % vision.patch_size or vision.hidden_size % vision.num_heads:
             raise ConfigError("config.json: 'vision_config' needs image_size % patch_size == 0 and "
                               "hidden_size % num_heads == 0")
-        text = LlamaConfig.from_hf(check(cfg.get("text_config"), dict, "text_config"))
+        text = LlamaConfig.from_hf(check(cfg.get("text_config"), dict, "text_config"), where="text_config")
         image_token = check(cfg.get("image_token_id"), int, "image_token_id", minimum=0)
         if image_token >= text.vocab_size:
             raise ConfigError(f"config.json: key 'image_token_id' must be a token id below {text.vocab_size}, "
