@@ -14,13 +14,17 @@ def sincos_1d(dim: int, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
+def _check_width(dim: int) -> None:
+    if dim % 4:
+        raise ValueError(f"a 2-D sin-cos table needs a width divisible by 4, got {dim}")
+
+
 def sincos_2d(dim: int, grid_size: int) -> torch.Tensor:
     """`[grid_size**2, dim]` float32, row-major over (row, col): the first half encodes the column, the second the row.
 
     (The MAE table's order: its meshgrid puts the column coordinate first.)
     """
-    if dim % 4:
-        raise ValueError(f"a 2-D sin-cos table needs a width divisible by 4, got {dim}")
+    _check_width(dim)
     coords = torch.arange(grid_size, dtype=torch.float64)
     h = coords[:, None].expand(grid_size, grid_size).reshape(-1)
     w = coords[None, :].expand(grid_size, grid_size).reshape(-1)
@@ -40,8 +44,7 @@ class PositionTable(torch.nn.Module):
     def __init__(self, grid_size: int, dim: int):
         super().__init__()
         if torch.get_default_device().type == "meta":  # built to load a checkpoint into: nothing to compute
-            if dim % 4:  # (the same check as sincos_2d's)
-                raise ValueError(f"a 2-D sin-cos table needs a width divisible by 4, got {dim}")
+            _check_width(dim)
             table = torch.empty(grid_size * grid_size, dim)
         else:
             table = sincos_2d(dim, grid_size)

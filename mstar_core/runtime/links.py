@@ -236,7 +236,7 @@ class PeerMailbox:
             return
         self.stream_messages_sent += 1
         message = join_messages([[b"s" + nonce, *sealed] for nonce, sealed in pending])
-        self._socket(address).send_multipart(message, copy=False).add_done_callback(_retrieve)
+        self._socket(address).send_multipart(message, copy=False).add_done_callback(_STREAM_SEND)
 
     def accept_stream(self, session: str, nonce: str, deliver: Callable[[list[Any]], None]) -> None:
         """Hand stream `session`'s items to `deliver`, in order: at once those already here, then as they come."""
@@ -371,6 +371,14 @@ class PeerMailbox:
         self.ctx.term()
 
 
-def _retrieve(future: Any) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("peer line: a stream item could not be sent: %s", future.exception())
+def log_send_failure(what: str) -> Callable[[Any], None]:
+    """A done-callback for a send nobody awaits: retrieves its failure and logs it as `what` could not be sent."""
+
+    def retrieve(sent: Any) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            log.warning("%s could not be sent: %s", what, sent.exception())
+
+    return retrieve
+
+
+_STREAM_SEND = log_send_failure("peer line: a stream message")

@@ -28,7 +28,7 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
-from mstar_core.runtime.links import PeerMailbox, open_link
+from mstar_core.runtime.links import PeerMailbox, log_send_failure, open_link
 from mstar_core.runtime.loop_host import LoopHostConductor
 from mstar_core.runtime.peer_streams import InboundStream, StreamLines
 from mstar_core.runtime.refusals import RefusalLog
@@ -106,7 +106,7 @@ class Worker:
         """
         frames = self._encode(msg)
         if self.channel is None:  # not welcomed yet (nothing sends this way before): no session to seal with
-            self.sock.send_multipart(frames, copy=False).add_done_callback(_log_send_failure)
+            self.sock.send_multipart(frames, copy=False).add_done_callback(_SEND_FAILED)
             return
         if self._outbox is None:
             self._outbox = []
@@ -132,7 +132,7 @@ class Worker:
         pending, self._outbox = self._outbox, None
         if pending and self.channel is not None:
             sent = self.sock.send_multipart(self.channel.seal(join_messages(pending)), copy=False)
-            sent.add_done_callback(_log_send_failure)
+            sent.add_done_callback(_SEND_FAILED)
 
     def _send_frames(self, frames: list) -> asyncio.Future:
         # sealing and handing to the socket happen in one go: sequence numbers go out in order
@@ -455,9 +455,7 @@ class Worker:
                                    **error_fields(exc)))
 
 
-def _log_send_failure(sent: asyncio.Future) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        log.warning("a message to the server could not be sent: %s", sent.exception())
+_SEND_FAILED = log_send_failure("a message to the server")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -113,7 +113,8 @@ class Zygote:
                 return None
             try:
                 return self._answers.get(timeout=READY_TIMEOUT_S)
-            except queue.Empty:
+            except queue.Empty:  # a late answer would be read as the next request's: use this zygote no more
+                self.gone = True
                 return None
 
 

@@ -52,11 +52,7 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[Sequence[int]],
         return
     dev = logits.device
     ids = _padded_ids([history[i] for i in rows]).to(dev)
-    penalty = [penalties[i] for i in rows]  # one float when every row has the same: two tensor ops fewer
-    if logits.dtype != torch.float32 or any(p != penalty[0] for p in penalty):  # (a float: the same float32 math)
-        penalty = torch.tensor(penalty, device=dev, dtype=logits.dtype).unsqueeze(1)
-    else:
-        penalty = penalty[0]
+    penalty = _column([penalties[i] for i in rows], dev, logits.dtype)
     whole = len(rows) == logits.shape[0]
     target = logits if whole else logits[torch.tensor(rows, device=dev)]
     vals = target.gather(1, ids)
@@ -178,11 +174,15 @@ def _top_p_keep(logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor | f
     return (bucket < above_cut) | (in_crit & (probs >= bound))
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor | float:
-    """Per-row float64 `[n, 1]` values, or the one float when every row has the same (compared alike, ops fewer)."""
-    if all(v == values[0] for v in values):
+def _column(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor | float:
+    """Per-row `[n, 1]` values of `dtype`, or the one float when every row has the same: two tensor ops fewer.
+
+    Only for float32 and float64, where a Python float operand gives the same result as a tensor of
+    that dtype (a half-precision tensor and a Python float compute in another precision).
+    """
+    if dtype in (torch.float32, torch.float64) and all(v == values[0] for v in values):
         return values[0]
-    return torch.tensor(values, device=device, dtype=torch.float64).unsqueeze(1)
+    return torch.tensor(values, device=device, dtype=dtype).unsqueeze(1)
 
 
 def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bool = False
@@ -196,11 +196,8 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
     dev = logits.device
     # one temperature for every row divides by a float (the same float32 quotient, two tensor ops fewer), and
     # 1 leaves the logits as they are
-    temps = [max(p.temperature, _MIN_TEMPERATURE) for p in params]
-    if logits.dtype != torch.float32 or any(t != temps[0] for t in temps):
-        scaled = logits / torch.tensor(temps, device=dev, dtype=logits.dtype).unsqueeze(1)
-    else:
-        scaled = logits if temps[0] == 1.0 else logits / temps[0]
+    temp = _column([max(p.temperature, _MIN_TEMPERATURE) for p in params], dev, logits.dtype)
+    scaled = logits if isinstance(temp, float) and temp == 1.0 else logits / temp
     scaled = _top_k(scaled, params)
     # A row the model (or a penalty) made non-finite has NaN log-probabilities. As -inf they weigh
     # nothing: the row still gets a token, and no NaN reaches the histogram's indices or the
@@ -210,7 +207,7 @@ def filtered(logits: torch.Tensor, params: list[SamplingParams], *, for_draw: bo
     keep = None if for_draw else probs > 0
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        top_p = _column([params[i].top_p for i in nucleus], dev)
+        top_p = _column([params[i].top_p for i in nucleus], dev, torch.float64)
         if len(nucleus) == len(params):
             cut = _top_p_keep(logp, probs, top_p)
             keep = cut if keep is None else keep.logical_and_(cut)
