@@ -86,7 +86,7 @@ TEXTS = [
     "Streaming audio keeps the first sound early, even for long replies.",
 ]
 PROBE = {"input": "Are you back?", "seed": 7, "max_tokens": 35}
-WORKER_MODULE = "mstar_core.runtime.worker"
+WORKER_MODULE = "mstar_core.cluster.worker"
 _SERVERS: list[Server] = []  # stopped at exit whatever happened
 
 

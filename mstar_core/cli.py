@@ -28,7 +28,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _link_note(transports, name: str) -> str:
     """How a transport can serve placement: carrying workers' tensors (same host only?), or not at all."""
-    from mstar_core.runtime.links import carries_worker_links
+    from mstar_core.cluster.links import carries_worker_links
 
     cls = transports.get(name)
     if not carries_worker_links(cls):
@@ -61,7 +61,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from mstar_core.runtime.worker import main as worker_main
+    from mstar_core.cluster.worker import main as worker_main
 
     worker_main(args.worker_args)
     return 0

@@ -187,7 +187,7 @@ class Placement:
 
     def check_transports(self, registry: Any) -> None:
         """Every worker's transport is registered, can carry a worker's tensors, and suits its launcher."""
-        from mstar_core.runtime.links import link_transport
+        from mstar_core.cluster.links import link_transport
         from mstar_core.wire.curve import needs_encryption
         from mstar_core.wire.errors import TransportError
 

@@ -142,9 +142,9 @@ class AsyncEngine:
         return loaded
 
     async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
-        from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
-        from mstar_core.runtime.remote_loop import delegate_loops
-        from mstar_core.runtime.remote_stream import plan_direct_streams
+        from mstar_core.cluster.cluster import Cluster, RemoteNodeScheduler
+        from mstar_core.cluster.remote_loop import delegate_loops
+        from mstar_core.cluster.remote_stream import plan_direct_streams
         from mstar_core.wire import LoadModel
         from mstar_core.wire.auth import secret_from_env
 
@@ -347,7 +347,7 @@ class AsyncEngine:
         for scheduler in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
             why = scheduler.unavailable() if hasattr(scheduler, "unavailable") else None
             if why is not None:
-                from mstar_core.runtime.worker_link import WorkerLost
+                from mstar_core.cluster.worker_link import WorkerLost
 
                 raise WorkerLost(f"{why}; retry the request shortly")
 
@@ -380,7 +380,7 @@ class AsyncEngine:
 
     def _requests_lost(self, worker: str, request_ids: set[str], why: str) -> None:
         """A worker died or hung: its requests fail now, even those not waiting on it at this moment."""
-        from mstar_core.runtime.cluster import WorkerLost
+        from mstar_core.cluster.cluster import WorkerLost
 
         for rid in request_ids:
             handle = self._handles.get(rid)

@@ -12,7 +12,7 @@ sender `pack`s a message's frames before sealing (taking big ones off the socket
 descriptors), the receiver `unpack`s them after opening. `InlineLink` leaves every frame on the
 socket. A link whose frames arrive after their descriptor (a process group's receive, on a thread of
 its own) returns a `concurrent.futures.Future` from `unpack`; the receiving end delivers each link's
-messages in order, waiting for such a future without blocking its event loop (`runtime/links.py`).
+messages in order, waiting for such a future without blocking its event loop (`cluster/links.py`).
 """
 
 from __future__ import annotations

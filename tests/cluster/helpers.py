@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mstar_core.runtime.cluster import WorkerLost
+from mstar_core.cluster.cluster import WorkerLost
 
 SHM_PREFIX = "mstar-shm-"
 

@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from mstar_core.cluster.links import PeerMailbox
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.links import PeerMailbox
 from mstar_core.wire import Release, encode
 from tests.cluster.helpers import kv_pages_used
 

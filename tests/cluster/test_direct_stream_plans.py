@@ -10,10 +10,10 @@ import types
 
 from mstar_fixture_plugin.chain import chain_graph
 
+from mstar_core.cluster.remote_loop import delegate_loops
+from mstar_core.cluster.remote_node import RemoteNodeScheduler, ReplicaGroup
+from mstar_core.cluster.remote_stream import plan_direct_streams
 from mstar_core.runtime.conductor import Conductor
-from mstar_core.runtime.remote_loop import delegate_loops
-from mstar_core.runtime.remote_node import RemoteNodeScheduler, ReplicaGroup
-from mstar_core.runtime.remote_stream import plan_direct_streams
 
 
 class StandInCluster:

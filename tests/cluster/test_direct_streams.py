@@ -142,7 +142,7 @@ def _outward_address() -> str | None:
 
 
 async def test_stream_items_reach_a_mailbox_open_to_other_hosts_from_one_on_loopback_sealed_and_in_order():
-    from mstar_core.runtime.links import PeerMailbox
+    from mstar_core.cluster.links import PeerMailbox
     from mstar_core.wire import encode
     from mstar_core.wire.messages import StreamItem
 

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
+from mstar_core.cluster.cluster import Cluster
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError, MStarError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import Cluster
 from mstar_core.wire.curve import needs_encryption
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,7 +41,7 @@ def join(address: str, name: str, secret: str | None = SECRET, *extra: str, time
     if secret is not None:
         env["MSTAR_SECRET"] = secret
     env["MSTAR_JOIN_TIMEOUT"] = str(timeout)
-    return subprocess.Popen([sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", name,
+    return subprocess.Popen([sys.executable, "-m", "mstar_core.cluster.worker", "--join", address, "--name", name,
                              *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

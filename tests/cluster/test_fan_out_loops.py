@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from mstar_core.cluster.remote_loop import RemoteLoop
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.conductor import Conductor
-from mstar_core.runtime.remote_loop import RemoteLoop
 from tests.cluster.helpers import kv_pages_used
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,12 +14,12 @@ import zlib
 import pytest
 
 from mstar_core.api.metrics import Metrics
+from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.config import Placement
 from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
 from tests.cluster.helpers import kill_mid_request, until
 
 pytestmark = pytest.mark.timeout(180)
@@ -168,7 +168,7 @@ async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_ne
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
     def join():
-        return subprocess.Popen([sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", "far"],
+        return subprocess.Popen([sys.executable, "-m", "mstar_core.cluster.worker", "--join", address, "--name", "far"],
                                 env={**os.environ, "MSTAR_JOIN_TIMEOUT": "30"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar_core.api.metrics import Metrics
+from mstar_core.cluster.worker_link import WorkerLink
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.worker_link import WorkerLink
 from tests.cluster.helpers import until
 
 pytestmark = pytest.mark.timeout(180)

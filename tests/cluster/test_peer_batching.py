@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from mstar_core.runtime.links import PeerMailbox
+from mstar_core.cluster.links import PeerMailbox
 from mstar_core.wire import decode, encode
 from mstar_core.wire.batch import join_messages
 from mstar_core.wire.messages import StreamItem

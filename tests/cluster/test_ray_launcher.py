@@ -5,11 +5,11 @@ import time
 
 import pytest
 
+from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)

@@ -9,13 +9,13 @@ import asyncio
 import pytest
 import pytest_asyncio
 
+from mstar_core.cluster.remote_values import TYPE_KEY, to_wire
 from mstar_core.config import Placement
 from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.engine import Invocation
-from mstar_core.runtime.remote_values import TYPE_KEY, to_wire
 from mstar_core.wire import RunLoop
 
 # one worker for the module (each test releases what it holds): a worker start is most of the cost

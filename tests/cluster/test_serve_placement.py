@@ -43,9 +43,9 @@ def worker_pids(server_pid: int) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
             continue
-        if "mstar_core.runtime.worker" in cmdline:
+        if "mstar_core.cluster.worker" in cmdline:
             pids.append(pid)
-        elif "mstar_core.runtime.launchers.zygote" in cmdline:
+        elif "mstar_core.cluster.launchers.zygote" in cmdline:
             pids += _children(pid)
     return pids
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
 from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)

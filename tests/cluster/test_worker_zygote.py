@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from mstar_core.cluster.launchers import forked
+from mstar_core.cluster.launchers.forked import ForkedProcess
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.launchers import forked
-from mstar_core.runtime.launchers.forked import ForkedProcess
 from mstar_core.wire.auth import SECRET_ENV
 from tests.cluster.helpers import until
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
+from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
 from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def _free_port():
 def _join(address, name, secret, timeout="3"):
     env = {**os.environ, "MSTAR_SECRET": secret, "MSTAR_JOIN_TIMEOUT": timeout}
     return subprocess.Popen(
-        [sys.executable, "-m", "mstar_core.runtime.worker", "--join", address, "--name", name],
+        [sys.executable, "-m", "mstar_core.cluster.worker", "--join", address, "--name", name],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
@@ -139,8 +139,8 @@ async def test_hand_joined_worker_on_another_address_and_a_peer_without_the_secr
 
 async def test_a_worker_that_joins_before_its_placement_is_welcomed_once_placed():
     """`mstar worker --join` started before the server loads the model that names it still joins (no start order)."""
+    from mstar_core.cluster.cluster import Cluster
     from mstar_core.config.placement import WorkerSpec
-    from mstar_core.runtime.cluster import Cluster
 
     secret = "the early worker knows this secret"
     address = f"tcp://127.0.0.1:{_free_port()}"

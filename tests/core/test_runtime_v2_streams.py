@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mstar_fixture_plugin.chain import EVENTS, chain_graph, token_of
 
+from mstar_core.cluster.remote_values import from_wire, to_wire
 from mstar_core.errors import GraphValidationError, RequestCancelled
 from mstar_core.graph import (
     DynamicLoop,
@@ -22,7 +23,6 @@ from mstar_core.graph import (
 from mstar_core.model import LoadedModel
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.remote_values import from_wire, to_wire
 from mstar_core.streaming import Chunk, FixedChunkPolicy
 from mstar_core.wire.values import TensorSink, decode_value, encode_value
 
@@ -174,9 +174,9 @@ def test_a_chain_draws_its_consumer_fragment():
 
 
 def test_consumer_fragment_loops_are_delegated_unless_they_take_stream_chunks():
+    from mstar_core.cluster.remote_loop import delegate_loops
+    from mstar_core.cluster.remote_node import RemoteNodeScheduler
     from mstar_core.runtime.conductor import Conductor
-    from mstar_core.runtime.remote_loop import delegate_loops
-    from mstar_core.runtime.remote_node import RemoteNodeScheduler
 
     nodes = [GraphNode("a", inputs="x", outputs="y", engine="function", module=lambda: abs),
              GraphNode("b", inputs="c", outputs="z", engine="function", module=lambda: abs),

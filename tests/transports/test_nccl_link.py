@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
+from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.cluster import WorkerLost
 
 pytest.importorskip("mstar_transport_nccl")
 pytestmark = pytest.mark.timeout(180)

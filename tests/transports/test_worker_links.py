@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.cluster.links import open_link
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
-from mstar_core.runtime.links import open_link
 from mstar_core.wire import decode, encode
 from mstar_core.wire.messages import NodeResult
 from mstar_core.wire.transport import InlineLink
@@ -56,7 +56,7 @@ def test_links_come_from_the_registry_and_round_trip():
 def test_a_transport_that_cannot_carry_worker_links_is_refused_naming_those_that_can():
     # fixture_pipe is a registered point-to-point transport with no worker link (nccl carries worker links now)
     registry = discover()
-    from mstar_core.runtime.links import carries_worker_links
+    from mstar_core.cluster.links import carries_worker_links
 
     assert not carries_worker_links(registry.transports.get("fixture_pipe"))
     placement = Placement.from_dict({"workers": {"a": {"transport": "fixture_pipe"}}}, "deploy.yaml")

@@ -1,8 +1,8 @@
 """The fields a call carries across the worker boundary besides its values: arrival, and an error's status and param."""
 
+from mstar_core.cluster.remote_values import error_fields
+from mstar_core.cluster.worker_link import remote_failure
 from mstar_core.errors import RequestError
-from mstar_core.runtime.remote_values import error_fields
-from mstar_core.runtime.worker_link import remote_failure
 from mstar_core.wire import InvokeNode, LoopDone, NodeResult, RunLoop, decode, encode
 from mstar_core.wire.messages import RunConsumer
 

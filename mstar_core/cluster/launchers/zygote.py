@@ -1,6 +1,6 @@
 """A zygote for spawned workers: one process that has imported torch, the worker and the plugins, and forks workers.
 
-A fresh `python -m mstar_core.runtime.worker` spends most of its start-up importing torch and the
+A fresh `python -m mstar_core.cluster.worker` spends most of its start-up importing torch and the
 plugins (seconds of CPU, before it can even join). The zygote pays that once per serving process:
 each worker is then a fork of it that runs `worker.main` at once. The zygote stays single-threaded
 and never runs a torch op, so a fork inherits no thread pool and no lock held by another thread
@@ -40,7 +40,7 @@ def _run_worker(request: dict) -> NoReturn:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        from mstar_core.runtime.worker import main
+        from mstar_core.cluster.worker import main
 
         main(request["argv"])
     except SystemExit:
@@ -70,7 +70,7 @@ def serve() -> None:
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import torch
 
-    import mstar_core.runtime.worker  # noqa: F401
+    import mstar_core.cluster.worker  # noqa: F401
     from mstar_core.plugins.manager import default_registry
 
     default_registry()  # plugin imports too (a worker's first call finds them loaded)

@@ -9,7 +9,7 @@ nothing on the wire is readable. Workers join with an HMAC-signed Hello; every l
 speak for a worker, whatever routing id it claims. No bytes from any peer stop the receive loop:
 each refusal is logged (rate-limited) and the loop goes on. `Supervisor` (supervision.py)
 replaces dead and hung workers; `WorkerLink` (worker_link.py) keeps each worker's calls in
-flight. Workers are started by a launcher (`mstar_core.runtime.launchers`: a subprocess, or a
+flight. Workers are started by a launcher (`mstar_core.cluster.launchers`: a subprocess, or a
 Ray actor). Each worker's big tensor frames travel through the transport its placement names, looked
 up in the plugin registry (`links.py`): on this socket (`zmq`), through shared memory (`shm`), ...
 """
@@ -30,16 +30,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from mstar_core.cluster.launchers.spawn import spawn_worker
+from mstar_core.cluster.links import OrderedInbox, open_link
+from mstar_core.cluster.refusals import RefusalLog
+from mstar_core.cluster.remote_node import RemoteNodeScheduler, ReplicaGroup
+from mstar_core.cluster.remote_values import to_wire
+from mstar_core.cluster.supervision import Supervisor
+from mstar_core.cluster.worker_link import RemoteError, WorkerLink, WorkerLost
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, RequestError
 from mstar_core.runtime.engine import Invocation
-from mstar_core.runtime.launchers.spawn import spawn_worker
-from mstar_core.runtime.links import OrderedInbox, open_link
-from mstar_core.runtime.refusals import RefusalLog
-from mstar_core.runtime.remote_node import RemoteNodeScheduler, ReplicaGroup
-from mstar_core.runtime.remote_values import to_wire
-from mstar_core.runtime.supervision import Supervisor
-from mstar_core.runtime.worker_link import RemoteError, WorkerLink, WorkerLost
 from mstar_core.wire import (
     AuthError,
     ErrorReport,
@@ -166,7 +166,7 @@ class Cluster:
     async def _launch(self, state: WorkerLink) -> None:
         state.joined.clear()
         if state.spec.launcher == "ray":
-            from mstar_core.runtime.launchers.ray_actor import launch_ray_worker
+            from mstar_core.cluster.launchers.ray_actor import launch_ray_worker
 
             state.process = await asyncio.to_thread(launch_ray_worker, state.name, self.tcp_address(), self.secret,
                                                     state.spec, self.encrypted)

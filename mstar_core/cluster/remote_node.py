@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from mstar_core.runtime.engine import Invocation
 
 if TYPE_CHECKING:
-    from mstar_core.runtime.cluster import Cluster
+    from mstar_core.cluster.cluster import Cluster
 
 
 class ReplicaGroup:

@@ -1,11 +1,11 @@
 """A worker process: joins a coordinator, hosts engines for the nodes placed on it, runs their steps.
 
-    MSTAR_SECRET=... python -m mstar_core.runtime.worker --join tcp://HOST:PORT --name NAME
+    MSTAR_SECRET=... python -m mstar_core.cluster.worker --join tcp://HOST:PORT --name NAME
 
 The control plane is one ZeroMQ DEALER socket carrying wire-codec messages (typed JSON header,
 tensors as raw frames; no pickle). Invocations are batched by the same `NodeScheduler` as in the
 serving process, on this process's own device thread. Big tensor frames travel through the
-transport the placement names (the Welcome says which; looked up in the plugin registry: `runtime/links.py`).
+transport the placement names (the Welcome says which; looked up in the plugin registry: `cluster/links.py`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ import zmq
 import zmq.asyncio
 
 from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
+from mstar_core.cluster.links import PeerMailbox, log_send_failure, open_link
+from mstar_core.cluster.loop_host import LoopHostConductor
+from mstar_core.cluster.peer_streams import InboundStream, StreamLines
+from mstar_core.cluster.refusals import RefusalLog
+from mstar_core.cluster.remote_values import error_fields, from_wire, to_wire
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
-from mstar_core.runtime.links import PeerMailbox, log_send_failure, open_link
-from mstar_core.runtime.loop_host import LoopHostConductor
-from mstar_core.runtime.peer_streams import InboundStream, StreamLines
-from mstar_core.runtime.refusals import RefusalLog
-from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (
     ErrorReport,

@@ -5,6 +5,6 @@ uses (`poll`, `returncode`, `kill`, `wait`, `pid`), so detection and restart do 
 started the worker.
 """
 
-from mstar_core.runtime.launchers.spawn import spawn_worker
+from mstar_core.cluster.launchers.spawn import spawn_worker
 
 __all__ = ["spawn_worker"]

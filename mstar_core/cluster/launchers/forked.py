@@ -61,7 +61,7 @@ class Zygote:
         fd, self.log_path = tempfile.mkstemp(prefix="mstar-worker-zygote-", suffix=".log")
         try:
             # a session of its own like the workers: Ctrl-C reaches the server, whose exit closes the zygote's stdin
-            self.process = subprocess.Popen([sys.executable, "-m", "mstar_core.runtime.launchers.zygote"],
+            self.process = subprocess.Popen([sys.executable, "-m", "mstar_core.cluster.launchers.zygote"],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd,
                                             start_new_session=True)
         finally:

@@ -38,7 +38,7 @@ class WorkerActor:
     def run(self) -> int:
         import torch
 
-        from mstar_core.runtime.worker import Worker
+        from mstar_core.cluster.worker import Worker
 
         torch.set_num_threads(max(1, int(self.num_cpus)))
         asyncio.run(Worker(self.name, self.join, self.secret.encode(), encrypt=self.encrypt).run())

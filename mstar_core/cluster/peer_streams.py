@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mstar_core.cluster.remote_values import from_wire, to_wire
 from mstar_core.graph.walk import StreamingGraphEdge, StreamProgress
-from mstar_core.runtime.remote_values import from_wire, to_wire
 from mstar_core.runtime.streams import RequestStream
 from mstar_core.wire import WireError, decode, encode
 from mstar_core.wire.messages import StreamItem

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from mstar_core.cluster.remote_values import from_wire
 from mstar_core.config.placement import WorkerSpec
 from mstar_core.errors import MStarError, NodeExecutionError, RequestError
-from mstar_core.runtime.remote_values import from_wire
 from mstar_core.wire import ErrorReport, LoadModel, LoopDone, LoopValues, ModelLoaded, NodeResult, encode
 from mstar_core.wire.messages import TAGS
 from mstar_core.wire.session import Channel

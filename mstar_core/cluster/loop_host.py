@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mstar_core.cluster.peer_streams import InboundStream, StreamLines, StreamSender
+from mstar_core.cluster.remote_values import error_fields, from_wire, to_wire
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import NodeCall, Walk
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
-from mstar_core.runtime.peer_streams import InboundStream, StreamLines, StreamSender
-from mstar_core.runtime.remote_values import error_fields, from_wire, to_wire
 from mstar_core.runtime.sites import Site, iter_call_sites
 from mstar_core.runtime.streams import RequestStream
 from mstar_core.wire import LoopDone, LoopValues, RunLoop

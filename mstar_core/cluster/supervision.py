@@ -16,10 +16,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from mstar_core.runtime.worker_link import WorkerLink
+from mstar_core.cluster.worker_link import WorkerLink
 
 if TYPE_CHECKING:
-    from mstar_core.runtime.cluster import Cluster
+    from mstar_core.cluster.cluster import Cluster
 
 log = logging.getLogger("mstar.cluster")
 

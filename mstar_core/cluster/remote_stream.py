@@ -21,11 +21,11 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from mstar_core.cluster.cluster import Cluster, RemoteNodeScheduler
+from mstar_core.cluster.remote_values import to_wire
 from mstar_core.errors import RequestError
 from mstar_core.graph.walk import StreamingGraphEdge
-from mstar_core.runtime.cluster import Cluster, RemoteNodeScheduler
 from mstar_core.runtime.conductor import Conductor, RequestState, WalkFrame
-from mstar_core.runtime.remote_values import to_wire
 from mstar_core.runtime.sites import (
     CallSite,
     LoopSite,

@@ -1,4 +1,4 @@
-"""The `spawn` launcher: the worker is `python -m mstar_core.runtime.worker` in a subprocess on this host.
+"""The `spawn` launcher: the worker is `python -m mstar_core.cluster.worker` in a subprocess on this host.
 
 By default the subprocess is a fork of this process's worker zygote (`zygote.py`: torch and the
 plugins imported once), else a fresh interpreter. It blocks while the zygote starts: call it off the event loop.
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from mstar_core.runtime.launchers.forked import ForkedProcess, fork_worker
+from mstar_core.cluster.launchers.forked import ForkedProcess, fork_worker
 from mstar_core.wire.auth import SECRET_ENV
 
 
@@ -28,7 +28,7 @@ def spawn_worker(name: str, join: str, secret: bytes, threads: int | None = None
         forked = fork_worker(args, env, per_worker, log_path)
         if forked is not None:
             return forked, log_path
-        cmd = [sys.executable, "-m", "mstar_core.runtime.worker", *args, "--parent-pid", str(os.getpid())]
+        cmd = [sys.executable, "-m", "mstar_core.cluster.worker", *args, "--parent-pid", str(os.getpid())]
         # a session of its own: Ctrl-C in a terminal reaches the server, which then shuts the workers down
         process = subprocess.Popen(cmd, env={**env, **per_worker}, stdout=fd, stderr=fd, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
