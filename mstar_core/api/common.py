@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from mstar_core.api.errors import ApiError, error_body, from_request_error
+from mstar_core.api.errors import ApiError, error_body, from_request_error, retry_after
 from mstar_core.api.responses import json_bytes
 from mstar_core.errors import MStarError, RequestCancelled, RequestError
 
@@ -36,20 +36,28 @@ def adapter_call(fn: Callable[..., Any], *args: Any, what: str, **kw: Any) -> An
 async def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
     """`AsyncEngine.submit` with its errors mapped: RequestError keeps its status (503 gets Retry-After).
 
-    The request is prepared off the event loop (`AsyncEngine.prepare`: tokenizing, decoding and
-    resizing uploads), so one large upload does not stall every other request's stream.
+    The request takes its admission place first, before any await (so a burst of any size admits
+    exactly the free places), and gives it back on every path that does not start it. It is
+    prepared off the event loop (`AsyncEngine.prepare`: tokenizing, decoding and resizing uploads),
+    so one large upload does not stall every other request's stream.
     """
     if state.draining:
         raise ApiError(503, "the server is shutting down; retry against another instance",
-                       headers={"Retry-After": "5"})
-    limit = state.config.max_inflight
-    if limit and state.inflight >= limit:
-        raise ApiError(503, f"the server is at capacity ({state.inflight} requests in flight); retry later",
-                       headers={"Retry-After": "1"})
+                       headers=retry_after(5), type_="server_shutting_down")
+    try:
+        place = state.engine.admission.take()
+    except RequestError as exc:
+        raise from_request_error(exc) from None
     try:
         # prepare here (not in submit) so routes keep the prepared inputs, e.g. prompt ids for `usage`
-        prepared = await state.engine.prepare(model, inputs)
-        handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True)
+        try:
+            prepared = await state.engine.prepare(model, inputs)
+        except BaseException:
+            place.release()
+            raise
+        # the engine owns the place from here: it gives it back when the request ends, or now if it cannot start
+        handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True,
+                                     place=place)
     except RequestError as exc:
         raise from_request_error(exc) from None
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, MStarError) as exc:
@@ -133,6 +141,7 @@ def stream_error_payload(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, RequestCancelled):
         return error_body(499, "request cancelled")
     if isinstance(exc, RequestError):
-        return error_body(int(getattr(exc, "status", 500)), str(exc))
+        return error_body(int(getattr(exc, "status", 500)), str(exc), getattr(exc, "param", None), None,
+                          getattr(exc, "error_type", None))
     log.exception("error inside a stream", exc_info=exc)
     return error_body(500, f"internal error: {type(exc).__name__}")

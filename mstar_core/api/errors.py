@@ -34,31 +34,39 @@ class ApiError(Exception):
     """Raised by route code: becomes `{"error": {...}}` with this status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, type_: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
+        self.type = type_  # what happened, where the status alone does not say (e.g. which kind of 503)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def retry_after(seconds: float) -> dict[str, str]:
+    """Retry-After in whole seconds (HTTP) and `retry-after-ms` in milliseconds (what OpenAI's clients read)."""
+    return {"Retry-After": str(max(1, round(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict[str, Any]:
     """The JSON body of an error response."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                      "param": param, "code": code}}
+    kind = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> OrjsonResponse:
-    return OrjsonResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, type_: str | None = None) -> OrjsonResponse:
+    return OrjsonResponse(error_body(status, message, param, code, type_), status_code=status, headers=headers)
 
 
 def from_request_error(exc: RequestError) -> ApiError:
-    """Map a runtime `RequestError` to an API error (503 gets a Retry-After)."""
+    """Map a runtime `RequestError` to an API error: its own `error_type` if it has one; 503 gets Retry-After."""
     status = int(getattr(exc, "status", 400) or 400)
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return ApiError(status, str(exc), param=getattr(exc, "param", None), headers=headers)
+    headers = retry_after(float(getattr(exc, "retry_after_s", 1.0))) if status == 503 else None
+    return ApiError(status, str(exc), param=getattr(exc, "param", None), headers=headers,
+                    type_=getattr(exc, "error_type", None))
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -88,12 +96,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers,
+                              type_=exc.type)
 
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError):
         err = from_request_error(exc)
-        return error_response(err.status, err.message, param=err.param, headers=err.headers)
+        return error_response(err.status, err.message, param=err.param, headers=err.headers, type_=err.type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError):

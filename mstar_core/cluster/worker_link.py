@@ -24,6 +24,7 @@ class WorkerLost(RequestError):
     """The worker running part of this request died or hung; the request may be retried."""
 
     status = 503
+    error_type = "worker_unavailable"  # not overload: a worker died, hung or is restarting
 
 
 class RemoteError(Exception):

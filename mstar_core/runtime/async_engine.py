@@ -25,6 +25,7 @@ from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import iter_walk_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
+from mstar_core.runtime.admission import Admission, Place
 from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
@@ -74,16 +75,13 @@ class AsyncEngine:
         self.torch_threads = torch_threads
         self.device = torch.device(device)
         self.worker = worker
-        self.max_running = max_running
-        self.max_queued = max_queued
+        self.admission = Admission(max_running, max_queued)
         self._models: dict[str, _ModelRuntime] = {}
         keep_freed_memory()  # the device thread's forwards reuse their pages instead of faulting them in again
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{worker}")
         self._slots: asyncio.Semaphore | None = None
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:6]}"
-        self.running = 0
-        self.waiting = 0
         self._handles: dict[str, RequestHandle] = {}
         self.cluster = None  # the worker processes, once a placement puts nodes on them
         self._lost: dict[str, Exception] = {}  # request id -> why its worker was lost (see `_requests_lost`)
@@ -280,6 +278,23 @@ class AsyncEngine:
         return engines
 
     @property
+    def max_running(self) -> int:
+        return self.admission.max_running
+
+    @property
+    def max_queued(self) -> int:
+        return self.admission.max_queued
+
+    @property
+    def running(self) -> int:
+        return self.admission.running
+
+    @property
+    def waiting(self) -> int:
+        """Requests holding a queued place: waiting for a slot, or still being prepared by a server."""
+        return self.admission.waiting
+
+    @property
     def models(self) -> dict[str, LoadedModel]:
         return {name: rt.loaded for name, rt in self._models.items()}
 
@@ -306,17 +321,28 @@ class AsyncEngine:
         timeout: float | None = None,
         request_id: str | None = None,
         prepared: bool = False,
+        place: Place | None = None,
     ) -> RequestHandle:
         """Start a request; returns its handle at once. Bad input raises `RequestError` here.
 
         Preparation (`prepared=False`) runs inline, on the caller's thread; servers use `submit_async`
         (or `await prepare(...)` then `prepared=True`) so a large upload does not stall other streams.
+        A server takes the request's `place` (`admission.take()`) before its first await and passes
+        it here; the request then owns it (given back when it ends, or here if it cannot start).
+        Without one, a place is taken now; `AtCapacity` (503) when none is free.
         """
         runtime = self._runtime(model)
-        if self.waiting >= self.max_queued and self.running >= self.max_running:
-            raise RequestError(
-                f"server is at capacity ({self.running} running, {self.waiting} queued); retry later", status=503
-            )
+        place = self.admission.take() if place is None else place
+        try:
+            return self._start(runtime, model, inputs, timeout, request_id, prepared, place)
+        except BaseException:
+            place.release()
+            raise
+
+    def _start(self, runtime: _ModelRuntime, model: str, inputs: Mapping[str, Any], timeout: float | None,
+               request_id: str | None, prepared: bool, place: Place) -> RequestHandle:
+        if place.released:
+            raise ValueError("a released admission place cannot start a request")
         env = dict(inputs) if prepared else runtime.loaded.prepare_inputs(inputs)
         graph = runtime.loaded.graph
         try:
@@ -332,8 +358,8 @@ class AsyncEngine:
             raise RequestError(f"request id '{rid}' is already in use")
         handle = RequestHandle(rid, model)
         self._handles[rid] = handle
-        self.waiting += 1
-        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout), name=f"mstar-req-{rid}")
+        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place),
+                                                      name=f"mstar-req-{rid}")
         handle._attach(task)
         return handle
 
@@ -351,20 +377,18 @@ class AsyncEngine:
 
                 raise WorkerLost(f"{why}; retry the request shortly")
 
-    async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None) -> dict:
+    async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None,
+                   place: Place) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
-        admitted = False
         try:
             async with asyncio.timeout(timeout):
                 async with self._slots:
-                    self.waiting -= 1
-                    self.running += 1
-                    admitted = True
+                    place.start()
                     try:
                         return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks)
                     finally:
-                        self.running -= 1
+                        place.release()  # before the slot goes to the next waiter: the count never dips
         except TimeoutError:
             raise RequestTimeout(f"request {handle.request_id} ran past its {timeout}s timeout") from None
         except asyncio.CancelledError:
@@ -373,8 +397,7 @@ class AsyncEngine:
                 raise lost from None
             raise
         finally:
-            if not admitted:
-                self.waiting -= 1
+            place.release()
             self._handles.pop(handle.request_id, None)
             self._lost.pop(handle.request_id, None)
 
