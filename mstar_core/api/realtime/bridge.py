@@ -1,0 +1,101 @@
+"""How a realtime session drives a served model through its API adapter: chat models (text in, text out, and
+speech when the adapter speaks in chat: `qwen3-omni`, `llama`) or speech-only models (`orpheus`: the latest
+user text is spoken). No model code here: what a model takes and emits is the adapter's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.media import resample
+from mstar_core.api.realtime.config import RATE, ResponseOptions
+from mstar_core.api.realtime.conversation import Item, render
+from mstar_core.api.realtime.protocol import EventError
+
+
+class ModelBridge:
+    """One served model as the realtime session sees it."""
+
+    def __init__(self, state: Any, model: str):
+        self.state, self.model = state, model
+        routes = state.routes_of(model)
+        if "chat" in routes:
+            self.kind, self.adapter = "chat", state.adapter(model, "chat")
+        elif "speech" in routes:
+            self.kind, self.adapter = "speech", state.adapter(model, "speech")
+        else:
+            raise EventError(f"model '{model}' serves neither chat nor speech, so it cannot hold a realtime session",
+                             param="model", code="model_not_supported")
+        a: ApiAdapter = self.adapter
+        self.speaks = self.kind == "speech" or getattr(a, "chat_audio_output", None) is not None
+        self.audio_output = (a.audio_output if self.kind == "speech" else getattr(a, "chat_audio_output", None))
+        self.voices: tuple[str, ...] = tuple(str(v).lower() for v in (getattr(a, "voices", ()) or ()))
+        self.takes_audio = self.kind == "chat" and "audio" in (getattr(a, "chat_media", ()) or ())
+        self.takes_tokens = bool(getattr(a, "takes_token_parts", False))
+        self.sample_rate = int(getattr(a, "sample_rate", RATE) or RATE)
+
+    @property
+    def default_modalities(self) -> tuple[str, ...]:
+        return ("audio",) if self.speaks else ("text",)
+
+    def inputs(self, items: Sequence[Item], options: ResponseOptions) -> dict[str, Any]:
+        """The model's raw inputs for a response over `items` with `options`."""
+        speak = options.output_modalities == ("audio",)
+        if self.kind == "speech":
+            text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
+            if not text.strip():
+                raise EventError(f"model '{self.model}' speaks the latest user text item; add one "
+                                 "(conversation.item.create with input_text)", param="response", code="no_user_text")
+            body = {"input": text, "voice": options.voice or (self.voices[0] if self.voices else None), "speed": 1.0,
+                    "response_format": "pcm", "stream_format": "audio", "model": self.model}
+            if options.max_output_tokens is not None:
+                body["max_tokens"] = options.max_output_tokens
+            if options.temperature is not None:
+                body["temperature"] = options.temperature
+            return self._call(self.adapter.speech_inputs, body)
+        turns, plain = render(items, options.instructions, options.tools if options.tool_choice != "none" else (),
+                              takes_audio=self.takes_audio, takes_tokens=self.takes_tokens)
+        if not turns or turns[-1].role == "assistant":
+            raise EventError("the conversation has nothing for the model to answer; add a user item first",
+                             param="response", code="nothing_to_answer")
+        body: dict[str, Any] = {"model": self.model, "messages": plain}
+        if options.max_output_tokens is not None:
+            body["max_tokens"] = options.max_output_tokens
+        if options.temperature is not None:
+            body["temperature"] = options.temperature
+        if speak:
+            body["modalities"] = ["text", "audio"]
+            body["audio"] = {"voice": options.voice or self.voices[0], "format": "pcm16"}
+        return self._call(self.adapter.chat_message_inputs, body, turns)
+
+    def _call(self, fn: Any, *args: Any) -> dict[str, Any]:
+        from mstar_core.errors import RequestError
+
+        try:
+            return fn(*args)
+        except RequestError as exc:
+            raise EventError(str(exc), param=getattr(exc, "param", None), code="invalid_request") from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise EventError(f"model '{self.model}' rejected the request: {type(exc).__name__}: {exc}",
+                             code="invalid_request") from None
+
+    def pcm(self, value: Any) -> np.ndarray:
+        """One emitted audio value as int16 samples at 24 kHz."""
+        samples = self.adapter.audio_chunk(value)
+        if self.sample_rate != RATE and samples.size:
+            samples = np.clip(resample(samples.astype(np.float32) / 32768.0, self.sample_rate, RATE) * 32767.0,
+                              -32768, 32767).astype(np.int16)
+        return samples
+
+    def prompt_tokens(self, prepared: Mapping[str, Any]) -> int:
+        return int(self.adapter.prompt_tokens({}, prepared))
+
+    def prompt_ids(self, prepared: Mapping[str, Any]) -> list[int] | None:
+        for key in ("input_ids", "prompt_ids"):
+            ids = prepared.get(key)
+            if ids is not None:
+                return [int(t) for t in ids]
+        return None

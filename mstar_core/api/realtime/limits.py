@@ -1,0 +1,49 @@
+"""Bounds on realtime sessions; `MSTAR_REALTIME_<NAME>` environment variables override them
+(e.g. `MSTAR_REALTIME_MAX_SESSIONS=8`); a bad value is a ConfigError naming the variable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import attrs
+
+from mstar_core.errors import ConfigError
+
+
+@attrs.frozen
+class RealtimeLimits:
+    #: sessions open at once on this server (each also counts as one request in flight for admission)
+    max_sessions: int = 64
+    #: one client event's bytes (a larger frame gets an error event; past the server's websocket limit,
+    #: 16 MiB by default, the connection is closed with 1009)
+    max_event_bytes: int = 8 * 1024 * 1024
+    #: seconds of audio the input buffer holds before a commit (an append past it is refused)
+    max_buffer_seconds: float = 120.0
+    #: conversation items kept, and seconds of user audio in them (oldest dropped first)
+    max_items: int = 100
+    max_history_audio_seconds: float = 600.0
+    #: a session's whole life, and how long it may go without a client event
+    max_session_seconds: float = 3600.0
+    idle_seconds: float = 600.0
+    #: server events waiting for the socket; a client that reads none for `send_timeout` seconds is dropped
+    send_queue: int = 256
+    send_timeout: float = 10.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RealtimeLimits:
+        environ = os.environ if environ is None else environ
+        changes = {}
+        for field in attrs.fields(cls):
+            name = f"MSTAR_REALTIME_{field.name.upper()}"
+            raw = environ.get(name)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                value = (int if field.type in (int, "int") else float)(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name} must be a number, got {raw!r}") from None
+            if value <= 0:
+                raise ConfigError(f"environment variable {name} must be positive, got {raw!r}")
+            changes[field.name] = value
+        return attrs.evolve(cls(), **changes)

@@ -1,0 +1,299 @@
+"""One realtime session: its settings, input audio buffer, turn detection, conversation and response in flight,
+and the client events that change them. Every bad client event raises `EventError` (an `error` event naming
+it goes out; the session goes on)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mstar_core.api.realtime import config as cfg
+from mstar_core.api.realtime.bridge import ModelBridge
+from mstar_core.api.realtime.conversation import Conversation, Item, item_from_client
+from mstar_core.api.realtime.limits import RealtimeLimits
+from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, decode_pcm16, event, new_id
+from mstar_core.api.realtime.response import ResponseRun
+from mstar_core.api.realtime.vad import RATE, TurnDetector, VadEvent
+
+log = logging.getLogger("mstar.api.realtime")
+
+
+@attrs.define
+class Outgoing:
+    payload: dict[str, Any]
+    response: ResponseRun | None = None
+    audio_samples: int = 0
+    droppable: bool = False
+
+
+class RealtimeSession:
+    """State and event handlers; the route runs its receive loop and `sender`."""
+
+    def __init__(self, state: Any, bridge: ModelBridge, limits: RealtimeLimits,
+                 send: Callable[[dict[str, Any]], Awaitable[None]]):
+        self.state, self.bridge, self.limits, self._send = state, bridge, limits, send
+        self.id, self.conversation_id = new_id("sess"), new_id("conv")
+        self.config = cfg.SessionConfig(bridge.model, output_modalities=bridge.default_modalities,
+                                        voice=bridge.voices[0] if bridge.voices else None)
+        self.conversation = Conversation(limits.max_items, limits.max_history_audio_seconds)
+        self.buffer = np.zeros(0, dtype=np.int16)
+        self.buffer_start = 0  # stream sample index of buffer[0]
+        self.stream_samples = 0  # samples appended in this session
+        self.vad: TurnDetector | None = None
+        self.speech_item: str | None = None  # the id the item of the speech in progress will get
+        self.speech_start = 0  # stream sample where it began
+        self.response: ResponseRun | None = None
+        self.voice_locked = False
+        self.queue: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=limits.send_queue)
+        self.tasks: set[asyncio.Task] = set()
+        self.responses_done = 0
+        self.stopped = asyncio.Event()  # set when the client stopped reading
+        self._reset_vad()
+
+    # -- sending ------------------------------------------------------------------------------------------
+
+    async def emit(self, payload: dict[str, Any], *, response: ResponseRun | None = None, audio_samples: int = 0,
+                   droppable: bool = False) -> None:
+        """Queue a server event; waits while the queue is full (back-pressure), gives up after send_timeout."""
+        try:
+            await asyncio.wait_for(self.queue.put(Outgoing(payload, response, audio_samples, droppable)),
+                                   self.limits.send_timeout)
+        except TimeoutError:
+            self.stopped.set()
+            raise ClientTooSlow(f"the client read no events for {self.limits.send_timeout:g} s") from None
+
+    async def sender(self) -> None:
+        """Write queued events to the socket in order; audio of a cancelled response is dropped unsent."""
+        while True:
+            out = await self.queue.get()
+            resp = out.response
+            if out.droppable and resp is not None and resp.status == "cancelled":
+                continue
+            await self._send(out.payload)
+            if out.audio_samples and resp is not None:
+                resp.sent_samples += out.audio_samples
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def session_json(self) -> dict[str, Any]:
+        return self.config.to_json(self.id)
+
+    async def start(self) -> None:
+        await self.emit(event("session.created", session=self.session_json()))
+
+    async def close(self) -> None:
+        """Free everything: the response in flight is cancelled (its pages freed), tasks stop."""
+        if self.response is not None and self.response.status == "in_progress":
+            self.response.status = "cancelled"
+            if self.response.handle is not None:
+                self.response.handle.cancel()
+            if self.response.task is not None:
+                self.response.task.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        self.buffer = np.zeros(0, dtype=np.int16)
+
+    # -- dispatch -----------------------------------------------------------------------------------------
+
+    async def handle(self, ev: Mapping[str, Any]) -> None:
+        kind = ev.get("type")
+        handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            raise EventError(f"unknown event type {kind!r}; this server takes: {', '.join(sorted(_HANDLERS))}",
+                             param="type", code="unknown_event")
+        await handler(self, ev)
+
+    # -- session.update -----------------------------------------------------------------------------------
+
+    async def on_session_update(self, ev: Mapping[str, Any]) -> None:
+        if "session" not in ev:
+            raise EventError("'session' is required", param="session")
+        self.config = cfg.update_session(self.config, ev["session"], speaks=self.bridge.speaks,
+                                         voices=self.bridge.voices, voice_locked=self.voice_locked)
+        self._reset_vad()
+        await self.emit(event("session.updated", session=self.session_json()))
+
+    def _reset_vad(self) -> None:
+        td = self.config.turn_detection
+        if td is None:
+            self.vad = None
+            return
+        old = self.vad
+        if old is not None and (old.threshold, old.silence_duration_ms, old.prefix_padding_ms) == (
+                td.threshold, td.silence_duration_ms, td.prefix_padding_ms):
+            return
+        self.vad = TurnDetector(td.threshold, td.silence_duration_ms, td.prefix_padding_ms)
+        self.vad.reset(self.stream_samples)
+
+    # -- input audio buffer -------------------------------------------------------------------------------
+
+    async def on_append(self, ev: Mapping[str, Any]) -> None:
+        max_bytes = int(self.limits.max_buffer_seconds * RATE * 2)
+        pcm = decode_pcm16(ev.get("audio"), "audio", self.limits.max_event_bytes)
+        if (self.buffer.size + pcm.size) > self.limits.max_buffer_seconds * RATE:
+            raise EventError(f"the input audio buffer would hold more than {self.limits.max_buffer_seconds:g} s "
+                             f"({max_bytes} bytes); commit or clear it first", param="audio",
+                             code="input_audio_buffer_full")
+        self.buffer = np.concatenate([self.buffer, pcm])
+        self.stream_samples += pcm.size
+        if self.vad is not None:
+            for vad_event in self.vad.feed(pcm):
+                await self._on_vad(vad_event)
+
+    async def _on_vad(self, vad_event: VadEvent) -> None:
+        td = self.config.turn_detection
+        if vad_event.kind == "started":
+            self.speech_item = new_id("item")
+            self.speech_start = vad_event.ms * RATE // 1000
+            await self.emit(event("input_audio_buffer.speech_started", audio_start_ms=vad_event.ms,
+                                  item_id=self.speech_item))
+            if td is not None and td.interrupt_response and self.response is not None:
+                await self.barge_in()
+            return
+        item_id = self.speech_item or new_id("item")
+        self.speech_item = None
+        await self.emit(event("input_audio_buffer.speech_stopped", audio_end_ms=vad_event.ms, item_id=item_id))
+        started = max(self.buffer_start, self.speech_start - (td.prefix_padding_ms if td else 0) * RATE // 1000)
+        end = vad_event.ms * RATE // 1000
+        segment = self.buffer[started - self.buffer_start : max(0, end - self.buffer_start)]
+        self.buffer = self.buffer[max(0, end - self.buffer_start):]
+        self.buffer_start = max(self.buffer_start, end)
+        if segment.size < RATE // 10:
+            return  # a click, not a turn
+        await self._commit(segment, item_id)
+        if td is not None and td.create_response and self.response is None:
+            await self.start_response(None)
+
+    async def barge_in(self) -> None:
+        """Speech while the model speaks: cancel the response now and cut its item at the audio sent."""
+        run = self.response
+        if run is None or run.status != "in_progress":
+            return
+        run.cancel("turn_detected")
+        item = run.message
+        if item is not None and run.audio:
+            sent = run.sent_samples
+            item.truncate_audio(sent)
+            await self.emit(event("conversation.item.truncated", item_id=item.id, content_index=0,
+                                  audio_end_ms=sent * 1000 // RATE))
+
+    async def on_commit(self, ev: Mapping[str, Any]) -> None:
+        if self.buffer.size < RATE // 10:
+            raise EventError(f"buffer too small: the input audio buffer holds {self.buffer.size * 1000 // RATE} ms; "
+                             "commit at least 100 ms of audio", code="input_audio_buffer_commit_empty")
+        segment, self.buffer = self.buffer, np.zeros(0, dtype=np.int16)
+        self.buffer_start = self.stream_samples
+        if self.vad is not None:
+            self.vad.reset(self.stream_samples)
+        await self._commit(segment, self.speech_item or new_id("item"))
+        self.speech_item = None
+
+    async def _commit(self, segment: np.ndarray, item_id: str) -> None:
+        if not self.bridge.takes_audio:
+            await self.emit(event("input_audio_buffer.committed", item_id=item_id,
+                                  previous_item_id=self.conversation.last_id))
+            raise EventError(f"model '{self.bridge.model}' does not take audio input; send text items "
+                             "(conversation.item.create with input_text)", code="audio_not_supported")
+        item = Item(item_id, "message", role="user", content_type="input_audio", audio=segment.copy())
+        previous = self.conversation.add(item)
+        await self.emit(event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
+        await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
+        await self.emit(event("conversation.item.done", previous_item_id=previous, item=item.to_json()))
+
+    async def on_clear(self, ev: Mapping[str, Any]) -> None:
+        self.buffer = np.zeros(0, dtype=np.int16)
+        self.buffer_start = self.stream_samples
+        if self.vad is not None:
+            self.vad.reset(self.stream_samples)
+        await self.emit(event("input_audio_buffer.cleared"))
+
+    # -- conversation items -------------------------------------------------------------------------------
+
+    async def on_item_create(self, ev: Mapping[str, Any]) -> None:
+        item = item_from_client(ev.get("item"), "item", self.limits.max_event_bytes)
+        previous = self.conversation.add(item, ev.get("previous_item_id"))
+        await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
+        await self.emit(event("conversation.item.done", previous_item_id=previous, item=item.to_json()))
+
+    async def on_item_delete(self, ev: Mapping[str, Any]) -> None:
+        self.conversation.delete(ev.get("item_id"))
+        await self.emit(event("conversation.item.deleted", item_id=ev["item_id"]))
+
+    async def on_item_retrieve(self, ev: Mapping[str, Any]) -> None:
+        item = self.conversation.find(ev.get("item_id"))
+        await self.emit(event("conversation.item.retrieved", item=item.to_json()))
+
+    async def on_item_truncate(self, ev: Mapping[str, Any]) -> None:
+        item = self.conversation.find(ev.get("item_id"))
+        ms, index = ev.get("audio_end_ms"), ev.get("content_index", 0)
+        if item.role != "assistant" or item.content_type != "output_audio":
+            raise EventError("only an assistant audio message can be truncated", param="item_id",
+                             code="invalid_item")
+        if isinstance(ms, bool) or not isinstance(ms, int) or ms < 0:
+            raise EventError("'audio_end_ms' must be a non-negative integer", param="audio_end_ms")
+        if index != 0:
+            raise EventError("'content_index' must be 0 (an assistant audio message has one part)",
+                             param="content_index")
+        heard = item.marks[-1][0] if item.marks else 0
+        if ms * RATE // 1000 > heard:
+            raise EventError(f"'audio_end_ms' is {ms}; the item has {heard * 1000 // RATE} ms of audio",
+                             param="audio_end_ms")
+        item.truncate_audio(ms * RATE // 1000)
+        await self.emit(event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=ms))
+
+    # -- responses ----------------------------------------------------------------------------------------
+
+    async def on_response_create(self, ev: Mapping[str, Any]) -> None:
+        await self.start_response(ev.get("response"))
+
+    async def start_response(self, data: Any) -> None:
+        if self.response is not None:
+            raise EventError(f"the conversation already has an active response ({self.response.id}); cancel it or "
+                             "wait for response.done", code="conversation_already_has_active_response")
+        options = cfg.response_options(self.config, data, speaks=self.bridge.speaks, voices=self.bridge.voices)
+        items = self.conversation.items
+        if options.input is not None:
+            items = [item_from_client(i, f"response.input[{n}]", self.limits.max_event_bytes)
+                     for n, i in enumerate(options.input)]
+        run = ResponseRun(self, options, items)
+        self.response = run
+        run.start()
+
+    async def on_response_cancel(self, ev: Mapping[str, Any]) -> None:
+        run = self.response
+        wanted = ev.get("response_id")
+        if run is None or (wanted is not None and wanted != run.id):
+            raise EventError("there is no active response to cancel" if run is None else
+                             f"'response_id' {wanted!r} is not the active response ({run.id})",
+                             param="response_id", code="response_cancel_not_active")
+        run.cancel("client_cancelled")
+
+    def on_response_done(self, run: ResponseRun) -> None:
+        if self.response is run:
+            self.response = None
+        self.responses_done += 1
+        if run.samples:
+            self.voice_locked = True
+        self.last_response = run
+
+
+_HANDLERS: dict[str, Callable[[RealtimeSession, Mapping[str, Any]], Awaitable[None]]] = {
+    "session.update": RealtimeSession.on_session_update,
+    "input_audio_buffer.append": RealtimeSession.on_append,
+    "input_audio_buffer.commit": RealtimeSession.on_commit,
+    "input_audio_buffer.clear": RealtimeSession.on_clear,
+    "conversation.item.create": RealtimeSession.on_item_create,
+    "conversation.item.delete": RealtimeSession.on_item_delete,
+    "conversation.item.retrieve": RealtimeSession.on_item_retrieve,
+    "conversation.item.truncate": RealtimeSession.on_item_truncate,
+    "response.create": RealtimeSession.on_response_create,
+    "response.cancel": RealtimeSession.on_response_cancel,
+}
