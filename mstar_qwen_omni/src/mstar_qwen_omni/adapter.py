@@ -16,9 +16,9 @@ import torch
 
 from mstar_core.api.adapters import ApiAdapter
 from mstar_core.api.media import AudioPart, ImagePart, TextPart, resample
+from mstar_core.api.realtime.conversation import TokensPart
 from mstar_core.errors import RequestError
 
-VOICES = ("chelsie", "ethan", "aiden")
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
           "auditory and visual inputs, as well as generating text and speech.")
 _FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
@@ -30,6 +30,8 @@ def _part(part: Any) -> dict[str, Any]:
         return {"type": "text", "text": part.text}
     if isinstance(part, AudioPart):
         return {"type": "audio", "audio": torch.from_numpy(resample(part.samples, part.sample_rate, 16000))}
+    if isinstance(part, TokensPart):
+        return {"type": "tokens", "ids": list(part.ids)}
     if isinstance(part, ImagePart):
         return {"type": "image", "image": torch.from_numpy(np.asarray(part.image.convert("RGB"), dtype=np.uint8))}
     raise RequestError(f"unsupported chat part {type(part).__name__}")
@@ -38,12 +40,15 @@ def _part(part: Any) -> dict[str, Any]:
 class QwenOmniAdapter(ApiAdapter):
     model = "qwen3-omni"
     routes = {"chat", "speech"}
-    voices = VOICES
+    # the voices are the schema's `speaker` choices (the checkpoint's Talker speakers), checked when prepared
+    request_fields = {"speech": {"voice": "speaker"}, "chat": {"voice": "speaker"}}
     sample_rate = 24000
     audio_output = "audio"
     chat_audio_output = "audio"
     token_output = "next_token"
     chat_media = frozenset({"image", "audio"})
+    #: realtime sessions pass earlier replies as their generated ids (`TokensPart`): turn 2 prefills only itself
+    takes_token_parts = True
 
     def bind(self, loaded: Any) -> None:
         self.loaded = loaded
@@ -54,8 +59,6 @@ class QwenOmniAdapter(ApiAdapter):
         if loaded.extras["model"].talker is None:
             self.chat_audio_output = None
             self.routes = {"chat"}
-        else:
-            self.voices = tuple(sorted(cfg.talker.speaker_id))
 
     def _extras(self, body: Mapping[str, Any]) -> dict[str, Any]:
         out = {k: body[k] for k in _FORWARD if body.get(k) is not None}
@@ -68,9 +71,6 @@ class QwenOmniAdapter(ApiAdapter):
         if not isinstance(text, str) or not text.strip():
             raise RequestError("'input' must be a non-empty string: the text to speak", param="input")
         voice = str(body.get("voice") or self.voices[0]).lower()
-        if voice not in self.voices:
-            raise RequestError(f"unknown voice {voice!r} for model '{self.model}'; choose one of "
-                               f"{', '.join(self.voices)}", param="voice")
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"Read this aloud exactly: {text}"}]
         budget = 2 * len(self.tokenizer.encode(text, add_special_tokens=False).ids) + 8

@@ -3,7 +3,8 @@
 Turns are Qwen's (`<|im_start|>role\\n ... <|im_end|>\\n`, then `<|im_start|>assistant\\n`). An audio part
 (16 kHz samples) becomes its log-mel features and `<|audio_start|>`, one `<|audio_pad|>` per encoder token,
 `<|audio_end|>`; an image part (`[H, W, 3]` uint8) its patches and `<|vision_start|>`, one `<|image_pad|>`
-per merged token, `<|vision_end|>`. Media keep the order in which the chat gives them.
+per merged token, `<|vision_end|>`. Media keep the order in which the chat gives them. A `tokens` part (ids) goes
+in as it is: an earlier reply's generated ids, so a conversation's next prompt matches the cached KV exactly.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ class PromptBuilder:
     def _text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def _tokens(self, ids: Any, where: str) -> list[int]:
+        t = self.cfg.thinker
+        media = {t.audio_token_id, t.image_token_id, t.video_token_id}
+        vocab = t.text.vocab_size
+        if not isinstance(ids, list | tuple) or not all(isinstance(i, int) and 0 <= i < vocab and i not in media
+                                                       for i in ids):
+            raise RequestError(f"'{where}.ids' must be token ids in [0, {vocab}) without media placeholders",
+                               param=f"{where}.ids")
+        return [int(i) for i in ids]
+
     def _media(self, part: Any, where: str, prompt: Prompt) -> list[int]:
         t = self.cfg.thinker
         kind = part["type"]
@@ -86,8 +97,14 @@ class PromptBuilder:
             elif isinstance(content, list):
                 for j, part in enumerate(content):
                     where = f"messages[{i}].content[{j}]"
-                    if not isinstance(part, Mapping) or part.get("type") not in ("text", "audio", "image"):
-                        raise RequestError(f"'{where}' must be a part {{type: text | audio | image, ...}}", param=where)
+                    if not isinstance(part, Mapping) or part.get("type") not in ("text", "audio", "image", "tokens"):
+                        raise RequestError(f"'{where}' must be a part {{type: text | audio | image | tokens, ...}}",
+                                           param=where)
+                    if part["type"] == "tokens":  # an earlier reply's exact ids: the KV cache holds these
+                        ids += self._text(text) if text else []
+                        text = ""
+                        ids += self._tokens(part.get("ids"), where)
+                        continue
                     if part["type"] == "text":
                         if not isinstance(part.get("text"), str):
                             raise RequestError(f"'{where}.text' must be a string", param=f"{where}.text")

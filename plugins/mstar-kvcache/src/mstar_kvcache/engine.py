@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mstar_core.errors import RequestError
-from mstar_core.graph.options import check_call_options, declare_call_options
+from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_kvcache.answers import CallAnswers
 from mstar_kvcache.blocks import BlockManager
@@ -24,8 +24,6 @@ from mstar_kvcache.sequence import Sequence
 from mstar_kvcache.sharing import cache_owner
 from mstar_kvcache.step_inputs import StepInputs
 from mstar_kvcache.transfer import CacheTransfer
-
-declare_call_options("kvcache", OPTIONS, node_refs=("share_cache_with",))
 
 
 class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTransfer, Engine):
@@ -54,7 +52,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
     kind = "kvcache"
     moves_state = True
     module_contract = KVCacheModule
-    call_options = frozenset(OPTIONS)
+    call_options = frozenset(OPTIONS)  # Graph.build checks every walk's calls against these
+    node_ref_options = frozenset({"share_cache_with"})
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
@@ -91,6 +90,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             self.packed_linears = pack_linears(module)  # a CPU step's wide GEMMs stop repacking their weights
         self.forward_fn = module if not self.settings.compile else self._compiled(module)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        self.grammar_vocab = getattr(module, "grammar_vocab", None)  # what sampling grammars compile against
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
         self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
@@ -99,6 +99,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.tokens_forwarded = 0  # rows computed by forwards (prefill and decode; prefix-cache hits are not)
         self.largest_batch = 0  # most sequences (calls, labels) one forward has run so far
 
     @property
@@ -190,6 +191,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "kv_pages_cached": self.pool.num_cached,
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
+            "tokens_forwarded": self.tokens_forwarded,
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
             "packed_linears": self.packed_linears,
@@ -282,6 +284,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             return [r for item in work for r in self._run([item])]
         done: list[tuple[Sequence, int]] = []
         row = 0
+        self.tokens_forwarded += sum(n for _, n in work)
         for seq, n in work:
             # rows before the call's first token are a recompute (after preemption), not the call's output
             lo = row + max(0, seq.pending_start - seq.num_computed)
