@@ -32,6 +32,15 @@ MAX_LOGIT_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20
 
 
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Output `i`'s seed when a request seeded `seed` asks for several: `seed + i`, wrapping in [0, MAX_SEED].
+
+    The one rule for every per-choice seed (chat and completions choices, a forked branch, the images of
+    one request): output i of a request is what a single request seeded `seed + i` gives. None stays None.
+    """
+    return None if seed is None else (seed + i) % (MAX_SEED + 1)
+
+
 def _fail(field: str, message: str) -> RequestError:
     return RequestError(f"'{field}' {message}", param=field)
 

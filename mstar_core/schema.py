@@ -106,6 +106,8 @@ class RequestField:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
+    #: integers only: the value is a multiple of this (an image side on the latent grid)
+    multiple_of: int | None = None
     min_length: int | None = None
     max_length: int | None = None
     blank: bool = True
@@ -122,6 +124,10 @@ class RequestField:
             raise ValueError(f"RequestField '{self.name}': unknown items kind {self.items!r}; kinds: {sorted(KINDS)}")
         if self.required and self.default is not UNSET:
             raise ValueError(f"RequestField '{self.name}': a required field has no default")
+        if self.multiple_of is not None and (self.kind != "integer" or self.multiple_of < 1):
+            raise ValueError(f"RequestField '{self.name}': multiple_of is a positive step of an integer field")
+        if self.default is not UNSET and self.default is not None and (self.choices or self.multiple_of):
+            self.convert(self.default)  # a default the field itself would refuse is the model's bug
 
     # -- checking ------------------------------------------------------------------------------
 
@@ -153,6 +159,8 @@ class RequestField:
             out["exclusiveMinimum" if self.exclusive_minimum else "minimum"] = self.minimum
         if self.maximum is not None:
             out["maximum"] = self.maximum
+        if self.multiple_of is not None:
+            out["multipleOf"] = self.multiple_of
         key = "Items" if self.kind == "array" else "Length"
         if self.min_length is not None:
             out[f"min{key}"] = self.min_length
@@ -199,7 +207,10 @@ def _integer(field: RequestField, value: Any) -> int:
         return int(value)
     lo = -(2**63) if field.minimum is None else int(field.minimum) + (1 if field.exclusive_minimum else 0)
     hi = MAX_SEED if field.maximum is None else int(field.maximum)
-    return check_int(value, field.name, lo, hi, bounds=f"[{lo}, 2**63 - 1]" if hi == MAX_SEED else None)
+    number = check_int(value, field.name, lo, hi, bounds=f"[{lo}, 2**63 - 1]" if hi == MAX_SEED else None)
+    if field.multiple_of is not None and number % field.multiple_of:
+        raise field.fail(f"must be a multiple of {field.multiple_of} in [{lo}, {hi}], got {number}")
+    return number
 
 
 def _number(field: RequestField, value: Any) -> float:
@@ -286,6 +297,9 @@ _SAMPLING_DOCS: dict[str, tuple[dict[str, Any], str]] = {
     "stop_token_ids": ({"type": "array", "items": {"type": "integer", "minimum": 0}}, "token ids that end generation"),
     "stop_sequences": ({"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
                        "token-id sequences that end generation"),
+    "grammar": ({"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 2},
+                "[kind, source]: output constrained to a grammar (json_schema, json_object, structural_tag, regex, "
+                "ebnf); the OpenAI routes set it from response_format and tools"),
 }
 
 
@@ -323,6 +337,8 @@ class RequestSchema:
     `messages`, `prompt` or `input_ids`). `example` is a complete request in JSON form (tensors as
     `{"dtype", "shape", "data"}`) that the model answers with a 200: the serve banner prints it, and
     a test sends it. `allow_extra` passes unknown fields through instead of refusing them.
+    `draws_n` says the model draws `n` outputs of one request itself (an integer field `n`: forks of
+    one prefill, images sharing the prompt's cache); without it a route submits `n` requests.
     """
 
     fields: tuple[RequestField, ...] = attrs.field(converter=tuple)
@@ -330,9 +346,12 @@ class RequestSchema:
     example: Mapping[str, Any] | None = None
     description: str = ""
     allow_extra: bool = False
+    draws_n: bool = False
 
     def __attrs_post_init__(self) -> None:
         names = [f.name for f in self.fields]
+        if self.draws_n and ("n" not in names or self.field("n").kind != "integer"):
+            raise ValueError("RequestSchema: draws_n needs an integer field 'n' (how many outputs)")
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"RequestSchema: duplicate fields {dupes}")
@@ -350,6 +369,10 @@ class RequestSchema:
             if f.name == name:
                 return f
         raise KeyError(f"no field '{name}'; fields: {self.names}")
+
+    def get(self, name: str) -> RequestField | None:
+        """The field called `name`, or None (what a route asks before it offers a field)."""
+        return next((f for f in self.fields if f.name == name), None)
 
     def validate(self, inputs: Any) -> dict[str, Any]:
         """The checked request: known fields only, converted, defaults filled in; else a `RequestError`."""

@@ -26,6 +26,11 @@ Example (a speech model)::
 
 Every hook may raise `mstar_core.errors.RequestError` (status 4xx) with a message that says what to
 fix; the server answers it in OpenAI's error shape.
+
+A route adapter only renames: `request_fields[route]` maps the API's field names to the model's declared
+request fields (`{"speech": {"input": "text", "voice": "voice"}}`). Voices, sizes, bounds and defaults
+live once, in the model's `RequestSchema`; the routes read them from there (`model_field`), the schema
+checks them when the request is prepared, and its errors name the API's field (`api_param`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 
 from mstar_core.api.media import ChatTurn, MediaLimits, decode_messages
 from mstar_core.errors import RequestError
+from mstar_core.schema import UNSET, RequestField
 
 ROUTES = frozenset({"speech", "chat", "completions", "images"})
 
@@ -61,19 +67,67 @@ class ApiAdapter:
         """Called once the model is loaded (a `LoadedModel`); keep what the hooks need (tokenizer, config)."""
         self.loaded = loaded
 
+    # --- renaming API fields to the model's ------------------------------------------------------------------
+
+    #: Per route: API field -> the model's request field. Fields the schema declares under the API's own name
+    #: (`max_tokens`, `seed`, `temperature`, ...) pass through without an entry.
+    request_fields: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+
+    def model_field(self, route: str, api_name: str) -> RequestField | None:
+        """The model's declared field that the route's `api_name` becomes (None: the model takes no such field)."""
+        schema = getattr(getattr(self, "loaded", None), "request_schema", None)
+        if schema is None:
+            return None
+        return schema.get(self.request_fields.get(route, {}).get(api_name, api_name))
+
+    def field_default(self, route: str, api_name: str) -> Any:
+        """The model's default for the route's field, or None when it declares none."""
+        field = self.model_field(route, api_name)
+        return None if field is None or field.default is UNSET else field.default
+
+    def rename(self, route: str, body: Mapping[str, Any], *, skip: Sequence[str] = ()) -> dict[str, Any]:
+        """The route's body as the model's raw inputs: mapped fields renamed, fields the schema declares kept,
+        the route's own (model, response_format, ...) and unsent ones dropped."""
+        names = self.request_fields.get(route, {})
+        schema = getattr(getattr(self, "loaded", None), "request_schema", None)
+        known = set(schema.names) if schema is not None else set()
+        out: dict[str, Any] = {}
+        for key, value in body.items():
+            if value is None or key in skip:
+                continue
+            target = names.get(key, key)
+            if target in known:
+                out[target] = value
+        return out
+
+    def api_param(self, route: str, param: str | None) -> str | None:
+        """The API's name for a model field a schema error names (`text` -> `input`)."""
+        for api, model in self.request_fields.get(route, {}).items():
+            if model == param:
+                return api
+        return param
+
     # --- speech (/v1/audio/speech) -----------------------------------------------------------------------
 
-    #: Voices the model accepts; the server rejects others with a 400 listing these. Empty = any.
-    voices: Sequence[str] = ()
+    @property
+    def voices(self) -> Sequence[str]:
+        """Voices the model accepts: the choices of the field `voice` becomes (speech, or chat audio). Empty = any."""
+        for route in ("speech", "chat"):
+            field = self.model_field(route, "voice")
+            if field is not None and field.choices:
+                return tuple(field.choices)
+        return ()
     #: Sample rate of the audio the model emits, in Hz.
     sample_rate: int = 24000
     #: Name of the emitted output that carries audio chunks (1-D float in [-1, 1] or int16 tensors).
     audio_output: str = "audio"
-    #: Whether `speed` other than 1.0 is honoured; if not, the server rejects it.
+    #: Whether `speed` other than 1.0 is honoured without a declared field (a model with a schema declares `speed`).
     supports_speed: bool = False
 
     def speech_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Turn a validated speech body (`input`, `voice`, `speed`, extras) into the model's raw inputs."""
+        if "speech" in self.request_fields:
+            return self.rename("speech", body)
         raise RequestError(f"model '{self.model}' does not serve /v1/audio/speech", status=404)
 
     def audio_chunk(self, value: Any) -> np.ndarray:
@@ -168,6 +222,20 @@ class ApiAdapter:
         return [to_png(img) for img in _as_list(env.get(self.image_output))]
 
 
+def api_named(exc: Any, adapter: Any, route: str) -> Any:
+    """An `ApiError` from the model's schema with the API's field names (`'text'` -> `'input'`, width -> size)."""
+    param = getattr(exc, "param", None)
+    api = adapter.api_param(route, param) if param else param
+    if api == param:
+        return exc
+    message = exc.message.replace(f"'{param}'", f"'{api}'")
+    if f"'{api}'" not in message:
+        message = f"'{api}': {message}"
+    exc.message, exc.param = message, api
+    exc.args = (message,)
+    return exc
+
+
 def validate_adapter(adapter: Any) -> None:
     """Check a registered adapter's declared shape; raise ValueError naming what is wrong."""
     if not isinstance(adapter, ApiAdapterProtocol):
@@ -256,3 +324,42 @@ def _as_list(value: Any) -> list[Any]:
     if hasattr(value, "dim") and value.dim() == 4:
         return list(value)
     return [value]
+
+
+#: OpenAI's image sizes (dall-e-2's squares, dall-e-3's and gpt-image-1's landscapes and portraits).
+STANDARD_SIZES = ("256x256", "512x512", "1024x1024", "1536x1024", "1024x1536", "1792x1024", "1024x1792")
+
+
+def _takes(field: RequestField | None, value: Any) -> bool:
+    if field is None:
+        return True
+    try:
+        field.convert(value)
+    except RequestError:
+        return False
+    return True
+
+
+def describe_routes(adapters: Mapping[str, Any]) -> dict[str, Any]:
+    """What a model's routes take, read from its declared fields: voices, audio formats, speed, image sizes."""
+    from mstar_core.api.audio import FORMATS
+
+    out: dict[str, Any] = {}
+    speech = adapters.get("speech")
+    if speech is not None:
+        out.update(voices=list(speech.voices) or None, audio_formats=list(FORMATS),
+                   speed=speech.model_field("speech", "speed") is not None or bool(speech.supports_speed))
+    images = adapters.get("images")
+    if images is not None:
+        width, height = images.model_field("images", "width"), images.model_field("images", "height")
+        out["image_sizes"] = [s for s in STANDARD_SIZES
+                              if _takes(width, int(s.split("x")[0])) and _takes(height, int(s.split("x")[1]))]
+        if width is not None and height is not None:
+            step = width.multiple_of or 1
+            out["image_size_rule"] = (f"WIDTHxHEIGHT, each side a multiple of {step} from {width.minimum:g} to "
+                                      f"{width.maximum:g}")
+            if width.default is not UNSET and height.default is not UNSET:
+                out["default_image_size"] = f"{width.default}x{height.default}"
+    if "voices" not in out and adapters.get("chat") is not None and adapters["chat"].voices:
+        out["voices"] = list(adapters["chat"].voices)
+    return out

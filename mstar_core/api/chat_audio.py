@@ -16,10 +16,10 @@ from typing import Any
 from mstar_core.api.audio import AudioEncoder
 from mstar_core.api.errors import ApiError
 
-#: `audio.format` -> the encoder's format, for the formats served; the others OpenAI names are a 400.
-FORMATS = {"wav": "wav", "pcm16": "pcm", "flac": "flac"}
-#: Formats whose bytes can go out as they are made (FLAC frames need the whole signal here).
-STREAMABLE = ("wav", "pcm16")
+#: `audio.format` -> the encoder's format: every format OpenAI names.
+FORMATS = {"wav": "wav", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus", "aac": "aac"}
+#: Formats whose bytes go out as they are made (a FLAC's header needs its length: sent whole).
+STREAMABLE = ("wav", "pcm16", "mp3", "opus", "aac")
 
 
 def wants_audio(body: Mapping[str, Any]) -> bool:
@@ -52,7 +52,8 @@ def check_audio_request(adapter: Any, model: str, body: Any) -> dict[str, str] |
         raise ApiError(400, f"audio format '{fmt}' is not produced by this server; use one of: {', '.join(FORMATS)}",
                        param="audio.format")
     if body.stream and fmt not in STREAMABLE:
-        raise ApiError(400, f"audio format '{fmt}' cannot be streamed; stream wav or pcm16", param="audio.format")
+        raise ApiError(400, f"audio format '{fmt}' cannot be streamed; stream one of {', '.join(STREAMABLE)}",
+                       param="audio.format")
     if body.n > 1:
         raise ApiError(400, "audio output takes one choice per request; drop 'n'", param="n")
     if body.stop:

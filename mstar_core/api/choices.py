@@ -28,7 +28,7 @@ from mstar_core.api.common import (
 )
 from mstar_core.api.errors import ApiError
 from mstar_core.api.text import TextAssembler
-from mstar_core.sampling import MAX_SEED
+from mstar_core.sampling import choice_seed  # noqa: F401  (chat reads it from here)
 
 #: One generated token with what the model said of it: (token id, its logprob, [(alternative id, logprob), ...]).
 TokenLogprob = tuple[int, float | None, list[tuple[int, float]] | None]
@@ -191,14 +191,9 @@ class BranchHandle:
 
 
 def forks_choices(adapter: Any) -> bool:
-    """Whether the adapter's model serves `n` choices itself, as forks of one prefill (its schema takes `n`)."""
+    """Whether the adapter's model draws `n` outputs of one request itself (its schema says so: `draws_n`)."""
     schema = getattr(getattr(adapter, "loaded", None), "request_schema", None)
-    return schema is not None and any(f.name == "n" for f in schema.fields)
-
-
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice `i`'s seed: `seed + i`, wrapping at the top of the seed range."""
-    return None if seed is None else (seed + i) % (MAX_SEED + 1)
+    return bool(getattr(schema, "draws_n", False))
 
 
 async def start_choices(request: Request, state: Any, model: str, adapter: Any, prompts: list[Any], n: int,

@@ -53,6 +53,13 @@ class ModelCard(BaseModel):
     routes: list[str] = Field(default_factory=list, description="OpenAI routes this model serves")
     walks: list[str] = Field(default_factory=list, description="walks served by /v1/walks/{model}")
     random_weights: bool = False
+    voices: list[str] | None = Field(None, description="voices of /v1/audio/speech (and spoken chat replies); "
+                                                       "the first is the default")
+    audio_formats: list[str] | None = Field(None, description="response_format values of /v1/audio/speech")
+    image_sizes: list[str] | None = Field(None, description="OpenAI's standard sizes this model draws")
+    image_size_rule: str | None = Field(None, description="which sizes it draws, in words")
+    default_image_size: str | None = Field(None, description="the size drawn when a request gives none")
+    speed: bool | None = Field(None, description="whether /v1/audio/speech honours 'speed'")
 
 
 class ModelList(BaseModel):
@@ -73,9 +80,11 @@ class SpeechRequest(_Body):
 
     model: str = Field(min_length=1)
     input: str = Field(min_length=1, max_length=4096, description="text to speak")
-    voice: str = Field(min_length=1)
-    response_format: Literal["wav", "pcm", "flac"] = Field(
-        "wav", description="wav (streamed with an open-ended header), pcm (raw s16le mono), or flac"
+    voice: str | None = Field(None, min_length=1, description="one of the model's voices (GET /v1/models lists "
+                                                              "them); absent: the model's default voice")
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = Field(
+        "wav", description="wav (streamed with an open-ended header), pcm (raw s16le mono), flac, mp3, opus (Ogg) "
+                           "or aac (ADTS); every format streams"
     )
     speed: float = _real(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
@@ -113,7 +122,7 @@ class ChatAudioParams(_Body):
 
     voice: str | dict[str, Any] = Field(description="one of the model's voices (or {\"id\": voice})")
     format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"] = Field(
-        description="wav, pcm16 (raw s16le mono) or flac (not streamed); the others are refused")
+        description="wav, pcm16 (raw s16le mono), mp3, opus (Ogg), aac (ADTS) or flac (not streamed)")
 
 
 class StreamOptions(_Body):
@@ -263,7 +272,9 @@ class ImageRequest(_Body):
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1, max_length=32000)
     n: int = _count(1, 1, 10)
-    size: str = Field("512x512", pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$")
+    size: str | None = Field(None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$",
+                             description="WIDTHxHEIGHT; absent: the model's default (GET /v1/models says which sizes "
+                                         "each model draws)")
     seed: int | None = _count(None, 0, MAX_SEED)
     response_format: Literal["b64_json"] = "b64_json"
 

@@ -1,4 +1,4 @@
-"""POST /v1/audio/speech: text in, audio streamed out as the model produces it (WAV/PCM bytes or SSE)."""
+"""POST /v1/audio/speech: text in, audio streamed out as the model produces it (wav, pcm, flac, mp3, opus, aac or SSE)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mstar_core.api.audio import AudioEncoder
+from mstar_core.api.adapters import api_named
+from mstar_core.api.audio import MEDIA_TYPES, AudioEncoder
 from mstar_core.api.common import (
     adapter_call,
     cancel_on_exit,
@@ -28,8 +29,9 @@ router = APIRouter()
 @router.post(
     "/v1/audio/speech",
     responses={
-        200: {"content": {"audio/wav": {}, "audio/pcm": {}, "audio/flac": {}, "text/event-stream": {}},
-              "description": "audio bytes as produced, or SSE `speech.audio.delta` / `speech.audio.done` events"},
+        200: {"content": {**{t: {} for t in MEDIA_TYPES.values()}, "text/event-stream": {}},
+              "description": "audio bytes as produced (every format streams), or SSE `speech.audio.delta` / "
+                             "`speech.audio.done` events"},
         **ERROR_RESPONSES,
     },
     response_class=Response,
@@ -39,18 +41,31 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     state = request.app.state.mstar
     request.state.model = body.model
     adapter = state.adapter(body.model, "speech")
-    if adapter.voices and body.voice not in adapter.voices:
-        raise ApiError(400, f"voice '{body.voice}' is not available for model '{body.model}'; "
-                            f"choose one of: {', '.join(adapter.voices)}", param="voice")
-    if body.speed != 1.0 and not adapter.supports_speed:
-        raise ApiError(400, f"model '{body.model}' only speaks at speed 1.0; drop 'speed'", param="speed")
     payload = body.model_dump()
+    # voice, speed and their bounds are the model's declared fields: its schema checks them when the request is
+    # prepared; the route only fills the model's default voice and refuses a field the model does not take
+    if payload.get("voice") is None:
+        payload["voice"] = adapter.field_default("speech", "voice") or (adapter.voices[0] if adapter.voices else None)
+    voice_field = adapter.model_field("speech", "voice")
+    if voice_field is None and adapter.voices and payload["voice"] not in adapter.voices:  # no schema: the adapter's list
+        raise ApiError(400, f"voice '{payload['voice']}' is not available for model '{body.model}'; "
+                            f"choose one of: {', '.join(adapter.voices)}", param="voice")
+    if body.speed != 1.0 and adapter.model_field("speech", "speed") is None and not adapter.supports_speed:
+        raise ApiError(400, f"model '{body.model}' only speaks at speed 1.0 (it declares no 'speed'); drop 'speed'",
+                       param="speed")
+    if body.speed == 1.0:
+        payload.pop("speed", None)
     check_fields(payload)  # sampling extras (seed, temperature, max_tokens, ...) mean the same for every model
     inputs = adapter_call(adapter.speech_inputs, payload, what=f"the speech adapter of '{body.model}'")
     started = time.perf_counter()
-    handle = await submit(state, body.model, inputs)
+    try:
+        handle = await submit(state, body.model, inputs)
+    except ApiError as exc:
+        raise api_named(exc, adapter, "speech") from None
     streaming = (payload.get("stream") is not False) or body.stream_format == "sse"
-    encoder = AudioEncoder(body.response_format, int(adapter.sample_rate), stream=streaming)
+    # FLAC streamed has no length in its header (see audio.py): only when asked for explicitly
+    encode_streaming = streaming and (body.response_format != "flac" or payload.get("stream") is True)
+    encoder = AudioEncoder(body.response_format, int(adapter.sample_rate), stream=encode_streaming)
     first, rest = await first_then_rest(request, handle)
     metrics = state.metrics
 

@@ -78,7 +78,8 @@ class AttnBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         n = self.norm(x)
-        q, k, v = (f(n).reshape(b, 1, c, h * w).transpose(-1, -2) for f in (self.q, self.k, self.v))
+        # contiguous rows: on CPU a transposed view sends SDPA to its quadratic-memory math path (8x slower at 128x128)
+        q, k, v = (f(n).reshape(b, 1, c, h * w).transpose(-1, -2).contiguous() for f in (self.q, self.k, self.v))
         out = F.scaled_dot_product_attention(q, k, v).transpose(-1, -2).reshape(b, c, h, w)
         return x + self.proj_out(out)
 

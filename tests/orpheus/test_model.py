@@ -8,6 +8,7 @@ import torch
 from mstar_orpheus.codes import AudioTokenMap, reference_audio
 from mstar_orpheus.model import load_orpheus
 from mstar_orpheus.preset import TINY_SNAC, random_lm_state, tiny_lm_config, write_tiny
+from mstar_orpheus.prompt import VOICES
 from mstar_orpheus.snac import SNACCheckpointError
 from safetensors.torch import load_file, save_file
 
@@ -86,10 +87,16 @@ def test_speech_adapter(preset_cache):
     adapters = [a for a in discover().api_adapters if a.model == "orpheus"]
     assert len(adapters) == 1
     adapter = adapters[0]
-    assert adapter.routes == {"speech"} and adapter.sample_rate == 24000 and "tara" in adapter.voices
-    assert adapter.speech_inputs({"input": "hello", "voice": "zoe", "seed": 3}) == {"text": "hello", "voice": "zoe", "seed": 3}
-    with pytest.raises(RequestError, match="unknown voice 'alloy'"):
-        adapter.speech_inputs({"input": "hello", "voice": "alloy"})
+    loaded = load_orpheus(LoadOptions(preset="tiny"), progress=False)
+    adapter.bind(loaded)
+    # the adapter only renames; voices come from the request schema, which checks them (once) when prepared
+    assert adapter.routes == {"speech"} and adapter.sample_rate == 24000 and adapter.voices == VOICES
+    body = {"input": "hello", "voice": "zoe", "seed": 3, "speed": 1.0, "response_format": "wav", "model": "orpheus"}
+    assert adapter.speech_inputs(body) == {"text": "hello", "voice": "zoe", "seed": 3}
+    assert adapter.api_param("speech", "text") == "input" and adapter.field_default("speech", "voice") == "tara"
+    with pytest.raises(RequestError, match="unknown voice 'alloy'") as err:
+        loaded.prepare_inputs(adapter.speech_inputs({"input": "hello", "voice": "alloy"}))
+    assert err.value.param == "voice"
 
 
 async def test_streaming_equals_offline_end_to_end(preset_cache):

@@ -225,7 +225,7 @@ AUDIO_ERRORS = [
     ({"modalities": ["text", "audio"]}, 400, "audio", "'audio' is required"),
     ({"audio": {"voice": "alto", "format": "wav"}}, 400, "audio", "does not include"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "tenor", "format": "wav"}}, 400, "audio.voice", "alto, bass"),
-    ({"modalities": ["text", "audio"], "audio": {"voice": "alto", "format": "mp3"}}, 400, "audio.format", "pcm16"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alto", "format": "ogg"}}, 400, "audio.format", "pcm16"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "alto", "format": "ogg"}}, 400, "audio.format", ""),
     ({"modalities": ["text", "audio"], "audio": {"voice": "alto"}}, 400, "audio.format", "required"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "alto", "format": "flac"}, "stream": True},

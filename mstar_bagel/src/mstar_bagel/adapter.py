@@ -29,20 +29,28 @@ class BagelImagesAdapter(ApiAdapter):
         self.prepare = loaded.prepare
 
     def image_inputs(self, body: Mapping[str, Any], *, edit: bool) -> dict[str, Any]:
+        """Renames only: `size` "WxH" -> width, height (the schema's bounds and grid check them); BAGEL's settings
+        (num_steps, guidance, ...) pass through; `n` and `seed` as the route gives them (image i: seed + i)."""
         inputs: dict[str, Any] = {"task": "edit" if edit else "t2i", "prompt": body["prompt"], "n": body.get("n", 1)}
         if body.get("seed") is not None:
             inputs["seed"] = body["seed"]
         if edit:
             inputs["image"] = bytes(body["image"])  # BAGEL edits at the input's size; 'size' is not used
-        elif body.get("size") is not None:  # without one (mstar run), the model's default size
+        elif body.get("size") is not None:  # without one, the schema's default size
             width, height = (int(v) for v in str(body["size"]).split("x"))
-            side, stride = self.prepare.vae_max, self.loaded.extras["config"].latent_downsample
-            if not (stride <= width <= side and stride <= height <= side) or width % stride or height % stride:
-                raise RequestError(f"'size' {body['size']} is not one this model draws: each side a multiple of "
-                                   f"{stride} from {stride} to {side} (e.g. {side}x{side})", param="size")
             inputs.update(width=width, height=height)
         inputs.update({k: v for k, v in body.items() if k not in _OPENAI_IMAGE_FIELDS and v is not None})
         return inputs
+
+    def api_param(self, route: str, param: str | None) -> str | None:
+        return "size" if route == "images" and param in ("width", "height") else param
+
+    def prompt_tokens(self, env: Mapping[str, Any], inputs: Mapping[str, Any]) -> int:
+        """Every token the reply attends to: text blocks and image blocks (their placeholders and delimiters)."""
+        parts = inputs.get("parts")
+        if parts is None:
+            return super().prompt_tokens(env, inputs)
+        return sum(len(p["text_ids"]) if "text_ids" in p else len(p["vit_block_ids"]) for p in parts)
 
     def chat_message_inputs(self, body: Mapping[str, Any], messages: Sequence[Any]) -> dict[str, Any]:
         """Every message's text and image parts, in order (BAGEL's understanding takes no roles)."""

@@ -24,7 +24,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 from mstar_core.nn.siglip_navit import conv_to_linear
 
-PRESET_VERSION = 2
+PRESET_VERSION = 3
 EMA, AE = "ema.safetensors", "ae.safetensors"
 
 TINY_LLM = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -34,9 +34,12 @@ TINY_LLM = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "n
 TINY_VIT = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
             "num_attention_heads": 2, "image_size": 112, "patch_size": 14, "layer_norm_eps": 1e-6,
             "hidden_act": "gelu_pytorch_tanh"}
-TINY_TOP = {"latent_patch_size": 2, "max_latent_size": 8, "vit_max_num_patch_per_side": 8,
+#: BAGEL's own grid (a FLUX VAE downsampling 8x, 2x2 latent patches, 64 patches a side): the tiny preset draws
+#: what the published model does, OpenAI's 256x256, 512x512 and 1024x1024 included, with few channels; without a
+#: size it draws 256x256 (seconds on a CPU; a checkpoint's default is 1024x1024)
+TINY_TOP = {"latent_patch_size": 2, "max_latent_size": 64, "vit_max_num_patch_per_side": 8,
             "connector_act": "gelu_pytorch_tanh", "mstar_timestep_shift": 3.0, "mstar_num_timesteps": 4,
-            "mstar_vae": {"ch": 16, "ch_mult": [1, 2], "z_channels": 4, "norm_groups": 8}}
+            "mstar_default_image_size": 256, "mstar_vae": {"ch": 8, "ch_mult": [1, 2, 2, 2], "num_res_blocks": 1, "z_channels": 4, "norm_groups": 8}}
 
 
 def ema_mapping(cfg: BagelConfig) -> RuleMapping:

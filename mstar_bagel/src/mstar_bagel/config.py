@@ -50,6 +50,8 @@ class BagelConfig:
     # a preset may set its own under the `mstar_` names
     timestep_shift: float = config_field(3.0, key="mstar_timestep_shift")
     num_timesteps: int = config_field(50, minimum=2, why="it counts the schedule's points", key="mstar_num_timesteps")
+    #: the side of an image drawn without a size (0: the largest the grid draws, up to 1024, as BAGEL's inference)
+    default_image_size: int = config_field(0, minimum=0, key="mstar_default_image_size")
 
     @property
     def hidden_size(self) -> int:

@@ -109,6 +109,7 @@ class Preparer:
         self.vit_max = min(980, cfg.vit_max_num_patch_per_side * p)
         self.vit_min = max(p, min(224, self.vit_max // 2) // p * p)
         side = self.vae_max
+        default = min(cfg.default_image_size or side, side) // down * down
         self.schema = RequestSchema(
             fields=(
                 RequestField("task", "string", "t2i (text to image), edit (image + instruction), understand (images -> "
@@ -122,12 +123,12 @@ class Preparer:
                 RequestField("image", "any", "edit: the input image ([H, W, 3] tensor, or PNG/JPEG bytes)"),
                 RequestField("images", "array", "understand: images before the prompt", items="any",
                              max_length=MAX_IMAGES),
-                RequestField("width", "integer", f"t2i: output width, a multiple of {down}", default=side,
-                             minimum=down, maximum=side),
-                RequestField("height", "integer", f"t2i: output height, a multiple of {down}", default=side,
-                             minimum=down, maximum=side),
-                RequestField("n", "integer", "images from one prompt (they share its cached labels)", default=1,
-                             minimum=1, maximum=MAX_N),
+                RequestField("width", "integer", f"t2i: output width, a multiple of {down}", default=default,
+                             minimum=down, maximum=side, multiple_of=down),
+                RequestField("height", "integer", f"t2i: output height, a multiple of {down}", default=default,
+                             minimum=down, maximum=side, multiple_of=down),
+                RequestField("n", "integer", "images from one prompt (they share its cached labels); image i is "
+                             "what one request seeded seed + i draws", default=1, minimum=1, maximum=MAX_N),
                 RequestField("num_steps", "integer", "flow Euler steps", default=cfg.num_timesteps - 1, minimum=1,
                              maximum=MAX_STEPS),
                 RequestField("shift", "number", "timestep shift", default=cfg.timestep_shift, minimum=0.05,
@@ -145,6 +146,7 @@ class Preparer:
                 *sampling_fields("max_tokens", "temperature", "top_k", "top_p", "logit_bias", defaults={"max_tokens": 64}),
             ),
             example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
+            draws_n=True,
         )
 
     def text_ids(self, text: str, field: str = "prompt") -> list[int]:
@@ -213,11 +215,7 @@ class Preparer:
         return SamplingParams.from_mapping({**fields, "stop_token_ids": stops}).check_vocab(self.cfg.llm.vocab_size)
 
     def _size(self, inputs: Mapping[str, Any]) -> tuple[int, int]:
-        h, w = inputs["height"], inputs["width"]
-        for name, v in (("height", h), ("width", w)):
-            if v % self.cfg.latent_downsample:
-                raise RequestError(f"'{name}' must be a multiple of {self.cfg.latent_downsample}, got {v}", param=name)
-        return h, w
+        return inputs["height"], inputs["width"]  # on the latent grid: the schema's bounds and multiple_of
 
     def _edit_image(self, inputs: Mapping[str, Any], env: dict[str, Any], position: int) -> tuple[int, int]:
         """The input image as a VAE block at `position` and a ViT block at `position + 1`; the output's size."""

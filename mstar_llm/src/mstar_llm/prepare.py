@@ -47,6 +47,7 @@ def request_schema(vocab_size: int, max_model_len: int) -> RequestSchema:
                          minimum=1, maximum=MAX_N),
         ),
         exactly_one_of=(PROMPT_KEYS,),
+        draws_n=True,
         example=EXAMPLE,
         description="a causal LM: one prompt, sampling fields; streams `next_token` (and logprobs when asked)",
     )

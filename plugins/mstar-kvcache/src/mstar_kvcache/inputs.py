@@ -20,7 +20,7 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation
-from mstar_core.sampling import MAX_SEED, SamplingParams
+from mstar_core.sampling import SamplingParams, choice_seed
 
 #: Per-call options (and node-static ones) the engine understands; anything else fails the model's load.
 OPTIONS = (
@@ -200,7 +200,7 @@ def parse_invocation(
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise RequestError(f"node '{node}': option seed_offset must be an int >= 0, got {offset!r:.40}")
         if sampling is not None and sampling.seed is not None and offset:
-            sampling = attrs.evolve(sampling, seed=(sampling.seed + offset) % (MAX_SEED + 1))
+            sampling = attrs.evolve(sampling, seed=choice_seed(sampling.seed, offset))
     routing = inputs.get("routing")
     if routing is not None:
         if isinstance(routing, torch.Tensor) and not routing.dtype.is_floating_point and routing.shape == (n,):
