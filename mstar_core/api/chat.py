@@ -54,6 +54,10 @@ def with_choice(adapter: Any, inputs: Mapping[str, Any], seed: int | None, i: in
     return out
 
 
+async def _now(fn: Any, *args: Any, **kw: Any) -> Any:
+    return fn(*args, **kw)
+
+
 async def decode_messages(adapter: Any, model: str, messages: list[dict[str, Any]],
                           limits: media.MediaLimits) -> list[media.ChatTurn]:
     """The messages as typed parts for the adapter: media checked against what the model takes, fetched where
@@ -94,7 +98,10 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
     limits = state.media_limits[(body.model, "chat")]
     messages = await decode_messages(adapter, body.model, payload["messages"], limits)
-    inputs = adapter_call(adapter.chat_message_inputs, payload, messages, what=f"the chat adapter of '{body.model}'")
+    # an adapter may resample or convert media (Qwen3-Omni: audio to 16 kHz): off the event loop when there are any
+    run = asyncio.to_thread if any(t.media for t in messages) else _now
+    inputs = await run(adapter_call, adapter.chat_message_inputs, payload, messages,
+                       what=f"the chat adapter of '{body.model}'")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     started = time.perf_counter()
     make_audio = None

@@ -17,13 +17,15 @@ from pydantic import ValidationError
 
 from mstar_core.api.choices import forks_choices
 from mstar_core.api.common import adapter_call, map_result, result_or_disconnect, submit
-from mstar_core.api.errors import ApiError
+from mstar_core.api.errors import ApiError, from_request_error
+from mstar_core.api.media import check_image_bytes
 from mstar_core.api.schemas import (
     ERROR_RESPONSES,
     ImageEditRequest,
     ImageRequest,
     ImagesResponse,
 )
+from mstar_core.errors import RequestError
 from mstar_core.sampling import MAX_SEED, check_fields
 
 router = APIRouter()
@@ -89,6 +91,10 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
     check_fields(payload)
     if edit:
         payload["image"] = base64.b64decode(payload["image"])
+        try:  # the declared size from the header, before any model decodes a pixel (an image bomb is a 413 here)
+            check_image_bytes(payload["image"], "image", state.media_limits[(body.model, "images")])
+        except RequestError as exc:
+            raise from_request_error(exc) from None
     handles = []
     # a model whose schema takes `n` draws the n images in one request (sharing the prompt's prefill)
     shared = body.n > 1 and forks_choices(adapter)

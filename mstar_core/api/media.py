@@ -298,26 +298,51 @@ def _image_part(part: Mapping[str, Any], field: str, limits: MediaLimits, fetche
     return ImagePart(decode_image(raw, field, limits), field, detail)
 
 
+def check_image_bytes(raw: bytes, field: str, limits: MediaLimits) -> tuple[int, int]:
+    """(width, height) of PNG/JPEG/WebP/GIF bytes read from their header and checked against `limits`.
+
+    Nothing is decoded: a small file declaring a huge canvas (an image bomb) is a 413 in microseconds.
+    Every route that takes image bytes calls this first (chat, images, edits, realtime).
+    """
+    from PIL import Image
+
+    if len(raw) > limits.max_image_bytes:
+        raise RequestError(f"'{field}' is {len(raw)} bytes; this server takes at most {limits.max_image_bytes} "
+                           "bytes per image", status=413, param=field)
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            fmt, (width, height) = image.format, image.size
+            frames = getattr(image, "n_frames", 1)
+    except Exception as exc:  # not an image, or a header crafted to trip the parser: the input's fault
+        raise RequestError(f"'{field}' could not be decoded as an image ({type(exc).__name__}: {exc})",
+                           param=field) from None
+    if fmt not in IMAGE_FORMATS:
+        raise RequestError(f"'{field}' holds a {fmt} image; send PNG, JPEG, WebP or GIF", param=field)
+    check_pixels(width, height, field, limits)
+    if frames > 1:
+        raise RequestError(f"'{field}' is an animation; send a single still image", param=field)
+    return width, height
+
+
+def check_pixels(width: int, height: int, field: str, limits: MediaLimits) -> None:
+    """A 413 naming `field` when an image of width x height is over the pixel limit (images, or a video's frames)."""
+    if width * height > limits.max_image_pixels:
+        raise RequestError(f"'{field}' is {width}x{height} ({width * height} pixels); this server takes at most "
+                           f"{limits.max_image_pixels} pixels per image", status=413, param=field)
+
+
 def decode_image(raw: bytes, field: str, limits: MediaLimits) -> Any:
-    """An RGB PIL image from PNG/JPEG/WebP/GIF bytes, its size checked before its pixels are decoded."""
+    """An RGB PIL image from PNG/JPEG/WebP/GIF bytes, its size checked (`check_image_bytes`) before its pixels are
+    decoded (blocking work: call it off the event loop)."""
     from PIL import Image, ImageOps
 
+    check_image_bytes(raw, field, limits)
     try:
         image = Image.open(io.BytesIO(raw))
-        if image.format not in IMAGE_FORMATS:
-            raise RequestError(f"'{field}' holds a {image.format} image; send PNG, JPEG, WebP or GIF", param=field)
-        width, height = image.size
-        if width * height > limits.max_image_pixels:
-            raise RequestError(f"'{field}' is {width}x{height} ({width * height} pixels); this server takes at most "
-                               f"{limits.max_image_pixels} pixels per image", status=413, param=field)
-        if getattr(image, "n_frames", 1) > 1:
-            raise RequestError(f"'{field}' is an animation; send a single still image", param=field)
         image.load()
         image = ImageOps.exif_transpose(image)
         return image.convert("RGB")
-    except RequestError:
-        raise
-    except Exception as exc:  # not an image, or a decoder tripping over crafted bytes: still the input's fault
+    except Exception as exc:  # a decoder tripping over crafted bytes: still the input's fault
         raise RequestError(f"'{field}' could not be decoded as an image ({type(exc).__name__}: {exc})",
                            param=field) from None
 
@@ -334,10 +359,13 @@ def _audio_part(part: Mapping[str, Any], field: str, limits: MediaLimits) -> Aud
     return AudioPart(samples, rate, field, fmt)
 
 
-def decode_audio(raw: bytes, fmt: str, field: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and their rate from WAV/MP3 bytes, the duration checked before decoding."""
+def check_audio_bytes(raw: bytes, fmt: str, field: str, limits: MediaLimits) -> Any:
+    """WAV/MP3 bytes' header (`soundfile.info`) checked against `limits`: container, rate, duration; nothing decoded."""
     import soundfile
 
+    if len(raw) > limits.max_audio_bytes:
+        raise RequestError(f"'{field}' is {len(raw)} bytes; this server takes at most {limits.max_audio_bytes} "
+                           "bytes per audio part", status=413, param=field)
     if fmt == "mp3" and "MP3" not in soundfile.available_formats():
         raise RequestError(f"'{field}.format' mp3 cannot be decoded here (libsndfile without MP3); send wav",
                            param=f"{field}.format")
@@ -351,16 +379,31 @@ def decode_audio(raw: bytes, fmt: str, field: str, limits: MediaLimits) -> tuple
     if not _MIN_RATE <= info.samplerate <= _MAX_RATE:
         raise RequestError(f"'{field}' has a sample rate of {info.samplerate} Hz; send {_MIN_RATE}-{_MAX_RATE} Hz",
                            param=field)
-    seconds = info.frames / info.samplerate
+    check_audio_seconds(info.frames / info.samplerate, field, limits)
+    return info
+
+
+def check_audio_seconds(seconds: float, field: str, limits: MediaLimits) -> None:
+    """A 413 naming `field` when audio of this duration is over the limit (one part, or a live stream so far)."""
     if seconds > limits.max_audio_seconds:
         raise RequestError(f"'{field}' is {seconds:.1f} s long; this server takes at most {limits.max_audio_seconds:g} "
-                           "s per audio part", status=413, param=field)
+                           "s per audio part (what fits the model's context)", status=413, param=field)
+
+
+def decode_audio(raw: bytes, fmt: str, field: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """Mono float32 samples and their rate from WAV/MP3 bytes, the header checked before decoding (blocking work:
+    call it off the event loop)."""
+    import soundfile
+
+    check_audio_bytes(raw, fmt, field, limits)
     try:
         data, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
     except Exception as exc:
         raise RequestError(f"'{field}.data' is not decodable {fmt} audio ({exc})", param=field) from None
     if data.shape[0] == 0:
         raise RequestError(f"'{field}' holds no samples", param=field)
+    if not np.isfinite(data).all():  # float WAV can carry NaN / Inf; a model must never see them
+        raise RequestError(f"'{field}' holds non-finite samples (NaN or Inf)", param=field)
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
     return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
 

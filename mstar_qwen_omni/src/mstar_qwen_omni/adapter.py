@@ -15,13 +15,26 @@ import numpy as np
 import torch
 
 from mstar_core.api.adapters import ApiAdapter
-from mstar_core.api.media import AudioPart, ImagePart, TextPart, resample
+from mstar_core.api.media import AudioPart, ImagePart, MediaLimits, TextPart, resample
 from mstar_core.api.realtime.conversation import TokensPart
 from mstar_core.errors import RequestError
+from mstar_qwen_omni.audio_encoder import audio_token_count
 
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
           "auditory and visual inputs, as well as generating text and speech.")
 _FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
+
+
+#: Prompt tokens kept free beside the audio: the chat template's turns and at least a short reply.
+CONTEXT_RESERVE = 64
+
+
+def audio_seconds_that_fit(cfg: Any, ceiling: float = 600.0) -> float:
+    """The longest audio part whose encoder tokens (13 a second) still leave CONTEXT_RESERVE of the Thinker's context:
+    the chat limit, so audio that can never fit is a 413 from its header, not after seconds of features."""
+    per_second = audio_token_count(100, cfg.thinker.audio.n_window)  # 100 mel frames a second at hop 160, 16 kHz
+    room = cfg.thinker.text.max_position_embeddings - CONTEXT_RESERVE
+    return float(min(ceiling, max(1, room // per_second)))
 
 
 def _part(part: Any) -> dict[str, Any]:
@@ -54,6 +67,7 @@ class QwenOmniAdapter(ApiAdapter):
         self.loaded = loaded
         self.tokenizer = loaded.extras["tokenizer"]
         cfg = loaded.extras["config"]
+        self.media_limits = MediaLimits(max_audio_seconds=audio_seconds_that_fit(cfg))
         self.stop_id = cfg.im_end_token_id
         self.special = {cfg.im_start_token_id, cfg.im_end_token_id}
         if loaded.extras["model"].talker is None:

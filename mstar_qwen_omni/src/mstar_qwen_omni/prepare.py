@@ -85,6 +85,11 @@ class Preparer:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         cfg = self.cfg
         env = self._prompt(inputs)
+        limit = cfg.thinker.text.max_position_embeddings
+        if len(env["prompt_ids"]) + 1 > limit:  # refused here, before any engine work, not when the prefill overflows
+            key = "prompt_ids" if inputs.get("prompt_ids") is not None else "messages"
+            raise RequestError(f"the prompt is {len(env['prompt_ids'])} tokens (media included); this model's context "
+                               f"holds {limit}: send shorter text, audio or images", status=413, param=key)
         fields = {k: inputs[k] for k in SAMPLING if inputs.get(k) is not None}
         ignore_eos = bool(inputs.get("ignore_eos"))
         sampling = SamplingParams(**{"stop_token_ids": () if ignore_eos else (cfg.im_end_token_id,), **fields})
