@@ -13,13 +13,14 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, policy_ws, speech
+from mstar_core.api import chat, completions, images, native, policy_ws, speech, transcriptions
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
+from mstar_core.api.realtime import route as realtime
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
 from mstar_core.config.placement import Placement
@@ -228,7 +229,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, images, native, policy_ws):  # policy_ws: openpi's socket at /
+    # policy_ws: openpi's socket at /; realtime: the OpenAI Realtime socket at /v1/realtime
+    for module in (speech, chat, completions, images, native, policy_ws, realtime, transcriptions):
         app.include_router(module.router)
 
     def openapi() -> dict[str, Any]:
