@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
+from mstar_core.compat import PLUGIN_API_VERSION, PluginAPIError, PluginAPIWarning
 from mstar_core.errors import GraphValidationError, MStarError, RequestError
 from mstar_core.plugins.hookspecs import hookimpl
 
-__all__ = ["GraphValidationError", "MStarError", "RequestError", "__version__", "hookimpl"]
+__all__ = ["PLUGIN_API_VERSION", "GraphValidationError", "MStarError", "PluginAPIError", "PluginAPIWarning",
+           "RequestError", "__version__", "hookimpl"]

@@ -191,7 +191,11 @@ def serve(args: argparse.Namespace) -> int:
         failed.append(message)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    app = create_app(config, engine_factory, on_ready=on_ready, on_error=on_error)
+    try:
+        app = create_app(config, engine_factory, on_ready=on_ready, on_error=on_error, registry=registry)
+    except ConfigError as exc:  # two plugins (or a plugin and the core) serving one route
+        print(f"mstar serve: {exc}", file=sys.stderr)
+        return 2
     app_box.append(app)
     loop = "uvloop" if _has_uvloop() else "asyncio"
 

@@ -13,14 +13,14 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, policy_ws, speech, transcriptions
+from mstar_core.api import chat, completions, images, native, speech
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
-from mstar_core.api.realtime import route as realtime
+from mstar_core.api.plugin_routes import include_plugin_routes
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
 from mstar_core.config.placement import Placement
@@ -173,8 +173,11 @@ class ServerState:
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_ready: Callable[[], None] | None = None,
-               on_error: Callable[[str], None] | None = None) -> FastAPI:
-    """Build the app; models load in the background at startup (GET /health answers 503 until then)."""
+               on_error: Callable[[str], None] | None = None, registry: Any = None) -> FastAPI:
+    """Build the app; models load in the background at startup (GET /health answers 503 until then).
+
+    `registry`: the plugins whose `mstar_register_routes` routers the app serves beside its own.
+    """
     state = ServerState(config, engine_factory)
 
     @contextlib.asynccontextmanager
@@ -229,9 +232,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    # policy_ws: openpi's socket at /; realtime: the OpenAI Realtime socket at /v1/realtime
-    for module in (speech, chat, completions, images, native, policy_ws, realtime, transcriptions):
+    for module in (speech, chat, completions, images, native):
         app.include_router(module.router)
+    include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
     def openapi() -> dict[str, Any]:
         # once models are in, `model` fields list the models that serve each route, so the schema is exact

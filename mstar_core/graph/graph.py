@@ -27,6 +27,9 @@ from mstar_core.graph.walk import (
 )
 
 Plan = Callable[[Mapping[str, Any]], Sequence[str]]
+#: A step's position in its walk: (0, ...) the body, (k + 1, ...) streaming edge k's consumer; each
+#: child of a Sequential or Parallel at (*parent, i), a loop's body at (*parent, 0).
+Path = tuple[int, ...]
 
 
 @attrs.frozen
@@ -71,6 +74,8 @@ class Graph:
     walks: Mapping[str, Walk]
     plan_fn: Plan | None = attrs.field(default=None, eq=False)
     branches: Mapping[str, Branch] = attrs.field(factory=dict, eq=False)
+    #: walk -> call position -> the optional inputs that call takes (its walk's scope; see `optional_ports`)
+    bindings: Mapping[str, Mapping[Path, tuple[str, ...]]] = attrs.field(factory=dict, eq=False)
 
     @classmethod
     def build(
@@ -101,8 +106,7 @@ class Graph:
 
         branch_map = _check_branches(walk_map, branches)
         graph = cls(name, MappingProxyType(node_map), MappingProxyType(walk_map), plan, MappingProxyType(branch_map))
-        for walk in walk_map.values():
-            _WalkChecker(graph, walk).check()
+        bindings = {walk.name: MappingProxyType(_WalkChecker(graph, walk).check()) for walk in walk_map.values()}
         sites: dict[str, list[tuple[str, Mapping[str, Any]]]] = {n: [] for n in node_map}
         for walk in walk_map.values():
             for call in iter_walk_calls(walk):
@@ -121,7 +125,20 @@ class Graph:
                     )
         # each node learns its model and call sites (the engine checks options again at load from them)
         nodes = {n: attrs.evolve(node, graph=name, call_sites=tuple(sites[n])) for n, node in node_map.items()}
-        return cls(name, MappingProxyType(nodes), MappingProxyType(walk_map), plan, MappingProxyType(branch_map))
+        return cls(name, MappingProxyType(nodes), MappingProxyType(walk_map), plan, MappingProxyType(branch_map),
+                   MappingProxyType(bindings))
+
+    def optional_ports(self, walk: str, path: Path, call: NodeCall) -> tuple[str, ...]:
+        """The optional inputs of the call at `path` in `walk` that it takes, when the env has them.
+
+        Those whose env name the walk declares or an earlier step (or, in a loop, any step of its
+        body) produces; not those the call maps to None or the walk never has. A graph made without
+        `build` has no bindings: every optional input is taken.
+        """
+        taken = self.bindings.get(walk, {}).get(path)
+        if taken is not None:
+            return taken
+        return tuple(p for p in self.nodes[call.node].optional_inputs if call.env_input(p) is not None)
 
     def plan(self, inputs: Mapping[str, Any]) -> list[str]:
         """The walk names a request with these inputs starts with, checked against the graph.
@@ -205,23 +222,27 @@ class _WalkChecker:
         self.stream_names: set[str] = set()
         # names a loop body produces: an optional input may read them on later iterations
         self.loop_outputs: set[str] = set()
+        # call position -> the optional inputs that call takes (what `check` returns)
+        self.bound: dict[Path, tuple[str, ...]] = {}
 
     def fail(self, message: str, node: str | None = None) -> None:
         raise GraphValidationError(message, walk=self.walk.name, node=node)
 
-    def check(self) -> None:
+    def check(self) -> dict[Path, tuple[str, ...]]:
+        """Check the walk; return each call position's taken optional inputs."""
         for call in self.calls:
             self.check_call_ports(call)
         entry = {*self.walk.inputs, *self.walk.optional_inputs}
-        produced = self.step(self.walk.body, entry, loop_depth=0)
-        for edge in self.walk.streams:
-            produced |= self.check_stream(edge, produced, entry)
+        produced = self.step(self.walk.body, entry, loop_depth=0, path=(0,))
+        for k, edge in enumerate(self.walk.streams):
+            produced |= self.check_stream(edge, produced, entry, (k + 1,))
         for name in self.walk.emit:
             if name not in produced:
                 self.fail(f"emit names '{name}', which no step or stream of the walk produces")
         for name in self.walk.outputs:
             if name not in produced:
                 self.fail(f"output '{name}' is never produced; produced: {sorted(produced)}")
+        return self.bound
 
     def node(self, name: str) -> GraphNode:
         try:
@@ -236,11 +257,13 @@ class _WalkChecker:
         for port in call.inputs:
             if port not in node.all_inputs:
                 self.fail(f"renames input '{port}', but the node's inputs are {list(node.all_inputs)}", call.node)
+            if call.inputs[port] is None and port not in node.optional_inputs:
+                self.fail(f"maps required input '{port}' to None; only an optional input may be left out", call.node)
         for port in call.outputs:
             if port not in node.outputs:
                 self.fail(f"renames output '{port}', but the node's outputs are {list(node.outputs)}", call.node)
 
-    def step(self, step: Step, avail: set[str], loop_depth: int) -> set[str]:
+    def step(self, step: Step, avail: set[str], loop_depth: int, path: Path) -> set[str]:
         """Return the names available after `step`, given those available before it."""
         if isinstance(step, NodeCall):
             node = self.graph.nodes[step.node]
@@ -248,10 +271,7 @@ class _WalkChecker:
                 name = step.env_input(port)
                 if name not in avail and not (loop_depth and name == "loop_index"):
                     self.missing_input(step, port, name)
-            for port in node.optional_inputs:
-                name = step.env_input(port)
-                if name not in avail and name not in self.loop_outputs:
-                    self.missing_optional_input(step, port, name)
+            self.bound[path] = self.optional_taken(step, node.optional_inputs, avail)
             for key, value in step.options.items():
                 if isinstance(value, FromEnv) and value.name not in avail:
                     self.fail(f"call option '{key}' reads env name '{value.name}', which is not available where the "
@@ -260,18 +280,18 @@ class _WalkChecker:
         if isinstance(step, Assign):
             return self.assign(step, avail, loop_depth)
         if isinstance(step, Sequential):
-            for s in step.steps:
-                avail = self.step(s, avail, loop_depth)
+            for i, s in enumerate(step.steps):
+                avail = self.step(s, avail, loop_depth, (*path, i))
             return avail
         if isinstance(step, Parallel) and step.fan_out:
-            return self.fan_out(step, avail, loop_depth)
+            return self.fan_out(step, avail, loop_depth, path)
         if isinstance(step, Parallel):
             if not step.branches:
                 self.fail("Parallel() has no branches")
             joined = set(avail)
             owner: dict[str, int] = {}
             for i, branch in enumerate(step.branches):
-                out = self.step(branch, set(avail), loop_depth) - avail
+                out = self.step(branch, set(avail), loop_depth, (*path, i)) - avail
                 for name in out:
                     if name in owner:
                         self.fail(
@@ -282,8 +302,25 @@ class _WalkChecker:
                 joined |= out
             return joined
         if isinstance(step, Loop | DynamicLoop):
-            return self.loop(step, avail, loop_depth)
+            return self.loop(step, avail, loop_depth, path)
         raise TypeError(step)
+
+    def optional_taken(self, call: NodeCall, ports: Sequence[str], avail: set[str]) -> tuple[str, ...]:
+        """The optional inputs `call` takes: those whose env name is in the walk's scope where it runs.
+
+        Left out: a port mapped to None, and an unmapped one whose name the walk never has (another
+        walk may supply it; this one does not). A port mapped to a name the walk never has is a typo.
+        """
+        taken = []
+        for port in ports:
+            name = call.env_input(port)
+            if name is None:
+                continue
+            if name in avail or name in self.loop_outputs:
+                taken.append(port)
+            else:
+                self.missing_optional_input(call, port, name, mapped=port in call.inputs)
+        return tuple(taken)
 
     def assign(self, step: Assign, avail: set[str], loop_depth: int) -> set[str]:
         where = step.label
@@ -298,7 +335,7 @@ class _WalkChecker:
             out -= set(step.names.values()) - set(step.names)
         return out
 
-    def fan_out(self, step: Parallel, avail: set[str], loop_depth: int) -> set[str]:
+    def fan_out(self, step: Parallel, avail: set[str], loop_depth: int, path: Path) -> set[str]:
         first_call = next(iter_calls(step.branches[0]), None)
         where = first_call.node if first_call else None
         if isinstance(step.count, int) and step.count < 0:
@@ -307,7 +344,7 @@ class _WalkChecker:
             self.fail(f"Parallel count names '{step.count}', which is not available before the fan-out", where)
         if not isinstance(step.count, int | str):
             self.fail(f"Parallel count must be an int or an env name, got {step.count!r}", where)
-        out = self.step(step.branches[0], avail | {step.index_name}, loop_depth) - avail - {step.index_name}
+        out = self.step(step.branches[0], avail | {step.index_name}, loop_depth, (*path, 0)) - avail - {step.index_name}
         if step.collect is None:
             return avail | out
         for name in step.collect:
@@ -316,7 +353,7 @@ class _WalkChecker:
                           f"it writes {sorted(out)}", where)
         return avail | set(step.collect.values())
 
-    def loop(self, loop: Loop | DynamicLoop, avail: set[str], loop_depth: int) -> set[str]:
+    def loop(self, loop: Loop | DynamicLoop, avail: set[str], loop_depth: int, path: Path) -> set[str]:
         first_call = next(iter_calls(loop.body), None)
         where = first_call.node if first_call else None
         if isinstance(loop, Loop):
@@ -334,7 +371,7 @@ class _WalkChecker:
         inner = set(avail) | {loop.index_name}
         outer_loop_outputs = self.loop_outputs
         self.loop_outputs = outer_loop_outputs | {n for c in iter_leaves(loop.body) for n in _leaf_outputs(self.graph, c)}
-        after = self.step(loop.body, inner, loop_depth + 1)
+        after = self.step(loop.body, inner, loop_depth + 1, (*path, 0))
         self.loop_outputs = outer_loop_outputs
         for out, into in loop.carry.items():
             if out not in after:
@@ -374,8 +411,8 @@ class _WalkChecker:
             call.node,
         )
 
-    def missing_optional_input(self, call: NodeCall, port: str, name: str) -> None:
-        # An optional input nothing can ever supply would be dropped silently at run time.
+    def missing_optional_input(self, call: NodeCall, port: str, name: str, mapped: bool) -> None:
+        """An optional input outside the walk's scope: left out, unless mapped (a typo) or produced too late."""
         index = next(i for i, c in enumerate(self.calls) if c is call)
         later = [c for c in self.calls[index + 1 :] if name in _call_outputs(self.graph, c)]
         if later:
@@ -384,14 +421,16 @@ class _WalkChecker:
                 "so this call would never read it; reorder the steps",
                 call.node,
             )
-        self.fail(
-            f"optional input '{port}' (env '{name}') can never be supplied: no earlier step produces it and "
-            f"it is not among the walk's inputs or optional_inputs; declare it with "
-            f"Walk(optional_inputs=('{name}',)) if the request or an earlier walk supplies it, or fix the name",
-            call.node,
-        )
+        if mapped:  # the call names a source the walk can never have: it would be dropped silently at run time
+            self.fail(
+                f"optional input '{port}' is mapped to env '{name}', which this walk can never have: no earlier "
+                f"step produces it and it is not among the walk's inputs or optional_inputs; declare it with "
+                f"Walk(optional_inputs=('{name}',)) if the request or an earlier walk supplies it, fix the name, "
+                f"or map '{port}' to None to leave it out",
+                call.node,
+            )
 
-    def check_stream(self, edge: StreamingGraphEdge, produced: set[str], entry: set[str]) -> set[str]:
+    def check_stream(self, edge: StreamingGraphEdge, produced: set[str], entry: set[str], path: Path) -> set[str]:
         where = edge.dst_node or edge.src_node
         if edge.policy is None:
             self.fail(f"streaming edge {edge.name} has no chunk policy", where)
@@ -405,27 +444,21 @@ class _WalkChecker:
             self.fail(f"streaming edge {edge.name} needs exactly one consumer: dst='node.input' (one call per "
                       "chunk) or consumer=<walk fragment> with into='env name'", where)
         if edge.consumer is not None:
-            return self.check_consumer(edge, entry)
+            return self.check_consumer(edge, entry, path)
         dst = self.node(edge.dst_node)
         if edge.dst_input not in dst.all_inputs:
             self.fail(f"streaming edge target '{edge.dst}': node inputs are {list(dst.all_inputs)}", dst.name)
         for port in dst.inputs:
             if port != edge.dst_input and port not in produced:
                 self.fail(f"streaming consumer input '{port}' is not available in the walk", dst.name)
-        for port in dst.optional_inputs:
-            if port != edge.dst_input and port not in produced:
-                self.fail(
-                    f"streaming consumer's optional input '{port}' can never be supplied: no step produces it and "
-                    f"it is not among the walk's inputs or optional_inputs; declare it with "
-                    f"Walk(optional_inputs=('{port}',)) if the request supplies it, or fix the name",
-                    dst.name,
-                )
+        # its other optional inputs come from the walk's scope; one the walk never has is left out
+        self.bound[path] = tuple(p for p in dst.optional_inputs if p != edge.dst_input and p in produced)
         for port in edge.outputs:
             if port not in dst.outputs:
                 self.fail(f"streaming edge renames output '{port}', node outputs are {list(dst.outputs)}", dst.name)
         return {edge.outputs.get(o, o) for o in dst.outputs}
 
-    def check_consumer(self, edge: StreamingGraphEdge, entry: set[str]) -> set[str]:
+    def check_consumer(self, edge: StreamingGraphEdge, entry: set[str], path: Path) -> set[str]:
         """A consumer fragment runs beside the body on the walk's inputs plus the stream it takes from."""
         calls = list(iter_calls(edge.consumer))
         where = calls[0].node if calls else edge.src_node
@@ -442,7 +475,7 @@ class _WalkChecker:
         if not readers:
             self.fail(f"no call in the consumer fragment of {edge.name} reads '{edge.into}', so its chunks "
                       "would never be taken", where)
-        return self.step(edge.consumer, entry | {edge.into}, loop_depth=0) - {edge.into}
+        return self.step(edge.consumer, entry | {edge.into}, loop_depth=0, path=path) - {edge.into}
 
 
 def _leaf_outputs(graph: Graph, leaf: NodeCall | Assign) -> set[str]:
@@ -454,7 +487,7 @@ def _call_outputs(graph: Graph, call: NodeCall) -> set[str]:
 
 
 def _call_inputs(graph: Graph, call: NodeCall) -> set[str]:
-    return {call.env_input(i) for i in graph.nodes[call.node].all_inputs}
+    return {n for i in graph.nodes[call.node].all_inputs if (n := call.env_input(i)) is not None}
 
 
 def _derive_edges(graph: Graph, walk: Walk) -> list[GraphEdge]:
@@ -473,7 +506,7 @@ def _derive_edges(graph: Graph, walk: Walk) -> list[GraphEdge]:
             node = graph.nodes[call.node]
             if pass_no == 1:
                 for port in node.all_inputs:
-                    src = last_writer.get(call.env_input(port))
+                    src = last_writer.get(call.env_input(port))  # None (left out) was never written
                     if src is not None:
                         edge = GraphEdge(src[0], src[1], call.node, port, walk.name)
                         if edge not in edges:

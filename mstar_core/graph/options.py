@@ -1,7 +1,8 @@
 """Per-call option names each engine kind understands, and the check that a walk uses only those.
 
-An engine declares its call options (`declare_call_options("kvcache", (...))`, done when its
-plugin module is imported); `Graph.build` then rejects a misspelt option (`cache_lable`) naming the
+An engine class declares its options (`call_options`, `node_options`, `node_ref_options` on the
+`Engine` subclass; recorded here when the class is defined, see `Engine.__init_subclass__`);
+`Graph.build` then rejects a misspelt option (`cache_lable`) naming the
 walk, the node and the known options. Graph building cannot reach the plugin registry, so an engine
 whose plugin was not imported yet is checked again when the engine is built: `GraphNode.call_sites`
 (recorded by `Graph.build`) lists every call of the node in every walk, and the engine runs
@@ -19,14 +20,22 @@ _KNOWN: dict[str, frozenset[str]] = {}
 _NODE_REFS: dict[str, frozenset[str]] = {}
 
 
-def declare_call_options(kind: str, names: Iterable[str], node_refs: Iterable[str] = ()) -> None:
-    """Record the per-call options engine `kind` understands (node-static options included).
+def record_engine_options(kind: str, names: Iterable[str], node_refs: Iterable[str] = ()) -> None:
+    """Record the options engine `kind` understands (node-static ones included); its class does this when defined.
 
     `node_refs` are options whose value names another node of the graph (`share_cache_with`):
     `Graph.build` checks that node exists and runs on the same engine kind.
     """
     _KNOWN[kind] = frozenset(names)
     _NODE_REFS[kind] = frozenset(node_refs)
+
+
+def declare_call_options(kind: str, names: Iterable[str], node_refs: Iterable[str] = ()) -> None:
+    """The plugin API 1.0 way to declare an engine's options: warns in 1.1 (declare them on the class), errors after."""
+    from mstar_core.compat import changed
+
+    changed("declare_call_options")
+    record_engine_options(kind, names, node_refs)
 
 
 def node_ref_options(kind: str) -> frozenset[str]:

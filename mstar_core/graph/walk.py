@@ -18,14 +18,19 @@ from mstar_core.streaming.policies import ChunkPolicy
 
 @attrs.frozen
 class NodeCall:
-    """Invoke one node. `inputs` maps node input -> env name; `outputs` maps node output -> env name."""
+    """Invoke one node. `inputs` maps node input -> env name; `outputs` maps node output -> env name.
+
+    An optional input mapped to None is never taken by this call, even where the walk has a value
+    under the input's own name (e.g. a prompt write of a sampling node: `inputs={"sampling": None}`).
+    """
 
     node: str
-    inputs: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
+    inputs: Mapping[str, str | None] = attrs.field(factory=dict, converter=_frozen_mapping)
     outputs: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
-    def env_input(self, name: str) -> str:
+    def env_input(self, name: str) -> str | None:
+        """The env name input `name` reads (None: this call leaves that optional input out)."""
         return self.inputs.get(name, name)
 
     def env_output(self, name: str) -> str:
@@ -320,8 +325,11 @@ class Walk:
     """A named phase of a model's behaviour.
 
     `inputs` are the env names the walk needs on entry; `optional_inputs` names the request (or an
-    earlier walk of the plan) may supply or leave out, which is what a node's optional input may
-    read when no step of the walk produces it. `outputs` are the names it guarantees on exit.
+    earlier walk of the plan) may supply or leave out. A node's optional input is taken only from
+    the walk's own scope: its call's mapping, or a name this walk declares or one of its steps
+    produces; a value an earlier walk left in the env under another name is never read, and an
+    optional input the walk cannot supply is simply left out. `outputs` are the names it guarantees
+    on exit.
     `emit` names values streamed to the caller as soon as they are produced (by body nodes or by
     streaming consumers). A streaming consumer's outputs are also collected as lists in the env.
     """

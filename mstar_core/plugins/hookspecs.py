@@ -34,3 +34,8 @@ def mstar_register_attention_backends(register: Callable[[str, Any], None]) -> N
 @hookspec
 def mstar_register_api_adapters(register: Callable[[Any], None]) -> None:
     """Register API adapters that map OpenAI-style routes onto a model's walks: `register(adapter)`."""
+
+
+@hookspec
+def mstar_register_routes(register: Callable[[Any], None]) -> None:
+    """Add a package's own HTTP/WebSocket routes: `register(make_router)`, a no-argument callable returning a fastapi.APIRouter."""

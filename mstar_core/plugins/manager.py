@@ -22,7 +22,7 @@ ENTRY_POINT_GROUP = "mstar"
 PLUGINS_ENV = "MSTAR_PLUGINS"
 #: The registration hooks, in the order they run.
 HOOKS = ("mstar_register_models", "mstar_register_engines", "mstar_register_transports",
-         "mstar_register_attention_backends", "mstar_register_api_adapters")
+         "mstar_register_attention_backends", "mstar_register_api_adapters", "mstar_register_routes")
 
 
 @attrs.define
@@ -75,7 +75,7 @@ class NamedRegistry:
 
 
 class Registry:
-    """What the loaded plugins provide: models, engines, transports, attention backends, API adapters."""
+    """What the loaded plugins provide: models, engines, transports, attention backends, API adapters, routes."""
 
     def __init__(self, pm: pluggy.PluginManager, plugins: list[PluginInfo]):
         self.pm = pm
@@ -85,6 +85,7 @@ class Registry:
         self.transports = NamedRegistry("transport")
         self.attention_backends = NamedRegistry("attention backend")
         self.api_adapters: list[Any] = []
+        self.routers: list[tuple[str, Any]] = []  # (plugin, its router factory): the server includes each router
         self._collect()
 
     def _collect(self) -> None:
@@ -116,6 +117,8 @@ class Registry:
             return lambda spec: staged.append((origin, self.models.add, (spec.name, spec, origin)))
         if hook_name == "mstar_register_api_adapters":
             return lambda adapter: staged.append((origin, self.api_adapters.append, (adapter,)))
+        if hook_name == "mstar_register_routes":
+            return lambda router: staged.append((origin, self.routers.append, (_router(router, origin),)))
         registry = {"mstar_register_engines": self.engines, "mstar_register_transports": self.transports,
                     "mstar_register_attention_backends": self.attention_backends}[hook_name]
         return lambda key, obj: staged.append((origin, registry.add, (key, obj, origin)))
@@ -133,6 +136,17 @@ class Registry:
 
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if not p.loaded]
+
+
+def _router(make_router: Any, origin: str) -> tuple[str, Any]:
+    """A registered router factory, checked where it is registered (a wrong object fails its plugin, not the server).
+
+    A factory, not a router: discovery (`mstar plugins`) stays free of the web stack; the server calls it.
+    """
+    if not callable(make_router):
+        raise TypeError("mstar_register_routes takes a no-argument callable returning a fastapi.APIRouter, "
+                        f"got {type(make_router).__name__}")
+    return origin, make_router
 
 
 def _allowed() -> set[str] | None:

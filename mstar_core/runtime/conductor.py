@@ -91,6 +91,16 @@ class Conductor:
         missing = [name for name in walk.inputs if name not in env]
         if missing:
             raise RequestError(f"walk '{walk.name}' needs inputs {missing}; got {sorted(env)}")
+        # an earlier walk's value under a name this walk writes itself is no optional input of this walk
+        hidden = {name: env.pop(name) for name in sites.scoped if name in env}
+        try:
+            await self._run_walk_body(state, sites, env)
+        finally:
+            for name, value in hidden.items():  # what this walk did not rewrite stays as the earlier walk left it
+                env.setdefault(name, value)
+
+    async def _run_walk_body(self, state: RequestState, sites: WalkSites, env: dict[str, Any]) -> None:
+        walk = sites.walk
         frame = WalkFrame(walk, set(walk.emit))
         if not walk.streams:
             await self._step(state, frame, sites.body, env)

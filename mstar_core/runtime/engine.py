@@ -148,6 +148,21 @@ class Engine(abc.ABC):
     #: the engine takes any module. An engine checks it in `__init__`, so a module that cannot take
     #: the engine's calls fails the model's load, not its first request.
     module_contract: ClassVar[type | None] = None
+    #: The options a walk's `NodeCall(options=...)` may pass; None: the kind's options are not checked.
+    #: `Graph.build` rejects any other (node options included), naming the walk, node and known options.
+    call_options: ClassVar[frozenset[str] | None] = None
+    #: Options only the node may set (`GraphNode(options=...)`), besides the call options.
+    node_options: ClassVar[frozenset[str]] = frozenset()
+    #: Options whose value names another node of the same kind (`share_cache_with`): built before this one.
+    node_ref_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declares = {"call_options", "node_options", "node_ref_options"} & set(vars(cls))
+        if declares and cls.call_options is not None and isinstance(vars(cls).get("kind", getattr(cls, "kind", None)), str):
+            from mstar_core.graph.options import record_engine_options
+
+            record_engine_options(cls.kind, cls.call_options | cls.node_options, cls.node_ref_options)
 
     def __init__(self, node: GraphNode, module: Any, context: EngineContext):
         self.node = node

@@ -41,7 +41,8 @@ class CallSite:
         self.node = call.node
         self.path = path
         self.inputs = tuple((port, call.env_input(port)) for port in node.inputs)
-        self.optional_inputs = tuple((port, call.env_input(port)) for port in node.optional_inputs)
+        # only those in the walk's scope at this position: never a name an earlier walk left in the env
+        self.optional_inputs = tuple((port, call.env_input(port)) for port in graph.optional_ports(walk.name, path, call))
         self.outputs = tuple((port, call.env_output(port)) for port in node.outputs)  # (node output, env name)
         static = {k: v for k, v in call.options.items() if not isinstance(v, FromEnv)}
         # static node options overlaid with the call site's (graphs are immutable: once per site)
@@ -108,6 +109,9 @@ class WalkSites:
 
     def __init__(self, walk: Walk):
         self.walk = walk
+        # names the walk's calls take as optional inputs but does not declare: only this walk's own steps
+        # write them, so a value under one at the walk's start (an earlier walk's) is hidden while it runs
+        self.scoped: frozenset[str] = frozenset()
         self.body: Site | None = None
         self.consumers: dict[int, Site] = {}
         self.stream_calls: dict[int, CallSite] = {}
@@ -149,6 +153,9 @@ def compile_walk(graph: Graph, walk: Walk, scheduler: Callable[[str, str], Any])
             sites.stream_calls[k] = CallSite(graph, walk, NodeCall(edge.dst_node, outputs=edge.outputs), (k + 1,),
                                              scheduler(walk.name, edge.dst_node))
             producers.setdefault(edge.dst_node, k)
+    declared = {*walk.inputs, *walk.optional_inputs}
+    calls = [*(c for b in (sites.body, *sites.consumers.values()) for c in iter_call_sites(b)), *sites.stream_calls.values()]
+    sites.scoped = frozenset(name for c in calls for _, name in c.optional_inputs if name not in declared)
     sites.closes = {None: [], **{k: [] for k in range(len(walk.streams))}}
     for k, edge in enumerate(walk.streams):
         sites.closes[producers.get(edge.src_node)].append(k)
@@ -172,4 +179,4 @@ def iter_call_sites(site: Site) -> Iterator[CallSite]:
 
 
 def _reads(graph: Graph, call: NodeCall) -> set[str]:
-    return {call.env_input(p) for p in graph.nodes[call.node].all_inputs}
+    return {n for p in graph.nodes[call.node].all_inputs if (n := call.env_input(p)) is not None}

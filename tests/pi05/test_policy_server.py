@@ -183,7 +183,7 @@ def test_mapping_choice_from_the_environment(monkeypatch, tmp_path):
     from mstar_pi05.config import PolicyConfig
     from mstar_pi05.robots import policy_server
 
-    from mstar_core.api.policy_ws import ObservationMapping, configured_mapping, pick_mapping
+    from mstar_pi05.policy_ws import ObservationMapping, configured_mapping, pick_mapping
     from mstar_core.errors import ConfigError
 
     declared = [ObservationMapping.from_dict(n, m) for n, m in

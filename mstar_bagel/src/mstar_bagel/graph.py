@@ -57,7 +57,6 @@ from mstar_core.nn.flux_vae import FluxAutoEncoder
 
 WALKS = ("t2i", "edit", "understand", "think")
 MAX_STEPS = 200
-ABSENT = "_absent"  # an env name nothing supplies: binds a call's unused optional ports
 GUIDANCE = ("guidance_scale", "image_guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
 FLOW_INPUTS = ("n", "num_steps", "latent_shape", "latent_ids", "latent_grid", "gen_block_ids", "gen_block_at",
                "gen_block_routing", "gen_rows", "gen_position_table")
@@ -66,10 +65,9 @@ LLM_OPTIONAL = ("input_embeds", "embeds_at", "routing", "positions", "sampling")
 
 
 def _write(inputs: dict[str, str], **options) -> NodeCall:
-    """A writing call of `llm`: the ports given, the others bound to nothing; its sampled token kept apart."""
-    ports = {p: ABSENT for p in LLM_OPTIONAL} | inputs
-    return NodeCall("llm", inputs=ports, outputs={"next_token": "prefill_token", "finish_reason": "prefill_finish"},
-                    options=options)
+    """A writing call of `llm`: the ports given, never the request's sampling (nothing drawn); its token kept apart."""
+    return NodeCall("llm", inputs={"sampling": None, **inputs},
+                    outputs={"next_token": "prefill_token", "finish_reason": "prefill_finish"}, options=options)
 
 
 def _image_block(prefix: str, rows: str, *, gen: bool) -> NodeCall:
@@ -145,7 +143,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         body=Sequential(_write({"input_ids": "prompt_ids", "positions": "prompt_positions"},
                                snapshot_before="cfg_text", snapshot_after="cfg_img"), _flow()),
         inputs=("prompt_ids", "prompt_positions", *FLOW_INPUTS),
-        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        optional_inputs=FLOW_OPTIONAL,
         outputs=("image", "seeds"),
         emit=("sigma",),
         description="prompt into main (cfg_text: empty; cfg_img: main), then the CFG flow loop and the VAE decode",
@@ -163,7 +161,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         inputs=("vae_pixels", "vit_pixels", "vae_block_ids", "vae_block_at", "vae_block_routing", "vae_block_positions",
                 "vit_block_ids", "vit_block_at", "vit_block_positions", "prompt_ids", "prompt_positions",
                 "text_only_positions", *FLOW_INPUTS),
-        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        optional_inputs=FLOW_OPTIONAL,
         outputs=("image", "seeds"),
         emit=("sigma",),
         description="the input image as a VAE block and a ViT block, the instruction, then the flow at the input's size",
@@ -177,7 +175,6 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
             *_decode("think_start"),
         ),
         inputs=("system_ids", "system_positions", "prompt_ids", "prompt_positions", "think_start", "sampling"),
-        optional_inputs=(ABSENT,),
         outputs=("text", "decoded", "finish_reason"),
         emit=("next_token",),
         description="system prompt and prompt (cfg_text: the system prompt; cfg_img: both), then the thought, decoded "
@@ -198,7 +195,6 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         inputs=("system_ids", "system_positions", "vae_pixels", "vit_pixels", "vae_block_ids", "vae_block_at",
                 "vae_block_routing", "vae_block_positions", "vit_block_ids", "vit_block_at", "vit_block_positions",
                 "prompt_ids", "prompt_positions", "text_only_positions", "think_start", "sampling"),
-        optional_inputs=(ABSENT,),
         outputs=("text", "decoded", "finish_reason"),
         emit=("next_token",),
         description="system prompt, the input image (VAE and ViT blocks) and the instruction, then the thought",
@@ -207,7 +203,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         name="think_image",
         body=Sequential(NodeCall("think_close"), _write({"input_ids": "close_ids"}), _flow()),
         inputs=("decoded", "gen_position_base", *(n for n in FLOW_INPUTS if n != "gen_position_table")),
-        optional_inputs=(ABSENT, *FLOW_OPTIONAL),
+        optional_inputs=FLOW_OPTIONAL,
         outputs=("image", "seeds"),
         emit=("sigma",),
         description="the thought closed with <|im_end|> in main, then the flow at the position after it",
@@ -226,7 +222,6 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
             *_decode("reply_start", positions="reply_positions"),
         ),
         inputs=("parts", "num_parts", "reply_start", "reply_positions", "sampling"),
-        optional_inputs=(ABSENT,),
         outputs=("text", "finish_reason"),
         emit=("next_token",),
         description="text and images in their order (images as ViT blocks), then <|im_start|>; decode until <|im_end|>",
@@ -264,13 +259,12 @@ def opens_image(boi: int):
     return choose
 
 
-def _decode(first: str, positions: str = ABSENT) -> tuple:
+def _decode(first: str, positions: str | None = None) -> tuple:
     """Feed `first` (sampling its last row), then each sampled token until a stop id or max_tokens; the text."""
-    ports = {p: ABSENT for p in LLM_OPTIONAL}
     return (
-        NodeCall("llm", inputs={**ports, "input_ids": first, "positions": positions, "sampling": "sampling"}),
+        NodeCall("llm", inputs={"input_ids": first, "positions": positions, "sampling": "sampling"}),
         Copy(first_token="next_token"),
-        DynamicLoop(body=NodeCall("llm", inputs={**ports, "input_ids": "next_token", "sampling": "sampling"}),
+        DynamicLoop(body=NodeCall("llm", inputs={"input_ids": "next_token", "sampling": "sampling"}),
                     until=lambda env: env.get("finish_reason") is not None,
                     max_iters=decode_iterations("sampling"), accumulate={"next_token": "decoded"}),
         NodeCall("detokenize"),

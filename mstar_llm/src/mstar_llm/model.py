@@ -45,11 +45,10 @@ def choice_walks(node: str = "lm", default_max_tokens: int = 256) -> tuple[Walk,
     prefill = Walk(
         name="prefill_shared",
         # no sampling: the token it predicts is dropped, and no random stream is drawn from
-        body=NodeCall(node, inputs={"input_ids": "prompt_head", "sampling": "prompt_sampling"},
+        body=NodeCall(node, inputs={"input_ids": "prompt_head", "sampling": None},
                       outputs={name: f"prompt_{name}" for name in (*LOGPROB_OUTPUTS, "next_token", "finish_reason")},
                       options={"cache_label": "main"}),
         inputs=("prompt_head",),
-        optional_inputs=("prompt_sampling",),  # never sent: the prompt runs unsampled
         description=f"run the prompt but its last token through '{node}' once, on cache label 'main'",
     )
     first = NodeCall(node, inputs={"input_ids": "prompt_tail", "sampling": "sampling"},

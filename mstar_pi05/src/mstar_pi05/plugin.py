@@ -7,3 +7,14 @@ def mstar_register_models(register):
 
     for spec in SPECS:
         register(spec)
+
+
+@hookimpl
+def mstar_register_routes(register):
+    def policy_router():
+        # imported when the server builds its app: discovery (`mstar plugins`) stays free of the web stack
+        from mstar_pi05.policy_ws import router
+
+        return router
+
+    register(policy_router)  # openpi's websocket policy protocol at `/`

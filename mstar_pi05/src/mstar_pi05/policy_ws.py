@@ -1,5 +1,6 @@
 """openpi's websocket policy protocol at `/` on the server's own port, so an unchanged `openpi-client`
-`WebsocketClientPolicy(host, port)` drives any served model that declares it (pi0 / pi0.5).
+`WebsocketClientPolicy(host, port)` drives any served model that declares it (pi0 / pi0.5). The package
+adds it to the server through the `mstar_register_routes` hook (`plugin.py`).
 
 The protocol: the server sends the policy's metadata on connect (msgpack), then answers each observation
 (a msgpack map with numpy arrays) with `{"actions": ndarray, "server_timing": {...}}`. Arrays travel in
@@ -37,7 +38,7 @@ from mstar_core.api.common import submit
 from mstar_core.api.errors import ApiError
 from mstar_core.errors import ConfigError, RequestError
 
-log = logging.getLogger("mstar.api.policy")
+log = logging.getLogger("mstar.pi05.policy")
 router = APIRouter()
 WS_PATH = "/"
 #: numpy dtype kinds an observation array may have: bool, ints, unsigned ints, floats (never objects or voids)

@@ -1,6 +1,6 @@
 """The observation keys openpi's example robots send, mapped to this package's request fields.
 
-`mstar_core.api.policy_ws` serves these on `/` (openpi's websocket policy protocol); `MSTAR_POLICY_MAPPING`
+`mstar_pi05.policy_ws` serves these on `/` (openpi's websocket policy protocol); `MSTAR_POLICY_MAPPING`
 picks one by name or names a JSON file of the same shape, else each observation uses the first mapping
 whose keys it carries.
 """

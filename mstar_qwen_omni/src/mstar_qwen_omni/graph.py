@@ -40,8 +40,6 @@ from mstar_qwen_omni.checkpoint import QwenOmni
 from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, PromptEncoder, TalkerPrompt, TextStart
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
-#: An env name nothing ever supplies: binds the code predictor's port a call must not take (ids vs embeddings).
-UNSET = "unset"
 
 
 def _finished(env: Mapping[str, Any]) -> bool:
@@ -57,12 +55,12 @@ def plan(env: Mapping[str, Any]) -> list[str]:
     return [first, "speak"] if env.get("speaker") is not None else [first, "decode"]
 
 
-#: The Thinker's ports only the media prefill binds; its other calls bind them to UNSET.
+#: The Thinker's ports only the media prefill binds (the other walks never have them: left out there).
 _MM_PORTS = ("input_embeds", "embeds_at", "positions", "deepstack")
 
 
 def _thinker(ids: str, options: Mapping[str, Any] | None = None, **ports: str) -> NodeCall:
-    inputs = {"input_ids": ids, "sampling": "sampling", **dict.fromkeys(_MM_PORTS, UNSET), **ports}
+    inputs = {"input_ids": ids, "sampling": "sampling", **ports}
     return NodeCall("thinker", inputs=inputs, options=options or {})
 
 
@@ -87,7 +85,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     walks = [
         Walk(name="prefill",
              body=_thinker("prompt_ids"),
-             inputs=("prompt_ids",), optional_inputs=("sampling", UNSET), outputs=("next_token", "finish_reason"),
+             inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
         Walk(name="prefill_mm",
              body=Sequential(
@@ -96,12 +94,12 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
                  _thinker("prompt_ids", {"output_rows": "all"} if accept else None, input_embeds="mm_rows",
                           embeds_at="mm_at", positions="prompt_positions", deepstack="mm_deepstack")),
              inputs=("prompt_ids", "prompt_positions"),
-             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", UNSET),
+             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid"),
              outputs=("next_token", "finish_reason"), emit=("next_token",),
              description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"),
         Walk(name="decode",
              body=_thinker_loop(),
-             inputs=("next_token",), optional_inputs=("sampling", UNSET), outputs=("next_token", "finish_reason"),
+             inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
     ]
     if model.talker is not None:
@@ -126,7 +124,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
             name="speak",
             body=_thinker_loop(),
             inputs=("next_token", "prompt_ids", "speaker", "talker_sampling", "predictor_sampling", "talker_max_tokens"),
-            optional_inputs=("sampling", UNSET, "accept_hidden", "image_grid"),
+            optional_inputs=("sampling", "accept_hidden", "image_grid"),
             outputs=("next_token", "finish_reason", "audio"),
             emit=("next_token", "codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
             streams=(
@@ -154,14 +152,14 @@ def _talker_fragment(groups: int) -> Sequential:
     frame = Sequential(
         NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
         # codes 1..G-1 in one call on a scratch label: the engine feeds each sampled code back as the next input
-        NodeCall("code_predictor", inputs={"input_embeds": "cp_seed", "input_ids": UNSET,
+        NodeCall("code_predictor", inputs={"input_embeds": "cp_seed", "input_ids": None,
                                            "sampling": "predictor_sampling"},
                  outputs={"next_token": "cp_codes"},
                  options={"cache_label": "frame", "reset": True, "decode_steps": groups - 1}),
         NodeCall("frame_step", inputs={"text": "reply_text"}, outputs={"step_embeds": "talker_in"}),
         # input_ids: the code 0 this step's embeddings carry, so the repetition penalty sees the codes spoken
         NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "code0", "sampling": "talker_sampling",
-                                   "positions": UNSET}, outputs=talker_outputs),
+                                   "positions": None}, outputs=talker_outputs),
     )
     return Sequential(
         NodeCall("talker_prompt", inputs={"first_token": "next_token"}),

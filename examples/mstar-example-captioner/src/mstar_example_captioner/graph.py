@@ -75,15 +75,13 @@ def build_graph(model: Captioner, tokenizer: CharTokenizer, name: str = "example
     decode = Walk(
         name="decode",
         body=DynamicLoop(
-            # `step_embeds` is never supplied: decode steps are plain token ids. Naming it keeps the prefill's
-            # `prompt_embeds` (still in the env) away from this call, and declaring it below satisfies the check
-            # that every optional input can be supplied.
-            body=NodeCall("lm", inputs={"input_ids": "next_token", "input_embeds": "step_embeds"}),
+            # decode steps are plain token ids: this walk has no `input_embeds`, so the call leaves it out
+            # (the prefill's `prompt_embeds`, still in the env, is another walk's value and never read here)
+            body=NodeCall("lm", inputs={"input_ids": "next_token"}),
             until=_finished,
             max_iters=decode_iterations("sampling"),  # max_tokens - 1: prefill sampled the first token
         ),
         inputs=("next_token", "sampling"),
-        optional_inputs=("step_embeds",),
         outputs=("next_token", "finish_reason"),
         emit=("next_token", "text"),
         streams=(to_text,),

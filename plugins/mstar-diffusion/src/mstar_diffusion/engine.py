@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from mstar_core.errors import ConfigError, ModelLoadError, RequestError
-from mstar_core.graph.options import check_call_options, declare_call_options
+from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
@@ -41,10 +41,6 @@ SETTINGS = ("max_batch_size", "max_rows")
 INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
 STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity")
 _BRANCHES = ("cond", "uncond", "uncond_image")
-
-# Graph.build checks every option against these (node options included), so a misspelt one fails the build
-declare_call_options("diffusion", params.KNOWN_OPTIONS)
-
 
 @attrs.define(eq=False)
 class _Call:
@@ -67,7 +63,9 @@ class DiffusionEngine(Engine):
 
     kind = "diffusion"
     module_contract = DenoiserModule
+    # Graph.build checks every option against these (node options included), so a misspelt one fails the build
     call_options = params.CALL_OPTIONS
+    node_options = params.KNOWN_OPTIONS - params.CALL_OPTIONS
 
     def __init__(self, node: Any, module: Any, context: EngineContext):
         super().__init__(node, module, context)
