@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from mstar_core.errors import RequestError
 from mstar_core.graph import FromEnv, Graph, GraphNode, Loop, NodeCall, Sequential, Walk
 from mstar_pi05.modeling import ActionExpert, Policy, PrefixWriter, VisionEncoder
 
@@ -35,7 +36,12 @@ class Finish:
 
     def __call__(self, latents: torch.Tensor, action_dim: int) -> torch.Tensor:
         with torch.no_grad():
-            return self.unnormalize(latents.float().cpu())[:, :action_dim]
+            actions = self.unnormalize(latents.float().cpu())[:, :action_dim]
+        if not torch.isfinite(actions).all():  # actions drive a robot: a NaN must fail the request, never reach it
+            bad = int((~torch.isfinite(actions)).sum())
+            raise RequestError(f"the policy produced {bad} non-finite action values (NaN or Inf); none are returned",
+                               status=500)
+        return actions
 
 
 def build_graph(policy: Policy, unnormalize: Callable[[torch.Tensor], torch.Tensor], name: str) -> Graph:

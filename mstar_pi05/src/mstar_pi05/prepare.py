@@ -125,7 +125,25 @@ def _image(value: Any, name: str) -> torch.Tensor:
         raise RequestError(f"'{name}' must be an RGB image [H, W, 3], got shape {list(t.shape)}", param=name)
     if t.dtype == torch.bool or t.is_complex():
         raise RequestError(f"'{name}' must hold integers in 0..255 or floats in [0, 1], got {t.dtype}", param=name)
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise RequestError(f"'{name}' holds non-finite pixels (NaN or Inf); send floats in [0, 1]", param=name)
     return t
+
+
+def _state(value: torch.Tensor, limit: int) -> np.ndarray:
+    """The robot state exactly as openpi takes it: one non-empty 1-D vector of finite values."""
+    if value.dim() != 1:
+        raise RequestError(f"'state' must be a 1-D vector [n], got shape {list(value.shape)}", param="state")
+    if value.shape[0] < 1:
+        raise RequestError("'state' is empty; send the robot's state values", param="state")
+    if value.shape[0] > limit:
+        raise RequestError(f"'state' has {value.shape[0]} values; this policy takes at most {limit}", param="state")
+    if value.dtype == torch.bool or value.is_complex():
+        raise RequestError(f"'state' must hold real numbers, got {value.dtype}", param="state")
+    state = value.double().numpy()
+    if not np.isfinite(state).all():
+        raise RequestError("'state' holds non-finite values (NaN or Inf)", param="state")
+    return state
 
 
 class Preparer:
@@ -177,10 +195,9 @@ class Preparer:
         cfg = self.cfg
         size = cfg.vision.image_size
         pixels = torch.stack([resize_with_pad(_image(im, f"images[{i}]"), size) for i, im in enumerate(inputs["images"])])
-        state = inputs["state"].double().reshape(-1).numpy()
-        if state.shape[0] > cfg.max_state_dim:
-            raise RequestError(f"'state' has {state.shape[0]} values; this policy takes at most {cfg.max_state_dim}",
-                               param="state")
+        if not inputs["prompt"].strip():
+            raise RequestError("'prompt' is empty; send the task, e.g. 'pick up the cube'", param="prompt")
+        state = _state(torch.as_tensor(inputs["state"]), cfg.max_state_dim)
         state = np.pad(self.normalize_state(state), (0, cfg.max_state_dim - state.shape[0]))
         ids = prompt_ids(self.tokenizer, inputs["prompt"], state if cfg.pi05 else None)[: cfg.tokenizer_max_length]
         if max(ids) >= cfg.text.vocab_size:
