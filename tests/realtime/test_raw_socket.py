@@ -1,0 +1,161 @@
+"""A raw WebSocket client at /v1/realtime: the handshake's guards, malformed and oversized frames (each an
+`error` event naming the problem, the session going on), admission, and a dropped connection freeing its work."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+
+from tests.realtime.helpers import pages_used
+from tests.server.helpers import API_KEY
+
+pytest.importorskip("websockets")
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+
+def _url(srv, model: str = "toy-chat") -> str:
+    return srv.url.replace("http", "ws") + f"/v1/realtime?model={model}"
+
+
+async def _connect(srv, model: str = "toy-chat", key: str | None = API_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    ws = await connect(_url(srv, model), additional_headers=headers, max_size=None)
+    return ws
+
+
+async def _next(ws, kind: str | None = None) -> dict:
+    while True:
+        ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        if kind is None or ev["type"] == kind:
+            return ev
+
+
+def test_handshake_needs_the_api_key(rt_server):
+    async def go():
+        with pytest.raises(InvalidStatus) as err:
+            await _connect(rt_server, key=None)
+        assert err.value.response.status_code == 403
+        with pytest.raises(InvalidStatus):
+            await _connect(rt_server, key="wrong")
+
+    asyncio.run(go())
+
+
+def test_unknown_model_gets_an_error_event_and_a_policy_close(rt_server):
+    async def go():
+        ws = await _connect(rt_server, model="no-such-model")
+        ev = await _next(ws)
+        with pytest.raises(ConnectionClosed):
+            await ws.recv()
+        return ev, ws.close_code
+
+    ev, code = asyncio.run(go())
+    assert ev["type"] == "error" and ev["error"]["param"] == "model" and "no-such-model" in ev["error"]["message"]
+    assert code == 1008
+
+
+BAD = [
+    ("not json at all", None, "invalid_json"),
+    (json.dumps([1, 2]), "type", "invalid_event"),
+    (json.dumps({"type": "no.such.event", "event_id": "e1"}), "type", "unknown_event"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "%%%not base64%%%"}), "audio", "invalid_base64"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}), "audio",
+     "invalid_audio"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}}),
+     "session.audio.input.format", "invalid_value"),
+    (json.dumps({"type": "session.update", "session": {"bogus": 1}}), "session.bogus", None),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"threshold": 7}}}}}),
+     "session.audio.input.turn_detection.threshold", None),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                              "content": [{"type": "input_image"}]}}),
+     "item.content[0].type", None),
+    (json.dumps({"type": "conversation.item.delete", "item_id": "missing"}), "item_id", "item_not_found"),
+    (json.dumps({"type": "response.cancel"}), "response_id", "response_cancel_not_active"),
+    (json.dumps({"type": "input_audio_buffer.commit"}), None, "input_audio_buffer_commit_empty"),
+    (json.dumps({"type": "response.create", "response": {"max_output_tokens": 0}}), "response.max_output_tokens", None),
+]
+
+
+def test_malformed_events_get_errors_and_the_session_goes_on(rt_server):
+    async def go():
+        ws = await _connect(rt_server)
+        await _next(ws, "session.created")
+        got = []
+        for frame, _, _ in BAD:
+            await ws.send(frame)
+            got.append(await _next(ws))
+        await ws.send(b"\x00binary")  # a binary frame: events are JSON text
+        got.append(await _next(ws))
+        # frames over the event limit (256 KiB here) and a buffer past its 3 s bound
+        big = base64.b64encode(b"\x00" * 300_000).decode()
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": big}))
+        got.append(await _next(ws))
+        second = base64.b64encode(b"\x01\x00" * 24_000).decode()
+        for _ in range(3):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+        got.append(await _next(ws))
+        await ws.send(json.dumps({"type": "session.update", "event_id": "ok", "session": {"instructions": "hi"}}))
+        updated = await _next(ws)
+        await ws.close()
+        return got, updated
+
+    got, updated = asyncio.run(go())
+    for ev, (frame, param, code) in zip(got, BAD, strict=False):
+        assert ev["type"] == "error", (frame, ev)
+        assert ev["error"]["param"] == param, (frame, ev["error"])
+        if code is not None:
+            assert ev["error"]["code"] == code, (frame, ev["error"])
+    assert got[2]["error"]["event_id"] == "e1"  # the error names the client event that caused it
+    binary, too_big, full = got[len(BAD):]
+    assert binary["error"]["code"] == "invalid_frame"
+    assert too_big["error"]["code"] == "event_too_large"
+    assert full["error"]["code"] == "input_audio_buffer_full"
+    assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "hi"
+
+
+def test_a_full_server_refuses_with_try_again_later(rt_server):
+    async def go():
+        held = [await _connect(rt_server) for _ in range(4)]  # the fixture's MSTAR_REALTIME_MAX_SESSIONS
+        for ws in held:
+            await _next(ws, "session.created")
+        extra = await _connect(rt_server)
+        ev = await _next(extra)
+        with pytest.raises(ConnectionClosed):
+            await extra.recv()
+        for ws in held:
+            await ws.close()
+        await asyncio.sleep(0.2)
+        again = await _connect(rt_server)  # places come back when sessions close
+        created = await _next(again)
+        await again.close()
+        return ev, extra.close_code, created
+
+    ev, code, created = asyncio.run(go())
+    assert ev["type"] == "error" and ev["error"]["code"] == "server_overloaded"
+    assert code == 1013
+    assert created["type"] == "session.created"
+
+
+def test_a_dropped_connection_frees_its_response(rt_server):
+    async def go():
+        ws = await _connect(rt_server)
+        await _next(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 500}]}}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}}))
+        await _next(ws, "response.output_text.delta")
+        busy = pages_used(rt_server, "toy-chat", "lm")
+        ws.transport.abort()  # no close frame: the network went away
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if pages_used(rt_server, "toy-chat", "lm") == 0:
+                break
+        return busy, pages_used(rt_server, "toy-chat", "lm")
+
+    busy, after = asyncio.run(go())
+    assert busy > 0 and after == 0
