@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
@@ -20,6 +19,7 @@ from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.rotary import RotaryEmbedding
 from mstar_core.nn.self_attention import GroupedQueryAttention
+from mstar_core.nn.tied_head import TiedLMHead
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,6 +68,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        else:  # no parameter of its own; packed like a wide linear when the engine packs (see nn/tied_head.py)
+            self.tied_head = TiedLMHead(self.model.embed_tokens)
 
     @property
     def num_layers(self) -> int:
@@ -99,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden `[N, H]` -> logits `[N, vocab]`."""
         if self.lm_head is not None:
             return self.lm_head(hidden)  # (the module, so a packed LM head runs packed, see nn/packed.py)
-        return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.tied_head(hidden)
 
 
 def llama_weight_mapping(cfg: LlamaConfig):

@@ -106,6 +106,10 @@ def pack_linears(module: nn.Module, min_out: int | None = None) -> int:
     min_out = PACK_MIN_OUT if min_out is None else min_out
     count = 0
     for sub in module.modules():
+        own = getattr(sub, "pack_own_linears", None)  # a linear over another module's weight (a tied LM head)
+        if own is not None:
+            count += own(min_out)
+            continue
         if type(sub) not in (nn.Linear, PackedLinear) or sub.out_features < min_out:
             continue
         weight = sub.weight

@@ -118,3 +118,26 @@ def test_a_compiled_graph_keeps_the_packed_gemm_as_one_op():
         want = model(x)
     assert seen.count("mstar_nn.packed_linear") == 2, seen  # no graph break, no plain linear
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_lm_head_is_packed_without_a_parameter_of_its_own():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CFG, "tie_word_embeddings": True})).eval()
+    ours = LlamaForCausalLM(hf.config.to_dict())
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    keys, params = list(ours.state_dict()), len(list(ours.parameters()))
+    assert "lm_head.weight" not in keys
+    assert pack_linears(ours, min_out=512) == 1  # the 64 x 512 head over the embedding's weight, nothing else
+    assert list(ours.state_dict()) == keys and len(list(ours.parameters())) == params
+    ids = torch.tensor([[3, 17, 99, 5, 250, 42, 7]])
+    with torch.inference_mode():
+        hidden = ours(ids[0], torch.arange(ids.shape[1]), DenseAttention())
+        _close(ours.compute_logits(hidden), hf(ids).logits[0])
+    new = torch.randn(512, 64)
+    ours.model.embed_tokens.load_state_dict({"weight": new})  # in place: the pack is stale from now on
+    with torch.inference_mode():
+        assert torch.equal(ours.compute_logits(hidden), F.linear(hidden, new))
+    ours.model.embed_tokens.weight = nn.Parameter(torch.randn(512, 64))  # replaced: the head follows the embedding
+    with torch.inference_mode():
+        assert torch.equal(ours.compute_logits(hidden), F.linear(hidden, ours.model.embed_tokens.weight))
