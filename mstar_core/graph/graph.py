@@ -21,6 +21,7 @@ from mstar_core.graph.walk import (
     Step,
     StreamingGraphEdge,
     Walk,
+    children,
     iter_calls,
     iter_leaves,
     iter_walk_calls,
@@ -280,7 +281,7 @@ class _WalkChecker:
         if isinstance(step, Assign):
             return self.assign(step, avail, loop_depth)
         if isinstance(step, Sequential):
-            for i, s in enumerate(step.steps):
+            for i, s in enumerate(children(step)):
                 avail = self.step(s, avail, loop_depth, (*path, i))
             return avail
         if isinstance(step, Parallel) and step.fan_out:
@@ -290,7 +291,7 @@ class _WalkChecker:
                 self.fail("Parallel() has no branches")
             joined = set(avail)
             owner: dict[str, int] = {}
-            for i, branch in enumerate(step.branches):
+            for i, branch in enumerate(children(step)):
                 out = self.step(branch, set(avail), loop_depth, (*path, i)) - avail
                 for name in out:
                     if name in owner:

@@ -13,10 +13,10 @@ from mstar_core.graph.walk import (
     FromEnv,
     Loop,
     NodeCall,
-    Parallel,
     Sequential,
     Step,
     Walk,
+    children,
     iter_calls,
     iter_loops,
     iter_walk_calls,
@@ -146,13 +146,12 @@ class _Writer:
         if isinstance(step, Assign):
             self.box(self.layout.ids[id(step)], step.label, rounded=True)
             return
-        children = step.steps if isinstance(step, Sequential) else step.branches if isinstance(step, Parallel) else (step.body,)
         grouped = not isinstance(step, Sequential)
         if grouped:
             self.groups += 1
             self.open_group(f"g{self.groups}", _group_label(step))
             self.depth += 1
-        for child in children:
+        for child in children(step):
             self.tree(child)
         if grouped:
             self.depth -= 1

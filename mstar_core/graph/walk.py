@@ -365,18 +365,27 @@ def iter_calls(step: Step):
             yield leaf
 
 
+def children(step: Step) -> tuple[Step, ...]:
+    """The steps directly inside `step`, in program order: the one traversal every walk tree uses.
+
+    A Sequential's steps, a Parallel's branches (one body for a fan-out), a loop's body; none for a
+    NodeCall or an Assign. Child i of a step at position `path` is at `(*path, i)` (see `graph.Path`).
+    """
+    if isinstance(step, Sequential):
+        return step.steps
+    if isinstance(step, Parallel):
+        return step.branches
+    if isinstance(step, Loop | DynamicLoop):
+        return (step.body,)
+    return ()
+
+
 def iter_leaves(step: Step):
     """Yield every NodeCall and Assign inside a step, depth first, in program order."""
     if isinstance(step, NodeCall | Assign):
         yield step
-    elif isinstance(step, Sequential):
-        for s in step.steps:
-            yield from iter_leaves(s)
-    elif isinstance(step, Parallel):
-        for s in step.branches:
-            yield from iter_leaves(s)
-    else:
-        yield from iter_leaves(step.body)
+    for child in children(step):
+        yield from iter_leaves(child)
 
 
 def iter_walk_leaves(walk: Walk):
@@ -389,11 +398,5 @@ def iter_loops(step: Step):
     """Yield every Loop and DynamicLoop inside a step, depth first (a walk's loops are numbered so)."""
     if isinstance(step, Loop | DynamicLoop):
         yield step
-        yield from iter_loops(step.body)
-    elif isinstance(step, Sequential):
-        for s in step.steps:
-            yield from iter_loops(s)
-    elif isinstance(step, Parallel):
-        for s in step.branches:
-            yield from iter_loops(s)
-    # NodeCall and Assign hold no loops
+    for child in children(step):
+        yield from iter_loops(child)

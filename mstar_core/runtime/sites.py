@@ -23,6 +23,7 @@ from mstar_core.graph.walk import (
     Sequential,
     Step,
     Walk,
+    children,
     iter_calls,
 )
 
@@ -129,10 +130,9 @@ def compile_walk(graph: Graph, walk: Walk, scheduler: Callable[[str, str], Any])
             return CallSite(graph, walk, step, path, scheduler(walk.name, step.node))
         if isinstance(step, Assign):
             return AssignSite(step, path)
-        if isinstance(step, Sequential):
-            return SequenceSite(tuple(build(s, (*path, i)) for i, s in enumerate(step.steps)), path)
-        if isinstance(step, Parallel):
-            return ParallelSite(step, tuple(build(s, (*path, i)) for i, s in enumerate(step.branches)), path)
+        if isinstance(step, Sequential | Parallel):
+            kids = tuple(build(s, (*path, i)) for i, s in enumerate(children(step)))
+            return SequenceSite(kids, path) if isinstance(step, Sequential) else ParallelSite(step, kids, path)
         index = len(sites.loops)
         sites.loops.append(None)  # numbered before its inner loops, as `iter_loops` does
         reads = frozenset(name for c in iter_calls(step.body) for name in _reads(graph, c) if name in stream_names)
@@ -162,20 +162,23 @@ def compile_walk(graph: Graph, walk: Walk, scheduler: Callable[[str, str], Any])
     return sites
 
 
+def site_children(site: Site) -> tuple[Site, ...]:
+    """The sites directly inside `site`, as `walk.children` gives a step's (none for a call or an assign)."""
+    if isinstance(site, SequenceSite):
+        return site.steps
+    if isinstance(site, ParallelSite):
+        return site.branches
+    if isinstance(site, LoopSite):
+        return (site.body,)
+    return ()
+
+
 def iter_call_sites(site: Site) -> Iterator[CallSite]:
     """Every call site under `site`, depth first in program order (the order of `iter_calls`)."""
     if isinstance(site, CallSite):
         yield site
-    elif isinstance(site, AssignSite):
-        return
-    elif isinstance(site, SequenceSite):
-        for s in site.steps:
-            yield from iter_call_sites(s)
-    elif isinstance(site, ParallelSite):
-        for s in site.branches:
-            yield from iter_call_sites(s)
-    else:
-        yield from iter_call_sites(site.body)
+    for child in site_children(site):
+        yield from iter_call_sites(child)
 
 
 def _reads(graph: Graph, call: NodeCall) -> set[str]:
