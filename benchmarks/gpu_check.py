@@ -9,6 +9,8 @@
     greedy tokens, plus decode tokens/s both ways;
   * `llama8b`: Llama-3-8B shape (random bf16 weights) decode tokens/s at 32 and 128 concurrent
     requests (prompt 128, 128 new tokens, lockstep; steady = full-batch decode steps);
+  * `vs_vllm`: benchmarks/vs_vllm.py with both servers on the GPU (vLLM's CUDA build from its venv under the
+    benchmark cache; skipped when that venv is missing, as this section installs nothing), c=8 and c=32, fp32 and bf16;
   * `orpheus3b`: Orpheus at the Llama-3.2-3B shape with the real 24 kHz SNAC shape (random weights,
     the tiny tokenizer, so a smaller vocabulary), through `AsyncEngine`: TTFA and audio-seconds per
     second at c=1 and c=16 (published reference on one H100: about 3.4 and 24.2 audio-s/s).
@@ -226,8 +228,39 @@ def check_orpheus3b(device, smoke: bool) -> dict[str, Any]:
     return asyncio.run(_orpheus(device, smoke))
 
 
+def check_vs_vllm(device, smoke: bool, seconds: float = 200.0) -> dict[str, Any]:
+    """benchmarks/vs_vllm.py on the GPU: both servers on CUDA, one round at c=8 and c=32, fp32 and bf16.
+
+    vLLM's CUDA build comes from its own venv under the benchmark cache (vllm_side.py), which this section
+    never installs (a GPU machine here reaches no registry): without it the section says so and skips.
+    """
+    import subprocess
+
+    import vllm_side
+
+    if smoke or device.type != "cuda":
+        return {"skipped": "needs CUDA (the CPU comparison is benchmarks/vs_vllm.py itself)"}
+    python = vllm_side.venv_python(cuda=True)
+    if not python.exists():
+        return {"skipped": f"no vLLM CUDA venv at {python.parent.parent} (create it: python -m venv DIR && "
+                           "DIR/bin/pip install vllm)"}
+    cmd = [sys.executable, str(Path(__file__).with_name("vs_vllm.py")), "--device", "cuda", "--no-install",
+           "--rounds", "1", "--concurrency", "8,32", "--start-timeout", "120"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"vs_vllm.py did not finish in {seconds:.0f} s", "tail": (exc.stdout or "")[-800:]}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"error": f"vs_vllm.py exited {out.returncode}", "tail": (out.stdout + out.stderr)[-1500:]}
+    result = json.loads(lines[-1])
+    keep = ("tok_s_ratio_c8_fp32", "tok_s_ratio_c32_fp32", "tok_s_ratio_c8_bf16", "tok_s_ratio_c32_bf16",
+            "ttft_p50_ratio_max", "startup_ratio", "vllm_version", "greedy_texts_identical_float32")
+    return {k: result.get(k) for k in keep}
+
+
 SECTIONS = [("flashinfer", check_flashinfer, 60), ("cuda_graphs", check_cuda_graphs, 120),
-            ("llama8b", check_llama8b, 120), ("orpheus3b", check_orpheus3b, 150)]
+            ("llama8b", check_llama8b, 120), ("orpheus3b", check_orpheus3b, 150), ("vs_vllm", check_vs_vllm, 200)]
 
 
 def main() -> int:

