@@ -26,7 +26,7 @@ import numpy as np
 from mstar_core.errors import ConfigError, RequestError
 
 #: Content-part type on the wire -> the modality a model declares in `ApiAdapter.chat_media`.
-MODALITY_OF_TYPE = {"image_url": "image", "input_audio": "audio"}
+MODALITY_OF_TYPE = {"image_url": "image", "input_audio": "audio", "video_url": "video"}
 #: Image containers decoded (what Pillow reports as `Image.format`); the first frame of a GIF only if it has one.
 IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
 #: `input_audio.format` -> the containers soundfile may report for it.
@@ -268,6 +268,10 @@ def decode_messages(messages: Sequence[Mapping[str, Any]], accepts: Collection[s
                 elif kind == "image_url":
                     field = part_field(i, j, kind)
                     parts.append(_image_part(part, field, limits, fetched.get(field)))
+                elif kind == "video_url":  # frames (and the audio track) decoded with PyAV: mstar_core.api.video
+                    from mstar_core.api.video import video_part
+
+                    parts.append(video_part(part, part_field(i, j, kind)))
                 else:
                     parts.append(_audio_part(part, part_field(i, j, kind), limits))
         role = message.get("role")
