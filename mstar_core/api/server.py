@@ -13,7 +13,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, speech
+from mstar_core.api import chat, completions, images, native, speech, transcriptions
 from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after
@@ -21,6 +21,7 @@ from mstar_core.api.media import MediaLimits
 from mstar_core.api.metrics import Metrics
 from mstar_core.api.middleware import GuardMiddleware
 from mstar_core.api.plugin_routes import include_plugin_routes
+from mstar_core.api.realtime import route as realtime
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
 from mstar_core.config.placement import Placement
@@ -232,7 +233,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, images, native):
+    for module in (speech, chat, completions, images, native, realtime, transcriptions):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 

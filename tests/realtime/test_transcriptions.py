@@ -1,0 +1,59 @@
+"""POST /v1/audio/transcriptions with the official client: json, text, verbose_json, streamed deltas, bad input."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile
+
+from tests.realtime.helpers import tone
+
+pytest.importorskip("openai")
+
+
+def _wav(seconds: float = 1.0, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, tone(seconds).astype(np.float32) / 32768.0, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _client(srv):
+    from openai import OpenAI
+
+    from tests.server.helpers import API_KEY
+
+    return OpenAI(base_url=srv.url + "/v1", api_key=API_KEY)
+
+
+def test_formats_and_stream_agree(rt_server):
+    c = _client(rt_server)
+    audio = ("speech.wav", _wav(), "audio/wav")
+    plain = c.audio.transcriptions.create(model="qwen3-omni", file=audio)
+    assert isinstance(plain.text, str) and plain.usage.input_tokens > 20 and plain.usage.output_tokens >= 1
+    text = c.audio.transcriptions.create(model="qwen3-omni", file=audio, response_format="text")
+    assert text == plain.text, (repr(text), repr(plain.text))  # greedy: the same words whatever the format
+    verbose = c.audio.transcriptions.create(model="qwen3-omni", file=audio, response_format="verbose_json")
+    assert verbose.text == plain.text and verbose.duration == pytest.approx(1.0, abs=0.01)
+    assert verbose.language == "unknown"  # no language detection runs
+    events = list(c.audio.transcriptions.create(model="qwen3-omni", file=audio, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    done = events[-1]
+    assert done.type == "transcript.text.done" and done.text == deltas == plain.text
+    assert done.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_bad_uploads_name_the_field(rt_server):
+    import openai
+
+    c = _client(rt_server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.audio.transcriptions.create(model="qwen3-omni", file=("x.wav", b"not audio at all", "audio/wav"))
+    assert err.value.body["param"] == "file"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.audio.transcriptions.create(model="qwen3-omni", file=("x.wav", _wav(), "audio/wav"), response_format="srt")
+    assert err.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.audio.transcriptions.create(model="toy-chat", file=("x.wav", _wav(), "audio/wav"))
+    assert err.value.body["param"] == "model"
