@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from mstar_core.errors import RequestError
+from mstar_core.grammar.spec import GrammarSpec, as_grammar
 
 #: Seeds are integers in [0, MAX_SEED]: what an int64 holds on every wire and what `torch.Generator.manual_seed`
 #: takes without aliasing (torch would also take negatives and up to 2**64 - 1, mapping -1 to 2**64 - 1).
@@ -228,6 +229,8 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_sequences)
     seed: int | None = attrs.field(default=None, converter=_optional("seed"))
     logprobs: int | None = attrs.field(default=None, converter=_optional("logprobs"))
+    #: Output constrained to a grammar (`mstar_core.grammar`): every sampled token keeps it matchable.
+    grammar: GrammarSpec | None = attrs.field(default=None, converter=as_grammar)
 
     @property
     def greedy(self) -> bool:

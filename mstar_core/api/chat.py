@@ -22,6 +22,7 @@ from mstar_core.api.errors import ApiError, from_request_error
 from mstar_core.api.logprobs import chat_logprobs
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
+from mstar_core.api.structured import prepared_grammar, response_format_grammar
 from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields
 
@@ -84,10 +85,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     request.state.model = body.model
     adapter = state.adapter(body.model, "chat")
     audio = check_audio_request(adapter, body.model, body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, f"response_format '{body.response_format.type}' needs constrained decoding, which this "
-                            "server does not do yet; send {\"type\": \"text\"} and ask for JSON in the prompt",
-                       param="response_format")
+    grammar = response_format_grammar(None if body.response_format is None else body.response_format.model_dump())
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     ch.check_n(state, body.n)
@@ -96,6 +94,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
+    payload["grammar"] = await prepared_grammar(adapter, body.model, grammar, "response_format")
     limits = state.media_limits[(body.model, "chat")]
     messages = await decode_messages(adapter, body.model, payload["messages"], limits)
     # an adapter may resample or convert media (Qwen3-Omni: audio to 16 kHz): off the event loop when there are any

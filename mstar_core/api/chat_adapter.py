@@ -19,13 +19,14 @@ from mstar_core.errors import RequestError
 
 #: Sampling fields of an OpenAI body forwarded to the model's `prepare` when the client set them.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos")
+                   "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "grammar")
 #: Fields the chat and completions routes handle themselves (or accept and ignore, like `user`).
 ROUTE_FIELDS = {
     "chat": {"model", "messages", "stream", "stream_options", "n", "stop", "logprobs", "top_logprobs",
-             "response_format", "modalities", "audio", "max_completion_tokens", "user"},
+             "response_format", "modalities", "audio", "max_completion_tokens", "user", "tools", "tool_choice",
+             "parallel_tool_calls"},
     "completions": {"model", "prompt", "stream", "stream_options", "n", "stop", "logprobs", "echo", "suffix",
-                    "best_of", "user"},
+                    "best_of", "user", "response_format"},
 }
 
 

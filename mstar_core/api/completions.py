@@ -17,6 +17,7 @@ from mstar_core.api.errors import ApiError
 from mstar_core.api.logprobs import completion_logprobs
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, Completion, CompletionRequest
+from mstar_core.api.structured import prepared_grammar, response_format_grammar
 
 router = APIRouter()
 
@@ -67,6 +68,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     stops = check_stops(body.stop)
     prompts = split_prompts(body.prompt)
     payload = sampling_payload(body, ROUTE_FIELDS["completions"])
+    grammar = response_format_grammar(None if body.response_format is None else body.response_format.model_dump())
+    payload["grammar"] = await prepared_grammar(adapter, body.model, grammar, "response_format")
     what = f"the completions adapter of '{body.model}'"
     # each prompt's inputs are built (and so checked) before anything is submitted
     inputs = [adapter_call(adapter.completion_inputs, payload, p, what=what) for p in prompts]

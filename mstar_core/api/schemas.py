@@ -156,8 +156,10 @@ class SamplingFields(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"] = Field(description="only text is served (no constrained "
-                                                                            "decoding yet)")
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="json_object: any JSON object; json_schema: output following `json_schema.schema` exactly "
+                    "(constrained decoding; `strict` accepted)")
+    json_schema: dict[str, Any] | None = Field(None, description="{name, schema, strict?, description?}")
 
 
 class ChatRequest(SamplingFields):
@@ -188,6 +190,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = Field(None, strict=True, description="not supported: only false")
     suffix: str | None = Field(None, description="not supported: only empty")
     best_of: int | None = _count(None, 1, MAX_COUNT, description="only equal to n (no server-side ranking)")
+    response_format: ResponseFormat | None = None
 
 
 class TopLogprob(BaseModel):

@@ -20,9 +20,11 @@ TYPE_KEY = "__mstar_type__"
 def _structured_types() -> dict[str, type]:
     types: dict[str, type] = {"chunk": Chunk}
     try:
+        from mstar_core.grammar.spec import GrammarSpec
         from mstar_core.sampling import SamplingParams
 
         types["sampling"] = SamplingParams
+        types["grammar"] = GrammarSpec  # a sampling's `grammar` (structured outputs, tool calls)
     except ImportError:  # pragma: no cover - sampling ships with the core
         pass
     return types

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from mstar_core.errors import ConfigError
+from mstar_core.grammar import GrammarVocab
 from mstar_core.graph import DynamicLoop, FromEnv, Graph, GraphNode, NodeCall, Parallel, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_llm.prepare import EXAMPLE, RequestPreparer
@@ -143,6 +144,8 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
     loader = _load_gguf if path.suffix == ".gguf" else _load_hf
     lm, tokenizer, template, eos = loader(path, options, progress)
     cfg = lm.config
+    # what the kvcache engine compiles sampling grammars against (structured outputs, tool calls)
+    lm.grammar_vocab = GrammarVocab.from_tokenizer(tokenizer, cfg.vocab_size, eos)
     specials = {k: tokenizer.id_to_token(v) for k, v in (("bos_token", cfg.bos_token_id),) if v is not None}
     specials.update({"eos_token": tokenizer.id_to_token(eos[0])} if eos else {})
     prepare = RequestPreparer(
@@ -167,6 +170,7 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
             "config": cfg,
             "checkpoint": str(path),
             "max_model_len": cfg.max_position_embeddings,
+            "grammar_vocab": lm.grammar_vocab,
         },
     )
 

@@ -7,7 +7,9 @@ from typing import Any
 import attrs
 import torch
 
+from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Result
+from mstar_kvcache.grammar import attach as attach_grammars
 from mstar_kvcache.history import TokenIds
 from mstar_kvcache.inputs import ParsedInvocation
 from mstar_kvcache.sampler import Sampled, sample
@@ -109,8 +111,12 @@ class CallAnswers:
             logits = self.module.compute_logits(last)
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
+            grammars = None
+            if any(s.sampling is not None and s.sampling.grammar is not None or s.grammar is not None for s in seqs):
+                grammars = attach_grammars(self.node.name, self.grammar_vocab, seqs)
             picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                            [self._history(s) for s in seqs], logprobs=wanted, generated=[s.generated for s in seqs])
+                            [self._history(s) for s in seqs], logprobs=wanted, generated=[s.generated for s in seqs],
+                            grammars=grammars)
         return logits, picked
 
     @staticmethod
@@ -129,6 +135,9 @@ class CallAnswers:
         None when the call has `decode_steps` left: the token was fed back and the call stays pending.
         """
         token = picked.tokens[i]
+        if seq.grammar is not None and seq.grammar.rejected:
+            return self._fail(seq, RequestError(f"node '{self.node.name}': no token fits the request's grammar here "
+                                                "(the model's vocabulary cannot continue it)"))
         keep = not seq.readonly
         if keep:
             seq.generated.append(token)
@@ -204,6 +213,8 @@ class CallAnswers:
         if params is None:
             return None
         if token in params.stop_token_ids:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.finished:  # (its stop token taken though not a request stop)
             return "stop"
         for stop in params.stop_sequences:
             if len(seq.generated) >= len(stop) and tuple(seq.generated[-len(stop) :]) == stop:

@@ -37,6 +37,8 @@ class CacheLabels:
         if src.generator is not None:  # its own generator at the parent's state: the two never share draws
             clone.generator = torch.Generator(device=src.generator.device)
             clone.generator.set_state(src.generator.get_state())
+        if src.grammar is not None:  # its own matcher at the parent's state
+            clone.grammar = src.grammar.fork()
         self.seqs[clone.key] = clone
         return clone
 
@@ -73,7 +75,7 @@ class CacheLabels:
                 if parsed.seed_offset is not None:
                     # a new sample of the parent's tokens (n > 1): its own random stream from seed + offset (set
                     # when this call attaches), nothing generated yet (the parent's tokens are its prompt)
-                    seq.generator, seq.sampling, seq.generated = None, None, []
+                    seq.generator, seq.sampling, seq.generated, seq.grammar = None, None, [], None
                 return seq
             seq = Sequence(inv.request_id, parsed.label, order=next(self._order), arrival=inv.arrival)
             self.seqs[key] = seq

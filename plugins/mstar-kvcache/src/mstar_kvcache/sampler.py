@@ -23,6 +23,7 @@ import torch
 
 from mstar_core.sampling import GREEDY, SamplingParams
 from mstar_kvcache import candidates
+from mstar_kvcache import grammar as grammar_masks
 
 #: Histogram resolution for the top-p cut: buckets per nat of log-probability, and how far down they go.
 _PER_NAT = 256
@@ -303,12 +304,14 @@ def sample(
     history: list[Sequence[int]],
     logprobs: bool = True,
     generated: list[list[int]] | None = None,
+    grammars: list[grammar_masks.RowGrammar | None] | None = None,
 ) -> Sampled:
     """Pick one token per row of `logits` `[N, vocab]`.
 
     `history` (each row's sequence so far) feeds the repetition penalty, `generated` (the tokens the
     row sampled) the presence and frequency penalties; a caller that passes no `generated` has them
-    count over `history`. `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a
+    count over `history`. A row's grammar (`grammars[i]`, see `grammar.py`) masks the tokens it cannot take
+    after the adjustments, and takes the chosen token once every row has one; rows without one are untouched. `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a
     row asks for top ones. Log-probabilities are the model's, before any adjustment.
     """
     logits = logits.float()
@@ -329,6 +332,8 @@ def sample(
             if k:
                 tops[i] = list(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
     logits = adjust_logits(logits, params, history, history if generated is None else generated)
+    if grammars is not None:
+        logits = grammar_masks.apply_masks(logits, grammars)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
     if len(stochastic) == len(params):
         chosen = pick(logits, params, generators)
@@ -340,4 +345,7 @@ def sample(
     chosen_logprobs: list[float | None] = [None] * len(params)
     if normaliser is not None:
         chosen_logprobs = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - normaliser).tolist()
-    return Sampled(chosen.tolist(), chosen_logprobs, tops)
+    tokens = chosen.tolist()
+    if grammars is not None:  # last: nothing after it raises, so a retry row by row never feeds a matcher twice
+        grammar_masks.advance(grammars, tokens)
+    return Sampled(tokens, chosen_logprobs, tops)

@@ -69,6 +69,8 @@ class Sequence:
     recompute: bool = False
     #: Tokens the pending `decode_steps` call sampled so far (each already appended as its next input).
     stepped: list[int] = attrs.field(factory=list)
+    #: The grammar the label's sampling follows, at its last sampled token (`grammar.RowGrammar`); None: free.
+    grammar: Any = None
     #: `tokens` mirrored as a tensor for the repetition penalty (`history.TokenIds`); dropped when `tokens` shrinks.
     token_ids: Any = None
 
