@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import time
 from typing import Any
@@ -43,8 +45,10 @@ class GuardMiddleware:
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(scope, receive, config.max_body_bytes)
                 if body is None:
+                    await _drain(scope, receive, DRAIN_FACTOR * config.max_body_bytes)
                     await _reply(send_tracking, 413,
-                                 f"request body is larger than the server's limit of {config.max_body_bytes} bytes")
+                                 f"request body is larger than the server's limit of {config.max_body_bytes} bytes",
+                                 {"connection": "close"})
                     return
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_tracking)
@@ -86,6 +90,31 @@ class GuardMiddleware:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+#: An oversized body is read and dropped (up to this many times the body limit, for at most DRAIN_SECONDS) before
+#: the 413 goes out. Answered at once, a client that writes its whole body before reading (most do) and takes
+#: longer than the server's keep-alive timeout (5 s) to send it has its socket closed with bytes unread: the
+#: kernel then resets the connection and the 413 is lost. Beyond either bound the server stops reading.
+DRAIN_FACTOR = 8
+DRAIN_SECONDS = 60.0
+
+
+async def _drain(scope, receive, cap: int) -> None:
+    """Read and drop the rest of a refused body (bounded in bytes and time), so the reply is not lost to a reset."""
+    for name, value in scope.get("headers", ()):
+        if name == b"expect" and value.lower() == b"100-continue":
+            return  # the client waits for our answer before sending the body: it reads the 413 at once
+    dropped = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while dropped <= cap:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
 
 
 def _replay(body: bytes, receive):
