@@ -155,6 +155,8 @@ def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; in-flight requests get `--drain-timeout` seconds, then are cancelled."""
     import uvicorn
 
+    from mstar_core.api.drain import DrainingServer  # imports uvicorn: only when serving
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config, host, port = build_config(args)
@@ -204,9 +206,10 @@ def serve(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(app, host=host, port=port, loop=loop, log_level=args.log_level,
-                    access_log=args.log_level == "debug", timeout_graceful_shutdown=args.drain_timeout,
-                    server_header=False)
+        uv_config = uvicorn.Config(app, host=host, port=port, loop=loop, log_level=args.log_level,
+                                   access_log=args.log_level == "debug",
+                                   timeout_graceful_shutdown=args.drain_timeout, server_header=False)
+        DrainingServer(uv_config, app.state.mstar, args.drain_timeout).run()  # SIGTERM: 503s, in-flight finish
     except _Stopped:
         pass
     finally:
