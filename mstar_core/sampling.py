@@ -14,6 +14,7 @@ import attrs
 
 from mstar_core.errors import RequestError
 from mstar_core.grammar.spec import GrammarSpec, as_grammar
+from mstar_core.strict import reject_unknown
 
 #: Seeds are integers in [0, MAX_SEED]: what an int64 holds on every wire and what `torch.Generator.manual_seed`
 #: takes without aliasing (torch would also take negatives and up to 2**64 - 1, mapping -1 to 2**64 - 1).
@@ -260,10 +261,7 @@ class SamplingParams:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:
         """Build from a dict (e.g. request JSON); unknown keys raise `RequestError` listing the known ones."""
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise RequestError(f"sampling: unknown parameter(s) {unknown}; known: {sorted(known)}")
+        reject_unknown(values, (f.name for f in attrs.fields(cls)), "sampling", what="parameter", error=RequestError)
         return cls(**values)
 
 

@@ -12,6 +12,7 @@ from mstar_core.api.server import ModelToServe, ServerConfig
 from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
+from mstar_core.strict import reject_unknown
 
 _SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
                 "max_n"}
@@ -23,9 +24,7 @@ def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{section} must be a mapping, got {type(data).__name__}")
-    unknown = set(data) - allowed
-    if unknown:
-        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {section}; allowed: {sorted(allowed)}")
+    reject_unknown(data, allowed, section)
     return data
 
 

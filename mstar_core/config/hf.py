@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from mstar_core.errors import ConfigError
+from mstar_core.strict import reject_unknown
 
 _MIN, _WHY, _KEY = "mstar_config_min", "mstar_config_why", "mstar_config_key"
 _PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
@@ -141,10 +142,7 @@ def read_fields(cls: type, cfg: Any, where: str = "", *, file: str = "config.jso
     fields = _resolved_fields(cls)
     keys = {f.name: f.metadata.get(_KEY) or f.name for f in fields}
     if strict:
-        unknown = sorted(set(data) - set(keys.values()))
-        if unknown:
-            raise ConfigError(f"{file}: unknown key(s) {[dotted(where, k) for k in unknown]}; "
-                              f"known: {sorted(v for k, v in keys.items() if k not in extra)}")
+        reject_unknown(data, keys.values(), file, shown=lambda k: dotted(where, k))
     defaults = defaults or {}
     values: dict[str, Any] = {}
     for f in fields:

@@ -46,6 +46,7 @@ import attrs
 import yaml
 
 from mstar_core.errors import ConfigError
+from mstar_core.strict import reject_unknown
 
 LOCAL = "local"
 PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
@@ -60,11 +61,12 @@ def _check_keys(where: str, data: Any, allowed: Iterable[str]) -> dict:
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     if not isinstance(allowed, _AnyKey):
         allowed = set(allowed)
-    for key in data:
-        if key not in allowed:
-            if isinstance(allowed, _AnyKey):
+    if isinstance(allowed, _AnyKey):
+        for key in data:
+            if key not in allowed:
                 raise ConfigError(f"{where}: keys must be names (strings), got {key!r}")
-            raise ConfigError(f"{where}: unknown key '{key}'; allowed: {', '.join(sorted(allowed))}")
+    else:
+        reject_unknown(data, allowed, where)
     return dict(data)
 
 

@@ -37,6 +37,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from mstar_core.api.common import submit
 from mstar_core.api.errors import ApiError
 from mstar_core.errors import ConfigError, RequestError
+from mstar_core.strict import reject_unknown
 
 log = logging.getLogger("mstar.pi05.policy")
 router = APIRouter()
@@ -135,9 +136,7 @@ class ObservationMapping:
     def from_dict(cls, name: str, data: Mapping[str, Any], where: str = "policy mapping") -> ObservationMapping:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} '{name}' must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"name", "fields", "fixed", "optional"})
-        if unknown:
-            raise ConfigError(f"{where} '{name}': unknown keys {unknown}; known: fields, fixed, optional")
+        reject_unknown(data, ("name", "fields", "fixed", "optional"), f"{where} '{name}'")
         fields = data.get("fields")
         if not isinstance(fields, Mapping) or not fields:
             raise ConfigError(f"{where} '{name}': 'fields' must map model fields to observation keys")

@@ -10,6 +10,7 @@ import attrs
 from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
 from mstar_core.nn import LlamaConfig
+from mstar_core.strict import reject_unknown
 
 _TOP_KEYS = ("model_type", "vision_config", "text_config", "image_token_id")
 
@@ -46,9 +47,7 @@ class CaptionerConfig:
     def from_dict(cls, cfg: Mapping[str, Any]) -> CaptionerConfig:
         """Read `config.json`; a missing, unknown or wrong-typed key is a `ConfigError` naming it."""
         cfg = section(cfg, "")
-        unknown = sorted(set(cfg) - set(_TOP_KEYS))
-        if unknown:
-            raise ConfigError(f"config.json: unknown key(s) {unknown}; known: {list(_TOP_KEYS)}")
+        reject_unknown(cfg, _TOP_KEYS, "config.json")
         model_type = check(cfg.get("model_type"), str, "model_type", example="example-captioner")
         if model_type != "example-captioner":
             raise ConfigError(f"config.json: key 'model_type' must be 'example-captioner', got {model_type!r}")

@@ -29,9 +29,10 @@ from typing import Any
 import attrs
 import torch
 
-from mstar_core.errors import ConfigError, ModelLoadError, RequestError
+from mstar_core.errors import ModelLoadError, RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
+from mstar_core.strict import reject_unknown
 from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
 from mstar_diffusion.guidance import Guidance, combine
@@ -75,10 +76,7 @@ class DiffusionEngine(Engine):
         # the walks' calls (graphs built before this plugin was imported were not checked by Graph.build), and
         # only what a call can change: a per-call `schedule` or `role` would be silently ignored
         check_call_options(node.name, self.kind, getattr(node, "call_sites", ()), params.CALL_OPTIONS)
-        unknown = sorted(set(context.settings) - set(SETTINGS))
-        if unknown:
-            raise ConfigError(f"node '{node.name}' (engine 'diffusion'): unknown engine settings {unknown}; "
-                              f"known: {', '.join(SETTINGS)}")
+        reject_unknown(context.settings, SETTINGS, f"node '{node.name}' (engine 'diffusion')", what="engine setting")
         self.device = torch.device(context.device)
         self.max_rows = int(context.settings.get("max_rows", 256))
         self.timestep_scale = float(options.get("timestep_scale", 1.0))

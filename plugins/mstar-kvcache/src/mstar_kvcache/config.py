@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from mstar_core.errors import ConfigError
+from mstar_core.strict import reject_unknown
 from mstar_kvcache.pool import PagePool
 
 DEFAULT_NUM_PAGES = 512
@@ -35,10 +36,7 @@ class KVCacheSettings:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"kvcache engine: unknown setting(s) {unknown}; known: {sorted(known)}")
+        reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting")
         for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
