@@ -17,6 +17,7 @@ import torch
 from mstar_core.api.adapters import ApiAdapter
 from mstar_core.api.media import AudioPart, ImagePart, MediaLimits, TextPart, resample
 from mstar_core.api.realtime.conversation import TokensPart
+from mstar_core.api.video import VideoPart
 from mstar_core.errors import RequestError
 from mstar_qwen_omni.audio_encoder import audio_token_count
 
@@ -43,11 +44,20 @@ def _part(part: Any) -> dict[str, Any]:
         return {"type": "text", "text": part.text}
     if isinstance(part, AudioPart):
         return {"type": "audio", "audio": torch.from_numpy(resample(part.samples, part.sample_rate, 16000))}
+    if isinstance(part, VideoPart):  # the audio track, when the request asked for it, follows as its own part
+        return {"type": "video", "video": torch.from_numpy(part.frames), "fps": part.fps}
     if isinstance(part, TokensPart):
         return {"type": "tokens", "ids": list(part.ids)}
     if isinstance(part, ImagePart):
         return {"type": "image", "image": torch.from_numpy(np.asarray(part.image.convert("RGB"), dtype=np.uint8))}
     raise RequestError(f"unsupported chat part {type(part).__name__}")
+
+
+def _parts(part: Any) -> list[dict[str, Any]]:
+    out = [_part(part)]
+    if isinstance(part, VideoPart) and part.audio is not None and part.audio.size:
+        out.append({"type": "audio", "audio": torch.from_numpy(resample(part.audio, part.audio_rate, 16000))})
+    return out
 
 
 class QwenOmniAdapter(ApiAdapter):
@@ -59,7 +69,7 @@ class QwenOmniAdapter(ApiAdapter):
     audio_output = "audio"
     chat_audio_output = "audio"
     token_output = "next_token"
-    chat_media = frozenset({"image", "audio"})
+    chat_media = frozenset({"image", "audio", "video"})
     #: realtime sessions pass earlier replies as their generated ids (`TokensPart`): turn 2 prefills only itself
     takes_token_parts = True
 
@@ -92,7 +102,7 @@ class QwenOmniAdapter(ApiAdapter):
 
     def chat_message_inputs(self, body: Mapping[str, Any], messages: list) -> dict[str, Any]:
         turns = [{"role": m.role if m.role in ("system", "user", "assistant") else "user",
-                  "content": [_part(p) for p in m.parts]} for m in messages]
+                  "content": [q for p in m.parts for q in _parts(p)]} for m in messages]
         audio = body.get("audio")
         inputs = {"messages": turns, **self._extras(body)}
         if audio:

@@ -78,7 +78,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
         GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
                   outputs=("next_token", "finish_reason", *accept), engine="kvcache", module=lambda: model.thinker),
         GraphNode("encode", inputs=("prompt_ids",),
-                  optional_inputs=("audio_features", "image_patches", "image_grid"),
+                  optional_inputs=("audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
                   outputs=("mm_rows", "mm_at", "mm_deepstack"), engine="function",
                   module=lambda: PromptEncoder(model)),
     ]
@@ -94,7 +94,8 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
                  _thinker("prompt_ids", {"output_rows": "all"} if accept else None, input_embeds="mm_rows",
                           embeds_at="mm_at", positions="prompt_positions", deepstack="mm_deepstack")),
              inputs=("prompt_ids", "prompt_positions"),
-             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid"),
+             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "video_patches",
+                              "video_grid"),
              outputs=("next_token", "finish_reason"), emit=("next_token",),
              description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"),
         Walk(name="decode",

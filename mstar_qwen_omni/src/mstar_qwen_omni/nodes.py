@@ -24,7 +24,7 @@ NOTHING, ENDED = -1, -2
 
 
 class PromptEncoder(nn.Module):
-    """Audio and image parts -> the Thinker's rows at their placeholders and per-token deepstack rows.
+    """Audio, image and video parts -> the Thinker's rows at their placeholders and per-token deepstack rows.
 
     (The accept-layer states the Talker reads at media positions come back from the Thinker's prefill
     itself: the kvcache engine returns a sampling call's per-token outputs when the call asks.)
@@ -34,10 +34,11 @@ class PromptEncoder(nn.Module):
         super().__init__()
         self.thinker = model.thinker
         t = model.config.thinker
-        self.audio_id, self.image_id = t.audio_token_id, t.image_token_id
+        self.audio_id, self.image_id, self.video_id = t.audio_token_id, t.image_token_id, t.video_token_id
 
     def forward(self, prompt_ids: list[int], audio_features: list | None = None,
-                image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None) -> dict[str, Any]:
+                image_patches: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
+                video_patches: torch.Tensor | None = None, video_grid: torch.Tensor | None = None) -> dict[str, Any]:
         th = self.thinker
         device = th.lm_head.weight.device
         ids = torch.tensor(prompt_ids, device=device)
@@ -47,12 +48,16 @@ class PromptEncoder(nn.Module):
             if audio_features:
                 rows = torch.cat([th.audio_tower(f.to(device)) for f in audio_features])
                 embeds[ids == self.audio_id] = rows.to(embeds.dtype)
-            if image_patches is not None:
-                merged, stack = th.visual(image_patches.to(device), image_grid)
-                embeds[ids == self.image_id] = merged.to(embeds.dtype)
-                deep = embeds.new_zeros(len(prompt_ids), stack.shape[1], stack.shape[2])
-                deep[ids == self.image_id] = stack.to(embeds.dtype)
-            at = (ids == self.audio_id) | (ids == self.image_id)
+            for patches, grid, token in ((image_patches, image_grid, self.image_id),
+                                         (video_patches, video_grid, self.video_id)):
+                if patches is None:
+                    continue
+                merged, stack = th.visual(patches.to(device), grid)
+                embeds[ids == token] = merged.to(embeds.dtype)
+                if deep is None:
+                    deep = embeds.new_zeros(len(prompt_ids), stack.shape[1], stack.shape[2])
+                deep[ids == token] = stack.to(embeds.dtype)
+            at = (ids == self.audio_id) | (ids == self.image_id) | (ids == self.video_id)
         return {"mm_rows": embeds[at], "mm_at": at.cpu(), "mm_deepstack": deep}
 
 

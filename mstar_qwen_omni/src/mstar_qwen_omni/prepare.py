@@ -42,7 +42,8 @@ class Preparer:
             fields=(
                 RequestField("messages", "array", "chat messages [{role, content}]; content is text or a list of "
                              "parts {type: text, text} | {type: audio, audio: 16 kHz samples} | "
-                             "{type: image, image: [H, W, 3] uint8}", min_length=1, items="object"),
+                             "{type: image, image: [H, W, 3] uint8} | {type: video, video: [F, H, W, 3] uint8, fps}",
+                             min_length=1, items="object"),
                 RequestField("prompt_ids", "array", "a rendered prompt's token ids (ending in the assistant turn)",
                              min_length=1, items="integer", check=in_vocab),
                 RequestField("speaker", "string", "speak the reply in this voice (text only when absent)",
@@ -67,7 +68,7 @@ class Preparer:
         if inputs.get("prompt_ids") is not None:
             ids = list(inputs["prompt_ids"])
             t = self.cfg.thinker
-            if any(i in (t.image_token_id, t.audio_token_id) for i in ids):
+            if any(i in (t.image_token_id, t.audio_token_id, t.video_token_id) for i in ids):
                 raise RequestError("'prompt_ids' cannot hold media placeholders: send media as message parts",
                                    param="prompt_ids")
             return {"prompt_ids": ids}
@@ -80,6 +81,9 @@ class Preparer:
             if prompt.patches:
                 env["image_patches"] = torch.cat(prompt.patches)
                 env["image_grid"] = torch.tensor(prompt.grids)
+            if prompt.video_patches:
+                env["video_patches"] = torch.cat(prompt.video_patches)
+                env["video_grid"] = torch.tensor(prompt.video_grids)
         return env
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,8 @@ Turns are Qwen's (`<|im_start|>role\\n ... <|im_end|>\\n`, then `<|im_start|>ass
 `<|audio_end|>`; an image part (`[H, W, 3]` uint8) its patches and `<|vision_start|>`, one `<|image_pad|>`
 per merged token, `<|vision_end|>`. Media keep the order in which the chat gives them. A `tokens` part (ids) goes
 in as it is: an earlier reply's generated ids, so a conversation's next prompt matches the cached KV exactly.
+A video part (frames `[F, H, W, 3]` uint8 sampled at `fps`) becomes patches over time and `<|vision_start|>`,
+one `<|video_pad|>` per merged token, `<|vision_end|>`; its temporal patches sit 2 / fps seconds apart in M-RoPE.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
+from PIL import Image
 
 from mstar_core.errors import RequestError
-from mstar_core.nn.vision_patch import ImagePatcher
+from mstar_core.nn.vision_patch import ImagePatcher, patchify
 from mstar_core.nn.whisper_features import LogMelFeatures
 from mstar_qwen_omni.audio_encoder import audio_token_count
 from mstar_qwen_omni.config import OmniConfig
@@ -32,10 +36,13 @@ class Prompt:
     audio: list[torch.Tensor] = attrs.field(factory=list)  # log-mel [mel, frames] per audio part
     patches: list[torch.Tensor] = attrs.field(factory=list)  # [n, patch dims] per image part
     grids: list[list[int]] = attrs.field(factory=list)
+    video_patches: list[torch.Tensor] = attrs.field(factory=list)  # [n, patch dims] per video part
+    video_grids: list[list[int]] = attrs.field(factory=list)
+    video_seconds: list[float] = attrs.field(factory=list)  # seconds between a video's temporal patches
 
     @property
     def has_media(self) -> bool:
-        return bool(self.audio or self.patches)
+        return bool(self.audio or self.patches or self.video_patches)
 
 
 class PromptBuilder:
@@ -72,6 +79,8 @@ class PromptBuilder:
             prompt.audio.append(feats)
             n = audio_token_count(feats.shape[1], t.audio.n_window)
             return [t.audio_start_token_id, *[t.audio_token_id] * n, t.audio_end_token_id]
+        if kind == "video":
+            return self._video(part, where, prompt)
         image = part.get("image")
         try:
             patches, grid = self.patcher(image.numpy() if isinstance(image, torch.Tensor) else image)
@@ -81,6 +90,33 @@ class PromptBuilder:
         prompt.grids.append(grid)
         n = grid[0] * grid[1] * grid[2] // t.vision.spatial_merge_size**2
         return [t.vision_start_token_id, *[t.image_token_id] * n, t.vision_end_token_id]
+
+    def _video(self, part: Mapping[str, Any], where: str, prompt: Prompt) -> list[int]:
+        """Frames `[F, H, W, 3]` uint8 sampled at `fps` -> patches over time (temporal patches of 2 frames)."""
+        t = self.cfg.thinker
+        frames, fps = part.get("video"), part.get("fps", 2.0)
+        frames = frames.numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not frames.shape[0]:
+            raise RequestError(f"'{where}.video' must be frames [F, H, W, 3] uint8", param=f"{where}.video")
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 60:
+            raise RequestError(f"'{where}.fps' must be the frames' sampling rate in (0, 60]", param=f"{where}.fps")
+        patcher = self.patcher
+        try:
+            h, w = patcher.size_for(frames.shape[1], frames.shape[2])
+        except ValueError as exc:
+            raise RequestError(f"'{where}.video': {exc}", param=f"{where}.video") from None
+        if (h, w) != frames.shape[1:3]:
+            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=Image.Resampling.BICUBIC))
+                               for f in frames])
+        x = torch.from_numpy(frames.astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+        mean = torch.tensor(list(patcher.image_mean)).view(1, 3, 1, 1)
+        std = torch.tensor(list(patcher.image_std)).view(1, 3, 1, 1)
+        patches, grid = patchify((x - mean) / std, patcher.patch_size, patcher.temporal_patch_size, patcher.merge_size)
+        prompt.video_patches.append(patches)
+        prompt.video_grids.append(grid)
+        prompt.video_seconds.append(patcher.temporal_patch_size / float(fps))
+        n = grid[0] * grid[1] * grid[2] // t.vision.spatial_merge_size**2
+        return [t.vision_start_token_id, *[t.video_token_id] * n, t.vision_end_token_id]
 
     def __call__(self, messages: Sequence[Mapping[str, Any]]) -> Prompt:
         prompt = Prompt(ids=[], positions=torch.zeros(3, 0, dtype=torch.long))
@@ -97,8 +133,10 @@ class PromptBuilder:
             elif isinstance(content, list):
                 for j, part in enumerate(content):
                     where = f"messages[{i}].content[{j}]"
-                    if not isinstance(part, Mapping) or part.get("type") not in ("text", "audio", "image", "tokens"):
-                        raise RequestError(f"'{where}' must be a part {{type: text | audio | image | tokens, ...}}",
+                    if not isinstance(part, Mapping) or part.get("type") not in ("text", "audio", "image", "video",
+                                                                              "tokens"):
+                        raise RequestError(f"'{where}' must be a part {{type: text | audio | image | video | tokens, "
+                                           "...}}",
                                            param=where)
                     if part["type"] == "tokens":  # an earlier reply's exact ids: the KV cache holds these
                         ids += self._text(text) if text else []
@@ -121,5 +159,6 @@ class PromptBuilder:
         t = self.cfg.thinker
         prompt.ids = ids
         prompt.positions = prompt_positions(ids, t.image_token_id, prompt.grids, t.vision.spatial_merge_size,
-                                            t.position_id_per_seconds)
+                                            t.position_id_per_seconds, video_token_id=t.video_token_id,
+                                            video_grids=prompt.video_grids, video_seconds_per_grid=prompt.video_seconds)
         return prompt
