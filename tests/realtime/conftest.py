@@ -1,4 +1,4 @@
-"""A served qwen3-omni (tiny preset) and the toy chat and speech models, for the realtime tests."""
+"""A served qwen3-omni and llama (tiny presets) and the toy chat and speech models, for the realtime tests."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ LIMITS = {"MSTAR_REALTIME_MAX_EVENT_BYTES": "262144", "MSTAR_REALTIME_MAX_BUFFER
 @pytest.fixture(scope="session")
 def rt_server():
     pytest.importorskip("mstar_qwen_omni")
-    srv = Server(["qwen3-omni", "toy-chat", "toy-tts"], MSTAR_TOY_STEP_DELAY="0.01", **LIMITS)
+    pytest.importorskip("mstar_llm")
+    srv = Server(["qwen3-omni", "llama", "toy-chat", "toy-tts"], MSTAR_TOY_STEP_DELAY="0.01", **LIMITS)
     yield srv
     assert srv.stop() == 0, srv.output()[-3000:]
     assert "Traceback" not in srv.serving_output(), srv.serving_output()[-3000:]

@@ -226,3 +226,25 @@ def test_tool_call_round_trip(rt_server):
     # the output went back as Qwen's tool response turn (toy-chat echoes it)
     reply = done2.response.output[0].content[0].text
     assert reply == '<tool_response>\n{"temp": 21}\n</tool_response>'
+
+
+def test_llama_text_session_and_a_speaking_request_refused(rt_server):
+    async def go():
+        async with client(rt_server).realtime.connect(model="llama") as conn:
+            created = await conn.recv()
+            assert created.session.output_modalities == ["text"]  # llama does not speak
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+            refused = await conn.recv()
+            await _say(conn, "Hello!")
+            await conn.response.create(response={"max_output_tokens": 4})
+            first = await until(conn, "response.done")
+            await _say(conn, "And again?")
+            await conn.response.create(response={"max_output_tokens": 4})
+            second = await until(conn, "response.done")
+            return refused, first, second
+
+    refused, first, second = asyncio.run(go())
+    assert refused.type == "error" and refused.error.param == "session.output_modalities"
+    assert first.response.status in ("completed", "incomplete") and first.response.output[0].type == "message"
+    # the second prompt holds the first turn and its reply
+    assert second.response.usage.input_tokens > first.response.usage.input_tokens + 4

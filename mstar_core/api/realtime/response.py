@@ -234,6 +234,8 @@ class ResponseRun:
                      force: bool = False) -> None:
         if self.ended.is_set() or (self.status != "in_progress" and not force):
             return
+        if not self.output and status in ("completed", "incomplete"):
+            await self._message()  # an empty reply is still an (empty) assistant message, as OpenAI gives it
         self.ended.set()
         self.status = status
         self.details = {"type": status, "reason": reason, "error": error} if status != "completed" else None
