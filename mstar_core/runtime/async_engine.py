@@ -386,7 +386,8 @@ class AsyncEngine:
                 async with self._slots:
                     place.start()
                     try:
-                        return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks)
+                        return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks,
+                                                           credit=handle.credit)
                     finally:
                         place.release()  # before the slot goes to the next waiter: the count never dips
         except TimeoutError:

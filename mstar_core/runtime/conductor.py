@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mstar_core.errors import RequestError
@@ -65,9 +65,13 @@ class Conductor:
         return self.walk_schedulers.get((walk, node)) or self.schedulers[node]
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None],
-                  walks: list[str] | None = None) -> dict[str, Any]:
-        """Run the request's plan over `env`; each walk's name is appended to `walks` as it starts."""
-        state = RequestState(request_id, emit)
+                  walks: list[str] | None = None, credit: Callable[[], Awaitable[None]] | None = None
+                  ) -> dict[str, Any]:
+        """Run the request's plan over `env`; each walk's name is appended to `walks` as it starts.
+
+        `credit`, awaited before each node call, holds the request back while its reader lags (backpressure).
+        """
+        state = RequestState(request_id, emit, credit)
         try:
             todo = deque(self.graph.plan(env))
             while todo:
@@ -312,6 +316,8 @@ class Conductor:
 
         An input whose env name is a stream this fragment takes from takes the stream's next chunk.
         """
+        if state.credit is not None:
+            await state.credit()  # a reader far behind: produce no more until it catches up
         inputs = {}
         for port, name in site.inputs:
             if given and port in given:
@@ -407,12 +413,14 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class RequestState:
-    __slots__ = ("arrival", "call_counts", "emit", "holders", "move_locks", "request_id", "visited")
+    __slots__ = ("arrival", "call_counts", "credit", "emit", "holders", "move_locks", "request_id", "visited")
 
-    def __init__(self, request_id: str, emit: Callable[[Output], None]):
+    def __init__(self, request_id: str, emit: Callable[[Output], None],
+                 credit: Callable[[], Awaitable[None]] | None = None):
         self.request_id = request_id
         self.arrival = time.monotonic()  # every call carries it: schedulers serve older requests first
         self.emit = emit
+        self.credit = credit
         self.holders: dict[str, Any] = {}  # node -> the scheduler whose engine holds this request's state
         self.visited: dict[int, Any] = {}  # every scheduler that held some of its state (released at the end)
         self.call_counts: dict[str, int] = {}

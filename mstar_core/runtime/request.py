@@ -12,6 +12,12 @@ from mstar_core.errors import RequestCancelled
 
 _END = object()
 
+#: A request being read (iterated) may run this many emitted outputs ahead of its reader; its next node call then
+#: waits for the reader (a credit) instead of buffering without bound. With one output per call (a token, an audio
+#: chunk) a stream's unread memory is at most this many outputs; a request nobody iterates (only `result()`) has
+#: no credit limit, its outputs are its final env anyway.
+MAX_UNREAD = 64
+
 
 @attrs.frozen
 class Output:
@@ -44,6 +50,8 @@ class RequestHandle:
         self._items: deque[Any] = deque()
         self._more: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        self._reading = False  # set by the first read: only a request that is read waits on its reader
+        self._drained: asyncio.Future | None = None  # set when the reader has taken the backlog down to half
 
     def _attach(self, task: asyncio.Task) -> None:
         self._task = task
@@ -66,16 +74,29 @@ class RequestHandle:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    async def credit(self) -> None:
+        """Wait while the reader is MAX_UNREAD outputs behind (the conductor calls this before each node call)."""
+        while self._reading and len(self._items) >= MAX_UNREAD:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> Output:
+        self._reading = True
         items = self._items
         while not items:
             if self._more is None or self._more.done():  # (done: a reader waiting on it was cancelled)
                 self._more = asyncio.get_running_loop().create_future()
             await self._more
         item = items.popleft()
+        drained = self._drained
+        if drained is not None and len(items) <= MAX_UNREAD // 2:
+            self._drained = None
+            if not drained.done():
+                drained.set_result(None)
         if item is _END:
             items.appendleft(_END)  # later iterations end too
             await self._raise_if_failed()
