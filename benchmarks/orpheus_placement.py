@@ -21,6 +21,7 @@ from pathlib import Path
 
 from placement_shm import cpu_seconds
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
@@ -42,7 +43,7 @@ async def one(engine: AsyncEngine, seed: int, max_tokens: int) -> tuple[float, i
 
 
 async def measure(placement_file: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLES / placement_file))
     try:
         await one(engine, 0, max_tokens)  # warm up

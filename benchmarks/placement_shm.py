@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
@@ -44,7 +45,7 @@ def placement(kind: str) -> Placement | None:
 
 
 async def measure(kind: str, x: torch.Tensor, requests: int, concurrency: int) -> dict[str, float]:
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement(kind))
     try:
         expected = x + 1

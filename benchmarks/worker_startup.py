@@ -32,14 +32,14 @@ def _proc_cpu(pid: int) -> float:
 
 
 async def _engines(model: str, placement: str, n: int) -> dict:
+    from mstar_core.cluster.strategy import placed_engine
     from mstar_core.config import load_placement
     from mstar_core.model import LoadOptions
     from mstar_core.plugins import discover
-    from mstar_core.runtime import AsyncEngine
 
     walls, cpus = [], []
     for _ in range(n):
-        engine = AsyncEngine(discover())
+        engine = placed_engine(discover())
         t0 = time.perf_counter()
         await engine.load_model(model, LoadOptions(preset="tiny"), placement=load_placement(placement))
         walls.append(time.perf_counter() - t0)

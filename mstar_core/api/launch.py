@@ -145,10 +145,11 @@ def native_example(url: str, name: str, loaded: Any, auth: str = "") -> list[str
 
 def serving_engine(registry: Any, config: ServerConfig) -> Any:
     """The server's AsyncEngine. The serving process owns its host, so unlike an embedding application it
-    splits the cores evenly with the worker processes a placement spawns here (`torch_threads="share"`)."""
-    from mstar_core.runtime import AsyncEngine
+    splits the cores evenly with the worker processes a placement spawns here (`torch_threads="share"`); nodes a
+    placement puts on workers run there (`WorkerPlacement`)."""
+    from mstar_core.cluster.strategy import placed_engine
 
-    return AsyncEngine(registry, max_running=config.max_running, max_queued=config.max_queued, torch_threads="share")
+    return placed_engine(registry, max_running=config.max_running, max_queued=config.max_queued, torch_threads="share")
 
 
 def serve(args: argparse.Namespace) -> int:

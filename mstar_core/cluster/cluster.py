@@ -35,6 +35,7 @@ from mstar_core.cluster.links import OrderedInbox, open_link
 from mstar_core.cluster.refusals import RefusalLog
 from mstar_core.cluster.remote_node import RemoteNodeScheduler, ReplicaGroup
 from mstar_core.cluster.remote_values import to_wire
+from mstar_core.cluster.sealed import send_sealed
 from mstar_core.cluster.supervision import Supervisor
 from mstar_core.cluster.worker_link import RemoteError, WorkerLink, WorkerLost
 from mstar_core.config.placement import WorkerSpec
@@ -264,8 +265,8 @@ class Cluster:
             frames = state.link.pack(frames)
             ctl = state.link.control()
             if ctl is not None:
-                self.sock.send_multipart([state.identity, *state.channel.seal(ctl)], copy=False)
-        return self.sock.send_multipart([state.identity, *state.channel.seal(frames)], copy=False)
+                send_sealed(self.sock, state.channel, ctl, head=(state.identity,))
+        return send_sealed(self.sock, state.channel, frames, head=(state.identity,))
 
     def flush_soon(self, state: WorkerLink) -> None:
         """Send the worker's link what ours has for it (e.g. the shm slots we released, the segments we mapped)."""
@@ -273,7 +274,7 @@ class Cluster:
             return
         ctl = state.link.control()
         if ctl is not None:
-            self.sock.send_multipart([state.identity, *state.channel.seal(ctl)], copy=False)
+            send_sealed(self.sock, state.channel, ctl, head=(state.identity,))
 
     # -- invocations ---------------------------------------------------------------------------
 
@@ -492,7 +493,7 @@ class Cluster:
         log.warning("a worker declared lost earlier is still talking (from %r); telling it to exit", identity[:32])
         shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats); "
                                    "it was replaced, start it again to rejoin")
-        self.sock.send_multipart([identity, *channel.seal(encode(shutdown))], copy=False)
+        send_sealed(self.sock, channel, encode(shutdown), head=(identity,))
 
     def _dispatch(self, state: WorkerLink, msg: Any) -> None:
         if isinstance(msg, NodeResult):

@@ -15,7 +15,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mstar_core.cluster.sealed import log_send_failure, send_sealed
+from mstar_core.config.placement import Placement
 from mstar_core.errors import ConfigError
+from mstar_core.wire.curve import needs_encryption
+from mstar_core.wire.errors import TransportError
 from mstar_core.wire.transport import InlineLink, Transport, TransportLink
 
 log = logging.getLogger("mstar.links")
@@ -43,6 +47,28 @@ def link_transport(registry: Any, name: str) -> Any:
         usable = sorted({n for n, c in registry.transports.items() if carries_worker_links(c)} | {DEFAULT_TRANSPORT})
         raise ConfigError(f"transport '{name}' cannot carry a worker's tensors; use one of: {', '.join(usable)}")
     return cls
+
+
+def check_transports(placement: Placement, registry: Any) -> None:
+    """Every worker's transport in `placement` is registered, can carry a worker's tensors, and suits its launcher."""
+    remote = placement.bind is not None and needs_encryption(placement.bind)
+    for name, spec in placement.workers.items():
+        where = f"{placement.source}: workers.{name}.transport"
+        try:
+            cls = link_transport(registry, spec.transport)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        options = dict(spec.transport_options)
+        if cls is None and options:
+            raise ConfigError(f"{where}: transport '{spec.transport}' takes no options")
+        if cls is not None:
+            try:
+                cls.check_link_options(options, remote=remote)
+            except TransportError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        if getattr(cls, "same_host", False) and spec.launcher != "spawn":
+            raise ConfigError(f"{where}: {spec.transport} needs a worker spawned on this host (launcher: spawn), "
+                              f"not launcher: {spec.launcher}")
 
 
 def open_link(registry: Any, name: str, role: str, options: Mapping[str, Any] | None = None) -> TransportLink:
@@ -194,10 +220,9 @@ class PeerMailbox:
         from mstar_core.wire.transport import frames_bytes
 
         sock = self._socket(address)
-        sealed = Channel.for_worker(self.secret, nonce, session).seal(frames)
         self.sent_bytes += frames_bytes(frames)
         self.sent_moves += 1
-        await sock.send_multipart([nonce.encode(), *sealed], copy=False)
+        await send_sealed(sock, Channel.for_worker(self.secret, nonce, session), frames, head=(nonce.encode(),))
 
     # -- streams -----------------------------------------------------------------------------------
 
@@ -369,16 +394,6 @@ class PeerMailbox:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
-
-
-def log_send_failure(what: str) -> Callable[[Any], None]:
-    """A done-callback for a send nobody awaits: retrieves its failure and logs it as `what` could not be sent."""
-
-    def retrieve(sent: Any) -> None:
-        if not sent.cancelled() and sent.exception() is not None:
-            log.warning("%s could not be sent: %s", what, sent.exception())
-
-    return retrieve
 
 
 _STREAM_SEND = log_send_failure("peer line: a stream message")

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+from mstar_core.cluster.worker_link import WorkerLink, WorkerLost
 from mstar_core.runtime.engine import Invocation
 
-if TYPE_CHECKING:
-    from mstar_core.cluster.cluster import Cluster
+
+class NodeCalls(Protocol):
+    """What remote nodes need of the control plane (`Cluster`): its workers, and sending calls to them."""
+
+    workers: Mapping[str, WorkerLink]
+
+    def invoke(self, worker: str, model: str, inv: Invocation) -> asyncio.Future: ...
+
+    def release(self, worker: str, request_id: str) -> None: ...
+
+    def replica_group(self, replicas: list[str]) -> ReplicaGroup: ...
 
 
 class ReplicaGroup:
@@ -20,7 +31,7 @@ class ReplicaGroup:
     on the group, so one request's nodes (and a loop delegated to them) meet on the same replica.
     """
 
-    def __init__(self, cluster: Cluster, replicas: tuple[str, ...]):
+    def __init__(self, cluster: NodeCalls, replicas: tuple[str, ...]):
         self.cluster = cluster
         self.replicas = replicas
         self._sticky: dict[str, str] = {}
@@ -49,7 +60,7 @@ class ReplicaGroup:
 class RemoteNodeScheduler:
     """Stands in for a `NodeScheduler` whose engine lives in worker processes (see `ReplicaGroup`)."""
 
-    def __init__(self, cluster: Cluster, model: str, node: str, replicas: list[str]):
+    def __init__(self, cluster: NodeCalls, model: str, node: str, replicas: list[str]):
         self.cluster = cluster
         self.model = model
         self.node = node
@@ -59,11 +70,11 @@ class RemoteNodeScheduler:
     def replica_for(self, request_id: str) -> str:
         return self.group.pick(request_id)
 
-    def unavailable(self) -> str | None:
-        """Why a new request cannot use this node now (no replica ready), or None."""
+    def check_available(self) -> None:
+        """Raise `WorkerLost` (503, retryable) while a new request cannot use this node (no replica ready)."""
         if self.group.down():
-            return f"node '{self.node}' of model '{self.model}' has no ready worker ({', '.join(self.replicas)} restarting)"
-        return None
+            raise WorkerLost(f"node '{self.node}' of model '{self.model}' has no ready worker "
+                             f"({', '.join(self.replicas)} restarting); retry the request shortly")
 
     def submit(self, invocation: Invocation) -> asyncio.Future:
         return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)

@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from mstar_core.cluster.worker_link import WorkerLink
-
-if TYPE_CHECKING:
-    from mstar_core.cluster.cluster import Cluster
 
 log = logging.getLogger("mstar.cluster")
 
@@ -36,10 +34,30 @@ STABLE_S = 30.0
 STALL_S = 0.25
 
 
-class Supervisor:
-    """Watches every worker of a `Cluster`; restarts spawned ones, reloads hand-joined ones that rejoin."""
+class Supervised(Protocol):
+    """What the supervisor watches and asks of the control plane (`Cluster`); it never calls anything else up."""
 
-    def __init__(self, cluster: Cluster):
+    heartbeat_interval: float
+    closing: bool
+    workers: Mapping[str, WorkerLink]
+
+    def ensure_receiving(self) -> None: ...
+
+    def flush_soon(self, state: WorkerLink) -> None: ...
+
+    def retire(self, state: WorkerLink) -> None: ...
+
+    def requests_lost(self, worker: str, requests: set[str], why: str) -> None: ...
+
+    async def ensure_worker(self, name: str, spec: Any, timeout: float = 60.0) -> None: ...
+
+    async def load(self, worker: str, msg: Any, timeout: float = 600.0) -> None: ...
+
+
+class Supervisor:
+    """Watches every worker of a `Supervised` control plane; restarts spawned ones, reloads hand-joined ones that rejoin."""
+
+    def __init__(self, cluster: Supervised):
         self.cluster = cluster
         self.tick = min(0.1, cluster.heartbeat_interval / 2)
 

@@ -24,11 +24,12 @@ import zmq
 import zmq.asyncio
 
 from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
-from mstar_core.cluster.links import PeerMailbox, log_send_failure, open_link
+from mstar_core.cluster.links import PeerMailbox, open_link
 from mstar_core.cluster.loop_host import LoopHostConductor
 from mstar_core.cluster.peer_streams import InboundStream, StreamLines
 from mstar_core.cluster.refusals import RefusalLog
 from mstar_core.cluster.remote_values import error_fields, from_wire, to_wire
+from mstar_core.cluster.sealed import log_send_failure, send_sealed
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order, call_order
@@ -131,15 +132,14 @@ class Worker:
     def _flush_outbox(self) -> None:
         pending, self._outbox = self._outbox, None
         if pending and self.channel is not None:
-            sent = self.sock.send_multipart(self.channel.seal(join_messages(pending)), copy=False)
-            sent.add_done_callback(_SEND_FAILED)
+            send_sealed(self.sock, self.channel, join_messages(pending), unawaited=TO_SERVER)
 
     def _send_frames(self, frames: list) -> asyncio.Future:
         # sealing and handing to the socket happen in one go: sequence numbers go out in order
         if self.channel is None:  # only the Hello goes out before the session exists
             return self.sock.send_multipart(frames, copy=False)
         self._flush_outbox()  # what `send_soon` queued goes first
-        return self.sock.send_multipart(self.channel.seal(join_messages(self._packed(frames))), copy=False)
+        return send_sealed(self.sock, self.channel, join_messages(self._packed(frames)))
 
     async def recv(self, timeout: float | None = None):
         """The next message from the coordinator; anything not sealed for our session is dropped (and logged)."""
@@ -455,7 +455,8 @@ class Worker:
                                    **error_fields(exc)))
 
 
-_SEND_FAILED = log_send_failure("a message to the server")
+TO_SERVER = "a message to the server"  # what a failed unawaited send logs
+_SEND_FAILED = log_send_failure(TO_SERVER)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -187,31 +187,6 @@ class Placement:
                     raise ConfigError(f"{self.source}: nodes.{node} names unknown walk '{walk}' of model '{model}'; "
                                       f"walks: {', '.join(sorted(known))}")
 
-    def check_transports(self, registry: Any) -> None:
-        """Every worker's transport is registered, can carry a worker's tensors, and suits its launcher."""
-        from mstar_core.cluster.links import link_transport
-        from mstar_core.wire.curve import needs_encryption
-        from mstar_core.wire.errors import TransportError
-
-        remote = self.bind is not None and needs_encryption(self.bind)
-        for name, spec in self.workers.items():
-            where = f"{self.source}: workers.{name}.transport"
-            try:
-                cls = link_transport(registry, spec.transport)
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-            options = dict(spec.transport_options)
-            if cls is None and options:
-                raise ConfigError(f"{where}: transport '{spec.transport}' takes no options")
-            if cls is not None:
-                try:
-                    cls.check_link_options(options, remote=remote)
-                except TransportError as exc:
-                    raise ConfigError(f"{where}: {exc}") from None
-            if getattr(cls, "same_host", False) and spec.launcher != "spawn":
-                raise ConfigError(f"{where}: {spec.transport} needs a worker spawned on this host (launcher: spawn), "
-                                  f"not launcher: {spec.launcher}")
-
     def worker_of(self, node: str, walk: str | None = None) -> str:
         """Where `node` runs (in `walk`, for nodes placed per walk)."""
         by_walk = self.walks.get(node)

@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,14 +21,13 @@ import torch
 from mstar_core.checkpoint.partial import release_unhosted
 from mstar_core.config.placement import LOCAL, Placement
 from mstar_core.errors import ConfigError, RequestCancelled, RequestError, RequestTimeout
-from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import iter_walk_calls
 from mstar_core.model import LoadedModel, LoadOptions
 from mstar_core.plugins.manager import Registry, default_registry
 from mstar_core.runtime.admission import Admission, Place
 from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
+from mstar_core.runtime.placing import PlacementStrategy, node_workers
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
 
@@ -68,6 +67,7 @@ class AsyncEngine:
         max_queued: int = 1024,
         worker: str = "local",
         torch_threads: int | str | None = None,
+        placement_strategy: PlacementStrategy | None = None,
     ):
         self.registry = registry if registry is not None else default_registry()
         if torch_threads is not None and torch_threads != "share":
@@ -83,8 +83,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:6]}"
         self._handles: dict[str, RequestHandle] = {}
-        self.cluster = None  # the worker processes, once a placement puts nodes on them
-        self._lost: dict[str, Exception] = {}  # request id -> why its worker was lost (see `_requests_lost`)
+        self.placement_strategy = placement_strategy  # runs the nodes a placement puts in other processes
+        self._lost: dict[str, Exception] = {}  # request id -> why its state was lost (see `fail_requests`)
         self._own_executors: list[ThreadPoolExecutor] = []  # nodes with `own_thread`
 
     # -- models --------------------------------------------------------------------------------
@@ -105,6 +105,10 @@ class AsyncEngine:
         the weights, which only the workers load.
         """
         spec = self.registry.models.get(name)
+        if placement is not None and placement.remote and self.placement_strategy is None:
+            raise ConfigError(f"{placement.source}: the placement puts nodes on workers, but this AsyncEngine was "
+                              "built without a placement strategy; pass placement_strategy="
+                              "mstar_core.cluster.strategy.WorkerPlacement() (or build it with placed_engine())")
         options = options or LoadOptions(device=str(self.device))
         loop = asyncio.get_running_loop()
         if placement is not None and placement.remote:
@@ -129,89 +133,49 @@ class AsyncEngine:
         """
         if placement.walks:
             loaded = spec.load(attrs.evolve(options, device="meta"))
-            here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
+            here = tuple(n for n, workers in node_workers(loaded.graph, placement).items() if LOCAL in workers)
             if not here:
                 return loaded
             loaded = spec.load(attrs.evolve(options, nodes=here))
         else:
             loaded = spec.load(attrs.evolve(options, remote=tuple(n for n, w in placement.nodes.items() if w != LOCAL)))
-        here = tuple(n for n, workers in _node_workers(loaded.graph, placement).items() if LOCAL in workers)
+        here = tuple(n for n, workers in node_workers(loaded.graph, placement).items() if LOCAL in workers)
         release_unhosted(loaded.graph, here)
         return loaded
 
     async def _add_placed_model(self, family, loaded, options, placement, settings, alias) -> LoadedModel:
-        from mstar_core.cluster.cluster import Cluster, RemoteNodeScheduler
-        from mstar_core.cluster.remote_loop import delegate_loops
-        from mstar_core.cluster.remote_stream import plan_direct_streams
-        from mstar_core.wire import LoadModel
-        from mstar_core.wire.auth import secret_from_env
-
         name = alias or loaded.name
-        graph = loaded.graph
-        placement.check_nodes(name, graph.nodes)
-        placement.check_walks(name, graph.walks)
-        placement.check_transports(self.registry)
-        for node in placement.walks:
-            engine_cls = self.registry.engines.get(graph.nodes[node].engine)
-            if not getattr(engine_cls, "moves_state", False):
-                raise ConfigError(f"{placement.source}: node '{node}' runs on the '{graph.nodes[node].engine}' engine, "
-                                  "which cannot move a request's state between workers; place it on one worker")
-        where = _node_workers(graph, placement)
-        settings = {**placement.engine_settings, **settings}
-        if self.cluster is None:
-            joins_by_hand = any(not w.spawned for w in placement.workers.values())
-            self.cluster = Cluster(
-                bind=placement.bind,
-                heartbeat_interval=placement.heartbeat_interval,
-                secret=secret_from_env() if joins_by_hand or placement.bind or placement.encrypt else None,
-                registry=self.registry,
-                encrypt=placement.encrypt,
-            )
-            self.cluster.on_requests_lost = self._requests_lost
-            await self.cluster.start()
-        local = {n for n, workers in where.items() if LOCAL in workers}
-        loop = asyncio.get_running_loop()
-        engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings, local)
-        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): self._scheduler(e) for n, e in engines.items()}
-        by_worker: dict[str, list[str]] = {}
-        for node, workers in where.items():
-            for worker in sorted(workers - {LOCAL}):
-                by_worker.setdefault(worker, []).append(node)
-        share = self._thread_share(placement)
-
-        async def start_and_load(replica: str, spec: Any, msg: LoadModel) -> None:
-            await self.cluster.ensure_worker(replica, spec)
-            await self.cluster.load(replica, msg)
-
-        starts = []  # every worker starts and loads at once: one's imports and load overlap the others'
-        for group, nodes in by_worker.items():
-            spec = placement.workers[group]
-            if spec.launcher == "spawn" and spec.threads is None:
-                spec = attrs.evolve(spec, threads=share)
-            replicas = spec.replica_names()
-            msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
-                            checkpoint=options.checkpoint, dtype=options.dtype,
-                            settings={n: dict(settings.get(n, {})) for n in nodes})
-            starts += [start_and_load(r, spec, msg) for r in replicas]
-            for node in nodes:
-                on_worker[node, group] = RemoteNodeScheduler(self.cluster, family, node, replicas)
-        await asyncio.gather(*starts)
-        # a node's default scheduler (its only one, unless placed per walk: then the local one if any)
-        schedulers = {n: on_worker[n, min(workers, key=lambda w: (w != LOCAL, w))] for n, workers in where.items()}
-        walk_schedulers = {}
-        for node in placement.walks:
-            for walk in graph.walks:
-                key = (node, placement.worker_of(node, walk))
-                if key in on_worker:  # walks that never call the node have no engine for it
-                    walk_schedulers[walk, node] = on_worker[key]
-        runtime = _ModelRuntime(loaded, engines, schedulers, walk_schedulers)
-        if placement.delegate_loops:
-            delegate_loops(runtime.conductor, self.cluster, family)
-            plan_direct_streams(runtime.conductor, self.cluster, family)  # items between workers go peer to peer
+        placement.check_nodes(name, loaded.graph.nodes)
+        placement.check_walks(name, loaded.graph.walks)
+        placed = await self.placement_strategy.place(self, family, loaded, options, placement, settings)
+        runtime = _ModelRuntime(loaded, placed.engines, placed.schedulers, placed.walk_schedulers)
+        if placed.attach is not None:
+            placed.attach(runtime.conductor)
         self._models[name] = runtime
         return loaded
 
-    def _scheduler(self, engine: Engine) -> NodeScheduler:
+    # -- what a placement strategy borrows (`PlacementHost`) -----------------------------------
+
+    async def build_local(self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]],
+                          nodes: set[str]) -> dict[str, Engine]:
+        """This process's engines for `nodes` of a placed model, built on the device thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._build_engines, loaded, settings, nodes)
+
+    def fail_requests(self, request_ids: Iterable[str], error: Callable[[], Exception]) -> None:
+        """Their state was lost (a worker died or hung): they fail now with `error()`, even those not waiting on it."""
+        for rid in request_ids:
+            handle = self._handles.get(rid)
+            if handle is not None and not handle.done:
+                self._lost[rid] = error()
+                handle.cancel()
+
+    @property
+    def cluster(self) -> Any:
+        """The placement strategy's worker processes, if it has any (metrics and tests read them)."""
+        return getattr(self.placement_strategy, "cluster", None)
+
+    def local_scheduler(self, engine: Engine) -> NodeScheduler:
         """A node's scheduler, on the shared device thread or, with the setting `own_thread`, its own.
 
         A thread of its own lets a node's steps overlap another node's (a codec decoding windows
@@ -222,20 +186,6 @@ class AsyncEngine:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mstar-device-{engine.node.name}")
         self._own_executors.append(executor)
         return NodeScheduler(engine, executor)
-
-    def _thread_share(self, placement: Placement) -> int:
-        """Split this host's cores between the serving process and the workers it spawns here.
-
-        Processes whose torch thread pools together exceed the cores slow each other down many
-        times over (spinning OpenMP threads), so each gets an even share, this process included.
-        """
-        spawned = sum(w.replicas for w in placement.workers.values() if w.launcher == "spawn")
-        share = max(1, (os.cpu_count() or 1) // (spawned + 1))
-        # this process's own pool is the caller's to set (an embedding application has its own plans)
-        if self.torch_threads == "share" and spawned and torch.get_num_threads() > share:
-            log.info("placement spawns %d worker processes here: torch threads per process set to %d", spawned, share)
-            torch.set_num_threads(share)
-        return share
 
     async def add_model(
         self,
@@ -255,7 +205,7 @@ class AsyncEngine:
             )
         loop = asyncio.get_running_loop()
         engines = await loop.run_in_executor(self._executor, self._build_engines, loaded, settings)
-        schedulers = {n: self._scheduler(e) for n, e in engines.items()}
+        schedulers = {n: self.local_scheduler(e) for n, e in engines.items()}
         self._models[name] = _ModelRuntime(loaded, engines, schedulers)
         return loaded
 
@@ -371,11 +321,9 @@ class AsyncEngine:
         it reaches that node: a truncated answer instead of a clean retry.
         """
         for scheduler in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
-            why = scheduler.unavailable() if hasattr(scheduler, "unavailable") else None
-            if why is not None:
-                from mstar_core.cluster.worker_link import WorkerLost
-
-                raise WorkerLost(f"{why}; retry the request shortly")
+            check = getattr(scheduler, "check_available", None)  # a node in another process may have none ready
+            if check is not None:
+                check()
 
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None,
                    place: Place) -> dict:
@@ -401,16 +349,6 @@ class AsyncEngine:
             place.release()
             self._handles.pop(handle.request_id, None)
             self._lost.pop(handle.request_id, None)
-
-    def _requests_lost(self, worker: str, request_ids: set[str], why: str) -> None:
-        """A worker died or hung: its requests fail now, even those not waiting on it at this moment."""
-        from mstar_core.cluster.cluster import WorkerLost
-
-        for rid in request_ids:
-            handle = self._handles.get(rid)
-            if handle is not None and not handle.done:
-                self._lost[rid] = WorkerLost(f"worker '{worker}' {why}; the request was lost, retry it")
-                handle.cancel()
 
     async def prepare(self, model: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """A request's prepared env (tokenization, audio/image decoding, resizing), computed off the event loop.
@@ -479,9 +417,8 @@ class AsyncEngine:
             for eng in rt.engines.values():
                 eng.close()
         self._models.clear()
-        if self.cluster is not None:
-            await self.cluster.close()
-            self.cluster = None
+        if self.placement_strategy is not None:
+            await self.placement_strategy.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for executor in self._own_executors:
             executor.shutdown(wait=False, cancel_futures=True)
@@ -499,15 +436,3 @@ def _safe_stats(engine: Engine) -> dict[str, Any]:
     except Exception:  # gauges must never fail a scrape
         return {}
 
-
-def _node_workers(graph: Graph, placement: Placement) -> dict[str, set[str]]:
-    """Where each node runs: one worker, or (placed per walk) the workers of the walks that call it."""
-    where: dict[str, set[str]] = {}
-    for node in graph.nodes:
-        callers = [w.name for w in graph.walks.values()
-                   if any(c.node == node for c in iter_walk_calls(w)) or any(e.dst_node == node for e in w.streams)]
-        if node in placement.walks and callers:
-            where[node] = {placement.worker_of(node, walk) for walk in callers}
-        else:
-            where[node] = {placement.worker_of(node)}
-    return where

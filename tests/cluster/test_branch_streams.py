@@ -13,11 +13,11 @@ import pytest
 import torch
 from mstar_fixture_plugin.branches import FAN_BRANCH, branch_of, item_of
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import RequestCancelled
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import peer_figure, traffic
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,7 +52,7 @@ def sent_since(after, before, worker="b"):
 
 
 async def split_engine(delay: float = 0.0):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model(MODEL, LoadOptions(preset="tiny"), placement=placement(delay))
     deadline = time.monotonic() + 20
     while any("peer" not in w.load for w in engine.cluster.workers.values()):  # mailboxes known from heartbeats
@@ -84,7 +84,7 @@ def assert_fan(outs, colocated):
 
 
 async def colocated():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model(MODEL, LoadOptions(preset="tiny"))
     try:
         return await run(engine, CFG), await run(engine, FAN)

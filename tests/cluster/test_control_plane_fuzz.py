@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mstar_transport_shm.link import CONTROL, DATA
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.wire import Heartbeat, NodeResult, encode
 from mstar_core.wire.auth import make_hello
 from mstar_core.wire.session import MAGIC, Channel
@@ -43,7 +43,7 @@ class ServerThread:
     async def _start(self):
         placement = Placement.from_dict({"workers": {"gen": {}}, "nodes": {"gen": "gen"},
                                          "control": {"heartbeat_interval": 0.2}})
-        engine = AsyncEngine(discover())
+        engine = placed_engine(discover())
         await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
         return engine
 

@@ -13,10 +13,10 @@ import zmq
 import zmq.asyncio
 
 from mstar_core.cluster.links import PeerMailbox
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.wire import Release, encode
 from tests.cluster.helpers import kv_pages_used
 
@@ -39,8 +39,8 @@ def moved(state) -> int:
 
 
 async def test_the_kv_moves_between_workers_directly_and_only_control_messages_pass_the_server():
-    engine = AsyncEngine(discover())
-    colocated = AsyncEngine(discover())
+    engine = placed_engine(discover())
+    colocated = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLE))
     await colocated.load_model("llama", LoadOptions(preset="tiny"))
     try:

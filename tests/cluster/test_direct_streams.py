@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.errors import RequestCancelled
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import kill_mid_request, kv_pages_used, peer_figure, traffic, until
 
 pytest.importorskip("mstar_orpheus")
@@ -39,7 +39,7 @@ def since(after, before, direction, tag):
 
 
 async def disaggregated():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(
         EXAMPLES / "orpheus-disaggregated.yaml"))
     deadline = time.monotonic() + 20
@@ -50,7 +50,7 @@ async def disaggregated():
 
 
 async def test_the_stream_goes_worker_to_worker_and_only_control_messages_pass_the_server():
-    colocated = AsyncEngine(discover())
+    colocated = placed_engine(discover())
     await colocated.load_model("orpheus", LoadOptions(preset="tiny"))
     try:
         want, want_tokens = await audio_of(colocated)

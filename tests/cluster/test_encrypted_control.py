@@ -16,11 +16,11 @@ import time
 import pytest
 
 from mstar_core.cluster.cluster import Cluster
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError, MStarError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.wire.curve import needs_encryption
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,7 +79,7 @@ async def test_serving_process_without_secret_refuses_a_remote_bind(monkeypatch)
     monkeypatch.delenv("MSTAR_SECRET", raising=False)
     placement = Placement.from_dict({"workers": {"w": {}}, "nodes": {"bump": "w"},
                                      "control": {"bind": "tcp://10.213.0.1:7100"}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         with pytest.raises(Exception, match="MSTAR_SECRET"):
             await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
@@ -102,7 +102,7 @@ async def test_encrypted_control_only_key_holders_join_and_nothing_readable_goes
     placement = Placement.from_dict({"workers": {"far": {"host": "127.0.0.1"}},
                                      "nodes": {"bump": "far"},
                                      "control": {"bind": address, "encrypt": True, "heartbeat_interval": 0.2}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     # on loopback a worker encrypts when told to (to another host's address it does by itself)
     bad = [join(address, "far", "the wrong secret, long enough", "--encrypt", "on", timeout=4),
            join(address, "far", SECRET, timeout=4),  # the right secret, unencrypted

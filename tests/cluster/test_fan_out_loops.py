@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from mstar_core.cluster.remote_loop import RemoteLoop
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.conductor import Conductor
 from tests.cluster.helpers import kv_pages_used
 
@@ -41,7 +41,7 @@ def count_loops(monkeypatch):
 
 
 async def choices(placement=None):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
     try:
         outs = []
@@ -73,7 +73,7 @@ async def test_fan_out_branches_loops_delegated_to_a_worker_equal_the_colocated_
 
 async def test_cancelling_fan_out_requests_mid_loop_frees_every_worker(monkeypatch):
     seen = count_loops(monkeypatch)
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLE))
     try:
         request = {"input_ids": list(range(5, 40)), "max_tokens": 400, "n": 3, "temperature": 0.8, "seed": 1,

@@ -15,6 +15,7 @@ import pytest
 
 from mstar_core.api.metrics import Metrics
 from mstar_core.cluster.cluster import WorkerLost
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 async def served(placement: dict, model: str = "fixture-stream") -> AsyncEngine:
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model(model, LoadOptions(preset="tiny"), placement=Placement.from_dict(placement))
     return engine
 
@@ -130,7 +131,7 @@ async def test_metrics_export_the_gauges_of_engines_in_workers():
 
 
 async def test_a_client_error_in_a_worker_stays_a_client_error():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     placement = Placement.from_dict({"workers": {"w": {}}, "nodes": {"bump": "w"}})
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
     try:
@@ -174,7 +175,7 @@ async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_ne
 
     placement = Placement.from_dict({"workers": {"far": {"host": "127.0.0.2"}}, "nodes": {"gen": "far"},
                                      "control": {"bind": address, "heartbeat_interval": 0.2}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     first_worker = join()
     second_worker = None
     try:

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar_core.api.metrics import Metrics
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.cluster.worker_link import WorkerLink
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import until
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,7 +98,7 @@ async def settled(scrape, before, items: int, timeout: float = 10.0):
 
 async def test_disaggregated_orpheus_stream_counters_rise_with_each_request():
     pytest.importorskip("mstar_orpheus")
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(PLACEMENT))
     metrics = Metrics(engine)  # what GET /metrics renders
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.scheduler import NodeScheduler
 from tests.cluster.helpers import kv_pages_used
@@ -68,7 +68,7 @@ async def test_an_exported_request_frees_its_place_and_a_failed_export_keeps_it(
 
 async def test_the_next_prefill_runs_while_the_first_request_decodes_on_the_other_worker():
     """One request at a time on each side: B's prefill (and first token) comes during A's decode, not after it."""
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     settings = {"lm": {"num_pages": 1024, "max_active_requests": 1}}
     await engine.load_model("llama", LoadOptions(preset="tiny"), settings=settings,
                             placement=load_placement(EXAMPLE))

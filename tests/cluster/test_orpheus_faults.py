@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import kill_mid_request, kv_pages_used, until
 
 pytest.importorskip("mstar_orpheus")
@@ -23,7 +23,7 @@ LONG = {"text": "Hello from M star, " * 8, "voice": "tara", "seed": 7, "max_toke
 
 
 async def test_a_dead_codec_worker_fails_its_request_at_once_and_the_lm_stops_computing_it():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=load_placement(PLACEMENT))
     codec = engine.cluster.workers["codec"]
     try:

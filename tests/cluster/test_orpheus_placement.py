@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 pytest.importorskip("mstar_orpheus")
 pytestmark = pytest.mark.timeout(180)
@@ -18,7 +18,7 @@ REQUEST = {"text": "Hello from M star.", "voice": "tara", "seed": 7, "max_tokens
 
 
 async def synthesize(placement_file):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     placement = load_placement(EXAMPLES / placement_file)
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
     try:

@@ -72,11 +72,11 @@ async def _heartbeat_with(state, key, timeout=20.0):
 
 
 async def test_disaggregated_orpheus_codec_worker_holds_no_lm_parameter():
+    from mstar_core.cluster.strategy import placed_engine
     from mstar_core.plugins import discover
-    from mstar_core.runtime import AsyncEngine
 
     full = _orpheus(None)
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         await engine.load_model("orpheus", LoadOptions(preset="tiny"),
                                 placement=load_placement(EXAMPLES / "orpheus-disaggregated.yaml"))
@@ -99,14 +99,14 @@ async def test_disaggregated_orpheus_codec_worker_holds_no_lm_parameter():
 
 
 async def test_a_serving_process_hosting_one_node_loads_only_that_node():
+    from mstar_core.cluster.strategy import placed_engine
     from mstar_core.config.placement import Placement
     from mstar_core.plugins import discover
-    from mstar_core.runtime import AsyncEngine
 
     full = _orpheus(None)
     placement = Placement.from_dict({"workers": {"codec": {"device": "cpu"}}, "nodes": {"snac": "codec"},
                                      "engine_settings": {"lm": {"num_pages": 64}}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     spec = engine.registry.models.get("orpheus")
     builds = []  # the serving process builds the model once (it used to build it on meta first, then again)
 

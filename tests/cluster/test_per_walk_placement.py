@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement, load_placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import kv_pages_used
 
 pytestmark = pytest.mark.timeout(180)
@@ -23,7 +23,7 @@ REQUESTS = [
 
 
 async def generate(placement=None):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
     try:
         outs = []
@@ -48,7 +48,7 @@ async def test_prefill_and_decode_on_different_workers_give_the_colocated_tokens
 
 
 async def test_per_walk_placement_is_checked_against_the_model():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     bad_walk = {"workers": {"p": {}}, "nodes": {"lm": {"prefil": "p"}}}
     with pytest.raises(ConfigError, match="unknown walk 'prefil'.*walks: .*decode.*prefill"):
         await engine.load_model("llama", LoadOptions(preset="tiny"), placement=Placement.from_dict(bad_walk))
@@ -59,7 +59,7 @@ async def test_per_walk_placement_is_checked_against_the_model():
 
 async def test_a_node_whose_engine_cannot_move_state_cannot_be_placed_per_walk():
     pytest.importorskip("mstar_orpheus")
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     placement = Placement.from_dict({"workers": {"c": {}}, "nodes": {"snac": {"decode": "c"}}})
     with pytest.raises(ConfigError, match="'snac' runs on the 'stateless' engine, which cannot move"):
         await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
@@ -67,7 +67,7 @@ async def test_a_node_whose_engine_cannot_move_state_cannot_be_placed_per_walk()
 
 
 async def test_requests_cancelled_before_during_and_after_the_move_free_both_workers():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLE))
     try:
         prompt = list(range(5, 60))
@@ -103,7 +103,7 @@ async def test_n_choices_forked_after_a_prefill_on_another_worker_give_the_coloc
                "ignore_eos": True}
 
     async def choices(placement=None):
-        engine = AsyncEngine(discover())
+        engine = placed_engine(discover())
         await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
         try:
             out: dict[int, list[int]] = {}

@@ -80,11 +80,12 @@ def test_launcher_and_transport_are_checked(worker, message):
     ],
 )
 def test_transports_are_checked_against_the_registry(worker, message):
+    from mstar_core.cluster.links import check_transports
     from mstar_core.plugins import discover
 
     placement = Placement.from_dict({"workers": {"a": worker}}, "deploy.yaml")  # any name parses
     with pytest.raises(ConfigError, match=message) as info:
-        placement.check_transports(discover())
+        check_transports(placement, discover())
     if "unknown" in message:
         assert "shm" in str(info.value) and "zmq" in str(info.value)  # the registered names
 

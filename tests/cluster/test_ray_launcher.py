@@ -6,10 +6,10 @@ import time
 import pytest
 
 from mstar_core.cluster.cluster import WorkerLost
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +36,7 @@ async def test_a_ray_actor_worker_serves_and_is_restarted_when_it_dies(ray_head)
             "control": {"heartbeat_interval": 0.2},
         }
     )
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
         state = engine.cluster.workers["gen"]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement, load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -44,7 +44,7 @@ def two_node_cluster():
 
 
 async def audio(placement):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
     try:
         chunks = [torch.as_tensor(o.value).clone() async for o in engine.submit("orpheus", dict(REQUEST))

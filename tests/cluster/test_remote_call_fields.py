@@ -10,11 +10,11 @@ import pytest
 import pytest_asyncio
 
 from mstar_core.cluster.remote_values import TYPE_KEY, to_wire
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.engine import Invocation
 from mstar_core.wire import RunLoop
 
@@ -28,7 +28,7 @@ BAD_SAMPLING = {TYPE_KEY: "sampling", "fields": {"temperature": -1.0}}  # refuse
 async def engine():
     placement = {"workers": {"gen": {}}, "nodes": {"gen": "gen"},
                  "engine_settings": {"gen": {"max_active_requests": 1}}}
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model(MODEL, LoadOptions(preset="tiny"), placement=Placement.from_dict(placement))
     try:
         yield engine

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mstar_core.cluster.cluster import WorkerLost
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,7 +29,7 @@ async def bump(engine, x):
 
 
 async def test_big_tensors_travel_through_shared_memory_and_arrive_zero_copy():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement())
     state = engine.cluster.workers["w"]
     worker_pid = state.process.pid
@@ -50,7 +50,7 @@ async def test_big_tensors_travel_through_shared_memory_and_arrive_zero_copy():
 
 
 async def test_a_killed_worker_leaves_no_segment_and_its_replacement_serves():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement(heartbeat_interval=0.2))
     state = engine.cluster.workers["w"]
     x = torch.randn(256, 1024)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from mstar_fixture_plugin.chain import token_of
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import peer_figure, traffic
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +37,7 @@ REQUESTS = ((1, 9), (2, 14))
 
 
 async def run_all(placement=None, check=None):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-chain", LoadOptions(preset="tiny"), placement=placement)
     try:
         before = traffic_all(engine) if engine.cluster else None

@@ -31,13 +31,13 @@ PORT = 7100
 
 
 async def colocated_audio():
+    from mstar_core.cluster.strategy import placed_engine
     from mstar_core.config import load_placement
     from mstar_core.model import LoadOptions
     from mstar_core.plugins import discover
-    from mstar_core.runtime import AsyncEngine
     from tests.cluster.two_host_server import REQUEST
 
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"),
                             placement=load_placement(ROOT / "examples" / "placement" / "orpheus-colocated.yaml"))
     try:

@@ -9,10 +9,10 @@ import pytest
 
 from mstar_core.cluster.launchers import forked
 from mstar_core.cluster.launchers.forked import ForkedProcess
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.wire.auth import SECRET_ENV
 from tests.cluster.helpers import until
 
@@ -27,7 +27,7 @@ async def _tokens(engine):
 
 
 async def _placed():
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"), placement=load_placement(EXAMPLE))
     return engine
 
@@ -39,7 +39,7 @@ def _ppid(pid: int) -> int:
 async def test_workers_are_forks_of_one_zygote_and_a_killed_one_is_replaced(monkeypatch):
     if forked._zygote is not None and forked._zygote.key != forked._key(dict(os.environ)):
         monkeypatch.setattr(forked, "_zygote", None)  # an earlier test changed the environment for good
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"))
     try:
         want = await _tokens(engine)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mstar_core.cluster.cluster import WorkerLost
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.cluster.helpers import shm_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,13 +32,13 @@ async def run(engine, start, stop, model="fixture-stream"):
 
 
 async def test_colocated_and_disaggregated_give_identical_outputs():
-    colocated = AsyncEngine(discover())
+    colocated = placed_engine(discover())
     await colocated.load_model("fixture-stream", LoadOptions(preset="tiny"))
     expected = [await run(colocated, s, s + 9) for s in (0, 5)]
     await colocated.close()
 
     placement = Placement.from_dict({"workers": {"gen": {}, "codec": {}}, "nodes": {"gen": "gen", "sum": "codec"}})
-    split = AsyncEngine(discover())
+    split = placed_engine(discover())
     await split.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
     got = [await run(split, s, s + 9) for s in (0, 5)]
     procs = [w.process for w in split.cluster.workers.values()]
@@ -61,7 +61,7 @@ async def test_killed_worker_fails_its_requests_fast_and_comes_back():
             "control": {"heartbeat_interval": 0.2},
         }
     )
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
     sched = engine.node_schedulers("fixture-stream")["gen"]
     handles = [engine.submit("fixture-stream", {"start": 0, "stop": 10_000}, request_id=f"r{i}") for i in range(8)]
@@ -116,7 +116,7 @@ async def test_hand_joined_worker_on_another_address_and_a_peer_without_the_secr
     )
     intruder = _join(address, "far", "not the secret at all!!")
     worker = None
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     load = asyncio.ensure_future(engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement))
     await asyncio.sleep(1.0)
     assert not load.done()  # the intruder did not count as the worker joining
@@ -166,7 +166,7 @@ async def test_loops_run_on_the_worker_that_hosts_their_nodes_and_cancel_frees_i
         {"workers": {"gen": {}}, "nodes": {"gen": "gen"}, "engine_settings": {"gen": {"step_delay": 0.005}},
          "control": {"heartbeat_interval": 0.1}}
     )
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
     assert len(engine._runtime("fixture-stream").conductor.remote_loops) == 1  # the count loop is delegated
     tokens, totals = await run(engine, 2, 13)
@@ -191,7 +191,7 @@ async def test_a_result_that_cannot_travel_fails_its_request_instead_of_hanging_
     from mstar_core.errors import RequestError
 
     placement = Placement.from_dict({"workers": {"w": {}}, "nodes": {"bump": "w"}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
     try:
         with pytest.raises(RequestError, match="bump"):
@@ -205,7 +205,7 @@ async def test_a_delegated_loop_value_that_cannot_travel_fails_its_request_inste
     from mstar_core.errors import RequestError
 
     placement = Placement.from_dict({"workers": {"gen": {}}, "nodes": {"gen": "gen"}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
     try:
         with pytest.raises(RequestError, match="sparse"):  # start -1: the fixture streams sparse tensors

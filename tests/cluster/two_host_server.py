@@ -14,10 +14,10 @@ import time
 
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 REQUEST = {"text": "Hello from M star.", "voice": "tara", "seed": 7, "max_tokens": 120}
 LONG = {"text": "Hello from M star, " * 8, "voice": "tara", "seed": 7, "max_tokens": 4000}
@@ -30,7 +30,7 @@ async def main(out: str, bind: str, codec_host: str) -> None:
         "engine_settings": {"lm": {"num_pages": 512, "page_size": 16}},
         "control": {"bind": bind, "heartbeat_interval": 0.2},
     })
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     result: dict = {}
     try:
         await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)

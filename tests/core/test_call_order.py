@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.errors import ConfigError
 from mstar_core.graph import Graph, GraphNode, Walk
 from mstar_core.model import LoadedModel
@@ -137,7 +138,7 @@ async def test_a_worker_node_with_fifo_admits_the_request_sent_first_not_the_old
 
     placement = {"workers": {"gen": {}}, "nodes": {"gen": "gen"},
                  "engine_settings": {"gen": {"max_active_requests": 1, "call_order": "fifo"}}}
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=Placement.from_dict(placement))
     try:
         cluster = engine.cluster

@@ -7,6 +7,7 @@ import pytest
 import torch
 from mstar_fixture_plugin.rename import rename_graph
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import GraphValidationError
 from mstar_core.graph import (
@@ -25,7 +26,6 @@ from mstar_core.graph import (
 )
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 NODES = [GraphNode("scale", inputs="a", outputs="b", engine="function", module=lambda: lambda a: a * 10),
          GraphNode("sum", inputs=("p", "q"), outputs="s", engine="function", module=lambda: lambda p, q: p + q)]
@@ -86,7 +86,7 @@ def test_graph_renders_copies_and_renames():
 
 
 async def _run(placement=None):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-rename", LoadOptions(preset="tiny"), placement=placement)
     try:
         handle = engine.submit("fixture-rename", {"x": torch.tensor(1.0), "n": 3})

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from tests.qwen_omni.test_reference_speech import chat_ids
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # two worker processes: ~30 s
@@ -17,7 +17,7 @@ PLACEMENT = Path(__file__).resolve().parents[2] / "mstar_qwen_omni" / "placement
 
 
 async def speak(placement, ids):
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         await engine.load_model("qwen3-omni", LoadOptions(preset="tiny"),
                                 **({"placement": load_placement(PLACEMENT)} if placement else {}))

@@ -13,11 +13,12 @@ import torch
 import yaml
 
 from mstar_core.cluster.cluster import WorkerLost
+from mstar_core.cluster.links import check_transports
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 
 pytest.importorskip("mstar_transport_nccl")
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +37,7 @@ def example(name: str, **transports) -> Placement:
 async def test_a_workers_tensors_go_over_the_group_and_small_frames_stay_on_the_socket():
     placement = Placement.from_dict({"workers": {"w": {"transport": "nccl"}}, "nodes": {"bump": "w"},
                                      "control": {"heartbeat_interval": 0.2}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
     try:
         state = engine.cluster.workers["w"]
@@ -66,7 +67,7 @@ async def test_a_workers_tensors_go_over_the_group_and_small_frames_stay_on_the_
 
 async def synthesize(placement):
     pytest.importorskip("mstar_orpheus")
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("orpheus", LoadOptions(preset="tiny"), placement=placement)
     try:
         request = {"text": "Hello from M star.", "voice": "tara", "seed": 7, "max_tokens": 120}
@@ -102,7 +103,7 @@ async def test_prefill_and_decode_workers_with_nccl_links_give_the_colocated_tok
     from tests.cluster.test_per_walk_placement import REQUESTS, generate
 
     colocated, _, _ = await generate()
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(preset="tiny"),
                             placement=example("llama-prefill-decode.yaml", prefill={"name": "nccl", "threshold": 256},
                                               decode={"name": "nccl", "threshold": 256}))
@@ -126,7 +127,7 @@ async def test_killing_an_nccl_worker_fails_its_requests_quickly_and_the_replace
     placement = Placement.from_dict({"workers": {"gen": {"transport": "nccl"}}, "nodes": {"gen": "gen"},
                                      "engine_settings": {"gen": {"step_delay": 0.01}},
                                      "control": {"heartbeat_interval": 0.2}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement)
     gen = engine.cluster.workers["gen"]
     try:
@@ -155,8 +156,8 @@ def test_placement_checks_nccl_options_and_refuses_a_remote_rendezvous_unless_al
     registry = discover()
 
     def check(transport, bind=None):
-        Placement.from_dict({"workers": {"w": {"transport": transport}},
-                             "control": {"bind": bind} if bind else None}, "p.yaml").check_transports(registry)
+        check_transports(Placement.from_dict({"workers": {"w": {"transport": transport}},
+                                              "control": {"bind": bind} if bind else None}, "p.yaml"), registry)
 
     check("nccl")
     check({"name": "nccl", "backend": "gloo", "threshold": 4096})

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mstar_core.cluster.links import open_link
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from mstar_core.runtime import AsyncEngine
 from mstar_core.wire import decode, encode
 from mstar_core.wire.messages import NodeResult
 from mstar_core.wire.transport import InlineLink
@@ -56,13 +56,13 @@ def test_links_come_from_the_registry_and_round_trip():
 def test_a_transport_that_cannot_carry_worker_links_is_refused_naming_those_that_can():
     # fixture_pipe is a registered point-to-point transport with no worker link (nccl carries worker links now)
     registry = discover()
-    from mstar_core.cluster.links import carries_worker_links
+    from mstar_core.cluster.links import carries_worker_links, check_transports
 
     assert not carries_worker_links(registry.transports.get("fixture_pipe"))
     placement = Placement.from_dict({"workers": {"a": {"transport": "fixture_pipe"}}}, "deploy.yaml")
     with pytest.raises(ConfigError, match=r"deploy.yaml: workers.a.transport: transport 'fixture_pipe' cannot carry "
                                           r"a worker's tensors; use one of: (?!.*fixture_pipe).*fixture_spool.*zmq"):
-        placement.check_transports(registry)
+        check_transports(placement, registry)
     # the pipe itself is a working point-to-point channel: what it refuses is only the worker link
     a, b = registry.transports.get("fixture_pipe")(), registry.transports.get("fixture_pipe")()
     b.connect(a.bind("pipe://refusal-test"))
@@ -73,7 +73,7 @@ def test_a_transport_that_cannot_carry_worker_links_is_refused_naming_those_that
 
 async def test_a_placement_selecting_a_transport_without_worker_links_fails_the_load():
     placement = Placement.from_dict({"workers": {"w": {"transport": "fixture_pipe"}}, "nodes": {"bump": "w"}}, "p.yaml")
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         with pytest.raises(ConfigError, match=r"p.yaml: workers.w.transport: transport 'fixture_pipe' cannot carry"):
             await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
@@ -85,7 +85,7 @@ async def test_a_placement_selecting_a_transport_without_worker_links_fails_the_
 async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
     placement = Placement.from_dict({"workers": {"w": {"transport": "fixture_spool"}}, "nodes": {"bump": "w"},
                                      "control": {"heartbeat_interval": 0.2}})
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     await engine.load_model("fixture-blob", LoadOptions(), placement=placement)
     try:
         state = engine.cluster.workers["w"]
@@ -100,7 +100,8 @@ async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
         assert torch.equal((await engine.submit("fixture-blob", {"x": small}).result())["y"], small + 1)
         assert state.link.spooled_out == 3  # small frames stay on the control socket
         deadline = time.monotonic() + 10
-        while state.load.get("link", {}).get("sent_messages", 0) < 4:  # the worker's end, from its heartbeat
+        # the worker's end, from its heartbeat (heartbeats travel the link too: wait for one sent after the outputs)
+        while state.load.get("link", {}).get("offloaded_bytes", 0) < 3 * x.numel() * 4:
             assert time.monotonic() < deadline, state.load
             await asyncio.sleep(0.05)
         assert state.load["link"]["transport"] == "fixture_spool"
@@ -121,7 +122,7 @@ async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
 
 async def test_an_unknown_transport_fails_the_load_naming_the_registered_ones():
     placement = Placement.from_dict({"workers": {"w": {"transport": "pigeon"}}, "nodes": {"bump": "w"}}, "p.yaml")
-    engine = AsyncEngine(discover())
+    engine = placed_engine(discover())
     try:
         with pytest.raises(ConfigError, match=r"p.yaml: workers.w.transport: unknown transport 'pigeon'; "
                                               r"known: .*fixture_spool.*shm.*zmq"):

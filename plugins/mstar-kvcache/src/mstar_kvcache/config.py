@@ -87,31 +87,27 @@ def kv_shape(module: Any) -> tuple[int, int, int, int, int | None]:
 
 
 def select_backend(name: str, device: torch.device, registry: Any) -> Any:
-    """Instantiate the named attention backend; "auto" = flashinfer on CUDA when importable, else torch."""
-    backends = getattr(registry, "attention_backends", None)
+    """Instantiate the named attention backend, looked up in the plugin registry (the process's when None).
+
+    "auto" = flashinfer on CUDA when it is registered and available there, else torch.
+    """
+    if registry is None:
+        from mstar_core.plugins.manager import default_registry
+
+        registry = default_registry()
+    backends = registry.attention_backends
 
     def lookup(key: str) -> Any:
-        if backends is not None and key in backends:
+        if key in backends:
             return backends.get(key)
-        if key == "torch":
-            from mstar_attn_torch import TorchPagedAttention
-
-            return TorchPagedAttention
-        if key == "flashinfer":
-            from mstar_attn_flashinfer import FlashInferPagedAttention
-
-            return FlashInferPagedAttention
-        known = ", ".join(sorted(backends)) if backends is not None else "torch, flashinfer"
-        raise ConfigError(f"kvcache engine: unknown attention_backend '{key}'; known: {known}")
+        known = ", ".join(backends) or "none"
+        raise ConfigError(f"kvcache engine: unknown attention_backend '{key}'; registered: {known} (install the "
+                          "plugin that registers it, e.g. mstar-attn-torch, or check MSTAR_PLUGINS)")
 
     if name == "auto":
         name = "torch"
-        if device.type == "cuda":
-            try:
-                if lookup("flashinfer").available(device):
-                    name = "flashinfer"
-            except ImportError:
-                pass
+        if device.type == "cuda" and "flashinfer" in backends and backends.get("flashinfer").available(device):
+            name = "flashinfer"
     cls = lookup(name)
     if not cls.available(device):
         raise ConfigError(f"kvcache engine: attention backend '{name}' cannot run on {device}; use 'torch'")

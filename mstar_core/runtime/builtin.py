@@ -1,4 +1,4 @@
-"""The core's own plugin: registered through the `mstar` entry point like any third party."""
+"""The core's own plugin (the `function` engine): registered through the `mstar` entry point like any third party."""
 
 from mstar_core.plugins.hookspecs import hookimpl
 
