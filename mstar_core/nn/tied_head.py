@@ -20,18 +20,35 @@ class TiedLMHead(nn.Module):
         # plain attributes, not submodules: the weight belongs to (and is saved with) the embedding
         self.__dict__["embed"] = embed
         self.__dict__["linear"] = None
+        self.__dict__["quantized"] = None  # (quantized head, the weight it was made from): see quantize_own_linears
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight
         linear = self.linear
         if linear is not None and linear.weight is weight:  # (a reload that replaced the parameter drops it)
             return linear(hidden)
+        quantized = self.quantized
+        if quantized is not None and quantized[1] is weight:
+            return quantized[0](hidden)
         return F.linear(hidden, weight)
+
+    def quantize_own_linears(self, build) -> int:
+        """Quantize a copy of the embedding's weight for the logits (called by `quantize_linears`); how many (0 or 1)."""
+        weight = self.embed.weight
+        if weight.is_meta:
+            return 0
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = weight
+        self.__dict__["quantized"] = (build(linear), weight)  # the lookup table stays full precision
+        self.__dict__["linear"] = None  # (a packed copy of the weight would outrank the quantized one)
+        return 1
 
     def pack_own_linears(self, min_out: int) -> int:
         """Pack the embedding's weight as a linear's (called by `pack_linears`); how many were packed (0 or 1)."""
         from mstar_core.nn.packed import pack_linears
 
+        if self.quantized is not None:  # the logits run on the quantized copy
+            return 0
         weight = self.embed.weight
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = weight

@@ -33,6 +33,8 @@ class KVCacheSettings:
     cuda_graphs: bool | None = None  # None: on when compiling on CUDA
     # wide fp32 linears prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
     pack_weights: bool | None = None
+    # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic (CPU), fp8 (CUDA); None: off
+    quantize: str | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
@@ -44,6 +46,12 @@ class KVCacheSettings:
         for key in ("compile", "cuda_graphs", "pack_weights"):
             if values.get(key) is not None and not isinstance(values[key], bool):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be true or false, got {values[key]!r}")
+        if values.get("quantize") is not None:
+            from mstar_core.nn.quant import QUANT_MODES
+
+            if values["quantize"] not in QUANT_MODES:
+                raise ConfigError(f"kvcache engine: setting 'quantize' must be one of {list(QUANT_MODES)} (or absent), "
+                                  f"got {values['quantize']!r}")
         buckets = values.get("compile_buckets")
         if buckets is not None and (
             not isinstance(buckets, (list, tuple)) or not buckets

@@ -83,6 +83,12 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
+        self.quantized_linears = 0
+        if self.settings.quantize is not None and isinstance(module, torch.nn.Module):
+            from mstar_core.nn.quant import check_mode, quantize_linears
+
+            check_mode(self.settings.quantize, self.device, f"node '{node.name}': kvcache setting 'quantize'")
+            self.quantized_linears = quantize_linears(module, self.settings.quantize)  # before packing: fewer left to pack
         self.packed_linears = 0
         if self.settings.pack_weights is not False and self.device.type == "cpu" and isinstance(module, torch.nn.Module):
             from mstar_core.nn.packed import pack_linears
@@ -195,6 +201,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
             "packed_linears": self.packed_linears,
+            "quantized_linears": self.quantized_linears,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
             **({"compile_seconds": self.forward_fn.compile_seconds} if self.forward_fn is not self.module else {}),

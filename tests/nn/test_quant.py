@@ -1,0 +1,147 @@
+"""Quantized linears: each kernel computes exactly its dequantized weight's linear; per-channel error bounds; config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.errors import ConfigError
+from mstar_core.nn import DenseAttention, LlamaForCausalLM
+from mstar_core.nn.quant import (
+    FP8_MAX,
+    QUANT_MODES,
+    Fp8Linear,
+    Int8Linear,
+    check_mode,
+    per_channel_int8,
+    quantize_linears,
+)
+
+CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _linear(k=96, n=160, bias=True):
+    torch.manual_seed(0)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight[3].zero_()  # an all-zero row keeps a finite scale
+        layer.weight[5] *= 40  # an outlier row: its scale is its own, the other rows keep theirs
+    return layer
+
+
+def test_per_channel_int8_error_is_at_most_half_a_step_of_each_row():
+    layer = _linear()
+    q, scale = per_channel_int8(layer.weight)
+    assert q.dtype == torch.int8 and scale.shape == (160,) and int(q.abs().max()) <= 127
+    err = (q.float() * scale[:, None] - layer.weight).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    assert torch.isfinite(scale).all() and (q[3] == 0).all()
+    assert scale[5] > 20 * scale[4]  # per output channel, not per tensor
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequant"])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_weight_only_int8_equals_the_dequantized_fp32_linear(kernel, rows):
+    layer = _linear()
+    q = Int8Linear(layer, kernel)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got, want = q(x), F.linear(x, q.dequantized(torch.float32), layer.bias)
+    # same arithmetic in another order: fp32 rounding only
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+    x3 = torch.randn(2, 3, 96)  # leading dims kept
+    with torch.inference_mode():
+        assert q(x3).shape == (2, 3, 160)
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequant"])
+def test_weight_only_int8_in_bf16_stays_bf16_and_close(kernel):
+    layer = _linear().to(torch.bfloat16)
+    q = Int8Linear(layer, kernel)
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = q(x)
+        want = F.linear(x.float(), q.dequantized(torch.float32), layer.bias.float())
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="torch without FBGEMM")
+def test_dynamic_int8_is_within_its_activation_step_of_the_dequantized_linear():
+    layer = _linear(bias=False)
+    q = Int8Linear(layer, "fbgemm")
+    x = torch.randn(8, 96)
+    with torch.inference_mode():
+        got, want = q(x), F.linear(x, q.dequantized(torch.float32))
+    # activations quantized per tensor to 7-bit codes (FBGEMM's reduce_range): each term is off by at most half a step
+    step = float(x.max() - x.min()) / 127
+    bound = step / 2 * q.dequantized().abs().sum(dim=1).max()
+    assert (got - want).abs().max() <= bound
+    assert (got - want).abs().max() > 0  # (it does quantize the activations)
+
+
+def test_fp8_weights_are_e4m3_per_channel_and_the_cpu_path_equals_the_dequantized_linear():
+    layer = _linear()
+    f = Fp8Linear(layer)
+    assert f.qweight.dtype == torch.float8_e4m3fn and not f.scaled_mm
+    assert float(f.qweight.float().abs().amax(dim=1).max()) == FP8_MAX  # each row's largest weight maps to 448
+    rel = ((f.dequantized() - layer.weight).abs() / layer.weight.abs().clamp(min=1e-3)).masked_select(layer.weight.abs() > 1e-2)
+    assert rel.max() <= 2**-3  # e4m3 keeps 3 mantissa bits: half-ulp relative error 1/16, subnormals aside
+    x = torch.randn(5, 96)
+    with torch.inference_mode():
+        assert torch.equal(f(x), F.linear(x, f.dequantized(), layer.bias))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantize_linears_covers_every_linear_and_the_lm_head(tied):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM({**CFG, "tie_word_embeddings": tied}).eval()
+    ids = torch.tensor([1, 5, 9, 200, 7, 3])
+    with torch.inference_mode():
+        want = model.compute_logits(model(ids, torch.arange(6), DenseAttention()))
+    table = model.model.embed_tokens.weight.detach().clone()
+    count = quantize_linears(model, "int8", kernel="dequant")
+    # per layer qkv, o, gate_up, down; plus the head (tied: a quantized copy of the embedding's weight)
+    assert count == 4 * CFG["num_hidden_layers"] + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert torch.equal(model.model.embed_tokens.weight, table)  # the lookup table is untouched
+    with torch.inference_mode():
+        got = model.compute_logits(model(ids, torch.arange(6), DenseAttention()))
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert quantize_linears(model, "int8") == int(tied)  # nothing left to quantize (a tied head is redone)
+
+
+def test_check_mode_names_the_setting_and_the_choices():
+    assert check_mode("int8", "cpu") == "int8"
+    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'fp8'\], got 'int4'"):
+        check_mode("int4", "cpu")
+    with pytest.raises(ConfigError, match="fp8 runs on CUDA devices only"):
+        check_mode("fp8", "cpu")
+    assert QUANT_MODES == ("int8", "int8_dynamic", "fp8")
+
+
+def test_kvcache_settings_reject_an_unknown_quantize_value_naming_the_key():
+    from mstar_kvcache.config import KVCacheSettings
+
+    assert KVCacheSettings.from_mapping({"quantize": "int8"}).quantize == "int8"
+    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'fp8'\].*'q4'"):
+        KVCacheSettings.from_mapping({"quantize": "q4"})
+    with pytest.raises(ConfigError, match="setting 'quantize' must be one of"):
+        KVCacheSettings.from_mapping({"quantize": True})
+
+
+def test_an_fp8_node_on_the_cpu_is_refused_at_load():
+    from mstar_kvcache import KVCacheEngine
+
+    from mstar_core.graph import GraphNode
+    from mstar_core.runtime.engine import EngineContext
+
+    model = LlamaForCausalLM({**CFG, "tie_word_embeddings": False}).eval()
+    node = GraphNode("lm", inputs=("input_ids",), outputs=("next_token", "finish_reason"), engine="kvcache")
+    with pytest.raises(ConfigError, match=r"node 'lm': kvcache setting 'quantize': fp8 runs on CUDA devices only"):
+        KVCacheEngine(node, model, EngineContext("m", "cpu", {"num_pages": 8, "quantize": "fp8"}))
+    assert all(type(m) is not Fp8Linear for m in model.modules())  # refused before touching the weights
