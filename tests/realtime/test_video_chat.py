@@ -37,3 +37,45 @@ def test_chat_with_a_video_part(rt_server):
     with pytest.raises(openai.BadRequestError) as err:
         ask({"url": url, "audio": True})  # this clip has no audio track
     assert err.value.body["param"] == "messages[0].content[0].video_url.audio"
+
+
+def test_realtime_items_with_an_image_and_a_video(rt_server):
+    import asyncio
+    import io
+
+    from PIL import Image
+
+    from tests.realtime.helpers import client, until
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(png, format="PNG")
+    image = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    frames = np.random.default_rng(2).integers(0, 256, (20, 64, 96, 3), dtype=np.uint8)
+    video = "data:video/mp4;base64," + base64.b64encode(_mp4(frames)).decode()
+
+    async def turn(conn, content):
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": content})
+        added = await until(conn, "conversation.item.added")
+        await conn.response.create(response={"max_output_tokens": 2})
+        return added, (await until(conn, "response.done")).response
+
+    async def go():
+        async with client(rt_server).realtime.connect(model="qwen3-omni") as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                               "audio": {"input": {"turn_detection": None}}})
+            await conn.recv()
+            text = await turn(conn, [{"type": "input_text", "text": "Hi"}])
+            pic = await turn(conn, [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": "?"}])
+            clip = await turn(conn, [{"type": "input_video", "video_url": video}])
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_video", "video_url": "data:video/mp4;base64,AAAA"}]})
+            bad = await conn.recv()
+            return text, pic, clip, bad
+
+    (_, r0), (added, r1), (vadded, r2), bad = asyncio.run(go())
+    assert [c.type for c in added.item.content] == ["input_image", "input_text"]
+    assert [c.type for c in vadded.item.content] == ["input_video"]
+    assert r1.status in ("completed", "incomplete") and r2.status in ("completed", "incomplete")
+    assert r1.usage.input_tokens > r0.usage.input_tokens + 6 and r2.usage.input_tokens > r1.usage.input_tokens + 14
+    assert bad.type == "error" and bad.error.param == "item.content[0]"

@@ -35,6 +35,8 @@ class ModelBridge:
         self.voices: tuple[str, ...] = tuple(str(v).lower() for v in (getattr(a, "voices", ()) or ()))
         self.takes_audio = self.kind == "chat" and "audio" in (getattr(a, "chat_media", ()) or ())
         self.takes_tokens = bool(getattr(a, "takes_token_parts", False))
+        media = set(getattr(a, "chat_media", ()) or ()) if self.kind == "chat" else set()
+        self.takes_visual = {"image", "video"} <= media
         self.sample_rate = int(getattr(a, "sample_rate", RATE) or RATE)
 
     @property
@@ -57,7 +59,8 @@ class ModelBridge:
                 body["temperature"] = options.temperature
             return self._call(self.adapter.speech_inputs, body)
         turns, plain = render(items, options.instructions, options.tools if options.tool_choice != "none" else (),
-                              takes_audio=self.takes_audio, takes_tokens=self.takes_tokens)
+                              takes_audio=self.takes_audio, takes_tokens=self.takes_tokens,
+                              takes_visual=self.takes_visual)
         if not turns or turns[-1].role == "assistant":
             raise EventError("the conversation has nothing for the model to answer; add a user item first",
                              param="response", code="nothing_to_answer")

@@ -43,6 +43,7 @@ class Item:
     content_type: str = "input_text"  # input_text | input_audio | output_text | output_audio
     audio: np.ndarray | None = None  # user audio, int16 at 24 kHz
     ids: list[int] | None = None  # an assistant message's generated token ids, when the server made it
+    media: list[Any] = attrs.field(factory=list)  # a user message's decoded images and videos, before its text
     name: str = ""
     call_id: str = ""
     arguments: str = ""
@@ -60,8 +61,9 @@ class Item:
         part: dict[str, Any] = {"type": self.content_type, key: self.text}
         if self.content_type == "input_audio":
             part["transcript"] = None  # the model hears the audio; no transcription runs
-        return {**base, "role": self.role, "content": [part] if self.text or self.audio is not None
-                or self.content_type == "output_audio" else []}
+        visuals = [{"type": "input_video" if hasattr(m, "frames") else "input_image"} for m in self.media]
+        return {**base, "role": self.role, "content": visuals + ([part] if self.text or self.audio is not None
+                                                                  or self.content_type == "output_audio" else [])}
 
     @property
     def audio_seconds(self) -> float:
@@ -111,17 +113,20 @@ def item_from_client(data: Any, where: str, max_audio_bytes: int) -> Item:
         raise EventError(f"'{where}.type' is {kind!r}; items are message, function_call or function_call_output",
                          param=f"{where}.type")
     role = data.get("role")
-    allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",), "assistant": ("output_text", "text",
-                                                                                                 "output_audio")}
+    allowed = {"user": ("input_text", "input_audio", "input_image", "input_video"), "system": ("input_text",),
+               "assistant": ("output_text", "text", "output_audio")}
     if role not in allowed:
         raise EventError(f"'{where}.role' must be user, system or assistant", param=f"{where}.role")
-    texts, audio = [], []
+    texts, audio, media = [], [], []
     content_type = "input_text" if role != "assistant" else "output_text"
     for i, part in enumerate(_content_parts(data, where)):
         ptype, at = part.get("type"), f"{where}.content[{i}]"
         if ptype not in allowed[role]:
             raise EventError(f"'{at}.type' is {ptype!r}; a {role} message takes {', '.join(allowed[role])}",
                              param=f"{at}.type")
+        if ptype in ("input_image", "input_video"):
+            media.append(_visual(part, ptype, at))
+            continue
         if ptype == "input_audio":
             audio.append(decode_pcm16(part.get("audio"), f"{at}.audio", max_audio_bytes))
             content_type = "input_audio"
@@ -137,7 +142,30 @@ def item_from_client(data: Any, where: str, max_audio_bytes: int) -> Item:
     if samples is not None and samples.size < RATE // 10:
         raise EventError(f"'{where}' audio is {samples.size * 1000 // RATE} ms; send at least 100 ms",
                          param=f"{where}.content")
-    return Item(item_id, "message", role=role, text="".join(texts), content_type=content_type, audio=samples)
+    if media and audio:
+        raise EventError(f"'{where}.content' mixes audio with images or video; send them as two items",
+                         param=f"{where}.content")
+    return Item(item_id, "message", role=role, text="".join(texts), content_type=content_type, audio=samples,
+                media=media)
+
+
+def _visual(part: Mapping[str, Any], ptype: str, at: str) -> Any:
+    """An `input_image` (`image_url`: a data URI) or `input_video` (`video_url`: a data URI) part, decoded."""
+    from mstar_core.api.media import ImagePart, MediaLimits, _data_uri, decode_image
+    from mstar_core.api.video import video_part
+    from mstar_core.errors import RequestError
+
+    try:
+        if ptype == "input_video":
+            return video_part({"video_url": {"url": part.get("video_url"), "audio": bool(part.get("audio"))}}, at)
+        limits = MediaLimits().with_env()
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise RequestError(f"'{at}.image_url' must be a data URI (data:image/png;base64,...)", param=at)
+        _, raw = _data_uri(url, at, "image/", limits.max_image_bytes)
+        return ImagePart(decode_image(raw, at, limits), at)
+    except RequestError as exc:
+        raise EventError(str(exc), param=getattr(exc, "param", None) or at, code="invalid_media") from None
 
 
 @attrs.define
@@ -201,7 +229,8 @@ def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
 
 
 def render(items: Sequence[Item], instructions: str, tools: Sequence[Mapping[str, Any]], *,
-           takes_audio: bool, takes_tokens: bool) -> tuple[list[ChatTurn], list[dict[str, Any]]]:
+           takes_audio: bool, takes_tokens: bool, takes_visual: bool = False
+           ) -> tuple[list[ChatTurn], list[dict[str, Any]]]:
     """The conversation as typed chat turns (for adapters that take parts) and as plain text messages.
 
     Function calls become the assistant's `<tool_call>` text, their outputs a user turn's `<tool_response>`
@@ -225,6 +254,11 @@ def render(items: Sequence[Item], instructions: str, tools: Sequence[Mapping[str
                                  code="invalid_value")
             samples = item.audio.astype(np.float32) / 32768.0
             turns.append(ChatTurn(item.role or "user", (AudioPart(samples, RATE, f"item {item.id}", "pcm16"),)))
+        elif item.media:
+            if not takes_visual:
+                raise EventError("this model does not take images or video; send text items", param="item.content",
+                                 code="invalid_value")
+            turns.append(ChatTurn(item.role or "user", (*item.media, *([TextPart(item.text)] if item.text else []))))
         elif item.role == "assistant" and takes_tokens and item.ids is not None:
             turns.append(ChatTurn("assistant", (TokensPart(tuple(item.ids), item.text),)))
         else:
