@@ -49,7 +49,12 @@ class ReplicaGroup:
 
     def _ready(self, replica: str) -> bool:
         state = self.cluster.workers.get(replica)
-        return state is not None and state.ready
+        if state is None or not state.ready:
+            return False
+        # a process that has exited is not ready, even before supervision's next round notices: a new request
+        # picked in that gap would go to the dead replica and fail while another one is alive
+        process = getattr(state, "process", None)
+        return process is None or process.poll() is None
 
     def release(self, request_id: str) -> None:
         replica = self._sticky.pop(request_id, None)
