@@ -308,7 +308,7 @@ class AsyncEngine:
             raise RequestError(f"request id '{rid}' is already in use")
         handle = RequestHandle(rid, model)
         self._handles[rid] = handle
-        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place),
+        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place, walks),
                                                       name=f"mstar-req-{rid}")
         handle._attach(task)
         return handle
@@ -326,7 +326,7 @@ class AsyncEngine:
                 check()
 
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None,
-                   place: Place) -> dict:
+                   place: Place, plan: list[str]) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
         try:
@@ -334,8 +334,9 @@ class AsyncEngine:
                 async with self._slots:
                     place.start()
                     try:
+                        # the plan computed and checked at submission (one plan per request)
                         return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks,
-                                                           credit=handle.credit)
+                                                           credit=handle.credit, plan=plan)
                     finally:
                         place.release()  # before the slot goes to the next waiter: the count never dips
         except TimeoutError:

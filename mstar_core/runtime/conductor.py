@@ -65,15 +65,16 @@ class Conductor:
         return self.walk_schedulers.get((walk, node)) or self.schedulers[node]
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None],
-                  walks: list[str] | None = None, credit: Callable[[], Awaitable[None]] | None = None
-                  ) -> dict[str, Any]:
+                  walks: list[str] | None = None, credit: Callable[[], Awaitable[None]] | None = None,
+                  plan: list[str] | None = None) -> dict[str, Any]:
         """Run the request's plan over `env`; each walk's name is appended to `walks` as it starts.
 
         `credit`, awaited before each node call, holds the request back while its reader lags (backpressure).
+        `plan`: the walks the submitter already planned and checked (`AsyncEngine.submit`); None plans here.
         """
         state = RequestState(request_id, emit, credit)
         try:
-            todo = deque(self.graph.plan(env))
+            todo = deque(self.graph.plan(env) if plan is None else plan)
             while todo:
                 name = todo.popleft()
                 if walks is not None:

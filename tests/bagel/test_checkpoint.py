@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from mstar_bagel.checkpoint import EMA, ensure_tiny, load_bagel
+from mstar_bagel.checkpoint import EMA, TINY_TOP, ensure_tiny, load_bagel
 from safetensors.torch import load_file, save_file
 
 from mstar_core.checkpoint import WeightMismatchError
@@ -52,4 +52,5 @@ def test_position_table_sides_come_from_the_checkpoint_not_config_json(tmp_path)
     top["max_latent_size"] = 4  # upstream's loader overrides config.json's value in code; the tables are the truth
     (tmp_path / "ck" / "config.json").write_text(json.dumps(top))
     bagel, _ = load_bagel(tmp_path / "ck", progress=False)
-    assert bagel.config.max_latent_size == 8 and bagel.latent_pos_embed.pos_embed.shape[0] == 64
+    side = TINY_TOP["max_latent_size"]
+    assert bagel.config.max_latent_size == side and bagel.latent_pos_embed.pos_embed.shape[0] == side * side

@@ -19,7 +19,8 @@ def _from_dir(tmp_path, top=None, llm=None, vit=None):
 
 def test_tiny_files_read_back():
     cfg = BagelConfig.from_dicts(copy.deepcopy(TINY_TOP), TINY_LLM, TINY_VIT)
-    assert (cfg.num_timesteps, cfg.timestep_shift, cfg.vae.ch_mult) == (TINY_TOP["mstar_num_timesteps"], 3.0, (1, 2))
+    assert (cfg.num_timesteps, cfg.timestep_shift, cfg.vae.ch_mult) == (TINY_TOP["mstar_num_timesteps"], 3.0,
+                                                                       tuple(TINY_TOP["mstar_vae"]["ch_mult"]))
 
 
 @pytest.mark.parametrize(("part", "key", "value", "message"), [

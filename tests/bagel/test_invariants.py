@@ -69,7 +69,7 @@ def test_edit_three_branches_batched_equal_three_separate_dense_forwards():
     loaded, engines, (env,), _ = _serve([req])
     _, want = dense_latents(loaded, loaded.prepare_inputs(req), req["seed"])
     assert (env["latents"][0] - want).abs().max() < TOL
-    assert env["image"][0].shape == (24, 32, 3)  # the input's size after the VAE resize (40x52 -> 24x32)
+    assert env["image"][0].shape == (512, 656, 3)  # the input's size after BAGEL's VAE resize (short side 512)
     gen = engines["llm_gen"]
     assert gen.largest_batch == 3 and gen.num_steps == 4  # main, cfg_text, cfg_img: one forward per step
 
@@ -106,7 +106,7 @@ def test_read_only_flow_step_equals_dense_recompute_over_context_and_latents():
 
 def test_eight_concurrent_t2i_each_equal_alone():
     reqs = [{"task": "t2i", "prompt": f"prompt number {i}" + "!" * i, "num_steps": 3, "seed": 100 + i,
-             "width": 16 + 4 * (i % 3), "height": 32} for i in range(8)]
+             "width": 16 + 16 * (i % 3), "height": 32} for i in range(8)]
     # every flow admitted at once (the default runs one request's flow at a time)
     _, engines, together, _ = _serve(reqs, settings={"llm_gen": {"max_active_requests": 8}})
     assert engines["llm_gen"].largest_batch > 2  # several requests' branches shared forwards

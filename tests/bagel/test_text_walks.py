@@ -92,7 +92,7 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
                                  text_scale=prep["guidance_scale"], img_scale=prep["image_guidance_scale"],
                                  interval=prep["cfg_interval"], renorm=prep["cfg_renorm"], floor=0.0)
     assert (env_t["latents"][0] - latents).abs().max() < 1e-5
-    assert env_t["image"][0].shape[:2] == (rows * 4, cols * 4)
+    assert env_t["image"][0].shape[:2] == (rows * loaded.extras["config"].latent_downsample, cols * loaded.extras["config"].latent_downsample)
     assert calls["velocity"] > 0 and calls["decode"] == 1  # (the counters the text-only test reads do count)
 
 
@@ -142,4 +142,4 @@ def test_think_with_an_image_edits_after_the_thought():
                                  rows, cols, num_steps=2, shift=prep["shift"], seed=2, text_scale=4.0, img_scale=2.0,
                                  interval=(0.0, 1.0), renorm="text_channel")
     assert (env["latents"][0] - latents).abs().max() < 1e-5
-    assert env["image"][0].shape[:2] == (rows * 4, cols * 4)
+    assert env["image"][0].shape[:2] == (rows * loaded.extras["config"].latent_downsample, cols * loaded.extras["config"].latent_downsample)

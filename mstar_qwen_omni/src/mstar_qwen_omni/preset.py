@@ -18,7 +18,7 @@ import torch
 
 from mstar_core.checkpoint.presets import ensure_preset
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>", "<tts_text_bos>",
             "<tts_text_eod>"]
@@ -140,6 +140,16 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+def speak_past_the_first_frame(model: torch.nn.Module, code_scale: float = 3.0) -> None:
+    """Random weights make codec EOS as likely as any code at every frame, so some seeds spoke 0 frames: the
+    preset's EOS row is zero and the code rows scaled, so EOS (about 1 % a frame) ends speech after seconds,
+    as a trained Talker's does. The weights stay the checkpoint's: every path reads them as it would a real one."""
+    with torch.no_grad():
+        head = model.talker.codec_head.weight
+        head[:CODEBOOK] *= code_scale
+        head[CODEC["codec_eos_token_id"]] = 0.0
+
+
 def write_tiny(directory: Path, seed: int = 0) -> Path:
     from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
     from mstar_qwen_omni.config import OmniConfig
@@ -148,6 +158,7 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
     config = tiny_config(tok)
     model = QwenOmni(OmniConfig.from_hf(config))
     randomize(model, seed)
+    speak_past_the_first_frame(model)
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE,
                         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
     save_omni(model, directory, config, extra_files={
