@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,41 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered():
 
     session = asyncio.run(go())
     assert session.stopped.is_set() and session.queue.qsize() <= 4
+
+
+def test_idle_and_lifetime_bounds_end_the_session_with_an_error_event():
+    from mstar_core.api.realtime import route
+    from mstar_core.api.realtime.session import RealtimeSession
+
+    class Bridge:
+        model, speaks, voices, default_modalities, takes_audio = "m", False, (), ("text",), False
+
+    class SilentSocket:
+        def __init__(self):
+            self.closed: list[int] = []
+
+        async def receive(self):
+            await asyncio.Event().wait()  # a client that sends nothing
+
+        async def close(self, code=1000, reason=""):
+            self.closed.append(code)
+
+    async def go(limits):
+        sent: list[dict] = []
+
+        async def send(payload):
+            sent.append(payload)
+
+        session = RealtimeSession(None, Bridge(), limits, send)
+        sender = asyncio.ensure_future(session.sender())
+        ws = SilentSocket()
+        started = time.monotonic()
+        await asyncio.wait_for(route._receive_loop(ws, session, sender, limits), 5)
+        sender.cancel()
+        return sent, ws.closed, time.monotonic() - started
+
+    sent, closed, took = asyncio.run(go(RealtimeLimits(idle_seconds=0.3)))
+    assert sent[-1]["type"] == "error" and sent[-1]["error"]["code"] == "session_idle" and closed == [1000]
+    assert 0.25 < took < 2
+    sent, closed, _ = asyncio.run(go(RealtimeLimits(idle_seconds=60, max_session_seconds=0.3)))
+    assert sent[-1]["error"]["code"] == "session_expired" and closed == [1000]
