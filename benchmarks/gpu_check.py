@@ -9,6 +9,13 @@
     greedy tokens, plus decode tokens/s both ways;
   * `llama8b`: Llama-3-8B shape (random bf16 weights) decode tokens/s at 32 and 128 concurrent
     requests (prompt 128, 128 new tokens, lockstep; steady = full-batch decode steps);
+  * `bf16`: the 1B-shape Llama in bf16 against the same weights in fp32 (TF32 off), both through the
+    kvcache engine: relative first-step logit difference, greedy tokens over 64 steps for 8 requests
+    (share of positions equal before each request's first divergence) and decode tokens/s both ways;
+  * `quant`: the same bf16 model with `quantize: fp8` (e4m3 weights, `torch._scaled_mm` with per-row
+    activation scales; `fp8_scaled_mm` says whether it ran or fell back to dequantizing) and `quantize: int8`
+    (weight-only, dequantized per call on CUDA) against bf16: relative logit difference, greedy share equal,
+    decode tokens/s and weight bytes;
   * `vs_vllm`: benchmarks/vs_vllm.py with both servers on the GPU (vLLM's CUDA build from its venv under the
     benchmark cache; skipped when that venv is missing, as this section installs nothing), c=8 and c=32, fp32 and bf16;
   * `orpheus3b`: Orpheus at the Llama-3.2-3B shape with the real 24 kHz SNAC shape (random weights,
@@ -259,8 +266,70 @@ def check_vs_vllm(device, smoke: bool, seconds: float = 200.0) -> dict[str, Any]
     return {k: result.get(k) for k in keep}
 
 
+def _agreement(a: dict, b: dict) -> float:
+    """Share of greedy positions where two runs agree, counting each request up to its first divergence."""
+    same = total = 0
+    for i in a["tokens"]:
+        total += len(a["tokens"][i])
+        for x, y in zip(a["tokens"][i], b["tokens"][i], strict=True):
+            if x != y:
+                break
+            same += 1
+    return same / max(total, 1)
+
+
+def check_bf16(device, smoke: bool) -> dict[str, Any]:
+    cfg = TOY if smoke else LLAMA_1B
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prompts = prompts_for(8, 64, cfg["vocab_size"])
+    runs = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model = random_llama(cfg, device, dtype)
+        engine = make_engine(model, device, num_pages=256, page_size=16, attention_backend="torch",
+                             enable_prefix_caching=False)
+        runs[name] = drive(engine, prompts, 16 if smoke else 64, sync)
+        runs[name]["kv_dtype"] = str(engine.pool.kv.dtype)
+        del engine, model
+    out = compare(runs["fp32"], runs["bf16"])
+    out |= {"greedy_share_equal": _agreement(runs["fp32"], runs["bf16"]), "kv_dtype_bf16": runs["bf16"]["kv_dtype"],
+            "decode_tok_s_fp32": runs["fp32"]["decode_tok_s"], "decode_tok_s_bf16": runs["bf16"]["decode_tok_s"],
+            "ok": out["relative_logit_diff"] <= 3e-2 and runs["bf16"]["kv_dtype"] == "torch.bfloat16"}
+    return out
+
+
+def check_quant(device, smoke: bool) -> dict[str, Any]:
+    from mstar_core.nn.quant import Fp8Linear
+
+    cfg = TOY if smoke else LLAMA_1B
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prompts = prompts_for(8, 64, cfg["vocab_size"])
+    modes = [None, "int8"] + (["fp8"] if device.type == "cuda" else [])  # (fp8 is refused off CUDA)
+    runs, out = {}, {}
+    for mode in modes:
+        model = random_llama(cfg, device, torch.bfloat16)
+        engine = make_engine(model, device, num_pages=256, page_size=16, attention_backend="torch",
+                             enable_prefix_caching=False, **({"quantize": mode} if mode else {}))
+        name = mode or "bf16"
+        drive(engine, prompts[:2], 2, sync)  # warm-up (the first fp8 call finds out whether _scaled_mm runs)
+        runs[name] = drive(engine, prompts, 16 if smoke else 64, sync)
+        out[f"weight_bytes_{name}"] = sum(b.numel() * b.element_size() for b in (*model.parameters(), *model.buffers()))
+        out[f"decode_tok_s_{name}"] = runs[name]["decode_tok_s"]
+        if mode == "fp8":
+            out["fp8_scaled_mm"] = all(m.scaled_mm for m in model.modules() if isinstance(m, Fp8Linear))
+        del engine, model
+    for mode in modes[1:]:
+        got = compare(runs["bf16"], runs[mode])
+        out[f"{mode}_relative_logit_diff"] = got["relative_logit_diff"]
+        out[f"{mode}_greedy_share_equal"] = _agreement(runs["bf16"], runs[mode])
+        out[f"{mode}_speedup"] = (runs[mode]["decode_tok_s"] or 0) / (runs["bf16"]["decode_tok_s"] or float("inf"))
+    if device.type != "cuda":
+        out["fp8"] = {"skipped": "fp8 needs CUDA (the kvcache engine refuses quantize: fp8 on a CPU node)"}
+    return out
+
+
 SECTIONS = [("flashinfer", check_flashinfer, 60), ("cuda_graphs", check_cuda_graphs, 120),
-            ("llama8b", check_llama8b, 120), ("orpheus3b", check_orpheus3b, 150), ("vs_vllm", check_vs_vllm, 200)]
+            ("llama8b", check_llama8b, 120), ("bf16", check_bf16, 60), ("quant", check_quant, 90), ("orpheus3b", check_orpheus3b, 150), ("vs_vllm", check_vs_vllm, 200)]
 
 
 def main() -> int:

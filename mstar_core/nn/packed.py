@@ -12,6 +12,10 @@ eager packed GEMM, so a compiled step keeps it and inductor fuses the elementwis
 
 The packed copy is extra memory (the weight stays, for `state_dict`, autograd and compiled graphs),
 and its sums run in another order than MKL's (fp32 results differ by a few ulps, ~1e-6 relative).
+
+bf16 weights are packed too where oneDNN has a bf16 GEMM on this CPU (AVX512-BF16, AMX, or AVX512BW
+emulation; `bf16_packing_available` probes once): there the packed path is oneDNN's bf16 kernel (AMX
+tiles where the CPU has them). An AVX2-only CPU has none, so its bf16 linears stay plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -33,8 +37,28 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_BF16_PACKING: list[bool] = []  # the probe's answer, once per process
+
+
+def bf16_packing_available() -> bool:
+    """Whether oneDNN packs and runs bf16 linears on this CPU (it refuses without AVX512BW or AVX-NE-CONVERT)."""
+    if not _BF16_PACKING:
+        ok = packing_available()
+        if ok:
+            try:  # (the reorder raises on a CPU without a bf16 path; cheaper to ask it than to parse CPU flags)
+                torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), PACK_ROWS_HINT)
+            except RuntimeError:
+                ok = False
+        _BF16_PACKING.append(ok)
+    return _BF16_PACKING[0]
+
+
+#: The weight dtypes a linear may be packed in (bf16 only where `bf16_packing_available`).
+PACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that also keeps its weight packed for oneDNN and uses it in fp32 CPU inference.
+    """An `nn.Linear` that also keeps its weight packed for oneDNN and uses it in CPU inference (fp32, or bf16 with bf16 input).
 
     The packed copy is trusted only while the weight is the one packed (same storage, and the same
     in-place version counter, which `load_state_dict` and `copy_` bump); otherwise, and under autograd or `torch.compile`, it runs as a
@@ -52,12 +76,12 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
-            if self._packed is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            if self._packed is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu":
                 return F.linear(x, self.weight, self.bias)
             # one opaque op in the graph (inductor fuses around it), running this layer's packed weight
             return torch.ops.mstar_nn.packed_linear(x, self.weight, self.bias, _register(self))
         packed = self._packed
-        if (packed is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (packed is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu"
                 or (self.weight.data_ptr(), self.weight._version) != self._packed_for):
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, self.bias, "none", [], "")
@@ -97,7 +121,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int
 
 
 def pack_linears(module: nn.Module, min_out: int | None = None) -> int:
-    """Pack every fp32 CPU `nn.Linear` in `module` with at least `min_out` (default `PACK_MIN_OUT`) outputs; returns how many.
+    """Pack every fp32 (or, where oneDNN runs it, bf16) CPU `nn.Linear` in `module` with at least `min_out` outputs; how many.
+
+    `min_out` defaults to `PACK_MIN_OUT`.
 
     Each becomes a `PackedLinear` in place (same parameters, hooks and names). A no-op without oneDNN.
     """
@@ -113,7 +139,9 @@ def pack_linears(module: nn.Module, min_out: int | None = None) -> int:
         if type(sub) not in (nn.Linear, PackedLinear) or sub.out_features < min_out:
             continue
         weight = sub.weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.is_meta:
+        if weight.dtype not in PACK_DTYPES or weight.device.type != "cpu" or weight.is_meta:
+            continue
+        if weight.dtype == torch.bfloat16 and not bf16_packing_available():
             continue
         sub.__class__ = PackedLinear
         sub.pack()

@@ -27,8 +27,9 @@ def test_only_wide_fp32_linears_are_packed_and_match_f_linear():
     torch.manual_seed(0)
     wide, narrow, half = nn.Linear(32, 4096), nn.Linear(32, 64), nn.Linear(32, 4096).to(torch.bfloat16)
     model = nn.Sequential(wide, narrow, half)
-    assert pack_linears(model) == 1
-    assert type(wide) is PackedLinear and type(narrow) is nn.Linear and type(half) is nn.Linear
+    bf16 = packed_mod.bf16_packing_available()  # (a bf16 linear packs only where oneDNN runs bf16 here)
+    assert pack_linears(model) == 1 + bf16
+    assert type(wide) is PackedLinear and type(narrow) is nn.Linear and type(half) is (PackedLinear if bf16 else nn.Linear)
     for rows in (1, 5, 32, 70):
         x = torch.randn(rows, 32)
         with torch.inference_mode():
@@ -141,3 +142,25 @@ def test_a_tied_lm_head_is_packed_without_a_parameter_of_its_own():
     ours.model.embed_tokens.weight = nn.Parameter(torch.randn(512, 64))  # replaced: the head follows the embedding
     with torch.inference_mode():
         assert torch.equal(ours.compute_logits(hidden), F.linear(hidden, ours.model.embed_tokens.weight))
+
+
+@pytest.mark.skipif(not packed_mod.bf16_packing_available(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2 only)")
+def test_bf16_linears_pack_where_onednn_runs_bf16_and_match_f_linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 4096).to(torch.bfloat16)
+    assert pack_linears(layer) == 1 and type(layer) is PackedLinear
+    for rows in (1, 32):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got, want = layer(x).float(), F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        # bf16 output rounding (8 bits of mantissa) on an fp32-accumulated sum
+        assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_bf16_probe_is_a_bool_and_a_cpu_without_bf16_leaves_bf16_linears_plain():
+    layer = nn.Linear(64, 4096).to(torch.bfloat16)
+    got = pack_linears(layer)
+    assert got == int(packed_mod.bf16_packing_available())
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert layer(x).dtype == torch.bfloat16
