@@ -42,7 +42,8 @@ from pathlib import Path
 
 import attrs
 import torch
-import torch.nn.functional as F
+
+from mstar_core.nn.attention import DenseKVCache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -71,26 +72,6 @@ def bench_config(quick: bool):
               "num_key_value_heads": 4}
     )
     return snac, lm
-
-
-class DenseKVCache:
-    """One sequence's KV cache in plain tensors: the compute floor's attention, no paging, no runtime."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def attend(self, layer, q, k, v, scale):
-        if layer in self.k:
-            k = torch.cat([self.k[layer], k])
-            v = torch.cat([self.v[layer], v])
-        self.k[layer], self.v[layer] = k, v
-        hq, hkv = q.shape[1], k.shape[1]
-        kh = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-        vh = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-        causal = q.shape[0] > 1  # prefill starts from an empty cache, so plain causal is right
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, is_causal=causal, scale=scale)
-        return out.transpose(0, 1)
 
 
 def sample_like_orpheus(logits: torch.Tensor, seen: torch.Tensor) -> int:

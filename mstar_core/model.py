@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,9 +36,26 @@ class LoadOptions:
             return self.device
         return "meta"
 
-    def torch_dtype(self, model: str, default: str = "float32") -> torch.dtype:
-        """`dtype` (or `default`) as a torch floating dtype; a `ConfigError` naming the choices otherwise."""
-        name = self.dtype or default
+    def preset_or_checkpoint(self, model: str, presets: Sequence[str], default: str = "tiny") -> str | None:
+        """The preset to build (`preset`, or `default` when no checkpoint is given); None: load `checkpoint`.
+
+        Both given, or a preset the model does not have, is a `ConfigError` naming the model and its presets.
+        """
+        if self.checkpoint and self.preset:
+            raise ConfigError(f"{model}: pass a checkpoint or a preset, not both")
+        if self.checkpoint:
+            return None
+        preset = self.preset or default
+        if preset not in presets:
+            raise ConfigError(f"{model}: unknown preset {preset!r}; known: {list(presets)}")
+        return preset
+
+    def torch_dtype(self, model: str, default: str | None = "float32") -> torch.dtype:
+        """`dtype` (or `default`) as a torch floating dtype; a `ConfigError` naming the choices otherwise.
+
+        `default` None: the device's usual one, bfloat16 on CUDA and float32 elsewhere.
+        """
+        name = self.dtype or default or ("bfloat16" if str(self.device).startswith("cuda") else "float32")
         if name not in WEIGHT_DTYPES:
             raise ConfigError(f"{model}: unknown dtype {name!r}; use one of {sorted(WEIGHT_DTYPES)}")
         return WEIGHT_DTYPES[name]

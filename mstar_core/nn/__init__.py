@@ -1,6 +1,6 @@
 """Shared torch building blocks that model packages import (norms, rotary, attention, MLPs, MoE)."""
 
-from mstar_core.nn.attention import AttentionContext, DenseAttention
+from mstar_core.nn.attention import AttentionContext, DenseAttention, DenseKVCache
 from mstar_core.nn.llama import LlamaForCausalLM, load_llama
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import MLP, GatedMLP, SwiGLU
@@ -13,6 +13,7 @@ __all__ = [
     "MLP",
     "AttentionContext",
     "DenseAttention",
+    "DenseKVCache",
     "FusedExperts",
     "GatedMLP",
     "GroupedQueryAttention",

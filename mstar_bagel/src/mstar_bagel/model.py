@@ -9,7 +9,6 @@ from mstar_bagel.checkpoint import ensure_tiny, load_bagel
 from mstar_bagel.graph import build_graph
 from mstar_bagel.prepare import Preparer
 from mstar_bagel.tokenizer import open_tokenizer, special_ids
-from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 
 PRESETS = ("tiny",)
@@ -39,11 +38,7 @@ def engine_settings(cfg) -> dict:
 
 
 def load(options: LoadOptions) -> LoadedModel:
-    if options.checkpoint and options.preset:
-        raise ConfigError("bagel: pass a checkpoint or a preset, not both")
-    preset = None if options.checkpoint else (options.preset or "tiny")
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"bagel: unknown preset {preset!r}; known: {list(PRESETS)}")
+    preset = options.preset_or_checkpoint("bagel", PRESETS)
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     # presets are tiny: float32; a real checkpoint (14B parameters, stored bf16) loads as bf16 unless told otherwise
     dtype = options.torch_dtype("bagel", "float32" if preset else "bfloat16")

@@ -1,6 +1,6 @@
 """BAGEL the upstream way, dense and single-request: the baseline M*'s cached path must equal (tests, benchmark).
 
-Each cache label is its own `DenseCache`: a snapshot is a deep copy of another's keys and values, the CFG
+Each cache label is its own `DenseKVCache` (mstar_core.nn): a snapshot is a deep copy of another's keys and values, the CFG
 branches run as separate forwards, and every flow step concatenates the branch's cached keys and values
 with the step's own (nothing paged, nothing shared). Guidance follows upstream BAGEL's formulas directly.
 """
@@ -8,56 +8,19 @@ with the step's own (nothing paged, nothing shared). Guidance follows upstream B
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from mstar_diffusion.schedules import flow_euler
 
 from mstar_bagel.modeling import Bagel, latent_tokens, tokens_to_image
+from mstar_core.nn.attention import DenseKVCache
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 from mstar_core.nn.sincos import flattened_grid_ids
-
-
-class DenseCache:
-    """Per-layer K/V of one label; `write=False` attends without storing; `bidirectional` for image blocks."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.write, self.bidirectional = True, False
-
-    def __len__(self) -> int:
-        return 0 if not self.k else self.k[0].shape[0]
-
-    def copy(self) -> DenseCache:
-        out = DenseCache()
-        out.k = {i: t.clone() for i, t in self.k.items()}
-        out.v = {i: t.clone() for i, t in self.v.items()}
-        return out
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
-
-    def attend(self, layer, q, k, v, scale):
-        ctx = self.k[layer].shape[0] if layer in self.k else 0
-        if ctx:
-            k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
-        if self.write:
-            self.k[layer], self.v[layer] = k, v
-        n = q.shape[0]
-        mask = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device)
-        if not self.bidirectional:
-            mask[:, ctx:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        reps = q.shape[1] // k.shape[1]
-        kh, vh = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh.transpose(0, 1), vh.transpose(0, 1),
-                                             attn_mask=mask, scale=scale)
-        return out.transpose(0, 1)
 
 
 class Label:
     """A dense cache and the RoPE position its next block starts at."""
 
-    def __init__(self, cache: DenseCache | None = None, position: int = 0):
-        self.cache, self.position = cache or DenseCache(), position
+    def __init__(self, cache: DenseKVCache | None = None, position: int = 0):
+        self.cache, self.position = cache or DenseKVCache(), position
 
     def copy(self) -> Label:
         return Label(self.cache.copy(), self.position)

@@ -7,24 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
-from mstar_core.errors import ConfigError
 from mstar_core.grammar import GrammarVocab
 from mstar_core.graph import DynamicLoop, FromEnv, Graph, GraphNode, NodeCall, Parallel, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_llm.prepare import EXAMPLE, RequestPreparer
 
 PRESETS = ("tiny", "smollm2")
-
-
-def _dtype(options: LoadOptions) -> torch.dtype:
-    if options.dtype is None:
-        return torch.bfloat16 if str(options.device).startswith("cuda") else torch.float32
-    dtype = getattr(torch, options.dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"unknown dtype {options.dtype!r}; use float32, bfloat16 or float16")
-    return dtype
 
 
 #: Emitted with each token when the request asks for log-probabilities (`logprobs` in its sampling). They come
@@ -101,7 +90,8 @@ def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any
     from mstar_core.checkpoint import load_tokenizer, read_chat_template, read_config, read_eos_token_ids
     from mstar_core.nn.llama import load_llama
 
-    lm = load_llama(directory, dtype=_dtype(options), device=options.device_for("lm"), progress=progress)
+    lm = load_llama(directory, dtype=options.torch_dtype("llama", None), device=options.device_for("lm"),
+                    progress=progress)
     eos = read_eos_token_ids(directory, read_config(directory))
     return lm, load_tokenizer(directory), read_chat_template(directory), eos
 
@@ -120,7 +110,7 @@ def _load_gguf(path: Path, options: LoadOptions, progress: bool) -> tuple[Any, A
     cfg = gguf_llama_config(source)
     lm = build_and_load(
         lambda: LlamaForCausalLM(cfg), source, gguf_llama_mapping(cfg),
-        dtype=_dtype(options), device=options.device_for("lm"), progress=progress,
+        dtype=options.torch_dtype("llama", None), device=options.device_for("lm"), progress=progress,
     )
     eos = [cfg["eos_token_id"]] if cfg.get("eos_token_id") is not None else []
     return lm, gguf_tokenizer(source.metadata), source.metadata.get("tokenizer.chat_template"), eos
@@ -130,11 +120,7 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
     """Load from `options.checkpoint` (HF dir or `.gguf`) or `options.preset` (`tiny`, `smollm2`)."""
     from mstar_llm.preset import ensure_tiny, smollm2_gguf
 
-    if options.checkpoint and options.preset:
-        raise ConfigError(f"{name}: pass a checkpoint or a preset, not both")
-    preset = None if options.checkpoint else (options.preset or "tiny")
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"{name}: unknown preset {preset!r}; known: {list(PRESETS)}")
+    preset = options.preset_or_checkpoint(name, PRESETS)
     if preset == "tiny":
         path = ensure_tiny()
     elif preset == "smollm2":

@@ -29,15 +29,6 @@ def snac_directory(checkpoint: Path) -> Path:
     )
 
 
-def _dtype(options: LoadOptions) -> torch.dtype | None:
-    if options.dtype is None:
-        return torch.bfloat16 if str(options.device).startswith("cuda") else torch.float32
-    try:
-        return getattr(torch, options.dtype)
-    except AttributeError:
-        raise ConfigError(f"unknown dtype {options.dtype!r}; use float32, bfloat16 or float16") from None
-
-
 def _snac(directory: Path, device: str) -> torch.nn.Module:
     """The SNAC decoder, in fp32 (the codec always runs in fp32); on the meta device, built without reading it."""
     if device != "meta":
@@ -57,16 +48,16 @@ def load_orpheus(
     from mstar_core.checkpoint import load_tokenizer
     from mstar_core.nn.llama import load_llama
 
-    if options.checkpoint and options.preset:
-        raise ConfigError("orpheus: pass a checkpoint or a preset, not both")
-    if options.checkpoint:
+    preset = options.preset_or_checkpoint("orpheus", ("tiny",))
+    if preset is None:
         directory, random_weights = Path(options.checkpoint), False
     else:
         from mstar_orpheus.preset import ensure_preset
 
-        directory, random_weights = ensure_preset(options.preset or "tiny"), True
+        directory, random_weights = ensure_preset(preset), True
     # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
-    lm = load_llama(directory, dtype=_dtype(options), device=options.device_for("lm"), progress=progress)
+    lm = load_llama(directory, dtype=options.torch_dtype("orpheus", None), device=options.device_for("lm"),
+                    progress=progress)
     tokenizer = load_tokenizer(directory)
     snac = _snac(snac_directory(directory), options.device_for("snac"))
     vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)

@@ -31,11 +31,7 @@ def _stats(directory: Path) -> dict | None:
 
 def _loader(kind: str):
     def load(options: LoadOptions) -> LoadedModel:
-        if options.checkpoint and options.preset:
-            raise ConfigError(f"{kind}: pass a checkpoint or a preset, not both")
-        preset = None if options.checkpoint else (options.preset or "tiny")
-        if preset is not None and preset not in PRESETS:
-            raise ConfigError(f"{kind}: unknown preset {preset!r}; known: {list(PRESETS)}")
+        preset = options.preset_or_checkpoint(kind, PRESETS)
         directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
         policy = load_policy(directory, device=options.device, dtype=options.torch_dtype(kind))
         if policy.config.type != kind:

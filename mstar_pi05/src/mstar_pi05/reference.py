@@ -1,43 +1,20 @@
 """A dense, single-request run of the policy with the same modules the engines serve (tests and benchmarks).
 
-`PrefixCache` is the smallest KV cache that fits the `AttentionContext` contract: a writing forward
-stores each layer's keys and values, a reading forward attends to them plus its own rows (never stored).
+The cache is core's `DenseKVCache`: a writing forward stores each layer's keys and values, a reading forward
+attends to them plus its own rows (never stored).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from mstar_core.nn.attention import DenseKVCache
 from mstar_pi05.modeling import ActionExpert, Policy, PrefixWriter
-
-
-class PrefixCache:
-    """Per-layer K/V of one sequence. `mask` `[Tq, Tcached + Tq]` (True = may attend) applies to the next forward."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.write = True
-        self.mask: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if not self.k else self.k[0].shape[0]
-
-    def attend(self, layer, q, k, v, scale):
-        if layer in self.k:
-            k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
-        if self.write:
-            self.k[layer], self.v[layer] = k, v
-        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # 4-D: CPU's flash kernel takes nothing else
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
 
 
 @torch.inference_mode()
 def write_prefix(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Tensor,
-                 state: torch.Tensor | None = None) -> PrefixCache:
+                 state: torch.Tensor | None = None) -> DenseKVCache:
     """Images `[n, P, W]` then text ids `[L]` as one bidirectional block (pi0: and the state token after it, in
     the same forward, seeing the block and itself), written by the node's own module."""
     lm = policy.language_model
@@ -51,7 +28,7 @@ def write_prefix(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Te
         state_rows = torch.zeros(n + 1, state.numel())
         state_rows[n] = state.reshape(-1)
     total = embeds.shape[0]
-    cache = PrefixCache()
+    cache = DenseKVCache(bidirectional=True)  # without a mask every row sees every other
     cache.mask = torch.ones(total, total, dtype=torch.bool)
     cache.mask[:n, n:] = False
     PrefixWriter(policy)(torch.zeros(total, dtype=torch.long), torch.arange(total), cache, input_embeds=embeds,
@@ -60,7 +37,7 @@ def write_prefix(policy: Policy, image_tokens: torch.Tensor, input_ids: torch.Te
 
 
 @torch.inference_mode()
-def velocity(policy: Policy, cache: PrefixCache, actions: torch.Tensor, t: float) -> torch.Tensor:
+def velocity(policy: Policy, cache: DenseKVCache, actions: torch.Tensor, t: float) -> torch.Tensor:
     """One expert forward over the cached prefix: actions `[H, A]` at flow time `t` -> velocity `[H, A]`."""
     n, h = len(cache), actions.shape[0]
     cache.write, cache.mask = False, None  # the suffix sees everything: prefix and all of itself

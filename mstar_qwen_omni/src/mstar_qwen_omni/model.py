@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_omni.prepare import EXAMPLE
 
@@ -20,11 +19,7 @@ def load(options: LoadOptions) -> LoadedModel:
     from mstar_qwen_omni.prepare import Preparer
     from mstar_qwen_omni.preset import ensure_tiny
 
-    if options.checkpoint and options.preset:
-        raise ConfigError("qwen3-omni: pass a checkpoint or a preset, not both")
-    preset = None if options.checkpoint else (options.preset or "tiny")
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"qwen3-omni: unknown preset {preset!r}; known: {list(PRESETS)}")
+    preset = options.preset_or_checkpoint("qwen3-omni", PRESETS)
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))
     if model.code2wav is not None and options.device != "meta":

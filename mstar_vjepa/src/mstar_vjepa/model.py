@@ -6,7 +6,6 @@ Request fields and their checks: `mstar_vjepa.request`.
 from __future__ import annotations
 
 from mstar_core.checkpoint.presets import ensure_preset
-from mstar_core.errors import RequestError
 from mstar_core.graph import (
     DynamicLoop,
     FromEnv,
@@ -56,7 +55,7 @@ def _hf_graph(model) -> Graph:
 
 def load_vjepa2(options: LoadOptions) -> LoadedModel:
     """Load a HF `facebook/vjepa2-*` checkpoint, or the `tiny` preset written in that layout."""
-    directory, random = _resolve(options, "vjepa2-tiny", ckpt.write_hf_preset, "config.json")
+    directory, random = _resolve(options, "vjepa2", "vjepa2-tiny", ckpt.write_hf_preset, "config.json")
     model = ckpt.load_hf(directory, options.device, options.torch_dtype("vjepa2"))
     graph = _hf_graph(model)
     cfg = model.cfg
@@ -138,7 +137,7 @@ def _ac_graph(encoder, predictor) -> Graph:
 
 def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
     """Load upstream's AC `.pt` checkpoint, or the `tiny` preset written in that layout."""
-    directory, random = _resolve(options, "vjepa2-ac-tiny", ckpt.write_ac_preset, ckpt.AC_FILE)
+    directory, random = _resolve(options, "vjepa2-ac", "vjepa2-ac-tiny", ckpt.write_ac_preset, ckpt.AC_FILE)
     # the function nodes of the walks use the predictor's embeddings too: it is built where any of them runs
     encoder, predictor = ckpt.load_ac(directory, options.device_for("encoder"), options.torch_dtype("vjepa2"),
                                       options.device_for("ac_predictor", "rollout_step", "sample_step", "cem_start"))
@@ -154,12 +153,10 @@ def load_vjepa2_ac(options: LoadOptions) -> LoadedModel:
                        extras={"encoder_config": ecfg, "predictor_config": pcfg})
 
 
-def _resolve(options: LoadOptions, preset_name: str, writer, marker: str):
+def _resolve(options: LoadOptions, model: str, preset_name: str, writer, marker: str):
     """The checkpoint directory to load, writing the preset (seeded random weights) on first use."""
-    if options.checkpoint is not None:
+    if options.preset_or_checkpoint(model, ("tiny", preset_name)) is None:  # 'tiny' names preset_name here
         return options.checkpoint, False
-    if options.preset not in (None, "tiny", preset_name):
-        raise RequestError(f"unknown preset {options.preset!r}; this model has 'tiny' ({preset_name})")
     return ensure_preset(preset_name, marker, writer), True
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_example_captioner.checkpoint import ensure_tiny, load_captioner
 from mstar_example_captioner.graph import build_graph
@@ -14,11 +13,7 @@ PRESETS = ("tiny",)
 
 
 def load(options: LoadOptions) -> LoadedModel:
-    if options.checkpoint and options.preset:
-        raise ConfigError(f"{NAME}: pass a checkpoint or a preset, not both")
-    preset = None if options.checkpoint else (options.preset or "tiny")
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"{NAME}: unknown preset {preset!r}; known: {list(PRESETS)}")
+    preset = options.preset_or_checkpoint(NAME, PRESETS)
     directory = ensure_tiny() if preset else options.checkpoint
     # device="meta" (a serving process whose nodes all run in workers) builds shapes and reads no weights
     model = load_captioner(directory, device=options.device, dtype=options.torch_dtype(NAME))
