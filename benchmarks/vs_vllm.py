@@ -44,8 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUTPUT_TOKENS = 128
 PROMPT_TOKENS = (64, 200)
-#: Requests per level: enough for the closed loop to reach its steady state (two waves at 8 and 32).
-REQUESTS = {1: 3, 8: 16, 32: 64}
+#: Requests per level: c=1 gets 3; higher levels `--waves` x c (default 2: the closed loop reaches its steady state).
+C1_REQUESTS = 3
 TEXT_PROMPTS = 4  # c=1 greedy texts compared between the sides
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CORPUS = (
@@ -279,7 +279,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     python, version, install_s = vllm_side.ensure_venv(cuda, install=not args.no_install)
     print(f"vLLM {version} from {python}" + (f" (installed now in {install_s:.0f} s)" if install_s else ""))
     model_dir = export_smollm2(cache)
-    prompts = {c: make_prompts(model_dir, 8 if args.quick else REQUESTS[c], seed=c) for c in levels}
+    waves = 1 if args.quick else args.waves
+    prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
     warm = make_prompts(model_dir, 4, seed=99)
     cores = os.cpu_count() or 1
     venv_env, extra = (vllm_side.cuda_settings(max(levels)) if cuda
@@ -335,6 +336,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per dtype (default 2: A B A B)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--waves", type=int, default=2, help="requests per level above 1, in multiples of the level")
     parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: both servers on the GPU, vLLM's CUDA build from CACHE/vllm-cuda-venv (gpu_check.py)")
