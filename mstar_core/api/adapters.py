@@ -282,6 +282,9 @@ def to_int16_pcm(value: Any) -> np.ndarray:
     if arr.dtype == np.int16:
         return arr
     if np.issubdtype(arr.dtype, np.floating):
+        if not np.isfinite(arr).all():  # NaN would be cast to an arbitrary sample: fail the request, play nothing
+            raise RequestError("the model produced non-finite audio samples (NaN or Inf); the stream is cut there",
+                               status=500)
         return (np.clip(arr, -1.0, 1.0) * 32767.0).round().astype(np.int16)
     if np.issubdtype(arr.dtype, np.integer):
         return np.clip(arr, -32768, 32767).astype(np.int16)
