@@ -9,13 +9,12 @@ tokenizer turns them back into text. The server builds one of these for every lo
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from typing import Any
 
 from mstar_core.api.adapters import ApiAdapter
 from mstar_core.errors import RequestError
+from mstar_core.grammar.pieces import piece_bytes
 
 #: Sampling fields of an OpenAI body forwarded to the model's `prepare` when the client set them.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
@@ -80,39 +79,7 @@ class TokenizerChatAdapter(ApiAdapter):
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> list[int]:
-        return list(_piece_bytes(self.tokenizer, int(token_id)))
-
-
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
-def _piece_bytes(tokenizer: Any, token_id: int) -> bytes:
-    """A token's raw bytes: through the byte-level alphabet (GPT-2-style BPE), a `<0xAB>` byte piece
-    (SentencePiece), or else the UTF-8 of its decoded text."""
-    piece = tokenizer.id_to_token(token_id)
-    if piece is not None:
-        match = _BYTE_PIECE.fullmatch(piece)
-        if match:
-            return bytes([int(match.group(1), 16)])
-        alphabet = _byte_level_alphabet()
-        decoder = type(getattr(tokenizer, "decoder", None)).__name__
-        if decoder == "ByteLevel" and all(c in alphabet for c in piece):
-            return bytes(alphabet[c] for c in piece)
-    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
+        return list(piece_bytes(self.tokenizer, int(token_id)))
 
 
 def _text_of(content: Any) -> str:

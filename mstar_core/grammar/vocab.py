@@ -8,6 +8,8 @@ from typing import Any
 
 import attrs
 
+from mstar_core.grammar.pieces import BYTE_PIECE, byte_level_alphabet
+
 
 @attrs.frozen(eq=False)
 class GrammarVocab:
@@ -46,13 +48,11 @@ class GrammarVocab:
 
 def _bytes_of(tokenizer: Any, piece: str, token_id: int) -> bytes:
     """One token's bytes from its vocabulary piece (no decode call for byte-level and SentencePiece pieces)."""
-    from mstar_core.api.chat_adapter import _BYTE_PIECE, _byte_level_alphabet
-
     if type(getattr(tokenizer, "decoder", None)).__name__ == "ByteLevel":
-        alphabet = _byte_level_alphabet()
+        alphabet = byte_level_alphabet()
         if all(c in alphabet for c in piece):
             return bytes(alphabet[c] for c in piece)
-    match = _BYTE_PIECE.fullmatch(piece)
+    match = BYTE_PIECE.fullmatch(piece)
     if match:
         return bytes([int(match.group(1), 16)])
     if "\u2581" in piece:  # SentencePiece's word-start marker is a space
