@@ -79,3 +79,18 @@ def test_the_shipped_engines_declare_on_their_classes_without_warnings():
     assert known_call_options("kvcache") == KVCacheEngine.call_options
     assert node_ref_options("kvcache") == {"share_cache_with"}
     assert known_call_options("diffusion") == DiffusionEngine.call_options | DiffusionEngine.node_options
+
+
+def test_every_hook_runs_has_a_one_line_docstring_a_row_in_the_guide_and_a_test():
+    from mstar_core.plugins import hookspecs
+    from mstar_core.plugins.manager import HOOKS
+
+    specs = sorted(name for name in vars(hookspecs) if name.startswith("mstar_register_"))
+    assert specs == sorted(HOOKS)
+    guide = (ROOT / "docs" / "MODEL_AUTHORS.md").read_text()
+    tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py") if "compat" not in p.parts)
+    for name in specs:
+        doc = (getattr(hookspecs, name).__doc__ or "").strip()
+        assert doc and "\n" not in doc, f"{name}: its docstring is one line"
+        assert f"`{name}(register)`" in guide, f"{name} has no row in docs/MODEL_AUTHORS.md's hook table"
+        assert tests.count(name) >= 1, f"no test uses {name}"
