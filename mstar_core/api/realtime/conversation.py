@@ -161,7 +161,8 @@ def _visual(part: Mapping[str, Any], ptype: str, at: str) -> Any:
         limits = MediaLimits().with_env()
         url = part.get("image_url")
         if not isinstance(url, str):
-            raise RequestError(f"'{at}.image_url' must be a data URI (data:image/png;base64,...)", param=at)
+            raise RequestError(f"'{at}.image_url' must be a data URI (data:image/png;base64,...)",
+                               param=f"{at}.image_url")
         _, raw = _data_uri(url, at, "image/", limits.max_image_bytes)
         return ImagePart(decode_image(raw, at, limits), at)
     except RequestError as exc:
