@@ -83,8 +83,9 @@ class ACPredictor(nn.Module):
 
     def embed_frames(self, latents: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """Latents `[..., n, P, embed]`, actions/states `[..., n, 7]` -> step tokens `[..., n * (2 + P), dim]`."""
-        x = torch.cat([self.action_encoder(actions).unsqueeze(-2), self.state_encoder(states).unsqueeze(-2),
-                       self.predictor_embed(latents)], dim=-2)
+        dtype = self.predictor_embed.weight.dtype  # (requests and pose maths give fp32; a bf16 model embeds in bf16)
+        x = torch.cat([self.action_encoder(actions.to(dtype)).unsqueeze(-2), self.state_encoder(states.to(dtype)).unsqueeze(-2),
+                       self.predictor_embed(latents.to(dtype))], dim=-2)
         return x.flatten(-3, -2)
 
     def frame_positions(self, first: int, n: int, device=None) -> torch.Tensor:
