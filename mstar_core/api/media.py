@@ -12,8 +12,6 @@ starts with one of `url_prefixes`.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import os
 import urllib.parse
@@ -23,6 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mstar_core.api.b64 import b64_part
 from mstar_core.errors import ConfigError, RequestError
 
 #: Content-part type on the wire -> the modality a model declares in `ApiAdapter.chat_media`.
@@ -358,7 +357,7 @@ def _audio_part(part: Mapping[str, Any], field: str, limits: MediaLimits) -> Aud
     fmt = value.get("format", "wav")
     if not isinstance(fmt, str) or fmt not in AUDIO_CONTAINERS:
         raise RequestError(f"'{field}.format' is {fmt!r}; this server decodes wav or mp3", param=f"{field}.format")
-    raw = _b64(value["data"], f"{field}.data", field, limits.max_audio_bytes)
+    raw = b64_part(value["data"], f"{field}.data", field, limits.max_audio_bytes)
     samples, rate = decode_audio(raw, fmt, field, limits)
     return AudioPart(samples, rate, field, fmt)
 
@@ -424,27 +423,7 @@ def _data_uri(url: str, field: str, kind: str, max_bytes: int) -> tuple[str, byt
         raise RequestError(f"'{field}.url' must be base64-encoded (data:{mime or 'image/png'};base64,...)", param=field)
     if not mime.startswith(kind):
         raise RequestError(f"'{field}.url' is {mime or 'untyped'} data; send an {kind}* data URI", param=field)
-    return mime, _b64(payload, f"{field}.url", field, max_bytes)
-
-
-def _b64(payload: str, what: str, field: str, max_bytes: int) -> bytes:
-    # bound the size before decoding, so an oversized part costs no copy
-    if len(payload) * 3 // 4 > max_bytes + 3:
-        raise RequestError(f"'{field}' is about {len(payload) * 3 // 4} bytes; this server takes at most {max_bytes} "
-                           "bytes per part", status=413, param=field)
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        try:  # line-wrapped base64 is still base64
-            raw = base64.b64decode("".join(payload.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError(f"'{what}' is not valid base64", param=field) from None
-    if len(raw) > max_bytes:
-        raise RequestError(f"'{field}' is {len(raw)} bytes; this server takes at most {max_bytes} bytes per part",
-                           status=413, param=field)
-    if not raw:
-        raise RequestError(f"'{what}' is empty", param=field)
-    return raw
+    return mime, b64_part(payload, f"{field}.url", field, max_bytes)
 
 
 # --- remote images (only where the operator allowed them) ----------------------------------------------------

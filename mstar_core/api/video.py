@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mstar_core.api.b64 import b64_part
 from mstar_core.errors import ConfigError, RequestError
 
 MIME_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/avi", "video/x-msvideo")
@@ -70,8 +71,6 @@ class VideoPart:
 
 def video_part(part: Mapping[str, Any], field: str, limits: VideoLimits | None = None, fps: float = 2.0) -> VideoPart:
     """A chat `video_url` part decoded (data URIs only: the server fetches no video)."""
-    from mstar_core.api.media import _b64
-
     limits = limits or VideoLimits.from_env()
     value = part.get("video_url")
     url = value.get("url") if isinstance(value, Mapping) else value
@@ -83,7 +82,7 @@ def video_part(part: Mapping[str, Any], field: str, limits: VideoLimits | None =
     if not comma or mime not in MIME_TYPES or ";base64" not in head.lower():
         raise RequestError(f"'{field}.url' must be a base64 data URI of a video ({', '.join(MIME_TYPES)}); "
                            "the server fetches no remote video", param=field)
-    raw = _b64(payload, f"{field}.url", field, limits.max_video_bytes)
+    raw = b64_part(payload, f"{field}.url", field, limits.max_video_bytes)
     return decode_video(raw, field, limits, fps, want_audio)
 
 
