@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from mstar_core.api.adapters import api_named
 from mstar_core.api.choices import forks_choices
 from mstar_core.api.common import adapter_call, map_result, result_or_disconnect, submit
 from mstar_core.api.errors import ApiError, from_request_error
@@ -26,7 +27,7 @@ from mstar_core.api.schemas import (
     ImagesResponse,
 )
 from mstar_core.errors import RequestError
-from mstar_core.sampling import MAX_SEED, check_fields
+from mstar_core.sampling import check_fields, choice_seed
 
 router = APIRouter()
 
@@ -96,15 +97,18 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
         except RequestError as exc:
             raise from_request_error(exc) from None
     handles = []
-    # a model whose schema takes `n` draws the n images in one request (sharing the prompt's prefill)
+    # a model that declares it (`RequestSchema.draws_n`) draws the n images in one request (sharing the prompt's prefill)
     shared = body.n > 1 and forks_choices(adapter)
     try:
         for i in range(1 if shared else body.n):
             one = dict(payload, n=body.n if shared else 1, index=i)
-            if body.seed is not None and not shared:
-                one["seed"] = (body.seed + i) % (MAX_SEED + 1)  # distinct but reproducible images, still in range
+            if not shared:
+                one["seed"] = choice_seed(body.seed, i)  # image i: what one request seeded seed + i draws
             inputs = adapter_call(adapter.image_inputs, one, edit=edit, what=f"the images adapter of '{body.model}'")
-            handles.append(await submit(state, body.model, inputs))
+            try:
+                handles.append(await submit(state, body.model, inputs))
+            except ApiError as exc:  # the model's schema names its fields (width); the client sent the API's (size)
+                raise api_named(exc, adapter, "images") from None
         if len(handles) == 1:
             envs = [await result_or_disconnect(request, handles[0])]
         else:

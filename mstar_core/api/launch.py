@@ -98,7 +98,8 @@ def banner(config: ServerConfig, host: str, port: int, models: dict[str, Any], r
     url = f"http://{shown}:{port}"
     auth = ' -H "Authorization: Bearer $MSTAR_API_KEY"' if config.api_key else ""
     key = "os.environ['MSTAR_API_KEY']" if config.api_key else '"none"'
-    lines = [f"M* serving at {url}   (OpenAPI: {url}/docs, metrics: {url}/metrics)"]
+    lines = [f"M* serving at {url}   (OpenAPI: {url}/docs, metrics: {url}/metrics)",
+             f"  playground: {url}/   (speak, draw, chat, policies, walks in the browser)"]
     for name, loaded in models.items():
         src = next((m.options for m in config.models if m.name == name), None)
         origin = src.checkpoint if src and src.checkpoint else f"preset '{src.preset if src else '?'}'"

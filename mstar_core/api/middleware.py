@@ -13,7 +13,10 @@ import orjson
 from mstar_core.api.errors import error_body
 
 #: Routes that answer without the API key.
-OPEN_PATHS = frozenset({"/health"})
+#: Paths answered without the API key: health probes, and the playground's page and files (they hold no data;
+#: the page sends the key the user types on every API call)
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/playground/",)
 
 
 class GuardMiddleware:
@@ -38,7 +41,8 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if config.api_key and path not in OPEN_PATHS and not self._authorized(scope, config.api_key):
+            open_path = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+            if config.api_key and not open_path and not self._authorized(scope, config.api_key):
                 await _reply(send_tracking, 401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                              {"www-authenticate": "Bearer"})
                 return

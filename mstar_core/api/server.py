@@ -13,8 +13,8 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, speech, transcriptions
-from mstar_core.api.adapters import ApiAdapter, validate_adapter, with_defaults
+from mstar_core.api import chat, completions, images, native, playground, speech, transcriptions
+from mstar_core.api.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after
 from mstar_core.api.media import MediaLimits
@@ -224,7 +224,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         for name, loaded in sorted(state.engine.models.items()):
             data.append({"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
                          "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
-                         "random_weights": bool(loaded.random_weights)})
+                         "random_weights": bool(loaded.random_weights),
+                         **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})})
         return {"object": "list", "data": data}
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -233,7 +234,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, images, native, realtime, transcriptions):
+    for module in (speech, chat, completions, images, native, realtime, transcriptions, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
@@ -266,6 +267,21 @@ def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
     voice = components.get("SpeechRequest", {}).get("properties", {}).get("voice")
     if voice is not None and voices and all(voices):
         voice["enum"] = sorted({v for vs in voices for v in vs})
+    # per model, in words: which voices and formats speech takes, which sizes images draws (GET /v1/models too)
+    models = {m for (m, _r) in state.adapters}
+    described = {m: describe_routes({r: a for (mm, r), a in state.adapters.items() if mm == m}) for m in models}
+    docs = {("SpeechRequest", "voice"): lambda d: d.get("voices") and f"voices {', '.join(d['voices'])} "
+                                                                      f"(default {d['voices'][0]})",
+            ("SpeechRequest", "response_format"): lambda d: d.get("audio_formats") and ", ".join(d["audio_formats"]),
+            ("SpeechRequest", "speed"): lambda d: "speed" in d and ("honoured" if d["speed"] else "1.0 only"),
+            ("ImageRequest", "size"): lambda d: d.get("image_size_rule") and (
+                f"{d['image_size_rule']}; standard sizes {', '.join(d['image_sizes'])}; default "
+                f"{d.get('default_image_size')}")}
+    for (component, prop_name), say in docs.items():
+        prop = components.get(component, {}).get("properties", {}).get(prop_name)
+        lines = [f"{m}: {text}" for m in sorted(described) if (text := say(described[m]))]
+        if prop is not None and lines:
+            prop["description"] = (prop.get("description", "") + " | per model: " + "; ".join(lines)).lstrip(" |")
     walk_op = schema.get("paths", {}).get("/v1/walks/{model}", {}).get("post", {})
     for param in walk_op.get("parameters", []):
         if param.get("name") == "model" and state.engine.models:
