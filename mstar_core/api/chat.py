@@ -23,6 +23,7 @@ from mstar_core.api.logprobs import chat_logprobs
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
 from mstar_core.api.structured import prepared_grammar, response_format_grammar
+from mstar_core.api.tool_route import ChatTools
 from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields
 
@@ -95,6 +96,9 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     payload["max_tokens"] = max_tokens
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
     payload["grammar"] = await prepared_grammar(adapter, body.model, grammar, "response_format")
+    calling = ChatTools.from_body(body, adapter, grammar)
+    payload["messages"] = calling.messages(payload["messages"])
+    payload["grammar"] = payload["grammar"] or await prepared_grammar(adapter, body.model, calling.grammar, "tools")
     limits = state.media_limits[(body.model, "chat")]
     messages = await decode_messages(adapter, body.model, payload["messages"], limits)
     # an adapter may resample or convert media (Qwen3-Omni: audio to 16 kHz): off the event loop when there are any
@@ -123,7 +127,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
 
     def message(c: ch.Choice) -> dict[str, Any]:
         if c.audio is None:
-            return {"role": "assistant", "content": c.text.text}
+            return calling.message(c.text.text)
         return {"role": "assistant", "content": None,
                 "audio": {"id": c.audio.id, "data": base64.b64encode(c.audio.take()).decode(),
                           "expires_at": created, "transcript": c.transcript}}
@@ -132,8 +136,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
         await ch.run_all(request, choices)
         return OrjsonResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": c.index, "message": message(c), "logprobs": lp(c.logprobs),
-                         "finish_reason": c.finish_reason} for c in choices],
+            "choices": [{"index": c.index, "message": (m := message(c)), "logprobs": lp(c.logprobs),
+                         "finish_reason": "tool_calls" if m.get("tool_calls") else c.finish_reason} for c in choices],
             "usage": ch.usage(adapter, choices),
         })
 
@@ -165,12 +169,15 @@ async def create_chat_completion(body: ChatRequest, request: Request):
             if choice.audio is not None:
                 for data in audio_deltas(choice, text, entries, done):
                     yield data
+            elif calling.active:
+                for delta in calling.deltas(choice.index, text, done):
+                    yield chunk([{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}])
             elif text or entries:
                 yield chunk([{"index": choice.index, "delta": {"content": text}, "logprobs": lp(entries),
                               "finish_reason": None}])
             if done:
-                yield chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                              "finish_reason": choice.finish_reason}])
+                reason = "tool_calls" if calling.called(choice.index) else choice.finish_reason
+                yield chunk([{"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
 
     usage = (lambda: chunk([], usage=ch.usage(adapter, choices))) if include_usage else None
     return StreamingResponse(ch.sse_body(chunks(), choices, usage), media_type="text/event-stream",

@@ -219,12 +219,14 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = Field(description="the reply; null when it is spoken (see audio.transcript)")
     audio: ChatResponseAudio | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="calls of the request's tools: "
+                                                                  "[{id, type: function, function: {name, arguments}}]")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChoiceLogprobs | None = None
 
 

@@ -13,7 +13,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, playground, speech, transcriptions
+from mstar_core.api import chat, completions, images, native, playground, responses_api, speech, transcriptions
 from mstar_core.api.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after
@@ -33,6 +33,7 @@ _ROUTE_LABELS = {
     "/v1/audio/speech": "speech",
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
     "/v1/images/generations": "images",
     "/v1/images/edits": "images_edit",
     "/v1/models": "models",
@@ -234,7 +235,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, images, native, realtime, transcriptions, playground):
+    for module in (speech, chat, completions, responses_api, images, native, realtime, transcriptions, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
