@@ -35,6 +35,10 @@ class Metrics:
             "mstar_time_to_first_audio_seconds", "time from request to first audio bytes", ["model"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.audio_seconds = Counter(
+            "mstar_audio_seconds", "seconds of audio sent by the speech route (with its latency: the real-time factor)",
+            ["model"], registry=self.registry,
+        )
         self.latency = Histogram(
             "mstar_request_latency_seconds", "end-to-end request latency", ["model", "route"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,

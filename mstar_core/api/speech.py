@@ -71,6 +71,10 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
 
     generated = [0]
 
+    def count_audio() -> None:
+        if metrics is not None and encoder.samples:
+            metrics.audio_seconds.labels(body.model).inc(encoder.samples / float(adapter.sample_rate))
+
     def audio_bytes(out: Any) -> bytes:
         if out is not None and out.name == adapter.token_output:
             generated[0] += 1
@@ -89,6 +93,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
                 if data:
                     yield data
             yield encoder.finish()
+            count_audio()
 
     async def sse_stream():
         async with cancel_on_exit(handle):
@@ -106,6 +111,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
                 if tail:
                     yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
                 env = await handle.result()
+                count_audio()
                 yield sse({"type": "speech.audio.done", "usage": _usage(adapter, env, handle.prepared, generated[0])})
             except Exception as exc:
                 yield sse({"type": "error", **stream_error_payload(exc)})
