@@ -158,10 +158,11 @@ async def slow_reader(drv: Driver, *, readers: int = 4, max_tokens: int = 2000, 
 
     async def one() -> int:
         got = 0
-        deadline = time.monotonic() + hold_s
+        deadline = None
         async with drv.client.stream("POST", "/v1/completions", json=body) as r:
             async for data in r.aiter_raw(chunk):
                 got += len(data)
+                deadline = deadline or time.monotonic() + hold_s  # held from the first byte on
                 if time.monotonic() > deadline:
                     break  # hang up mid-stream: the request is cancelled and its pages freed
                 await asyncio.sleep(pace_s)

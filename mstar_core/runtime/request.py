@@ -116,6 +116,11 @@ class RequestHandle:
     async def result(self) -> dict[str, Any]:
         """Wait for the request to finish; return its final env (raises what failed it)."""
         assert self._task is not None
+        # whoever waits for the end reads no more outputs one by one: the request must not wait on a reader
+        self._reading = False
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
         try:
             return await asyncio.shield(self._task)
         except asyncio.CancelledError:
