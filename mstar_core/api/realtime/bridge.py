@@ -43,8 +43,10 @@ class ModelBridge:
     def default_modalities(self) -> tuple[str, ...]:
         return ("audio",) if self.speaks else ("text",)
 
-    def inputs(self, items: Sequence[Item], options: ResponseOptions) -> dict[str, Any]:
-        """The model's raw inputs for a response over `items` with `options`."""
+    def inputs(self, items: Sequence[Item], options: ResponseOptions,
+               previous: tuple[list[int], Item] | None = None) -> dict[str, Any]:
+        """The model's raw inputs for a response over `items` with `options`; `previous` (the last response's
+        prompt ids and reply item) lets a text model's next prompt carry that reply's exact ids."""
         speak = options.output_modalities == ("audio",)
         if self.kind == "speech":
             text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
@@ -72,7 +74,33 @@ class ModelBridge:
         if speak:
             body["modalities"] = ["text", "audio"]
             body["audio"] = {"voice": options.voice or self.voices[0], "format": "pcm16"}
-        return self._call(self.adapter.chat_message_inputs, body, turns)
+        inputs = self._call(self.adapter.chat_message_inputs, body, turns)
+        if previous is not None and not self.takes_tokens and options.input is None:
+            inputs = self._exact_history(inputs, previous)
+        return inputs
+
+    def _exact_history(self, inputs: dict[str, Any], previous: tuple[list[int], Item]) -> dict[str, Any]:
+        """A text model's prompt with the last reply as the ids it generated, not their re-tokenized text, so the
+        KV cache's pages match (for models whose `prepare` takes `input_ids`; any mismatch leaves the prompt)."""
+        prompt, item = previous
+        loaded = self.state.engine.models.get(self.model)
+        tokenizer = getattr(self.adapter, "tokenizer", None)
+        schema = getattr(loaded, "request_schema", None)
+        if (item.ids is None or not item.ids or tokenizer is None or "messages" not in inputs or schema is None
+                or not any(f.name == "input_ids" for f in schema.fields) or not callable(getattr(loaded, "prepare",
+                                                                                               None))):
+            return inputs
+        try:
+            ids = [int(t) for t in loaded.prepare(dict(inputs))["input_ids"]]
+        except Exception:  # the request's own errors come back from the engine's prepare, as they would anyway
+            return inputs
+        reply = tokenizer.encode(item.text, add_special_tokens=False).ids
+        at = len(prompt)
+        if ids[:at] != prompt or ids[at:at + len(reply)] != reply:
+            return inputs
+        exact = {k: v for k, v in inputs.items() if k != "messages"}
+        exact["input_ids"] = prompt + list(item.ids) + ids[at + len(reply):]
+        return exact
 
     def _call(self, fn: Any, *args: Any) -> dict[str, Any]:
         from mstar_core.errors import RequestError

@@ -162,7 +162,7 @@ class ResponseRun:
         bridge = self.session.bridge
         try:
             await self._emit("response.created", response=self.to_json())
-            inputs = bridge.inputs(self.items, self.options)
+            inputs = bridge.inputs(self.items, self.options, self.session.previous_reply(self.items))
             self.handle = await submit(self.session.state, bridge.model, inputs)
             self.prompt_ids = bridge.prompt_ids(self.handle.prepared)
             self.input_tokens = bridge.prompt_tokens(self.handle.prepared)

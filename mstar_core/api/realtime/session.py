@@ -52,6 +52,7 @@ class RealtimeSession:
         self.queue: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=limits.send_queue)
         self.tasks: set[asyncio.Task] = set()
         self.responses_done = 0
+        self.last_response: ResponseRun | None = None
         self.stopped = asyncio.Event()  # set when the client stopped reading
         self._reset_vad()
 
@@ -275,6 +276,13 @@ class RealtimeSession:
                              f"'response_id' {wanted!r} is not the active response ({run.id})",
                              param="response_id", code="response_cancel_not_active")
         run.cancel("client_cancelled")
+
+    def previous_reply(self, items: list[Item]) -> tuple[list[int], Item] | None:
+        """The last response's prompt ids and reply item (its ids as generated, or as truncated), if still in `items`."""
+        last = self.last_response
+        if last is None or last.prompt_ids is None or last.message is None or last.status == "failed":
+            return None
+        return (last.prompt_ids, last.message) if last.message in items else None
 
     def on_response_done(self, run: ResponseRun) -> None:
         if self.response is run:
