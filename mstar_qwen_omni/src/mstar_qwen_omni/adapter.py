@@ -23,7 +23,7 @@ from mstar_qwen_omni.audio_encoder import audio_token_count
 
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
           "auditory and visual inputs, as well as generating text and speech.")
-_FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
+_FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "grammar")
 
 
 #: Prompt tokens kept free beside the audio: the chat template's turns and at least a short reply.

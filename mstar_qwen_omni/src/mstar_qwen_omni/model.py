@@ -14,6 +14,7 @@ PRESETS = ("tiny",)
 
 def load(options: LoadOptions) -> LoadedModel:
     from mstar_core.checkpoint import load_tokenizer
+    from mstar_core.grammar import GrammarVocab
     from mstar_qwen_omni.checkpoint import load_omni
     from mstar_qwen_omni.graph import SPEECH_NODES, build_graph
     from mstar_qwen_omni.prepare import Preparer
@@ -25,6 +26,9 @@ def load(options: LoadOptions) -> LoadedModel:
     if model.code2wav is not None and options.device != "meta":
         model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
     prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)
+    # what the Thinker's kvcache engine compiles sampling grammars against (structured outputs, tool calls)
+    model.thinker.grammar_vocab = GrammarVocab.from_tokenizer(prepare.tokenizer, model.config.thinker.text.vocab_size,
+                                                              [model.config.im_end_token_id])
     text_embed = None
     hosted = set(options.nodes or ())
     if options.nodes is not None and hosted & set(SPEECH_NODES) and not hosted & {"thinker", "encode"}:
@@ -38,7 +42,8 @@ def load(options: LoadOptions) -> LoadedModel:
         prepare=prepare,
         request_schema=prepare.schema,
         engine_settings={"thinker": dict(pages), "talker": dict(pages), "code_predictor": dict(pages)},
-        extras={"model": model, "config": model.config, "tokenizer": prepare.tokenizer, "checkpoint": str(directory)},
+        extras={"model": model, "config": model.config, "tokenizer": prepare.tokenizer, "checkpoint": str(directory),
+                "grammar_vocab": model.thinker.grammar_vocab},
     )
 
 

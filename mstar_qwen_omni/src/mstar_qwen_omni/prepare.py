@@ -18,7 +18,7 @@ from mstar_core.sampling import SamplingParams
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
 from mstar_qwen_omni.config import OmniConfig
 
-SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty")
+SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "grammar")
 EXAMPLE = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 
 
