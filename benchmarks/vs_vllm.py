@@ -341,7 +341,8 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: both servers on the GPU, vLLM's CUDA build from CACHE/vllm-cuda-venv (gpu_check.py)")
     parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when its venv is missing")
-    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--start-timeout", type=float, default=2400.0,
+                        help="seconds a server may take to its first token (vLLM took 14-19 min here under load 20)")
     parser.add_argument("--mstar-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the M* server (experiments; listed in the output)")
     result = asyncio.run(main(parser.parse_args()))
