@@ -158,8 +158,9 @@ class Engine(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # a class that sets any of the three (an inherited kind included) records them for Graph.build
         declares = {"call_options", "node_options", "node_ref_options"} & set(vars(cls))
-        if declares and cls.call_options is not None and isinstance(vars(cls).get("kind", getattr(cls, "kind", None)), str):
+        if declares and cls.call_options is not None and isinstance(getattr(cls, "kind", None), str):
             from mstar_core.graph.options import record_engine_options
 
             record_engine_options(cls.kind, cls.call_options | cls.node_options, cls.node_ref_options)
