@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,24 +130,29 @@ def attention_floor(cfg, batch: int, kv_len: int, reps: int) -> float:
     return best
 
 
-async def profile(hf, loaded, p_len: int, steps: int, rounds: int) -> dict[str, float]:
-    """The figures above, for 32 prompts of `p_len` tokens decoding `steps` tokens each."""
-    from decode_throughput import start_engine
+class Sides(NamedTuple):
+    """How the caller (`decode_throughput.py`) runs each side: this module imports nothing from it."""
 
+    start_engine: Callable[..., Awaitable[Any]]  # (loaded, pages, **kvcache settings) -> an AsyncEngine serving it
+    run_bare: Callable[..., Any]  # (decoder, prompts, steps, stamps) -> (seconds, tokens)
+    run_mstar: Callable[..., Awaitable[Any]]  # (engine, prompts, outputs) -> (seconds, tokens)
+    vocab_size: int
+
+
+async def profile(hf, loaded, p_len: int, steps: int, rounds: int, sides: Sides) -> dict[str, float]:
+    """The figures above, for 32 prompts of `p_len` tokens decoding `steps` tokens each."""
     # a token budget that prefills all 32 prompts in one step, so every decode step is all 32 rows in lockstep
-    engine = await start_engine(loaded, 32 * -(-(p_len + steps) // 16) + 16, max_num_batched_tokens=32 * p_len)
+    engine = await sides.start_engine(loaded, 32 * -(-(p_len + steps) // 16) + 16, max_num_batched_tokens=32 * p_len)
     try:
-        return await _profile(hf, loaded, engine, p_len, steps, rounds)
+        return await _profile(hf, loaded, engine, p_len, steps, rounds, sides)
     finally:
         await engine.close()
 
 
-async def _profile(hf, loaded, engine, p_len: int, steps: int, rounds: int) -> dict[str, float]:
-    from decode_throughput import SHAPE, run_bare, run_mstar
-
+async def _profile(hf, loaded, engine, p_len: int, steps: int, rounds: int, sides: Sides) -> dict[str, float]:
     decoder = loaded.graph.nodes["lm"].module()
     batch = 32
-    prompts = [[(7 * i + j) % SHAPE["vocab_size"] + 1 for j in range(p_len)] for i in range(batch)]
+    prompts = [[(7 * i + j) % sides.vocab_size + 1 for j in range(p_len)] for i in range(batch)]
     ids = torch.tensor(prompts)
     hf_runs, bare_runs = [], []
     mstar = {key: [] for key in ("step", "forward", "sample", "rest", "between")}
@@ -158,10 +165,10 @@ async def _profile(hf, loaded, engine, p_len: int, steps: int, rounds: int) -> d
                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=stamps)
             hf_runs.append([b - a for a, b in zip(stamps.times[1:-1], stamps.times[2:], strict=True)])
             bare: list[float] = []
-            run_bare(decoder, prompts, steps, bare)
+            sides.run_bare(decoder, prompts, steps, bare)
             bare_runs.append([b - a for a, b in zip(bare[:-1], bare[1:], strict=True)])
             recorder.rows.clear()
-            await run_mstar(engine, prompts, [steps] * batch)
+            await sides.run_mstar(engine, prompts, [steps] * batch)
             # one prefill step (every prompt's first token), then the decode steps 1..steps-1
             decode = recorder.rows[-steps:]
             assert len(recorder.rows) == steps and all(r["answered"] == batch for r in decode), \

@@ -308,10 +308,11 @@ async def dtype_figures(args, dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf, loaded = load_models(tmp, dtype)
     if args.profile:
-        from decode_profile import profile
+        from decode_profile import Sides, profile
 
         p_len, steps = (32, 16) if args.quick else (64, 32)
-        figures = await profile(hf, loaded, p_len, steps, args.repeats)
+        sides = Sides(start_engine, run_bare, run_mstar, SHAPE["vocab_size"])
+        figures = await profile(hf, loaded, p_len, steps, args.repeats, sides)
         return {"benchmark": "decode_throughput", "mode": "profile", "quick": args.quick, "threads": args.threads,
                 "packed": not args.unpacked,
                 "load_avg": [round(load_start, 2), round(os.getloadavg()[0], 2)], **figures}
