@@ -18,7 +18,7 @@ import torch
 
 from mstar_core.checkpoint.presets import ensure_preset
 
-PRESET_VERSION = 2
+PRESET_VERSION = 3
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>", "<tts_text_bos>",
             "<tts_text_eod>"]
@@ -141,13 +141,17 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def speak_past_the_first_frame(model: torch.nn.Module, code_scale: float = 3.0) -> None:
-    """Random weights make codec EOS as likely as any code at every frame, so some seeds spoke 0 frames: the
-    preset's EOS row is zero and the code rows scaled, so EOS (about 1 % a frame) ends speech after seconds,
-    as a trained Talker's does. The weights stay the checkpoint's: every path reads them as it would a real one."""
+    """Random weights make an end token as likely as any other: for some prompts the Thinker's first (greedy)
+    token was <|im_end|> (an empty reply), and for some seeds the Talker's first code was EOS (0 frames). The
+    preset zeroes both end rows and scales the Talker's code rows: replies run to `max_tokens`, speech ends
+    after seconds (codec EOS about 1 % a frame). The weights stay a checkpoint's: every path reads them as it
+    would a real one, nothing in the server is special-cased."""
     with torch.no_grad():
         head = model.talker.codec_head.weight
         head[:CODEBOOK] *= code_scale
         head[CODEC["codec_eos_token_id"]] = 0.0
+        im_end = model.config.im_end_token_id
+        model.thinker.lm_head.weight[im_end] = 0.0
 
 
 def write_tiny(directory: Path, seed: int = 0) -> Path:
