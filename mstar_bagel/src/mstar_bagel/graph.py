@@ -54,6 +54,7 @@ from mstar_core.graph import (
     Walk,
 )
 from mstar_core.nn.flux_vae import FluxAutoEncoder
+from mstar_core.sampling import choice_seed
 
 WALKS = ("t2i", "edit", "understand", "think")
 MAX_STEPS = 200
@@ -239,7 +240,7 @@ def cfg_label(branch: int) -> str:
 
 def image_seed(image_index: int, seed: int | None = None) -> int | None:
     """Image `i` of a request seeded `s` is the image a single request seeded `s + i` draws (None: a fresh seed)."""
-    return None if seed is None else (seed + image_index) % (2**63)
+    return choice_seed(seed, image_index)
 
 
 def _plan(env) -> list[str]:
