@@ -77,6 +77,8 @@ def check_tools(tools: Any, where: str = "tools", *, flat: bool = False) -> list
         if any(t.name == name for t in out):
             raise ApiError(400, f"'{fn_at}.name' {name!r} is given twice", param=f"{fn_at}.name")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, Mapping):
+            raise ApiError(400, f"'{fn_at}.parameters' must be a JSON schema object", param=f"{fn_at}.parameters")
         try:
             check_json_schema(params, f"{fn_at}.parameters")
         except RequestError as exc:
@@ -154,13 +156,17 @@ def messages_for_model(messages: Sequence[Mapping[str, Any]], tools: list[Tool],
     tool results as user turns: plain role/content messages any chat template renders."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
-    for m in messages:
+    for i, m in enumerate(messages):
         m = dict(m)
         calls = m.pop("tool_calls", None) or []
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                                                  for c in calls):
+            raise ApiError(400, f"'messages[{i}].tool_calls' must be a list of {{id, type: function, function: "
+                                "{name, arguments}}", param=f"messages[{i}].tool_calls")
         if m.get("role") == "assistant" and calls:
             texts = []
             for call in calls:
-                fn = call.get("function") or {}
+                fn = call["function"]
                 names[str(call.get("id"))] = str(fn.get("name", ""))
                 texts.append(_call_text(str(fn.get("name", "")), str(fn.get("arguments") or "{}"), fmt))
             body = _text(m.get("content"))
