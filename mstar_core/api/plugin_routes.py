@@ -6,19 +6,28 @@ from collections.abc import Iterable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.routing import APIRoute, APIWebSocketRoute
+from fastapi.routing import APIWebSocketRoute
+from starlette.routing import WebSocketRoute
 
 from mstar_core.errors import ConfigError
 
 
 def _claims(route: Any) -> set[tuple[str, str]]:
-    """(method or 'WEBSOCKET', path) pairs a route answers; other kinds (mounts) claim their path for all."""
-    if isinstance(route, APIWebSocketRoute):
-        return {("WEBSOCKET", route.path)}
-    if isinstance(route, APIRoute):
-        return {(method, route.path) for method in route.methods}
+    """(method or 'WEBSOCKET', path) pairs a route answers; a route without methods (a mount) claims its path for all.
+
+    An included router (FastAPI keeps it as one entry of `app.routes`) claims what its own routes do, under its prefix.
+    """
+    inner = getattr(route, "original_router", None)
+    if inner is not None:
+        prefix = getattr(getattr(route, "include_context", None), "prefix", "") or ""
+        return {(method, prefix + path) for r in inner.routes for method, path in _claims(r)}
     path = getattr(route, "path", None)
-    return {("*", path)} if path is not None else set()
+    if path is None:
+        return set()
+    if isinstance(route, APIWebSocketRoute | WebSocketRoute):
+        return {("WEBSOCKET", path)}
+    methods = getattr(route, "methods", None)
+    return {(method, path) for method in methods} if methods else {("*", path)}
 
 
 def include_plugin_routes(app: FastAPI, factories: Iterable[tuple[str, Any]]) -> None:

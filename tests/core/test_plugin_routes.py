@@ -75,6 +75,19 @@ def test_a_route_the_core_serves_is_a_startup_error_naming_the_plugin_and_route(
         _app(registry)
 
 
+def test_a_route_of_a_router_the_core_includes_is_taken_too():
+    def shadow():
+        from fastapi import APIRouter
+
+        router = APIRouter()
+        router.post("/v1/audio/speech")(lambda: {})
+        return router
+
+    registry = discover(extra_modules=[_plugin("speech_thief", shadow)])
+    with pytest.raises(ConfigError, match=r"plugin speech_thief adds route POST /v1/audio/speech, which the core"):
+        _app(registry)
+
+
 def test_a_factory_returning_no_router_is_a_startup_error_naming_the_plugin():
     registry = discover(extra_modules=[_plugin("not_a_router", lambda: {"GET /x": None})])
     with pytest.raises(ConfigError, match="plugin not_a_router's mstar_register_routes factory returned dict"):
