@@ -46,6 +46,10 @@ CHANGES: dict[str, Change] = {
         what="declaring an engine's call options with mstar_core.graph.options.declare_call_options(kind, ...)",
         instead="set `call_options` (and `node_ref_options`) on the Engine class registered for that kind",
         since="1.1"),
+    "n_field_draws_n": Change(
+        what="a request schema with a field 'n' but no draws_n, taken to mean the model draws n outputs itself",
+        instead="declare RequestSchema(..., draws_n=True) (or rename the field if the model does not)",
+        since="1.1"),
 }
 
 

@@ -28,6 +28,7 @@ from mstar_core.api.common import (
 )
 from mstar_core.api.errors import ApiError
 from mstar_core.api.text import TextAssembler
+from mstar_core.compat import changed
 from mstar_core.sampling import choice_seed  # noqa: F401  (chat reads it from here)
 
 #: One generated token with what the model said of it: (token id, its logprob, [(alternative id, logprob), ...]).
@@ -193,7 +194,14 @@ class BranchHandle:
 def forks_choices(adapter: Any) -> bool:
     """Whether the adapter's model draws `n` outputs of one request itself (its schema says so: `draws_n`)."""
     schema = getattr(getattr(adapter, "loaded", None), "request_schema", None)
-    return bool(getattr(schema, "draws_n", False))
+    if schema is None:
+        return False
+    if getattr(schema, "draws_n", False):
+        return True
+    if any(f.name == "n" for f in schema.fields):  # the guess of plugin API 1.0: warns in 1.1, errors from 1.2
+        changed("n_field_draws_n")
+        return True
+    return False
 
 
 async def start_choices(request: Request, state: Any, model: str, adapter: Any, prompts: list[Any], n: int,
