@@ -1,0 +1,56 @@
+"""`TensorParallelGroup`: the ranks one node is split across, and the two collectives its layers need."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+
+
+@attrs.frozen
+class TensorParallelGroup:
+    """This process's rank in a group of `world_size` ranks; `process_group` None means the default group.
+
+    A size-1 group (`TensorParallelGroup.single()`) runs no collective at all, so an unsplit node pays
+    nothing and needs no `torch.distributed` set-up. Collectives are inference-only (not differentiable).
+    """
+
+    rank: int
+    world_size: int
+    process_group: dist.ProcessGroup | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.world_size}")
+
+    @classmethod
+    def single(cls) -> TensorParallelGroup:
+        """The trivial group: one rank, no collectives."""
+        return cls(0, 1)
+
+    @classmethod
+    def from_process_group(cls, process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:
+        """This process's place in `process_group` (the default group when None); needs `init_process_group` first."""
+        return cls(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+
+    def shard(self, total: int) -> tuple[int, int]:
+        """This rank's `[start, stop)` of `total` items split evenly (the caller checked divisibility)."""
+        if total % self.world_size:
+            raise ValueError(f"{total} does not split over {self.world_size} ranks")
+        size = total // self.world_size
+        return self.rank * size, (self.rank + 1) * size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+        return tensor
+
+    def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along the last dim, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.process_group)
+        return torch.cat(parts, dim=-1)
