@@ -9,13 +9,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from mstar_core.nn import DenseAttention, load_llama
+from mstar_core.nn import DenseAttention, DenseKVCache, load_llama
 from mstar_core.nn.parallel import TensorParallelGroup, load_llama_tensor_parallel, shard_llama
 
 
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
+def logits(model, ids: torch.Tensor, context=None) -> torch.Tensor:
     with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(ids.shape[0]), DenseAttention()))
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0]), context or DenseAttention()))
+
+
+def cached_logits(model, ids: torch.Tensor, cache: DenseKVCache) -> torch.Tensor:
+    """Under inference mode, as an engine step runs: the collectives must take inference tensors."""
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0]), cache))
 
 
 def main() -> None:
@@ -29,9 +35,10 @@ def main() -> None:
         sliced = load_llama_tensor_parallel(ckpt, group)  # the path a server takes: only this rank's slices read
         split = load_llama(ckpt, progress=False)  # the in-memory path: a full model cut down in place
         shard_llama(split, group)
-        attn = sliced.model.layers[0].self_attn
+        attn, cache = sliced.model.layers[0].self_attn, DenseKVCache()
         save_file({
-            "sliced": logits(sliced, ids),
+            "sliced": cached_logits(sliced, ids, cache),
+            "kv_bytes": torch.tensor([cache.nbytes()]),
             "split": logits(split, ids),
             "param_bytes": torch.tensor([sum(p.numel() * p.element_size() for p in sliced.parameters())]),
             "heads": torch.tensor([attn.num_heads, attn.num_kv_heads]),

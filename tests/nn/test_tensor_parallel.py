@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mstar_core.errors import ConfigError
-from mstar_core.nn import DenseAttention, LlamaConfig, load_llama
+from mstar_core.nn import DenseAttention, DenseKVCache, LlamaConfig, load_llama
 from mstar_core.nn.parallel import (
     Piece,
     SafetensorsSlices,
@@ -112,16 +112,20 @@ def test_tp2_logits_equal_tp1(tp2_run, kind):
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_tp2_ranks_hold_half_the_weights_and_heads(tp2_run, kind):
-    _, runs = tp2_run
+def test_tp2_ranks_hold_half_the_weights_heads_and_kv(tp2_run, kind):
+    ids, runs = tp2_run
     model, _, ranks = runs[kind]
     cfg = model.config
     # replicated: every norm, and the biases added after a row-parallel sum (none in these configs)
     replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
     total = param_bytes(model)
+    cache = DenseKVCache()
+    with torch.no_grad():
+        model(ids, torch.arange(ids.shape[0]), cache)
     for out in ranks:
         assert int(out["param_bytes"]) == replicated + (total - replicated) // WORLD
         assert int(out["param_bytes"]) <= 0.6 * total
+        assert int(out["kv_bytes"]) * WORLD == cache.nbytes()  # each rank caches only its KV heads
         assert out["heads"].tolist() == [cfg.num_attention_heads // WORLD, cfg.num_key_value_heads // WORLD]
 
 
