@@ -13,7 +13,16 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from mstar_core.api import chat, completions, images, native, playground, responses_api, speech, transcriptions
+from mstar_core.api import (
+    chat,
+    completions,
+    images,
+    native,
+    playground,
+    responses_api,
+    speech,
+    transcriptions,
+)
 from mstar_core.api.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.errors import ApiError, install_error_handlers, retry_after

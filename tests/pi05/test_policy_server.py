@@ -181,9 +181,9 @@ def test_the_api_key_is_required_when_set(srv):
 def test_mapping_choice_from_the_environment(monkeypatch, tmp_path):
     from mstar_pi05.checkpoint import tiny_config
     from mstar_pi05.config import PolicyConfig
+    from mstar_pi05.policy_ws import ObservationMapping, configured_mapping, pick_mapping
     from mstar_pi05.robots import policy_server
 
-    from mstar_pi05.policy_ws import ObservationMapping, configured_mapping, pick_mapping
     from mstar_core.errors import ConfigError
 
     declared = [ObservationMapping.from_dict(n, m) for n, m in
