@@ -9,6 +9,7 @@ import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -64,6 +65,7 @@ def _free(client, prompt):
     return r.choices[0].message.content
 
 
+@pytest.mark.timeout(3600)
 def test_fifty_prompts_validate_and_free_rows_match_alone(client):
     assert len(PROMPTS) == 50
     for schema in SCHEMAS:  # compile once each (the cache serves the batch)
@@ -78,3 +80,27 @@ def test_fifty_prompts_validate_and_free_rows_match_alone(client):
         assert choice.finish_reason == "stop", (prompt, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
     assert mixed == alone  # rows without a grammar take exactly the old path
+
+
+@pytest.mark.timeout(1800)
+def test_continued_response_prefills_only_its_new_tokens(client):
+    """responses.create, then again with previous_response_id: the engine computes the new turn (and at most the
+    rest of one KV page), not the conversation it continues (engine counter tokens_forwarded)."""
+    base = str(client.base_url).removesuffix("/v1/")
+
+    def forwarded() -> float:
+        text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith("mstar_node_stat") and 'stat="tokens_forwarded"' in x
+                    and 'node="lm"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    first = client.responses.create(model="llama", input="What is the capital of France?", max_output_tokens=24,
+                                    temperature=0)
+    before = forwarded()
+    second = client.responses.create(model="llama", input="And of Italy?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    # rows forwarded for the prompt: the decode steps forward every sampled token but the last
+    prefilled = forwarded() - before - (second.usage.output_tokens - 1)
+    new_tokens = second.usage.input_tokens - first.usage.input_tokens - first.usage.output_tokens
+    # (plus the first reply's last token, never forwarded, and the cached part's last partial page)
+    assert 0 < new_tokens <= prefilled <= new_tokens + 1 + 15
