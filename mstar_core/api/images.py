@@ -89,6 +89,10 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
     request.state.model = body.model
     adapter = state.adapter(body.model, "images")
     payload = body.model_dump()
+    if payload.get("size") is None and not edit:
+        # the model's default size (its declared width and height); a model that declares none draws at 512x512
+        w, h = adapter.field_default("images", "width"), adapter.field_default("images", "height")
+        payload["size"] = f"{w}x{h}" if w is not None and h is not None else "512x512"
     check_fields(payload)
     if edit:
         payload["image"] = base64.b64decode(payload["image"])
