@@ -15,6 +15,12 @@ from torch import nn
 class TiedLMHead(nn.Module):
     """`F.linear(hidden, embed.weight)`; with a packed copy while that weight is the one packed."""
 
+    #: Off by default: oneDNN's packed GEMM rounds a row differently with the batch's row count, and over a
+    #: 49k vocabulary that flips sampled tokens (SmolLM2's choice 0 of n=3 differed from the same request alone,
+    #: tests/server/test_openai_text_api.py), breaking "a row draws the same alone or batched". MKL's plain
+    #: path keeps rows independent of the batch. Set True to trade that invariant for the faster head.
+    PACK = False
+
     def __init__(self, embed: nn.Embedding):
         super().__init__()
         # plain attributes, not submodules: the weight belongs to (and is saved with) the embedding
@@ -47,7 +53,7 @@ class TiedLMHead(nn.Module):
         """Pack the embedding's weight as a linear's (called by `pack_linears`); how many were packed (0 or 1)."""
         from mstar_core.nn.packed import pack_linears
 
-        if self.quantized is not None:  # the logits run on the quantized copy
+        if not self.PACK or self.quantized is not None:  # (off: see PACK) / the logits run on the quantized copy
             return 0
         weight = self.embed.weight
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")

@@ -121,8 +121,12 @@ def test_a_compiled_graph_keeps_the_packed_gemm_as_one_op():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_tied_lm_head_is_packed_without_a_parameter_of_its_own():
+def test_a_tied_lm_head_is_packed_without_a_parameter_of_its_own(monkeypatch):
     transformers = pytest.importorskip("transformers")
+    from mstar_core.nn.tied_head import TiedLMHead
+
+    assert pack_linears(LlamaForCausalLM({**CFG, "tie_word_embeddings": True}), min_out=512) == 0  # off by default
+    monkeypatch.setattr(TiedLMHead, "PACK", True)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CFG, "tie_word_embeddings": True})).eval()
     ours = LlamaForCausalLM(hf.config.to_dict())

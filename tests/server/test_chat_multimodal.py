@@ -328,7 +328,9 @@ def media_errors(host: str) -> list[tuple]:
         ("fixture-media", [audio("***")], 400, f"{F}.input_audio", "not valid base64"),
         ("fixture-media", [{"type": "input_audio", "input_audio": "abc"}], 400, f"{F}.input_audio", "data"),
         ("fixture-media", [audio(wav_b64(np.zeros(3 * RATE, np.int16)))], 413, f"{F}.input_audio", "2 s"),
-        ("fixture-media", [{"type": "video_url", "video_url": {"url": "x"}}], 400, f"{F}.type", "not supported"),
+        ("fixture-media", [{"type": "video_url", "video_url": {"url": "x"}}], 400, f"{F}.video_url",
+         "does not accept video"),
+        ("fixture-media", [{"type": "hologram", "hologram": {}}], 400, f"{F}.type", "not supported"),
         ("fixture-media", [image(png_uri(IMAGE))] * 5, 413, "messages", "at most 4"),
     ]
 

@@ -251,7 +251,7 @@ BAD = [
     ("/v1/chat/completions", "presence_penalty", 2.5), ("/v1/completions", "frequency_penalty", -2.5),
     ("/v1/chat/completions", "top_k", -2), ("/v1/completions", "top_k", 10**6), ("/v1/chat/completions", "min_p", 1),
     ("/v1/completions", "repetition_penalty", 0), ("/v1/chat/completions", "ignore_eos", "yes"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "yaml"}),
     ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "tail"), ("/v1/completions", "best_of", 3),
     ("/v1/completions", "stop", ["a", "b", "c", "d", "e"]), ("/v1/completions", "prompt", []),
