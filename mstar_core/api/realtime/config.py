@@ -176,22 +176,7 @@ def update_session(config: SessionConfig, data: Any, *, speaks: bool, voices: Se
     """`config` with a `session.update`'s `session` object applied (all or nothing)."""
     data = _mapping(data, "session")
     _unknown(data, _SESSION_KEYS, "session")
-    changes: dict[str, Any] = {}
-    if "output_modalities" in data or "modalities" in data:
-        key = "output_modalities" if "output_modalities" in data else "modalities"
-        changes["output_modalities"] = modalities(data[key], f"session.{key}", speaks)
-    if "instructions" in data:
-        if not isinstance(data["instructions"], str):
-            raise EventError("'session.instructions' must be a string", param="session.instructions")
-        changes["instructions"] = data["instructions"]
-    if "max_output_tokens" in data:
-        changes["max_output_tokens"] = max_tokens(data["max_output_tokens"], "session.max_output_tokens")
-    if "temperature" in data:
-        changes["temperature"] = temperature(data["temperature"], "session.temperature")
-    if "tools" in data:
-        changes["tools"] = tools(data["tools"], "session.tools")
-    if "tool_choice" in data:
-        changes["tool_choice"] = tool_choice(data["tool_choice"], "session.tool_choice")
+    changes = _reply_settings(data, "session", speaks)
     if "turn_detection" in data:  # the beta form, still sent by some clients
         changes["turn_detection"] = turn_detection(data["turn_detection"], "session.turn_detection",
                                                    config.turn_detection)
@@ -256,22 +241,7 @@ def response_options(config: SessionConfig, data: Any, *, speaks: bool, voices: 
         return base
     data = _mapping(data, "response")
     _unknown(data, _RESPONSE_KEYS, "response")
-    changes: dict[str, Any] = {}
-    for key in ("output_modalities", "modalities"):
-        if key in data:
-            changes["output_modalities"] = modalities(data[key], f"response.{key}", speaks)
-    if "instructions" in data:
-        if not isinstance(data["instructions"], str):
-            raise EventError("'response.instructions' must be a string", param="response.instructions")
-        changes["instructions"] = data["instructions"]
-    if "max_output_tokens" in data:
-        changes["max_output_tokens"] = max_tokens(data["max_output_tokens"], "response.max_output_tokens")
-    if "temperature" in data:
-        changes["temperature"] = temperature(data["temperature"], "response.temperature")
-    if "tools" in data:
-        changes["tools"] = tools(data["tools"], "response.tools")
-    if "tool_choice" in data:
-        changes["tool_choice"] = tool_choice(data["tool_choice"], "response.tool_choice")
+    changes = _reply_settings(data, "response", speaks)
     audio = data.get("audio")
     if audio is not None:
         out = _mapping(_mapping(audio, "response.audio").get("output") or {}, "response.audio.output")
@@ -290,3 +260,24 @@ def response_options(config: SessionConfig, data: Any, *, speaks: bool, voices: 
     if data.get("metadata") is not None:
         changes["metadata"] = dict(_mapping(data["metadata"], "response.metadata"))
     return attrs.evolve(base, **changes)
+
+
+def _reply_settings(data: dict[str, Any], where: str, speaks: bool) -> dict[str, Any]:
+    """The settings a session and a response both take (modalities, instructions, limits, tools), checked."""
+    changes: dict[str, Any] = {}
+    if "output_modalities" in data or "modalities" in data:
+        key = "output_modalities" if "output_modalities" in data else "modalities"  # the GA name wins
+        changes["output_modalities"] = modalities(data[key], f"{where}.{key}", speaks)
+    if "instructions" in data:
+        if not isinstance(data["instructions"], str):
+            raise EventError(f"'{where}.instructions' must be a string", param=f"{where}.instructions")
+        changes["instructions"] = data["instructions"]
+    if "max_output_tokens" in data:
+        changes["max_output_tokens"] = max_tokens(data["max_output_tokens"], f"{where}.max_output_tokens")
+    if "temperature" in data:
+        changes["temperature"] = temperature(data["temperature"], f"{where}.temperature")
+    if "tools" in data:
+        changes["tools"] = tools(data["tools"], f"{where}.tools")
+    if "tool_choice" in data:
+        changes["tool_choice"] = tool_choice(data["tool_choice"], f"{where}.tool_choice")
+    return changes
