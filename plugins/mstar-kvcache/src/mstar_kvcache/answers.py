@@ -138,7 +138,9 @@ class CallAnswers:
         if seq.grammar is not None and seq.grammar.rejected:
             return self._fail(seq, RequestError(f"node '{self.node.name}': no token fits the request's grammar here "
                                                 "(the model's vocabulary cannot continue it)"))
-        keep = not seq.readonly
+        # a call without sampling is a prompt write: its token is returned but never one the label generated
+        # (max_tokens, stops, penalties and the grammar count only the tokens a sampling call drew)
+        keep = not seq.readonly and seq.call.sampling is not None
         if keep:
             seq.generated.append(token)
         try:

@@ -4,6 +4,7 @@ A label whose call's sampling carries a `grammar` gets a `RowGrammar`: an xgramm
 `grammar_vocab` (`mstar_core.grammar.GrammarVocab`; a module without one refuses grammars). Before a row's
 token is drawn, every token the grammar cannot take next is masked to -inf on that row alone; rows without a
 grammar are not touched, so they draw what they would alone. The chosen token then advances the matcher.
+A call without sampling (a prompt write, whose token the walk drops) is not masked and advances nothing.
 
 The state follows the label: preemption only recomputes keys and values (the tokens, and so the matcher, stay);
 a fork gets a copy of the matcher (`fork`); a label that arrives with tokens already generated (a cache moved
@@ -60,6 +61,9 @@ def attach(node: str, vocab: Any, seqs: list[Any]) -> list[RowGrammar | None]:
     """Each row's grammar for this step (made or replaced as its sampling asks, dropped when it asks for none)."""
     out: list[RowGrammar | None] = []
     for seq in seqs:
+        if seq.call is not None and seq.call.sampling is None:  # a prompt write: its token is dropped, so the
+            out.append(None)  # grammar (the label's, kept as it is) neither masks nor takes it
+            continue
         spec = None if seq.sampling is None else seq.sampling.grammar
         if spec is None:
             seq.grammar = None
