@@ -8,20 +8,10 @@ import io
 
 import pytest
 
-from tests.server.helpers import Server
-
 openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
 
-
-@pytest.fixture(scope="module")
-def client():
-    server = Server(["bagel"], api_key=None, wait=False)
-    server.wait_ready(240)  # BAGEL's tiny preset loads in seconds; a loaded CI machine takes longer
-    try:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    finally:
-        server.stop()
+# `client`: the session's tiny BAGEL server (tests/bagel/conftest.py)
 
 
 def _png(w=40, h=30) -> bytes:

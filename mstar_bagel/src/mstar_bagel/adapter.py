@@ -12,7 +12,8 @@ from mstar_core.errors import RequestError
 #: Request fields of the images routes that are OpenAI's, not BAGEL's settings.
 _OPENAI_IMAGE_FIELDS = {"model", "prompt", "n", "size", "seed", "response_format", "index", "image", "user",
                         "quality", "style", "background", "output_format", "moderation", "mask"}
-_CHAT_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+#: What chat forwards to understand's sampling (`grammar`: from response_format, or tools with a required call).
+_CHAT_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "grammar")
 
 
 class BagelImagesAdapter(ApiAdapter):

@@ -40,6 +40,7 @@ from mstar_bagel.nodes import (
     VAEEncodeNode,
     ViTNode,
 )
+from mstar_core.grammar import GrammarVocab
 from mstar_core.graph import (
     Branch,
     Copy,
@@ -101,7 +102,8 @@ def _flow() -> Sequential:
                     collect={"image": "image", "latents": "latents", "drawn_seed": "seeds", "sigma": "sigma"})
 
 
-def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: int, name: str = "bagel") -> Graph:
+def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: int, name: str = "bagel",
+                grammar_vocab: GrammarVocab | None = None) -> Graph:
     cfg = bagel.config
     latent = (None, cfg.patch_latent_dim)
     diffusion = {"schedule": "flow_euler", "latent_shape": latent, "max_steps": MAX_STEPS}
@@ -110,7 +112,7 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         GraphNode("vae_encode", inputs=("pixels",), outputs=("vae_rows",), engine="stateless",
                   module=lambda: VAEEncodeNode(bagel, vae)),
         GraphNode("llm", inputs=("input_ids",), optional_inputs=LLM_OPTIONAL, outputs=("next_token", "finish_reason"),
-                  engine="kvcache", module=lambda: UnderstandLLM(bagel)),
+                  engine="kvcache", module=lambda: UnderstandLLM(bagel, grammar_vocab)),
         GraphNode("llm_gen", inputs=("input_ids", "input_embeds", "embeds_at", "routing", "positions", "output_index"),
                   outputs=("velocity",), engine="kvcache", module=lambda: GenLLM(bagel),
                   options={"share_cache_with": "llm"}),

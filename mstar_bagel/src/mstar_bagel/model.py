@@ -9,6 +9,7 @@ from mstar_bagel.checkpoint import ensure_tiny, load_bagel
 from mstar_bagel.graph import build_graph
 from mstar_bagel.prepare import Preparer
 from mstar_bagel.tokenizer import open_tokenizer, special_ids
+from mstar_core.grammar import GrammarVocab
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 
 PRESETS = ("tiny",)
@@ -46,15 +47,18 @@ def load(options: LoadOptions) -> LoadedModel:
     tokenizer = open_tokenizer(directory)
     top = json.loads((directory / "config.json").read_text())
     prepare = Preparer(bagel.config, tokenizer, special_ids(tokenizer), top.get("think_system_prompt"))
+    # what the `llm` node's sampling grammars compile against (structured outputs, tool calls): a grammar ends on
+    # <|im_end|>, and the image delimiters are special tokens, so a constrained reply never opens an image
+    grammar_vocab = GrammarVocab.from_tokenizer(tokenizer, bagel.config.llm.vocab_size, [prepare.ids.eos])
     return LoadedModel(
         name="bagel",
-        graph=build_graph(bagel, vae, tokenizer, prepare.ids.eos, prepare.ids.boi),
+        graph=build_graph(bagel, vae, tokenizer, prepare.ids.eos, prepare.ids.boi, grammar_vocab=grammar_vocab),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,
         engine_settings=engine_settings(bagel.config),
         extras={"bagel": bagel, "vae": vae, "config": bagel.config, "tokenizer": tokenizer, "checkpoint": str(directory),
-                "special_ids": prepare.ids},
+                "special_ids": prepare.ids, "grammar_vocab": grammar_vocab},
     )
 
 

@@ -16,6 +16,7 @@ from mstar_diffusion.guidance import Guidance
 from torch import nn
 
 from mstar_bagel.modeling import Bagel, latent_tokens, tokens_to_image
+from mstar_core.grammar import GrammarVocab
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 
 #: The three cache labels, in branch order: full context, without the last text, without any image.
@@ -71,10 +72,11 @@ class VAEDecodeNode(nn.Module):
 class UnderstandLLM(nn.Module):
     """The `llm` node: the MoT LLM over packed rows (routing 0 = und, 1 = gen expert), logits for sampling."""
 
-    def __init__(self, bagel: Bagel):
+    def __init__(self, bagel: Bagel, grammar_vocab: GrammarVocab | None = None):
         super().__init__()
         self.bagel = bagel
         self.config = bagel.config.llm
+        self.grammar_vocab = grammar_vocab  # the kvcache engine's vocabulary for sampling grammars (None: refused)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.bagel.language_model.embed(ids)

@@ -35,6 +35,8 @@ MAX_SCALE = 30.0
 MAX_IMAGES = 8
 MAX_N = 10
 MAX_PROMPT = 4096
+#: The request's fields that make the text tasks' `SamplingParams` (a `grammar`: structured output, tool calls).
+_TEXT_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "seed", "grammar")
 
 
 def _interval(value: Any, name: str) -> tuple[float, float]:
@@ -143,7 +145,8 @@ class Preparer:
                 RequestField("seed", "integer", "noise / sampling seed", minimum=0, maximum=2**63 - 1),
                 RequestField("system_prompt", "string", "think: the system prompt (default: the checkpoint's)",
                              max_length=MAX_PROMPT),
-                *sampling_fields("max_tokens", "temperature", "top_k", "top_p", "logit_bias", defaults={"max_tokens": 64}),
+                *sampling_fields("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "grammar",
+                                 defaults={"max_tokens": 64}),
             ),
             example={"task": "t2i", "prompt": "a red fox in the snow", "num_steps": 3},
             draws_n=True,
@@ -163,6 +166,9 @@ class Preparer:
             raise RequestError(f"task '{task}' needs 'prompt'", param="prompt")
         if task == "think":
             return self._think(inputs)
+        if inputs.get("grammar") is not None:
+            raise RequestError(f"'grammar' constrains text; task '{task}' draws an image (use understand or think)",
+                               param="grammar")
         if task == "edit" and inputs.get("image") is None:
             raise RequestError("task 'edit' needs 'image' (the picture to edit)", param="image")
         prompt = [self.ids.bos, *self.text_ids(inputs["prompt"]), self.ids.eos]
@@ -203,15 +209,13 @@ class Preparer:
             env["seed"] = inputs["seed"]
         return env
 
-    def _sampling(self, inputs: Mapping[str, Any], stops: list[int], prefills: int) -> SamplingParams:
+    def _sampling(self, inputs: Mapping[str, Any], stops: list[int]) -> SamplingParams:
         """Text sampling: greedy unless the request sets a temperature (upstream BAGEL decodes greedily).
 
-        Every writing call of the `llm` node samples a token (ignored for prefills), and the engine counts
-        those against `max_tokens`: the `prefills` calls before the reply's first one are added to it.
+        The prompt writes carry no sampling, so `max_tokens` and a `grammar` count the reply's tokens alone.
         """
-        fields = {n: inputs[n] for n in ("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "seed") if inputs.get(n) is not None}
+        fields = {n: inputs[n] for n in _TEXT_SAMPLING if inputs.get(n) is not None}
         fields.setdefault("temperature", 0.0)
-        fields["max_tokens"] = fields.get("max_tokens", 64) + prefills
         return SamplingParams.from_mapping({**fields, "stop_token_ids": stops}).check_vocab(self.cfg.llm.vocab_size)
 
     def _size(self, inputs: Mapping[str, Any]) -> tuple[int, int]:
@@ -239,7 +243,7 @@ class Preparer:
             h, w = self._size(inputs)
             p0 = ls + lp
             env.update({"walk": "think", "prompt_positions": torch.arange(ls, p0),
-                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=2),
+                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi]),
                         # main continues after the thought (ThinkClose adds its length); cfg_text: the system
                         # prompt; cfg_img: system prompt and prompt
                         "gen_position_base": [p0 + 1, ls, p0]})
@@ -248,7 +252,7 @@ class Preparer:
             p0 = ls + 2 + lp
             env.update({"walk": "think_edit", "prompt_positions": torch.arange(ls + 2, p0),
                         "text_only_positions": torch.arange(ls, ls + lp),
-                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi], prefills=4),
+                        "sampling": self._sampling(inputs, [self.ids.eos, self.ids.boi]),
                         "gen_position_base": [p0 + 1, ls + 2, ls + lp]})
         flow = self._flow("edit" if inputs.get("image") is not None else "think", inputs, h, w, (0, 0, 0))
         del flow["gen_position_table"]
@@ -281,4 +285,4 @@ class Preparer:
             parts.append(part)
             pos += 1
         return {"walk": "understand", "parts": parts, "num_parts": len(parts), "reply_start": [self.ids.bos],
-                "reply_positions": torch.tensor([pos]), "sampling": self._sampling(inputs, [self.ids.eos], len(parts))}
+                "reply_positions": torch.tensor([pos]), "sampling": self._sampling(inputs, [self.ids.eos])}
