@@ -50,15 +50,14 @@ def test_json_schema_and_json_object(client):
     streamed = client.chat.completions.create(model="bagel", messages=ASK, max_tokens=60, temperature=0.7, seed=1,
                                               response_format=_fmt(), stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
-    for seed in (0, 1, 2):
-        obj = client.chat.completions.create(model="bagel", messages=ASK, max_tokens=40, temperature=0.7, seed=seed,
-                                             response_format={"type": "json_object"})
-        choice = obj.choices[0]
-        if choice.finish_reason == "stop":
-            assert isinstance(json.loads(choice.message.content), dict)
-        else:  # random weights may not close an open object within max_tokens: it ends with length
-            assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("{")
-            assert obj.usage.completion_tokens == 40
+    obj = client.chat.completions.create(model="bagel", messages=ASK, max_tokens=40, temperature=0.7, seed=0,
+                                         response_format={"type": "json_object"})
+    choice = obj.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # random weights may not close an open object within max_tokens: it ends with length
+        assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("{")
+        assert obj.usage.completion_tokens == 40  # every reply token counted, none of the prompt writes'
     # the Responses API's text.format reaches the same grammar
     resp = client.responses.create(model="bagel", input="Answer in JSON.", max_output_tokens=60, temperature=0.7,
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA,
@@ -80,21 +79,18 @@ def test_required_and_named_tool_calls(client):
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     _call_ok(call.function.name, call.function.arguments)
-    chunks = list(client.chat.completions.create(model="bagel", messages=ASK, tools=TOOLS, tool_choice="required",
-                                                 parallel_tool_calls=False, max_tokens=200, temperature=0, stream=True))
+    # a named function, streamed: the call as deltas (name first, then argument pieces)
+    chunks = list(client.chat.completions.create(model="bagel", messages=ASK, tools=TOOLS, max_tokens=200, temperature=0.9,
+                                                 seed=3, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == call.function.name and deltas[0].id
-    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [d.function.name for d in deltas if d.function.name] == ["get_weather"] and deltas[0].id
+    _call_ok("get_weather", "".join(d.function.arguments or "" for d in deltas))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    named = client.chat.completions.create(model="bagel", messages=ASK, tools=TOOLS, max_tokens=200, temperature=0.9,
-                                           seed=3, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    calls = named.choices[0].message.tool_calls
-    assert [c.function.name for c in calls] == ["get_weather"]
-    _call_ok("get_weather", calls[0].function.arguments)
     # the call and its result go back into the prompt as text (BAGEL's understanding reads every message's text)
     back = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
-    reply = client.chat.completions.create(model="bagel", messages=back, tools=TOOLS, tool_choice="none", max_tokens=4)
+    reply = client.chat.completions.create(model="bagel", messages=back, tools=TOOLS, tool_choice="none", max_tokens=1)
     plain = client.chat.completions.create(model="bagel", messages=ASK, max_tokens=1)
     assert reply.choices[0].message.tool_calls is None
     assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + len(call.function.arguments) + 18
@@ -109,11 +105,9 @@ def test_a_free_row_beside_a_constrained_one_replies_as_alone(client):
                                               response_format=_fmt())
 
     alone = free()
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(f) for f in (constrained, free, constrained, free)]
-        results = [f.result() for f in futures]
-    for r in results[1::2]:
-        assert r.choices[0].message.content == alone.choices[0].message.content
-        assert r.usage.completion_tokens == alone.usage.completion_tokens
-    for r in results[::2]:
-        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    with ThreadPoolExecutor(2) as pool:
+        beside, mixed = pool.submit(constrained), pool.submit(free)
+        beside, mixed = beside.result(), mixed.result()
+    assert mixed.choices[0].message.content == alone.choices[0].message.content
+    assert mixed.usage.completion_tokens == alone.usage.completion_tokens
+    jsonschema.validate(json.loads(beside.choices[0].message.content), SCHEMA)

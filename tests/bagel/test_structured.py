@@ -45,18 +45,18 @@ def test_mixed_batch_constrained_rows_validate_and_free_rows_match_alone():
     async def main():
         async with AsyncEngine() as engine:
             loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
-            free = [{"temperature": 0.8, "seed": i} for i in range(len(CONTENTS))]
-            alone = [await _run(engine, c, **free[i]) for i, c in enumerate(CONTENTS)]
+            free = {i: {"temperature": 0.8, "seed": i, "max_tokens": 16} for i in range(0, len(CONTENTS), 2)}
+            alone = {i: await _run(engine, CONTENTS[i], **kw) for i, kw in free.items()}
             mixed = await asyncio.gather(*(
-                _run(engine, c, GRAMMAR, temperature=0.9, seed=7 + i) if i % 2 else _run(engine, c, **free[i])
+                _run(engine, c, **free[i]) if i in free else _run(engine, c, GRAMMAR, temperature=0.9, seed=7 + i)
                 for i, c in enumerate(CONTENTS)))
-            return loaded, alone, mixed, engine.node_engines("bagel")["llm"].pool.num_used
+            return loaded, free, alone, mixed, engine.node_engines("bagel")["llm"].pool.num_used
 
-    loaded, alone, mixed, pages_left = asyncio.run(main())
+    loaded, free, alone, mixed, pages_left = asyncio.run(main())
     assert pages_left == 0
     tok = loaded.extras["tokenizer"]
     for i, (tokens, reason) in enumerate(mixed):
-        if i % 2:
+        if i not in free:
             text = tok.decode(tokens, skip_special_tokens=True)
             assert reason == "stop" and tokens[-1] == loaded.extras["special_ids"].eos, (i, text)
             jsonschema.validate(json.loads(text), SCHEMA)
