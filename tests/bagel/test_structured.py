@@ -41,7 +41,19 @@ async def _run(engine, content, grammar=None, **extra):
     return tokens, (await handle.result())["finish_reason"]
 
 
-def test_mixed_batch_constrained_rows_validate_and_free_rows_match_alone():
+def test_mixed_batch_constrained_rows_validate_and_free_rows_match_alone(monkeypatch):
+    import mstar_kvcache.grammar as row_grammars
+
+    shared = []  # sampling steps whose batch held both a free row and a constrained one
+    apply_masks = row_grammars.apply_masks
+
+    def spy(logits, grammars):
+        if any(g is None for g in grammars) and any(g is not None for g in grammars):
+            shared.append(len(grammars))
+        return apply_masks(logits, grammars)
+
+    monkeypatch.setattr(row_grammars, "apply_masks", spy)
+
     async def main():
         async with AsyncEngine() as engine:
             loaded = await engine.load_model("bagel", LoadOptions(preset="tiny"))
@@ -53,7 +65,7 @@ def test_mixed_batch_constrained_rows_validate_and_free_rows_match_alone():
             return loaded, free, alone, mixed, engine.node_engines("bagel")["llm"].pool.num_used
 
     loaded, free, alone, mixed, pages_left = asyncio.run(main())
-    assert pages_left == 0
+    assert pages_left == 0 and shared  # (else the rows never met in one batch and the test shows nothing)
     tok = loaded.extras["tokenizer"]
     for i, (tokens, reason) in enumerate(mixed):
         if i not in free:
