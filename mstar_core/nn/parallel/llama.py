@@ -26,10 +26,18 @@ from mstar_core.nn.parallel.layers import (
     VocabParallelLMHead,
 )
 from mstar_core.nn.parallel.sizes import check_divisible, llama_dimensions
-from mstar_core.nn.parallel.slices import Piece, SafetensorsSlices, SliceSource, StateDictSlices, read_pieces
+from mstar_core.nn.parallel.slices import (
+    Entry,
+    Piece,
+    SafetensorsSlices,
+    SliceSource,
+    StateDictSlices,
+    entry_names,
+    read_pieces,
+)
 from mstar_core.nn.self_attention import GroupedQueryAttention
 
-ShardPlan = dict[str, list[Piece]]
+ShardPlan = dict[str, Entry]
 
 
 def llama_shard_plan(cfg: LlamaConfig, group: TensorParallelGroup) -> ShardPlan:
@@ -93,7 +101,7 @@ def fill_from_plan(model: nn.Module, plan: ShardPlan, source: SliceSource, *, dt
     for name, pieces in plan.items():
         tensor = read_pieces(source, pieces, dtype).to(device)
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"{name}: read {list(tensor.shape)} from {[p.name for p in pieces]}, this rank "
+            raise CheckpointError(f"{name}: read {list(tensor.shape)} from {entry_names(pieces)[:4]}, this rank "
                                   f"expects {list(params[name].shape)}")
         owner_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner_name), leaf, nn.Parameter(tensor, requires_grad=False))

@@ -29,6 +29,23 @@ class Piece:
     stop: int = 0
 
 
+@attrs.frozen
+class Stack:
+    """One tensor per row of `rows` (its pieces concatenated along dim 0), stacked along a new dim 0.
+
+    A fused expert tensor `[E, 2I, H]` read from per-expert checkpoint tensors: one row per expert this rank holds.
+    """
+
+    rows: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for row in self.rows for p in row]
+
+
+Entry = list[Piece] | Stack  # what one parameter of a split model is read from
+
+
 class SliceSource(Protocol):
     """Something that hands out slices of named checkpoint tensors."""
 
@@ -61,6 +78,7 @@ class SafetensorsSlices:
         else:
             files = [path]
         self.where = str(path)
+        self.bytes_read = 0  # what this rank copied out of the mapped files (its shard, never the full set)
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         for file in files:
@@ -75,7 +93,9 @@ class SafetensorsSlices:
         return list(self._handle(name).get_slice(name).get_shape())
 
     def read(self, piece: Piece) -> torch.Tensor:
-        return _index(self._handle(piece.name).get_slice(piece.name), piece)
+        tensor = _index(self._handle(piece.name).get_slice(piece.name), piece)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def _handle(self, name: str):
         try:
@@ -107,8 +127,15 @@ class StateDictSlices:
         return _index(tensor, piece).clone() if piece.dim is not None else tensor.clone()
 
 
-def read_pieces(source: SliceSource, pieces: list[Piece], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The pieces read and concatenated along dim 0 (a fused q/k/v or gate/up shard) or returned alone."""
+def read_pieces(source: SliceSource, pieces: Entry, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The pieces read and concatenated along dim 0 (a fused q/k/v or gate/up shard) or returned alone; a `Stack` stacked."""
+    if isinstance(pieces, Stack):
+        return torch.stack([read_pieces(source, list(row), dtype) for row in pieces.rows])
     parts = [source.read(p) for p in pieces]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out if dtype is None else out.to(dtype)
+
+
+def entry_names(pieces: Entry) -> list[str]:
+    """The checkpoint tensors an entry reads (for error messages)."""
+    return pieces.names if isinstance(pieces, Stack) else [p.name for p in pieces]
