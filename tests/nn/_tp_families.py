@@ -28,6 +28,8 @@ class MoEBlock(nn.Module):
                            shared_intermediate=shared)
 
 
+#: families loaded through the whole model's tensor-parallel loader, compared with the part they hold
+WHOLE = {"omni": "thinker", "bagel_whole": "bagel"}
 MOE_SIZES = {"moe": dict(shared=None), "moe_shared": dict(shared=24), "moe_dense": dict(shared=None, intermediate=6)}
 
 
@@ -93,7 +95,21 @@ def load_shard(kind: str, path: Path, group: TensorParallelGroup, expert_paralle
 
     SafetensorsSlices.close = counting_close
     try:
-        if kind in ("thinker", "talker"):
+        if kind == "omni":  # the model spec's path: a rank hosting the Thinker, EP from the group itself
+            import attrs
+            from mstar_qwen_omni.parallel import load_omni_tensor_parallel
+
+            from mstar_core.model import LoadOptions
+
+            group = attrs.evolve(group, expert_parallel=expert_parallel)
+            omni = load_omni_tensor_parallel(path, group, LoadOptions(checkpoint=str(path), nodes=("thinker",)))
+            assert omni.talker.codec_head.weight.is_meta  # another process's node: nothing read
+            model = omni.thinker
+        elif kind == "bagel_whole":
+            from mstar_bagel.parallel import load_bagel_tensor_parallel
+
+            model = load_bagel_tensor_parallel(path, group)[0].language_model
+        elif kind in ("thinker", "talker"):
             from mstar_qwen_omni.parallel import load_part_tensor_parallel
 
             model = load_part_tensor_parallel(path, kind, group, expert_parallel=expert_parallel)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tp_families import load_shard, outputs
+from _tp_families import WHOLE, load_shard, outputs
 
 from mstar_core.nn.parallel import TensorParallelGroup
 
@@ -28,7 +28,7 @@ def main() -> None:
     inputs = load_file(str(root / "inputs.safetensors"))
     for job in json.loads((root / "jobs.json").read_text()):
         model, read = load_shard(job["kind"], Path(job["checkpoint"]), group, job["expert_parallel"])
-        out = outputs(job["kind"], model, inputs)
+        out = outputs(WHOLE.get(job["kind"], job["kind"]), model, inputs)
         out["param_bytes"] = torch.tensor([sum(p.numel() * p.element_size() for p in model.parameters())])
         out["bytes_read"] = torch.tensor([read])
         save_file({k: v.contiguous() for k, v in out.items()}, str(root / f"{job['name']}.rank{rank}.safetensors"))

@@ -23,7 +23,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.nn.parallel import TensorParallelGroup, shard_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tp_families import MOE_SIZES, MoEBlock, load_full, outputs
+from _tp_families import MOE_SIZES, WHOLE, MoEBlock, load_full, outputs
 
 WORLD = 2
 RANK_SCRIPT = Path(__file__).with_name("_tp_family_rank.py")
@@ -32,7 +32,7 @@ JOBS = [("moe_ep", "moe", True), ("moe_tp", "moe", False), ("moe_shared_ep", "mo
         ("moe_shared_tp", "moe_shared", False), ("moe_dense_ep", "moe_dense", True),
         ("thinker_ep", "thinker", True), ("thinker_tp", "thinker", False), ("talker_ep", "talker", True),
         ("talker_tp", "talker", False), ("bagel", "bagel", False), ("pi05", "pi05", False),
-        ("orpheus", "orpheus", False)]
+        ("orpheus", "orpheus", False), ("omni_ep", "omni", True), ("bagel_whole", "bagel_whole", False)]
 LM_JOBS = [name for name, kind, _ in JOBS if kind not in MOE_SIZES]
 
 
@@ -90,8 +90,9 @@ def write_checkpoints(root: Path, kinds: set[str]) -> dict[str, Path]:
 def run_jobs(root: Path, jobs: list[tuple[str, str, bool]]) -> dict:
     """Write the checkpoints `jobs` need, run 2 gloo ranks once over them; per job: (TP=1 module, TP=1 outputs,
     ranks' outputs, family, checkpoint, expert_parallel)."""
-    kinds = {kind for _, kind, _ in jobs}
+    kinds = {WHOLE.get(kind, kind) for _, kind, _ in jobs}
     paths = write_checkpoints(root, kinds)
+    paths.update({whole: paths[part] for whole, part in WHOLE.items() if part in paths})
     g = torch.Generator().manual_seed(5)
     inputs = {"ids": torch.randint(0, 300, (16,), generator=g), "rows": torch.randn(16, 32, generator=g),
               "actions": torch.randn(5, 32, generator=g)}
@@ -114,7 +115,8 @@ def run_jobs(root: Path, jobs: list[tuple[str, str, bool]]) -> dict:
             pytest.fail(f"rank {rank} did not finish in 240 s")
         assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
     ranks = {name: [load_file(str(root / f"{name}.rank{r}.safetensors")) for r in range(WORLD)] for name, _, _ in jobs}
-    return {name: (*full[kind], ranks[name], kind, paths[kind], ep) for name, kind, ep in jobs}
+    return {name: (*full[WHOLE.get(kind, kind)], ranks[name], WHOLE.get(kind, kind), paths[kind], ep)
+            for name, kind, ep in jobs}
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,12 @@ def _mot_attention_splitter(cfg, group: TensorParallelGroup, checkpoint_prefix: 
     return split
 
 
+#: what is split: the decoder layers (both experts), the embedding and LM head by vocabulary rows
+MOT_SPLIT = {"split": ("model.layers",), "vocab": ("model.embed_tokens", "lm_head")}
+
+
 def shard_mot(model: MoTForCausalLM, group: TensorParallelGroup, *, module: str = "llm",
               checkpoint_prefix: str = "") -> ShardPlan:
     """Replace `model`'s layers by this rank's shards (on meta); the plan reads `checkpoint_prefix` + its names."""
-    return shard_layers(model, group, module=module, checkpoint_prefix=checkpoint_prefix, split=("model.layers",),
-                        vocab=("model.embed_tokens", "lm_head"),
+    return shard_layers(model, group, module=module, checkpoint_prefix=checkpoint_prefix, **MOT_SPLIT,
                         extra=_mot_attention_splitter(model.config, group, checkpoint_prefix))

@@ -123,6 +123,47 @@ def replicated_entry(root: nn.Module, name: str, ckpt_prefix: str) -> Entry:
 Splitter = Callable[[str, nn.Module], "tuple[nn.Module, ShardPlan] | None"]
 
 
+def _splittable(root: nn.Module, split: tuple[str, ...], vocab: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The layers `shard_layers` replaces, outermost first (nothing inside a layer already taken)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in root.named_modules():
+        if any(name.startswith(f + ".") for f, _ in found):
+            continue
+        if name in vocab or (name and _under(name, split) and (
+                isinstance(sub, GroupedQueryAttention | GatedMLP | TopKMoE) or type(sub).__name__ == "MoTAttention")):
+            found.append((name, sub))
+    return found
+
+
+def layer_dimensions(root: nn.Module, *, split: Iterable[str] = ("",), vocab: Iterable[str] = (),
+                     expert_parallel: bool = False) -> dict[str, int]:
+    """Every dimension `shard_layers` would split (heads, KV heads, intermediate, experts or their columns, vocab).
+
+    A size must divide each; a name whose value differs between layers is keyed `"path: name"` as well.
+    """
+    dims: dict[str, int] = {}
+
+    def need(name: str, path: str, value: int) -> None:
+        dims[name if dims.get(name, value) == value else f"{path}: {name}"] = value
+
+    for name, sub in _splittable(root, tuple(split), tuple(vocab)):
+        if name in vocab:
+            need("vocab_size", name, sub.weight.shape[0])
+        elif isinstance(sub, GatedMLP):
+            need("intermediate_size", name, sub.intermediate)
+        elif isinstance(sub, TopKMoE):
+            if expert_parallel:
+                need("num_experts", name, sub.experts.num_experts)
+            else:
+                need("moe_intermediate_size", name, sub.experts.intermediate)
+            if sub.shared_expert is not None:
+                need("shared_expert_intermediate_size", name, sub.shared_expert.intermediate)
+        else:
+            need("num_attention_heads", name, sub.num_heads)
+            need("num_key_value_heads", name, sub.num_kv_heads)
+    return dims
+
+
 def shard_layers(
     root: nn.Module,
     group: TensorParallelGroup,
@@ -131,52 +172,25 @@ def shard_layers(
     checkpoint_prefix: str = "",
     split: Iterable[str] = ("",),
     vocab: Iterable[str] = (),
-    expert_parallel: bool = False,
+    expert_parallel: bool | None = None,
     extra: Splitter | None = None,
 ) -> ShardPlan:
     """Replace `root`'s shared layers under the `split` subtrees by this rank's shards, on meta; returns the plan.
 
-    `vocab` names embeddings (`nn.Embedding`) and LM heads (`nn.Linear`) split by vocabulary rows. `extra`
-    splits kinds this module does not know (called first; returns the new module and its relative entries,
-    or None). Sizes are checked before anything changes: a ConfigError names `module`, the dimension and the
-    sizes that divide every one. A module with nothing to split is a ConfigError naming it.
+    `vocab` names embeddings (`nn.Embedding`) and LM heads (`nn.Linear`) split by vocabulary rows. MoE layers
+    split by whole experts when `expert_parallel` (None: the group's own `expert_parallel`), else by columns.
+    `extra` splits kinds this module does not know (called first; returns the new module and its relative
+    entries, or None). Sizes are checked before anything changes: a ConfigError names `module`, the dimension
+    and the sizes that divide every one. A module with nothing to split is a ConfigError naming it.
     """
     split, vocab = tuple(split), tuple(vocab)
     n = group.world_size
-    found: list[tuple[str, nn.Module]] = []
-    dims: dict[str, int] = {}
-
-    def need(name: str, path: str, value: int) -> None:
-        key = name if dims.get(name, value) == value else f"{path}: {name}"
-        dims[key] = value
-
-    for name, sub in root.named_modules():
-        if any(name.startswith(f + ".") for f, _ in found):
-            continue  # inside a layer already taken whole
-        if name in vocab:
-            need("vocab_size", name, sub.weight.shape[0])
-            found.append((name, sub))
-        elif not _under(name, split) or name == "":
-            continue
-        elif isinstance(sub, GroupedQueryAttention) or type(sub).__name__ == "MoTAttention":
-            need("num_attention_heads", name, sub.num_heads)
-            need("num_key_value_heads", name, sub.num_kv_heads)
-            found.append((name, sub))
-        elif isinstance(sub, GatedMLP):
-            need("intermediate_size", name, sub.intermediate)
-            found.append((name, sub))
-        elif isinstance(sub, TopKMoE):
-            if expert_parallel:
-                need("num_experts", name, sub.experts.num_experts)
-            else:
-                need("moe_intermediate_size", name, sub.experts.intermediate)
-            if sub.shared_expert is not None:
-                need("shared_expert_intermediate_size", name, sub.shared_expert.intermediate)
-            found.append((name, sub))
+    expert_parallel = group.expert_parallel if expert_parallel is None else expert_parallel
+    found = _splittable(root, split, vocab)
     if not any(name not in vocab for name, _ in found):
         raise ConfigError(f"{module}: {type(root).__name__} cannot be split for tensor_parallel {n}: none of its "
                           f"layers under {list(split)} is one the shared library splits ({', '.join(SPLIT_KINDS)})")
-    check_divisible(module, dims, n)
+    check_divisible(module, layer_dimensions(root, split=split, vocab=vocab, expert_parallel=expert_parallel), n)
     plan: ShardPlan = {}
     with torch.device("meta"):
         for name, sub in found:

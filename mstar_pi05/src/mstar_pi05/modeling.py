@@ -117,6 +117,12 @@ class ActionExpert(nn.Module):
         c = self.config
         return c.num_hidden_layers, c.num_key_value_heads, c.head_dim, None, None  # inputs are actions, any width
 
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
+        from mstar_pi05.parallel import policy_dimensions
+
+        return policy_dimensions(self.policy)
+
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, timestep=None, sequence_index=None):
         if input_embeds is None:
             raise ValueError("the action expert takes the noisy actions as input_embeds")
@@ -189,6 +195,12 @@ class PrefixWriter(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.policy.language_model.embed(ids)
+
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
+        from mstar_pi05.parallel import policy_dimensions
+
+        return policy_dimensions(self.policy)
 
     def forward(self, input_ids, positions, context: AttentionContext, /, *, input_embeds=None, routing=None,
                 state=None):

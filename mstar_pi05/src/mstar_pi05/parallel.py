@@ -16,19 +16,25 @@ import torch
 from mstar_core.checkpoint import read_config
 from mstar_core.checkpoint.meta import on_meta
 from mstar_core.nn.parallel import SafetensorsSlices, TensorParallelGroup, fill_from_plan
-from mstar_core.nn.parallel.shard import ShardPlan, shard_layers
+from mstar_core.nn.parallel.shard import ShardPlan, layer_dimensions, shard_layers
 from mstar_pi05.config import PolicyConfig
 from mstar_pi05.modeling import Policy
 
 _LM = "paligemma_with_expert.paligemma.model.language_model"
 _EXPERT = "paligemma_with_expert.gemma_expert.model"
+#: both decoders' layers, and the language model's (tied) vocabulary
+POLICY_SPLIT = {"split": (f"{_LM}.layers", f"{_EXPERT}.layers"), "vocab": (f"{_LM}.embed_tokens",)}
+
+
+def policy_dimensions(policy: Policy) -> dict[str, int]:
+    """The sizes a group must divide to split the VLM and the action expert (heads, KV heads, columns, vocab)."""
+    return layer_dimensions(policy, **POLICY_SPLIT)
 
 
 def shard_policy(policy: Policy, group: TensorParallelGroup, *, module: str = "vlm",
                  checkpoint_prefix: str = "") -> ShardPlan:
     """Split both decoders of `policy` in place (on meta); the plan reads `checkpoint_prefix` + LeRobot's names."""
-    return shard_layers(policy, group, module=module, checkpoint_prefix=checkpoint_prefix,
-                        split=(f"{_LM}.layers", f"{_EXPERT}.layers"), vocab=(f"{_LM}.embed_tokens",))
+    return shard_layers(policy, group, module=module, checkpoint_prefix=checkpoint_prefix, **POLICY_SPLIT)
 
 
 def load_policy_tensor_parallel(directory: str | Path, group: TensorParallelGroup, *, dtype: torch.dtype | None = None,

@@ -16,29 +16,44 @@ import torch
 
 from mstar_core.checkpoint import read_config
 from mstar_core.checkpoint.meta import on_meta
+from mstar_core.model import LoadOptions
 from mstar_core.nn.parallel import SafetensorsSlices, TensorParallelGroup, fill_from_plan
-from mstar_core.nn.parallel.shard import ShardPlan, shard_layers
+from mstar_core.nn.parallel.shard import ShardPlan, layer_dimensions, shard_layers
+from mstar_qwen_omni.checkpoint import QwenOmni
 from mstar_qwen_omni.config import OmniConfig
 from mstar_qwen_omni.talker import Talker
 from mstar_qwen_omni.thinker import Thinker
 
+#: what is split in each part: its decoder layers, and its LM head by vocabulary rows
+SPLITS = {"thinker": {"split": ("model.layers",), "vocab": ("lm_head",)},
+          "talker": {"split": ("model.layers",), "vocab": ("codec_head",)}}
 
-def shard_thinker(thinker: Thinker, group: TensorParallelGroup, *, expert_parallel: bool = False,
+
+def part_dimensions(part: Thinker | Talker, expert_parallel: bool = False) -> dict[str, int]:
+    """The sizes a group must divide to split `part` (see `Thinker.tensor_parallel_dimensions`)."""
+    return layer_dimensions(part, **SPLITS[_name(part)], expert_parallel=expert_parallel)
+
+
+def _name(part: Thinker | Talker) -> str:
+    return "thinker" if isinstance(part, Thinker) else "talker"
+
+
+def shard_thinker(thinker: Thinker, group: TensorParallelGroup, *, expert_parallel: bool | None = None,
                   module: str = "thinker") -> ShardPlan:
     """This rank's Thinker (layers replaced on meta); the plan reads the published `thinker.*` names."""
-    return shard_layers(thinker, group, module=module, checkpoint_prefix="thinker.", split=("model.layers",),
-                        vocab=("lm_head",), expert_parallel=expert_parallel)
+    return shard_layers(thinker, group, module=module, checkpoint_prefix="thinker.", **SPLITS["thinker"],
+                        expert_parallel=expert_parallel)
 
 
-def shard_talker(talker: Talker, group: TensorParallelGroup, *, expert_parallel: bool = False,
+def shard_talker(talker: Talker, group: TensorParallelGroup, *, expert_parallel: bool | None = None,
                  module: str = "talker") -> ShardPlan:
     """This rank's Talker decoder and codec head; the plan reads the published `talker.*` names."""
-    return shard_layers(talker, group, module=module, checkpoint_prefix="talker.", split=("model.layers",),
-                        vocab=("codec_head",), expert_parallel=expert_parallel)
+    return shard_layers(talker, group, module=module, checkpoint_prefix="talker.", **SPLITS["talker"],
+                        expert_parallel=expert_parallel)
 
 
 def load_part_tensor_parallel(directory: str | Path, part: str, group: TensorParallelGroup, *,
-                              expert_parallel: bool = False, dtype: torch.dtype | None = None,
+                              expert_parallel: bool | None = None, dtype: torch.dtype | None = None,
                               device: str | torch.device = "cpu", module: str | None = None) -> Thinker | Talker:
     """Load this rank's `part` (`"thinker"` or `"talker"`) of a Qwen3-Omni checkpoint, reading only its slices."""
     cfg = OmniConfig.from_hf(read_config(directory))
@@ -55,4 +70,24 @@ def load_part_tensor_parallel(directory: str | Path, part: str, group: TensorPar
     plan = shard(model, group, expert_parallel=expert_parallel, module=module or part)
     with SafetensorsSlices(directory) as source:
         fill_from_plan(model, plan, source, dtype=dtype, device=device)
+    return model.eval()
+
+
+def load_omni_tensor_parallel(directory: str | Path, group: TensorParallelGroup, options: LoadOptions) -> QwenOmni:
+    """`QwenOmni` for one rank: the hosted Thinker / Talker split and read from slices, every other part on meta.
+
+    Only these two split (a rank group hosts only nodes that split); the parts other processes run keep
+    their shapes and no memory, as `LoadOptions.device_for` says.
+    """
+    cfg = OmniConfig.from_hf(read_config(directory))
+    with on_meta():
+        model = QwenOmni(cfg, cfg.enable_audio_output)
+    dtype = options.torch_dtype("qwen3-omni")
+    with SafetensorsSlices(directory) as source:
+        for part, shard in (("thinker", shard_thinker), ("talker", shard_talker)):
+            module, device = getattr(model, part), options.device_for(part)
+            if module is None or device == "meta":
+                continue
+            plan = shard(module, group, module=f"node '{part}'")
+            fill_from_plan(module, plan, source, dtype=dtype, device=device)
     return model.eval()
