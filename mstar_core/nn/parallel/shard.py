@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch
 from torch import nn
 
+from mstar_core.checkpoint.meta import on_meta
 from mstar_core.errors import ConfigError
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.moe import FusedExperts, TopKMoE
@@ -192,7 +192,7 @@ def shard_layers(
                           f"layers under {list(split)} is one the shared library splits ({', '.join(SPLIT_KINDS)})")
     check_divisible(module, layer_dimensions(root, split=split, vocab=vocab, expert_parallel=expert_parallel), n)
     plan: ShardPlan = {}
-    with torch.device("meta"):
+    with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
         for name, sub in found:
             ckpt = f"{checkpoint_prefix}{name}."
             made = extra(name, sub) if extra is not None else None
