@@ -1,4 +1,4 @@
-"""gpu_check's `tensor_parallel` section: a Llama split over 2 GPUs (NCCL) against the same weights on one.
+"""gpu_check's `tp2_fidelity` section: a Llama split over 2 GPUs (NCCL) against the same weights on one.
 
 The parent writes a random-weight checkpoint (the 1B shape in bf16; `--smoke`: a toy fp32 one on the CPU
 over gloo), runs TP=1 on cuda:0 itself and starts 2 rank processes (`python gpu_tp_check.py rank ...`),
