@@ -133,7 +133,8 @@ def load_shard(kind: str, path: Path, group: TensorParallelGroup, expert_paralle
 
 
 def _greedy(step, embed, logits_of, prompt_rows: torch.Tensor, cache: DenseKVCache) -> tuple[torch.Tensor, list[int]]:
-    """Prompt logits `[T, V]`, then STEPS greedy tokens fed back one at a time through the same cache."""
+    """Prompt logits `[T, V]`, then STEPS greedy tokens fed back one at a time through the same cache
+    (`cache.nbytes()` afterwards: the keys and values this rank holds)."""
     positions = torch.arange(prompt_rows.shape[0])
     logits = logits_of(step(prompt_rows, positions, cache))
     tokens = [int(logits[-1].argmax())]
@@ -152,27 +153,29 @@ def outputs(kind: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dic
     if kind == "talker":  # input_embeds only; the next step embeds its code through codec_embedding
         rows = inputs["rows"][:PROMPT]
         logits, tokens = _greedy(lambda x, p, c: model(None, p, c, input_embeds=x), model.embed,
-                                 model.compute_logits, rows, DenseKVCache())
-        return {"logits": logits, "tokens": torch.tensor(tokens)}
+                                 model.compute_logits, rows, cache := DenseKVCache())
+        return {"logits": logits, "tokens": torch.tensor(tokens), "kv_bytes": torch.tensor([cache.nbytes()])}
     if kind == "bagel":  # a mixed und/gen prompt: both experts' rows in one attention, then und-only decoding
         routing = torch.zeros(PROMPT, dtype=torch.long)
         routing[2:6] = 1
         hidden = model(ids, torch.arange(PROMPT), DenseAttention(), routing=routing)
         logits, tokens = _greedy(lambda x, p, c: model(None, p, c, input_embeds=x), model.embed,
-                                 model.compute_logits, model.embed(ids), DenseKVCache())
-        return {"logits": logits, "tokens": torch.tensor(tokens), "mixed_hidden": hidden}
+                                 model.compute_logits, model.embed(ids), cache := DenseKVCache())
+        return {"logits": logits, "tokens": torch.tensor(tokens), "mixed_hidden": hidden,
+                "kv_bytes": torch.tensor([cache.nbytes()])}
     if kind == "pi05":  # the language model's tied logits; the action expert's velocity rows (adaRMS on time)
         from mstar_pi05.modeling import ActionExpert
 
         lm = model.language_model
         logits, tokens = _greedy(lambda x, p, c: lm(None, p, c, input_embeds=x), lm.embed, lm.compute_logits,
-                                 lm.embed(ids), DenseKVCache())
+                                 lm.embed(ids), cache := DenseKVCache())
         expert = ActionExpert(model)
         actions = inputs["actions"]
         hidden = expert(None, torch.arange(actions.shape[0]), DenseAttention(), input_embeds=actions,
                         timestep=torch.tensor([0.3]))
-        return {"logits": logits, "tokens": torch.tensor(tokens), "velocity": expert.compute_velocity(hidden)}
+        return {"logits": logits, "tokens": torch.tensor(tokens), "velocity": expert.compute_velocity(hidden),
+                "kv_bytes": torch.tensor([cache.nbytes()])}
     embed = model.embed
     logits, tokens = _greedy(lambda x, p, c: model(None, p, c, input_embeds=x), embed, model.compute_logits,
-                             embed(ids), DenseKVCache())
-    return {"logits": logits, "tokens": torch.tensor(tokens)}
+                             embed(ids), cache := DenseKVCache())
+    return {"logits": logits, "tokens": torch.tensor(tokens), "kv_bytes": torch.tensor([cache.nbytes()])}

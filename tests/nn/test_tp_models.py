@@ -152,8 +152,10 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(runs, name):
     _, want, ranks, *_ = runs[name]
     for rank, out in enumerate(ranks):
         assert out["tokens"].tolist() == want["tokens"].tolist(), f"{name} rank {rank}: greedy tokens differ"
+        # each rank's cache holds keys and values of its half of the KV heads only
+        assert int(out["kv_bytes"]) * WORLD == int(want["kv_bytes"]) > 0, f"{name} rank {rank}: KV bytes"
         for key in want:
-            if key != "tokens":
+            if key not in ("tokens", "kv_bytes"):
                 got, ref = out[key], want[key]
                 finite = ref.isfinite()  # (the Talker's suppressed codes are -inf on both sides)
                 assert torch.equal(got.isfinite(), finite), f"{name} rank {rank} {key}: -inf at other places"
