@@ -18,6 +18,10 @@
     decode tokens/s and weight bytes;
   * `vs_vllm`: benchmarks/vs_vllm.py with both servers on the GPU (vLLM's CUDA build from its venv under the
     benchmark cache; skipped when that venv is missing, as this section installs nothing), c=8 and c=32, fp32 and bf16;
+  * `tp2_fidelity` (2 or more GPUs; one GPU: a `skipped` line saying so): the 1B-shape bf16 Llama split over
+    cuda:0 and cuda:1 (NCCL, each rank reading only its slices) against the same checkpoint on cuda:0: relative
+    logit difference, greedy tokens over 32 steps, decode tokens/s, weight bytes and peak memory per rank vs
+    TP=1, and an MoE layer at EP=2 vs EP=1 (benchmarks/gpu_tp_check.py);
   * `orpheus3b`: Orpheus at the Llama-3.2-3B shape with the real 24 kHz SNAC shape (random weights,
     the tiny tokenizer, so a smaller vocabulary), through `AsyncEngine`: TTFA and audio-seconds per
     second at c=1 and c=16 (published reference on one H100: about 3.4 and 24.2 audio-s/s).
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_tp_check import check_tensor_parallel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -329,7 +334,9 @@ def check_quant(device, smoke: bool) -> dict[str, Any]:
 
 
 SECTIONS = [("flashinfer", check_flashinfer, 60), ("cuda_graphs", check_cuda_graphs, 120),
-            ("llama8b", check_llama8b, 120), ("bf16", check_bf16, 60), ("quant", check_quant, 90), ("orpheus3b", check_orpheus3b, 150), ("vs_vllm", check_vs_vllm, 200)]
+            ("llama8b", check_llama8b, 120), ("bf16", check_bf16, 60), ("quant", check_quant, 90),
+            ("tp2_fidelity", check_tensor_parallel, 90), ("orpheus3b", check_orpheus3b, 150),
+            ("vs_vllm", check_vs_vllm, 200)]
 
 
 def main() -> int:

@@ -32,6 +32,8 @@ def fuse_on_load(owner: nn.Module, fused: str, parts: Sequence[tuple[str, int]])
     if sum(sizes) != linear.out_features:
         raise ValueError(f"{fused}: parts {list(parts)} add up to {sum(sizes)} rows, the linear has {linear.out_features}")
     names = [name for name, _ in parts]
+    # plain attribute: which checkpoint tensors each fused linear is made of (read by tensor-parallel shard plans)
+    owner.__dict__.setdefault("checkpoint_parts", {})[fused] = tuple(names)
 
     def split_on_save(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         # This module's keys are the last ones written (children come first, then this hook), so

@@ -16,11 +16,11 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.config.hf import check, config_field, dotted, read_fields, section
 from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.logits import lm_logits
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.rotary import RotaryEmbedding
 from mstar_core.nn.self_attention import GroupedQueryAttention
@@ -193,4 +193,4 @@ class GemmaDecoder(nn.Module):
         """Tied LM head: hidden `[N, H]` -> logits `[N, vocab]`."""
         if self.embed_tokens is None:
             raise ValueError("this Gemma has no token embeddings, hence no LM head")
-        return F.linear(hidden, self.embed_tokens.weight)
+        return lm_logits(self.embed_tokens, hidden)

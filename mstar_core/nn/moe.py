@@ -44,12 +44,21 @@ class FusedExperts(nn.Module):
     the work, so only for small test shapes.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu", *,
+                 first_expert: int = 0, total_experts: int | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        # expert parallelism: this module holds experts [first_expert, first_expert + num_experts) of total_experts;
+        # slots routed elsewhere contribute zero (another rank's partial sum holds them)
+        self.first_expert = first_expert
+        self.total_experts = num_experts if total_experts is None else total_experts
         self.act = activation(act)
+
+    @property
+    def holds_all(self) -> bool:
+        return self.num_experts == self.total_experts
 
     def _grouped(self, x: torch.Tensor) -> bool:
         size = x.element_size()
@@ -59,8 +68,13 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`x` `[T, H]`, `experts`/`weights` `[T, k]` -> weighted sum of the chosen experts' outputs."""
         t, k = experts.shape
+        mine = None
+        if not self.holds_all:  # local ids; a slot of another rank's expert sorts after every local one
+            experts = experts - self.first_expert
+            mine = (experts >= 0) & (experts < self.num_experts)
+            experts = experts.masked_fill(~mine, self.num_experts)
         if not self._grouped(x):
-            return self._dense(x, experts, weights)
+            return self._dense(x, experts, weights, mine)
         flat = experts.reshape(-1)
         by_expert, order = flat.sort(stable=True)  # slot i*k+j of token i, grouped by expert
         # segment ends: slots routed to experts 0..e
@@ -70,13 +84,19 @@ class FusedExperts(nn.Module):
         gate, up = h.split(self.intermediate, dim=-1)
         y = F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # back to (token, slot)
+        if mine is not None:  # rows past the last local segment are left unwritten by grouped_mm: select, not scale
+            per_slot = torch.where(mine[..., None], per_slot, 0.0)
         return (per_slot * weights.to(y.dtype)[..., None]).sum(dim=1)
 
-    def _dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               mine: torch.Tensor | None = None) -> torch.Tensor:
         h = torch.einsum("th,eoh->eto", x, self.gate_up_proj)
         gate, up = h.split(self.intermediate, dim=-1)
         y = torch.einsum("eti,ehi->eth", self.act(gate) * up, self.down_proj)  # [E, T, H]
-        chosen = y[experts, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, H]
+        index = experts if mine is None else experts.clamp(max=self.num_experts - 1)
+        chosen = y[index, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, H]
+        if mine is not None:
+            chosen = torch.where(mine[..., None], chosen, 0.0)
         return (chosen * weights.to(y.dtype)[..., None]).sum(dim=1)
 
 

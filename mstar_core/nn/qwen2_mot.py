@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.config.hf import check
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.llama_config import LlamaConfig
+from mstar_core.nn.logits import lm_logits
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.rotary import RotaryEmbedding, apply_rotary
@@ -151,4 +151,4 @@ class MoTForCausalLM(nn.Module):
         return (self.model.norm_moe_gen if split == GEN else self.model.norm)(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight)
+        return lm_logits(self.lm_head, hidden)

@@ -42,12 +42,15 @@ TINY_TOP = {"latent_patch_size": 2, "max_latent_size": 64, "vit_max_num_patch_pe
             "mstar_default_image_size": 256, "mstar_vae": {"ch": 8, "ch_mult": [1, 2, 2, 2], "num_res_blocks": 1, "z_channels": 4, "norm_groups": 8}}
 
 
-def ema_mapping(cfg: BagelConfig) -> RuleMapping:
-    """Checkpoint names are the module's; the ViT's dropped last layer and a conv patch embedding are handled."""
+def ema_mapping(cfg: BagelConfig, skip: tuple[str, ...] = ()) -> RuleMapping:
+    """Checkpoint names are the module's; the ViT's dropped last layer and a conv patch embedding are handled.
+
+    `skip`: more name patterns left unread (a tensor-parallel rank reads the LLM's slices on its own).
+    """
     dropped = cfg.vit.num_hidden_layers  # index of the layer BAGEL never builds
     return RuleMapping(
         skip=[rf"^vit_model\.vision_model\.encoder\.layers\.{dropped}\.", r"^vit_model\.vision_model\.head\.",
-              r"\.rotary_emb\.inv_freq$"],
+              r"\.rotary_emb\.inv_freq$", *skip],
         transform={r"vit_model\.vision_model\.embeddings\.patch_embedding\.weight$": lambda _n, t: conv_to_linear(t)},
     )
 

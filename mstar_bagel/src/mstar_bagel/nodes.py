@@ -81,6 +81,17 @@ class UnderstandLLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.bagel.language_model.embed(ids)
 
+    @property
+    def tensor_parallel(self):
+        """The LLM's rank group when it was loaded split (`mstar_bagel.parallel`), else None."""
+        return getattr(self.bagel.language_model, "tensor_parallel", None)
+
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a tensor-parallel group must divide to split the LLM (`mstar_bagel.parallel`)."""
+        from mstar_bagel.parallel import llm_dimensions
+
+        return llm_dimensions(self.bagel.language_model)
+
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, routing=None) -> torch.Tensor:
         return self.bagel.language_model(input_ids, positions, context, input_embeds=input_embeds, routing=routing)
 

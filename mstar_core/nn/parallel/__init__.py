@@ -1,4 +1,5 @@
-"""Tensor parallelism: a node's layers split across the ranks of a group (heads, columns, rows, vocabulary)."""
+"""Tensor and expert parallelism: a node's layers split across the ranks of a group (heads, columns, rows,
+vocabulary, experts)."""
 
 from mstar_core.nn.parallel.group import TensorParallelGroup
 from mstar_core.nn.parallel.layers import (
@@ -13,14 +14,19 @@ from mstar_core.nn.parallel.llama import (
     load_llama_tensor_parallel,
     shard_llama,
 )
+from mstar_core.nn.parallel.moe import ParallelMoE
+from mstar_core.nn.parallel.shard import ShardPlan, shard_layers
 from mstar_core.nn.parallel.sizes import check_divisible, llama_dimensions, workable_sizes
-from mstar_core.nn.parallel.slices import Piece, SafetensorsSlices, StateDictSlices, read_pieces
+from mstar_core.nn.parallel.slices import Piece, SafetensorsSlices, Stack, StateDictSlices, read_pieces
 
 __all__ = [
     "ColumnParallelLinear",
+    "ParallelMoE",
     "Piece",
     "RowParallelLinear",
     "SafetensorsSlices",
+    "ShardPlan",
+    "Stack",
     "StateDictSlices",
     "TensorParallelGroup",
     "VocabParallelEmbedding",
@@ -31,6 +37,7 @@ __all__ = [
     "llama_shard_plan",
     "load_llama_tensor_parallel",
     "read_pieces",
+    "shard_layers",
     "shard_llama",
     "workable_sizes",
 ]

@@ -18,6 +18,10 @@ class TensorParallelGroup:
     rank: int
     world_size: int
     process_group: dist.ProcessGroup | None = None
+    #: how mixture-of-experts layers split over these ranks: whole experts per rank (a worker's
+    #: `expert_parallel: N`) or every expert's intermediate columns (`tensor_parallel: N`); other layers
+    #: split by heads and columns either way
+    expert_parallel: bool = attrs.field(default=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -29,9 +33,11 @@ class TensorParallelGroup:
         return cls(0, 1)
 
     @classmethod
-    def from_process_group(cls, process_group: dist.ProcessGroup | None = None) -> TensorParallelGroup:
+    def from_process_group(cls, process_group: dist.ProcessGroup | None = None, *,
+                           expert_parallel: bool = False) -> TensorParallelGroup:
         """This process's place in `process_group` (the default group when None); needs `init_process_group` first."""
-        return cls(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+        return cls(dist.get_rank(process_group), dist.get_world_size(process_group), process_group,
+                   expert_parallel=expert_parallel)
 
     def shard(self, total: int) -> tuple[int, int]:
         """This rank's `[start, stop)` of `total` items split evenly (the caller checked divisibility)."""

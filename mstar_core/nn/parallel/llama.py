@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mstar_core.checkpoint.errors import CheckpointError
+from mstar_core.checkpoint.meta import on_meta
 from mstar_core.nn.llama import LlamaForCausalLM
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import GatedMLP
@@ -26,10 +27,18 @@ from mstar_core.nn.parallel.layers import (
     VocabParallelLMHead,
 )
 from mstar_core.nn.parallel.sizes import check_divisible, llama_dimensions
-from mstar_core.nn.parallel.slices import Piece, SafetensorsSlices, SliceSource, StateDictSlices, read_pieces
+from mstar_core.nn.parallel.slices import (
+    Entry,
+    Piece,
+    SafetensorsSlices,
+    SliceSource,
+    StateDictSlices,
+    entry_names,
+    read_pieces,
+)
 from mstar_core.nn.self_attention import GroupedQueryAttention
 
-ShardPlan = dict[str, list[Piece]]
+ShardPlan = dict[str, Entry]
 
 
 def llama_shard_plan(cfg: LlamaConfig, group: TensorParallelGroup) -> ShardPlan:
@@ -93,7 +102,7 @@ def fill_from_plan(model: nn.Module, plan: ShardPlan, source: SliceSource, *, dt
     for name, pieces in plan.items():
         tensor = read_pieces(source, pieces, dtype).to(device)
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"{name}: read {list(tensor.shape)} from {[p.name for p in pieces]}, this rank "
+            raise CheckpointError(f"{name}: read {list(tensor.shape)} from {entry_names(pieces)[:4]}, this rank "
                                   f"expects {list(params[name].shape)}")
         owner_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner_name), leaf, nn.Parameter(tensor, requires_grad=False))
@@ -111,7 +120,7 @@ def shard_llama(model: LlamaForCausalLM, group: TensorParallelGroup, *, module: 
     weight = model.model.embed_tokens.weight
     full = None if weight.is_meta else StateDictSlices(model.state_dict(), where=module)
     dtype = weight.dtype
-    with torch.device("meta"):
+    with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn = _split_attention(layer.self_attn, cfg, group, i)
             layer.mlp = _split_mlp(cfg, group)
@@ -140,7 +149,7 @@ def load_llama_tensor_parallel(
 
     cfg = LlamaConfig.from_hf(read_config(directory))
     check_divisible(module, llama_dimensions(cfg), group.world_size)  # before any byte is read
-    with torch.device("meta"):
+    with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
         model = LlamaForCausalLM(cfg)
     plan = shard_llama(model, group, module=module)
     with SafetensorsSlices(directory) as source:

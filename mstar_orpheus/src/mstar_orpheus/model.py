@@ -56,8 +56,15 @@ def load_orpheus(
 
         directory, random_weights = ensure_preset(preset), True
     # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
-    lm = load_llama(directory, dtype=options.torch_dtype("orpheus", None), device=options.device_for("lm"),
-                    progress=progress)
+    device, group = options.device_for("lm"), getattr(options, "tensor_parallel", None)
+    if group is not None and group.world_size > 1 and device != "meta":
+        from mstar_core.nn.parallel import load_llama_tensor_parallel
+
+        # a Llama: this rank's heads, columns and vocabulary rows, read from the checkpoint's slices
+        lm = load_llama_tensor_parallel(directory, group, dtype=options.torch_dtype("orpheus", None), device=device,
+                                        module="node 'lm' (orpheus)")
+    else:
+        lm = load_llama(directory, dtype=options.torch_dtype("orpheus", None), device=device, progress=progress)
     tokenizer = load_tokenizer(directory)
     snac = _snac(snac_directory(directory), options.device_for("snac"))
     vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)

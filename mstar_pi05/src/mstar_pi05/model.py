@@ -33,7 +33,15 @@ def _loader(kind: str):
     def load(options: LoadOptions) -> LoadedModel:
         preset = options.preset_or_checkpoint(kind, PRESETS)
         directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
-        policy = load_policy(directory, device=options.device, dtype=options.torch_dtype(kind))
+        group = getattr(options, "tensor_parallel", None)  # (LoadOptions.tensor_parallel: the rank group, if any)
+        if group is not None and group.world_size > 1 and options.device != "meta":
+            from mstar_pi05.parallel import load_policy_tensor_parallel
+
+            # this rank's heads of both decoders, read from the checkpoint's slices
+            policy = load_policy_tensor_parallel(directory, group, dtype=options.torch_dtype(kind),
+                                                 device=options.device, module=f"{kind} (vlm + expert)")
+        else:
+            policy = load_policy(directory, device=options.device, dtype=options.torch_dtype(kind))
         if policy.config.type != kind:
             raise ConfigError(f"{kind}: {directory}/config.json has type {policy.config.type!r}; "
                               f"serve it as model '{policy.config.type}'")

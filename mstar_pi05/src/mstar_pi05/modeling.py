@@ -113,9 +113,22 @@ class ActionExpert(nn.Module):
         self.policy = policy
         self.config = policy.config.expert
 
+    @property
+    def tensor_parallel(self):
+        """The policy's rank group when it was loaded split (`mstar_pi05.parallel`), else None."""
+        return getattr(self.policy, "tensor_parallel", None)
+
     def kv_cache_spec(self):
         c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim, None, None  # inputs are actions, any width
+        split = self.tensor_parallel.world_size if self.tensor_parallel is not None else 1
+        # this rank's KV heads (the prefix's pages it reads hold the VLM's heads split the same way)
+        return c.num_hidden_layers, c.num_key_value_heads // split, c.head_dim, None, None  # inputs: actions, any width
+
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
+        from mstar_pi05.parallel import policy_dimensions
+
+        return policy_dimensions(self.policy)
 
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, timestep=None, sequence_index=None):
         if input_embeds is None:
@@ -189,6 +202,17 @@ class PrefixWriter(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.policy.language_model.embed(ids)
+
+    @property
+    def tensor_parallel(self):
+        """The policy's rank group when it was loaded split (`mstar_pi05.parallel`), else None."""
+        return getattr(self.policy, "tensor_parallel", None)
+
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
+        from mstar_pi05.parallel import policy_dimensions
+
+        return policy_dimensions(self.policy)
 
     def forward(self, input_ids, positions, context: AttentionContext, /, *, input_embeds=None, routing=None,
                 state=None):

@@ -22,7 +22,13 @@ def load(options: LoadOptions) -> LoadedModel:
 
     preset = options.preset_or_checkpoint("qwen3-omni", PRESETS)
     directory = Path(ensure_tiny() if preset else options.checkpoint)
-    model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))
+    group = getattr(options, "tensor_parallel", None)  # (LoadOptions.tensor_parallel: the rank group, if any)
+    if group is not None and group.world_size > 1:
+        from mstar_qwen_omni.parallel import load_omni_tensor_parallel
+
+        model = load_omni_tensor_parallel(directory, group, options)
+    else:
+        model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))
     if model.code2wav is not None and options.device != "meta":
         model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
     prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)

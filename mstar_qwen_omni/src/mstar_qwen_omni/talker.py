@@ -151,6 +151,13 @@ class Talker(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.codec_embedding(ids)
 
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a tensor-parallel group must divide to split this node (heads, KV heads, experts or their
+        columns, vocabulary); `mstar_qwen_omni.parallel` splits it."""
+        from mstar_qwen_omni.parallel import part_dimensions
+
+        return part_dimensions(self, expert_parallel)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,

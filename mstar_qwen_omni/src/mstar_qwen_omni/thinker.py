@@ -9,10 +9,10 @@ rows) and owns the encoders the stateless nodes run (`audio_tower`, `visual`), s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.logits import lm_logits
 from mstar_qwen_omni.audio_encoder import AudioEncoder
 from mstar_qwen_omni.config import ThinkerConfig
 from mstar_qwen_omni.decoder import MoeDecoder
@@ -49,6 +49,13 @@ class Thinker(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
+    def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a tensor-parallel group must divide to split this node (heads, KV heads, experts or their
+        columns, vocabulary); `mstar_qwen_omni.parallel` splits it."""
+        from mstar_qwen_omni.parallel import part_dimensions
+
+        return part_dimensions(self, expert_parallel)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -62,7 +69,7 @@ class Thinker(nn.Module):
         return hidden if kept is None else torch.cat((hidden, kept), dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden[..., : self.config.hidden_size], self.lm_head.weight)
+        return lm_logits(self.lm_head, hidden[..., : self.config.hidden_size])
 
     def compute_accept_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The `keep_layer` output of each row `[N, H]` (what the Talker projects at audio and image tokens)."""

@@ -1,0 +1,50 @@
+"""pi0 / pi0.5 split across a tensor-parallel group: the PaliGemma language model and the action expert together.
+
+The action expert attends over the language model's keys and values (and pi0's prefix writer runs the
+expert's layers for the state token), so both decoders are split over the same heads: a rank's KV pages
+hold its heads of both. The tied vocabulary is split by rows; the vision tower, projector and action / time
+projections are replicated. PaliGemma's published sizes have one KV head (MQA), which no group size above 1
+divides: that is a ConfigError naming `num_key_value_heads` (KV heads are split, never replicated).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mstar_core.checkpoint import read_config
+from mstar_core.checkpoint.meta import on_meta
+from mstar_core.nn.parallel import SafetensorsSlices, TensorParallelGroup, fill_from_plan
+from mstar_core.nn.parallel.shard import ShardPlan, layer_dimensions, shard_layers
+from mstar_pi05.config import PolicyConfig
+from mstar_pi05.modeling import Policy
+
+_LM = "paligemma_with_expert.paligemma.model.language_model"
+_EXPERT = "paligemma_with_expert.gemma_expert.model"
+#: both decoders' layers, and the language model's (tied) vocabulary
+POLICY_SPLIT = {"split": (f"{_LM}.layers", f"{_EXPERT}.layers"), "vocab": (f"{_LM}.embed_tokens",)}
+
+
+def policy_dimensions(policy: Policy) -> dict[str, int]:
+    """The sizes a group must divide to split the VLM and the action expert (heads, KV heads, columns, vocab)."""
+    return layer_dimensions(policy, **POLICY_SPLIT)
+
+
+def shard_policy(policy: Policy, group: TensorParallelGroup, *, module: str = "vlm",
+                 checkpoint_prefix: str = "") -> ShardPlan:
+    """Split both decoders of `policy` in place (on meta); the plan reads `checkpoint_prefix` + LeRobot's names."""
+    return shard_layers(policy, group, module=module, checkpoint_prefix=checkpoint_prefix, **POLICY_SPLIT)
+
+
+def load_policy_tensor_parallel(directory: str | Path, group: TensorParallelGroup, *, dtype: torch.dtype | None = None,
+                                device: str | torch.device = "cpu", module: str = "vlm") -> Policy:
+    """This rank's `Policy` from a LeRobot checkpoint (names with or without the `model.` prefix), slices only."""
+    cfg = PolicyConfig.from_dict(read_config(directory))
+    with on_meta():
+        policy = Policy(cfg)
+    with SafetensorsSlices(directory) as source:
+        prefix = "model." if f"model.{_LM}.norm.weight" in source else ""
+        plan = shard_policy(policy, group, module=module, checkpoint_prefix=prefix)
+        fill_from_plan(policy, plan, source, dtype=dtype, device=device)
+    return policy.eval()
