@@ -8,6 +8,8 @@ on Qwen3-Omni's tiny preset (random weights, the published structure), one serve
 - `turn2_prefill_tokens` / `turn2_new_tokens`: a second text turn's Thinker rows computed (the engine's
   `tokens_forwarded` counter, less the reply tokens fed back) against the tokens turn 1 did not leave in the
   KV cache (prompt 2 minus turn 1's prompt and fed-back reply). They differ by turn 1's last partial page.
+  `turn2_after_audio_*`: the same when turn 1 is the 1 s of audio (text replies: a spoken reply's prefill
+  computes every row, since the Talker reads each prompt row's accept-layer state).
 - `barge_in_ms`: `input_audio_buffer.speech_started` to `response.done` (status cancelled), at the client,
   speech sent while the model speaks; `decode_step_ms`: the median gap between a text reply's deltas.
 - `viability_c16`: 16 sessions at once, each an audio reply of `--viability-tokens` text tokens: the fraction
@@ -161,13 +163,18 @@ async def http_first_audio(http, audio: np.ndarray, max_tokens: int, voice: str)
     raise RuntimeError("the HTTP reply had no audio")
 
 
-async def second_turn(client, srv: InProcessServer) -> dict:
+async def second_turn(client, srv: InProcessServer, audio: np.ndarray | None = None) -> dict:
+    """Turn 2's Thinker rows against its new tokens; with `audio`, turn 1 is that audio (a text reply both times)."""
     conn = await _session(client, output_modalities=["text"], audio={"input": {"turn_detection": None}})
     figures = []
     try:
-        for text in ("Hello there, how are you today?", "And what about tomorrow?"):
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": text}]})
+        for i, text in enumerate(("Hello there, how are you today?", "And what about tomorrow?")):
+            if i == 0 and audio is not None:
+                await conn.input_audio_buffer.append(audio=_b64(audio))
+                await conn.input_audio_buffer.commit()
+            else:
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
             before = srv.forwarded()
             await conn.response.create(response={"max_output_tokens": 6})
             done = await _until(conn, "response.done")
@@ -176,8 +183,9 @@ async def second_turn(client, srv: InProcessServer) -> dict:
         await conn.close()
     (u1, _), (u2, fwd2) = figures
     cached = u1.input_tokens + u1.output_token_details.text_tokens - 1  # the last sampled token is never fed back
-    return {"turn2_prefill_tokens": fwd2 - (u2.output_token_details.text_tokens - 1),
-            "turn2_new_tokens": u2.input_tokens - cached, "turn2_prompt_tokens": u2.input_tokens}
+    name = "turn2_after_audio" if audio is not None else "turn2"
+    return {f"{name}_prefill_tokens": fwd2 - (u2.output_token_details.text_tokens - 1),
+            f"{name}_new_tokens": u2.input_tokens - cached, f"{name}_prompt_tokens": u2.input_tokens}
 
 
 async def barge_in(client) -> dict:
@@ -290,6 +298,7 @@ async def main(args) -> dict:
                "first_audio_realtime_s": round(statistics.median(rt), 3),
                "first_audio_http_s": round(statistics.median(hp), 3)}
         out.update(await second_turn(client, srv))
+        out.update(await second_turn(client, srv, audio))
         out.update(await barge_in(client))
         out["decode_step_ms"] = await decode_step(client)
         out.update(await viability_rounds(client, args, srv.samples_per_frame()))
