@@ -10,7 +10,10 @@ over at priority 0, stamped with its submission as its arrival, so an engine tha
 `Invocation.urgency` follows it too.
 
 It calls `engine.step()` on the worker's device thread while the engine has work, so the event loop
-stays free. Invocations that arrive while a step runs are batched into the next one. Releases
+stays free. Invocations that arrive while a step runs are batched into the next one. Nodes sharing a device
+thread take turns on it (a lock per thread): a node waits for its turn before it hands its calls to the
+engine, so calls that reach it during other nodes' steps join one batch (a pipeline of nodes, as a speech
+model's Talker -> code predictor -> glue, otherwise splits its requests into a small batch per stage). Releases
 (finished, failed or cancelled requests) are applied between steps, never during one. It never dies
 silently: an `add` that raises fails that invocation alone, and if the loop itself breaks, a
 supervisor logs why, fails what was in flight and starts it again.
@@ -22,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Executor
 
@@ -31,6 +35,10 @@ from mstar_core.errors import NodeExecutionError
 from mstar_core.runtime.engine import Engine, Invocation
 
 log = logging.getLogger("mstar.scheduler")
+
+#: executor -> (event loop, the lock its nodes' steps take): one node steps on a shared device thread at a time
+_TURNS: weakref.WeakKeyDictionary[Executor, tuple[asyncio.AbstractEventLoop, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _urgency(entry: tuple[Invocation, asyncio.Future]) -> tuple[float, float]:
@@ -148,79 +156,107 @@ class NodeScheduler:
                 await asyncio.sleep(0 if crashes == 1 else min(1.0, 0.01 * 2**crashes))
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        engine = self.engine
+        turn = self._device_turn()
         while not self._closed:
             if self._releases:
                 self._apply_releases()
-            room = engine.max_batch_size - len(self._inflight)
-            if self._pending and (room < len(self._pending) or self._admitted is not None):
-                # only some may go: the most urgent first, then the oldest request (stable: submission order after)
-                self._pending = deque(sorted(self._pending, key=_urgency))
-            if self._admitted is not None:
-                self._admit_oldest()
-            held: list[tuple[Invocation, asyncio.Future]] = []  # requests not admitted yet: they keep their place
-            while self._pending and len(self._inflight) < engine.max_batch_size:
-                inv, fut = self._pending.popleft()
-                if fut.done():  # cancelled while queued
-                    continue
-                if self._admitted is not None and inv.request_id not in self._admitted:
-                    held.append((inv, fut))
-                    continue
-                try:
-                    engine.add(inv)
-                except Exception as exc:  # this invocation's inputs broke the engine's intake: fail it alone
-                    log.debug("node %s: add failed for request %s", engine.node.name, inv.request_id, exc_info=True)
-                    fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
-                    continue  # (whatever add left in the engine goes when the failed request is released)
-                self._inflight[id(inv)] = (inv, fut)
-            if held:
-                self._pending.extendleft(reversed(held))
-            if not engine.has_work():
-                self._wakeup.clear()
-                # (pending invocations that do not fit, or whose request is not admitted, wait for a release)
-                full = len(self._inflight) >= engine.max_batch_size
-                if (len(held) == len(self._pending) or full) and not self._releases:
-                    await self._wakeup.wait()
-                continue
-            started = time.perf_counter()
-            try:
-                if self.inline:
-                    results = engine.step()
-                else:
-                    results = await loop.run_in_executor(self.executor, engine.step)
-            except Exception as exc:  # the whole step failed: fail what was in flight, keep serving
-                log.exception("node %s: step failed", engine.node.name)
-                self._fail_inflight(exc)
-                continue
-            elapsed = time.perf_counter() - started
-            self.steps += 1
-            self.last_batch_size = len(results)
-            self.last_step_seconds = elapsed
-            self.invocations += len(results)
-            for inv, out in results:
-                entry = self._inflight.pop(id(inv), None)
-                if entry is None:
-                    continue  # released meanwhile
-                fut = entry[1]
-                if fut.done():
-                    continue
-                if isinstance(out, BaseException):
-                    fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
-                else:
-                    fut.set_result(out)
-                    if self._admitted is not None and inv.options.get("transfer") == "export":
-                        # the request's state left with it (a per-walk move; the engine freed it): the place
-                        # goes to the next request now, not when the request ends on the other worker
-                        self._admitted.pop(inv.request_id, None)
-            self._last_step_ok = True
-            if results:
+            if turn is not None and (self._pending or self.engine.has_work()):
+                # wait for the shared device thread here, not in its queue: calls that reach this node while
+                # another node's step runs join this node's next batch instead of making a batch of their own
+                async with turn:
+                    if self._releases:
+                        self._apply_releases()
+                    state, held = await self._pass()
+            else:
+                state, held = await self._pass()
+            if state == "stepped":
                 # Let the requests just answered come back before the next batch forms: their tasks
                 # were woken ahead of this one, so one pass of the loop resubmits every AR step that
                 # goes straight back to this node. Without it, work that arrived during the step
                 # runs alone while the rest re-queue, and the batch splits into groups that take
                 # turns for as long as they run (each step paying for the weights once per group).
                 await asyncio.sleep(0)
+            elif state == "idle":
+                await self._idle(held)
+
+    def _device_turn(self) -> asyncio.Lock | None:
+        """The lock this node's steps take on a device thread other nodes share (None: inline or a thread of its own)."""
+        if self.inline or self.engine.own_thread:
+            return None
+        loop = asyncio.get_running_loop()
+        held = _TURNS.get(self.executor)
+        if held is None or held[0] is not loop:
+            held = _TURNS[self.executor] = (loop, asyncio.Lock())
+        return held[1]
+
+    async def _idle(self, held: int) -> None:
+        """Nothing to step: sleep until a submission or release (pending calls that do not fit, or whose request is
+        not admitted, wait for a release)."""
+        self._wakeup.clear()
+        full = len(self._inflight) >= self.engine.max_batch_size
+        if (held == len(self._pending) or full) and not self._releases:
+            await self._wakeup.wait()
+
+    async def _pass(self) -> tuple[str, int]:
+        """Hand pending calls to the engine and run one step: ("stepped" or "idle", calls held back unadmitted)."""
+        engine = self.engine
+        room = engine.max_batch_size - len(self._inflight)
+        if self._pending and (room < len(self._pending) or self._admitted is not None):
+            # only some may go: the most urgent first, then the oldest request (stable: submission order after)
+            self._pending = deque(sorted(self._pending, key=_urgency))
+        if self._admitted is not None:
+            self._admit_oldest()
+        held: list[tuple[Invocation, asyncio.Future]] = []  # requests not admitted yet: they keep their place
+        while self._pending and len(self._inflight) < engine.max_batch_size:
+            inv, fut = self._pending.popleft()
+            if fut.done():  # cancelled while queued
+                continue
+            if self._admitted is not None and inv.request_id not in self._admitted:
+                held.append((inv, fut))
+                continue
+            try:
+                engine.add(inv)
+            except Exception as exc:  # this invocation's inputs broke the engine's intake: fail it alone
+                log.debug("node %s: add failed for request %s", engine.node.name, inv.request_id, exc_info=True)
+                fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, exc))
+                continue  # (whatever add left in the engine goes when the failed request is released)
+            self._inflight[id(inv)] = (inv, fut)
+        if held:
+            self._pending.extendleft(reversed(held))
+        if not engine.has_work():
+            return "idle", len(held)
+        started = time.perf_counter()
+        try:
+            if self.inline:
+                results = engine.step()
+            else:
+                results = await asyncio.get_running_loop().run_in_executor(self.executor, engine.step)
+        except Exception as exc:  # the whole step failed: fail what was in flight, keep serving
+            log.exception("node %s: step failed", engine.node.name)
+            self._fail_inflight(exc)
+            return "failed", len(held)
+        elapsed = time.perf_counter() - started
+        self.steps += 1
+        self.last_batch_size = len(results)
+        self.last_step_seconds = elapsed
+        self.invocations += len(results)
+        for inv, out in results:
+            entry = self._inflight.pop(id(inv), None)
+            if entry is None:
+                continue  # released meanwhile
+            fut = entry[1]
+            if fut.done():
+                continue
+            if isinstance(out, BaseException):
+                fut.set_exception(NodeExecutionError(engine.node.name, inv.request_id, out))
+            else:
+                fut.set_result(out)
+                if self._admitted is not None and inv.options.get("transfer") == "export":
+                    # the request's state left with it (a per-walk move; the engine freed it): the place
+                    # goes to the next request now, not when the request ends on the other worker
+                    self._admitted.pop(inv.request_id, None)
+        self._last_step_ok = True
+        return ("stepped" if results else "empty"), len(held)
 
     def _fail_inflight(self, exc: BaseException) -> None:
         """Fail every invocation the engine holds and have it forget their requests before the next step."""

@@ -51,8 +51,11 @@ def _talker_done(env: Mapping[str, Any]) -> bool:
 
 
 def plan(env: Mapping[str, Any]) -> list[str]:
-    first = "prefill_mm" if env.get("has_media") else "prefill"
-    return [first, "speak"] if env.get("speaker") is not None else [first, "decode"]
+    speaks = env.get("speaker") is not None
+    # only a spoken reply needs the prompt rows' accept-layer states; asking for every row's outputs means
+    # computing every row, so a text reply's media prefill leaves them out and reuses cached pages
+    first = ("prefill_mm_speak" if speaks else "prefill_mm") if env.get("has_media") else "prefill"
+    return [first, "speak"] if speaks else [first, "decode"]
 
 
 #: The Thinker's ports only the media prefill binds (the other walks never have them: left out there).
@@ -87,22 +90,14 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
              body=_thinker("prompt_ids"),
              inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
-        Walk(name="prefill_mm",
-             body=Sequential(
-                 NodeCall("encode"),
-                 # every prompt row's accept-layer state comes back beside the sample (read for speech only)
-                 _thinker("prompt_ids", {"output_rows": "all"} if accept else None, input_embeds="mm_rows",
-                          embeds_at="mm_at", positions="prompt_positions", deepstack="mm_deepstack")),
-             inputs=("prompt_ids", "prompt_positions"),
-             optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "video_patches",
-                              "video_grid"),
-             outputs=("next_token", "finish_reason"), emit=("next_token",),
-             description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"),
+        _media_prefill("prefill_mm", None),
         Walk(name="decode",
              body=_thinker_loop(),
              inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
     ]
+    if accept:  # every prompt row's accept-layer state comes back beside the sample (the Talker's prompt reads it)
+        walks.append(_media_prefill("prefill_mm_speak", {"output_rows": "all"}))
     if model.talker is not None:
         nodes += [
             GraphNode("talker", inputs=("input_embeds",), optional_inputs=("input_ids", "sampling", "positions"),
@@ -137,6 +132,20 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
             description="the Thinker writes while the Talker speaks its tokens and Code2Wav decodes 25-frame windows",
         ))
     return Graph.build(name, nodes, walks, plan=plan)
+
+
+def _media_prefill(name: str, options: Mapping[str, Any] | None) -> Walk:
+    return Walk(
+        name=name,
+        body=Sequential(
+            NodeCall("encode"),
+            _thinker("prompt_ids", options, input_embeds="mm_rows", embeds_at="mm_at", positions="prompt_positions",
+                     deepstack="mm_deepstack")),
+        inputs=("prompt_ids", "prompt_positions"),
+        optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
+        outputs=("next_token", "finish_reason"), emit=("next_token",),
+        description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"
+                    + (" with every row's accept-layer state (a spoken reply)" if options else ""))
 
 
 def _thinker_loop() -> DynamicLoop:

@@ -147,14 +147,30 @@ class FrameStep(nn.Module):
 
 
 class Code2WavWindow(nn.Module):
-    """A window of frames (context first) -> the new frames' samples `[n]` (fp32)."""
+    """A window of frames (context first) -> the new frames' samples `[n]` (fp32).
+
+    `forward_batch` decodes the windows of several requests that have the same length and context as one batch:
+    sessions that speak at once reach a window boundary together, and one call then pays the vocoder's many
+    small convolutions once for all of them.
+    """
 
     def __init__(self, model: QwenOmni):
         super().__init__()
         self.code2wav = model.code2wav
 
     def forward(self, codes: Chunk) -> torch.Tensor:
-        frames = torch.stack(list(codes.items), dim=1)[None]  # [1, Q, frames]
-        with torch.inference_mode():
-            wav = self.code2wav.decode_window(frames.to(self.code2wav.code_embedding.weight.device), codes.num_context)
-        return wav[0, 0].float()
+        return self.forward_batch([{"codes": codes}])[0]["audio"]
+
+    def forward_batch(self, calls: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for i, call in enumerate(calls):
+            shapes.setdefault((len(call["codes"].items), call["codes"].num_context), []).append(i)
+        device = self.code2wav.code_embedding.weight.device
+        out: list[dict[str, torch.Tensor]] = [{} for _ in calls]
+        for (_, context), at in shapes.items():
+            frames = torch.stack([torch.stack(list(calls[i]["codes"].items), dim=1) for i in at])  # [B, Q, frames]
+            with torch.inference_mode():
+                wav = self.code2wav.decode_window(frames.to(device), context)
+            for row, i in enumerate(at):
+                out[i] = {"audio": wav[row, 0].float()}
+        return out
