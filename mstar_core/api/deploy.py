@@ -15,7 +15,7 @@ from mstar_core.model import LoadOptions
 from mstar_core.strict import reject_unknown
 
 _SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
-                "max_n"}
+                "max_n", "torch_threads"}
 _MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media"}
 
 
@@ -78,6 +78,6 @@ def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
 
 
 def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
-    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n"):
+    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads"):
         if key in options:
             setattr(config, key, options[key])

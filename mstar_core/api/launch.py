@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=None, help="requests waiting beyond that; then 503 (default 1024)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is cut (default 600)")
     p.add_argument("--max-n", type=int, default=None, help="most choices (n) per prompt on chat/completions (default 16)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch threads for the models in this process (default: the cores, shared with spawned workers)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin (not installed as a distribution)")
@@ -80,7 +82,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     apply_server_options(config, server_opts)
     overrides = {"max_body_bytes": args.max_body_bytes, "max_running": args.max_running,
                  "max_queued": args.max_queued, "request_timeout": args.request_timeout,
-                 "max_n": args.max_n}
+                 "max_n": args.max_n, "torch_threads": getattr(args, "torch_threads", None)}
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
@@ -150,7 +152,8 @@ def serving_engine(registry: Any, config: ServerConfig) -> Any:
     placement puts on workers run there (`WorkerPlacement`)."""
     from mstar_core.cluster.strategy import placed_engine
 
-    return placed_engine(registry, max_running=config.max_running, max_queued=config.max_queued, torch_threads="share")
+    threads = config.torch_threads if config.torch_threads is not None else "share"
+    return placed_engine(registry, max_running=config.max_running, max_queued=config.max_queued, torch_threads=threads)
 
 
 def serve(args: argparse.Namespace) -> int:

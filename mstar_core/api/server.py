@@ -34,6 +34,7 @@ from mstar_core.api.realtime import route as realtime
 from mstar_core.api.responses import OrjsonResponse
 from mstar_core.api.schemas import Health, ModelList
 from mstar_core.config.placement import Placement
+from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
 log = logging.getLogger("mstar.api")
@@ -61,6 +62,11 @@ class ModelToServe:
     media: dict[str, Any] = attrs.field(factory=dict)
 
 
+def _positive_or_none(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"server option '{name}' must be a whole number >= 1, got {value!r}")
+
+
 @attrs.define
 class ServerConfig:
     """Server options (CLI flags or the `server:` section of a deploy file)."""
@@ -73,6 +79,8 @@ class ServerConfig:
     request_timeout: float | None = 600.0
     #: The most choices (`n`) one chat or completions request may ask for per prompt.
     max_n: int = 16
+    #: torch threads of the serving process (None: its cores, split evenly with workers a placement spawns here)
+    torch_threads: int | None = attrs.field(default=None, validator=lambda _, a, v: _positive_or_none(a.name, v))
 
     @property
     def max_inflight(self) -> int:

@@ -1,11 +1,18 @@
-"""Wide CPU linears with their weight prepacked for oneDNN once, instead of repacked by every fp32 GEMM call.
+"""CPU linears with their weight prepacked for oneDNN once, instead of repacked by every fp32 GEMM call.
 
 `F.linear` on the CPU (MKL sgemm) copies the weight into its blocked layout inside every call. For a
 decode step's few rows that copy costs about as much as the arithmetic, the more so the wider the
 weight: on the benchmark's AMD EPYC core (one thread, 32 rows) the 512 x 16384 LM head takes ~15 ms
 through MKL and ~10.6 ms through oneDNN with the weight packed at load, the 512 x 3072 gate/up
-~2.5 vs ~2.1 ms; at 4 rows 11.4 vs 5.2 ms for the LM head. Narrow weights (out <= 1024: q/k/v, o,
-down) gain nothing there, so only weights with at least `PACK_MIN_OUT` output features are packed.
+~2.5 vs ~2.1 ms; at 4 rows 11.4 vs 5.2 ms for the LM head. Narrow weights (q/k/v, o, down) cost about
+the same either way.
+
+Every linear is packed, narrow ones included, for a second reason: batch invariance. oneDNN's packed
+GEMM gives each row bitwise the same result whatever the call's row count (checked for 1 to 700 rows,
+`tests/nn/test_packed.py`), while MKL's sgemm takes another path for one row (GEMV) than for several, so
+a request decoded alone and the same request in a batch drift apart by ulps that, over a 49k
+vocabulary, can flip a greedy token. With every linear packed, the dense layers of a decode step
+compute a row the same way alone or batched.
 
 Under `torch.compile` a packed linear is one opaque op (`mstar_nn::packed_linear`) that runs the
 eager packed GEMM, so a compiled step keeps it and inductor fuses the elementwise work around it.
@@ -26,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Fewest output features of a linear worth packing (measured: see the module docstring).
-PACK_MIN_OUT = 2048
+#: Fewest output features of a linear to pack: every linear (for batch invariance, see the module docstring).
+PACK_MIN_OUT = 1
 #: The row count oneDNN's packed layout is chosen for (a full decode batch); any count runs.
 PACK_ROWS_HINT = 32
 

@@ -15,11 +15,10 @@ from torch import nn
 class TiedLMHead(nn.Module):
     """`F.linear(hidden, embed.weight)`; with a packed copy while that weight is the one packed."""
 
-    #: Off by default: oneDNN's packed GEMM rounds a row differently with the batch's row count, and over a
-    #: 49k vocabulary that flips sampled tokens (SmolLM2's choice 0 of n=3 differed from the same request alone,
-    #: tests/server/test_openai_text_api.py), breaking "a row draws the same alone or batched". MKL's plain
-    #: path keeps rows independent of the batch. Set True to trade that invariant for the faster head.
-    PACK = False
+    #: Pack the head like every other linear (nn/packed.py): oneDNN's packed GEMM computes a row the same
+    #: whatever the batch's row count, so the faster head keeps "a row draws the same alone or batched".
+    #: (It was off for a while on the belief that the pack broke that invariant; it is MKL's one-row GEMV that does.)
+    PACK = True
 
     def __init__(self, embed: nn.Embedding):
         super().__init__()

@@ -23,13 +23,14 @@ def _close(a, b):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
 
 
-def test_only_wide_fp32_linears_are_packed_and_match_f_linear():
+def test_fp32_linears_at_least_min_out_wide_are_packed_and_match_f_linear():
     torch.manual_seed(0)
     wide, narrow, half = nn.Linear(32, 4096), nn.Linear(32, 64), nn.Linear(32, 4096).to(torch.bfloat16)
     model = nn.Sequential(wide, narrow, half)
     bf16 = packed_mod.bf16_packing_available()  # (a bf16 linear packs only where oneDNN runs bf16 here)
-    assert pack_linears(model) == 1 + bf16
+    assert pack_linears(model, min_out=2048) == 1 + bf16
     assert type(wide) is PackedLinear and type(narrow) is nn.Linear and type(half) is (PackedLinear if bf16 else nn.Linear)
+    assert pack_linears(nn.Sequential(narrow)) == 1 and type(narrow) is PackedLinear  # by default every linear
     for rows in (1, 5, 32, 70):
         x = torch.randn(rows, 32)
         with torch.inference_mode():
@@ -125,7 +126,8 @@ def test_a_tied_lm_head_is_packed_without_a_parameter_of_its_own(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from mstar_core.nn.tied_head import TiedLMHead
 
-    assert pack_linears(LlamaForCausalLM({**CFG, "tie_word_embeddings": True}), min_out=512) == 0  # off by default
+    monkeypatch.setattr(TiedLMHead, "PACK", False)
+    assert pack_linears(LlamaForCausalLM({**CFG, "tie_word_embeddings": True}), min_out=512) == 0  # can be turned off
     monkeypatch.setattr(TiedLMHead, "PACK", True)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CFG, "tie_word_embeddings": True})).eval()
@@ -168,3 +170,25 @@ def test_bf16_probe_is_a_bool_and_a_cpu_without_bf16_leaves_bf16_linears_plain()
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert layer(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 4096)])
+def test_a_packed_row_is_the_same_whatever_the_batchs_row_count(shape, threads):
+    """Batch invariance: each row bitwise equal to that row alone (MKL's one-row GEMV breaks this; the pack keeps it)."""
+    if not packing_available():
+        pytest.skip("no oneDNN")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(*shape)
+        assert pack_linears(layer) == 1
+        x = torch.randn(300, shape[0])
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(0, 300, 7)])
+            for rows in (2, 3, 8, 33, 300):
+                got = layer(x[:rows])[::7]
+                assert torch.equal(got, alone[: got.shape[0]]), rows
+    finally:
+        torch.set_num_threads(before)

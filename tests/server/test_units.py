@@ -138,3 +138,24 @@ def test_metrics_label_only_loaded_models():
     assert 'model="orpheus",route="speech",status="200"' in text
     assert 'mstar_requests_total{model="unknown",route="speech",status="404"} 3.0' in text
     assert "nope" not in text and "vil" not in text
+
+
+def test_torch_threads_server_option_reaches_the_engine_and_is_checked(tmp_path):
+    from mstar_core.api.deploy import apply_server_options
+    from mstar_core.api.launch import serving_engine
+    from mstar_core.api.server import ServerConfig
+
+    deploy = tmp_path / "threads.yaml"
+    deploy.write_text("server: {torch_threads: 1}\nmodels:\n  orpheus: {preset: tiny}\n")
+    config = ServerConfig()
+    apply_server_options(config, load_deploy(deploy)[0])
+    assert config.torch_threads == 1
+    before = torch.get_num_threads()
+    try:
+        assert serving_engine(None, config).torch_threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)  # (the engine sets this process's pool)
+    assert serving_engine(None, ServerConfig()).torch_threads == "share"  # default: the cores, shared with workers
+    for bad in (0, -2, "two", True):
+        with pytest.raises(ConfigError, match="torch_threads"):
+            apply_server_options(ServerConfig(), {"torch_threads": bad})
