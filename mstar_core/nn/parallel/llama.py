@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mstar_core.checkpoint.errors import CheckpointError
+from mstar_core.checkpoint.meta import on_meta
 from mstar_core.nn.llama import LlamaForCausalLM
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import GatedMLP
@@ -111,7 +112,7 @@ def shard_llama(model: LlamaForCausalLM, group: TensorParallelGroup, *, module: 
     weight = model.model.embed_tokens.weight
     full = None if weight.is_meta else StateDictSlices(model.state_dict(), where=module)
     dtype = weight.dtype
-    with torch.device("meta"):
+    with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn = _split_attention(layer.self_attn, cfg, group, i)
             layer.mlp = _split_mlp(cfg, group)
@@ -140,7 +141,7 @@ def load_llama_tensor_parallel(
 
     cfg = LlamaConfig.from_hf(read_config(directory))
     check_divisible(module, llama_dimensions(cfg), group.world_size)  # before any byte is read
-    with torch.device("meta"):
+    with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
         model = LlamaForCausalLM(cfg)
     plan = shard_llama(model, group, module=module)
     with SafetensorsSlices(directory) as source:
