@@ -49,14 +49,18 @@ class WorkerPlacement:
                 raise ConfigError(f"{placement.source}: node '{node}' runs on the '{graph.nodes[node].engine}' engine, "
                                   "which cannot move a request's state between workers; place it on one worker")
         where = node_workers(graph, placement)
-        settings = {**placement.engine_settings, **settings}
-        cluster = await self._cluster(host, placement)
-        engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})
-        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): host.local_scheduler(e) for n, e in engines.items()}
         by_worker: dict[str, list[str]] = {}
         for node, workers in where.items():
             for worker in sorted(workers - {LOCAL}):
                 by_worker.setdefault(worker, []).append(node)
+        for group, nodes in by_worker.items():  # a split that cannot work fails here, before anything starts
+            if placement.workers[group].group_size > 1:
+                check_rank_group(placement.source, placement.workers[group], graph, nodes, host.registry.engines,
+                                 placement.walks)
+        settings = {**placement.engine_settings, **settings}
+        cluster = await self._cluster(host, placement)
+        engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})
+        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): host.local_scheduler(e) for n, e in engines.items()}
         share = thread_share(placement, host.torch_threads)
 
         async def start_and_load(replica: str, spec: Any, msg: LoadModel) -> None:
@@ -80,7 +84,6 @@ class WorkerPlacement:
                             checkpoint=options.checkpoint, dtype=options.dtype,
                             settings={n: dict(settings.get(n, {})) for n in nodes})
             if spec.group_size > 1:
-                check_rank_group(placement.source, spec, graph, nodes, host.registry.engines, placement.walks)
                 starts += [start_and_load_group(cluster.rank_groups.register(spec.rank_names(r)), spec, msg)
                            for r in replicas]
             else:

@@ -219,8 +219,10 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
             **({"compile_seconds": self.forward_fn.compile_seconds} if self.settings.compile else {}),
-            **({"tensor_parallel_rank": self.ranks.rank, "tensor_parallel_size": self.ranks.world_size,
-                "kv_heads": self.kv_shape[1], "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size()}
+            # this process's share of the KV pool (a split node's pool holds only its rank's heads)
+            "kv_heads": self.kv_shape[1],
+            "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
+            **({"tensor_parallel_rank": self.ranks.rank, "tensor_parallel_size": self.ranks.world_size}
                if self.ranks is not None else {}),
         }
 

@@ -10,6 +10,7 @@ same pages as rank 0's but holds only its own KV heads (so KV bytes per rank are
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from mstar_core.errors import ConfigError
 from mstar_core.runtime.rank_steps import RankGroup, RankMessage
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.step_message import CALL, STEP, apply_page_ops, call_message, read_step, step_message
+
+log = logging.getLogger("mstar.kvcache.ranks")
 
 
 class LeaderPagePool(PagePool):
@@ -96,8 +99,11 @@ class RankSteps:
     def follow(self, msg: RankMessage) -> None:
         """A follower: run what rank 0 sent (on the device thread, in the order it came)."""
         header = msg.header
-        apply_page_ops(self.pool.kv, self.backend, header["ops"])
-        with torch.inference_mode():
+        with torch.inference_mode():  # (a backend's per-sequence tensors were made in inference mode)
+            try:
+                apply_page_ops(self.pool.kv, self.backend, header["ops"])
+            except Exception:  # the step must still run: its collectives are what keeps the ranks in step
+                log.exception("node '%s': rank %d could not apply rank 0's page ops", self.node.name, self.ranks.rank)
             if header["kind"] == STEP:
                 ids, positions, batch, embeds, kwargs = read_step(msg, self.pool.page_size, self.device)
                 context = self.backend.begin(batch, self.pool.kv)
