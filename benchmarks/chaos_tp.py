@@ -1,7 +1,8 @@
 """Chaos case: `kill -9` one rank of a tensor-parallel group while requests stream (run by chaos.py, or alone).
 
 A real `mstar serve llama` (tiny preset) with two TP=2 groups (`replicas: 2`, 2 gloo ranks each, 4
-worker processes). Client loops stream greedy /v1/walks/llama requests back to back; once every loop
+worker processes; fresh interpreters, as chaos_driver starts every worker, so a rank is found by its
+`--name`, and its replacement pays a full interpreter start). Client loops stream greedy /v1/walks/llama requests back to back; once every loop
 has a request mid-stream, the follower rank `tp.0.rank1` is SIGKILLed. Figures:
 
   * `tp_group_requests_failed`: requests in flight at the kill that failed naming the killed group
@@ -21,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -67,16 +67,20 @@ async def _tokens_forwarded(client: httpx.AsyncClient, url: str, worker: str) ->
         text = (await client.get(f"{url}/metrics")).text
     except httpx.HTTPError:
         return None
-    pattern = re.compile(r'^mstar_node_stat\{[^}]*worker="' + re.escape(worker) + r'"[^}]*stat="tokens_forwarded"'
-                         r'[^}]*\}\s+(\S+)', re.M)
-    found = pattern.search(text)
-    return None if found is None else float(found.group(1))
+    for line in text.splitlines():  # labels come sorted: model, node, stat, worker
+        if line.startswith("mstar_node_stat{") and 'stat="tokens_forwarded"' in line and f'worker="{worker}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _say(line: str) -> None:
+    print(f"[tp] {line}", file=sys.stderr, flush=True)
 
 
 async def tp_rank_kill(args: Any) -> dict[str, Any]:
     """The scenario; returns its figures (keys prefixed `tp_`)."""
     quick = getattr(args, "quick", False)
-    loops, after = (4, 8.0) if quick else (6, 15.0)
+    loops, after = (6, 10.0) if quick else (8, 15.0)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(PLACEMENT, f)
     server = Server("tp", ["--config", f.name], models=("llama",))
@@ -84,31 +88,38 @@ async def tp_rank_kill(args: Any) -> dict[str, Any]:
     try:
         await server.wait_ready(getattr(args, "start_timeout", 180.0))
         out["tp_server_ready_s"] = round(server.ready_s or 0.0, 1)
+        _say(f"ready after {out['tp_server_ready_s']} s")
         log: list[dict] = []
         stop = asyncio.Event()
-        async with httpx.AsyncClient(timeout=getattr(args, "timeout", None) or 30.0) as client:
+        async with httpx.AsyncClient(timeout=getattr(args, "timeout", None) or 30.0, trust_env=False) as client:
             async def loop(i: int) -> None:
                 while not stop.is_set():
                     await _request(client, server.url, [5 + i, 6 + i, 7 + i, 8 + i, 9 + i], log)
+                    if log[-1]["error"]:
+                        await asyncio.sleep(0.2)  # a refused or failed request: no hot retry loop
 
             tasks = [asyncio.ensure_future(loop(i)) for i in range(loops)]
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (
+            while time.monotonic() < deadline and not (  # every loop mid-stream, and group 0 serving some
                     sum(1 for r in log if "end" in r and r["error"] is None) >= loops
-                    and sum(1 for r in log if "end" not in r and r["tokens"] > 0) >= loops):
-                await asyncio.sleep(0.02)
+                    and sum(1 for r in log if "end" not in r and r["tokens"] > 0) >= loops
+                    and (await _tokens_forwarded(client, server.url, GROUP) or 0) > 0):
+                await asyncio.sleep(0.05)
             pid = server.workers().get(KILLED)
             if pid is None:
                 raise RuntimeError(f"no worker process named {KILLED}: {sorted(server.workers())}")
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
+            _say(f"killed {KILLED} (pid {pid}) with {sum(1 for r in log if 'end' not in r)} requests in flight")
             recovered_at, went_down = None, False
             while time.monotonic() - killed_at < after or recovered_at is None and time.monotonic() - killed_at < 30:
                 value = await _tokens_forwarded(client, server.url, GROUP)
+                out["tp_last_gauge"] = value  # (what the recovery was read from, for a run that did not see it)
                 went_down = went_down or value is None or value == 0
                 if went_down and value and recovered_at is None:
                     recovered_at = time.monotonic()
                 await asyncio.sleep(0.1)
+            _say(f"recovered after {None if recovered_at is None else round(recovered_at - killed_at, 2)} s")
             stop.set()
             await asyncio.gather(*tasks)
         in_flight = [r for r in log if r["start"] < killed_at < r["end"]]

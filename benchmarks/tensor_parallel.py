@@ -165,12 +165,12 @@ async def main_async(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, fewer tokens (< 60 s)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens of the c=1 stream (default 32 quick, 128)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens of the c=1 stream (default 16 quick, 128)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 for ranks on cuda:0 and cuda:1 (NCCL)")
-    parser.add_argument("--tokens-c32", type=int, default=None, help="tokens per c=32 stream (default 8 quick, 32)")
+    parser.add_argument("--tokens-c32", type=int, default=None, help="tokens per c=32 stream (default 4 quick, 32)")
     args = parser.parse_args()
-    args.tokens = args.tokens or (32 if args.quick else 128)
-    args.tokens_c32 = args.tokens_c32 or (8 if args.quick else 32)
+    args.tokens = args.tokens or (16 if args.quick else 128)
+    args.tokens_c32 = args.tokens_c32 or (4 if args.quick else 32)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(json.dumps(asyncio.run(main_async(args))))
 

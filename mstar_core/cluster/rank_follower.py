@@ -18,9 +18,12 @@ import torch
 import torch.distributed as dist
 
 from mstar_core.nn.parallel import TensorParallelGroup
-from mstar_core.runtime.rank_steps import RankChannel
+from mstar_core.runtime.rank_steps import RankChannel, group_broken
 
 log = logging.getLogger("mstar.worker")
+
+#: How long one collective (a follower waiting for rank 0's next step, say) may wait.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
 def join_rank_group(setup: dict[str, Any], device: str) -> tuple[TensorParallelGroup, RankChannel]:
@@ -34,7 +37,9 @@ def join_rank_group(setup: dict[str, Any], device: str) -> tuple[TensorParallelG
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback too, like the store
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    # a collective may wait as long as a follower idles between requests: a dead or hung rank is the
+    # supervisor's to find (heartbeats, process exits), and it replaces the whole group
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     return TensorParallelGroup(rank, size), RankChannel(rank, size, None, device if backend == "nccl" else "cpu")
 
 
@@ -69,6 +74,9 @@ class RankFollower:
                 os._exit(3)
             try:
                 engine.follow(msg)
-            except Exception:  # rank 0 ran the same inputs: it fails that call the same way and goes on
+            except Exception as exc:  # rank 0 ran the same inputs: it fails that call the same way and goes on
+                if group_broken(exc):
+                    log.error("worker %s: its tensor-parallel group broke (%s); exiting", self.worker, exc)
+                    os._exit(3)
                 log.exception("worker %s: a followed step failed", self.worker)
             self.steps += 1

@@ -28,6 +28,19 @@ class RankChannelError(RuntimeError):
     """A message that cannot travel (an unsupported dtype, a header that is not JSON) or did not arrive."""
 
 
+def group_broken(exc: BaseException) -> bool:
+    """Whether `exc` says the group itself failed (a rank's connection closed, a collective timed out).
+
+    Then no later step can line up across the ranks: the rank should exit, so that the server replaces
+    the whole group and fails its requests as lost, instead of answering them with the collective's error.
+    """
+    if isinstance(exc, RankChannelError) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return any(mark in text for mark in ("gloo/transport", "Connection closed by peer", "NCCL error",
+                                         "Timed out waiting", "ProcessGroupNCCL", "ProcessGroupGloo"))
+
+
 @attrs.frozen
 class RankMessage:
     """One message: `header` (JSON-able plain values) and `tensors` by name."""

@@ -300,6 +300,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         try:
             hidden = self._forward(work)
         except Exception as exc:
+            if self.ranks is not None:
+                self._check_group(exc)  # a broken rank group ends this process (the server replaces the group)
             if len(work) == 1:
                 if work[0][0].pending is None:  # a recompute for readers: they keep waiting
                     work[0][0].recompute = False

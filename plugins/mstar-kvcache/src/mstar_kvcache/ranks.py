@@ -11,12 +11,13 @@ same pages as rank 0's but holds only its own KV heads (so KV bytes per rank are
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from mstar_core.errors import ConfigError
-from mstar_core.runtime.rank_steps import RankGroup, RankMessage
+from mstar_core.runtime.rank_steps import RankGroup, RankMessage, group_broken
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.step_message import CALL, STEP, apply_page_ops, call_message, read_step, step_message
 
@@ -93,8 +94,19 @@ class RankSteps:
 
     def _leader_call(self, name: str, fn: Any, x: torch.Tensor) -> torch.Tensor:
         header, tensors = call_message(self.ranks.key, self._pending_ops(), name, x)
-        self.ranks.channel.send(header, tensors)
-        return fn(x)
+        try:
+            self.ranks.channel.send(header, tensors)
+            return fn(x)
+        except Exception as exc:
+            self._check_group(exc)
+            raise
+
+    def _check_group(self, exc: BaseException) -> None:
+        """Exit the process when `exc` says the rank group broke: its requests then fail as lost, at once."""
+        if group_broken(exc):
+            log.error("node '%s': rank %d's tensor-parallel group broke (%s); exiting so the server replaces the "
+                      "group", self.node.name, self.ranks.rank, str(exc)[:200])
+            os._exit(3)
 
     def follow(self, msg: RankMessage) -> None:
         """A follower: run what rank 0 sent (on the device thread, in the order it came)."""
