@@ -81,11 +81,14 @@ class RankGroups:
 
 
 def check_rank_group(source: str, spec: WorkerSpec, graph: Any, nodes: list[str], engines: Any,
-                     per_walk: Iterable[str]) -> None:
+                     per_walk: Iterable[str], settings: Any = None) -> None:
     """A ConfigError naming the node unless every node placed on `spec`'s group can be split over its ranks."""
     size = spec.group_size
     moved = set(per_walk)
     for name in nodes:
+        if ((settings or {}).get(name) or {}).get("compile"):
+            raise ConfigError(f"{source}: node '{name}': kvcache setting 'compile' is not supported yet on a node split "
+                              f"across ranks (workers.{spec.name}.tensor_parallel {size}); drop it")
         node = graph.nodes[name]
         engine = engines.get(node.engine)
         if not hasattr(engine, "follow"):

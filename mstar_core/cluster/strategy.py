@@ -56,7 +56,7 @@ class WorkerPlacement:
         for group, nodes in by_worker.items():  # a split that cannot work fails here, before anything starts
             if placement.workers[group].group_size > 1:
                 check_rank_group(placement.source, placement.workers[group], graph, nodes, host.registry.engines,
-                                 placement.walks)
+                                 placement.walks, {**loaded.engine_settings, **placement.engine_settings, **settings})
         settings = {**placement.engine_settings, **settings}
         cluster = await self._cluster(host, placement)
         engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})

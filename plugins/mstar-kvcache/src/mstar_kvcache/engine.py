@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_kvcache.answers import CallAnswers
@@ -67,6 +67,9 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self._forgotten: list[int] = []  # sequences released since the last step message (rank 0)
         if self.ranks is not None:
             kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
+            if self.settings.compile:  # (tried: a rank compiling starves its heartbeats and the group is replaced)
+                raise ConfigError(f"node '{node.name}': kvcache setting 'compile' is not supported yet on a node split "
+                                  f"across ranks (tensor_parallel {self.ranks.world_size}); drop it")
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
