@@ -51,6 +51,10 @@ Stresses (issue 31), each on its own colocated server started beside the others 
     for 15 s, then hung up; the serving process' peak RSS over its RSS after a warm-up (`stress.slow_reader`).
   * `partition_recovery_s`: a netem partition between hosts is not built yet: always null.
 
+Tensor parallelism (issue 27, `chaos_tp.py`; `--no-tp` skips it, `--tp-only` runs only it): a llama server with
+two TP=2 groups; one group's follower rank is `kill -9`ed mid-request. Keys `tp_group_fail_latency_s` (<= 1.5),
+`tp_group_recovery_s` (<= 10), `tp_other_replica_failed` (0), details under `tensor_parallel`.
+
 The code is split: chaos_driver.py (servers, workers, the recording client), chaos_faults.py (poisons, kills,
 stops and the stresses), chaos_report.py (classification, figures, the summary); this file runs the scenarios.
 
@@ -102,6 +106,7 @@ from chaos_report import (
     phase,
     summarize,
 )
+from chaos_tp import tp_rank_kill
 
 PLACEMENT = REPO / "examples" / "placement" / "orpheus-disaggregated.yaml"
 TEXTS = [
@@ -331,6 +336,12 @@ async def main_async(args) -> dict[str, Any]:
 
 
 
+def tensor_parallel_figures(tp: dict[str, Any]) -> dict[str, Any]:
+    """The TP rank-kill case's headline keys, its details under `tensor_parallel`."""
+    keys = ("tp_group_fail_latency_s", "tp_group_recovery_s", "tp_other_replica_failed")
+    return {**{k: tp.get(k) for k in keys}, "tensor_parallel": tp}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, 4 client loops (< 60 s on 2 CPU cores)")
@@ -351,6 +362,8 @@ def main() -> None:
     parser.add_argument("--no-stress", action="store_true", help="skip the burst, drain and slow-reader servers")
     parser.add_argument("--stress-only", action="store_true", help="only the burst, drain and slow-reader servers")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
+    parser.add_argument("--no-tp", action="store_true", help="skip killing a rank of a tensor-parallel group")
+    parser.add_argument("--tp-only", action="store_true", help="only kill a rank of a tensor-parallel group")
     args = parser.parse_args()
     q = args.quick
     args.rounds = args.rounds or (1 if q else 2)
@@ -368,7 +381,9 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        result = asyncio.run(main_async(args))
+        result = {} if args.tp_only else asyncio.run(main_async(args))
+        if not args.no_tp:
+            result.update(tensor_parallel_figures(asyncio.run(tp_rank_kill(args))))
     except KeyboardInterrupt:
         print("chaos: interrupted; servers and workers stopped", file=sys.stderr)
         sys.exit(130)

@@ -22,6 +22,9 @@
     cuda:0 and cuda:1 (NCCL, each rank reading only its slices) against the same checkpoint on cuda:0: relative
     logit difference, greedy tokens over 32 steps, decode tokens/s, weight bytes and peak memory per rank vs
     TP=1, and an MoE layer at EP=2 vs EP=1 (benchmarks/gpu_tp_check.py);
+  * `tp2`: benchmarks/tensor_parallel.py on the GPUs: the same random Llama at TP=2 (ranks on cuda:0 and
+    cuda:1, NCCL) and TP=1 (cuda:0): identical greedy tokens, tokens/s at c=1 and c=32, weight + KV bytes per
+    rank (ratio target <= 0.6); skipped, saying so, on a machine with fewer than 2 GPUs;
   * `orpheus3b`: Orpheus at the Llama-3.2-3B shape with the real 24 kHz SNAC shape (random weights,
     the tiny tokenizer, so a smaller vocabulary), through `AsyncEngine`: TTFA and audio-seconds per
     second at c=1 and c=16 (published reference on one H100: about 3.4 and 24.2 audio-s/s).
@@ -333,9 +336,23 @@ def check_quant(device, smoke: bool) -> dict[str, Any]:
     return out
 
 
+def check_tp2(device, smoke: bool) -> dict[str, Any]:
+    """Tensor parallelism over NCCL: TP=2 against TP=1 (`benchmarks/tensor_parallel.py`, quick shape)."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"tensor_parallel 2 needs 2 or more GPUs; this machine has {torch.cuda.device_count()}"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tensor_parallel
+
+    args = argparse.Namespace(quick=True, tokens=32, tokens_c32=8, device="cuda:0" if device.type == "cuda" else "cpu")
+    out = asyncio.run(tensor_parallel.main_async(args))
+    keys = ("memory_per_rank_ratio", "tokens_per_s_ratio_c1", "tokens_per_s_ratio_c32", "same_greedy_tokens",
+            "tp1_tokens_per_s_c1", "tp2_tokens_per_s_c1", "tp1_tokens_per_s_c32", "tp2_tokens_per_s_c32")
+    return {k: out.get(k) for k in keys}
+
+
 SECTIONS = [("flashinfer", check_flashinfer, 60), ("cuda_graphs", check_cuda_graphs, 120),
             ("llama8b", check_llama8b, 120), ("bf16", check_bf16, 60), ("quant", check_quant, 90),
-            ("tp2_fidelity", check_tensor_parallel, 90), ("orpheus3b", check_orpheus3b, 150),
+            ("tp2_fidelity", check_tensor_parallel, 90), ("tp2", check_tp2, 90), ("orpheus3b", check_orpheus3b, 150),
             ("vs_vllm", check_vs_vllm, 200)]
 
 

@@ -27,6 +27,9 @@ class LoadOptions:
     #: nodes only other processes host (what a serving process's placement sends to workers, known before the
     #: graph is): built on the meta device too, so a partly-local model is built once, with only its local weights
     remote: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: this process's rank group (`mstar_core.nn.parallel.TensorParallelGroup`) when its nodes are split across
+    #: processes; a model loads only this rank's slices of the split nodes' weights. None: unsplit.
+    tensor_parallel: Any = attrs.field(default=None, eq=False)
 
     def device_for(self, *nodes: str) -> str:
         """The device for a module that `nodes` use: `device` if this process hosts any of them, else meta."""

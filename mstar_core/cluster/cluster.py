@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from mstar_core.cluster.launchers.spawn import spawn_worker
 from mstar_core.cluster.links import OrderedInbox, open_link
+from mstar_core.cluster.rank_groups import RankGroups
 from mstar_core.cluster.refusals import RefusalLog
 from mstar_core.cluster.remote_node import RemoteNodeScheduler, ReplicaGroup
 from mstar_core.cluster.remote_values import to_wire
@@ -99,6 +100,7 @@ class Cluster:
         self._verifier = HelloVerifier(self.secret)
         #: authenticated Hellos of hand-started workers that came before a placement named them, by name
         self._early: collections.OrderedDict[str, tuple[bytes, Hello, float]] = collections.OrderedDict()
+        self.rank_groups = RankGroups()  # tensor-parallel groups: fail, restart and rendezvous as one
         self.supervisor = Supervisor(self)
         self.refusals = RefusalLog(log)
         self._tasks: list[asyncio.Task] = []
@@ -610,6 +612,7 @@ class Cluster:
                 task.cancel()
         if self._auth is not None:
             self._auth.stop()
+        self.rank_groups.close()
         self.sock.close(0)
         self.ctx.term()
         if self._tmpdir:

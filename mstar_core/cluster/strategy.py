@@ -13,6 +13,7 @@ import torch
 
 from mstar_core.cluster.cluster import Cluster
 from mstar_core.cluster.links import check_transports
+from mstar_core.cluster.rank_groups import check_rank_group
 from mstar_core.cluster.remote_loop import delegate_loops
 from mstar_core.cluster.remote_node import RemoteNodeScheduler
 from mstar_core.cluster.remote_stream import plan_direct_streams
@@ -48,19 +49,30 @@ class WorkerPlacement:
                 raise ConfigError(f"{placement.source}: node '{node}' runs on the '{graph.nodes[node].engine}' engine, "
                                   "which cannot move a request's state between workers; place it on one worker")
         where = node_workers(graph, placement)
-        settings = {**placement.engine_settings, **settings}
-        cluster = await self._cluster(host, placement)
-        engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})
-        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): host.local_scheduler(e) for n, e in engines.items()}
         by_worker: dict[str, list[str]] = {}
         for node, workers in where.items():
             for worker in sorted(workers - {LOCAL}):
                 by_worker.setdefault(worker, []).append(node)
+        for group, nodes in by_worker.items():  # a split that cannot work fails here, before anything starts
+            if placement.workers[group].group_size > 1:
+                check_rank_group(placement.source, placement.workers[group], graph, nodes, host.registry.engines,
+                                 placement.walks, {**loaded.engine_settings, **placement.engine_settings, **settings})
+        settings = {**placement.engine_settings, **settings}
+        cluster = await self._cluster(host, placement)
+        engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})
+        on_worker: dict[tuple[str, str], Any] = {(n, LOCAL): host.local_scheduler(e) for n, e in engines.items()}
         share = thread_share(placement, host.torch_threads)
 
         async def start_and_load(replica: str, spec: Any, msg: LoadModel) -> None:
             await cluster.ensure_worker(replica, spec)
             await cluster.load(replica, msg)
+
+        async def start_and_load_group(ranks: tuple[str, ...], spec: Any, msg: LoadModel) -> None:
+            devices = spec.rank_devices()
+            await asyncio.gather(*(cluster.ensure_worker(r, attrs.evolve(spec, device=d)) for r, d in zip(ranks, devices, strict=True)))
+            # every rank loads at once: they meet at the rendezvous, then each reads only its slices
+            await asyncio.gather(*(cluster.load(r, cluster.rank_groups.load_message(msg, ranks, i, d))
+                                   for i, (r, d) in enumerate(zip(ranks, devices, strict=True))))
 
         starts = []  # every worker starts and loads at once: one's imports and load overlap the others'
         for group, nodes in by_worker.items():
@@ -71,7 +83,11 @@ class WorkerPlacement:
             msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
                             checkpoint=options.checkpoint, dtype=options.dtype,
                             settings={n: dict(settings.get(n, {})) for n in nodes})
-            starts += [start_and_load(r, spec, msg) for r in replicas]
+            if spec.group_size > 1:
+                starts += [start_and_load_group(cluster.rank_groups.register(spec.rank_names(r)), spec, msg)
+                           for r in replicas]
+            else:
+                starts += [start_and_load(r, spec, msg) for r in replicas]
             for node in nodes:
                 on_worker[node, group] = RemoteNodeScheduler(cluster, family, node, replicas)
         await asyncio.gather(*starts)
@@ -121,7 +137,7 @@ def thread_share(placement: Placement, torch_threads: int | str | None) -> int:
     Processes whose torch thread pools together exceed the cores slow each other down many
     times over (spinning OpenMP threads), so each gets an even share, this process included.
     """
-    spawned = sum(w.replicas for w in placement.workers.values() if w.launcher == "spawn")
+    spawned = sum(w.replicas * w.group_size for w in placement.workers.values() if w.launcher == "spawn")
     share = max(1, (os.cpu_count() or 1) // (spawned + 1))
     # this process's own pool is the caller's to set (an embedding application has its own plans)
     if torch_threads == "share" and spawned and torch.get_num_threads() > share:

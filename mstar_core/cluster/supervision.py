@@ -7,6 +7,10 @@ for the device, and its session is retired so nothing it sends afterwards counts
 worker's requests fail with `WorkerLost` and a fresh process is started and reloaded, with a
 back-off for workers that keep dying. Heartbeats come from the worker's event loop while its
 engine steps run on a device thread, so a long step does not silence it.
+
+The ranks of a tensor-parallel group (`rank_groups.py`) live and die together: one rank lost takes
+the others down with it (a follower without its rank 0, or a rank 0 without a follower, can only
+block in a collective), and the group is started and loaded again as a whole, under a new rendezvous.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Supervised(Protocol):
     heartbeat_interval: float
     closing: bool
     workers: Mapping[str, WorkerLink]
+    rank_groups: Any
 
     def ensure_receiving(self) -> None: ...
 
@@ -91,7 +96,25 @@ class Supervisor:
                       kill=True)
 
     def lost(self, state: WorkerLink, why: str, kill: bool = False, restart: bool = True) -> None:
-        """Fail the worker's requests now; kill its process if asked; start replacing it (spawned workers)."""
+        """Fail the worker's requests now; kill its process if asked; start replacing it (spawned workers).
+
+        A rank of a group takes the whole group down, and the group is replaced as one.
+        """
+        group = self.cluster.rank_groups.group_of(state.name)
+        if group is not None:
+            self._lose(state, why, kill)
+            for name in group:
+                other = self.cluster.workers.get(name)
+                if other is not None and other is not state and other.alive:
+                    self._lose(other, f"went down with its tensor-parallel group ({state.name} {why})", True)
+            if restart and state.spec.spawned and not self.cluster.closing:
+                self.start_group_restart(group)
+            return
+        self._lose(state, why, kill)
+        if restart and state.spec.spawned and not self.cluster.closing:
+            self.start_restart(state)
+
+    def _lose(self, state: WorkerLink, why: str, kill: bool) -> None:
         log.error("worker %s %s; failing its %d in-flight calls and %d requests", state.name, why,
                   len(state.inflight) + len(state.loops), len(state.touched))
         if kill and state.process is not None:
@@ -103,8 +126,49 @@ class Supervisor:
         requests = state.lost(why)
         if requests:
             self.cluster.requests_lost(state.name, requests, why)
-        if restart and state.spec.spawned and not self.cluster.closing:
-            self.start_restart(state)
+
+    def start_group_restart(self, group: tuple[str, ...]) -> None:
+        states = [self.cluster.workers[name] for name in group]
+        task = states[0].restart_task
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._restart_group(states))
+            for state in states:
+                state.restarting = True
+                state.restart_task = task
+
+    async def _restart_group(self, states: list[WorkerLink]) -> None:
+        """Start every rank again, then load them together (they meet at a new rendezvous); ready only when all are."""
+        group, failures, first = tuple(s.name for s in states), 0, states[0]
+        try:
+            while not self.cluster.closing:
+                unstable = time.monotonic() - first.ready_since < STABLE_S
+                await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures + (first.restarts if unstable else 0))))
+                for state in states:
+                    state.restarts += 1
+                try:
+                    for state in states:
+                        if state.alive:  # a rank left over from a failed attempt: it waits at the old rendezvous
+                            self._lose(state, "was restarted with its tensor-parallel group", True)
+                        await self._reap(state)
+                    await asyncio.gather(*(self.cluster.ensure_worker(s.name, s.spec) for s in states))
+                    self.cluster.rank_groups.renew(group)
+                    for model in list(first.loads):
+                        await asyncio.gather(*(self.cluster.load(s.name, self.cluster.rank_groups.load_message(
+                            s.loads[model], group, i, s.loads[model].device)) for i, s in enumerate(states)))
+                except Exception as exc:
+                    failures += 1
+                    log.error("tensor-parallel group %s failed to restart (attempt %d): %s", ", ".join(group),
+                              failures, exc)
+                    continue
+                now = time.monotonic()
+                for state in states:
+                    state.ready, state.ready_since = True, now
+                log.warning("tensor-parallel group %s restarted (%d restarts) and reloaded its models",
+                            ", ".join(group), first.restarts)
+                return
+        finally:
+            for state in states:
+                state.restarting = False
 
     def start_restart(self, state: WorkerLink) -> None:
         if state.restart_task is None or state.restart_task.done():

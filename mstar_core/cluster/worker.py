@@ -27,6 +27,7 @@ from mstar_core.checkpoint.partial import node_module, release_unhosted, residen
 from mstar_core.cluster.links import PeerMailbox, open_link
 from mstar_core.cluster.loop_host import LoopHostConductor
 from mstar_core.cluster.peer_streams import InboundStream, StreamLines
+from mstar_core.cluster.rank_follower import RankFollower, join_rank_group
 from mstar_core.cluster.refusals import RefusalLog
 from mstar_core.cluster.remote_values import error_fields, from_wire, to_wire
 from mstar_core.cluster.sealed import log_send_failure, send_sealed
@@ -34,6 +35,7 @@ from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, Invocation, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
+from mstar_core.runtime.rank_steps import RankGroup
 from mstar_core.runtime.scheduler import NodeScheduler
 from mstar_core.wire import (
     ErrorReport,
@@ -95,6 +97,8 @@ class Worker:
         self.lines: StreamLines | None = None  # the streams this worker's runs send to other workers, per request
         #: streams whose consumer runs here, fed by their producer's worker: (request, stream, branch) -> end
         self._inbound: dict[tuple[str, int, str], InboundStream] = {}
+        self.rank_group: tuple | None = None  # (split, channel) once this worker joined a tensor-parallel group
+        self.follower: RankFollower | None = None  # ranks 1..N-1: runs rank 0's steps on this rank's engines
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent before it (loop values, then done).
@@ -264,9 +268,11 @@ class Worker:
                 os._exit(0)
             seq += 1
             load = {}
-            for key, sched in self.schedulers.items():
+            engines = {key: sched.engine for key, sched in self.schedulers.items()}
+            engines.update(self.follower.engines if self.follower is not None else {})
+            for key, engine in engines.items():
                 try:
-                    load[key] = {**sched.engine.stats(), **self.resident.get(key, {})}
+                    load[key] = {**engine.stats(), **self.resident.get(key, {})}
                 except Exception:  # gauges are optional; the beat is not
                     load[key] = dict(self.resident.get(key, {}))
             if "process" in self.resident:
@@ -287,8 +293,14 @@ class Worker:
         try:
             registry = await loop.run_in_executor(self.executor, default_registry)  # imports: off the beating loop
             spec = registry.models.get(msg.model)
+            if msg.tensor_parallel and self.rank_group is None:  # every rank of the group meets here once
+                self.rank_group = await loop.run_in_executor(self.executor, join_rank_group, msg.tensor_parallel,
+                                                             msg.device)
+                if self.rank_group[0].rank > 0:
+                    self.follower = RankFollower(self.name, self.rank_group[1])
+            split = self.rank_group[0] if msg.tensor_parallel and self.rank_group else None
             options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype,
-                                  nodes=tuple(msg.nodes))
+                                  nodes=tuple(msg.nodes), tensor_parallel=split)
             loaded = await loop.run_in_executor(self.executor, spec.load, options)
             await loop.run_in_executor(self.executor, release_unhosted, loaded.graph, msg.nodes)
             self.graphs[msg.model] = loaded.graph
@@ -301,14 +313,22 @@ class Worker:
                 limit = active_limit(node_name, settings.pop("max_active_requests", None))
                 order = call_order(node_name, settings.pop("call_order", None))
                 engine_cls = registry.engines.get(node.engine)
-                context = EngineContext(self.name, device, settings, registry, peers=dict(built))
+                key = f"{msg.model}/{node_name}"
+                ranks = RankGroup(split, self.rank_group[1], key) if split is not None else None
+                context = EngineContext(self.name, device, settings, registry, peers=dict(built), rank_group=ranks)
                 module = node.module() if node.module is not None else None
                 built[node_name] = engine = await loop.run_in_executor(self.executor, engine_cls, node, module, context)
                 engine.max_active_requests, engine.call_order = limit, order
-                self.schedulers[f"{msg.model}/{node_name}"] = NodeScheduler(engine, self.executor)
-            local = {n: self.schedulers[f"{msg.model}/{n}"] for n in msg.nodes}
+                if self.follower is not None:
+                    self.follower.add(key, engine)  # steps come from rank 0, not from a scheduler here
+                else:
+                    self.schedulers[key] = NodeScheduler(engine, self.executor)
             self._count_resident()
-            self.hosts[msg.model] = LoopHostConductor(loaded.graph, local)
+            if self.follower is not None:
+                self.follower.start()
+            else:
+                local = {n: self.schedulers[f"{msg.model}/{n}"] for n in msg.nodes}
+                self.hosts[msg.model] = LoopHostConductor(loaded.graph, local)
             await self.send(ModelLoaded(worker=self.name, model=msg.model, nodes=list(msg.nodes)))
         except Exception as exc:
             log.exception("worker %s failed to load %s", self.name, msg.model)
@@ -318,7 +338,8 @@ class Worker:
         resident = {}
         for model, graph in self.graphs.items():
             for name, node in graph.nodes.items():
-                if f"{model}/{name}" in self.schedulers:
+                key = f"{model}/{name}"
+                if key in self.schedulers or (self.follower is not None and key in self.follower.engines):
                     resident[f"{model}/{name}"] = resident_parameters([node_module(node)])
         every = [node_module(node) for graph in self.graphs.values() for node in graph.nodes.values()]
         resident["process"] = resident_parameters(every)
@@ -476,14 +497,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
+    worker = Worker(args.name, args.join, secret, args.parent_pid,
+                    encrypt={"auto": None, "on": True, "off": False}[args.encrypt])
     try:
-        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid,
-                           encrypt={"auto": None, "on": True, "off": False}[args.encrypt]).run())
+        asyncio.run(worker.run())
     except KeyboardInterrupt:
         pass
     except Exception as exc:
         print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    if worker.rank_group is not None:  # a follower thread blocks in a collective: leave without waiting for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

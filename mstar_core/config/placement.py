@@ -7,6 +7,9 @@ workers:
   far: {device: cuda:0, host: 10.0.0.7}    # joins by hand: `mstar worker --join ... --name far`
   big: {device: cuda:0, launcher: ray, num_cpus: 2}  # one Ray actor per replica on a Ray cluster
   snac: {transport: shm}                    # tensors above 64 KiB through a shared-memory arena
+  tp: {device: cuda:0, tensor_parallel: 2}  # one node split over 2 rank processes on cuda:0 and cuda:1
+  # tp: {devices: [cuda:0, cuda:2], tensor_parallel: 2, replicas: 2}  # 2 groups of 2 ranks (4 processes)
+  # tp: {device: cpu, tensor_parallel: 2, threads: 1}  # on CPU: 2 processes with 1 torch thread each
   vae: {device: cuda:1, transport: nccl}    # tensors over torch.distributed (NCCL on CUDA, gloo on CPU)
   # vae: {transport: {name: nccl, backend: gloo, threshold: 16384}}   # a transport's options
 nodes:
@@ -29,6 +32,12 @@ control:
 control socket itself; the default), `shm` (shared memory; spawned workers only), or a plugin's.
 Control messages always travel on the ZeroMQ control socket.
 
+`tensor_parallel: N` (or `expert_parallel: N` for a mixture-of-experts node: the experts split across
+the same N ranks) makes each replica a group of N rank processes sharing one node: rank 0 is the
+worker the server talks to, ranks 1..N-1 follow its steps over a torch.distributed group (gloo on CPU,
+NCCL on CUDA). `device: cuda:K` puts the ranks on cuda:K..K+N-1; `devices` lists them. A dead or
+hung rank takes its whole group down, and the group is replaced as one.
+
 A node placed per walk runs each listed walk on that walk's worker (walks not listed run in the
 serving process); when a request's next call lands on another worker, its engine state moves
 there first (the engine must support it: `kvcache` does). The same model runs colocated (no file,
@@ -50,7 +59,8 @@ from mstar_core.strict import reject_unknown
 
 LOCAL = "local"
 PLACEMENT_KEYS = frozenset({"workers", "nodes", "engine_settings", "control"})
-WORKER_KEYS = ("device", "host", "replicas", "transport", "launcher", "num_cpus", "threads")
+WORKER_KEYS = ("device", "devices", "host", "replicas", "transport", "launcher", "num_cpus", "threads",
+               "tensor_parallel", "expert_parallel")
 LAUNCHERS = ("spawn", "ray", "manual")
 
 
@@ -86,6 +96,30 @@ class WorkerSpec:
     ray_address: str | None = None  # from `control.ray_address`; used by the ray launcher only
     #: torch intra-op threads of each spawned process; None = an even share of this host's cores
     threads: int | None = None
+    #: ranks each replica's nodes are split across (heads / columns / vocabulary), and how experts split over them
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    #: one device per rank (empty: from `device`, see `rank_devices`)
+    devices: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def group_size(self) -> int:
+        """Rank processes per replica (1: an ordinary worker)."""
+        return max(self.tensor_parallel, self.expert_parallel)
+
+    def rank_devices(self) -> list[str]:
+        """Each rank's device: `devices`, else `device` repeated (CPU) or counted up from it (`cuda:K` .. `cuda:K+N-1`)."""
+        if self.devices:
+            return list(self.devices)
+        kind, _, index = self.device.partition(":")
+        if kind == "cpu" or kind == "meta" or self.group_size == 1:
+            return [self.device] * self.group_size
+        first = int(index or 0)
+        return [f"{kind}:{first + i}" for i in range(self.group_size)]
+
+    def rank_names(self, replica: str) -> list[str]:
+        """The worker names of one replica's ranks: the replica itself (rank 0), then `<replica>.rank<i>`."""
+        return [replica] + [f"{replica}.rank{i}" for i in range(1, self.group_size)]
 
     @property
     def spawned(self) -> bool:
@@ -226,10 +260,41 @@ def _worker(source: str, name: str, spec: dict, replicas: int, ray_address: str 
         raise ConfigError(f"{where}.threads must be an integer >= 1, got {threads!r}")
     if threads is not None and launcher != "spawn":
         raise ConfigError(f"{where}.threads sets a spawned process's torch threads; it needs launcher: spawn")
-    return WorkerSpec(name=name, device=str(spec.get("device", "cpu")), host=host, replicas=replicas,
+    tensor_parallel, expert_parallel, devices = _rank_group(where, spec, launcher)
+    device = str(spec.get("device", devices[0] if devices else "cpu"))
+    return WorkerSpec(name=name, device=device, host=host, replicas=replicas,
                       transport=transport, transport_options=tuple(sorted(options.items())), launcher=launcher,
                       num_cpus=float(num_cpus), ray_address=ray_address,
-                      threads=threads)
+                      threads=threads, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                      devices=devices)
+
+
+def _rank_group(where: str, spec: dict, launcher: str) -> tuple[int, int, tuple[str, ...]]:
+    """`tensor_parallel`, `expert_parallel` and `devices` checked: positive sizes, one group size, a device per rank."""
+    sizes = {}
+    for key in ("tensor_parallel", "expert_parallel"):
+        value = spec.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}.{key} must be an integer >= 1, got {value!r}")
+        sizes[key] = value
+    tp, ep = sizes["tensor_parallel"], sizes["expert_parallel"]
+    if tp > 1 and ep > 1 and tp != ep:
+        raise ConfigError(f"{where}: expert_parallel ({ep}) splits the experts over the same ranks as tensor_parallel "
+                          f"({tp}); give them the same size, or only one of them")
+    size = max(tp, ep)
+    devices = spec.get("devices")
+    if devices is not None:
+        if not isinstance(devices, list) or not devices or not all(isinstance(d, str) and d for d in devices):
+            raise ConfigError(f"{where}.devices must be a list of device names (e.g. [cuda:0, cuda:2]), got {devices!r}")
+        if len(devices) != size:
+            raise ConfigError(f"{where}.devices lists {len(devices)} devices for a group of {size} ranks "
+                              "(tensor_parallel / expert_parallel); give one device per rank")
+        if "device" in spec:
+            raise ConfigError(f"{where}: give 'device' (ranks counted up from it) or 'devices', not both")
+    if size > 1 and launcher != "spawn":
+        raise ConfigError(f"{where}: a group of {size} ranks (tensor_parallel / expert_parallel) is started and "
+                          f"replaced as one by this server: it needs launcher: spawn, not {launcher}")
+    return tp, ep, tuple(devices or ())
 
 
 class _AnyKey:

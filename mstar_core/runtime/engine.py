@@ -74,6 +74,8 @@ class EngineContext:
     settings: Mapping[str, Any]
     registry: Registry | None = None
     peers: Mapping[str, Engine] = attrs.field(factory=dict, eq=False)
+    #: the node's rank group when it is split across processes (`runtime.rank_steps.RankGroup`); None: one process
+    rank_group: Any = attrs.field(default=None, eq=False)
 
 
 def active_limit(node: str, value: Any) -> int | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from mstar_core.errors import ConfigError
 from mstar_core.grammar import GrammarVocab
 from mstar_core.graph import DynamicLoop, FromEnv, Graph, GraphNode, NodeCall, Parallel, Sequential, Walk
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
@@ -90,8 +91,15 @@ def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any
     from mstar_core.checkpoint import load_tokenizer, read_chat_template, read_config, read_eos_token_ids
     from mstar_core.nn.llama import load_llama
 
-    lm = load_llama(directory, dtype=options.torch_dtype("llama", None), device=options.device_for("lm"),
-                    progress=progress)
+    device, group = options.device_for("lm"), options.tensor_parallel
+    if group is not None and group.world_size > 1 and device != "meta":
+        from mstar_core.nn.parallel import load_llama_tensor_parallel
+
+        # this rank's slices only, read straight from the memory-mapped files
+        lm = load_llama_tensor_parallel(directory, group, dtype=options.torch_dtype("llama", None), device=device,
+                                        module="node 'lm' (llama)")
+    else:
+        lm = load_llama(directory, dtype=options.torch_dtype("llama", None), device=device, progress=progress)
     eos = read_eos_token_ids(directory, read_config(directory))
     return lm, load_tokenizer(directory), read_chat_template(directory), eos
 
@@ -106,6 +114,9 @@ def _load_gguf(path: Path, options: LoadOptions, progress: bool) -> tuple[Any, A
     )
     from mstar_core.nn import LlamaForCausalLM
 
+    if options.tensor_parallel is not None and options.tensor_parallel.world_size > 1:
+        raise ConfigError(f"node 'lm' (llama): a GGUF checkpoint ({path.name}) cannot be split across ranks; "
+                          "serve a HF safetensors checkpoint with tensor_parallel, or drop tensor_parallel")
     source = GGUFSource(path)
     cfg = gguf_llama_config(source)
     lm = build_and_load(

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_kvcache.answers import CallAnswers
@@ -17,7 +17,7 @@ from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import CacheLabels
-from mstar_kvcache.pool import PagePool
+from mstar_kvcache.ranks import RankSteps, split_shape
 from mstar_kvcache.readers import ReadOnlyCalls
 from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
@@ -26,7 +26,7 @@ from mstar_kvcache.step_inputs import StepInputs
 from mstar_kvcache.transfer import CacheTransfer
 
 
-class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTransfer, Engine):
+class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTransfer, RankSteps, Engine):
     """Runs a transformer node's calls over paged KV, many requests and cache labels per forward.
 
     What a call takes and returns is in `inputs.py` (inputs and options) and `contract.py` (what
@@ -46,7 +46,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
     This file holds the engine contract and how a call attaches to its label; the rest lives in
     mixins, one job each: `labels.py` (fork, snapshot, drop), `readers.py` (read-only calls),
     `step_inputs.py` (one step's forward), `answers.py` (results, sampling, failures), and
-    `transfer.py` (moving caches between engines).
+    `transfer.py` (moving caches between engines), `ranks.py` (a node split across a rank group).
     """
 
     kind = "kvcache"
@@ -63,6 +63,13 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self.settings = KVCacheSettings.from_mapping(context.settings)
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
+        self.ranks = context.rank_group  # None unless the node is split across processes (see ranks.py)
+        self._forgotten: list[int] = []  # sequences released since the last step message (rank 0)
+        if self.ranks is not None:
+            kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
+            if self.settings.compile:  # (tried: a rank compiling starves its heartbeats and the group is replaced)
+                raise ConfigError(f"node '{node.name}': kvcache setting 'compile' is not supported yet on a node split "
+                                  f"across ranks (tensor_parallel {self.ranks.world_size}); drop it")
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
@@ -79,7 +86,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             self.pool = self.partner.pool
         else:
             pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
-            self.pool = PagePool(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype, self.device)
+            self.pool = self._pool_class()(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype,
+                                           self.device)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
@@ -107,6 +115,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self.num_steps = 0
         self.tokens_forwarded = 0  # rows computed by forwards (prefill and decode; prefix-cache hits are not)
         self.largest_batch = 0  # most sequences (calls, labels) one forward has run so far
+        if self.ranks is not None and self.ranks.leader:
+            self._lead()
 
     @property
     def max_batch_size(self) -> int:
@@ -122,6 +132,11 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
 
     def add(self, invocation: Invocation) -> None:
         transfer = invocation.options.get("transfer")
+        if transfer is not None and self.ranks is not None:
+            self.answered.append((invocation, RequestError(
+                f"node '{self.node.name}' is split across {self.ranks.world_size} ranks: its caches cannot move "
+                "between workers yet; place it on one worker for every walk", status=400)))
+            return
         if transfer is not None:
             answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `answered`)
             self.answered.append((invocation, answer))
@@ -179,6 +194,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             self.blocks.free(seq)
             if forget is not None:
                 forget(seq.order)
+                if self.ranks is not None:
+                    self._forgotten.append(seq.order)
         for reader in [r for r in self.readers if r.request_id == request_id]:
             self._drop_reader(reader)
         self.waiting_readers = [w for w in self.waiting_readers if w[0].request_id != request_id]
@@ -204,7 +221,12 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "quantized_linears": self.quantized_linears,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
-            **({"compile_seconds": self.forward_fn.compile_seconds} if self.forward_fn is not self.module else {}),
+            **({"compile_seconds": self.forward_fn.compile_seconds} if self.settings.compile else {}),
+            # this process's share of the KV pool (a split node's pool holds only its rank's heads)
+            "kv_heads": self.kv_shape[1],
+            "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
+            **({"tensor_parallel_rank": self.ranks.rank, "tensor_parallel_size": self.ranks.world_size}
+               if self.ranks is not None else {}),
         }
 
     def close(self) -> None:
@@ -281,6 +303,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         try:
             hidden = self._forward(work)
         except Exception as exc:
+            if self.ranks is not None:
+                self._check_group(exc)  # a broken rank group ends this process (the server replaces the group)
             if len(work) == 1:
                 if work[0][0].pending is None:  # a recompute for readers: they keep waiting
                     work[0][0].recompute = False

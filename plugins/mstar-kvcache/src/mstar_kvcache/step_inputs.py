@@ -19,6 +19,8 @@ class StepInputs:
         kwargs = self._module_inputs(work, batch)
         embeds = self._splice_embeds(work, ids)
         context = self.backend.begin(batch, self.pool.kv)
+        if self.ranks is not None and self.ranks.leader:  # a split node: every rank runs this step (ranks.py)
+            self._send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
         with torch.inference_mode():
             if embeds is None:
                 return self.forward_fn(ids, positions, context, **kwargs)
