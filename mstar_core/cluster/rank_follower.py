@@ -40,7 +40,8 @@ def join_rank_group(setup: dict[str, Any], device: str) -> tuple[TensorParallelG
     # a collective may wait as long as a follower idles between requests: a dead or hung rank is the
     # supervisor's to find (heartbeats, process exits), and it replaces the whole group
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
-    return TensorParallelGroup(rank, size), RankChannel(rank, size, None, device if backend == "nccl" else "cpu")
+    group = TensorParallelGroup(rank, size, expert_parallel=bool(setup.get("expert_parallel")))
+    return group, RankChannel(rank, size, None, device if backend == "nccl" else "cpu")
 
 
 class RankFollower:

@@ -32,11 +32,14 @@ class RankGroups:
     def __init__(self) -> None:
         self._members: dict[str, tuple[str, ...]] = {}
         self._generation: dict[tuple[str, ...], int] = {}
+        self._whole_experts: set[tuple[str, ...]] = set()  # groups of an `expert_parallel` worker
         self._store: Any = None
         self._store_port = 0
 
-    def register(self, names: Iterable[str]) -> tuple[str, ...]:
+    def register(self, names: Iterable[str], expert_parallel: bool = False) -> tuple[str, ...]:
         group = tuple(names)
+        if expert_parallel:
+            self._whole_experts.add(group)
         for name in group:
             self._members[name] = group
         self._generation.setdefault(group, 0)
@@ -54,7 +57,8 @@ class RankGroups:
         """What rank `rank` of `group` needs to join it (the `tensor_parallel` field of its `LoadModel`)."""
         return {"rank": rank, "size": len(group), "store": f"127.0.0.1:{self._port()}",
                 "prefix": f"{group[0]}#{self._generation[group]}", "timeout_s": RENDEZVOUS_TIMEOUT_S,
-                "backend": "nccl" if device.startswith("cuda") else "gloo"}
+                "backend": "nccl" if device.startswith("cuda") else "gloo",
+                "expert_parallel": group in self._whole_experts}
 
     def load_message(self, msg: LoadModel, group: tuple[str, ...], rank: int, device: str) -> LoadModel:
         """`msg` for one rank: its device and its place in the group's current start."""
@@ -97,17 +101,17 @@ def check_rank_group(source: str, spec: WorkerSpec, graph: Any, nodes: list[str]
         if name in moved:
             raise ConfigError(f"{source}: node '{name}' is placed per walk, and a node split across ranks "
                               f"(workers.{spec.name}.tensor_parallel) cannot move its caches between workers yet")
-        check_splits(name, node.module() if node.module is not None else None, size)
+        check_splits(name, node.module() if node.module is not None else None, size, spec.expert_parallel > 1)
 
 
-def check_splits(node: str, module: Any, size: int) -> None:
+def check_splits(node: str, module: Any, size: int, expert_parallel: bool = False) -> None:
     """A ConfigError naming `node` unless `module` can be split `size` ways (every split dimension divides)."""
     from mstar_core.nn.llama import LlamaForCausalLM
     from mstar_core.nn.parallel import check_divisible, llama_dimensions
 
     dims = getattr(module, "tensor_parallel_dimensions", None)
     if callable(dims):
-        check_divisible(f"node '{node}'", dims(), size)
+        check_divisible(f"node '{node}'", dims(expert_parallel=expert_parallel), size)
     elif isinstance(module, LlamaForCausalLM):
         check_divisible(f"node '{node}'", llama_dimensions(module.config), size)
     else:

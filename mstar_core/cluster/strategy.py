@@ -84,7 +84,7 @@ class WorkerPlacement:
                             checkpoint=options.checkpoint, dtype=options.dtype,
                             settings={n: dict(settings.get(n, {})) for n in nodes})
             if spec.group_size > 1:
-                starts += [start_and_load_group(cluster.rank_groups.register(spec.rank_names(r)), spec, msg)
+                starts += [start_and_load_group(cluster.rank_groups.register(spec.rank_names(r), spec.expert_parallel > 1), spec, msg)
                            for r in replicas]
             else:
                 starts += [start_and_load(r, spec, msg) for r in replicas]

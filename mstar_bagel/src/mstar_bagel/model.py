@@ -43,7 +43,7 @@ def load(options: LoadOptions) -> LoadedModel:
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     # presets are tiny: float32; a real checkpoint (14B parameters, stored bf16) loads as bf16 unless told otherwise
     dtype = options.torch_dtype("bagel", "float32" if preset else "bfloat16")
-    group = getattr(options, "tensor_parallel", None)  # (LoadOptions.tensor_parallel: the rank group, if any)
+    group = options.tensor_parallel  # (the rank group, if any)
     if group is not None and group.world_size > 1 and options.device != "meta":
         from mstar_bagel.parallel import load_bagel_tensor_parallel
 

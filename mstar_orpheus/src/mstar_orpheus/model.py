@@ -56,7 +56,7 @@ def load_orpheus(
 
         directory, random_weights = ensure_preset(preset), True
     # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
-    device, group = options.device_for("lm"), getattr(options, "tensor_parallel", None)
+    device, group = options.device_for("lm"), options.tensor_parallel
     if group is not None and group.world_size > 1 and device != "meta":
         from mstar_core.nn.parallel import load_llama_tensor_parallel
 

@@ -33,7 +33,7 @@ def _loader(kind: str):
     def load(options: LoadOptions) -> LoadedModel:
         preset = options.preset_or_checkpoint(kind, PRESETS)
         directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
-        group = getattr(options, "tensor_parallel", None)  # (LoadOptions.tensor_parallel: the rank group, if any)
+        group = options.tensor_parallel  # (the rank group, if any)
         if group is not None and group.world_size > 1 and options.device != "meta":
             from mstar_pi05.parallel import load_policy_tensor_parallel
 

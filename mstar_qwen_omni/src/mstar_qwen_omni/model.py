@@ -22,7 +22,7 @@ def load(options: LoadOptions) -> LoadedModel:
 
     preset = options.preset_or_checkpoint("qwen3-omni", PRESETS)
     directory = Path(ensure_tiny() if preset else options.checkpoint)
-    group = getattr(options, "tensor_parallel", None)  # (LoadOptions.tensor_parallel: the rank group, if any)
+    group = options.tensor_parallel  # (the rank group, if any)
     if group is not None and group.world_size > 1:
         from mstar_qwen_omni.parallel import load_omni_tensor_parallel
 
