@@ -491,8 +491,10 @@ class Cluster:
             return
         self._retired.pop(session, None)
         log.warning("a worker declared lost earlier is still talking (from %r); telling it to exit", identity[:32])
-        shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats); "
-                                   "it was replaced, start it again to rejoin")
+        # a hand-joined worker then joins again under a new session (the server reloads its models); a spawned
+        # one exits, its replacement is already on the way
+        shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats, e.g. "
+                                   "cut off by the network); join again", rejoin=True)
         send_sealed(self.sock, channel, encode(shutdown), head=(identity,))
 
     def _dispatch(self, state: WorkerLink, msg: Any) -> None:

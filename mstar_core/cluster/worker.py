@@ -95,6 +95,7 @@ class Worker:
         self.lines: StreamLines | None = None  # the streams this worker's runs send to other workers, per request
         #: streams whose consumer runs here, fed by their producer's worker: (request, stream, branch) -> end
         self._inbound: dict[tuple[str, int, str], InboundStream] = {}
+        self.rejoin = False  # set when the server declared this (hand-joined) worker lost: run again, join anew
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent before it (loop values, then done).
@@ -190,8 +191,11 @@ class Worker:
             while not self._stop.is_set():
                 msg = await self.recv()
                 if isinstance(msg, Shutdown):
+                    # a worker joined by hand has nobody to start it again: declared lost, it joins again itself
+                    self.rejoin = msg.rejoin and self.parent_pid is None
                     if msg.reason:
-                        log.warning("worker %s: leaving: %s", self.name, msg.reason)
+                        log.warning("worker %s: %s: %s", self.name, "rejoining" if self.rejoin else "leaving",
+                                    msg.reason)
                     break
                 try:
                     self._dispatch(msg)
@@ -477,8 +481,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
     try:
-        asyncio.run(Worker(args.name, args.join, secret, args.parent_pid,
-                           encrypt={"auto": None, "on": True, "off": False}[args.encrypt]).run())
+        while True:  # a hand-joined worker declared lost (a network partition healed) joins again, fresh
+            worker = Worker(args.name, args.join, secret, args.parent_pid,
+                            encrypt={"auto": None, "on": True, "off": False}[args.encrypt])
+            asyncio.run(worker.run())
+            if not worker.rejoin:
+                break
     except KeyboardInterrupt:
         pass
     except Exception as exc:
