@@ -356,7 +356,8 @@ class Worker:
             if key in self._inbound:
                 raise RuntimeError(f"stream {msg.stream} of request {msg.request_id} already has a consumer here")
             edge = host.sites[msg.walk].walk.streams[msg.stream]
-            inbound = InboundStream(edge, msg.session)
+            mailbox, session = self.mailbox, msg.session
+            inbound = InboundStream(edge, session, ack=lambda taken: mailbox.ack_stream(session, taken))
             self.mailbox.accept_stream(msg.session, msg.nonce, inbound.deliver)
         except Exception as exc:
             self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc)))
