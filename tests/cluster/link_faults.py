@@ -4,8 +4,9 @@ Tiny Orpheus with its LM here and its SNAC codec on a worker that joins from a n
 veth pair (CURVE-encrypted control link, heartbeats every 0.2 s). `tc` impairs both ends of the
 pair: with netem, a delay (40 ms each way), a 2 % loss and a partition (100 % loss); a kernel
 without netem (this box's has neither sch_netem nor tc actions) gets the nearest it has: a slow
-link (tbf at 8 Mbit/s: queueing delay), a congested one (tbf with a 2 ms queue: tail drops that
-TCP retransmits) and a partition that drops every packet (pfifo with no room). `run()` measures:
+link (tbf at 1 Mbit/s; no added latency as such), bursty loss (the link drops everything for
+100 ms of every second, about 10 % of packets, which TCP resends) and a partition that drops every
+packet (pfifo with no room). `run()` measures:
 
 * each impairment: one request end to end (its audio must equal the unimpaired reference);
 * the partition: how long a request in flight takes to fail (WorkerLost, 503), how fast a request
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -65,17 +67,43 @@ def qdisc_works(*args: str) -> bool:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def impairments() -> dict[str, tuple[list[str], str]]:
-    """name -> (the root qdisc put on both ends of the link, what it does): netem where the kernel has it."""
+def impairments() -> dict[str, tuple[list[str], str, tuple[float, float] | None]]:
+    """name -> (the root qdisc put on both ends of the link, what it does, (outage s, period s) when it flaps)."""
     if qdisc_works("netem", "delay", "1ms"):
-        return {"delay": (["netem", "delay", "40ms", "5ms"], "netem: 40 ms (+-5) each way"),
-                "loss": (["netem", "loss", "2%"], "netem: 2 % of packets lost each way"),
-                "partition": (["netem", "loss", "100%"], "netem: every packet lost")}
-    return {"delay": (["tbf", "rate", "8mbit", "burst", "32kb", "latency", "400ms"],
-                      "no netem here: a slow link, tbf at 8 Mbit/s (queueing delay)"),
-            "loss": (["tbf", "rate", "16mbit", "burst", "16kb", "latency", "2ms"],
-                     "no netem here: a congested link, tbf with a 2 ms queue (tail drops; TCP retransmits)"),
-            "partition": (["pfifo", "limit", "0"], "no netem here: pfifo with no room (every packet dropped)")}
+        return {"delay": (["netem", "delay", "40ms", "5ms"], "netem: 40 ms (+-5) each way", None),
+                "loss": (["netem", "loss", "2%"], "netem: 2 % of packets lost each way", None),
+                "partition": (["netem", "loss", "100%"], "netem: every packet lost", None)}
+    return {"delay": (["tbf", "rate", "1mbit", "burst", "2kb", "latency", "500ms"],
+                      "no netem here: a slow link, tbf at 1 Mbit/s (serialisation and queueing delay only)", None),
+            "loss": (["pfifo", "limit", "0"], "no netem here: the link drops every packet for 100 ms of every "
+                     "second (bursty loss, about 10 %; TCP resends)", (0.1, 1.0)),
+            "partition": (["pfifo", "limit", "0"], "no netem here: pfifo with no room (every packet dropped)", None)}
+
+
+class Flapping:
+    """The link cut for `outage_s` of every `period_s` (bursty loss without netem); counts what it dropped."""
+
+    def __init__(self, link: Link, qdisc: list[str], outage_s: float, period_s: float):
+        self.link, self.qdisc, self.outage_s, self.period_s = link, qdisc, outage_s, period_s
+        self.dropped = 0
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.to_thread(self.link.impair, self.qdisc)
+            try:
+                await asyncio.sleep(self.outage_s)
+            finally:
+                self.dropped += self.link.dropped()
+                self.link.heal()
+            await asyncio.sleep(self.period_s - self.outage_s)
+
+    async def stop(self) -> int:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.link.heal()
+        return self.dropped
 
 
 class Link:
@@ -95,6 +123,14 @@ class Link:
     def heal(self) -> None:
         for cmd in self._ends():
             subprocess.run([c.replace("{}", "del") for c in cmd], capture_output=True)
+
+    def dropped(self) -> int:
+        """Packets the root qdiscs of both ends dropped so far (what an impairment did)."""
+        total = 0
+        for prefix, dev in ((["tc"], self.host.dev_here), (["tc", "-n", self.host.ns], self.host.dev_there)):
+            shown = subprocess.run([*prefix, "-s", "qdisc", "show", "dev", dev, "root"], capture_output=True, text=True)
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", shown.stdout))
+        return total
 
 
 def free_port(addr: str) -> int:
@@ -159,6 +195,7 @@ async def _partition(engine: Any, link: Link, qdisc: list[str], reference: list,
         out["during"] = {"refused": False, "type": type(exc).__name__, "message": str(exc)[:200]}
     await asyncio.sleep(max(0.0, hold_s - (time.monotonic() - cut)))
     out["partition_s"] = round(time.monotonic() - cut, 3)
+    out["dropped_packets"] = link.dropped()
     link.heal()
     healed = time.monotonic()
     out["loop_lag_max_s"] = lag.stop()
@@ -218,7 +255,10 @@ async def run(*, hold_s: float = 3.0, recover_limit_s: float = 90.0, phases: tup
                 result["reference"] = {"chunks": len(reference), "seconds": round(time.monotonic() - t, 3)}
                 for name in phases:
                     restarts = codec.restarts
-                    link.impair(kinds[name][0])
+                    qdisc, _, flap = kinds[name]
+                    flapping = Flapping(link, qdisc, *flap) if flap else None
+                    if flapping is None:
+                        link.impair(qdisc)
                     t = time.monotonic()
                     try:
                         got = await asyncio.wait_for(audio(engine, SHORT), 120)
@@ -226,7 +266,11 @@ async def run(*, hold_s: float = 3.0, recover_limit_s: float = 90.0, phases: tup
                     except Exception as exc:
                         result[name] = {"same_audio": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
                     finally:
-                        link.heal()
+                        if flapping is not None:
+                            result[name]["dropped_packets"] = await flapping.stop()
+                        else:
+                            result[name]["dropped_packets"] = link.dropped()
+                            link.heal()
                     result[name]["worker_lost"] = codec.restarts != restarts or not codec.ready
                     await _await_ready(codec, 60)
                 result["partition"] = await _partition(engine, link, kinds["partition"][0], reference, hold_s,
