@@ -49,7 +49,12 @@ Stresses (issue 31), each on its own colocated server started beside the others 
     3 requests sent during the drain must get 503, the server must exit 0 (`stress.drain`).
   * `slow_client_rss_growth_mb`: 4 streamed llama completions (ignore_eos, 2000 tokens) read 512 B every 50 ms
     for 15 s, then hung up; the serving process' peak RSS over its RSS after a warm-up (`stress.slow_reader`).
-  * `partition_recovery_s`: a netem partition between hosts is not built yet: always null.
+  * `partition_recovery_s`: the SNAC codec on a worker in its own network namespace (tests/cluster/link_faults.py,
+    the scenario the network-fault test runs, here in this process): a request in flight, then a 3 s partition of
+    the veth link (netem loss 100 %, or pfifo with no room where the kernel has no netem), then the heal; seconds
+    from the heal to the end of the first request with the reference audio (the worker rejoins by itself). The full
+    run first puts a delay and a loss on the link (one request each). Needs root, `ip` and `tc`; otherwise null,
+    with the reason under `stress.partition.skipped` (`--no-partition` skips it).
 
 Tensor parallelism (issue 27, `chaos_tp.py`; `--no-tp` skips it, `--tp-only` runs only it): a llama server with
 two TP=2 groups; one group's follower rank is `kill -9`ed mid-request. Keys `tp_group_fail_latency_s` (<= 1.5),
@@ -91,6 +96,7 @@ from chaos_faults import (
     burst_admission,
     drain_under_load,
     fault_phase,
+    partition_heal,
     poisons,
     slow_reader,
 )
@@ -253,6 +259,12 @@ async def run_stresses(args) -> dict[str, Any]:
             if isinstance(out.get(label), dict):
                 out[label]["server_log"] = log_summary(srv.output())
             srv.close(args.keep_logs)
+    if not args.no_partition:  # after the stress servers stopped: its heartbeats need a less busy box
+        try:
+            log = (f"{os.environ.get('TMPDIR', '/tmp')}/mstar-chaos-partition-worker.log" if args.keep_logs else None)
+            out["partition"] = await partition_heal(args.quick, log)
+        except Exception as exc:  # reported, not fatal
+            out["partition"] = {"error": f"{type(exc).__name__}: {exc}"[-1500:], "partition_recovery_s": None}
     print(f"[stress] {json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)} for k, v in out.items() if isinstance(v, dict)})}",
           flush=True)
     return out
@@ -361,6 +373,7 @@ def main() -> None:
     parser.add_argument("--no-faults", action="store_true", help="no kill/stop (calibrates the harness)")
     parser.add_argument("--no-stress", action="store_true", help="skip the burst, drain and slow-reader servers")
     parser.add_argument("--stress-only", action="store_true", help="only the burst, drain and slow-reader servers")
+    parser.add_argument("--no-partition", action="store_true", help="skip the network partition of a namespaced worker")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
     parser.add_argument("--no-tp", action="store_true", help="skip killing a rank of a tensor-parallel group")
     parser.add_argument("--tp-only", action="store_true", help="only kill a rank of a tensor-parallel group")

@@ -194,3 +194,24 @@ def _tally(items) -> dict[str, int]:
     for item in items:
         out[item] = out.get(item, 0) + 1
     return out
+
+
+async def partition_heal(quick: bool, log_path: str | None = None) -> dict[str, Any]:
+    """The codec's worker in its own network namespace: tc impairments, a partition and its heal (tests/cluster/link_faults).
+
+    Runs here (the engine in this process, the worker in the namespace); `partition_recovery_s` is from the heal to
+    the end of the first request with the reference audio. Without root, `ip` or `tc`: {"skipped": why}.
+    """
+    import sys
+
+    from chaos_driver import REPO
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # tests.cluster.link_faults: the scenario the network-fault test runs
+    from tests.cluster import link_faults
+
+    why = link_faults.why_not()
+    if why:
+        return {"skipped": why, "partition_recovery_s": None}
+    phases = () if quick else ("delay", "loss")
+    return await link_faults.run(hold_s=3.0, recover_limit_s=60.0 if quick else 90.0, phases=phases, log_path=log_path)

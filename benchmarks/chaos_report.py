@@ -171,11 +171,11 @@ def summarize(scenarios: dict[str, dict], wall: float, quick: bool, stress: dict
         "targets": {**TARGETS, "poisoned_4xx": "== poisoned_total"},
         "targets_met": met,
         "all_targets_met": all(met.values()),
-        # issue 31's stresses (null where not run): a burst against 4 + 4, SIGTERM under load, a slow reader;
-        # a netem partition between hosts is not built yet, so its recovery time is null
+        # issue 31's stresses (null where not run): a burst against 4 + 4, SIGTERM under load, a slow reader, a
+        # partition of a namespaced worker's link and its heal
         "burst_503_exact": (stress or {}).get("burst", {}).get("burst_503_exact"),
         "drain_lost": (stress or {}).get("drain", {}).get("drain_lost"),
-        "partition_recovery_s": None,
+        "partition_recovery_s": (stress or {}).get("partition", {}).get("partition_recovery_s"),
         "slow_client_rss_growth_mb": (stress or {}).get("slow_reader", {}).get("slow_client_rss_growth_mb"),
         "stress": stress or {},
         "scenario_errors": errors,

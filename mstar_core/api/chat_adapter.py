@@ -27,6 +27,8 @@ ROUTE_FIELDS = {
     "completions": {"model", "prompt", "stream", "stream_options", "n", "stop", "logprobs", "echo", "suffix",
                     "best_of", "user", "response_format"},
 }
+#: The model input each route fills (`chat_inputs`, `completion_inputs` for a text prompt).
+ROUTE_INPUT = {"chat": "messages", "completions": "prompt"}
 
 
 class TokenizerChatAdapter(ApiAdapter):
@@ -45,7 +47,14 @@ class TokenizerChatAdapter(ApiAdapter):
         extras = getattr(loaded, "extras", {}) or {}
         self.tokenizer = extras["tokenizer"]
         self.eos_ids = {int(t) for t in extras.get("eos_token_ids", ()) or ()}
-        self.routes = {"chat", "completions"} if extras.get("chat_template") is not None else {"completions"}
+        routes = {"chat", "completions"} if extras.get("chat_template") is not None else {"completions"}
+        # a declared request schema says what the model takes: no route whose inputs it would refuse (Orpheus has a
+        # tokenizer but takes `text`, not a `prompt`)
+        schema = getattr(loaded, "request_schema", None)
+        if schema is not None:
+            fields = {f.name for f in schema.fields}
+            routes = {r for r in routes if ROUTE_INPUT[r] in fields}
+        self.routes = routes
 
     def sampling_inputs(self, body: Mapping[str, Any], route: str = "chat") -> dict[str, Any]:
         """The sampling fields the client set (a 400 for fields neither the route nor sampling knows)."""

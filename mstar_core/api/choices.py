@@ -7,13 +7,18 @@ token carrying its choice (`Output.branch`); `SharedRequest` splits that one str
 Any other model gets `n` requests on the same prompt: choice 0 is submitted alone; once its first output
 arrives its prompt is in the engine's prefix cache, so the other choices, submitted then, share those pages.
 Either way choice `i` samples with `seed + i`, exactly what a single request seeded so samples.
+
+Nothing here buffers without bound for a slow client: each choice's stream of events waits while
+`EVENTS_AHEAD` of its events are unsent (the route's body generator is as slow as the client's socket),
+and a shared request's branches each hold at most `EVENTS_AHEAD` outputs, so the request's own credit
+(`runtime.request.MAX_UNREAD`) holds its producer back in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +35,9 @@ from mstar_core.api.errors import ApiError
 from mstar_core.api.text import TextAssembler
 from mstar_core.compat import changed
 from mstar_core.sampling import choice_seed  # noqa: F401  (chat reads it from here)
+
+#: Events (or a branch's outputs) one choice may have waiting for the client before its reading waits too.
+EVENTS_AHEAD = 64
 
 #: One generated token with what the model said of it: (token id, its logprob, [(alternative id, logprob), ...]).
 TokenLogprob = tuple[int, float | None, list[tuple[int, float]] | None]
@@ -128,14 +136,23 @@ class SharedRequest:
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
         self.open = set(range(n))  # branches whose choice has not finished yet
         self.cancelled = False
+        self._taken = asyncio.Event()  # set whenever a branch's reader takes an output (or a branch finishes)
         self.pump = asyncio.ensure_future(self._pump())
 
     async def _pump(self) -> None:
         end: BaseException | None = None
         try:
             async for out in self.handle:
-                if out.branch is not None and 0 <= out.branch < len(self.queues):
-                    self.queues[out.branch].put_nowait(out)
+                i = out.branch
+                if i is None or not 0 <= i < len(self.queues):
+                    continue
+                # a branch EVENTS_AHEAD behind holds the pump, and so the request (its reader's credit); a
+                # finished branch's outputs are dropped, so it never holds the others
+                while i in self.open and self.queues[i].qsize() >= EVENTS_AHEAD:
+                    self._taken.clear()
+                    await self._taken.wait()
+                if i in self.open:
+                    self.queues[i].put_nowait(out)
         except BaseException as exc:  # the request failed (or was cancelled): every branch's stream ends so
             end = exc
         for queue in self.queues:
@@ -147,6 +164,14 @@ class SharedRequest:
     def finish(self, i: int) -> None:
         """Choice `i` needs nothing more; once every choice is done the request stops."""
         self.open.discard(i)
+        queue = self.queues[i]
+        ended = None
+        while not queue.empty():  # nobody reads its outputs now (a request's end is kept for a late reader)
+            item = queue.get_nowait()
+            ended = item if isinstance(item, _End) else ended
+        if ended is not None:
+            queue.put_nowait(ended)
+        self._taken.set()
         if not self.open:
             self.cancelled = True
             self.handle.cancel()
@@ -176,6 +201,7 @@ class BranchHandle:
 
     async def __anext__(self) -> Any:
         item = await self.shared.queues[self.index].get()
+        self.shared._taken.set()
         if isinstance(item, _End):
             self.shared.queues[self.index].put_nowait(item)  # later iterations end too
             if item.error is not None and not isinstance(item.error, asyncio.CancelledError):
@@ -263,23 +289,26 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
 Event = tuple[Choice, str, list[TokenLogprob], bool]
 
 
-async def run_choice(choice: Choice, emit: Callable[[Event], None] | None = None) -> None:
-    """Feed a started choice to its end; `emit` each piece of text (and once, done) with its tokens' logprobs."""
+async def run_choice(choice: Choice, emit: Callable[[Event], Awaitable[None]] | None = None) -> None:
+    """Feed a started choice to its end; `emit` each piece of text (and once, done) with its tokens' logprobs.
+
+    `emit` is awaited: while the client is behind, the choice reads no more of its request.
+    """
     delta = choice.feed(choice.first)
     if (delta or choice.has_audio()) and emit is not None:
-        emit((choice, delta, choice.take_logprobs(), False))
+        await emit((choice, delta, choice.take_logprobs(), False))
     if not choice.settled:
         async for out in choice.rest:
             delta = choice.feed(out)
             if (delta or choice.has_audio()) and emit is not None:
-                emit((choice, delta, choice.take_logprobs(), False))
+                await emit((choice, delta, choice.take_logprobs(), False))
             if choice.settled:
                 break
     env = await choice.handle.result() if not choice.settled else {}
     choice.handle.cancel()
     tail = choice.close(env)
     if emit is not None:
-        emit((choice, tail, choice.take_logprobs(), True))
+        await emit((choice, tail, choice.take_logprobs(), True))
 
 
 async def run_all(request: Request, choices: list[Choice]) -> None:
@@ -293,26 +322,54 @@ async def run_all(request: Request, choices: list[Choice]) -> None:
         map_result(work)
     finally:
         watcher.cancel()
-        if not work.done():
-            work.cancel()
+        work.cancel()
+        # a cancelled gather ends with an exception (CancelledError, or a choice's failure) nobody awaits: retrieved
+        # here, so a client's disconnect does not log "_GatheringFuture exception was never retrieved"
+        work.add_done_callback(_retrieve)
         for choice in choices:
             choice.handle.cancel()
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class _Ended:
+    """A choice's run ended (`error`: what failed it)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+
+async def _run_into(choice: Choice, queue: asyncio.Queue) -> None:
+    try:
+        await run_choice(choice, queue.put)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put(_Ended(exc))
+        return
+    await queue.put(_Ended(None))
+
+
 async def events(choices: list[Choice]) -> AsyncIterator[Event]:
-    """Every choice's events as they come, interleaved; raises what failed any of them."""
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(run_choice(c, queue.put_nowait)) for c in choices]
-    for task in tasks:
-        task.add_done_callback(lambda t: queue.put_nowait(t))
+    """Every choice's events as they come, interleaved; raises what failed any of them.
+
+    At most `EVENTS_AHEAD` events per choice wait here: a client reading slowly holds the choices back.
+    """
+    queue: asyncio.Queue = asyncio.Queue(maxsize=EVENTS_AHEAD * max(1, len(choices)))
+    tasks = [asyncio.ensure_future(_run_into(c, queue)) for c in choices]
     remaining = len(tasks)
     try:
         while remaining:
             item = await queue.get()
-            if isinstance(item, asyncio.Future):
+            if isinstance(item, _Ended):
                 remaining -= 1
-                if not item.cancelled() and item.exception() is not None:
-                    raise item.exception()
+                if item.error is not None:
+                    raise item.error
                 continue
             yield item
     finally:

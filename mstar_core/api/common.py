@@ -105,24 +105,40 @@ async def first_then_rest(request: Request, handle: Any) -> tuple[Any, AsyncIter
 
     Returns (first output or None if the request ended without output, iterator over the rest).
     """
+    held, rest = await held_until(request, handle, lambda _out: True)
+    return (held[0] if held else None), rest
+
+
+async def held_until(request: Request, handle: Any, wanted: Callable[[Any], bool]) -> tuple[list[Any], AsyncIterator[Any]]:
+    """Read outputs until the first one `wanted` accepts (or the end) before the route commits to a 200.
+
+    A failure before that output (e.g. the codec worker of a speech request lost while the LM already
+    produced tokens) still gets its own status (a 503 with Retry-After), not a 200 cut short.
+    Returns (the outputs read, the last of them the wanted one unless the request ended; the iterator).
+    """
     iterator = handle.__aiter__()
     watcher = asyncio.ensure_future(watch_disconnect(request))
-    nxt = asyncio.ensure_future(iterator.__anext__())
+    held: list[Any] = []
+    nxt: asyncio.Future | None = None
     try:
-        done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt not in done:
-            handle.cancel()
-            raise ApiError(499, "client disconnected")
-        try:
-            first = nxt.result()
-        except StopAsyncIteration:
-            first = None
-        except RequestError as exc:
-            raise from_request_error(exc) from None
-        return first, iterator
+        while True:
+            nxt = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                handle.cancel()
+                raise ApiError(499, "client disconnected")
+            try:
+                out = nxt.result()
+            except StopAsyncIteration:
+                return held, iterator
+            except RequestError as exc:
+                raise from_request_error(exc) from None
+            held.append(out)
+            if wanted(out):
+                return held, iterator
     finally:
         watcher.cancel()
-        if not nxt.done():
+        if nxt is not None and not nxt.done():
             nxt.cancel()
             handle.cancel()
 

@@ -14,7 +14,7 @@ from mstar_core.api.audio import MEDIA_TYPES, AudioEncoder
 from mstar_core.api.common import (
     adapter_call,
     cancel_on_exit,
-    first_then_rest,
+    held_until,
     sse,
     stream_error_payload,
     submit,
@@ -66,7 +66,9 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     # FLAC streamed has no length in its header (see audio.py): only when asked for explicitly
     encode_streaming = streaming and (body.response_format != "flac" or payload.get("stream") is True)
     encoder = AudioEncoder(body.response_format, int(adapter.sample_rate), stream=encode_streaming)
-    first, rest = await first_then_rest(request, handle)
+    # the status line waits for the first audio: a request whose codec fails before it (its worker lost and
+    # being replaced) is then a 503 with Retry-After, not a 200 whose body is cut off after the LM's tokens
+    held, rest = await held_until(request, handle, lambda out: out.name == adapter.audio_output)
     metrics = state.metrics
 
     generated = [0]
@@ -87,7 +89,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
 
     async def audio_stream():
         async with cancel_on_exit(handle):
-            yield audio_bytes(first)
+            yield b"".join(audio_bytes(out) for out in held)
             async for out in rest:
                 data = audio_bytes(out)
                 if data:
@@ -98,8 +100,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     async def sse_stream():
         async with cancel_on_exit(handle):
             try:
-                outs = [first] if first is not None else []
-                for out in outs:
+                for out in held:
                     data = audio_bytes(out)
                     if data:
                         yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})

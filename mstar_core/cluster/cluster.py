@@ -95,7 +95,7 @@ class Cluster:
         self.address = ""
         self.workers: dict[str, WorkerLink] = {}
         self._sessions: dict[bytes, WorkerLink] = {}
-        self._retired: collections.OrderedDict[bytes, Channel] = collections.OrderedDict()
+        self._retired: collections.OrderedDict[bytes, tuple[Channel, WorkerLink]] = collections.OrderedDict()
         self._groups: dict[tuple[str, ...], ReplicaGroup] = {}
         self._verifier = HelloVerifier(self.secret)
         #: authenticated Hellos of hand-started workers that came before a placement named them, by name
@@ -242,7 +242,7 @@ class Cluster:
         channel = state.channel
         if channel is not None:
             self._sessions.pop(channel.session, None)
-            self._retired[channel.session] = channel
+            self._retired[channel.session] = (channel, state)
             while len(self._retired) > RETIRED_SESSIONS:
                 self._retired.popitem(last=False)
 
@@ -481,7 +481,7 @@ class Cluster:
         await self._on_hello(identity, msg)
 
     def _on_stale_session(self, identity: bytes, session: bytes, body: list[Any]) -> None:
-        channel = self._retired.get(session)
+        channel, state = self._retired.get(session, (None, None))
         if channel is not None:
             try:
                 channel.open(body)  # only the worker itself earns an answer
@@ -493,8 +493,12 @@ class Cluster:
             return
         self._retired.pop(session, None)
         log.warning("a worker declared lost earlier is still talking (from %r); telling it to exit", identity[:32])
-        shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats); "
-                                   "it was replaced, start it again to rejoin")
+        # a hand-joined worker joins again under a new session (the server reloads its models), unless another
+        # process took its name meanwhile; a spawned one exits (its replacement is already on the way)
+        rejoin = state is not None and not state.alive and not state.spec.spawned
+        shutdown = Shutdown(reason="the server declared this worker lost (it stopped answering heartbeats, e.g. "
+                                   "cut off by the network); " + ("join again" if rejoin else "it was replaced"),
+                            rejoin=rejoin)
         send_sealed(self.sock, channel, encode(shutdown), head=(identity,))
 
     def _dispatch(self, state: WorkerLink, msg: Any) -> None:

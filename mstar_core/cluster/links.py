@@ -147,6 +147,12 @@ class PeerMailbox:
     keeping those that come before it did (bounded). An item is tagged `s` + nonce in its first
     frame; the items sent to one worker in one turn of the event loop (a decode step's token for
     each of its streams) travel as one message (`wire.batch`).
+
+    Streams are credited: the consumer's worker reports, back down the same connection, how many
+    of a stream's items it has taken off the line (`ack_stream`: those its consumer took or its
+    chunk policy holds); the producer's run waits (`stream_credit`) while `STREAM_WINDOW` items it
+    sent are not taken yet. A producer far ahead of a slow consumer therefore holds at most that
+    many items in flight and waiting per stream, instead of buffering without bound.
     """
 
     #: moves whose state may wait for their import at once (more: the oldest is dropped)
@@ -154,6 +160,12 @@ class PeerMailbox:
     #: streams open at once on this mailbox, and items one may hold before its consumer registers
     MAX_STREAMS = 1024
     MAX_EARLY_ITEMS = 65536
+    #: items of one stream sent and not yet taken by its consumer before its producer waits for a credit
+    STREAM_WINDOW = 128
+    #: a consumer reports progress once it has taken this many items since its last report
+    ACK_EVERY = STREAM_WINDOW // 4
+    #: the credit that ends a stream's accounting (its consumer ended: the producer never waits on it again)
+    ENDED = 1 << 62
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", encrypt: bool = False):
         import zmq
@@ -179,10 +191,16 @@ class PeerMailbox:
         self.sent_moves = self.received_moves = 0
         self.stream_sent_bytes = self.stream_received_bytes = 0
         self.stream_sent_items = self.stream_received_items = self.stream_late_items = 0
+        self.stream_acks_sent = 0
         self.refused = 0
-        # stream session -> [channel, nonce, deliver (None until accepted), items that came before]
+        # stream session -> [channel, nonce, deliver (None until accepted), items that came before, sender's routing id]
         self._streams: dict[bytes, list[Any]] = {}
-        self._ended: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # ended stream sessions -> the sender's routing id until it was told the stream ended (then None)
+        self._ended: collections.OrderedDict[bytes, bytes | None] = collections.OrderedDict()
+        # the producer's side of the credits: stream session -> items its consumer has taken, and who waits for more
+        self._taken: dict[bytes, int] = {}
+        self._credit: dict[bytes, asyncio.Future] = {}
+        self._credit_readers: set[asyncio.Task] = set()
         # stream items sealed this turn of the event loop and not yet handed to the socket, per receiver
         self._outbox: dict[str, list[tuple[bytes, list[Any]]]] = {}
         self.stream_messages_sent = 0  # socket messages that carried those items (several a message: `_flush`)
@@ -195,7 +213,8 @@ class PeerMailbox:
                 "stream_sent_bytes": self.stream_sent_bytes, "stream_received_bytes": self.stream_received_bytes,
                 "stream_sent_items": self.stream_sent_items, "stream_received_items": self.stream_received_items,
                 "stream_late_items": self.stream_late_items, "streams_open": len(self._streams),
-                "stream_messages_sent": self.stream_messages_sent}
+                "stream_messages_sent": self.stream_messages_sent, "stream_acks_sent": self.stream_acks_sent,
+                "streams_waiting_for_credit": sum(1 for w in self._credit.values() if not w.done())}
 
     def _socket(self, address: str) -> Any:
         import zmq
@@ -212,6 +231,9 @@ class PeerMailbox:
                 client_keys(sock, self.secret)
             sock.connect(address)
             self._out[address] = sock
+            reader = asyncio.ensure_future(self._read_credits(sock))
+            self._credit_readers.add(reader)
+            reader.add_done_callback(self._credit_readers.discard)
         return sock
 
     async def send(self, address: str, nonce: str, session: str, frames: list[Any]) -> None:
@@ -263,6 +285,56 @@ class PeerMailbox:
         message = join_messages([[b"s" + nonce, *sealed] for nonce, sealed in pending])
         self._socket(address).send_multipart(message, copy=False).add_done_callback(_STREAM_SEND)
 
+    async def stream_credit(self, session: str, channel: Any) -> None:
+        """Wait while `STREAM_WINDOW` items sealed on `channel` (stream `session`) are not taken by its consumer yet."""
+        key = bytes.fromhex(session)
+        while channel._sent - self._taken.get(key, 0) >= self.STREAM_WINDOW and not self._closed:
+            waiter = self._credit.get(key)
+            if waiter is None or waiter.done():
+                waiter = self._credit[key] = asyncio.get_running_loop().create_future()
+            await waiter
+
+    def forget_credit(self, session: str) -> None:
+        """The producer's side of stream `session` is done (its request released)."""
+        key = bytes.fromhex(session)
+        self._taken.pop(key, None)
+        waiter = self._credit.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+
+    async def _read_credits(self, sock: Any) -> None:
+        """Credits coming back from a receiver: [b"c", session, items taken (8 bytes, big-endian)]."""
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the socket or the context is closing
+                return
+            if len(frames) != 3 or frames[0] != b"c" or len(frames[2]) != 8:
+                self.refused += 1
+                continue
+            key, taken = bytes(frames[1]), int.from_bytes(frames[2], "big")
+            if taken <= self._taken.get(key, 0):
+                continue  # reports can only grow; an old one changes nothing
+            self._taken[key] = taken
+            waiter = self._credit.pop(key, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def ack_stream(self, session: str, taken: int) -> None:
+        """Tell stream `session`'s producer that `taken` of its items are off the line (its consumer took them)."""
+        entry = self._streams.get(bytes.fromhex(session))
+        if entry is not None and entry[4] is not None:
+            self._send_credit(entry[4], bytes.fromhex(session), taken)
+
+    def _send_credit(self, routing_id: bytes, key: bytes, taken: int) -> None:
+        if self._closed:
+            return
+        self.stream_acks_sent += 1
+        self.sock.send_multipart([routing_id, b"c", key, taken.to_bytes(8, "big")],
+                                 copy=False).add_done_callback(_CREDIT_SEND)
+
     def accept_stream(self, session: str, nonce: str, deliver: Callable[[list[Any]], None]) -> None:
         """Hand stream `session`'s items to `deliver`, in order: at once those already here, then as they come."""
         from mstar_core.wire.session import Channel
@@ -270,7 +342,7 @@ class PeerMailbox:
         key = bytes.fromhex(session)
         entry = self._streams.get(key)
         if entry is None or entry[1] != nonce:  # early items sealed under another nonce are not this stream's
-            entry = self._streams[key] = [Channel.for_coordinator(self.secret, nonce, session), nonce, None, []]
+            entry = self._streams[key] = [Channel.for_coordinator(self.secret, nonce, session), nonce, None, [], None]
         early, entry[3] = entry[3], []
         entry[2] = deliver
         for frames in early:
@@ -279,12 +351,15 @@ class PeerMailbox:
     def drop_stream(self, session: str) -> None:
         """The consumer is done (or released): later items of this stream are dropped."""
         key = bytes.fromhex(session)
-        self._streams.pop(key, None)
-        self._ended[key] = None
+        entry = self._streams.pop(key, None)
+        sender = entry[4] if entry is not None else None
+        if sender is not None:  # its producer must never wait on this stream again (it may still be producing)
+            self._send_credit(sender, key, self.ENDED)
+        self._ended[key] = None if sender is not None else b""
         while len(self._ended) > self.MAX_STREAMS:
             self._ended.popitem(last=False)
 
-    def _on_stream_item(self, nonce: str, body: list[Any]) -> None:
+    def _on_stream_item(self, nonce: str, body: list[Any], sender: bytes = b"") -> None:
         from mstar_core.wire.errors import WireError
         from mstar_core.wire.session import Channel, session_of
         from mstar_core.wire.transport import frames_bytes
@@ -294,16 +369,21 @@ class PeerMailbox:
             raise WireError("not a sealed stream item")
         if session in self._ended:  # still in flight when its consumer ended (a cancelled request): nothing to do
             self.stream_late_items += 1
+            if self._ended[session] == b"" and sender:  # ended before any item came: release its producer once
+                self._ended[session] = None
+                self._send_credit(sender, session, self.ENDED)
             return
         entry = self._streams.get(session)
         made = entry is None
         if made:
             if len(self._streams) >= self.MAX_STREAMS:
                 raise WireError("too many open streams")
-            entry = [Channel.for_coordinator(self.secret, nonce, session.hex()), nonce, None, []]
+            entry = [Channel.for_coordinator(self.secret, nonce, session.hex()), nonce, None, [], None]
         frames = entry[0].open(body)  # AuthError (a WireError) when forged, replayed or out of order
         if made:
             self._streams[session] = entry
+        if sender:
+            entry[4] = sender  # where its credits go: the connection its (authenticated) items come on
         self.stream_received_bytes += frames_bytes(frames)
         self.stream_received_items += 1
         if entry[2] is not None:
@@ -342,6 +422,7 @@ class PeerMailbox:
                 raise
             except Exception:  # the context is closing
                 return
+            sender = raw[0].bytes
             try:
                 messages = split_messages([f.buffer for f in raw[1:]])  # raw[0]: the sender's routing id
             except WireError as exc:
@@ -350,12 +431,12 @@ class PeerMailbox:
                 continue
             for message in messages:  # a bad one is refused alone: the others still reach their streams
                 try:
-                    self._on_message(message)
+                    self._on_message(message, sender)
                 except (IndexError, UnicodeDecodeError, ValueError, WireError) as exc:  # AuthError is a WireError
                     self.refused += 1
                     log.warning("peer mailbox %s: dropped a message: %s", self.address, exc)
 
-    def _on_message(self, message: list[Any]) -> None:
+    def _on_message(self, message: list[Any], sender: bytes = b"") -> None:
         """One message off the peer line: [tag, sealed frames...]; tag `s` + nonce for a stream item, else a move's nonce."""
         from mstar_core.wire.errors import WireError
         from mstar_core.wire.session import Channel, session_of
@@ -365,7 +446,7 @@ class PeerMailbox:
         nonce = head.decode("ascii")
         body = list(message[1:])
         if head[:1] == b"s":  # a stream item (a move's nonce is hex: never starts with 's')
-            self._on_stream_item(nonce[1:], body)
+            self._on_stream_item(nonce[1:], body, sender)
             return
         session = session_of(body)
         if session is None or session in self._used:
@@ -387,6 +468,11 @@ class PeerMailbox:
     def close(self) -> None:
         self._closed = True
         self._task.cancel()
+        for reader in list(self._credit_readers):
+            reader.cancel()
+        for waiter in self._credit.values():
+            if not waiter.done():
+                waiter.cancel()
         self._outbox.clear()
         for sock in self._out.values():
             sock.close(0)
@@ -397,3 +483,4 @@ class PeerMailbox:
 
 
 _STREAM_SEND = log_send_failure("peer line: a stream message")
+_CREDIT_SEND = log_send_failure("peer line: a stream credit")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mstar_core.cluster.peer_streams import InboundStream, StreamLines, StreamSender
+from mstar_core.cluster.peer_streams import InboundStream, StreamLines, StreamSender, wait_for_credits
 from mstar_core.cluster.remote_values import error_fields, from_wire, to_wire
 from mstar_core.graph.graph import Graph
 from mstar_core.graph.walk import NodeCall, Walk
@@ -95,6 +95,7 @@ class LoopHostConductor(Conductor):
         state = _LoopState(msg.request_id, msg.loop, msg.branch,
                            self._forward(self.graph, walk, loop.body, frozenset(senders)), send)
         state.arrival = msg.arrival  # the serving process's: its calls queue here by the request's age, not the loop's
+        _hold_to_credits(state, senders)
         try:
             await self.run_loop(state, frame, loop, env)
         except Exception as exc:
@@ -126,6 +127,7 @@ class LoopHostConductor(Conductor):
                 frame = self._frame(walk, site, senders)
                 state = _LoopState(msg.request_id, msg.loop, msg.branch, {}, send)
                 state.arrival = msg.arrival
+                _hold_to_credits(state, senders)
                 ports = self.graph.nodes[site.node].outputs
                 while (chunk := await stream.next_chunk()) is not None:
                     outputs = await self._invoke(state, frame, site, env, {edge.dst_input: chunk})
@@ -138,6 +140,7 @@ class LoopHostConductor(Conductor):
                 state = _LoopState(msg.request_id, msg.loop, msg.branch,
                                    self._forward(self.graph, walk, body, frozenset(senders)), send)
                 state.arrival = msg.arrival
+                _hold_to_credits(state, senders)
                 await self._step(state, self._frame(walk, body, senders).fragment({edge.into: stream}), body, env)
                 stream.finish_reading()
                 changed = {k: v for k, v in env.items()
@@ -149,6 +152,12 @@ class LoopHostConductor(Conductor):
                             node=getattr(exc, "node", None), **error_fields(exc))
         return LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, env=to_wire(changed),
                         streamed={str(k): s.sent for k, s in senders.items()})
+
+
+def _hold_to_credits(state: RequestState, senders: dict[int, StreamSender]) -> None:
+    """Before each node call the run waits until the streams it sends worker to worker have room (backpressure)."""
+    if senders:
+        state.credit = lambda: wait_for_credits(senders)
 
 
 def _senders(msg: RunLoop | RunConsumer, walk: Walk, lines: StreamLines | None) -> dict[int, StreamSender]:

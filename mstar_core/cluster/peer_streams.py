@@ -5,15 +5,23 @@ The producer's worker sends every kept item straight to the consumer's worker ov
 (`StreamLines`); the consumer's worker runs the stream's chunk policy (the only place it runs)
 and its consumer. The serving process only starts both sides and says how many items the
 producing stage sent in all (`StreamEnd`), so the consumer knows when the stream is complete.
+
+Backpressure: the consumer's end reports the items it has taken off the line back to the
+producer's mailbox (`PeerMailbox.ack_stream`), and a run feeding the stream waits before its next
+node call while `PeerMailbox.STREAM_WINDOW` of its items are not taken (`StreamSender.credit`), so
+a producer far ahead of its consumer holds at most that many items per stream in flight and queued.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from mstar_core.cluster.links import PeerMailbox
 from mstar_core.cluster.remote_values import from_wire, to_wire
 from mstar_core.graph.walk import StreamingGraphEdge, StreamProgress
 from mstar_core.runtime.streams import RequestStream
+from mstar_core.streaming.policies import Chunk
 from mstar_core.wire import WireError, decode, encode
 from mstar_core.wire.messages import StreamItem
 
@@ -44,7 +52,8 @@ class StreamLines:
         return entry
 
     def release(self, request_id: str) -> None:
-        self._by_request.pop(request_id, None)
+        for session in self._by_request.pop(request_id, {}):
+            self.mailbox.forget_credit(session)
 
     def open_count(self) -> int:
         return sum(len(lines) for lines in self._by_request.values())
@@ -54,7 +63,7 @@ class StreamSender:
     """One run's end of a stream at the producer worker: counts progress (for priorities), sends each kept item."""
 
     __slots__ = ("accounting", "address", "channel", "edge", "index", "mailbox", "nonce", "request_id", "sent",
-                 "src_output")
+                 "session", "src_output")
 
     def __init__(self, edge: StreamingGraphEdge, index: int, request_id: str, route: dict[str, Any],
                  lines: StreamLines):
@@ -63,7 +72,7 @@ class StreamSender:
         self.index = index
         self.request_id = request_id
         self.mailbox = lines.mailbox
-        self.address, self.nonce = str(route["to"]), str(route["nonce"])
+        self.address, self.nonce, self.session = str(route["to"]), str(route["nonce"]), str(route["session"])
         self.channel, self.accounting = lines.line(request_id, edge, route)
         self.sent = 0  # items this run sent (the serving process adds up every run's for the stream's end)
 
@@ -75,21 +84,58 @@ class StreamSender:
         self.mailbox.send_stream(self.address, self.nonce, self.channel, frames)
         self.sent += 1
 
+    async def credit(self) -> None:
+        """Wait while the stream's consumer has not taken `PeerMailbox.STREAM_WINDOW` of the items sent on it."""
+        await self.mailbox.stream_credit(self.session, self.channel)
+
     def progress(self, now: float | None = None) -> StreamProgress:
         return self.accounting.progress(now)
+
+
+async def wait_for_credits(senders: dict[int, StreamSender]) -> None:
+    """A run's credit (`RequestState.credit`): every stream it feeds worker to worker has room for more items."""
+    for sender in senders.values():
+        await sender.credit()
+
+
+class _TakenStream(RequestStream):
+    """A stream that says when its consumer takes a chunk (so its end can report the items taken)."""
+
+    __slots__ = ("on_taken",)
+
+    def _pop(self) -> Chunk:
+        chunk = super()._pop()
+        self.on_taken()
+        return chunk
 
 
 class InboundStream:
     """The consumer worker's end: items from the peer line into the stream, closed once all `StreamEnd` counts came."""
 
-    __slots__ = ("error", "expected", "received", "session", "stream")
+    __slots__ = ("ack", "acked", "error", "expected", "received", "session", "stream")
 
-    def __init__(self, edge: StreamingGraphEdge, session: str):
-        self.stream = RequestStream(edge)
+    def __init__(self, edge: StreamingGraphEdge, session: str, ack: Callable[[int], None] | None = None):
+        self.stream = _TakenStream(edge)
+        self.stream.on_taken = self._report
         self.session = session
         self.received = 0
         self.expected: int | None = None
         self.error: Exception | None = None
+        self.ack = ack  # reports how many items are off the line to the producer's mailbox (its credits)
+        self.acked = 0
+
+    def taken(self) -> int:
+        """Items off the line: received, less those waiting in chunks the consumer has not taken (the policy's count)."""
+        return self.received - sum(len(c.new_items) for c in self.stream._ready)
+
+    def _report(self) -> None:
+        # every ACK_EVERY items: a producer waits only once a whole window is untaken, so it always hears again
+        if self.ack is None:
+            return
+        taken = self.taken()
+        if taken - self.acked >= PeerMailbox.ACK_EVERY:
+            self.acked = taken
+            self.ack(taken)
 
     def deliver(self, frames: list[Any]) -> None:
         """One item's frames, in the order the producer sent them (called by the mailbox)."""
@@ -105,6 +151,7 @@ class InboundStream:
             return
         self.stream.push_kept(value)
         self.received += 1
+        self._report()
         self._close_when_complete()
 
     def end(self, items: int) -> None:

@@ -99,6 +99,7 @@ class Worker:
         self._inbound: dict[tuple[str, int, str], InboundStream] = {}
         self.rank_group: tuple | None = None  # (split, channel) once this worker joined a tensor-parallel group
         self.follower: RankFollower | None = None  # ranks 1..N-1: runs rank 0's steps on this rank's engines
+        self.rejoin = False  # set when the server declared this (hand-joined) worker lost: run again, join anew
 
     def send_soon(self, msg) -> None:
         """Send without waiting, strictly after everything sent before it (loop values, then done).
@@ -194,8 +195,11 @@ class Worker:
             while not self._stop.is_set():
                 msg = await self.recv()
                 if isinstance(msg, Shutdown):
+                    # a worker joined by hand has nobody to start it again: declared lost, it joins again itself
+                    self.rejoin = msg.rejoin and self.parent_pid is None
                     if msg.reason:
-                        log.warning("worker %s: leaving: %s", self.name, msg.reason)
+                        log.warning("worker %s: %s: %s", self.name, "rejoining" if self.rejoin else "leaving",
+                                    msg.reason)
                     break
                 try:
                     self._dispatch(msg)
@@ -373,7 +377,8 @@ class Worker:
             if key in self._inbound:
                 raise RuntimeError(f"stream {msg.stream} of request {msg.request_id} already has a consumer here")
             edge = host.sites[msg.walk].walk.streams[msg.stream]
-            inbound = InboundStream(edge, msg.session)
+            mailbox, session = self.mailbox, msg.session
+            inbound = InboundStream(edge, session, ack=lambda taken: mailbox.ack_stream(session, taken))
             self.mailbox.accept_stream(msg.session, msg.nonce, inbound.deliver)
         except Exception as exc:
             self.send_soon(LoopDone(request_id=msg.request_id, loop=msg.loop, branch=msg.branch, **error_fields(exc)))
@@ -497,10 +502,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
-    worker = Worker(args.name, args.join, secret, args.parent_pid,
-                    encrypt={"auto": None, "on": True, "off": False}[args.encrypt])
     try:
-        asyncio.run(worker.run())
+        while True:  # a hand-joined worker declared lost (a network partition healed) joins again, fresh
+            worker = Worker(args.name, args.join, secret, args.parent_pid,
+                            encrypt={"auto": None, "on": True, "off": False}[args.encrypt])
+            asyncio.run(worker.run())
+            if not worker.rejoin:
+                break
     except KeyboardInterrupt:
         pass
     except Exception as exc:

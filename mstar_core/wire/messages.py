@@ -207,9 +207,10 @@ class Release:
 
 @message("shutdown")
 class Shutdown:
-    """Ask a worker to finish and exit."""
+    """Ask a worker to finish and exit; `rejoin`: it was declared lost (e.g. cut off by a partition), join again."""
 
     reason: str = ""
+    rejoin: bool = False
 
 
 @message("error_report")

@@ -78,3 +78,48 @@ def two_hosts() -> Iterator[NetnsHosts]:
         subprocess.run(["ip", "link", "del", hosts.dev_a], capture_output=True)  # if it never moved
         for ns in (hosts.a, hosts.b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@attrs.define
+class NamespacedWorkerHost:
+    """This host (the root namespace) and one namespace joined to it by a veth pair: a worker's "other host"."""
+
+    ns: str  # the namespace's name
+    addr_here: str  # this end's address (bind the control socket here)
+    addr_there: str  # the namespace's address
+    dev_here: str  # the veth ends
+    dev_there: str
+    processes: list = attrs.field(factory=list)
+
+    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """Start `cmd` inside the namespace (killed when it is torn down)."""
+        process = subprocess.Popen(["ip", "netns", "exec", self.ns, *cmd], **kwargs)
+        self.processes.append(process)
+        return process
+
+
+@contextlib.contextmanager
+def worker_namespace() -> Iterator[NamespacedWorkerHost]:
+    """A namespace for a worker, linked to this host's root namespace; removed (veth and all) on the way out."""
+    tag = os.getpid() % 100_000
+    subnet = f"10.214.{tag % 250}"
+    host = NamespacedWorkerHost(ns=f"mstar-w-{tag}", addr_here=f"{subnet}.1", addr_there=f"{subnet}.2",
+                                dev_here=f"mwh{tag}", dev_there=f"mwt{tag}")
+    try:
+        _ip("netns", "add", host.ns)
+        _ip("link", "add", host.dev_here, "type", "veth", "peer", "name", host.dev_there)
+        _ip("link", "set", host.dev_there, "netns", host.ns)
+        _ip("addr", "add", f"{host.addr_here}/24", "dev", host.dev_here)
+        _ip("link", "set", host.dev_here, "up")
+        _ip("-n", host.ns, "addr", "add", f"{host.addr_there}/24", "dev", host.dev_there)
+        _ip("-n", host.ns, "link", "set", host.dev_there, "up")
+        _ip("-n", host.ns, "link", "set", "lo", "up")
+        yield host
+    finally:
+        for process in host.processes:
+            if process.poll() is None:
+                process.kill()
+                with contextlib.suppress(Exception):
+                    process.wait(10)
+        subprocess.run(["ip", "link", "del", host.dev_here], capture_output=True)  # takes its peer with it
+        subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)

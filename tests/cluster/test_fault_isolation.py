@@ -157,7 +157,7 @@ async def test_a_client_error_inside_a_delegated_loop_stays_a_client_error():
         await engine.close()
 
 
-async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_new_one_is_reloaded(monkeypatch):
+async def test_a_hung_hand_joined_worker_replaced_meanwhile_is_told_to_leave_when_it_wakes(monkeypatch):
     import socket
     import subprocess
     import sys
@@ -185,11 +185,14 @@ async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_ne
         await until(lambda: not far.alive, 10, "the hung worker to be declared lost")
         with pytest.raises(WorkerLost):
             await engine.generate("fixture-stream", {"start": 0, "stop": 3})
-        os.kill(first_worker.pid, signal.SIGCONT)  # it wakes up: its old session earns it a Shutdown, nothing more
-        out, _ = await asyncio.to_thread(first_worker.communicate, timeout=30)
-        assert first_worker.returncode == 0 and "declared this worker lost" in out
-        second_worker = join()
+        second_worker = join()  # the operator starts a replacement
         await until(lambda: far.ready, 60, "the new worker to join and reload the model")
+        assert far.pid == second_worker.pid
+        # the first wakes up: its old session earns it a Shutdown (the name is taken: no rejoin), nothing more
+        os.kill(first_worker.pid, signal.SIGCONT)
+        out, _ = await asyncio.to_thread(first_worker.communicate, timeout=30)
+        assert first_worker.returncode == 0 and "declared this worker lost" in out and "replaced" in out
+        assert far.pid == second_worker.pid
         assert (await asyncio.wait_for(engine.generate("fixture-stream", {"start": 0, "stop": 3}), 30))["token"] == 3
     finally:
         await engine.close()
@@ -197,3 +200,37 @@ async def test_a_hung_hand_joined_worker_is_told_to_leave_when_it_wakes_and_a_ne
             if p is not None and p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
+
+
+@pytest.mark.slow  # ~30 s on a busy 2-core box (a worker process, a load, a reload)
+async def test_a_hung_hand_joined_worker_nobody_replaced_joins_again_when_it_wakes(monkeypatch):
+    """What a network partition looks like from here: the same process comes back, rejoins and is reloaded."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MSTAR_SECRET", "correct horse battery staple")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    placement = Placement.from_dict({"workers": {"far": {"host": "127.0.0.2"}}, "nodes": {"gen": "far"},
+                                     "control": {"bind": address, "heartbeat_interval": 0.2}})
+    engine = placed_engine(discover())
+    worker = subprocess.Popen([sys.executable, "-m", "mstar_core.cluster.worker", "--join", address, "--name", "far"],
+                              env={**os.environ, "MSTAR_JOIN_TIMEOUT": "30"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.wait_for(engine.load_model("fixture-stream", LoadOptions(preset="tiny"), placement=placement), 90)
+        far = engine.cluster.workers["far"]
+        restarts = far.restarts
+        os.kill(worker.pid, signal.SIGSTOP)
+        await until(lambda: not far.alive, 10, "the hung worker to be declared lost")
+        os.kill(worker.pid, signal.SIGCONT)
+        await until(lambda: far.ready and far.restarts > restarts, 60, "the worker to join again and be reloaded")
+        assert far.pid == worker.pid and worker.poll() is None
+        assert (await asyncio.wait_for(engine.generate("fixture-stream", {"start": 0, "stop": 3}), 30))["token"] == 3
+    finally:
+        await engine.close()
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()

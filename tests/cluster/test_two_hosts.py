@@ -59,7 +59,8 @@ async def test_orpheus_across_two_hosts_is_identical_encrypted_and_fails_cleanly
     reference = await colocated_audio()
     assert reference, "the tiny preset should produce audio"
     base_env = {k: v for k, v in os.environ.items() if k != "MSTAR_SECRET"}
-    base_env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    # this tree first, then what the caller had (a worktree puts its plugin packages there)
+    base_env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     with two_hosts() as hosts:
         bind = f"tcp://{hosts.addr_a}:{PORT}"
         capture = None
