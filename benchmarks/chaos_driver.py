@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_MODULE = "mstar_core.cluster.worker"
+WORKER_INFO = "mstar_worker_info"  # on /metrics: one sample per live worker, its pid a label
 _SERVERS: list[Server] = []  # stopped at exit whatever happened
 
 
@@ -47,12 +49,31 @@ def alive(pid: int) -> bool:
     return proc_state(pid) not in (None, "Z", "X")
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with its pid, names one process, never a later reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return []
+
+
+def worker_info(text: str) -> dict[str, int] | None:
+    """Worker pids by name from a /metrics exposition's `mstar_worker_info` on this host; None if it has none."""
+    if f"# TYPE {WORKER_INFO} " not in text:  # a server without it, or one serving everything in-process
+        return None
+    lines = [line for line in text.splitlines() if line.startswith((f"{WORKER_INFO}{{", f"# TYPE {WORKER_INFO} "))]
+    host = socket.gethostname()
+    return {s.labels["worker"]: int(s.labels["pid"]) for family in text_string_to_metric_families("\n".join(lines) + "\n")
+            for s in family.samples if s.name == WORKER_INFO and s.labels.get("host") == host}
 
 
 def children(pid: int) -> list[int]:
@@ -82,9 +103,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"mstar-chaos-{label}-", suffix=".log", delete=False)
-        # workers as fresh interpreters: they are found and killed by the `--name` on their command line
-        # (a fork of the worker zygote carries the zygote's)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MSTAR_WORKER_ZYGOTE": "0"}
+        # workers start as users' do (forks of the worker zygote): they are found by the pid /metrics gives them
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", *models, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", *extra]
@@ -93,19 +113,33 @@ class Server:
                                      stdin=subprocess.DEVNULL)
         self.ready_s: float | None = None
         self.ready: asyncio.Future | None = None  # wait_ready(), started at once so ready_s is when it was
-        self.seen: dict[int, str] = {}  # every worker pid ever seen -> its name
+        self.seen: dict[int, tuple[str, int | None]] = {}  # every worker pid ever seen -> (its name, start time)
+        self.found_by = "none"  # how workers() last found them: "metrics" or "command line"
+        self._scraper = httpx.Client(base_url=self.url, trust_env=False, timeout=2.0)
         _SERVERS.append(self)
 
     def workers(self) -> dict[str, int]:
-        """Live worker processes by name (`--name` on their command line)."""
-        out: dict[str, int] = {}
-        for pid in children(self.proc.pid):
-            args = cmdline(pid)
-            if WORKER_MODULE in args and "--name" in args and alive(pid):
-                name = args[args.index("--name") + 1]
-                out[name] = pid
-                self.seen[pid] = name
+        """Live worker processes by name: the server's `mstar_worker_info` on /metrics, else `--name` on their
+        command line (fresh interpreters only: a fork of the worker zygote carries the zygote's)."""
+        try:
+            named = worker_info(self._scraper.get("/metrics").text)
+        except (httpx.HTTPError, RuntimeError):  # not answering, or this client closed already
+            named = None
+        self.found_by = "metrics" if named is not None else "command line"
+        if named is None:
+            named = {}
+            for pid in children(self.proc.pid):
+                args = cmdline(pid)
+                if WORKER_MODULE in args and "--name" in args:
+                    named[args[args.index("--name") + 1]] = pid
+        out = {name: pid for name, pid in named.items() if alive(pid)}  # the server may not have seen a death yet
+        for name, pid in out.items():
+            self.seen[pid] = (name, start_time(pid))
         return out
+
+    def ours(self, pid: int) -> bool:
+        """`pid` is still a worker process this server spawned (seen earlier, not a later process reusing its pid)."""
+        return pid in self.seen and alive(pid) and start_time(pid) == self.seen[pid][1]
 
     async def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -132,8 +166,9 @@ class Server:
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGINT (the server's clean drain), then SIGKILL; then any worker of ours still alive."""
         if self.proc.poll() is None:
-            for pid in self.workers().values():
-                if proc_state(pid) == "T":
+            self.workers()
+            for pid in self.seen:
+                if self.ours(pid) and proc_state(pid) == "T":
                     os.kill(pid, signal.SIGCONT)
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -142,14 +177,13 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         for pid in self.seen:
-            args = cmdline(pid)
-            # only a worker this server spawned (its --parent-pid), never some other process reusing the pid
-            if alive(pid) and WORKER_MODULE in args and str(self.proc.pid) in args:
+            if self.ours(pid):  # never some other process that got the pid since
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         return self.proc.returncode
 
     def close(self, keep_log: bool) -> None:
+        self._scraper.close()
         self.log.close()
         if not keep_log:
             with contextlib.suppress(OSError):

@@ -1,9 +1,9 @@
 """Chaos case: `kill -9` one rank of a tensor-parallel group while requests stream (run by chaos.py, or alone).
 
 A real `mstar serve llama` (tiny preset) with two TP=2 groups (`replicas: 2`, 2 gloo ranks each, 4
-worker processes; fresh interpreters, as chaos_driver starts every worker, so a rank is found by its
-`--name`, and its replacement pays a full interpreter start). Client loops stream greedy /v1/walks/llama requests back to back; once every loop
-has a request mid-stream, the follower rank `tp.0.rank1` is SIGKILLed. Figures:
+worker processes, forks of the worker zygote as for any user; a rank's pid comes from the server's
+`mstar_worker_info` on /metrics). Client loops stream greedy /v1/walks/llama requests back to back;
+once every loop has a request mid-stream, the follower rank `tp.0.rank1` is SIGKILLed. Figures:
 
   * `tp_group_requests_failed`: requests in flight at the kill that failed naming the killed group
     (`tp.0`, either rank); `tp_group_fail_latency_s`: the longest time from the kill to one of them
@@ -106,6 +106,7 @@ async def tp_rank_kill(args: Any) -> dict[str, Any]:
                     and (await _tokens_forwarded(client, server.url, GROUP) or 0) > 0):
                 await asyncio.sleep(0.05)
             pid = server.workers().get(KILLED)
+            out["tp_workers_found_by"] = server.found_by
             if pid is None:
                 raise RuntimeError(f"no worker process named {KILLED}: {sorted(server.workers())}")
             killed_at = time.monotonic()
@@ -114,7 +115,6 @@ async def tp_rank_kill(args: Any) -> dict[str, Any]:
             recovered_at, went_down = None, False
             while time.monotonic() - killed_at < after or recovered_at is None and time.monotonic() - killed_at < 30:
                 value = await _tokens_forwarded(client, server.url, GROUP)
-                out["tp_last_gauge"] = value  # (what the recovery was read from, for a run that did not see it)
                 went_down = went_down or value is None or value == 0
                 if went_down and value and recovered_at is None:
                     recovered_at = time.monotonic()

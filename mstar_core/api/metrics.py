@@ -103,12 +103,25 @@ class _EngineCollector:
                 calls.add_metric([model, node], float(getattr(sched, "invocations", 0)))
         yield from named.values()
         yield every
+        yield from _worker_metrics(engine)
         yield from _link_metrics(engine)
         yield from _peer_metrics(engine)
         yield batch
         yield step
         yield steps
         yield calls
+
+
+def _worker_metrics(engine: Any):
+    """One info sample per live worker process: its name, pid and host (a restart shows up as a new pid)."""
+    cluster = getattr(engine, "cluster", None)
+    if cluster is None or not hasattr(cluster, "worker_processes"):
+        return
+    info = GaugeMetricFamily("mstar_worker_info", "a live worker process (1): its pid and host, as it said on joining",
+                             labels=["worker", "pid", "host"])
+    for worker, (pid, host) in sorted(cluster.worker_processes().items()):
+        info.add_metric([worker, str(pid), host], 1.0)
+    yield info
 
 
 def _link_metrics(engine: Any):

@@ -574,6 +574,11 @@ class Cluster:
         """Per worker: its transport, the bytes each end moved, the round trip of node calls (for /metrics)."""
         return {name: state.link_stats() for name, state in self.workers.items()}
 
+    def worker_processes(self) -> dict[str, tuple[int, str]]:
+        """Per live worker: (pid, host) as its Hello said (for /metrics: who to signal, what a restart replaced)."""
+        return {name: (state.pid, state.host) for name, state in self.workers.items()
+                if state.alive and state.pid is not None}
+
     def open_link(self, transport: str, options: dict[str, Any] | None = None):
         """The server's end of a worker link over `transport` (looked up in the plugin registry)."""
         if self._registry is None:
