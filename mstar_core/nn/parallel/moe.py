@@ -12,7 +12,6 @@ is the simpler and no slower collective, and the result is the same sum.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.mlp import GatedMLP
@@ -49,14 +48,8 @@ class ParallelMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(full.hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, experts, weights.to(x.dtype))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.group.all_reduce(out)
+        # the same routing as the whole layer (same attribute names), over this rank's share, then one all-reduce
+        return self.group.all_reduce(TopKMoE.forward(self, x))
 
     def extra_repr(self) -> str:
         e = self.experts
