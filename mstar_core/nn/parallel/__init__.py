@@ -11,6 +11,7 @@ from mstar_core.nn.parallel.layers import (
 from mstar_core.nn.parallel.llama import (
     fill_from_plan,
     llama_shard_plan,
+    load_llama_for_rank,
     load_llama_tensor_parallel,
     shard_llama,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "fill_from_plan",
     "llama_dimensions",
     "llama_shard_plan",
+    "load_llama_for_rank",
     "load_llama_tensor_parallel",
     "read_pieces",
     "shard_layers",

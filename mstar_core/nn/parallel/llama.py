@@ -155,3 +155,14 @@ def load_llama_tensor_parallel(
     with SafetensorsSlices(directory) as source:
         fill_from_plan(model, plan, source, dtype=dtype, device=device)
     return model.eval()
+
+
+def load_llama_for_rank(directory: str | Path, group: TensorParallelGroup | None, *, dtype: torch.dtype | None,
+                        device: str | torch.device, module: str, progress: bool = True) -> LlamaForCausalLM:
+    """A Llama/Qwen checkpoint as this rank holds it: only its slices in a group of 2+, else the whole model."""
+    from mstar_core.nn.llama import load_llama
+
+    # (a worker builds the nodes it does not host on the meta device: nothing to read for those)
+    if group is not None and group.world_size > 1 and str(device) != "meta":
+        return load_llama_tensor_parallel(directory, group, dtype=dtype, device=device, module=module)
+    return load_llama(directory, dtype=dtype, device=device, progress=progress)

@@ -89,17 +89,11 @@ def build_graph(lm: Any, name: str = "llama") -> Graph:
 
 def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any, Any, str | None, list[int]]:
     from mstar_core.checkpoint import load_tokenizer, read_chat_template, read_config, read_eos_token_ids
-    from mstar_core.nn.llama import load_llama
+    from mstar_core.nn.parallel import load_llama_for_rank
 
-    device, group = options.device_for("lm"), options.tensor_parallel
-    if group is not None and group.world_size > 1 and device != "meta":
-        from mstar_core.nn.parallel import load_llama_tensor_parallel
-
-        # this rank's slices only, read straight from the memory-mapped files
-        lm = load_llama_tensor_parallel(directory, group, dtype=options.torch_dtype("llama", None), device=device,
-                                        module="node 'lm' (llama)")
-    else:
-        lm = load_llama(directory, dtype=options.torch_dtype("llama", None), device=device, progress=progress)
+    # with a rank group: this rank's slices only, read straight from the memory-mapped files
+    lm = load_llama_for_rank(directory, options.tensor_parallel, dtype=options.torch_dtype("llama", None),
+                             device=options.device_for("lm"), module="node 'lm' (llama)", progress=progress)
     eos = read_eos_token_ids(directory, read_config(directory))
     return lm, load_tokenizer(directory), read_chat_template(directory), eos
 

@@ -46,7 +46,6 @@ def load_orpheus(
 ) -> LoadedModel:
     """Load Orpheus from `options.checkpoint` (HF Llama dir + `snac/`) or the `tiny` preset."""
     from mstar_core.checkpoint import load_tokenizer
-    from mstar_core.nn.llama import load_llama
 
     preset = options.preset_or_checkpoint("orpheus", ("tiny",))
     if preset is None:
@@ -56,15 +55,11 @@ def load_orpheus(
 
         directory, random_weights = ensure_preset(preset), True
     # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
-    device, group = options.device_for("lm"), options.tensor_parallel
-    if group is not None and group.world_size > 1 and device != "meta":
-        from mstar_core.nn.parallel import load_llama_tensor_parallel
+    from mstar_core.nn.parallel import load_llama_for_rank
 
-        # a Llama: this rank's heads, columns and vocabulary rows, read from the checkpoint's slices
-        lm = load_llama_tensor_parallel(directory, group, dtype=options.torch_dtype("orpheus", None), device=device,
-                                        module="node 'lm' (orpheus)")
-    else:
-        lm = load_llama(directory, dtype=options.torch_dtype("orpheus", None), device=device, progress=progress)
+    # a Llama: with a rank group, this rank's heads, columns and vocabulary rows, read from the checkpoint's slices
+    lm = load_llama_for_rank(directory, options.tensor_parallel, dtype=options.torch_dtype("orpheus", None),
+                             device=options.device_for("lm"), module="node 'lm' (orpheus)", progress=progress)
     tokenizer = load_tokenizer(directory)
     snac = _snac(snac_directory(directory), options.device_for("snac"))
     vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)
