@@ -8,11 +8,14 @@ through MKL and ~10.6 ms through oneDNN with the weight packed at load, the 512 
 the same either way.
 
 Every linear is packed, narrow ones included, for a second reason: batch invariance. oneDNN's packed
-GEMM gives each row bitwise the same result whatever the call's row count (checked for 1 to 700 rows,
-`tests/nn/test_packed.py`), while MKL's sgemm takes another path for one row (GEMV) than for several, so
-a request decoded alone and the same request in a batch drift apart by ulps that, over a 49k
-vocabulary, can flip a greedy token. With every linear packed, the dense layers of a decode step
-compute a row the same way alone or batched.
+GEMM gives each row bitwise the same result whatever the call's row count from two rows up (checked for
+2 to 700 rows, `tests/nn/test_packed.py`), while MKL's sgemm takes another path for one row (GEMV) than
+for several, so a request decoded alone and the same request in a batch drift apart by ulps that, over a
+49k vocabulary, can flip a greedy token. oneDNN has a one-row kernel of its own too: on an AVX512 EPYC a
+1536-input linear's one-row result differs from the same row's in any larger call (~2e-6), on an AVX2
+one it did not; so a one-row call runs as two (the row twice: the weight is read once either way, which
+is what a one-row step costs). With every linear packed, the dense layers of a decode step compute a row
+the same way alone or batched.
 
 Under `torch.compile` a packed linear is one opaque op (`mstar_nn::packed_linear`) that runs the
 eager packed GEMM, so a compiled step keeps it and inductor fuses the elementwise work around it.
@@ -91,7 +94,11 @@ class PackedLinear(nn.Linear):
         if (packed is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu"
                 or (self.weight.data_ptr(), self.weight._version) != self._packed_for):
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
+            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), packed, self.bias, "none", [], "")[:1]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def __getstate__(self):

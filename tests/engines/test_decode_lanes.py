@@ -145,3 +145,32 @@ def test_lanes_out_of_batch_order_are_read_through_a_permutation(llama_pair):
     # after "a" leaves, "c" sits in lane 0 and "b" in lane 1 while the batch runs b then c
     assert any(c.in_lanes is not None and c.in_lanes.whole and c.in_lanes.order is not None for c in contexts)
     torch.testing.assert_close(torch.stack(got), torch.stack(ref), atol=1e-5, rtol=1e-5)
+
+
+
+def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair):
+    """A bf16 pool on CPU gets fp32 lanes; lanes and page gathers agree, and decode attention equals fp32 math on the bf16 keys."""
+    import copy
+
+    from mstar_attn_torch.backend import decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, length = 3, 6, 2, 16, 21
+    keys = torch.randn(b, hkv, length, d, generator=gen).bfloat16()
+    vals = torch.randn(b, hkv, length, d, generator=gen).bfloat16()
+    q = torch.randn(b, hq, d, generator=gen).bfloat16()
+    mask = (torch.arange(length)[None, :] < torch.tensor([21, 9, 14])[:, None])[:, None, None, :]
+    got = decode_attention(q, keys, vals, mask, 0.25)
+    assert got.dtype == torch.bfloat16
+    scores = (q.float().view(b, hkv, hq // hkv, d) @ keys.float().transpose(-1, -2)) * 0.25
+    want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vals.float()).view(b, hq, d)
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), atol=0, rtol=0)
+
+    _, ours = llama_pair
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    with_lanes = _engine(half, True)
+    got_logits = _scenario(with_lanes)
+    assert with_lanes.pool.kv.dtype == torch.bfloat16 and with_lanes.backend.lanes.kv.dtype == torch.float32
+    ref = _scenario(_engine(half, False))
+    assert len(got_logits) == len(ref) > 100
+    torch.testing.assert_close(torch.stack(got_logits).float(), torch.stack(ref).float(), atol=0, rtol=0)

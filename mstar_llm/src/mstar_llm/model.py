@@ -26,7 +26,8 @@ def choice_walks(node: str = "lm", default_max_tokens: int = 256) -> tuple[Walk,
     """`n > 1` choices as cache forks: `prefill_shared` runs the prompt but its last token once on label `main`
     (nothing sampled is kept), then `choices` fans out `n` branches: branch `i` forks `main` as label `choice<i>`
     (shared pages, copy-on-write), feeds the prompt's last token and samples its first token with seed + i, then
-    decodes until its finish reason. So choice i samples exactly what a single request seeded with seed + i does.
+    decodes until its finish reason. So choice i samples what a single request seeded with seed + i does (the
+    same draws over logits equal up to the last ulps: the prompt's last token runs as a step of its own here).
     Every emitted value carries its branch (`Output.branch`); a one-token prompt skips `prefill_shared`
     (`fork_label` None: each branch starts empty)."""
     from mstar_kvcache.walks import decode_iterations

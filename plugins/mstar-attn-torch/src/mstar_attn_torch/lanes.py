@@ -19,8 +19,9 @@ import torch
 class DecodeLanes:
     """Lane storage `[layers, 2, lanes, capacity, kv_heads, head_dim]` (a view of head-major memory), grown on demand within `budget_bytes`."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, dtype: torch.dtype | None = None):
         self.budget = budget_bytes
+        self.dtype = dtype  # None: the pool's (a bf16 pool on CPU keeps fp32 lanes: its decode attention runs in fp32)
         self.kv: torch.Tensor | None = None
         self.owner: list[Hashable | None] = []
         self.length: list[int] = []
@@ -113,7 +114,8 @@ class DecodeLanes:
         if lanes <= self.num_lanes and length <= self.capacity:
             return
         layers, _, _, _, heads, dim = pool.shape
-        per_token = 2 * layers * heads * dim * pool.element_size()
+        dtype = self.dtype or pool.dtype
+        per_token = 2 * layers * heads * dim * torch.empty((), dtype=dtype).element_size()
         want_lanes = max(self.num_lanes, _round(lanes, 8))
         # doubling keeps regrowth (a full copy) rare; without room for it, grow only to what is needed
         for cap in (max(self.capacity, _round(max(length, 2 * self.capacity, 64), 16)),
@@ -125,7 +127,7 @@ class DecodeLanes:
         # head-major memory, token-major view: a lane's keys per head are one contiguous [length, dim]
         # block (decode attention over them runs ~15-30 % faster than over token-major lanes), while
         # indexing `kv[layer, k/v, lane, position]` reads and writes a token's [heads, dim] as before
-        grown = pool.new_zeros(layers, 2, want_lanes, heads, cap, dim).transpose(3, 4)
+        grown = pool.new_zeros(layers, 2, want_lanes, heads, cap, dim, dtype=dtype).transpose(3, 4)
         if self.kv is not None:
             grown[:, :, : self.num_lanes, : self.capacity] = self.kv
         self.kv = grown
