@@ -31,7 +31,7 @@ class KVCacheSettings:
     compile: bool = False
     compile_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     cuda_graphs: bool | None = None  # None: on when compiling on CUDA
-    # wide fp32 linears prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
+    # every fp32 (and, where oneDNN runs it, bf16) linear prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
     pack_weights: bool | None = None
     # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic (CPU), fp8 (CUDA); None: off
     quantize: str | None = None
