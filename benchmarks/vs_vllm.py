@@ -174,10 +174,8 @@ class Server:
 
 
 def mstar_server(model_dir: Path, dtype: str, port: int, workdir: Path, env: dict[str, str], device: str) -> Server:
-    deploy = workdir / f"mstar-{dtype}.yaml"
-    deploy.write_text(json.dumps({"models": {"llama": {"checkpoint": str(model_dir), "dtype": dtype, "device": device}}}))
     cmd = [str(Path(sys.executable).parent / "mstar"), "serve", "llama", "--checkpoint", str(model_dir),
-           "--config", str(deploy), "--port", str(port), "--log-level", "warning"]
+           "--dtype", dtype, "--device", device, "--port", str(port), "--log-level", "warning"]
     return Server("mstar", cmd, env, port, workdir / "mstar.log")
 
 
@@ -288,7 +286,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     mstar_env = dict(kv.split("=", 1) for kv in args.mstar_env)
     print(f"model: {model_dir}")
     print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype>")
-    print(f"M* settings: mstar serve llama --checkpoint DIR --config (dtype) env {mstar_env or '{}'}")
+    print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'}")
     print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
           f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (A B A B)")
     runs: dict[str, dict[str, list]] = {d: {"mstar": [], "vllm": []} for d in dtypes}

@@ -9,6 +9,8 @@ import signal
 import sys
 from typing import Any
 
+import attrs
+
 from mstar_core.api.server import ModelToServe, ServerConfig, create_app
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--device", default="cpu", help="device for models without a deploy entry")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="weights and KV dtype for every model served: float32, bfloat16 or float16 (default: the "
+                        "deploy file's, else the model's default for its device: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body accepted (default 16 MiB)")
     p.add_argument("--max-running", type=int, default=None, help="requests executing at once (default 256)")
     p.add_argument("--max-queued", type=int, default=None, help="requests waiting beyond that; then 503 (default 1024)")
@@ -72,11 +77,15 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
         item = deployed.get(name) or ModelToServe(name, LoadOptions(device=args.device))
         if shared is not None and item.placement is None:
             item.placement = shared.placement
+        dtype = getattr(args, "dtype", None) or item.options.dtype
         if name in checkpoints:
-            item.options = LoadOptions(checkpoint=checkpoints[name], device=item.options.device, dtype=item.options.dtype)
+            item.options = LoadOptions(checkpoint=checkpoints[name], device=item.options.device, dtype=dtype)
         elif item.options.checkpoint is None:
             preset = presets.get(name) or item.options.preset or "tiny"
-            item.options = LoadOptions(preset=preset, device=item.options.device, dtype=item.options.dtype)
+            item.options = LoadOptions(preset=preset, device=item.options.device, dtype=dtype)
+        elif dtype != item.options.dtype:
+            item.options = attrs.evolve(item.options, dtype=dtype)
+        item.options.torch_dtype(name)  # an unknown dtype fails here, naming the choices, before anything loads
         models.append(item)
     config = ServerConfig(models=models)
     apply_server_options(config, server_opts)

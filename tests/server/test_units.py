@@ -159,3 +159,23 @@ def test_torch_threads_server_option_reaches_the_engine_and_is_checked(tmp_path)
     for bad in (0, -2, "two", True):
         with pytest.raises(ConfigError, match="torch_threads"):
             apply_server_options(ServerConfig(), {"torch_threads": bad})
+
+
+def test_dtype_flag_sets_every_models_dtype_over_the_deploy_file(tmp_path):
+    import argparse
+
+    from mstar_core.api.launch import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("models:\n  orpheus: {preset: tiny, dtype: float32}\n")
+    config, _, _ = build_config(parser.parse_args(["llama", "--checkpoint", "/x", "--dtype", "bfloat16"]))
+    assert config.models[0].options.dtype == "bfloat16" and config.models[0].options.checkpoint == "/x"
+    config, _, _ = build_config(parser.parse_args(["--config", str(deploy), "--dtype", "bfloat16"]))
+    assert config.models[0].options.dtype == "bfloat16" and config.models[0].options.preset == "tiny"
+    config, _, _ = build_config(parser.parse_args(["--config", str(deploy)]))
+    assert config.models[0].options.dtype == "float32"
+    assert build_config(parser.parse_args(["llama"]))[0].models[0].options.dtype is None  # the model's default
+    with pytest.raises(ConfigError, match="unknown dtype 'fp7'.*bfloat16"):
+        build_config(parser.parse_args(["llama", "--dtype", "fp7"]))
