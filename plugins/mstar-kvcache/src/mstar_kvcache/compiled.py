@@ -11,6 +11,11 @@ once. Padded rows run through the dense layers and get zeros from attention; the
 before anyone sees them. Steps larger than the largest bucket, and steps with per-call module
 tensors (whose shapes depend on the number of sequences), run eager.
 
+A node split across ranks (`split`) compiles the same way on every rank: each rank pads a step to
+the same bucket and runs the same graph, whose collectives (row-parallel sums, the vocabulary-parallel
+embedding's) are opaque ops too (`mstar_core.nn.parallel.collectives`). A rank whose compile fails runs
+that graph's function eager, still padded, so its collectives keep the shapes of the ranks that did compile.
+
 On CUDA the compiled graphs are also captured as CUDA graphs (inductor's cudagraph trees with
 graph partitions: the attention op is marked cudagraph-unsafe, so the pieces between attention
 calls are replayed as graphs and attention runs eagerly between them, as vLLM's piecewise graphs
@@ -119,10 +124,12 @@ class CompiledForward:
         *,
         cuda_graphs: bool | None = None,
         node: str = "?",
+        split: bool = False,
     ):
         self.module, self.device = module, torch.device(device)
         self.buckets = sorted(set(int(b) for b in buckets))
-        self.node = node
+        self.node, self.split = node, split
+        self._padded_eager = False  # a split node's fallback: the step function eager, on padded inputs
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -203,7 +210,7 @@ class CompiledForward:
                 torch.compiler.cudagraph_mark_step_begin()  # each step is a new iteration of the graph tree
             hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
         except Exception as exc:
-            if not first or _slot.context_failed:
+            if not first or _slot.context_failed or self._padded_eager:
                 raise
             # compiling (or running the compiled graph) failed, not the attention context: serve eager
             # from now on; KV rows this attempt may have written are rewritten by the eager run
@@ -212,6 +219,8 @@ class CompiledForward:
             self._compiled, self.eager_reason = None, f"compile failed: {type(exc).__name__}"
             self.cuda_graphs = False
             _slot.context = None
+            if self.split:  # other ranks may run their compiled graphs: keep the padded shapes they all-reduce
+                self._compiled, self._padded_eager = self._step, True
             real = ids[:tokens] if input_embeds is None else None
             embeds = None if input_embeds is None else input_embeds[:tokens]
             return self(real, positions[..., :tokens], context, input_embeds=embeds)
@@ -219,6 +228,7 @@ class CompiledForward:
             _slot.context = None
         if first:
             self._variants.add(variant)
+        if first and not self._padded_eager:
             self.compiled_buckets.add(size)
             took = time.perf_counter() - start
             self.compile_seconds += took
