@@ -45,6 +45,6 @@ def test_split_layers_compile_to_one_graph_with_opaque_collectives(one_rank_grou
         got = torch.compile(forward, backend=capture, fullgraph=True, dynamic=False)(ids)
     assert torch.equal(got, want)
     assert len(graphs) == 1
-    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert calls.count(torch.ops.mstar_nn.all_reduce.default) == 2  # the embedding's and the row-parallel sum
-    assert not any("c10d" in str(target) or "distributed" in str(target) for target in calls)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert calls.count("mstar_nn.all_reduce") == 2, calls  # the embedding's and the row-parallel sum
+    assert not any("c10d" in target or "distributed" in target for target in calls), calls

@@ -6,7 +6,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from mstar_core.nn.parallel import collectives
+from mstar_core.nn.parallel import collectives  # (registers the mstar_nn collective ops)
 
 
 @attrs.frozen
@@ -52,7 +52,7 @@ class TensorParallelGroup:
         """Sum `tensor` over the ranks, in place (compiled: into a new tensor); use what it returns."""
         if self.world_size > 1:
             if torch.compiler.is_compiling():  # one opaque op, not a traced or graph-breaking collective
-                return collectives.all_reduce(tensor, collectives.group_key(self.process_group))
+                return torch.ops.mstar_nn.all_reduce(tensor, collectives.group_key(self.process_group))
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         return tensor
 
@@ -61,7 +61,8 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return tensor
         if torch.compiler.is_compiling():
-            return collectives.all_gather_last(tensor, self.world_size, collectives.group_key(self.process_group))
+            return torch.ops.mstar_nn.all_gather_last(tensor, self.world_size,
+                                                        collectives.group_key(self.process_group))
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.process_group)
