@@ -2,7 +2,8 @@
 
 Every rank compiles the same bucket and runs the same graph, the collectives of its split layers
 opaque ops inside it. The checkpoint is a Llama (llama3 rope, GQA) written by transformers'
-`save_pretrained`; its greedy tokens compiled at TP=2 must equal eager TP=1's and transformers' own.
+`save_pretrained`; its greedy tokens compiled at TP=2 (the prompts batched) must equal eager TP=1's, eager
+TP=2's and transformers' own.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ async def test_compiled_steps_on_a_tp2_group_give_eager_tp1_greedy_tokens(tmp_pa
     hf = make_hf("llama")
     checkpoint = write_checkpoint(hf, tmp_path / "llama")
     expected = [hf_greedy(hf, p, NEW) for p in PROMPTS]
-    eager, _ = await engine_greedy(checkpoint, PROMPTS, NEW)  # TP=1, eager
-    assert eager == expected
+    assert (await engine_greedy(checkpoint, PROMPTS, NEW))[0] == expected  # TP=1, eager
+    assert (await engine_greedy(checkpoint, PROMPTS, NEW, placement()))[0] == expected  # TP=2, eager
     # one bucket: every step of these prompts (prefill of at most 31 rows, decode of 1) pads up to 32 rows
     compiled, loads = await engine_greedy(checkpoint, PROMPTS, NEW, placement(compile=True, compile_buckets=[32]),
                                           gauges=RANKS)

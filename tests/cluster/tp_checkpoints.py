@@ -63,8 +63,8 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 async def engine_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: int, placement: Any = None,
                         gauges: tuple[str, ...] = ()) -> tuple[list[list[int]], dict[str, dict]]:
-    """Each prompt's greedy tokens from `mstar_core`'s engine (with `placement`, in its workers), one after another,
-    and the `llama/lm` gauges of the workers named in `gauges` (from a heartbeat sent after the last request)."""
+    """Each prompt's greedy tokens from `mstar_core`'s engine (with `placement`, in its workers), all submitted at
+    once (batched steps), and the `llama/lm` gauges of the workers named in `gauges` (from a heartbeat sent after)."""
     from mstar_core.cluster.strategy import placed_engine
     from mstar_core.model import LoadOptions
     from mstar_core.plugins import discover
@@ -72,11 +72,12 @@ async def engine_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: 
     engine = placed_engine(discover())
     await engine.load_model("llama", LoadOptions(checkpoint=str(checkpoint)), placement=placement)
     try:
-        outs = []
-        for prompt in prompts:
+        async def tokens(prompt: list[int]) -> list[int]:
             handle = engine.submit("llama", {"input_ids": prompt, "temperature": 0.0, "ignore_eos": True,
                                              "max_tokens": new_tokens})
-            outs.append([o.value async for o in handle if o.name == "next_token"])
+            return [o.value async for o in handle if o.name == "next_token"]
+
+        outs = list(await asyncio.gather(*(tokens(p) for p in prompts)))
         loads, asked = {}, time.monotonic()
         for name in gauges:
             state = engine.cluster.workers[name]
