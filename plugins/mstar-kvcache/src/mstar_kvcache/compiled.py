@@ -15,6 +15,7 @@ A node split across ranks (`split`) compiles the same way on every rank: each ra
 the same bucket and runs the same graph, whose collectives (row-parallel sums, the vocabulary-parallel
 embedding's) are opaque ops too (`mstar_core.nn.parallel.collectives`). A rank whose compile fails runs
 that graph's function eager, still padded, so its collectives keep the shapes of the ranks that did compile.
+Its engine compiles every bucket while it loads (`warm_up`), see engine.py.
 
 On CUDA the compiled graphs are also captured as CUDA graphs (inductor's cudagraph trees with
 graph partitions: the attention op is marked cudagraph-unsafe, so the pieces between attention
@@ -236,8 +237,13 @@ class CompiledForward:
         # a CUDA graph's output buffer is overwritten by its next replay: hand out a copy
         return hidden[:tokens].clone() if self.cuda_graphs else hidden[:tokens]
 
-    def warm_up(self, sizes: Sequence[int] | None = None) -> float:
-        """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds."""
+    def warm_up(self, sizes: Sequence[int] | None = None, *, axes: int = 1, hidden: int | None = None,
+                dtype: torch.dtype | None = None) -> float:
+        """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds.
+
+        `axes` is the module's position axes (positions `[axes, T]` when above 1, as the engine passes them); with
+        `hidden` each bucket's embeddings graph (`input_embeds` of `[T, hidden]` in `dtype`) compiles too.
+        """
         if self._compiled is None:
             return 0.0
         from mstar_core.nn.attention import DenseAttention
@@ -245,6 +251,11 @@ class CompiledForward:
         start = time.perf_counter()
         with torch.inference_mode():
             for size in sizes or self.buckets:
-                ids = torch.zeros(size, dtype=torch.long, device=self.device)
-                self(ids, torch.arange(size, device=self.device), DenseAttention())
+                positions = torch.arange(size, device=self.device)
+                if axes > 1:
+                    positions = positions.expand(axes, -1)
+                self(torch.zeros(size, dtype=torch.long, device=self.device), positions, DenseAttention())
+                if hidden is not None:
+                    embeds = torch.zeros(size, hidden, dtype=dtype, device=self.device)
+                    self(None, positions, DenseAttention(), input_embeds=embeds)
         return time.perf_counter() - start

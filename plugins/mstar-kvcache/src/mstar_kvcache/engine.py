@@ -100,6 +100,12 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
 
             self.packed_linears = pack_linears(module)  # a CPU step's wide GEMMs stop repacking their weights
         self.forward_fn = module if not self.settings.compile else self._compiled(module)
+        if self.settings.compile and self.ranks is not None and not self.routed:
+            # a split node compiles every bucket now, while its worker loads: compiling mid-serving (tens of
+            # seconds of Python) starved a loaded rank's heartbeats and its group was replaced. Every rank
+            # builds its engines in the same order before it follows a step, so their collectives line up.
+            embeds = "input_embeds" in node.all_inputs and self.hidden_size is not None
+            self.forward_fn.warm_up(axes=self.axes, hidden=self.hidden_size if embeds else None, dtype=dtype)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.grammar_vocab = getattr(module, "grammar_vocab", None)  # what sampling grammars compile against
         self.seqs: dict[tuple[str, str], Sequence] = {}
