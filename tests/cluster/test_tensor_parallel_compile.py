@@ -1,7 +1,7 @@
 """Compiled steps (`compile: true`) on a node split over 2 gloo ranks: TP=1 eager's greedy tokens.
 
-Every rank compiles the same bucket and runs the same graph, the collectives of its split layers
-opaque ops inside it. The checkpoint is a Llama (llama3 rope, GQA) written by transformers'
+Every rank compiles the same bucket (while the group loads) and runs the same graph, the collectives
+of its split layers opaque ops inside it. The checkpoint is a Llama (llama3 rope, GQA) written by transformers'
 `save_pretrained`; its greedy tokens compiled at TP=2 (the prompts batched) must equal eager TP=1's, eager
 TP=2's and transformers' own.
 """
