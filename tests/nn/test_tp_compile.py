@@ -48,3 +48,11 @@ def test_split_layers_compile_to_one_graph_with_opaque_collectives(one_rank_grou
     calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert calls.count("mstar_nn.all_reduce") == 2, calls  # the embedding's and the row-parallel sum
     assert not any("c10d" in target or "distributed" in target for target in calls), calls
+
+
+def test_collectives_run_between_cuda_graph_pieces_not_inside_them():
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if unsafe is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    for op in (torch.ops.mstar_nn.all_reduce.default, torch.ops.mstar_nn.all_gather_last.default):
+        assert unsafe in op.tags, op

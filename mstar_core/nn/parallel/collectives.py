@@ -8,6 +8,10 @@ so the collectives line up across the ranks in the same order, with the same (bu
 
 Ops take plain arguments only, so a process group travels by name: "" is the default group, any other
 group is registered here (`group_key`) when a layer first asks for it.
+
+On CUDA a compiled step's pieces replay as CUDA graphs; the collectives are marked cudagraph-unsafe,
+like the kvcache engine's attention op, so they run eagerly between the replayed pieces instead of being
+captured (NCCL collectives under capture need care this was not tested with: no multi-GPU machine here).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 def group_key(process_group: dist.ProcessGroup | None) -> str:
@@ -31,7 +36,7 @@ def _group(key: str) -> dist.ProcessGroup | None:
     return _GROUPS[key] if key else None
 
 
-@torch.library.custom_op("mstar_nn::all_reduce", mutates_args=())
+@torch.library.custom_op("mstar_nn::all_reduce", mutates_args=(), tags=_UNSAFE)
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """The sum of `x` over the ranks of `group`, as a new tensor."""
     out = x.clone()
@@ -44,7 +49,7 @@ def _(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("mstar_nn::all_gather_last", mutates_args=())
+@torch.library.custom_op("mstar_nn::all_gather_last", mutates_args=(), tags=_UNSAFE)
 def all_gather_last(x: torch.Tensor, world_size: int, group: str) -> torch.Tensor:
     """Every rank's `x` of `group`, concatenated along the last dim in rank order."""
     x = x.contiguous()
