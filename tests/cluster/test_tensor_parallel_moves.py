@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mstar_core.config import Placement
-from tests.cluster.test_per_walk_placement import generate
+from tests.cluster.test_per_walk_placement import choices, generate
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -26,3 +26,14 @@ async def test_a_cache_moved_between_groups_gives_the_colocated_tokens(prefill, 
     moved, workers, _ = await generate(split)  # (it also checks every worker's pool is free again)
     assert {"prefill", "decode"} <= set(workers)
     assert moved == colocated
+
+
+async def test_choices_forked_from_a_cache_moved_into_a_group_give_the_colocated_choices():
+    # the prefill's cache moves into a TP=2 group, where n choices fork it: copy-on-write copies of
+    # imported pages that every rank applies to its own heads
+    split = Placement.from_dict({"workers": {"p": SIDES["tp2"], "d": SIDES["tp2"]},
+                                 "nodes": {"lm": {"prefill": "p", "decode": "d", "prefill_shared": "p",
+                                                  "choices": "d"}}}, "moves.yaml")
+    colocated = await choices()
+    assert sorted(colocated) == [0, 1, 2] and all(len(t) == 8 for t in colocated.values())
+    assert await choices(split) == colocated
