@@ -84,23 +84,15 @@ class RankGroups:
         self._store = None
 
 
-def check_rank_group(source: str, spec: WorkerSpec, graph: Any, nodes: list[str], engines: Any,
-                     per_walk: Iterable[str], settings: Any = None) -> None:
+def check_rank_group(source: str, spec: WorkerSpec, graph: Any, nodes: list[str], engines: Any) -> None:
     """A ConfigError naming the node unless every node placed on `spec`'s group can be split over its ranks."""
     size = spec.group_size
-    moved = set(per_walk)
     for name in nodes:
-        if ((settings or {}).get(name) or {}).get("compile"):
-            raise ConfigError(f"{source}: node '{name}': kvcache setting 'compile' is not supported yet on a node split "
-                              f"across ranks (workers.{spec.name}.tensor_parallel {size}); drop it")
         node = graph.nodes[name]
         engine = engines.get(node.engine)
         if not hasattr(engine, "follow"):
             raise ConfigError(f"{source}: node '{name}' runs on the '{node.engine}' engine, which cannot run a node "
                               f"split across ranks; place it on a worker without tensor_parallel")
-        if name in moved:
-            raise ConfigError(f"{source}: node '{name}' is placed per walk, and a node split across ranks "
-                              f"(workers.{spec.name}.tensor_parallel) cannot move its caches between workers yet")
         check_splits(name, node.module() if node.module is not None else None, size, spec.expert_parallel > 1)
 
 

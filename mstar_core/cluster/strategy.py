@@ -55,8 +55,7 @@ class WorkerPlacement:
                 by_worker.setdefault(worker, []).append(node)
         for group, nodes in by_worker.items():  # a split that cannot work fails here, before anything starts
             if placement.workers[group].group_size > 1:
-                check_rank_group(placement.source, placement.workers[group], graph, nodes, host.registry.engines,
-                                 placement.walks, {**loaded.engine_settings, **placement.engine_settings, **settings})
+                check_rank_group(placement.source, placement.workers[group], graph, nodes, host.registry.engines)
         settings = {**placement.engine_settings, **settings}
         cluster = await self._cluster(host, placement)
         engines = await host.build_local(loaded, settings, {n for n, workers in where.items() if LOCAL in workers})

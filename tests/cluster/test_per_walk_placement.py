@@ -96,24 +96,26 @@ async def test_requests_cancelled_before_during_and_after_the_move_free_both_wor
         await engine.close()
 
 
+CHOICES = {"input_ids": list(range(5, 30)), "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 3, "ignore_eos": True}
+
+
+async def choices(placement=None) -> dict[int, list[int]]:
+    """The tokens of each of `CHOICES`' 3 sampled choices, by branch."""
+    engine = placed_engine(discover())
+    await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
+    try:
+        out: dict[int, list[int]] = {}
+        async for o in engine.submit("llama", dict(CHOICES)):
+            if o.name == "next_token":
+                out.setdefault(o.branch, []).append(o.value)
+        return out
+    finally:
+        await engine.close()
+
+
 async def test_n_choices_forked_after_a_prefill_on_another_worker_give_the_colocated_choices():
     # the choices' branches reach the decode worker together: one moves the state, the others wait
     # for it (they used to fork a label not there yet), and their loops are told apart
-    request = {"input_ids": list(range(5, 30)), "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 3,
-               "ignore_eos": True}
-
-    async def choices(placement=None):
-        engine = placed_engine(discover())
-        await engine.load_model("llama", LoadOptions(preset="tiny"), placement=placement)
-        try:
-            out: dict[int, list[int]] = {}
-            async for o in engine.submit("llama", dict(request)):
-                if o.name == "next_token":
-                    out.setdefault(o.branch, []).append(o.value)
-            return out
-        finally:
-            await engine.close()
-
     colocated = await choices()
     split = await asyncio.wait_for(choices(load_placement(EXAMPLE)), 120)
     assert sorted(colocated) == [0, 1, 2] and all(len(t) == 8 for t in colocated.values())

@@ -82,25 +82,3 @@ async def test_a_size_that_does_not_divide_is_a_config_error_at_load_naming_node
         assert engine.cluster is None or not engine.cluster.workers  # refused before any rank process started
     finally:
         await engine.close()
-
-
-async def test_a_node_placed_per_walk_cannot_be_split():
-    engine = placed_engine(discover())
-    per_walk = Placement.from_dict({"workers": {"tp": {"tensor_parallel": 2}, "d": {}},
-                                    "nodes": {"lm": {"prefill": "tp", "decode": "d"}}}, "tp.yaml")
-    try:
-        with pytest.raises(ConfigError, match=r"node 'lm' is placed per walk"):
-            await engine.load_model("llama", LoadOptions(preset="tiny"), placement=per_walk)
-    finally:
-        await engine.close()
-
-
-async def test_compiled_steps_on_a_split_node_are_refused_naming_the_setting():
-    engine = placed_engine(discover())
-    compiled = Placement.from_dict({"workers": {"tp": {"tensor_parallel": 2}}, "nodes": {"lm": "tp"},
-                                    "engine_settings": {"lm": {"compile": True}}}, "tp.yaml")
-    try:
-        with pytest.raises(ConfigError, match=r"node 'lm': kvcache setting 'compile' is not supported yet"):
-            await engine.load_model("llama", LoadOptions(preset="tiny"), placement=compiled)
-    finally:
-        await engine.close()

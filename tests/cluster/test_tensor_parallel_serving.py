@@ -21,7 +21,7 @@ from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
-from tests.cluster.tp_checkpoints import CONFIGS, hf_greedy, make_hf, write_checkpoint
+from tests.cluster.tp_checkpoints import CONFIGS, engine_greedy, hf_greedy, make_hf, write_checkpoint
 from tests.server.helpers import Server
 
 pytest.importorskip("transformers")
@@ -46,26 +46,12 @@ def _walk(url: str, inputs: dict) -> list[int]:
     return tokens
 
 
-async def _colocated(checkpoint) -> list[list[int]]:
-    engine = placed_engine(discover())
-    await engine.load_model("llama", LoadOptions(checkpoint=str(checkpoint)))
-    try:
-        outs = []
-        for prompt in PROMPTS:
-            handle = engine.submit("llama", {"input_ids": prompt, "temperature": 0.0, "ignore_eos": True,
-                                             "max_tokens": NEW})
-            outs.append([o.value async for o in handle if o.name == "next_token"])
-        return outs
-    finally:
-        await engine.close()
-
-
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_tp2_over_http_gives_tp1_and_transformers_greedy_tokens(kind, tmp_path):
     hf = make_hf(kind)
     checkpoint = write_checkpoint(hf, tmp_path / kind)
     expected = [hf_greedy(hf, p, NEW) for p in PROMPTS]
-    assert asyncio.run(_colocated(checkpoint)) == expected  # TP=1
+    assert asyncio.run(engine_greedy(checkpoint, PROMPTS, NEW))[0] == expected  # TP=1
     placement = tmp_path / "tp2.yaml"
     placement.write_text(yaml.safe_dump(TP2))
     srv = Server(["llama"], "--checkpoint", str(checkpoint), "--config", str(placement), api_key=None, wait=False)

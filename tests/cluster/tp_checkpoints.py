@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,3 +59,31 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+async def engine_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: int, placement: Any = None,
+                        gauges: tuple[str, ...] = ()) -> tuple[list[list[int]], dict[str, dict]]:
+    """Each prompt's greedy tokens from `mstar_core`'s engine (with `placement`, in its workers), all submitted at
+    once (batched steps), and the `llama/lm` gauges of the workers named in `gauges` (from a heartbeat sent after)."""
+    from mstar_core.cluster.strategy import placed_engine
+    from mstar_core.model import LoadOptions
+    from mstar_core.plugins import discover
+
+    engine = placed_engine(discover())
+    await engine.load_model("llama", LoadOptions(checkpoint=str(checkpoint)), placement=placement)
+    try:
+        async def tokens(prompt: list[int]) -> list[int]:
+            handle = engine.submit("llama", {"input_ids": prompt, "temperature": 0.0, "ignore_eos": True,
+                                             "max_tokens": new_tokens})
+            return [o.value async for o in handle if o.name == "next_token"]
+
+        outs = list(await asyncio.gather(*(tokens(p) for p in prompts)))
+        loads, asked = {}, time.monotonic()
+        for name in gauges:
+            state = engine.cluster.workers[name]
+            while state.last_seen <= asked and time.monotonic() < asked + 10:
+                await asyncio.sleep(0.05)
+            loads[name] = dict(state.load.get("llama/lm", {}))
+        return outs, loads
+    finally:
+        await engine.close()

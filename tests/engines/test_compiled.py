@@ -106,6 +106,36 @@ def test_a_failing_compile_falls_back_to_eager_with_a_warning():
     assert torch.equal(got, want) and forward.eager_reason.startswith("compile failed")
 
 
+def test_a_split_nodes_fallback_stays_padded_so_its_collectives_keep_the_compiled_shapes():
+    from mstar_kvcache.compiled import CompiledForward
+
+    from mstar_core.nn.attention import DenseAttention
+
+    model = _tiny_llama()
+    rows = []
+
+    def recording(ids, positions, context, input_embeds=None):
+        rows.append(positions.shape[-1])
+        return model(ids, positions, context, input_embeds=input_embeds)
+
+    forward = CompiledForward(recording, torch.device("cpu"), [8], split=True)
+
+    def broken(*args):
+        raise RuntimeError("inductor fell over")
+
+    forward._compiled = broken
+    ids = torch.arange(1, 6)
+    with torch.inference_mode(), pytest.warns(RuntimeWarning, match="compiling the 8-token step failed"):
+        got = forward(ids, torch.arange(5), DenseAttention())
+        want = model(ids, torch.arange(5), DenseAttention())
+        again = forward(ids, torch.arange(5), DenseAttention())
+    # other ranks may still run the 8-row graph: this rank's forward (and its all-reduces) stays 8 rows too
+    assert rows == [8, 8] and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, want, atol=1e-5, rtol=1e-5)
+    assert forward.eager_reason.startswith("compile failed") and forward.compiled_buckets == set()
+
+
 @pytest.mark.slow  # a second compile (~10-20 s on 2 shared cores)
 def test_an_attention_error_is_the_steps_not_the_compilers():
     from mstar_kvcache.compiled import CompiledForward

@@ -6,6 +6,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from mstar_core.nn.parallel import collectives  # (registers the mstar_nn collective ops)
+
 
 @attrs.frozen
 class TensorParallelGroup:
@@ -47,8 +49,10 @@ class TensorParallelGroup:
         return self.rank * size, (self.rank + 1) * size
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; returns it."""
+        """Sum `tensor` over the ranks, in place (compiled: into a new tensor); use what it returns."""
         if self.world_size > 1:
+            if torch.compiler.is_compiling():  # one opaque op, not a traced or graph-breaking collective
+                return torch.ops.mstar_nn.all_reduce(tensor, collectives.group_key(self.process_group))
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         return tensor
 
@@ -56,6 +60,9 @@ class TensorParallelGroup:
         """Concatenate every rank's `tensor` along the last dim, in rank order."""
         if self.world_size == 1:
             return tensor
+        if torch.compiler.is_compiling():
+            return torch.ops.mstar_nn.all_gather_last(tensor, self.world_size,
+                                                        collectives.group_key(self.process_group))
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.process_group)

@@ -11,6 +11,12 @@ once. Padded rows run through the dense layers and get zeros from attention; the
 before anyone sees them. Steps larger than the largest bucket, and steps with per-call module
 tensors (whose shapes depend on the number of sequences), run eager.
 
+A node split across ranks (`split`) compiles the same way on every rank: each rank pads a step to
+the same bucket and runs the same graph, whose collectives (row-parallel sums, the vocabulary-parallel
+embedding's) are opaque ops too (`mstar_core.nn.parallel.collectives`). A rank whose compile fails runs
+that graph's function eager, still padded, so its collectives keep the shapes of the ranks that did compile.
+Its engine compiles every bucket while it loads (`warm_up`), see engine.py.
+
 On CUDA the compiled graphs are also captured as CUDA graphs (inductor's cudagraph trees with
 graph partitions: the attention op is marked cudagraph-unsafe, so the pieces between attention
 calls are replayed as graphs and attention runs eagerly between them, as vLLM's piecewise graphs
@@ -119,10 +125,12 @@ class CompiledForward:
         *,
         cuda_graphs: bool | None = None,
         node: str = "?",
+        split: bool = False,
     ):
         self.module, self.device = module, torch.device(device)
         self.buckets = sorted(set(int(b) for b in buckets))
-        self.node = node
+        self.node, self.split = node, split
+        self._padded_eager = False  # a split node's fallback: the step function eager, on padded inputs
         self.compile_seconds = 0.0
         self.compiled_buckets: set[int] = set()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -203,7 +211,7 @@ class CompiledForward:
                 torch.compiler.cudagraph_mark_step_begin()  # each step is a new iteration of the graph tree
             hidden = self._compiled(None if input_embeds is not None else ids, positions, input_embeds)
         except Exception as exc:
-            if not first or _slot.context_failed:
+            if not first or _slot.context_failed or self._padded_eager:
                 raise
             # compiling (or running the compiled graph) failed, not the attention context: serve eager
             # from now on; KV rows this attempt may have written are rewritten by the eager run
@@ -212,6 +220,8 @@ class CompiledForward:
             self._compiled, self.eager_reason = None, f"compile failed: {type(exc).__name__}"
             self.cuda_graphs = False
             _slot.context = None
+            if self.split:  # other ranks may run their compiled graphs: keep the padded shapes they all-reduce
+                self._compiled, self._padded_eager = self._step, True
             real = ids[:tokens] if input_embeds is None else None
             embeds = None if input_embeds is None else input_embeds[:tokens]
             return self(real, positions[..., :tokens], context, input_embeds=embeds)
@@ -219,6 +229,7 @@ class CompiledForward:
             _slot.context = None
         if first:
             self._variants.add(variant)
+        if first and not self._padded_eager:
             self.compiled_buckets.add(size)
             took = time.perf_counter() - start
             self.compile_seconds += took
@@ -226,8 +237,13 @@ class CompiledForward:
         # a CUDA graph's output buffer is overwritten by its next replay: hand out a copy
         return hidden[:tokens].clone() if self.cuda_graphs else hidden[:tokens]
 
-    def warm_up(self, sizes: Sequence[int] | None = None) -> float:
-        """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds."""
+    def warm_up(self, sizes: Sequence[int] | None = None, *, axes: int = 1, hidden: int | None = None,
+                dtype: torch.dtype | None = None) -> float:
+        """Compile the given buckets (default all) ahead of traffic with a dense no-cache context; returns seconds.
+
+        `axes` is the module's position axes (positions `[axes, T]` when above 1, as the engine passes them); with
+        `hidden` each bucket's embeddings graph (`input_embeds` of `[T, hidden]` in `dtype`) compiles too.
+        """
         if self._compiled is None:
             return 0.0
         from mstar_core.nn.attention import DenseAttention
@@ -235,6 +251,11 @@ class CompiledForward:
         start = time.perf_counter()
         with torch.inference_mode():
             for size in sizes or self.buckets:
-                ids = torch.zeros(size, dtype=torch.long, device=self.device)
-                self(ids, torch.arange(size, device=self.device), DenseAttention())
+                positions = torch.arange(size, device=self.device)
+                if axes > 1:
+                    positions = positions.expand(axes, -1)
+                self(torch.zeros(size, dtype=torch.long, device=self.device), positions, DenseAttention())
+                if hidden is not None:
+                    embeds = torch.zeros(size, hidden, dtype=dtype, device=self.device)
+                    self(None, positions, DenseAttention(), input_embeds=embeds)
         return time.perf_counter() - start

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import ConfigError, RequestError
+from mstar_core.errors import RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_kvcache.answers import CallAnswers
@@ -67,9 +67,6 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         self._forgotten: list[int] = []  # sequences released since the last step message (rank 0)
         if self.ranks is not None:
             kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
-            if self.settings.compile:  # (tried: a rank compiling starves its heartbeats and the group is replaced)
-                raise ConfigError(f"node '{node.name}': kvcache setting 'compile' is not supported yet on a node split "
-                                  f"across ranks (tensor_parallel {self.ranks.world_size}); drop it")
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
@@ -103,6 +100,12 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
 
             self.packed_linears = pack_linears(module)  # a CPU step's wide GEMMs stop repacking their weights
         self.forward_fn = module if not self.settings.compile else self._compiled(module)
+        if self.settings.compile and self.ranks is not None and not self.routed:
+            # a split node compiles every bucket now, while its worker loads: compiling mid-serving (tens of
+            # seconds of Python) starved a loaded rank's heartbeats and its group was replaced. Every rank
+            # builds its engines in the same order before it follows a step, so their collectives line up.
+            embeds = "input_embeds" in node.all_inputs and self.hidden_size is not None
+            self.forward_fn.warm_up(axes=self.axes, hidden=self.hidden_size if embeds else None, dtype=dtype)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.grammar_vocab = getattr(module, "grammar_vocab", None)  # what sampling grammars compile against
         self.seqs: dict[tuple[str, str], Sequence] = {}
@@ -126,17 +129,13 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         from mstar_kvcache.compiled import CompiledForward, default_buckets
 
         buckets = self.settings.compile_buckets or default_buckets(self.settings.max_num_batched_tokens)
-        return CompiledForward(module, self.device, buckets, cuda_graphs=self.settings.cuda_graphs, node=self.node.name)
+        return CompiledForward(module, self.device, buckets, cuda_graphs=self.settings.cuda_graphs, node=self.node.name,
+                               split=self.ranks is not None)
 
     # -- contract ---------------------------------------------------------------------------------
 
     def add(self, invocation: Invocation) -> None:
         transfer = invocation.options.get("transfer")
-        if transfer is not None and self.ranks is not None:
-            self.answered.append((invocation, RequestError(
-                f"node '{self.node.name}' is split across {self.ranks.world_size} ranks: its caches cannot move "
-                "between workers yet; place it on one worker for every walk", status=400)))
-            return
         if transfer is not None:
             answer = self._transfer(invocation, transfer)  # (an export releases, which rebuilds `answered`)
             self.answered.append((invocation, answer))

@@ -6,6 +6,12 @@ sends the step (`step_message.py`) to the other ranks; so it does before each mo
 collectives outside the forward (`embed`, `compute_logits`, `compute_<name>`). A follower's engine
 never schedules: it applies the page ops and runs the same calls on its own pool, which has the
 same pages as rank 0's but holds only its own KV heads (so KV bytes per rank are ~1/N).
+
+A cache that moves to another worker (per-walk placement) carries every rank's heads: an export
+gathers each rank's rows of the label's pages to rank 0, which concatenates them in rank order (the
+heads' order in the unsplit model); an import hands each rank its heads of the snapshot. So a snapshot
+is the same whatever the group's size, and a cache moves between groups of any sizes (TP=2 to TP=2,
+TP=2 to one process, one process to TP=2), as long as each rank holds a contiguous block of the heads.
 """
 
 from __future__ import annotations
@@ -15,11 +21,22 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mstar_core.errors import ConfigError
 from mstar_core.runtime.rank_steps import RankGroup, RankMessage, group_broken
 from mstar_kvcache.pool import PagePool
-from mstar_kvcache.step_message import CALL, STEP, apply_page_ops, call_message, read_step, step_message
+from mstar_kvcache.step_message import (
+    CALL,
+    GATHER,
+    SCATTER,
+    STEP,
+    apply_page_ops,
+    call_message,
+    kv_message,
+    read_step,
+    step_message,
+)
 
 log = logging.getLogger("mstar.kvcache.ranks")
 
@@ -101,6 +118,29 @@ class RankSteps:
             self._check_group(exc)
             raise
 
+    def _gather_heads(self, pages: list[int], rows: int, local: torch.Tensor) -> torch.Tensor:
+        """Rank 0: `local` (its rows of `pages`) with every other rank's heads of them, in rank order."""
+        try:
+            self.ranks.channel.send(kv_message(self.ranks.key, self._pending_ops(), GATHER, pages, rows))
+            return gather_heads(local, self.ranks)
+        except Exception as exc:
+            self._check_group(exc)
+            raise
+
+    def _scatter_heads(self, pages: list[int], rows: int, kv: torch.Tensor) -> torch.Tensor:
+        """Rank 0: hand each rank its heads of `kv` (every head, `rows` rows for `pages`); returns rank 0's."""
+        try:
+            self.ranks.channel.send(kv_message(self.ranks.key, self._pending_ops(), SCATTER, pages, rows))
+            return scatter_heads(kv.to(self.pool.kv.device, self.pool.kv.dtype), self._kv_rows(rows), self.ranks)
+        except Exception as exc:
+            self._check_group(exc)
+            raise
+
+    def _kv_rows(self, rows: int) -> torch.Tensor:
+        """An empty `[layers, 2, rows, this rank's kv_heads, head_dim]` for this rank's share of a moved cache."""
+        layers, _, _, _, heads, dim = self.pool.kv.shape
+        return self.pool.kv.new_empty(layers, 2, rows, heads, dim)
+
     def _check_group(self, exc: BaseException) -> None:
         """Exit the process when `exc` says the rank group broke: its requests then fail as lost, at once."""
         if group_broken(exc):
@@ -125,5 +165,24 @@ class RankSteps:
                     self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
             elif header["kind"] == CALL:
                 getattr(self.module, header["method"])(msg.tensors["x"].to(self.device))
+            elif header["kind"] == GATHER:
+                gather_heads(self._read_kv(header["pages"], header["rows"]), self.ranks)
+            elif header["kind"] == SCATTER:
+                self._write_kv(header["pages"], scatter_heads(None, self._kv_rows(header["rows"]), self.ranks))
             else:
                 raise ValueError(f"unknown step message kind {header['kind']!r}")
+
+
+def gather_heads(local: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """Every rank's `local` (`[layers, 2, rows, heads, dim]`) concatenated along the heads, on rank 0 (others: `local`)."""
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(group.world_size)] if group.leader else None
+    dist.gather(local, parts, dst=0, group=group.channel.process_group)
+    return torch.cat(parts, dim=3) if parts is not None else local
+
+
+def scatter_heads(kv: torch.Tensor | None, out: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """Rank 0 splits `kv` along the heads into rank-order blocks; every rank gets its own into `out`."""
+    parts = [part.contiguous() for part in kv.chunk(group.world_size, dim=3)] if group.leader else None
+    dist.scatter(out, parts, src=0, group=group.channel.process_group)
+    return out

@@ -23,7 +23,8 @@ FORMAT = 1
 class CacheSnapshot:
     """Everything one cache label of one request holds once all its tokens are cached.
 
-    `kv` is `[layers, 2 (k/v), len(tokens), kv_heads, head_dim]`. `generator_state` is the
+    `kv` is `[layers, 2 (k/v), len(tokens), kv_heads, head_dim]`, every KV head of the model (a node
+    split across ranks gathers its ranks' heads, see ranks.py). `generator_state` is the
     request's sampling generator (`torch.Generator.get_state()`), so a seeded request draws the
     same tokens after the move as it would have without it.
     """

@@ -10,6 +10,10 @@ Page ops are `[name, *ints]`: `["copy", src, dst]` (copy-on-write: page `dst` ge
 values in every layer) and `["forget", seq_id]` (the attention backend drops a sequence's state).
 A new page op (host offload, say) is a new name here: recorded by rank 0 where it happens, applied
 by `apply_page_ops` before the step's forward.
+
+A cache that moves to another worker (per-walk placement) moves every rank's KV heads: before rank 0
+gathers the label's rows of its pages from the group (`GATHER`) or hands each rank its heads of an
+imported snapshot's rows (`SCATTER`), it sends the pages and the row count (`kv_message`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from mstar_core.runtime.rank_steps import RankMessage
 from mstar_kvcache.batch import PagedBatch
 
-STEP, CALL = "step", "call"
+STEP, CALL, GATHER, SCATTER = "step", "call", "gather_kv", "scatter_kv"
 
 
 def step_message(key: str, ops: list[list[Any]], ids: torch.Tensor | None, positions: torch.Tensor,
@@ -66,6 +70,11 @@ def call_message(key: str, ops: list[list[Any]], method: str,
                  x: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A module call with collectives outside the forward (`embed`, `compute_logits`, `compute_<name>`)."""
     return {"kind": CALL, "engine": key, "ops": ops, "method": method}, {"x": x}
+
+
+def kv_message(key: str, ops: list[list[Any]], kind: str, pages: list[int], rows: int) -> dict[str, Any]:
+    """The header of a cache move's collective (`GATHER` or `SCATTER`): the first `rows` token rows of `pages`."""
+    return {"kind": kind, "engine": key, "ops": ops, "pages": list(pages), "rows": rows}
 
 
 def apply_page_ops(kv: torch.Tensor, backend: Any, ops: list[list[Any]]) -> None:

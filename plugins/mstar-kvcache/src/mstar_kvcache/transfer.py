@@ -26,9 +26,9 @@ class CacheTransfer:
         if seq.pending is not None or seq.remaining:
             raise RequestError(f"node '{self.node.name}': cache label '{label}' of {request_id} is mid-call; "
                                "export it between calls")
-        n = seq.num_computed
-        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.pool.kv.device)
-        kv = self.pool.kv.index_select(2, pages).flatten(2, 3)[:, :, :n].clone()
+        kv = self._read_kv(seq.pages, seq.num_computed)
+        if self.ranks is not None:  # a split node: the snapshot holds every rank's heads (ranks.py)
+            kv = self._gather_heads(seq.pages, seq.num_computed, kv)
         return CacheSnapshot(
             label=label,
             tokens=list(seq.tokens),
@@ -53,7 +53,8 @@ class CacheTransfer:
         if key in self.seqs:
             raise RequestError(f"node '{self.node.name}': cache label '{snapshot.label}' already exists for {request_id}")
         layers, _, _, _, heads, dim = self.pool.kv.shape
-        want = (layers, 2, len(snapshot.tokens), heads, dim)
+        split = 1 if self.ranks is None else self.ranks.world_size  # a snapshot holds every KV head of the model
+        want = (layers, 2, len(snapshot.tokens), heads * split, dim)
         if tuple(snapshot.kv.shape) != want:
             raise RequestError(f"node '{self.node.name}': cache snapshot has KV shape {tuple(snapshot.kv.shape)}, "
                                f"this model needs {want}")
@@ -69,16 +70,27 @@ class CacheTransfer:
                                f"the pool has {self.pool.num_pages}", status=413)
         if not self.blocks.reserve(seq, n):
             raise RequestError(f"node '{self.node.name}': no KV pages free for the snapshot now; retry later", status=503)
-        filled = self.pool.kv.new_zeros(layers, 2, len(seq.pages) * self.pool.page_size, heads, dim)
-        filled[:, :, :n] = snapshot.kv
-        pages = torch.tensor(seq.pages, dtype=torch.long, device=self.pool.kv.device)
-        self.pool.kv.index_copy_(2, pages, filled.unflatten(2, (len(seq.pages), self.pool.page_size)))
+        kv = snapshot.kv if self.ranks is None else self._scatter_heads(seq.pages, n, snapshot.kv)
+        self._write_kv(seq.pages, kv)
         seq.num_computed = n
         self.blocks.commit(seq)
         if snapshot.generator_state is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.set_state(snapshot.generator_state)
         self.seqs[key] = seq
+
+    def _read_kv(self, pages: list[int], rows: int) -> torch.Tensor:
+        """A copy of the first `rows` token rows of `pages` in this pool: `[layers, 2, rows, kv_heads, head_dim]`."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.pool.kv.device)
+        return self.pool.kv.index_select(2, index).flatten(2, 3)[:, :, :rows].clone()
+
+    def _write_kv(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Store `kv` (`[layers, 2, rows, kv_heads, head_dim]`) as the first token rows of `pages`; the rest are zeros."""
+        layers, _, _, page_size, heads, dim = self.pool.kv.shape
+        filled = self.pool.kv.new_zeros(layers, 2, len(pages) * page_size, heads, dim)
+        filled[:, :, : kv.shape[2]] = kv
+        index = torch.tensor(pages, dtype=torch.long, device=self.pool.kv.device)
+        self.pool.kv.index_copy_(2, index, filled.unflatten(2, (len(pages), page_size)))
 
     def _transfer(self, inv: Invocation, op: str) -> dict[str, Any] | RequestError:
         """Answer a transfer invocation: every cache label of the request leaves (export) or arrives (import)."""
