@@ -14,7 +14,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.runtime.engine import Invocation
 from tests.engines.conftest import hf_greedy
 from tests.engines.driver import generate, make_engine
-from tests.engines.paged_tiny import HIDDEN, TinyNode, dense, engine_for, run
+from tests.engines.paged_tiny import HIDDEN, TinyNode, dense, drain, engine_for, run
 
 STEPS = 24
 # 4 requests x ~50 tokens need ~52 pages of 4: 36 pages force preemptions
@@ -144,6 +144,40 @@ def test_a_preempted_idle_label_returns_its_rows_after_a_restore():
         torch.testing.assert_close(got["hidden"], dense(module, ctx + new)[-3:], atol=1e-5, rtol=0)
     got = run(engine, "a", {"input_ids": [12]}, output_rows="last")
     torch.testing.assert_close(got["hidden"], dense(module, a + [9, 10, 11, 12])[-1:], atol=1e-5, rtol=0)
+
+
+def test_a_call_preempted_mid_prefill_keeps_its_gathered_rows():
+    module = TinyNode()
+    engine = engine_for(module, page_size=4, num_pages=6, max_num_batched_tokens=8,
+                        kv_offload={"host_pages": 16, "rule": "always"})
+    a1, a2, a3, b = list(range(1, 9)), list(range(9, 17)), list(range(17, 25)), list(range(40, 54))
+    run(engine, "a", {"input_ids": a1})
+    engine.add(Invocation("b", "lm", {"input_ids": b}, {}))
+    engine.add(Invocation("a", "lm", {"input_ids": a2}, {}))
+    assert [inv.request_id for inv, _ in engine.step()] == ["a"]  # a's call takes the whole budget
+    assert engine.step() == [] and engine.seqs["b", "main"].num_computed == 8  # b's first chunk
+    engine.add(Invocation("a", "lm", {"input_ids": a3}, {}))  # a needs b's pages: b goes out mid-call
+    got = {inv.request_id: res for inv, res in engine.step()}
+    assert engine.seqs["b", "main"].host is not None and engine.seqs["b", "main"].collected
+    got.update(drain(engine))  # b comes back (a, idle, goes out) and computes its last 6 tokens only
+    assert engine.num_preemptions == 2 and engine.stats()["kv_pages_restored"] == 2
+    assert engine.tokens_forwarded == len(a1 + a2 + a3) + len(b)
+    torch.testing.assert_close(got["b"]["hidden"], dense(module, b), atol=1e-5, rtol=0)  # all 14 rows
+    torch.testing.assert_close(got["a"]["hidden"], dense(module, a1 + a2 + a3)[16:], atol=1e-5, rtol=0)
+
+
+def test_a_reader_of_an_offloaded_label_gets_it_restored():
+    module = TinyNode()
+    engine = engine_for(module, page_size=4, num_pages=6, kv_offload={"host_pages": 16, "rule": "always"})
+    prefix, other, new = list(range(1, 19)), list(range(30, 48)), [40, 41, 42]
+    run(engine, "r", {"input_ids": prefix})  # 5 of the 6 pages
+    run(engine, "s", {"input_ids": other})  # r (idle) goes to the host
+    assert engine.seqs["r", "main"].host is not None
+    before = engine.tokens_forwarded
+    out = run(engine, "r", {"input_ids": new}, write_cache=False)  # r comes back for its reader, s goes out
+    assert engine.tokens_forwarded - before == 1 + len(new)  # r's last token rewritten, then the reader's rows
+    torch.testing.assert_close(out["hidden"], dense(module, prefix + new)[len(prefix):], atol=1e-5, rtol=0)
+    assert engine.seqs["r", "main"].host is None and engine.seqs["s", "main"].host is not None
 
 
 def test_auto_weighs_the_copy_against_the_recompute():

@@ -94,8 +94,7 @@ class HostTier:
         shape = list(pool.kv.shape)
         shape[2] = settings.host_pages
         # zeros, not empty: every host page is mapped now, not on a preemption's first copy (see pool.py)
-        kv = torch.zeros(shape, dtype=pool.kv.dtype)
-        self.kv = kv.pin_memory() if pool.kv.device.type == "cuda" else kv
+        self.kv = torch.zeros(shape, dtype=pool.kv.dtype, pin_memory=pool.kv.device.type == "cuda")
         self._free: list[int] = list(range(settings.host_pages))  # a heap: low pages first, so copies run in slices
         self._spilled: OrderedDict[bytes, int] = OrderedDict()  # digest -> host page, least recently spilled first
         self.pages_out = self.pages_in = self.pages_reused = 0
