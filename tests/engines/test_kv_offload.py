@@ -17,8 +17,8 @@ from tests.engines.driver import generate, make_engine
 from tests.engines.paged_tiny import HIDDEN, TinyNode, dense, drain, engine_for, run
 
 STEPS = 24
-# 4 requests x ~50 tokens need ~52 pages of 4: 36 pages force preemptions
-TIGHT = dict(num_pages=36, page_size=4, max_num_batched_tokens=64)
+# 4 requests x ~50 tokens need ~49 pages of 4: 20 pages force preemptions (4 of them)
+TIGHT = dict(num_pages=20, page_size=4, max_num_batched_tokens=64)
 
 
 def _prompts(lengths, vocab=256):
