@@ -213,3 +213,32 @@ def test_split_and_sharing_nodes_refuse_offload():
     with pytest.raises(ConfigError, match=r"node 'expert'.*'kv_offload'.*'vlm'"):
         host_tier(settings, pool, "expert", None, "vlm")
     assert host_tier(None, pool, "lm", None, None) is None
+
+
+def test_through_the_runtime_the_setting_applies_and_the_counters_reach_metrics(llama_pair, reference):
+    import asyncio
+
+    from mstar_core.api.metrics import Metrics
+    from mstar_core.runtime import AsyncEngine
+    from mstar_core.sampling import SamplingParams
+    from tests.engines.test_through_async_engine import _loaded
+
+    async def main():
+        engine = AsyncEngine()
+        settings = {**TIGHT, "kv_offload": {"host_pages": 64, "rule": "always"}}
+        await engine.add_model(_loaded(llama_pair[1]), settings={"lm": settings})
+        try:
+            async def tokens(handle):
+                return [o.value async for o in handle if o.name == "next_token"]
+
+            handles = [engine.submit("tinyllm", {"input_ids": p, "sampling": SamplingParams(max_tokens=STEPS)})
+                       for p in PROMPTS.values()]
+            got = await asyncio.gather(*(tokens(h) for h in handles))
+            return got, engine.node_engines("tinyllm")["lm"].stats(), Metrics(engine).render().decode()
+        finally:
+            await engine.close()
+
+    got, stats, metrics = asyncio.run(main())
+    assert got == list(reference.values())
+    assert stats["kv_pages_restored"] > 0 and stats["kv_host_pages_used"] == 0
+    assert 'stat="kv_pages_offloaded"' in metrics and 'stat="kv_prefix_spill_hits"' in metrics
