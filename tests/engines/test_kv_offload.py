@@ -128,6 +128,28 @@ def test_evicted_prefix_pages_spill_and_come_back(llama_pair):
     assert forwarded[True] <= 4 + 4  # every full page of a's prompt: the last token and the decode steps computed
 
 
+def test_a_preempted_copy_is_not_spilled_again_and_serves_prefix_hits():
+    module = TinyNode()
+    engine = engine_for(module, page_size=4, num_pages=6,
+                        kv_offload={"host_pages": 16, "rule": "always", "spill_prefixes": True})
+    b = list(range(20, 36))
+    run(engine, "a", {"input_ids": list(range(1, 9))})
+    run(engine, "b", {"input_ids": b})  # the pool is full
+    run(engine, "c", {"input_ids": list(range(40, 48))})  # b (idle) goes to the host; c evicts b's cached pages
+    stats = engine.stats()
+    assert stats["kv_host_pages_used"] == 4 and stats["kv_prefix_pages_spilled"] == 0  # (its copy has them)
+    before = engine.tokens_forwarded
+    got = run(engine, "d", {"input_ids": b[:8] + [60]}, output_rows="last")  # b's first two pages, from its host copy
+    assert engine.stats()["kv_prefix_spill_hits"] == 2 and engine.tokens_forwarded - before == 1
+    torch.testing.assert_close(got["hidden"], dense(module, b[:8] + [60])[-1:], atol=1e-5, rtol=0)
+    assert engine.seqs["b", "main"].host is not None  # b's copy is still whole
+    got = run(engine, "b", {"input_ids": [61]})
+    torch.testing.assert_close(got["hidden"], dense(module, b + [61])[-1:], atol=1e-5, rtol=0)
+    for rid in "abcd":
+        engine.release(rid)
+    assert engine.stats()["kv_host_pages_used"] == 0 and not engine.offload._held
+
+
 def test_a_preempted_idle_label_returns_its_rows_after_a_restore():
     module = TinyNode()
     engine = engine_for(module, page_size=4, num_pages=4, kv_offload={"host_pages": 8, "rule": "always"})

@@ -10,6 +10,8 @@ step. Leading full pages still cached on the device (same digest) are referenced
 
 With `spill_prefixes`, a prefix-cache page the pool evicts is copied to a host page under its digest,
 and a later prefix match that misses on the device brings it back (`fetch`) instead of recomputing it.
+A full page inside a preempted sequence's copy is on the host already: it is not spilled again, and it
+serves prefix hits the same way (the copy keeps it).
 
 Host pages have the pool's layout, `[layers, 2, host_pages, page_size, kv_heads, head_dim]` (pinned on
 CUDA). A preempted sequence's copy is never evicted; spilled prefix pages are a cache, dropped least
@@ -97,6 +99,9 @@ class HostTier:
         self.kv = torch.zeros(shape, dtype=pool.kv.dtype, pin_memory=pool.kv.device.type == "cuda")
         self._free: list[int] = list(range(settings.host_pages))  # a heap: low pages first, so copies run in slices
         self._spilled: OrderedDict[bytes, int] = OrderedDict()  # digest -> host page, least recently spilled first
+        # digest -> host page of a full page inside a preempted sequence's copy: that content is on the host
+        # already, so it is not spilled again and serves prefix hits as a spilled page would
+        self._held: dict[bytes, int] = {}
         self.pages_out = self.pages_in = self.pages_reused = 0
         self.sequences = self.recomputes = self.host_full = 0
         self.pages_spilled = self.spill_hits = self.spills_dropped = 0
@@ -125,6 +130,11 @@ class HostTier:
             return False
         self._move(self.pool.kv, seq.pages[:count], self.kv, pages)
         seq.host = HostCopy(pages, n, list(seq.hashes))
+        for key, page in zip(seq.hashes, pages, strict=False):
+            self._held.setdefault(key, page)
+            spilled = self._spilled.pop(key, None)  # (the same content spilled earlier: one host copy is enough)
+            if spilled is not None:
+                heapq.heappush(self._free, spilled)
         self.pages_out += count
         self.sequences += 1
         return True
@@ -167,8 +177,7 @@ class HostTier:
     def discard(self, seq: Sequence) -> None:
         """Free a sequence's host pages (restored, released, cancelled or dropped)."""
         if seq.host is not None:
-            for page in seq.host.pages:
-                heapq.heappush(self._free, page)
+            self._release(seq.host.pages, seq.host.hashes)
             seq.host = None
 
     def truncate(self, seq: Sequence, length: int) -> None:
@@ -176,11 +185,10 @@ class HostTier:
         host = seq.host
         if host is None or host.num_computed <= length:
             return
-        keep = -(-length // self.page_size)
-        for page in host.pages[keep:]:
-            heapq.heappush(self._free, page)
+        keep, full = -(-length // self.page_size), length // self.page_size
+        self._release(host.pages[full:], host.hashes[full:], free=len(host.pages) - keep)
         del host.pages[keep:]
-        del host.hashes[length // self.page_size :]
+        del host.hashes[full:]
         host.num_computed = length
         if not host.pages:
             seq.host = None
@@ -192,6 +200,8 @@ class HostTier:
         if key in self._spilled:
             self._spilled.move_to_end(key)
             return
+        if key in self._held:
+            return
         host = self._take(1)
         if host is None:  # every host page holds a preempted sequence
             self.spills_dropped += 1
@@ -202,20 +212,31 @@ class HostTier:
 
     def fetch(self, key: bytes) -> int | None:
         """A device page (one reference, cached under `key`) with the spilled page's keys and values; None: not here."""
-        host = self._spilled.pop(key, None)
+        spilled = self._spilled.pop(key, None)
+        host = spilled if spilled is not None else self._held.get(key)
         if host is None:
             return None
         if self.pool.num_available == 0:
-            self._spilled[key] = host
+            if spilled is not None:
+                self._spilled[key] = spilled
             return None
         page = self.pool.allocate()  # (may spill another page: this one is out of the index, so it stays)
         self._move(self.kv, [host], self.pool.kv, [page])
-        heapq.heappush(self._free, host)
+        if spilled is not None:  # (a held page stays with its sequence's copy)
+            heapq.heappush(self._free, spilled)
         self.pool.register(page, key)
         self.spill_hits += 1
         return page
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _release(self, pages: list[int], hashes: list[bytes], free: int | None = None) -> None:
+        """Forget `hashes`' held pages, and free the last `free` of `pages` (all of them by default)."""
+        for key, page in zip(hashes, pages, strict=False):
+            if self._held.get(key) == page:
+                del self._held[key]
+        for page in pages[len(pages) - (len(pages) if free is None else free) :]:
+            heapq.heappush(self._free, page)
 
     def _take(self, count: int) -> list[int] | None:
         """`count` host pages, evicting spilled prefix pages if needed; None (and no change) if they cannot be had."""
