@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from hashlib import blake2b
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
+
+if TYPE_CHECKING:
+    from mstar_kvcache.offload import HostTier
 
 #: Bytes of a page key (blake2b digest): collisions are as unlikely as for any cryptographic hash, so one
 #: request's pages are never handed to another whose content differs (a crafted `hash()` collision could).
@@ -57,8 +61,9 @@ def chain_digest(previous: bytes, tokens: list[int], content: bytes = b"") -> by
 class BlockManager:
     """Moves pages between the pool and sequences; knows nothing about models or scheduling."""
 
-    def __init__(self, pool: PagePool, prefix_caching: bool = True, salt: str = ""):
+    def __init__(self, pool: PagePool, prefix_caching: bool = True, salt: str = "", host: HostTier | None = None):
         self.pool = pool
+        self.host = host  # the host tier (setting kv_offload): preempted sequences and evicted prefix pages go there
         self.page_size = pool.page_size
         self.prefix_caching = prefix_caching
         # the chain starts from the node's name: nodes sharing a pool never hit each other's pages
@@ -73,10 +78,16 @@ class BlockManager:
         """Pages `reserve(seq, n)` would take from the pool (new pages plus a copy of a shared partial page)."""
         end = seq.num_computed + n
         need = -(-end // self.page_size) - len(seq.pages)
-        offset = seq.num_computed % self.page_size
-        if n and offset and self.pool.refcount[seq.pages[-1]] > 1:
+        if n and self._shared_tail(seq):
             need += 1
         return need
+
+    def _shared_tail(self, seq: Sequence) -> bool:
+        """Whether the page the next token goes into is partly written and read by another sequence too."""
+        offset = seq.num_computed % self.page_size
+        # (a planned restore holds fewer pages than its tokens: its tail page is not allocated yet)
+        return bool(offset) and len(seq.pages) * self.page_size > seq.num_computed \
+            and self.pool.refcount[seq.pages[-1]] > 1
 
     def total_pages(self, seq: Sequence) -> int:
         """Pages the whole sequence needs once every appended token is cached."""
@@ -86,7 +97,7 @@ class BlockManager:
         """Give `seq` room to write its next `n` tokens; False (and no change) if the pool is short."""
         if self.pages_needed(seq, n) > self.pool.num_available:
             return False
-        if n and seq.num_computed % self.page_size and self.pool.refcount[seq.pages[-1]] > 1:
+        if n and self._shared_tail(seq):
             shared = seq.pages[-1]
             seq.pages[-1] = self.pool.copy(shared)  # another branch still reads the shared page
             self.pool.decref(shared)
@@ -99,8 +110,12 @@ class BlockManager:
         """Reuse cached pages for a sequence that holds none; returns the number of tokens reused.
 
         At least one token is always left to compute, so the step still produces logits, and every token
-        whose row the pending call returns (`rows_from` on) is computed.
+        whose row the pending call returns (`rows_from` on) is computed. A sequence offloaded to the host tier
+        takes back its computed length instead (its keys and values are copied back once it is admitted), and
+        a page spilled there counts as cached.
         """
+        if seq.host is not None and not seq.pages and not seq.num_computed:
+            return self.host.plan_restore(seq)
         if not (self.prefix_caching and seq.cacheable) or seq.pages or seq.num_computed:
             return 0
         previous = self.root
@@ -108,10 +123,11 @@ class BlockManager:
         for i in range(reusable // self.page_size):
             key = self._key(seq, i, previous)
             page = self.pool.lookup(key)
-            if page is None:
+            if page is not None:
+                self.pool.incref(page)
+                self.pool.hits += 1
+            elif self.host is None or (page := self.host.fetch(key)) is None:  # (a fetched page comes referenced)
                 break
-            self.pool.incref(page)
-            self.pool.hits += 1
             seq.pages.append(page)
             seq.hashes.append(key)
             previous = key
@@ -131,6 +147,8 @@ class BlockManager:
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """Drop tokens from `length` on, releasing pages no longer needed."""
+        if seq.host is not None:
+            self.host.truncate(seq, length)
         del seq.tokens[length:]
         seq.token_ids = None  # (it mirrors the dropped tokens)
         seq.num_computed = min(seq.num_computed, length)
@@ -148,6 +166,18 @@ class BlockManager:
             del seq.routing[length:]
         seq.extras = [(a, min(b, length), name, value if not tok else value[: length - a], tok)
                       for a, b, name, value, tok in seq.extras if a < length]
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a preempted sequence's pages, first copying them to the host tier where it takes them."""
+        if self.host is not None:
+            self.host.save(seq)
+        self.free(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """Free a sequence that is gone (released, cancelled, dropped): its pages and any host copy of them."""
+        self.free(seq)
+        if self.host is not None:
+            self.host.discard(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release every page (tokens stay, so a preempted sequence can be recomputed)."""
@@ -173,6 +203,7 @@ class BlockManager:
             extras=list(src.extras),
             collected=[],
             recompute=False,
+            host=None,  # a host copy has one owner: a fork of a preempted label recomputes
             generated=list(src.generated),
             generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,

@@ -13,6 +13,44 @@ from mstar_core.strict import reject_unknown
 from mstar_kvcache.pool import PagePool
 
 DEFAULT_NUM_PAGES = 512
+OFFLOAD_RULES = ("auto", "always", "never")
+
+
+@attrs.frozen(kw_only=True)
+class OffloadSettings:
+    """`kv_offload`: a host tier of `host_pages` pages (see offload.py).
+
+    A preempted sequence with at least `min_tokens` computed tokens moves its pages there (`rule`:
+    `auto` only where the copy is estimated cheaper than recomputing, `always`, or `never`); with
+    `spill_prefixes` prefix-cache pages the device pool evicts go there too.
+    """
+
+    host_pages: int
+    min_tokens: int = 0
+    rule: str = "auto"
+    spill_prefixes: bool = False
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> OffloadSettings:
+        where = "kvcache engine: setting 'kv_offload'"
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{where} must be a mapping like {{host_pages: 256}}, got {values!r}")
+        reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting",
+                       shown=lambda k: f"kv_offload.{k}")
+        if "host_pages" not in values:
+            raise ConfigError("kvcache engine: setting 'kv_offload.host_pages' is required (host pages to hold)")
+        for key, least in (("host_pages", 1), ("min_tokens", 0)):
+            value = values.get(key, least)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"kvcache engine: setting 'kv_offload.{key}' must be an integer >= {least}, "
+                                  f"got {value!r}")
+        if values.get("rule", "auto") not in OFFLOAD_RULES:
+            raise ConfigError(f"kvcache engine: setting 'kv_offload.rule' must be one of {list(OFFLOAD_RULES)}, "
+                              f"got {values['rule']!r}")
+        if not isinstance(values.get("spill_prefixes", False), bool):
+            raise ConfigError(f"kvcache engine: setting 'kv_offload.spill_prefixes' must be true or false, "
+                              f"got {values['spill_prefixes']!r}")
+        return cls(**values)
 
 
 @attrs.frozen(kw_only=True)
@@ -35,6 +73,8 @@ class KVCacheSettings:
     pack_weights: bool | None = None
     # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic (CPU), fp8 (CUDA); None: off
     quantize: str | None = None
+    # a host tier for preempted sequences' pages and evicted prefix pages (offload.py); None: off
+    kv_offload: OffloadSettings | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
@@ -60,6 +100,8 @@ class KVCacheSettings:
             raise ConfigError(f"kvcache engine: setting 'compile_buckets' must be a list of positive integers, got {buckets!r}")
         if values.get("num_pages") is not None and values.get("kv_cache_bytes") is not None:
             raise ConfigError("kvcache engine: give either 'num_pages' or 'kv_cache_bytes', not both")
+        if values.get("kv_offload") is not None:
+            values = {**values, "kv_offload": OffloadSettings.from_mapping(values["kv_offload"])}
         return cls(**values)
 
     def resolve_num_pages(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from typing import Any
 
@@ -17,6 +18,7 @@ from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import CacheLabels
+from mstar_kvcache.offload import host_tier
 from mstar_kvcache.ranks import RankSteps, split_shape
 from mstar_kvcache.readers import ReadOnlyCalls
 from mstar_kvcache.scheduler import Scheduler
@@ -85,7 +87,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             pages = self.settings.resolve_num_pages(layers, kv_heads, head_dim, dtype)
             self.pool = self._pool_class()(pages, self.settings.page_size, layers, kv_heads, head_dim, dtype,
                                            self.device)
-        self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name)
+        self.offload = host_tier(self.settings.kv_offload, self.pool, node.name, self.ranks, self.share_with)
+        self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name, host=self.offload)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
         self.backend = select_backend(self.settings.attention_backend, self.device, context.registry)
         self.quantized_linears = 0
@@ -171,9 +174,12 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
         if not pending:
             return results
         plan = self.scheduler.schedule(pending, self.seqs.values)
+        if self.offload is not None:
+            self.offload.load(plan.work)  # restored sequences get their keys and values back before the forward
         self.num_preemptions += len(plan.preempted)
         for seq in plan.preempted:  # recomputed from its first token: its call's rows are gathered again
-            seq.collected = []
+            if seq.host is None:  # (an offloaded one continues where it stopped, rows gathered so far kept)
+                seq.collected = []
         for seq in plan.too_large:
             need = self.blocks.total_pages(seq)
             results.append(self._fail(seq, RequestError(
@@ -183,14 +189,17 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             return results
         self.num_steps += 1
         self.largest_batch = max(self.largest_batch, len(plan.work))
+        started = time.perf_counter()
         results.extend(self._run(plan.work))
+        if self.offload is not None:  # what a step costs per token: rule `auto` weighs recomputes with it
+            self.offload.costs.observe_step(plan.num_tokens, time.perf_counter() - started)
         return results
 
     def release(self, request_id: str) -> None:
         forget = getattr(self.backend, "forget", None)  # backends may keep per-sequence state (decode lanes)
         for key in [k for k in self.seqs if k[0] == request_id]:
             seq = self.seqs.pop(key)
-            self.blocks.free(seq)
+            self.blocks.discard(seq)
             if forget is not None:
                 forget(seq.order)
                 if self.ranks is not None:
@@ -221,6 +230,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),
             **({"compile_seconds": self.forward_fn.compile_seconds} if self.settings.compile else {}),
+            **(self.offload.stats() if self.offload is not None else {}),
             # this process's share of the KV pool (a split node's pool holds only its rank's heads)
             "kv_heads": self.kv_shape[1],
             "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
@@ -230,7 +240,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
 
     def close(self) -> None:
         for seq in self.seqs.values():
-            self.blocks.free(seq)
+            self.blocks.discard(seq)
         for reader in list(self.readers):
             self._drop_reader(reader)
         self.seqs.clear()

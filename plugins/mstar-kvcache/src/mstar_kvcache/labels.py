@@ -50,7 +50,7 @@ class CacheLabels:
         if seq.pending is not None:
             raise RequestError(f"node '{self.node.name}': cannot drop cache label '{label}' while a call on it is in flight")
         del self.seqs[seq.key]
-        self.blocks.free(seq)
+        self.blocks.discard(seq)
         forget = getattr(self.backend, "forget", None)
         if forget is not None:
             forget(seq.order)

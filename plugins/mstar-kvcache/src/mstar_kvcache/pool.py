@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +45,8 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}
         self.copies = 0  # copy-on-write page copies, for stats and tests
         self.hits = 0  # pages reused from the prefix cache
+        #: Called with `(page, digest)` as a cached page is evicted, before it is reused (a host tier's spill).
+        self.spill: Callable[[int, bytes], None] | None = None
 
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -70,7 +73,10 @@ class PagePool:
             page = heapq.heappop(self._free)
         elif self._evictable:
             page, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(page)]
+            key = self._hash_of.pop(page)
+            del self._by_hash[key]
+            if self.spill is not None:
+                self.spill(page, key)
         else:
             raise OutOfPages("KV pool exhausted")
         self.refcount[page] = 1

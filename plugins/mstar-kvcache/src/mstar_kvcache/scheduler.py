@@ -33,7 +33,7 @@ class Scheduler:
     """Fills a token budget: sequences that already hold pages first (decodes, chunked prefills), then new ones.
 
     A sequence that cannot get pages preempts the lowest-ranked holder of pages that is not in this
-    step (its cache is dropped and recomputed later); new sequences only wait, except that when
+    step (its cache is dropped and recomputed later, or copied to the host tier and back: offload.py); new sequences only wait, except that when
     nothing at all can run, idle holders are preempted so the engine never deadlocks.
     """
 
@@ -116,5 +116,5 @@ class Scheduler:
         return max(candidates, key=_rank, default=None)
 
     def _preempt(self, seq: Sequence, out: Schedule) -> None:
-        self.blocks.free(seq)
+        self.blocks.preempt(seq)  # (to the host tier, where the engine has one: see offload.py)
         out.preempted.append(seq)

@@ -73,6 +73,8 @@ class Sequence:
     grammar: Any = None
     #: `tokens` mirrored as a tensor for the repetition penalty (`history.TokenIds`); dropped when `tokens` shrinks.
     token_ids: Any = None
+    #: While preempted with setting `kv_offload`: the host copy of its pages (`offload.HostCopy`), restored on admission.
+    host: Any = None
 
     @property
     def next_position(self) -> int:
