@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -184,7 +185,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"warning: plugin {info.name} ({info.distribution}) failed to load: {info.error}", file=sys.stderr)
     for item in config.models:
         if item.name not in registry.models:
-            print(f"mstar serve: unknown model '{item.name}'; installed: {', '.join(registry.models) or 'none'}",
+            close = difflib.get_close_matches(item.name, list(registry.models), n=1, cutoff=0.75)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""  # `mstar serve vjepa` for vjepa2
+            print(f"mstar serve: unknown model '{item.name}'{hint}; installed: {', '.join(registry.models) or 'none'}",
                   file=sys.stderr)
             return 2
 

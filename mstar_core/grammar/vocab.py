@@ -14,11 +14,13 @@ from mstar_core.grammar.pieces import BYTE_PIECE, byte_level_alphabet
 @attrs.frozen(eq=False)
 class GrammarVocab:
     """Each token id's bytes (special tokens as b"", so no grammar ever emits them as text), the ids that
-    end a finished grammar's output, and the model's vocabulary size (logit columns, padding included)."""
+    end a finished grammar's output, the model's vocabulary size (logit columns, padding included), and the ids
+    below it that no token stands for (embedding rows padded past the tokenizer: the engine never samples them)."""
 
     token_bytes: tuple[bytes, ...]
     stop_ids: tuple[int, ...]
     vocab_size: int
+    no_token_ids: tuple[int, ...] = ()
 
     @property
     def fingerprint(self) -> str:
@@ -34,16 +36,20 @@ class GrammarVocab:
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int],
                        special_ids: Sequence[int] = ()) -> GrammarVocab:
         """From a `tokenizers.Tokenizer`: byte-level pieces through GPT-2's alphabet, `<0xAB>` pieces as their
-        byte, others as their text's UTF-8; its added special tokens (and `special_ids`) as b""."""
+        byte, others as their text's UTF-8; its added special tokens (and `special_ids`) as b"". Ids below
+        `vocab_size` the tokenizer lacks (real checkpoints pad their embeddings, Qwen2's 151936 rows for ~151665
+        tokens) are `no_token_ids`."""
         specials = set(special_ids)
         decoder = getattr(tokenizer, "get_added_tokens_decoder", None)
         if decoder is not None:
             specials |= {i for i, tok in decoder().items() if getattr(tok, "special", False)}
         pieces = [b""] * vocab_size  # padded embedding rows and unknown ids are never text
-        for piece, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        ids = tokenizer.get_vocab(with_added_tokens=True)
+        for piece, i in ids.items():
             if 0 <= i < vocab_size and i not in specials:
                 pieces[i] = _bytes_of(tokenizer, piece, i)
-        return cls(tuple(pieces), tuple(int(t) for t in stop_ids), int(vocab_size))
+        no_token = sorted(set(range(vocab_size)).difference(ids.values()))
+        return cls(tuple(pieces), tuple(int(t) for t in stop_ids), int(vocab_size), tuple(no_token))
 
 
 def _bytes_of(tokenizer: Any, piece: str, token_id: int) -> bytes:

@@ -4,7 +4,9 @@ with <|vision_start|>, else the text alone).
 
 With random weights the thought's choice is arbitrary, so each branch is forced by a `logit_bias` on <|vision_start|>
 (259) or <|im_end|> (258), the same bias added in the reference; the values were read off the tiny preset
-(a red fox: +1.85 on 259 -> two tokens, then the image opens; +1.5 on 258 -> one token, then <|im_end|>).
+(a red fox, with +2 on token 112: +1.6 on 259 -> six tokens, then the image opens; +1.45 on 258 -> three tokens,
+then <|im_end|>). The reference never picks the ids past the tokenizer (the tiny vocabulary is padded to 1024
+rows), as the engine never samples them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def _serve(requests):
 
 def _image(seed, h, w):
     return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _never(loaded) -> dict[int, float]:
+    """-inf on every id no token stands for: the reference's greedy pick skips them, as the engine's does."""
+    return {t: float("-inf") for t in loaded.extras["grammar_vocab"].no_token_ids}
 
 
 def _think_labels(loaded, prep):
@@ -64,7 +71,7 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
     und = {"task": "understand", "max_tokens": 6,
            "content": ["first", _image(0, 30, 44), "then", _image(1, 60, 28), "what is in the pictures?"]}
     think = {"task": "think", "prompt": "a red fox", "max_tokens": 8, "num_steps": 3, "seed": 4,
-             "logit_bias": {"259": 1.85}}
+             "logit_bias": {"112": 2.0, "259": 1.6}}
     loaded, (env_u, env_t), pages_left = _serve([und, think])
     assert pages_left == 0
     bagel, ids = loaded.extras["bagel"], loaded.extras["special_ids"]
@@ -78,12 +85,13 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
             reference.prefill_text(bagel, main, [ids.bos, *tok.encode(item, add_special_tokens=False).ids, ids.eos])
         else:
             reference.prefill_block(bagel, main, ids.boi, ids.eoi, bagel.vit_rows(next(pixels)), gen=False)
-    want = reference.decode_greedy(bagel, main, [ids.bos], 6, (ids.eos,))
+    want = reference.decode_greedy(bagel, main, [ids.bos], 6, (ids.eos,), _never(loaded))
     assert [env_u["first_token"], *env_u["decoded"]] == want
 
     prep = loaded.prepare_inputs(think)
     labels = _think_labels(loaded, prep)
-    thought = reference.decode_greedy(bagel, labels["main"], [ids.bos], 8, (ids.eos, ids.boi), {ids.boi: 1.85})
+    thought = reference.decode_greedy(bagel, labels["main"], [ids.bos], 8, (ids.eos, ids.boi),
+                                      {**_never(loaded), 112: 2.0, ids.boi: 1.6})
     assert len(thought) > 1 and thought[-1] == ids.boi  # a real thought, then the model opens an image
     assert [env_t["first_token"], *env_t["decoded"]] == thought and env_t["finish_reason"] == "stop"
     reference.prefill_text(bagel, labels["main"], [ids.eos])  # the opening <|vision_start|> is never fed; <|im_end|> closes
@@ -97,7 +105,7 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
 
 
 @pytest.mark.parametrize(("extra", "bias", "finish"), [
-    ({"max_tokens": 8, "logit_bias": {"258": 1.5}}, {258: 1.5}, "stop"),  # the thought ends on <|im_end|>
+    ({"max_tokens": 8, "logit_bias": {"112": 2.0, "258": 1.45}}, {112: 2.0, 258: 1.45}, "stop"),  # ends on <|im_end|>
     ({"max_tokens": 5}, None, "length"),  # runs out of tokens before opening an image
 ])
 def test_think_that_opens_no_image_ends_with_the_text(calls, extra, bias, finish):
@@ -109,7 +117,7 @@ def test_think_that_opens_no_image_ends_with_the_text(calls, extra, bias, finish
     ids, tok = loaded.extras["special_ids"], loaded.extras["tokenizer"]
     labels = _think_labels(loaded, loaded.prepare_inputs(req))
     thought = reference.decode_greedy(loaded.extras["bagel"], labels["main"], [ids.bos], req["max_tokens"],
-                                      (ids.eos, ids.boi), bias)
+                                      (ids.eos, ids.boi), {**_never(loaded), **(bias or {})})
     assert ids.boi not in thought
     assert [env["first_token"], *env["decoded"]] == thought and env["finish_reason"] == finish
     assert env["text"] == tok.decode(thought, skip_special_tokens=True)
@@ -134,7 +142,7 @@ def test_think_with_an_image_edits_after_the_thought():
     cfg_text = main.copy()
     reference.prefill_text(bagel, main, prep["prompt_ids"].tolist())
     reference.prefill_text(bagel, cfg_img, prep["prompt_ids"].tolist())
-    thought = reference.decode_greedy(bagel, main, [ids.bos], 4, (ids.eos, ids.boi), {ids.boi: 100})
+    thought = reference.decode_greedy(bagel, main, [ids.bos], 4, (ids.eos, ids.boi), {**_never(loaded), ids.boi: 100})
     assert thought == [ids.boi] and [env["first_token"], *env["decoded"]] == thought
     reference.prefill_text(bagel, main, [ids.eos])
     rows, cols = prep["latent_grid"]

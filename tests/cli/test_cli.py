@@ -44,6 +44,12 @@ def test_graph_mermaid_and_dot():
     assert unknown.returncode == 2 and "known:" in unknown.stderr
 
 
+def test_serve_an_unknown_model_names_the_close_one():
+    pytest.importorskip("mstar_vjepa")
+    out = mstar("serve", "vjepa", "--port", "1", check=False)  # refused before anything binds
+    assert out.returncode == 2 and "unknown model 'vjepa' (did you mean 'vjepa2'?); installed:" in out.stderr
+
+
 def test_run_speech_and_chat_offline(tmp_path):
     wav = tmp_path / "out.wav"
     out = mstar("run", "toy-tts", "--text", "hey", "--voice", "beta", "--out", str(wav), "--plugin", "mstar_toy_models")

@@ -14,13 +14,16 @@ from mstar_core.model import LoadOptions
 from mstar_core.nn import DenseAttention
 
 
-def _greedy_recompute(lm, ids: list[int], steps: int, stop: set[int]) -> list[int]:
+def _greedy_recompute(lm, ids: list[int], steps: int, stop: set[int], no_token: tuple[int, ...] = ()) -> list[int]:
+    """Greedy decoding by full recompute; ids no token stands for (a padded vocabulary) are never picked."""
     out: list[int] = []
     ids = list(ids)
     with torch.no_grad():
         for _ in range(steps):
             hidden = lm(torch.tensor(ids), torch.arange(len(ids)), DenseAttention())
-            tok = int(lm.compute_logits(hidden[-1:]).argmax())
+            logits = lm.compute_logits(hidden[-1:])
+            logits[:, list(no_token)] = float("-inf")
+            tok = int(logits.argmax())
             out.append(tok)
             ids.append(tok)
             if tok in stop:
@@ -72,7 +75,7 @@ async def test_engine_generation_equals_full_recompute_and_frees_pages(tiny, pre
         stop = set(loaded.extras["eos_token_ids"])
         for i, (req, (tokens, env)) in enumerate(zip(requests, results, strict=True)):
             ids = loaded.prepare_inputs(req)["input_ids"]
-            assert tokens == _greedy_recompute(lm, ids, 12 + 3 * i, stop)
+            assert tokens == _greedy_recompute(lm, ids, 12 + 3 * i, stop, loaded.extras["grammar_vocab"].no_token_ids)
             assert env["finish_reason"] in ("stop", "length")
         lm_engine = engine.node_engines("llama")["lm"]
         assert lm_engine.stats()["kv_pages_used"] == 0 and not lm_engine.active_requests()
@@ -191,5 +194,21 @@ async def test_n_choices_fork_one_prefill_and_equal_single_requests(tiny, preset
         # a one-token prompt: no shared prefill, each choice starts empty
         outs = await run({"input_ids": [5], "n": 2, **sampling})
         assert sorted({o.branch for o in outs}) == [0, 1]
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("content", ["Hello", "Hi", "What is the capital of France?"])
+async def test_tiny_greedy_chat_reply_has_text(tiny, preset_cache, content):
+    """The default (greedy) chat reply of the random preset decodes to text: its tied embeddings once made greedy
+    decoding loop on <|im_start|>, 256 tokens of nothing."""
+    from mstar_core.runtime import AsyncEngine
+
+    engine = AsyncEngine()
+    try:
+        loaded = await engine.load_model("llama", LoadOptions(preset="tiny"), settings={"lm": {"num_pages": 64}})
+        handle = engine.submit("llama", {"messages": [{"role": "user", "content": content}], "max_tokens": 32})
+        tokens = [int(o.value) async for o in handle if o.name == "next_token"]
+        assert loaded.extras["tokenizer"].decode(tokens, skip_special_tokens=True).strip(), tokens
     finally:
         await engine.close()

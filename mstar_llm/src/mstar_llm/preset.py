@@ -12,7 +12,7 @@ from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import ConfigError
 from mstar_llm.chat import CHATML
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2  # 2: layer weights drawn wider than the embedding (see write_tiny)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CONFIG: dict[str, Any] = {
@@ -30,6 +30,10 @@ TINY_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
     "dtype": "float32",
 }
+#: The layers' weights are drawn wider than the (tied) embedding's 0.05. At 0.05 everywhere the residual stream
+#: was mostly the last token's own row, so greedy decoding repeated it: chat replies (the prompt ends in specials
+#: and "\n") looped on <|im_start|> or "\n", 256 tokens that decode to nothing. Wider, the layers choose.
+LAYER_STD = 0.15
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello! How can I help you today? I am a tiny language model with random weights.",
@@ -70,7 +74,7 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, 0.05 if name.startswith("model.embed_tokens") else LAYER_STD)
     tok.save(str(directory / "tokenizer.json"))
     tokenizer_config = {
         "chat_template": CHATML,

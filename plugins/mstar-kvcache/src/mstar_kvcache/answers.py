@@ -109,6 +109,8 @@ class CallAnswers:
     def _sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
         with torch.inference_mode():
             logits = self.module.compute_logits(last)
+            if self.no_token is not None:  # ids no token stands for (a padded vocabulary) are never drawn
+                self.no_token.fill(logits)
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             grammars = None

@@ -18,6 +18,7 @@ from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import CacheLabels
+from mstar_kvcache.no_token import NoTokenColumns
 from mstar_kvcache.offload import host_tier
 from mstar_kvcache.ranks import RankSteps, split_shape
 from mstar_kvcache.readers import ReadOnlyCalls
@@ -111,6 +112,7 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             self.forward_fn.warm_up(axes=self.axes, hidden=self.hidden_size if embeds else None, dtype=dtype)
         self.max_model_len = getattr(getattr(module, "config", None), "max_position_embeddings", None)
         self.grammar_vocab = getattr(module, "grammar_vocab", None)  # what sampling grammars compile against
+        self.no_token = NoTokenColumns.of(self.grammar_vocab, self.vocab_size, self.device)  # padding: never sampled
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
         self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
