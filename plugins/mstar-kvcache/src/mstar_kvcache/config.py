@@ -33,7 +33,7 @@ class KVCacheSettings:
     cuda_graphs: bool | None = None  # None: on when compiling on CUDA
     # wide fp32 linears prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
     pack_weights: bool | None = None
-    # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic (CPU), fp8 (CUDA); None: off
+    # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic / int8_token (CPU), fp8 (CUDA); None: off
     quantize: str | None = None
 
     @classmethod
