@@ -111,6 +111,7 @@ class Int8Linear(nn.Module):
             else:  # onednn_token: oneDNN's blocked int8 layout, chosen for a decode batch's row count
                 self._prepacked = torch.ops.onednn.qlinear_prepack(q, [32, self.in_features])
                 self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+                self._offset = torch.tensor([[self.qmax + 1.5]])  # the codes' zero point, plus 1/2 for rounding
         return self._prepacked
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -139,15 +140,16 @@ class Int8Linear(nn.Module):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def _per_token(self, x: torch.Tensor) -> torch.Tensor:
-        # codes = round(x / step) + zero point, as uint8 (oneDNN's fast int8 input); step per row, in fp32
+        # uint8 codes round(x / step) + zero, step per row in fp32. (Not int8: oneDNN runs an int8 source through a
+        # reference kernel, ~1000x slower.) Few ops, as each costs microseconds at a decode step's row count:
+        # truncating x / step + zero + 1/2 (always > 0) rounds half up, in one addcdiv and one cast.
         packed = self.prepacked()
         flat = x.reshape(-1, self.in_features)
         step = torch.linalg.vector_norm(flat, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
-        step = step.clamp_(min=1e-30).div_(self.qmax)  # (an all-zero row: codes 0, any finite step)
-        zero = self.qmax + 1
-        codes = torch.div(flat, step).round_().add_(zero).to(torch.uint8)
+        step = step.div_(self.qmax).clamp_(min=1e-30)  # (an all-zero row: codes all `zero`, any finite step)
+        codes = torch.addcdiv(self._offset, flat, step).to(torch.uint8)
         # sum_k (codes - zero) * q (int32, exact) * scale[n]: the GEMM's activation scale is 1, the row's step comes after
-        out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, zero, packed, self.scale, self._zero_points, None,
+        out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, self.qmax + 1, packed, self.scale, self._zero_points, None,
                                                  1.0, 0, x.dtype, "none", [], "")
         out = out.mul_(step.to(out.dtype))
         if self.bias is not None:

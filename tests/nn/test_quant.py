@@ -91,9 +91,9 @@ def test_dynamic_int8_is_within_its_activation_step_of_the_dequantized_linear():
 
 
 def _per_token_codes(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference per-row quantization: `(codes, step)` with `x ~= codes * step`, `step = max|row| / qmax`."""
-    step = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / qmax
-    return torch.round(x.float() / step), step
+    """The reference per-row quantization: `(codes, step)` with `x ~= codes * step`, `step = max|row| / qmax`, half up."""
+    step = (x.float().abs().amax(dim=1, keepdim=True) / qmax).clamp(min=1e-30)
+    return torch.floor(x.float() / step + 0.5), step
 
 
 @needs_onednn
