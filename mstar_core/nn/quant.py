@@ -4,7 +4,7 @@ Every mode keeps one scale per output channel (`scale[n] = max |W[n, :]| / qmax`
 bounded by half a step of its own largest weight, not the matrix's.
 
 * `int8` (weight-only): `y = (x @ q.T) * scale`, activations untouched. Two kernels compute it:
-  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for AVX512 and up) and
+  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for bf16 activations on AVX512) and
   dequantize-then-matmul (the int8 weight turned back into the activation dtype for one call). On an
   AVX2-only CPU both are slower than the fp32 GEMM (benchmarks/quantization.py measures them); the
   saving there is memory (a quarter of fp32's weight bytes).
@@ -57,9 +57,13 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def int8pack_is_fast() -> bool:
-    """Whether `_weight_int8pack_mm` has its vectorised CPU kernel here (AVX512); on AVX2 it runs slower than fp32."""
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
+def int8pack_is_fast(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `_weight_int8pack_mm` has a vectorised CPU kernel for `dtype` activations here.
+
+    AVX512 and bf16 only: with fp32 activations it is 10-600x slower than the packed fp32 GEMM even on
+    AVX512 (benchmarks/quantization.py's kernel table), and on AVX2 it is slow for every dtype.
+    """
+    return dtype != torch.float32 and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
 
 
 def onednn_int8_available() -> bool:
@@ -91,7 +95,7 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
         device = linear.weight.device.type
-        self.kernel = kernel or ("int8pack" if device == "cpu" and int8pack_is_fast() else "dequant")
+        self.kernel = kernel or ("int8pack" if device == "cpu" and int8pack_is_fast(self.compute_dtype) else "dequant")
         if self.kernel not in self.KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}; use one of {self.KERNELS}")
         self.qmax = activation_qmax() if self.kernel == "onednn_token" else None
