@@ -12,9 +12,10 @@ bounded by half a step of its own largest weight, not the matrix's.
   (`quantized::linear_dynamic`, uint8 with one range per tensor, 7-bit): fast, but one range cannot hold
   SmolLM2's activation outliers (greedy agreement ~0.6, BENCHMARKS.md).
 * `int8_token`: the same int8 weight, activations quantized per call with one scale per row (per token:
-  `step[m] = max |x[m, :]| / 127`), an int8 x int8 GEMM through oneDNN (`onednn::qlinear_pointwise`, VNNI
-  where the CPU has it) with exact int32 sums, then each output row times its own step. A row's codes and
-  sums never depend on the other rows, so a row computes bitwise the same alone or batched.
+  `step[m] = max |x[m, :]| / 127`) into two int8 codes, the value and its residual (see `_per_token`), one
+  int8 x int8 GEMM over both through oneDNN (`onednn::qlinear_pointwise`, VNNI where the CPU has it) with
+  exact int32 sums, then each output row times its own step. A row's codes and sums never depend on the
+  other rows, so a row computes bitwise the same alone or batched.
 * `fp8`: e4m3 weights; on CUDA GPUs that have it `torch._scaled_mm` with per-row activation scales,
   elsewhere a dequantized matmul (the reference the tests check the CUDA path against).
 """
@@ -115,7 +116,6 @@ class Int8Linear(nn.Module):
             else:  # onednn_token: oneDNN's blocked int8 layout, chosen for a decode batch's row count
                 self._prepacked = torch.ops.onednn.qlinear_prepack(q, [32, self.in_features])
                 self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
-                self._offset = torch.tensor([[self.qmax + 1.5]])  # the codes' zero point, plus 1/2 for rounding
         return self._prepacked
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -144,21 +144,29 @@ class Int8Linear(nn.Module):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def _per_token(self, x: torch.Tensor) -> torch.Tensor:
-        # uint8 codes round(x / step) + zero, step per row in fp32. (Not int8: oneDNN runs an int8 source through a
-        # reference kernel, ~1000x slower.) Few ops, as each costs microseconds at a decode step's row count:
-        # truncating x / step + zero + 1/2 (always > 0) rounds half up, in one addcdiv and one cast.
+        # Two int8 codes per activation, one GEMM: `hi = round(x / step)` and the residual `lo = round((x / step
+        # - hi) * 2 * qmax)`, stacked as 2M rows, so `x ~= (hi + lo / (2 qmax)) * step`. One 8-bit code per row
+        # cannot hold SmolLM2's outlier channels (the rest of a row rounds to a few levels: greedy agreement
+        # ~0.92); the residual row makes the activation error ~1/65000 of the row's max, for a GEMM whose
+        # weight bytes (a decode step's cost) are read once either way.
         packed = self.prepacked()
         flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
         step = torch.linalg.vector_norm(flat, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
         step = step.div_(self.qmax).clamp_(min=1e-30)  # (an all-zero row: codes all `zero`, any finite step)
-        codes = torch.addcdiv(self._offset, flat, step).to(torch.uint8)
+        scaled = torch.div(flat, step)
+        codes = torch.empty(2 * rows, self.in_features)
+        hi = torch.round(scaled, out=codes[:rows])
+        torch.sub(scaled, hi, out=codes[rows:]).mul_(2 * self.qmax).round_()
+        # uint8 with a zero point (not int8: oneDNN runs an int8 source through a reference kernel, ~1000x slower)
+        codes = codes.add_(self.qmax + 1).to(torch.uint8)
         # sum_k (codes - zero) * q (int32, exact) * scale[n]: the GEMM's activation scale is 1, the row's step comes after
-        out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, self.qmax + 1, packed, self.scale, self._zero_points, None,
-                                                 1.0, 0, x.dtype, "none", [], "")
-        out = out.mul_(step.to(out.dtype))
+        both = torch.ops.onednn.qlinear_pointwise(codes, 1.0, self.qmax + 1, packed, self.scale, self._zero_points, None,
+                                                  1.0, 0, torch.float32, "none", [], "")
+        out = torch.add(both[:rows], both[rows:], alpha=1 / (2 * self.qmax)).mul_(step)
         if self.bias is not None:
-            out = out.add_(self.bias.to(x.dtype))
-        return out.view(*x.shape[:-1], self.out_features)
+            out = out.add_(self.bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def __getstate__(self):
         state = dict(self.__dict__)
