@@ -61,8 +61,8 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8pack_is_fast(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `_weight_int8pack_mm` has a vectorised CPU kernel for `dtype` activations here.
 
-    AVX512 and bf16 only: with fp32 activations it is 10-600x slower than the packed fp32 GEMM even on
-    AVX512 (benchmarks/quantization.py's kernel table), and on AVX2 it is slow for every dtype.
+    AVX512 and bf16 only: with fp32 activations it is 6-9x (1 row) to 64x (32 rows) slower than the packed fp32
+    GEMM even on AVX512 (benchmarks/quantization.py's kernel table), and on AVX2 it is slow for every dtype.
     """
     return dtype != torch.float32 and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
 
