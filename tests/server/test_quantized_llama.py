@@ -63,5 +63,5 @@ async def test_a_bad_quantize_value_stops_the_load_naming_the_key_and_the_choice
     from mstar_core.runtime import AsyncEngine
 
     async with AsyncEngine() as engine:
-        with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'fp8'\]"):
+        with pytest.raises(ConfigError, match=r"setting 'quantize' must be one of \['int8', 'int8_dynamic', 'int8_token', 'fp8'\]"):
             await engine.load_model("llama", LoadOptions(preset="tiny"), settings={"lm": {"quantize": "int4"}})

@@ -71,7 +71,7 @@ class KVCacheSettings:
     cuda_graphs: bool | None = None  # None: on when compiling on CUDA
     # every fp32 (and, where oneDNN runs it, bf16) linear prepacked for oneDNN at load (mstar_core/nn/packed.py); None: on for a CPU node
     pack_weights: bool | None = None
-    # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic (CPU), fp8 (CUDA); None: off
+    # the node's linears quantized at load (mstar_core/nn/quant.py): int8 / int8_dynamic / int8_token (CPU), fp8 (CUDA); None: off
     quantize: str | None = None
     # a host tier for preempted sequences' pages and evicted prefix pages (offload.py); None: off
     kv_offload: OffloadSettings | None = None
