@@ -87,18 +87,23 @@ def test_buckets():
     assert default_buckets(48) == [1, 2, 4, 8, 16, 32, 64]
 
 
+def _broken(forward):
+    """`forward` with a compiler that always fails (as inductor can on an odd graph)."""
+
+    def broken(*args):
+        raise RuntimeError("inductor fell over")
+
+    forward._compiled = broken
+    return forward
+
+
 def test_a_failing_compile_falls_back_to_eager_with_a_warning():
     from mstar_kvcache.compiled import CompiledForward
 
     from mstar_core.nn.attention import DenseAttention
 
     model = _tiny_llama()
-    forward = CompiledForward(model, torch.device("cpu"), [8])
-
-    def broken(*args):
-        raise RuntimeError("inductor fell over")
-
-    forward._compiled = broken
+    forward = _broken(CompiledForward(model, torch.device("cpu"), [8]))
     ids = torch.arange(1, 6)
     with torch.inference_mode(), pytest.warns(RuntimeWarning, match="compiling the 8-token step failed"):
         got = forward(ids, torch.arange(5), DenseAttention())
@@ -118,12 +123,7 @@ def test_a_split_nodes_fallback_stays_padded_so_its_collectives_keep_the_compile
         rows.append(positions.shape[-1])
         return model(ids, positions, context, input_embeds=input_embeds)
 
-    forward = CompiledForward(recording, torch.device("cpu"), [8], split=True)
-
-    def broken(*args):
-        raise RuntimeError("inductor fell over")
-
-    forward._compiled = broken
+    forward = _broken(CompiledForward(recording, torch.device("cpu"), [8], split=True))
     ids = torch.arange(1, 6)
     with torch.inference_mode(), pytest.warns(RuntimeWarning, match="compiling the 8-token step failed"):
         got = forward(ids, torch.arange(5), DenseAttention())
