@@ -53,11 +53,19 @@ def write_checkpoint(model, directory: Path) -> Path:
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' own greedy `generate` (no end token: exactly `new_tokens`)."""
+    """transformers' own greedy `generate` (no end token: exactly `new_tokens`) over the ids the served model can
+    sample: those of `write_checkpoint`'s tokenizer (the engine never samples the padded rows past it)."""
+    from mstar_llm.preset import ensure_tiny
+
+    from mstar_core.checkpoint import load_tokenizer
+    from mstar_core.grammar import GrammarVocab
+
+    vocab = GrammarVocab.from_tokenizer(load_tokenizer(Path(ensure_tiny())), model.config.vocab_size, [])
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             suppress_tokens=list(vocab.no_token_ids) or None)
     return out[0, len(prompt):].tolist()
 
 

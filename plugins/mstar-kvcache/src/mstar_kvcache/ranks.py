@@ -110,28 +110,24 @@ class RankSteps:
         self.ranks.channel.send(header, tensors)
 
     def _leader_call(self, name: str, fn: Any, x: torch.Tensor) -> torch.Tensor:
-        header, tensors = call_message(self.ranks.key, self._pending_ops(), name, x)
-        try:
-            self.ranks.channel.send(header, tensors)
-            return fn(x)
-        except Exception as exc:
-            self._check_group(exc)
-            raise
+        return self._with_followers(*call_message(self.ranks.key, self._pending_ops(), name, x), lambda: fn(x))
 
     def _gather_heads(self, pages: list[int], rows: int, local: torch.Tensor) -> torch.Tensor:
         """Rank 0: `local` (its rows of `pages`) with every other rank's heads of them, in rank order."""
-        try:
-            self.ranks.channel.send(kv_message(self.ranks.key, self._pending_ops(), GATHER, pages, rows))
-            return gather_heads(local, self.ranks)
-        except Exception as exc:
-            self._check_group(exc)
-            raise
+        header = kv_message(self.ranks.key, self._pending_ops(), GATHER, pages, rows)
+        return self._with_followers(header, None, lambda: gather_heads(local, self.ranks))
 
     def _scatter_heads(self, pages: list[int], rows: int, kv: torch.Tensor) -> torch.Tensor:
         """Rank 0: hand each rank its heads of `kv` (every head, `rows` rows for `pages`); returns rank 0's."""
+        header = kv_message(self.ranks.key, self._pending_ops(), SCATTER, pages, rows)
+        kv = kv.to(self.pool.kv.device, self.pool.kv.dtype)
+        return self._with_followers(header, None, lambda: scatter_heads(kv, self._kv_rows(rows), self.ranks))
+
+    def _with_followers(self, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None, run: Any) -> Any:
+        """Rank 0: send the followers `header`, then run its own side of what they do (a broken group exits)."""
         try:
-            self.ranks.channel.send(kv_message(self.ranks.key, self._pending_ops(), SCATTER, pages, rows))
-            return scatter_heads(kv.to(self.pool.kv.device, self.pool.kv.dtype), self._kv_rows(rows), self.ranks)
+            self.ranks.channel.send(header, tensors)
+            return run()
         except Exception as exc:
             self._check_group(exc)
             raise
