@@ -92,7 +92,7 @@ def test_mstar_run_writes_an_image(tmp_path):
 
     out = tmp_path / "fox.png"
     proc = subprocess.run([sys.executable, "-m", "mstar_core.cli", "run", "bagel", "--prompt", "a red fox", "--out",
-                           str(out), "--size", "16x8", "--seed", "1", "--no-progress"],
+                           str(out), "--size", "32x16", "--seed", "1", "--no-progress"],
                           env=server_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert Image.open(out).size == (16, 8)
+    assert Image.open(out).size == (32, 16)
