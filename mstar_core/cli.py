@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mstar` console script."""
+    if argv is None and sys.argv[1:2] in (["serve"], ["run"], ["worker"]):
+        from mstar_core.openmp import reexec_with_intel_openmp
+
+        reexec_with_intel_openmp(sys.argv[1:])  # before torch loads (see openmp.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # the worker parses its own flags (and prints its own --help)
         return _worker(argparse.Namespace(worker_args=argv[1:])) or 0

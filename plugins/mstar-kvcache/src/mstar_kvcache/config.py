@@ -12,7 +12,12 @@ from mstar_core.errors import ConfigError
 from mstar_core.strict import reject_unknown
 from mstar_kvcache.pool import PagePool
 
+# with neither `num_pages` nor `kv_cache_bytes`, the pool holds `max_num_seqs` sequences of DEFAULT_TOKENS_PER_SEQ
+# tokens (at least DEFAULT_NUM_PAGES pages) within DEFAULT_KV_CACHE_BYTES, vLLM's default CPU KV space: a fixed
+# page count sized for a tiny model preempted a real one's c=32 load (32 x 330 tokens > 512 x 16)
 DEFAULT_NUM_PAGES = 512
+DEFAULT_TOKENS_PER_SEQ = 1024
+DEFAULT_KV_CACHE_BYTES = 4 << 30
 OFFLOAD_RULES = ("auto", "always", "never")
 
 
@@ -105,18 +110,19 @@ class KVCacheSettings:
         return cls(**values)
 
     def resolve_num_pages(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Pages to preallocate: explicit, from the memory budget, or the default."""
+        """Pages to preallocate: explicit, from the memory budget, or the default (see DEFAULT_TOKENS_PER_SEQ)."""
         if self.num_pages is not None:
             return self.num_pages
+        per_page = PagePool.bytes_per_page(self.page_size, layers, kv_heads, head_dim, dtype)
         if self.kv_cache_bytes is not None:
-            per_page = PagePool.bytes_per_page(self.page_size, layers, kv_heads, head_dim, dtype)
             pages = self.kv_cache_bytes // per_page
             if pages < 1:
                 raise ConfigError(
                     f"kvcache engine: kv_cache_bytes={self.kv_cache_bytes} is less than one page ({per_page} bytes)"
                 )
             return pages
-        return DEFAULT_NUM_PAGES
+        wanted = max(DEFAULT_NUM_PAGES, self.max_num_seqs * -(-DEFAULT_TOKENS_PER_SEQ // self.page_size))
+        return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
 def kv_shape(module: Any) -> tuple[int, int, int, int, int | None]:

@@ -1,0 +1,56 @@
+"""Run a serving process on Intel's OpenMP runtime (and tcmalloc) where they are installed.
+
+torch's CPU wheel links GNU OpenMP. In a server, more than one thread ends up owning an OpenMP team
+(the device thread steps the model; loading and request preparation run elsewhere), and GNU OpenMP
+then counts more team threads than cores and cuts its spin-wait to a few microseconds: every one of a
+decode step's several hundred parallel regions wakes its worker through a futex. Served SmolLM2-135M
+in bf16 on 2 cores ran 17 tok/s at c=1 and 107 at c=8 that way, against 32-35 and 165-185 with Intel's
+runtime preloaded (BENCHMARKS.md, issue 25), which keeps its workers spinning between regions for a
+block time (`KMP_BLOCKTIME`). vLLM's CPU build documents the same preload. A process can only change
+its OpenMP runtime before torch loads, so the `mstar` command re-executes itself once with
+`LD_PRELOAD` set; `MSTAR_OPENMP=gnu` keeps torch's own runtime.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Sequence
+
+MODE_ENV = "MSTAR_OPENMP"  # "auto" (default) or "gnu"
+REEXEC_ENV = "MSTAR_OPENMP_PRELOADED"  # set on the re-executed process, so it never loops
+
+
+def libraries() -> list[str]:
+    """Intel OpenMP (the `intel-openmp` wheel's, else the system's) and tcmalloc, where found."""
+    found = []
+    for pattern in (f"{sys.prefix}/lib/libiomp5.so", "/usr/lib/x86_64-linux-gnu/libiomp5.so*",
+                    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4*", "/usr/lib64/libtcmalloc_minimal.so.4*"):
+        hit = sorted(glob.glob(pattern))
+        if hit and not any(os.path.basename(hit[0]).split(".")[0] in f for f in found):
+            found.append(hit[0])
+    return found
+
+
+def preload_env(environ: dict[str, str]) -> dict[str, str] | None:
+    """The environment to re-execute with, or None where there is nothing to change."""
+    if environ.get(MODE_ENV, "auto") == "gnu" or environ.get(REEXEC_ENV) or not sys.platform.startswith("linux"):
+        return None
+    if environ.get(MODE_ENV, "auto") != "auto":
+        raise SystemExit(f"mstar: {MODE_ENV} must be 'auto' or 'gnu', got {environ[MODE_ENV]!r}")
+    present = environ.get("LD_PRELOAD", "")
+    wanted = [lib for lib in libraries() if os.path.basename(lib).split(".")[0] not in present]
+    if not any("libiomp5" in lib for lib in wanted):  # tcmalloc alone is not worth a re-exec
+        return None
+    return {**environ, "LD_PRELOAD": ":".join([*wanted, *filter(None, [present])]), REEXEC_ENV: "1"}
+
+
+def reexec_with_intel_openmp(argv: Sequence[str]) -> None:
+    """Replace this process by itself on Intel OpenMP (no return), unless it has nothing to change."""
+    if "torch" in sys.modules:  # too late: this process already chose its runtime
+        return
+    env = preload_env(dict(os.environ))
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "mstar_core.cli", *argv], env)

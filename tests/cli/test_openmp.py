@@ -1,0 +1,49 @@
+"""`mstar serve` re-executes itself on Intel OpenMP (mstar_core/openmp.py) where it is installed, once, and never with MSTAR_OPENMP=gnu."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mstar_core import openmp
+from tests.server.helpers import Server
+
+needs_iomp = pytest.mark.skipif(not any("libiomp5" in lib for lib in openmp.libraries()),
+                                reason="intel-openmp is not installed here")
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@needs_iomp
+def test_preload_env_puts_intel_openmp_first_and_keeps_what_was_preloaded():
+    env = openmp.preload_env({"LD_PRELOAD": "/opt/libmine.so"})
+    libs = env["LD_PRELOAD"].split(":")
+    assert "libiomp5" in libs[0] and libs[-1] == "/opt/libmine.so"
+    assert env[openmp.REEXEC_ENV] == "1"
+
+
+def test_preload_env_leaves_a_process_alone_when_asked_or_already_done():
+    assert openmp.preload_env({openmp.MODE_ENV: "gnu"}) is None
+    assert openmp.preload_env({openmp.REEXEC_ENV: "1"}) is None
+    assert openmp.preload_env({"LD_PRELOAD": ":".join(openmp.libraries())}) is None  # nothing left to add
+
+
+def test_an_unknown_mode_is_named():
+    with pytest.raises(SystemExit, match="MSTAR_OPENMP must be 'auto' or 'gnu', got 'intel'"):
+        openmp.preload_env({openmp.MODE_ENV: "intel"})
+
+
+@needs_iomp
+def test_served_process_runs_on_intel_openmp_and_gnu_mode_keeps_torch_own():
+    intel, gnu = Server(["toy-chat"], wait=False), Server(["toy-chat"], wait=False, MSTAR_OPENMP="gnu")
+    try:
+        intel.wait_ready()
+        gnu.wait_ready()
+        assert "libiomp5" in _maps(intel.proc.pid)  # the same pid: the process replaced itself before serving
+        assert "libiomp5" not in _maps(gnu.proc.pid) and "libgomp" in _maps(gnu.proc.pid)
+    finally:
+        intel.stop()
+        gnu.stop()
