@@ -40,6 +40,8 @@ from typing import Any
 import vllm_side  # (benchmarks/ is on the path when a script here runs)
 from openai_load import closed_loop, complete, summarize, tree_cpu_s
 
+from mstar_core import openmp  # the runtime the mstar command re-executes on (printed with the settings)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUTPUT_TOKENS = 128
@@ -286,7 +288,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     mstar_env = dict(kv.split("=", 1) for kv in args.mstar_env)
     print(f"model: {model_dir}")
     print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype>")
-    print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'}")
+    print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'} (it preloads "
+          f"{':'.join(openmp.libraries()) or 'nothing'} itself unless MSTAR_OPENMP=gnu)")
     print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
           f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (A B A B)")
     runs: dict[str, dict[str, list]] = {d: {"mstar": [], "vllm": []} for d in dtypes}
