@@ -1,14 +1,14 @@
 """Run a serving process on Intel's OpenMP runtime (and tcmalloc) where they are installed.
 
-torch's CPU wheel links GNU OpenMP. In a server, more than one thread ends up owning an OpenMP team
-(the device thread steps the model; loading and request preparation run elsewhere), and GNU OpenMP
-then counts more team threads than cores and cuts its spin-wait to a few microseconds: every one of a
-decode step's several hundred parallel regions wakes its worker through a futex. Served SmolLM2-135M
-in bf16 on 2 cores ran 17 tok/s at c=1 and 107 at c=8 that way, against 32-35 and 165-185 with Intel's
-runtime preloaded (BENCHMARKS.md, issue 25), which keeps its workers spinning between regions for a
-block time (`KMP_BLOCKTIME`). vLLM's CPU build documents the same preload. A process can only change
-its OpenMP runtime before torch loads, so the `mstar` command re-executes itself once with
-`LD_PRELOAD` set; `MSTAR_OPENMP=gnu` keeps torch's own runtime.
+torch's CPU wheel links GNU OpenMP. Served SmolLM2-135M in bf16 on 2 cores ran 17 tok/s at c=1 and 107
+at c=8 on it, against 32-35 and 165-185 with Intel's runtime preloaded, whose workers spin between
+parallel regions for a block time (`KMP_BLOCKTIME`; with it at 0 the gain is gone); the engine alone,
+stepped from one thread on GNU OpenMP, already ran at the faster speed (BENCHMARKS.md, issue 25). `GOMP_SPINCOUNT` did not help, which fits
+GNU OpenMP's throttled spin once it counts more team threads than cores (a server has several threads
+that run torch ops), so a decode step's few hundred regions each wake their worker through a futex.
+vLLM's CPU build documents the same preload. A process can only change its OpenMP runtime before
+torch loads, so the `mstar` command re-executes itself once with `LD_PRELOAD` set;
+`MSTAR_OPENMP=gnu` keeps torch's own runtime.
 """
 
 from __future__ import annotations
