@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mstar_attn_torch import TorchPagedAttention
 from mstar_attn_torch.lanes import DecodeLanes
@@ -148,10 +149,11 @@ def test_lanes_out_of_batch_order_are_read_through_a_permutation(llama_pair):
 
 
 
-def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair):
-    """A bf16 pool on CPU gets fp32 lanes; lanes and page gathers agree, and decode attention equals fp32 math on the bf16 keys."""
+def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair, monkeypatch):
+    """Without the lane kernel a bf16 pool on CPU gets fp32 lanes; lanes and page gathers agree, and decode attention equals fp32 math on the bf16 keys."""
     import copy
 
+    from mstar_attn_torch import lane_kernel
     from mstar_attn_torch.backend import decode_attention
 
     gen = torch.Generator().manual_seed(3)
@@ -166,6 +168,7 @@ def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair)
     want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vals.float()).view(b, hq, d)
     torch.testing.assert_close(got.float(), want.bfloat16().float(), atol=0, rtol=0)
 
+    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "0")
     _, ours = llama_pair
     half = copy.deepcopy(ours).to(torch.bfloat16)
     with_lanes = _engine(half, True)
@@ -174,3 +177,27 @@ def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair)
     ref = _scenario(_engine(half, False))
     assert len(got_logits) == len(ref) > 100
     torch.testing.assert_close(torch.stack(got_logits).float(), torch.stack(ref).float(), atol=0, rtol=0)
+
+
+def test_bf16_pool_keeps_bf16_lanes_read_by_the_kernel(llama_pair):
+    """With the lane kernel a bf16 pool's lanes stay bf16 (half the bytes per step) and decode like page gathers."""
+    import copy
+
+    from mstar_attn_torch import lane_kernel
+
+    if lane_kernel.kernel_for(torch.bfloat16) is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    _, ours = llama_pair
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    with_lanes = _engine(half, True)
+    calls = []
+    real = lane_kernel.LaneCall.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lane_kernel.LaneCall, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+        got = torch.stack(_scenario(with_lanes)).float()
+    assert calls and with_lanes.backend.lanes.kv.dtype == torch.bfloat16
+    ref = torch.stack(_scenario(_engine(half, False))).float()
+    assert got.shape == ref.shape and got.shape[0] > 100
+    # two bf16 implementations (summation order): the same argmax nearly everywhere, logits within bf16 noise
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mstar_attn_torch import lane_kernel
 from mstar_attn_torch.lanes import DecodeLanes
 
 
@@ -29,6 +30,7 @@ class LanePlan(NamedTuple):
     mask: torch.Tensor | None  # None when every lane has `width` keys
     whole: bool  # every row of the step decodes in a lane, and those lanes are exactly 0..count-1
     order: torch.Tensor | None  # with `whole`: the row serving each lane, unless lane l serves row l
+    bound: torch.Tensor  # keys each row attends over, [0, bound) (the lane kernel's mask)
 
 
 class TorchPagedAttention:
@@ -36,8 +38,10 @@ class TorchPagedAttention:
 
     `decode_lanes` (default: on for CPU) keeps contiguous per-sequence copies of decoding
     sequences' keys and values, at most as many bytes as the pool itself; on CPU a page gather
-    per layer costs as much as the attention. A bf16 or fp16 pool on CPU gets fp32 lanes, so its
-    decode attention runs as the fp32 matmuls with no per-layer widening.
+    per layer costs as much as the attention. Lanes of an fp32 or bf16 pool keep its dtype and are
+    read by the lane kernel (`lane_kernel.py`); without it (no compiler), or for an fp16 pool, a
+    half-precision pool gets fp32 lanes, so its decode attention runs as fp32 matmuls with no
+    per-layer widening.
     """
 
     name = "torch"
@@ -59,7 +63,8 @@ class TorchPagedAttention:
         if self.use_lanes and getattr(batch, "seq_ids", None) is not None:
             if self.lanes is None:
                 # (within the pool's own bytes; fp32 lanes for a half-precision pool hold half its tokens)
-                wide = kv.device.type == "cpu" and kv.dtype in (torch.bfloat16, torch.float16)
+                native = kv.device.type == "cpu" and lane_kernel.kernel_for(kv.dtype) is not None
+                wide = kv.device.type == "cpu" and kv.dtype in (torch.bfloat16, torch.float16) and not native
                 self.lanes = DecodeLanes(kv.numel() * kv.element_size(), torch.float32 if wide else None)
             lanes = self.lanes
         if self._pages is None or self._pages[0] is not kv:
@@ -162,6 +167,7 @@ class TorchPagedContext:
         self.write_rows = getattr(batch, "write_rows", None)
         decode = [i for i, n in enumerate(batch.q_lens) if n == 1 and i not in readonly]
         self.in_lanes = None
+        self.kernel: lane_kernel.LaneCall | None = None
         if decode and lanes is not None:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
                                [batch.kv_lens[i] for i in decode])
@@ -171,6 +177,7 @@ class TorchPagedContext:
                 store_k, store_v = lanes.kv[:, 0], lanes.kv[:, 1]
                 self.lane_views = (store_k, store_v, store_k[:, :count, :width].transpose(2, 3),
                                    store_v[:, :count, :width].transpose(2, 3))
+                self.kernel = lane_kernel.LaneCall.for_plan(self.in_lanes, lanes.kv)
             decode = [i for i, g in zip(decode, got, strict=True) if g is None]
         self.decode: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
         if decode:
@@ -234,20 +241,23 @@ class TorchPagedContext:
             order = torch.empty(count, dtype=torch.long, device=device)
             order[lane_t] = rows
         if batch.limits is None:  # (the usual decode step: the bounds are the lengths, known here)
+            row_bounds = [kv_lens[i] for i in seqs]
             bounds = [1] * count  # lanes idle this step see one key
-            for i, lane in picked:
-                bounds[lane] = kv_lens[i]
+            for (_, lane), seen in zip(picked, row_bounds, strict=True):
+                bounds[lane] = seen
             width = max(bounds)
             bound = torch.tensor(bounds, device=device) if min(bounds) != width else None
+            row_bound = torch.tensor(row_bounds, device=device)
         else:
+            row_bound = _bounds(batch, seqs, rows)
             bound = torch.ones(count, dtype=torch.long, device=device)
-            bound[lane_t] = _bounds(batch, seqs, rows)
+            bound[lane_t] = row_bound
             width = int(bound.max())
             bound = bound if int(bound.min()) != width else None
         mask = None
         if bound is not None:
             mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
-        return LanePlan(rows, lane_t, pos, count, width, mask, whole, order)
+        return LanePlan(rows, lane_t, pos, count, width, mask, whole, order, row_bound)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
@@ -291,10 +301,15 @@ class TorchPagedContext:
         return out
 
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):
-        """Append each lane row's new key/value to its lane, then one SDPA over a strided view of the lanes."""
-        rows, lane_t, pos, count, width, mask, whole, order = self.in_lanes
+        """Append each lane row's new key/value to its lane, then attend over the lanes (the kernel, else torch ops)."""
+        rows, lane_t, pos, count, width, mask, whole, order, _ = self.in_lanes
         store_k, store_v, window_k, window_v = self.lane_views
         store_k, store_v = store_k[layer], store_v[layer]
+        if self.kernel is not None and self.kernel.fits(q, k, v, store_k):
+            if out is None:
+                out = q.new_empty(q.shape)
+            self.kernel(q, k, v, store_k, store_v, out, scale)
+            return out
         if whole:
             store_k.index_put_((lane_t, pos), k.to(store_k.dtype))
             store_v.index_put_((lane_t, pos), v.to(store_v.dtype))

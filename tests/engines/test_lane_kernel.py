@@ -1,0 +1,107 @@
+"""The decode-lane kernel (lane_attention.cpp) against torch's attention math, in both of its builds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from mstar_attn_torch import lane_kernel
+from mstar_attn_torch.backend import LanePlan, decode_attention
+
+VARIANTS = [v for v in ("native", "portable") if lane_kernel.library(v) is not None]
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="no C++ compiler: the kernel cannot be built here")
+
+
+def _case(dtype, head_dim, group, gen, lanes=7, capacity=40):
+    """Lanes of random keys, 5 rows decoding in shuffled lanes and rows, each with its own length."""
+    kv_heads = 2
+    store = torch.randn(lanes, 2, kv_heads, capacity, head_dim, generator=gen).to(dtype)  # head-major lanes
+    store_k, store_v = store[:, 0].transpose(1, 2), store[:, 1].transpose(1, 2)  # [lanes, capacity, heads, dim] views
+    tokens = 6
+    q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
+    # v a strided view of a fused projection, k a fresh tensor (as rotary leaves them): different strides
+    kv = torch.randn(tokens, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    rows = torch.tensor([4, 0, 2, 5, 1])
+    lane_ids = torch.tensor([3, 6, 0, 1, 5])
+    bound = torch.tensor([1, 17, 40, 33, 16])
+    pos = bound - 1
+    plan = LanePlan(rows, lane_ids, pos, 7, 40, None, False, None, bound)
+    return store_k, store_v, q, kv[:, 0].contiguous(), kv[:, 1], plan
+
+
+def _reference(store_k, store_v, q, k, v, plan, scale):
+    """The lanes after the writes and each row's output, by torch ops in fp32."""
+    store_k, store_v = store_k.clone(), store_v.clone()
+    store_k[plan.lanes, plan.pos], store_v[plan.lanes, plan.pos] = k[plan.rows], v[plan.rows]
+    outs = []
+    for row, lane, n in zip(plan.rows.tolist(), plan.lanes.tolist(), plan.bound.tolist(), strict=True):
+        keys = store_k[lane, :n].transpose(0, 1)[None].float()
+        vals = store_v[lane, :n].transpose(0, 1)[None].float()
+        outs.append(decode_attention(q[row][None].float(), keys, vals, None, scale)[0])
+    return store_k, store_v, torch.stack(outs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (16, 2), (48, 4)])
+def test_kernel_matches_torch_attention(variant, dtype, head_dim, group, monkeypatch):
+    """Appends each row's key/value at its position and attends over [0, bound) of its lane, any row and lane order."""
+    gen = torch.Generator().manual_seed(head_dim + group)
+    store_k, store_v, q, k, v, plan = _case(dtype, head_dim, group, gen)
+    want_k, want_v, want = _reference(store_k, store_v, q, k, v, plan, 0.17)
+    monkeypatch.setenv(lane_kernel.SWITCH_ENV, variant)
+    call = lane_kernel.LaneCall.for_plan(plan, store_k)
+    assert call is not None and call.fits(q, k, v, store_k)
+    out = torch.full_like(q, 7.0)  # rows not decoding in a lane (3 here) stay untouched
+    call(q, k, v, store_k, store_v, out, 0.17)
+    assert torch.equal(store_k, want_k) and torch.equal(store_v, want_v)
+    got = out[plan.rows].float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    else:  # the fp32 result rounded once to bf16: within one bf16 step of the fp32 reference
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
+    assert torch.equal(out[3], torch.full_like(out[3], 7.0))
+
+
+def test_builds_agree_with_each_other():
+    """The AVX-512 kernels and the portable loops give the same answer (where this CPU runs both)."""
+    if len(VARIANTS) < 2:
+        pytest.skip("one build only here")
+    results = []
+    for variant in VARIANTS:
+        store_k, store_v, q, k, v, plan = _case(torch.bfloat16, 64, 3, torch.Generator().manual_seed(5))
+        out = torch.zeros_like(q)
+        lane_kernel.LaneCall(lane_kernel.kernel_for(torch.bfloat16, variant), plan)(q, k, v, store_k, store_v, out, 0.125)
+        results.append(out[plan.rows].float())
+    torch.testing.assert_close(results[0], results[1], atol=1e-2, rtol=8e-3)
+
+
+def test_tensors_the_kernel_cannot_read_go_through_torch_ops():
+    """Mixed dtypes or a non-unit innermost stride: `fits` says no and the backend keeps its torch path."""
+    store_k, store_v, q, k, v, plan = _case(torch.bfloat16, 64, 3, torch.Generator().manual_seed(1))
+    call = lane_kernel.LaneCall.for_plan(plan, store_k)
+    assert call.fits(q, k, v, store_k)
+    assert not call.fits(q.float(), k, v, store_k)
+    assert not call.fits(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, store_k)
+    assert lane_kernel.LaneCall.for_plan(plan, store_k.half()) is None  # no fp16 kernel
+
+
+def test_without_a_compiler_lanes_use_torch_ops(monkeypatch, tmp_path, caplog):
+    """No compiler: the library is None, with one warning, and nothing is built."""
+    monkeypatch.setattr(lane_kernel, "_libraries", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(lane_kernel.CACHE_ENV, str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="mstar.attn_torch.lane_kernel"):
+        assert lane_kernel.kernel_for(torch.bfloat16, "native") is None
+        assert lane_kernel.kernel_for(torch.float32, "native") is None
+    assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
+    assert not (tmp_path / "cache").exists()
+
+
+def test_switch_turns_the_kernel_off_and_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "0")
+    assert lane_kernel.library() is None
+    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "fast")
+    with pytest.raises(ValueError, match="MSTAR_LANE_KERNEL"):
+        lane_kernel.library()
