@@ -153,8 +153,9 @@ def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair,
     """Without the lane kernel a bf16 pool on CPU gets fp32 lanes; lanes and page gathers agree, and decode attention equals fp32 math on the bf16 keys."""
     import copy
 
-    from mstar_attn_torch import lane_kernel
     from mstar_attn_torch.backend import decode_attention
+
+    from mstar_core.nn import native
 
     gen = torch.Generator().manual_seed(3)
     b, hq, hkv, d, length = 3, 6, 2, 16, 21
@@ -168,7 +169,7 @@ def test_bf16_pool_decodes_through_fp32_lanes_like_an_fp32_reference(llama_pair,
     want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vals.float()).view(b, hq, d)
     torch.testing.assert_close(got.float(), want.bfloat16().float(), atol=0, rtol=0)
 
-    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "0")
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
     _, ours = llama_pair
     half = copy.deepcopy(ours).to(torch.bfloat16)
     with_lanes = _engine(half, True)

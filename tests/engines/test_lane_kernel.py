@@ -9,7 +9,9 @@ import torch
 from mstar_attn_torch import lane_kernel
 from mstar_attn_torch.backend import LanePlan, decode_attention
 
-VARIANTS = [v for v in ("native", "portable") if lane_kernel.library(v) is not None]
+from mstar_core.nn import native
+
+VARIANTS = [v for v in ("native", "portable") if lane_kernel.kernel_for(torch.float32, v) is not None]
 pytestmark = pytest.mark.skipif(not VARIANTS, reason="no C++ compiler: the kernel cannot be built here")
 
 
@@ -50,7 +52,7 @@ def test_kernel_matches_torch_attention(variant, dtype, head_dim, group, monkeyp
     gen = torch.Generator().manual_seed(head_dim + group)
     store_k, store_v, q, k, v, plan = _case(dtype, head_dim, group, gen)
     want_k, want_v, want = _reference(store_k, store_v, q, k, v, plan, 0.17)
-    monkeypatch.setenv(lane_kernel.SWITCH_ENV, variant)
+    monkeypatch.setenv(native.SWITCH_ENV, variant)
     call = lane_kernel.LaneCall.for_plan(plan, store_k)
     assert call is not None and call.fits(q, k, v, store_k)
     out = torch.full_like(q, 7.0)  # rows not decoding in a lane (3 here) stay untouched
@@ -88,11 +90,11 @@ def test_tensors_the_kernel_cannot_read_go_through_torch_ops():
 
 
 def test_without_a_compiler_lanes_use_torch_ops(monkeypatch, tmp_path, caplog):
-    """No compiler: the library is None, with one warning, and nothing is built."""
-    monkeypatch.setattr(lane_kernel, "_libraries", {})
+    """No compiler: no kernel, one warning per build, and nothing is built."""
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(lane_kernel.CACHE_ENV, str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="mstar.attn_torch.lane_kernel"):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="mstar.nn.native"):
         assert lane_kernel.kernel_for(torch.bfloat16, "native") is None
         assert lane_kernel.kernel_for(torch.float32, "native") is None
     assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
@@ -100,8 +102,8 @@ def test_without_a_compiler_lanes_use_torch_ops(monkeypatch, tmp_path, caplog):
 
 
 def test_switch_turns_the_kernel_off_and_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "0")
-    assert lane_kernel.library() is None
-    monkeypatch.setenv(lane_kernel.SWITCH_ENV, "fast")
-    with pytest.raises(ValueError, match="MSTAR_LANE_KERNEL"):
-        lane_kernel.library()
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    assert lane_kernel.kernel_for(torch.bfloat16) is None
+    monkeypatch.setenv(native.SWITCH_ENV, "fast")
+    with pytest.raises(ValueError, match="MSTAR_NATIVE_KERNELS"):
+        lane_kernel.kernel_for(torch.bfloat16)

@@ -1,36 +1,22 @@
-"""The CPU decode-lane attention kernel (`lane_attention.cpp`): built once per machine, called through ctypes.
+"""The CPU decode-lane attention kernel (`lane_attention.cpp`), built and loaded by `mstar_core.nn.native`.
 
 Decode attention over lanes is memory-bound. As torch ops a bf16 lane is widened to fp32 before two
 batched matmuls (twice the bytes read, plus the scores' passes); the kernel reads each key and value
-once in the lane's own dtype and accumulates in fp32, so a bf16 pool keeps bf16 lanes. It is plain C
-ABI (no torch headers): `c++ -O3 -march=native -fopenmp` builds it in about a second into
-`$MSTAR_KERNEL_CACHE` (default `~/.cache/mstar/kernels`), named by a hash of the source, the
-compiler and the CPU's flags. Without a compiler, or with `MSTAR_LANE_KERNEL=0`, lanes attend
-through torch ops as before.
+once in the lane's own dtype and accumulates in fp32, so a bf16 pool keeps bf16 lanes. Without a
+compiler, or with `MSTAR_NATIVE_KERNELS=0`, lanes attend through torch ops as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("mstar.attn_torch.lane_kernel")
+from mstar_core.nn import native
 
 SOURCE = Path(__file__).with_name("lane_attention.cpp")
-SWITCH_ENV = "MSTAR_LANE_KERNEL"  # "native" (default), "portable" or "0" (never use the kernel)
-CACHE_ENV = "MSTAR_KERNEL_CACHE"
-
-_lock = threading.Lock()
-_libraries: dict[str, ctypes.CDLL | None] = {}  # by variant, once tried
+_ENTRY_POINTS = {torch.float32: "mstar_lane_attend_f32", torch.bfloat16: "mstar_lane_attend_bf16"}
 
 
 class LanePlan(ctypes.Structure):
@@ -47,80 +33,15 @@ class LanePlan(ctypes.Structure):
     ]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-#: compiler flags per build: `native` for this CPU (its AVX-512 kernels where it has AVX-512), `portable` the
-#: plain loops only (what a CPU without AVX-512 runs; tests compare the two)
-FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-mno-avx512f"]}
-
-
-def _build(compiler: str, variant: str) -> Path:
-    source = SOURCE.read_bytes()
-    flags = ["-O3", *FLAGS[variant], "-fopenmp", "-shared", "-fPIC"]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mstar" / "kernels")
-    target = folder / f"lane_attention-{variant}-{digest}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # built beside the target and renamed into place: processes building at once never load half a file
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=True)
-        os.replace(built, target)
-    return target
-
-
-def library(variant: str | None = None) -> ctypes.CDLL | None:
-    """The loaded kernel library (`variant`: "native" or "portable"; default from $MSTAR_LANE_KERNEL), or None.
-
-    None where it cannot be built here (logged once) or where `MSTAR_LANE_KERNEL=0`.
-    """
-    if variant is None:
-        setting = os.environ.get(SWITCH_ENV, "native")
-        if setting == "0":
-            return None
-        if setting not in FLAGS:
-            raise ValueError(f"{SWITCH_ENV} must be 0, native or portable, got {setting!r}")
-        variant = setting
-    with _lock:
-        if variant not in _libraries:
-            _libraries[variant] = _load(variant)
-        return _libraries[variant]
-
-
-def _load(variant: str) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        log.warning("no C++ compiler (%s): decode lanes attend through torch ops", os.environ.get("CXX", "c++"))
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler, variant)))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        log.warning("decode-lane kernel not built (%s): lanes attend through torch ops", getattr(exc, "stderr", "") or exc)
-        return None
-    for name in ("mstar_lane_attend_f32", "mstar_lane_attend_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 6
-    return lib
-
-
 def kernel_for(dtype: torch.dtype, variant: str | None = None):
-    """The kernel entry point for lanes of `dtype`, or None."""
-    lib = library(variant)
-    if lib is None:
+    """The kernel entry point for lanes of `dtype` (`variant`: see `native.load`), or None."""
+    lib = native.load(SOURCE, variant)
+    if lib is None or dtype not in _ENTRY_POINTS:
         return None
-    return {torch.float32: lib.mstar_lane_attend_f32, torch.bfloat16: lib.mstar_lane_attend_bf16}.get(dtype)
+    fn = getattr(lib, _ENTRY_POINTS[dtype])
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 6
+    return fn
 
 
 class LaneCall:

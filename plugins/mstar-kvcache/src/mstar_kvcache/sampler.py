@@ -338,7 +338,9 @@ def sample(
     if len(stochastic) == len(params):
         chosen = pick(logits, params, generators)
     else:
-        chosen = logits.argmax(-1)
+        # max's indices: the same first-maximum (and NaN-first) rule as argmax, ~2.8x faster on CPU
+        # (32 x 49,152 fp32 logits: 0.44 vs 1.22 ms, 2 threads)
+        chosen = logits.max(-1).indices
         if stochastic:
             rows = torch.tensor(stochastic, device=logits.device)
             chosen[rows] = pick(logits[rows], [params[i] for i in stochastic], [generators[i] for i in stochastic])

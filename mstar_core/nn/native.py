@@ -1,0 +1,93 @@
+"""Small C++ CPU kernels built once per machine and loaded through ctypes (no torch headers, no build step at install).
+
+A kernel source is plain C ABI over raw pointers; `c++ -O3 -march=native -fopenmp` builds it in about a
+second into `$MSTAR_KERNEL_CACHE` (default `~/.cache/mstar/kernels`), named by a hash of the source,
+the flags, the compiler and the CPU's flags, so a machine builds each version once and every process
+after loads it. OpenMP inside a kernel resolves to the runtime torch already loaded (the same
+`libgomp.so.1` soname, or Intel's preloaded over both). Without a compiler a kernel is None and its
+callers keep their torch ops; `MSTAR_NATIVE_KERNELS=0` turns every kernel off, `portable` builds
+them without AVX-512 (what such a CPU runs; the tests compare the two builds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("mstar.nn.native")
+
+SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "portable" or "0"
+CACHE_ENV = "MSTAR_KERNEL_CACHE"
+#: compiler flags per build variant
+FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-mno-avx512f"]}
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}  # by (source, variant), once tried
+
+
+def variant_from_env() -> str | None:
+    """The build variant $MSTAR_NATIVE_KERNELS asks for, or None when kernels are off."""
+    setting = os.environ.get(SWITCH_ENV, "native")
+    if setting == "0":
+        return None
+    if setting not in FLAGS:
+        raise ValueError(f"{SWITCH_ENV} must be 0, native or portable, got {setting!r}")
+    return setting
+
+
+def load(source: Path, variant: str | None = None) -> ctypes.CDLL | None:
+    """The library built from `source` (`variant`: default from the environment), or None where it cannot be built."""
+    variant = variant_from_env() if variant is None else variant
+    if variant is None:
+        return None
+    key = (str(source), variant)
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(source, variant)
+        return _loaded[key]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        log.warning("no C++ compiler (%s): %s runs as torch ops", os.environ.get("CXX", "c++"), source.stem)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler, source, variant)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("%s not built (%s): it runs as torch ops", source.stem, getattr(exc, "stderr", "") or exc)
+        return None
+
+
+def _build(compiler: str, source: Path, variant: str) -> Path:
+    flags = ["-O3", *FLAGS[variant], "-fopenmp", "-shared", "-fPIC"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_flags().encode())
+    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mstar" / "kernels")
+    target = folder / f"{source.stem}-{variant}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed into place: processes building at once never load half a file
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True, check=True)
+        os.replace(built, target)
+    return target
