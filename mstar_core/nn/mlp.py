@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.nn import cpu_elementwise
 from mstar_core.nn.fused import fuse_on_load
 
 _ACTIVATIONS = {
@@ -42,7 +43,12 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and gate_up.dim() == 2:  # one pass on CPU, the same roundings (None elsewhere)
+            fused = cpu_elementwise.silu_mul(gate_up, self.intermediate)
+            if fused is not None:
+                return self.down_proj(fused)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -65,7 +65,7 @@ def _cpu_flags() -> str:
 
 
 def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or (None if "CXX" in os.environ else shutil.which("g++"))
     if compiler is None:
         log.warning("no C++ compiler (%s): %s runs as torch ops", os.environ.get("CXX", "c++"), source.stem)
         return None
@@ -90,4 +90,7 @@ def _build(compiler: str, source: Path, variant: str) -> Path:
         built = Path(scratch) / target.name
         subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True, check=True)
         os.replace(built, target)
+    for stale in folder.glob(f"{source.stem}-{variant}-*.so"):  # earlier versions (unlinking a loaded one is safe)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target

@@ -1,0 +1,69 @@
+"""Fused RMSNorm and SiLU-and-multiply on CPU (`cpu_elementwise.cpp`): one pass each instead of several torch ops.
+
+Each returns None where it does not apply (not a CPU tensor, a dtype other than fp32 / bf16, mixed
+dtypes, autograd, `torch.compile` tracing, no compiler here), and the caller runs its torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from mstar_core.nn import native
+
+SOURCE = Path(__file__).with_name("cpu_elementwise.cpp")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "mstar_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    "mstar_silu_mul": [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int],
+}
+
+
+def _function(name: str, dtype: torch.dtype, variant: str | None = None):
+    lib = native.load(SOURCE, variant)
+    if lib is None:
+        return None
+    fn = getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _SIGNATURES[name], None
+    return fn
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _SUFFIX or any(t.dtype != first.dtype for t in tensors):
+        return False
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | None = None) -> torch.Tensor | None:
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as `RMSNorm` rounds it; None: use torch ops."""
+    if not _applies(x, weight) or x.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous():
+        return None
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if rows.stride(-1) != 1:
+        return None
+    fn = _function("mstar_rms_norm", x.dtype, variant)
+    if fn is None:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps,
+       torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> torch.Tensor | None:
+    """`silu(gate_up[..., :width]) * gate_up[..., width:]`, as the two torch ops round it; None: use torch ops."""
+    if not _applies(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[-1] != 2 * width:
+        return None
+    fn = _function("mstar_silu_mul", gate_up.dtype, variant)
+    if fn is None or not native.load(SOURCE, variant).mstar_elementwise_vectorized():
+        return None  # (without AVX-512 its exp is scalar: slower than torch's)
+    out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width, torch.get_num_threads())
+    return out

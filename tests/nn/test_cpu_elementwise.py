@@ -1,0 +1,69 @@
+"""The fused CPU RMSNorm and SiLU-and-multiply (cpu_elementwise.cpp) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mstar_core.nn import cpu_elementwise, native
+from mstar_core.nn.mlp import GatedMLP
+from mstar_core.nn.norm import RMSNorm
+
+VARIANTS = [v for v in ("native", "portable") if native.load(cpu_elementwise.SOURCE, v) is not None]
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="no C++ compiler: the kernels cannot be built here")
+
+
+def _torch_rms_norm(x, weight, eps):
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 96), (130, 33)])
+def test_rms_norm_rounds_as_the_torch_ops(variant, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim + 5, generator=gen) * 3).to(dtype)[:, 2 : dim + 2]  # a strided row view
+    weight = (torch.randn(dim, generator=gen) * 0.3 + 1).to(dtype)
+    got = cpu_elementwise.rms_norm(x, weight, 1e-5, variant)
+    want = _torch_rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:  # the same roundings: equal, except where the fp32 sum order moves a tie (rare)
+        assert (got != want).float().mean() <= 0.002
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (9, 40), (64, 100)])
+def test_silu_mul_rounds_as_the_torch_ops(variant, dtype, rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([200.0, -200.0, float("nan"), 0.0])
+    got = cpu_elementwise.silu_mul(gate_up, width, variant)
+    if got is None:  # the portable build leaves SiLU to torch (its exp is scalar there)
+        assert variant == "portable"
+        return
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    assert got[0, 2].isnan() and got[0, 1] == 0 and got[0, 3] == 0
+    if dtype == torch.bfloat16:
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert (~same).float().mean() <= 0.002
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3, equal_nan=True)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, equal_nan=True)
+
+
+def test_modules_take_the_kernels_only_where_they_apply():
+    """No kernel under autograd, for mixed dtypes or off CPU: those run the torch ops (and gradients flow)."""
+    norm, mlp = RMSNorm(32), GatedMLP(32, 48)
+    x = torch.randn(4, 32, requires_grad=True)
+    (norm(x).sum() + mlp(x).sum()).backward()  # the kernels have no backward: autograd must not reach them
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert cpu_elementwise.rms_norm(x.detach().bfloat16(), norm.weight.detach(), 1e-6) is None  # bf16 rows, fp32 weight
+    with torch.no_grad():
+        assert cpu_elementwise.rms_norm(x, norm.weight, 1e-6) is not None
+        torch.testing.assert_close(norm(x), _torch_rms_norm(x, norm.weight, 1e-6), atol=1e-6, rtol=1e-6)
