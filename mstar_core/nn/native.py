@@ -27,6 +27,8 @@ SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "portable" or "0"
 CACHE_ENV = "MSTAR_KERNEL_CACHE"
 #: compiler flags per build variant
 FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-mno-avx512f"]}
+#: the header every kernel may include (`#include "mstar_native.h"`): bf16 conversions, exp
+HEADER = Path(__file__).with_name("mstar_native.h")
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}  # by (source, variant), once tried
@@ -77,9 +79,10 @@ def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
 
 
 def _build(compiler: str, source: Path, variant: str) -> Path:
-    flags = ["-O3", *FLAGS[variant], "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", *FLAGS[variant], "-fopenmp", "-shared", "-fPIC", f"-I{HEADER.parent}"]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_flags().encode())
+    digest = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + " ".join(flags).encode() + version.encode()
+                            + _cpu_flags().encode())
     folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mstar" / "kernels")
     target = folder / f"{source.stem}-{variant}-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -10,57 +10,19 @@
 // No torch headers: the library is plain C ABI, compiled once per machine in about a second, and
 // called through ctypes with raw pointers. OpenMP resolves to the runtime torch already loaded.
 
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "mstar_native.h"  // (mstar_core/nn: bf16, exp)
 
 namespace {
 
-typedef uint16_t bf16;
-
-inline float widen(float x) { return x; }
-inline float widen(bf16 h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline void narrow(float x, float *dst) { *dst = x; }
-inline void narrow(float x, bf16 *dst) {  // round to nearest even, as torch's .to(bfloat16); NaN stays NaN
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        *dst = static_cast<bf16>((u >> 16) | 0x40);
-        return;
-    }
-    *dst = static_cast<bf16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// e^x for x <= 0 (a score minus its row's maximum): Cody-Waite reduction to r in [-ln2/2, ln2/2] and a
-// degree-6 polynomial (Cephes' expf coefficients), within ~2 ulp; written so the loop vectorizes.
-inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+using mstar::bf16;
+using mstar::narrow;
+using mstar::widen;
 
 }  // namespace
 
@@ -96,7 +58,7 @@ constexpr int64_t MAX_DIM = 256;
 // time (16 dot products summed across their lanes at once, no per-key horizontal sum), then its
 // output from the probabilities with the accumulators in registers.
 
-inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+using mstar::load16;
 
 // 32 bf16 values as two fp32 vectors, the even-indexed and the odd-indexed ones: a shift and a mask,
 // no shuffle (widening in order would put a shuffle on the port the lane sums already load). Dot
@@ -221,18 +183,7 @@ inline void softmax16(float *s, int64_t n) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 16) {
         const __mmask16 m = n - l < 16 ? static_cast<__mmask16>((1u << (n - l)) - 1u) : static_cast<__mmask16>(0xFFFF);
-        __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), peak), _mm512_set1_ps(-87.0f));
-        const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                              _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-        const __m512 e = _mm512_maskz_mov_ps(m, _mm512_scalef_ps(p, k));
+        const __m512 e = _mm512_maskz_mov_ps(m, mstar::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), peak)));
         total = _mm512_add_ps(total, e);
         _mm512_mask_storeu_ps(s + l, m, e);
     }
@@ -290,7 +241,7 @@ void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const
         for (int64_t l = 1; l < n; ++l) top = s[l] > top ? s[l] : top;
 #pragma omp simd reduction(+ : total)
         for (int64_t l = 0; l < n; ++l) {
-            s[l] = exp_nonpositive(s[l] - top);
+            s[l] = mstar::exp_approx(s[l] - top);
             total += s[l];
         }
         const float inv = 1.0f / total;

@@ -1,0 +1,87 @@
+// What the CPU kernels share (native.py puts this folder on every kernel's include path): bf16 <-> fp32 with
+// torch's rounding, and one exp, scalar and 16 lanes at a time.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace mstar {
+
+typedef uint16_t bf16;
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+// x rounded to the precision of T's type (the pointer only picks the overload): round to nearest even, as
+// torch's .to(bfloat16); NaN stays NaN
+inline float round_to(float x, float *) { return x; }
+inline float round_to(float x, bf16 *) {
+    uint32_t u = __builtin_bit_cast(uint32_t, x);
+    u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) & 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return __builtin_bit_cast(float, u);
+}
+
+inline void store(float x, float *dst) { *dst = x; }  // x already holds a value of the destination's type
+inline void store(float x, bf16 *dst) { *dst = static_cast<bf16>(__builtin_bit_cast(uint32_t, x) >> 16); }
+
+template <typename T>
+inline void narrow(float x, T *dst) { store(round_to(x, dst), dst); }
+
+// e^x: Cody-Waite reduction to r in [-ln2/2, ln2/2] and Cephes' degree-6 polynomial, within ~2 ulp; below -87
+// it gives ~1e-38 rather than 0, above 88.7 inf (2^128), as expf overflows
+inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.8f ? 88.8f : x);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))), 16));
+}
+
+inline __m512 round16(__m512 x, float *) { return x; }
+inline __m512 round16(__m512 x, bf16 *) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i half = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(u, half), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+
+inline void store16(__m512 x, float *p) { _mm512_storeu_ps(p, x); }
+inline void store16(__m512 x, bf16 *p) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+
+// exp_approx, 16 lanes (the same clamps and polynomial; 2^n by scalef)
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.8f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+}  // namespace mstar
