@@ -23,13 +23,17 @@ _SIGNATURES = {
 
 
 def _function(name: str, dtype: torch.dtype, variant: str | None = None):
-    lib = native.load(SOURCE, variant)
-    if lib is None:
-        return None
-    fn = getattr(lib, f"{name}_{_SUFFIX[dtype]}")
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _SIGNATURES[name], None
-    return fn
+    return native.function(SOURCE, f"{name}_{_SUFFIX[dtype]}", _SIGNATURES[name], None, variant)
+
+
+_answers: dict[int, bool] = {}  # (ctypes functions are not hashable: by id; libraries stay loaded)
+
+
+def _answer(probe) -> bool:
+    """A no-argument C probe's answer, asked once per library."""
+    if id(probe) not in _answers:
+        _answers[id(probe)] = bool(probe())
+    return _answers[id(probe)]
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
@@ -45,9 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | N
     """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as `RMSNorm` rounds it; None: use torch ops."""
     if not _applies(x, weight) or x.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous():
         return None
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if rows.stride(-1) != 1:
-        return None
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # (a copy only where the rows are not a view)
     fn = _function("mstar_rms_norm", x.dtype, variant)
     if fn is None:
         return None
@@ -62,7 +64,7 @@ def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> t
     if not _applies(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[-1] != 2 * width:
         return None
     fn = _function("mstar_silu_mul", gate_up.dtype, variant)
-    if fn is None or not native.load(SOURCE, variant).mstar_elementwise_vectorized():
+    if fn is None or not _answer(native.function(SOURCE, "mstar_elementwise_vectorized", [], ctypes.c_int, variant)):
         return None  # (without AVX-512 its exp is scalar: slower than torch's)
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
     fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width, torch.get_num_threads())

@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and gate_up.dim() == 2:  # one pass on CPU, the same roundings (None elsewhere)
+        if self.act is F.silu:  # one pass on CPU, the same roundings (None where it does not apply)
             fused = cpu_elementwise.silu_mul(gate_up, self.intermediate)
             if fused is not None:
                 return self.down_proj(fused)

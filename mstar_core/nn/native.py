@@ -12,6 +12,7 @@ them without AVX-512 (what such a CPU runs; the tests compare the two builds).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -20,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("mstar.nn.native")
 
@@ -32,6 +34,7 @@ HEADER = Path(__file__).with_name("mstar_native.h")
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}  # by (source, variant), once tried
+_signed: set[tuple[int, str]] = set()  # (library, entry point) whose C signature is set
 
 
 def variant_from_env() -> str | None:
@@ -50,10 +53,24 @@ def load(source: Path, variant: str | None = None) -> ctypes.CDLL | None:
     if variant is None:
         return None
     key = (str(source), variant)
+    if key in _loaded:  # (the hot path: kernels are looked up every layer of every step)
+        return _loaded[key]
     with _lock:
         if key not in _loaded:
             _loaded[key] = _build_and_load(source, variant)
         return _loaded[key]
+
+
+def function(source: Path, name: str, argtypes: list, restype: Any, variant: str | None = None):
+    """Entry point `name` of `source`'s library with its C signature set, or None where the library is not built."""
+    lib = load(source, variant)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)  # (ctypes keeps the function object on the library)
+    if (id(lib), name) not in _signed:
+        fn.argtypes, fn.restype = argtypes, restype
+        _signed.add((id(lib), name))
+    return fn
 
 
 def _cpu_flags() -> str:
@@ -78,9 +95,14 @@ def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def _build(compiler: str, source: Path, variant: str) -> Path:
     flags = ["-O3", *FLAGS[variant], "-fopenmp", "-shared", "-fPIC", f"-I{HEADER.parent}"]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = _compiler_version(compiler)
     digest = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + " ".join(flags).encode() + version.encode()
                             + _cpu_flags().encode())
     folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mstar" / "kernels")

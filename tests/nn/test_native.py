@@ -43,3 +43,16 @@ def test_a_source_that_does_not_compile_gives_none_and_a_warning(tmp_path, monke
         assert native.load(broken, "native") is None
     assert any("broken not built" in r.message for r in caplog.records)
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_function_sets_the_signature_once_and_is_none_without_a_library(tmp_path, monkeypatch):
+    import ctypes
+
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    source = _source(tmp_path, 7)
+    fn = native.function(source, "answer", [], ctypes.c_int, "native")
+    assert fn() == 7 and fn.restype is ctypes.c_int
+    assert native.function(source, "answer", [], ctypes.c_int, "native") is fn
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    assert native.function(source, "answer", [], ctypes.c_int) is None

@@ -18,13 +18,7 @@
 
 #include "mstar_native.h"  // (mstar_core/nn: bf16, exp)
 
-namespace {
-
 using mstar::bf16;
-using mstar::narrow;
-using mstar::widen;
-
-}  // namespace
 
 extern "C" {
 
@@ -48,6 +42,9 @@ struct LanePlan {
 }  // extern "C"
 
 namespace {
+
+using mstar::narrow;
+using mstar::widen;
 
 constexpr int64_t MAX_GROUP = 16;  // query heads per KV head
 constexpr int64_t MAX_DIM = 256;

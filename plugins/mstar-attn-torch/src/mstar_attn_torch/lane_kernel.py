@@ -35,13 +35,10 @@ class LanePlan(ctypes.Structure):
 
 def kernel_for(dtype: torch.dtype, variant: str | None = None):
     """The kernel entry point for lanes of `dtype` (`variant`: see `native.load`), or None."""
-    lib = native.load(SOURCE, variant)
-    if lib is None or dtype not in _ENTRY_POINTS:
+    if dtype not in _ENTRY_POINTS:
         return None
-    fn = getattr(lib, _ENTRY_POINTS[dtype])
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 6
-    return fn
+    return native.function(SOURCE, _ENTRY_POINTS[dtype], [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 6, ctypes.c_int,
+                           variant)
 
 
 class LaneCall:
