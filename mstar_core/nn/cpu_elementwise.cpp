@@ -1,4 +1,5 @@
-// RMSNorm and SiLU-and-multiply for CPU, in one pass each: built by native.py, called by cpu_elementwise.py.
+// RMSNorm, SiLU-and-multiply and rotary embedding for CPU, in one pass each: built by native.py, called by
+// cpu_elementwise.py.
 //
 // As torch ops a bf16 RMSNorm is eight passes over its rows (widen, square, mean, add, rsqrt, scale,
 // narrow, weight) and SwiGLU's gate two (silu, multiply), each allocating; in a 2,048-token prefill
@@ -53,6 +54,30 @@ void silu_mul(const T *gate_up, int64_t row, T *out, int64_t rows, int64_t width
     }
 }
 
+// Rotary embedding in place over [rows, heads, dim] (strided rows and heads, unit innermost), the first `rot`
+// elements of each head rotated by the row's cos / sin ([rows, rot], fp32, half-split layout), the rest left
+// as they are. As apply_rotary's torch ops round: cos and sin rounded to T, each product rounded, then
+// the sum (-ffp-contract=off keeps the products apart). As torch ops it is ~14 ops a layer.
+template <typename T>
+void rotary(T *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t rot, const float *cos,
+            const float *sin, int threads) {
+    const int64_t half = rot / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * rot >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows * heads; ++t) {
+        const int64_t r = t / heads;
+        T *v = x + r * row + (t % heads) * head;
+        const float *c = cos + r * rot, *s = sin + r * rot;
+#pragma omp simd
+        for (int64_t e = 0; e < half; ++e) {
+            const float a = widen(v[e]), b = widen(v[e + half]);
+            const float lo_c = round_to(a * round_to(c[e], v), v), lo_s = round_to(-b * round_to(s[e], v), v);
+            const float hi_c = round_to(b * round_to(c[e + half], v), v), hi_s = round_to(a * round_to(s[e + half], v), v);
+            store(round_to(lo_c + lo_s, v), v + e);
+            store(round_to(hi_c + hi_s, v), v + e + half);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -84,6 +109,16 @@ void mstar_silu_mul_f32(const void *gate_up, int64_t row, void *out, int64_t row
 
 void mstar_silu_mul_bf16(const void *gate_up, int64_t row, void *out, int64_t rows, int64_t width, int threads) {
     silu_mul(static_cast<const bf16 *>(gate_up), row, static_cast<bf16 *>(out), rows, width, threads);
+}
+
+void mstar_rotary_f32(void *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t rot, const float *cos,
+                      const float *sin, int threads) {
+    rotary(static_cast<float *>(x), row, head, rows, heads, rot, cos, sin, threads);
+}
+
+void mstar_rotary_bf16(void *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t rot, const float *cos,
+                       const float *sin, int threads) {
+    rotary(static_cast<bf16 *>(x), row, head, rows, heads, rot, cos, sin, threads);
 }
 
 }  // extern "C"

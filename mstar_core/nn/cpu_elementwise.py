@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SiLU-and-multiply on CPU (`cpu_elementwise.cpp`): one pass each instead of several torch ops.
+"""Fused RMSNorm, SiLU-and-multiply and rotary embedding on CPU (`cpu_elementwise.cpp`): one pass each, not several torch ops.
 
 Each returns None where it does not apply (not a CPU tensor, a dtype other than fp32 / bf16, mixed
 dtypes, autograd, `torch.compile` tracing, no compiler here), and the caller runs its torch ops.
@@ -19,6 +19,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
     "mstar_silu_mul": [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int],
+    "mstar_rotary": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int],
 }
 
 
@@ -69,3 +70,17 @@ def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> t
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
     fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width, torch.get_num_threads())
     return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, variant: str | None = None) -> bool:
+    """`apply_rotary(x, cos, sin)` written into `x` `[T, H, D]` itself, as its torch ops round; False: not run here."""
+    if (not _applies(x) or x.dim() != 3 or x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0] or cos.shape[1] % 2
+            or cos.shape[1] > x.shape[2] or not cos.is_contiguous() or not sin.is_contiguous() or cos.device != x.device):
+        return False
+    fn = _function("mstar_rotary", x.dtype, variant)
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], cos.shape[1], cos.data_ptr(), sin.data_ptr(),
+       torch.get_num_threads())
+    return True

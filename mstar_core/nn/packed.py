@@ -77,12 +77,17 @@ class PackedLinear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_for: tuple[int, int] = (0, -1)  # the packed weight's (data pointer, version)
+    # what the eager forward checks, read in one attribute lookup (a Module's __getattr__ costs ~1 us a name, and
+    # a decode step runs 121 linears): (weight, packed, bias, dtype, data pointer, version)
+    _fast: tuple | None = None
 
     def pack(self) -> None:
         """(Re)pack the current weight."""
+        weight = self.weight
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
-        self._packed_for = (self.weight.data_ptr(), self.weight._version)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        self._packed_for = (weight.data_ptr(), weight._version)
+        self._fast = (weight, self._packed, self.bias, weight.dtype, *self._packed_for)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
@@ -90,15 +95,19 @@ class PackedLinear(nn.Linear):
                 return F.linear(x, self.weight, self.bias)
             # one opaque op in the graph (inductor fuses around it), running this layer's packed weight
             return torch.ops.mstar_nn.packed_linear(x, self.weight, self.bias, _register(self))
-        packed = self._packed
-        if (packed is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu"
-                or (self.weight.data_ptr(), self.weight._version) != self._packed_for):
+        fast = self._fast
+        if fast is None:
+            return F.linear(x, self.weight, self.bias)
+        weight, packed, bias, dtype, ptr, version = fast
+        # the pack is trusted only for the parameter it was made from, unchanged in place
+        if (x.dtype != dtype or torch.is_grad_enabled() or x.device.type != "cpu" or self._parameters["weight"] is not weight
+                or self._parameters["bias"] is not bias or weight._version != version or weight.data_ptr() != ptr):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
-            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), packed, self.bias, "none", [], "")[:1]
+            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), packed, bias, "none", [], "")[:1]
         else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def __getstate__(self):
@@ -106,6 +115,7 @@ class PackedLinear(nn.Linear):
         state = dict(self.__dict__)
         state.pop("_packed", None)
         state.pop("_packed_for", None)
+        state.pop("_fast", None)
         return state
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_core.nn import cpu_elementwise
+
 RopeInit = Callable[[Mapping[str, Any], int], tuple[torch.Tensor, float]]
 
 
@@ -111,3 +113,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     out = x_rot * cos + rotated * sin
     return out if x_pass.numel() == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary`, written into `x` itself where the CPU kernel runs (x must be the caller's scratch), else a new tensor."""
+    return x if cpu_elementwise.rotary_(x, cos, sin) else apply_rotary(x, cos, sin)

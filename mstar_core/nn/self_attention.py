@@ -8,7 +8,7 @@ from torch import nn
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.fused import fuse_on_load
 from mstar_core.nn.norm import RMSNorm
-from mstar_core.nn.rotary import apply_rotary
+from mstar_core.nn.rotary import apply_rotary_
 
 
 class GroupedQueryAttention(nn.Module):
@@ -57,15 +57,16 @@ class GroupedQueryAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None and rope is not None:
             # q and k side by side are one [T, heads + kv heads, D] view: one rotary call for both (the same
-            # per-element math, half the ops a layer)
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+            # per-element math, half the ops a layer), in place (qkv is this call's own output)
+            qk = apply_rotary_(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            if rope is not None:
-                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            if rope is not None:  # (in place only where q and k are the norm's fresh outputs)
+                rotate = apply_rotary_ if self.q_norm is not None else apply_rotary
+                q, k = rotate(q, *rope), rotate(k, *rope)
         out = context.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

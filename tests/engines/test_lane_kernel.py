@@ -66,6 +66,26 @@ def test_kernel_matches_torch_attention(variant, dtype, head_dim, group, monkeyp
     assert torch.equal(out[3], torch.full_like(out[3], 7.0))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_given_the_pool_stores_each_rows_key_and_value_in_its_slot(variant, dtype, monkeypatch):
+    """With the paged pool passed, each packed row's new key and value land in its slot (others untouched), and
+    the lanes and outputs are the same as without it."""
+    gen = torch.Generator().manual_seed(3)
+    store_k, store_v, q, k, v, plan = _case(dtype, 64, 3, gen)
+    pool = torch.randn(2, 50, 2, 64, generator=gen).to(dtype)  # [k/v, slots, kv heads, head dim]
+    slots = torch.tensor([11, 3, 42, 0, 27, 19])  # of each packed row (row 3 is not decoding in a lane)
+    monkeypatch.setenv(native.SWITCH_ENV, variant)
+    plain_k, plain_v, plain_out = store_k.clone(), store_v.clone(), torch.zeros_like(q)
+    lane_kernel.LaneCall.for_plan(plan, store_k)(q, k, v, plain_k, plain_v, plain_out, 0.2)
+    want = pool.clone()
+    want[0, slots[plan.rows]], want[1, slots[plan.rows]] = k[plan.rows], v[plan.rows]
+    out = torch.zeros_like(q)
+    lane_kernel.LaneCall.for_plan(plan, store_k)(q, k, v, store_k, store_v, out, 0.2, (pool[0], pool[1], slots))
+    assert torch.equal(pool, want)
+    assert torch.equal(store_k, plain_k) and torch.equal(store_v, plain_v) and torch.equal(out, plain_out)
+
+
 def test_builds_agree_with_each_other():
     """The AVX-512 kernels and the portable loops give the same answer (where this CPU runs both)."""
     if len(VARIANTS) < 2:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from mstar_core.nn import cpu_elementwise, native
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.rotary import RotaryEmbedding, apply_rotary, apply_rotary_
 
 VARIANTS = [v for v in ("native", "portable") if native.load(cpu_elementwise.SOURCE, v) is not None]
 pytestmark = pytest.mark.skipif(not VARIANTS, reason="no C++ compiler: the kernels cannot be built here")
@@ -55,6 +56,36 @@ def test_silu_mul_rounds_as_the_torch_ops(variant, dtype, rows, width):
         torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3, equal_nan=True)
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,dim,rot", [(1, 12, 64, 64), (33, 5, 128, 64), (300, 4, 96, 96)])
+def test_rotary_in_place_rounds_as_the_torch_ops(variant, dtype, rows, heads, dim, rot):
+    """Bitwise apply_rotary's result (products and sum each rounded), into strided heads, partial rotary passing the rest."""
+    gen = torch.Generator().manual_seed(rows * heads)
+    base = (torch.randn(rows, heads + 2, dim + 3, generator=gen) * 3).to(dtype)
+    x = base[:, 1 : heads + 1, 1 : dim + 1]  # strided rows and heads, as q and k sit in a fused projection
+    cos, sin = RotaryEmbedding(rot, {"rope_type": "default", "rope_theta": 10000.0})(torch.randint(0, 5000, (rows,), generator=gen))
+    want = apply_rotary(x, cos, sin)
+    outside = base.clone()
+    assert cpu_elementwise.rotary_(x, cos, sin, variant)
+    assert torch.equal(x, want)
+    x.copy_(outside[:, 1 : heads + 1, 1 : dim + 1])
+    assert torch.equal(base, outside)  # nothing outside the view was written
+
+
+def test_rotary_in_place_only_where_it_applies():
+    """Grad, fp16 or bf16 tables, a table of another length: apply_rotary_ returns apply_rotary's new tensor."""
+    cos, sin = RotaryEmbedding(16)(torch.arange(3))
+    x = torch.randn(3, 2, 16, requires_grad=True)
+    out = apply_rotary_(x, cos, sin)
+    assert out is not x and out.requires_grad
+    with torch.no_grad():
+        for args in ((x.detach().half(), cos, sin), (x.detach(), cos.bfloat16(), sin.bfloat16()), (x.detach()[:2], cos, sin)):
+            assert not cpu_elementwise.rotary_(*args)
+        y = x.detach().clone()
+        assert apply_rotary_(y, cos, sin) is y and torch.equal(y, apply_rotary(x.detach(), cos, sin))
 
 
 def test_modules_take_the_kernels_only_where_they_apply():

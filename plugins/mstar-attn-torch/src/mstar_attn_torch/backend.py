@@ -263,6 +263,10 @@ class TorchPagedContext:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
         hkv = k.shape[1]
         k_cache, v_cache = self.pages[layer]
+        if self.in_lanes is not None and self.in_lanes.whole and self.write_rows is None:
+            out = self._attend_lanes_storing(layer, q, k, v, scale, k_cache, v_cache)
+            if out is not None:  # (a decode-only step: pool stores, lane stores and attention in one kernel call)
+                return out
         if self.write_rows is None:
             k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
             v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
@@ -298,6 +302,15 @@ class TorchPagedContext:
                 scale=scale, enable_gqa=gqa,
             )[0]
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
+        return out
+
+    def _attend_lanes_storing(self, layer, q, k, v, scale, k_cache, v_cache):
+        """Every row decodes in a lane: the kernel stores its new key and value in the pool and its lane and attends; None: it cannot."""
+        store_k = self.lane_views[0][layer]
+        if self.kernel is None or k_cache.dtype != k.dtype or k_cache.stride(-1) != 1 or not self.kernel.fits(q, k, v, store_k):
+            return None
+        out = q.new_empty(q.shape)
+        self.kernel(q, k, v, store_k, self.lane_views[1][layer], out, scale, (k_cache, v_cache, self.slots))
         return out
 
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):

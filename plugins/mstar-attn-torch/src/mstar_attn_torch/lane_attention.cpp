@@ -5,7 +5,8 @@
 // must be widened to fp32 first and the scores make several passes; here each task reads its lane's
 // keys and values once in their own dtype, accumulates in fp32, and handles the query heads that
 // share the KV head together (grouped-query attention reads each key once). It also appends the
-// step's new key and value to the lane, so a layer's whole lane work is one call.
+// step's new key and value to the lane, and, given the paged pool, stores them in their pool slots,
+// so a layer's whole decode attention is one call.
 //
 // No torch headers: the library is plain C ABI, compiled once per machine in about a second, and
 // called through ctypes with raw pointers. OpenMP resolves to the runtime torch already loaded.
@@ -37,6 +38,8 @@ struct LanePlan {
     int64_t lane_stride, head_stride;  // strides of a layer's lane store: [lanes, kv heads, capacity, head dim]
     float scale;
     int32_t threads;
+    const int64_t *slots;      // pool slot of each packed row's new key and value (with a pool passed)
+    int64_t pool_slot, pool_head;  // strides of a layer's pool keys (and values): [slots, kv heads, head dim]
 };
 
 }  // extern "C"
@@ -258,13 +261,18 @@ void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const
 
 template <typename T>
 void attend_one(const LanePlan &p, int64_t i, int64_t h, const T *q, const T *k_new, const T *v_new,
-                T *k_lanes, T *v_lanes, T *out, float *scores) {
+                T *k_lanes, T *v_lanes, T *k_pool, T *v_pool, T *out, float *scores) {
     const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, n = p.bound[i], row = p.rows[i];
     T *keys = k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     T *vals = v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     if (k_new != nullptr) {
         std::memcpy(keys + p.write_pos[i] * d, k_new + row * p.k_row + h * p.k_head, d * sizeof(T));
         std::memcpy(vals + p.write_pos[i] * d, v_new + row * p.v_row + h * p.v_head, d * sizeof(T));
+        if (k_pool != nullptr) {
+            const int64_t at = p.slots[row] * p.pool_slot + h * p.pool_head;
+            std::memcpy(k_pool + at, k_new + row * p.k_row + h * p.k_head, d * sizeof(T));
+            std::memcpy(v_pool + at, v_new + row * p.v_row + h * p.v_head, d * sizeof(T));
+        }
     }
     if (n <= 0) {  // (a row always sees its own new key; nothing to attend to gives zeros, never garbage)
         for (int64_t g = 0; g < group; ++g)
@@ -287,7 +295,7 @@ void attend_one(const LanePlan &p, int64_t i, int64_t h, const T *q, const T *k_
 
 template <typename T>
 int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v_new, void *k_lanes, void *v_lanes,
-           void *out) {
+           void *k_pool, void *v_pool, void *out) {
     const LanePlan &p = *plan;
     if (p.q_heads % p.kv_heads || p.q_heads / p.kv_heads > MAX_GROUP || p.head_dim > MAX_DIM) return 1;
     int64_t longest = 1;
@@ -300,7 +308,8 @@ int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v
     for (int64_t t = 0; t < tasks; ++t)
         attend_one<T>(p, t / p.kv_heads, t % p.kv_heads, static_cast<const T *>(q), static_cast<const T *>(k_new),
                       static_cast<const T *>(v_new), static_cast<T *>(k_lanes), static_cast<T *>(v_lanes),
-                      static_cast<T *>(out), scores + omp_get_thread_num() * group * longest);
+                      static_cast<T *>(k_pool), static_cast<T *>(v_pool), static_cast<T *>(out),
+                      scores + omp_get_thread_num() * group * longest);
     std::free(scores);
     return 0;
 }
@@ -309,14 +318,15 @@ int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v
 
 extern "C" {
 
+// k_pool / v_pool: a layer's paged pool to store the new keys and values in too, or null
 int mstar_lane_attend_f32(const LanePlan *plan, const void *q, const void *k_new, const void *v_new, void *k_lanes,
-                          void *v_lanes, void *out) {
-    return attend<float>(plan, q, k_new, v_new, k_lanes, v_lanes, out);
+                          void *v_lanes, void *k_pool, void *v_pool, void *out) {
+    return attend<float>(plan, q, k_new, v_new, k_lanes, v_lanes, k_pool, v_pool, out);
 }
 
 int mstar_lane_attend_bf16(const LanePlan *plan, const void *q, const void *k_new, const void *v_new, void *k_lanes,
-                           void *v_lanes, void *out) {
-    return attend<bf16>(plan, q, k_new, v_new, k_lanes, v_lanes, out);
+                           void *v_lanes, void *k_pool, void *v_pool, void *out) {
+    return attend<bf16>(plan, q, k_new, v_new, k_lanes, v_lanes, k_pool, v_pool, out);
 }
 
 }  // extern "C"

@@ -30,6 +30,7 @@ class LanePlan(ctypes.Structure):
         ("out_row", ctypes.c_int64), ("out_head", ctypes.c_int64),
         ("lane_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
+        ("slots", ctypes.c_void_p), ("pool_slot", ctypes.c_int64), ("pool_head", ctypes.c_int64),
     ]
 
 
@@ -37,7 +38,7 @@ def kernel_for(dtype: torch.dtype, variant: str | None = None):
     """The kernel entry point for lanes of `dtype` (`variant`: see `native.load`), or None."""
     if dtype not in _ENTRY_POINTS:
         return None
-    return native.function(SOURCE, _ENTRY_POINTS[dtype], [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 6, ctypes.c_int,
+    return native.function(SOURCE, _ENTRY_POINTS[dtype], [ctypes.POINTER(LanePlan)] + [ctypes.c_void_p] * 8, ctypes.c_int,
                            variant)
 
 
@@ -72,8 +73,12 @@ class LaneCall:
         return ok
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
-                 out: torch.Tensor, scale: float) -> None:
-        """Append each row's new key and value to its lane and write its attention output into `out`'s row."""
+                 out: torch.Tensor, scale: float, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Append each row's new key and value to its lane and write its attention output into `out`'s row.
+
+        `pool`: the layer's paged keys and values `[slots, kv heads, D]` (the lanes' dtype, unit innermost stride) and
+        each packed row's slot (int64): the new keys and values are stored there too, instead of by two `index_copy_`.
+        """
         if self.plan is None or (self.plan.out_row, self.plan.out_head) != out.stride()[:2]:
             rows, lanes, pos, bound = (self.index[i].data_ptr() for i in range(4))
             self.plan = LanePlan(rows, lanes, pos, bound, self.count, q.shape[1], k.shape[1], q.shape[2],
@@ -81,7 +86,12 @@ class LaneCall:
                                  out.stride(0), out.stride(1),
                                  store_k.stride(0), store_k.stride(2), scale, torch.get_num_threads())
         self.plan.scale = scale
+        k_pool = v_pool = None
+        if pool is not None:
+            k_pool, v_pool, slots = pool
+            self.plan.slots, self.plan.pool_slot, self.plan.pool_head = slots.data_ptr(), k_pool.stride(0), k_pool.stride(1)
+            k_pool, v_pool = k_pool.data_ptr(), v_pool.data_ptr()
         failed = self.kernel(ctypes.byref(self.plan), q.data_ptr(), k.data_ptr(), v.data_ptr(), store_k.data_ptr(),
-                             store_v.data_ptr(), out.data_ptr())
+                             store_v.data_ptr(), k_pool, v_pool, out.data_ptr())
         if failed:
             raise RuntimeError(f"decode-lane kernel refused the step (code {failed}: head dim or group too large, or no memory)")
