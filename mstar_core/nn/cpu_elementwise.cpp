@@ -1,4 +1,4 @@
-// RMSNorm, SiLU-and-multiply and rotary embedding for CPU, in one pass each: built by native.py, called by
+// RMSNorm (alone or after a residual add), SiLU-and-multiply and rotary embedding for CPU, in one pass each: built by native.py, called by
 // cpu_elementwise.py.
 //
 // As torch ops a bf16 RMSNorm is eight passes over its rows (widen, square, mean, add, rsqrt, scale,
@@ -29,6 +29,28 @@ void rms_norm(const T *x, int64_t x_row, const T *weight, T *out, int64_t rows, 
         const float inv = 1.0f / std::sqrt(total / static_cast<float>(dim) + eps);
 #pragma omp simd
         for (int64_t e = 0; e < dim; ++e) store(round_to(widen(weight[e]) * round_to(widen(src[e]) * inv, dst), dst), dst + e);
+    }
+}
+
+// residual + delta (rounded to T, as torch's add) written over delta, then RMSNorm of that sum into out
+template <typename T>
+void add_rms_norm(T *delta, const T *residual, int64_t res_row, const T *weight, T *out, int64_t rows, int64_t dim,
+                  float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        T *sum = delta + r * dim;
+        const T *res = residual + r * res_row;
+        T *dst = out + r * dim;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t e = 0; e < dim; ++e) {
+            const float v = round_to(widen(res[e]) + widen(sum[e]), sum);
+            store(v, sum + e);
+            total += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(total / static_cast<float>(dim) + eps);
+#pragma omp simd
+        for (int64_t e = 0; e < dim; ++e) store(round_to(widen(weight[e]) * round_to(widen(sum[e]) * inv, dst), dst), dst + e);
     }
 }
 
@@ -101,6 +123,18 @@ void mstar_rms_norm_bf16(const void *x, int64_t x_row, const void *w, void *out,
                          int threads) {
     rms_norm(static_cast<const bf16 *>(x), x_row, static_cast<const bf16 *>(w), static_cast<bf16 *>(out), rows, dim, eps,
              threads);
+}
+
+void mstar_add_rms_norm_f32(void *delta, const void *residual, int64_t res_row, const void *w, void *out, int64_t rows,
+                            int64_t dim, float eps, int threads) {
+    add_rms_norm(static_cast<float *>(delta), static_cast<const float *>(residual), res_row, static_cast<const float *>(w),
+                 static_cast<float *>(out), rows, dim, eps, threads);
+}
+
+void mstar_add_rms_norm_bf16(void *delta, const void *residual, int64_t res_row, const void *w, void *out, int64_t rows,
+                             int64_t dim, float eps, int threads) {
+    add_rms_norm(static_cast<bf16 *>(delta), static_cast<const bf16 *>(residual), res_row, static_cast<const bf16 *>(w),
+                 static_cast<bf16 *>(out), rows, dim, eps, threads);
 }
 
 void mstar_silu_mul_f32(const void *gate_up, int64_t row, void *out, int64_t rows, int64_t width, int threads) {

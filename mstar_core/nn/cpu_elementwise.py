@@ -18,6 +18,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    "mstar_add_rms_norm": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
     "mstar_silu_mul": [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int],
     "mstar_rotary": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int],
 }
@@ -58,6 +59,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | N
     fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps,
        torch.get_num_threads())
     return out.view(x.shape)
+
+
+def add_rms_norm_(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  variant: str | None = None) -> torch.Tensor | None:
+    """`residual + delta` written into `delta` (the caller's scratch), and `rms_norm` of that sum; None: use torch ops."""
+    if (not _applies(delta, residual, weight) or delta.dim() != 2 or not delta.is_contiguous() or residual.shape != delta.shape
+            or residual.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous() or weight.shape[0] != delta.shape[1]):
+        return None
+    fn = _function("mstar_add_rms_norm", delta.dtype, variant)
+    if fn is None:
+        return None
+    out = torch.empty(delta.shape, dtype=delta.dtype)
+    fn(delta.data_ptr(), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), delta.shape[0],
+       delta.shape[1], eps, torch.get_num_threads())
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> torch.Tensor | None:

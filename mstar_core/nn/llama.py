@@ -43,8 +43,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the residual add and the second norm in one pass, over the attention's output (this call's own tensor)
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, context), x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

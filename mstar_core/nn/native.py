@@ -33,8 +33,8 @@ FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-mno-avx512
 HEADER = Path(__file__).with_name("mstar_native.h")
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}  # by (source, variant), once tried
-_signed: set[tuple[int, str]] = set()  # (library, entry point) whose C signature is set
+# libraries by (source, variant) and entry points (signature set) by (source, variant, name); None: not built
+_loaded: dict[tuple, Any] = {}
 
 
 def variant_from_env() -> str | None:
@@ -63,13 +63,18 @@ def load(source: Path, variant: str | None = None) -> ctypes.CDLL | None:
 
 def function(source: Path, name: str, argtypes: list, restype: Any, variant: str | None = None):
     """Entry point `name` of `source`'s library with its C signature set, or None where the library is not built."""
-    lib = load(source, variant)
-    if lib is None:
+    variant = variant_from_env() if variant is None else variant
+    if variant is None:
         return None
-    fn = getattr(lib, name)  # (ctypes keeps the function object on the library)
-    if (id(lib), name) not in _signed:
+    key = (source, variant, name)
+    found = _loaded.get(key, _loaded)  # (the hot path: one lookup per kernel call, every layer of every step)
+    if found is not _loaded:
+        return found
+    lib = load(source, variant)
+    fn = None if lib is None else getattr(lib, name)  # (ctypes keeps the function object on the library)
+    if fn is not None:
         fn.argtypes, fn.restype = argtypes, restype
-        _signed.add((id(lib), name))
+    _loaded[key] = fn
     return fn
 
 

@@ -25,6 +25,14 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def add_forward(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(residual + delta, norm(residual + delta))`, the sum possibly written into `delta` (the caller's scratch)."""
+        fused = cpu_elementwise.add_rms_norm_(delta, residual, self.weight, self.eps)  # one pass on CPU, the same roundings
+        if fused is not None:
+            return delta, fused
+        total = residual + delta
+        return total, self(total)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 

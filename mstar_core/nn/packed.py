@@ -105,7 +105,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
-            out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), packed, bias, "none", [], "")[:1]
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat((rows, rows)), packed, bias, "none", [], "")[:1]
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -39,6 +39,27 @@ def test_rms_norm_rounds_as_the_torch_ops(variant, dtype, rows, dim):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 96)])
+def test_add_rms_norm_writes_the_rounded_sum_and_norms_it(variant, dtype, rows, dim):
+    """The residual sum bitwise torch's add (written over delta), its norm as `rms_norm` of that sum."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    delta = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, dim + 4, generator=gen) * 5).to(dtype)[:, :dim]  # a strided residual
+    weight = (torch.randn(dim, generator=gen) * 0.3 + 1).to(dtype)
+    want_sum = residual + delta
+    normed = cpu_elementwise.add_rms_norm_(delta, residual, weight, 1e-5, variant)
+    assert torch.equal(delta, want_sum)
+    assert torch.equal(normed, cpu_elementwise.rms_norm(want_sum, weight, 1e-5, variant))
+    norm = RMSNorm(dim).to(dtype)
+    total, _ = norm.add_forward(delta, residual)  # a weight under autograd: torch ops, a new sum
+    assert total is not delta and torch.equal(total, residual + delta)
+    with torch.no_grad():
+        total, got = norm.add_forward(delta, residual)
+        assert total is delta and torch.equal(got, norm(total))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 1536), (9, 40), (64, 100)])
 def test_silu_mul_rounds_as_the_torch_ops(variant, dtype, rows, width):
     gen = torch.Generator().manual_seed(rows + width)
