@@ -65,8 +65,7 @@ class GroupedQueryAttention(nn.Module):
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            if rope is not None:  # (in place only where q and k are the norm's fresh outputs)
-                rotate = apply_rotary_ if self.q_norm is not None else apply_rotary
-                q, k = rotate(q, *rope), rotate(k, *rope)
+            if rope is not None:  # (here q and k are the qk-norm's fresh outputs: rotated in place)
+                q, k = apply_rotary_(q, *rope), apply_rotary_(k, *rope)
         out = context.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
