@@ -9,6 +9,12 @@ that run torch ops), so a decode step's few hundred regions each wake their work
 vLLM's CPU build documents the same preload. A process can only change its OpenMP runtime before
 torch loads, so the `mstar` command re-executes itself once with `LD_PRELOAD` set;
 `MSTAR_OPENMP=gnu` keeps torch's own runtime.
+
+The re-executed process also asks glibc's malloc for transparent huge pages on its large blocks
+(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35+; older ones ignore it; a setting of the caller's
+is kept): a decode step streams every weight once, and with 2 MiB pages the SmolLM2 bf16 linears
+ran 15.4 -> 14.2 ms a step (2 cores, THP in `madvise` mode), and a KV lane store grown by 280 MB
+faults in 512 times fewer pages.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from collections.abc import Sequence
 
 MODE_ENV = "MSTAR_OPENMP"  # "auto" (default) or "gnu"
 REEXEC_ENV = "MSTAR_OPENMP_PRELOADED"  # set on the re-executed process, so it never loops
+TUNABLES_ENV = "GLIBC_TUNABLES"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"  # madvise(MADV_HUGEPAGE) on malloc's mmapped blocks
 
 
 def libraries() -> list[str]:
@@ -43,7 +51,11 @@ def preload_env(environ: dict[str, str]) -> dict[str, str] | None:
     wanted = [lib for lib in libraries() if os.path.basename(lib).split(".")[0] not in present]
     if not any("libiomp5" in lib for lib in wanted):  # tcmalloc alone is not worth a re-exec
         return None
-    return {**environ, "LD_PRELOAD": ":".join([*wanted, *filter(None, [present])]), REEXEC_ENV: "1"}
+    tunables = environ.get(TUNABLES_ENV, "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        tunables = ":".join(filter(None, [tunables, HUGE_PAGES]))
+    return {**environ, "LD_PRELOAD": ":".join([*wanted, *filter(None, [present])]), REEXEC_ENV: "1",
+            TUNABLES_ENV: tunables}
 
 
 def reexec_with_intel_openmp(argv: Sequence[str]) -> None:

@@ -25,6 +25,15 @@ def test_preload_env_puts_intel_openmp_first_and_keeps_what_was_preloaded():
     assert env[openmp.REEXEC_ENV] == "1"
 
 
+@needs_iomp
+def test_preload_env_asks_for_huge_pages_and_keeps_the_callers_tunables():
+    assert openmp.preload_env({})[openmp.TUNABLES_ENV] == "glibc.malloc.hugetlb=1"
+    mine = "glibc.malloc.arena_max=2"
+    assert openmp.preload_env({openmp.TUNABLES_ENV: mine})[openmp.TUNABLES_ENV] == f"{mine}:glibc.malloc.hugetlb=1"
+    off = "glibc.malloc.hugetlb=0"  # the caller's own choice stands
+    assert openmp.preload_env({openmp.TUNABLES_ENV: off})[openmp.TUNABLES_ENV] == off
+
+
 def test_preload_env_leaves_a_process_alone_when_asked_or_already_done():
     assert openmp.preload_env({openmp.MODE_ENV: "gnu"}) is None
     assert openmp.preload_env({openmp.REEXEC_ENV: "1"}) is None
@@ -43,6 +52,8 @@ def test_served_process_runs_on_intel_openmp_and_gnu_mode_keeps_torch_own():
         intel.wait_ready()
         gnu.wait_ready()
         assert "libiomp5" in _maps(intel.proc.pid)  # the same pid: the process replaced itself before serving
+        environ = Path(f"/proc/{intel.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
         assert "libiomp5" not in _maps(gnu.proc.pid) and "libgomp" in _maps(gnu.proc.pid)
     finally:
         intel.stop()
