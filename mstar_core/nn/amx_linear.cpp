@@ -132,7 +132,9 @@ int mstar_amx_linear(const void *x, int64_t x_row, const void *packed, const voi
     {
         configure();
         alignas(64) float acc[2][2][TILE_ROWS][TILE_ROWS];  // [row group][output block]
-#pragma omp for schedule(static)
+        // dynamic: a server's other threads share the cores, and a thread held up must not hold up the call (a block's
+        // result does not depend on the thread that computes it)
+#pragma omp for schedule(dynamic, 2)
         for (int64_t pair = 0; pair < pairs; ++pair) {
             const int64_t b0 = 2 * pair, n0 = b0 * TILE_ROWS;
             const bf16 *w0 = ws + b0 * chunks * TILE_ROWS * TILE_K;

@@ -304,7 +304,7 @@ int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v
     // one scores buffer per thread, [group, longest]
     float *scores = static_cast<float *>(std::malloc(sizeof(float) * p.threads * group * longest));
     if (scores == nullptr) return 2;
-#pragma omp parallel for num_threads(p.threads) schedule(static)
+#pragma omp parallel for num_threads(p.threads) schedule(dynamic)  // (a held-up thread holds up no one)
     for (int64_t t = 0; t < tasks; ++t)
         attend_one<T>(p, t / p.kv_heads, t % p.kv_heads, static_cast<const T *>(q), static_cast<const T *>(k_new),
                       static_cast<const T *>(v_new), static_cast<T *>(k_lanes), static_cast<T *>(v_lanes),
