@@ -58,13 +58,10 @@ void finish(const float (*acc)[TILE_ROWS][TILE_ROWS], int64_t rows, int64_t n0, 
         const int64_t width = outs - half * TILE_ROWS < TILE_ROWS ? outs - half * TILE_ROWS : TILE_ROWS;
         const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
         const int64_t first = n0 + half * TILE_ROWS;
-        __m512 b = _mm512_setzero_ps();
-        if (bias != nullptr)
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + first)), 16));
+        const __m512 b = bias != nullptr ? mstar::load16(bias + first, keep) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) {
             bf16 *dst = out + r * out_row + first;
-            const __m512 v = mstar::round16(_mm512_add_ps(_mm512_load_ps(acc[half][r]), b), dst);
-            _mm256_mask_storeu_epi16(dst, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+            mstar::store16(mstar::round16(_mm512_add_ps(_mm512_load_ps(acc[half][r]), b), dst), dst, keep);
         }
     }
 }

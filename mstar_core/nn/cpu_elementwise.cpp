@@ -1,5 +1,5 @@
-// RMSNorm (alone or after a residual add), SiLU-and-multiply and rotary embedding for CPU, in one pass each: built by native.py, called by
-// cpu_elementwise.py.
+// RMSNorm (alone or after a residual add), SiLU-and-multiply and rotary embedding for CPU, in one pass each:
+// built by native.py, called by cpu_elementwise.py.
 //
 // As torch ops a bf16 RMSNorm is eight passes over its rows (widen, square, mean, add, rsqrt, scale,
 // narrow, weight) and SwiGLU's gate two (silu, multiply), each allocating; in a 2,048-token prefill

@@ -67,6 +67,14 @@ inline void store16(__m512 x, bf16 *p) {
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 
+// the first lanes of `keep` only (the rest read as zero, or left unwritten)
+inline __m512 load16(const bf16 *p, __mmask16 keep) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+inline void store16(__m512 x, bf16 *p, __mmask16 keep) {
+    _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+
 // exp_approx, 16 lanes (the same clamps and polynomial; 2^n by scalef)
 inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.8f));

@@ -29,8 +29,8 @@ tiles where the CPU has them). An AVX2-only CPU has none, so its bf16 linears st
 
 Where the CPU has AMX, a bf16 layer also keeps its weight in the tile layout of `amx_linear.cpp`, which runs
 calls of up to `amx_linear.MAX_ROWS` rows (decode steps): torch's oneDNN call costs ~25 us of setup whatever
-its size (121 calls a SmolLM2 step), and the kernel streams the weight faster (all of SmolLM2's decode linears,
-2 cores: 13.4 -> 11.1 ms at 2 rows, 17.3 -> 12.9 ms at 32). Its rows are batch-invariant from one row up;
+its size (121 calls a SmolLM2 step), and the kernel streams the weight faster (`benchmarks/decode_linears.py`,
+2 cores: a step's linears 13.8 -> 11.5 ms at 2 rows, 16.7 -> 13.8 ms at 32). Its rows are batch-invariant from one row up;
 longer calls (prefill chunks) keep oneDNN. That is a third copy of each bf16 weight.
 """
 
@@ -84,7 +84,6 @@ class PackedLinear(nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
-    _packed_for: tuple[int, int] = (0, -1)  # the packed weight's (data pointer, version)
     # what the eager forward checks, read in one attribute lookup (a Module's __getattr__ costs ~1 us a name, and
     # a decode step runs 121 linears): (weight, packed, bias, dtype, data pointer, version, AMX tiles or None)
     _fast: tuple | None = None
@@ -94,12 +93,11 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        self._packed_for = (weight.data_ptr(), weight._version)
         bias = self.bias
         tiles = None
         if weight.dtype == torch.bfloat16 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
             tiles = amx_linear.pack(weight.detach())
-        self._fast = (weight, self._packed, self.bias, weight.dtype, *self._packed_for, tiles)
+        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
@@ -128,7 +126,6 @@ class PackedLinear(nn.Linear):
         # the packed tensor is opaque (no storage to copy or pickle): copies run unpacked until packed again
         state = dict(self.__dict__)
         state.pop("_packed", None)
-        state.pop("_packed_for", None)
         state.pop("_fast", None)
         return state
 

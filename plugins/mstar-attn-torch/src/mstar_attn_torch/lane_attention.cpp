@@ -266,12 +266,13 @@ void attend_one(const LanePlan &p, int64_t i, int64_t h, const T *q, const T *k_
     T *keys = k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     T *vals = v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     if (k_new != nullptr) {
-        std::memcpy(keys + p.write_pos[i] * d, k_new + row * p.k_row + h * p.k_head, d * sizeof(T));
-        std::memcpy(vals + p.write_pos[i] * d, v_new + row * p.v_row + h * p.v_head, d * sizeof(T));
-        if (k_pool != nullptr) {
+        const T *key = k_new + row * p.k_row + h * p.k_head, *val = v_new + row * p.v_row + h * p.v_head;
+        std::memcpy(keys + p.write_pos[i] * d, key, d * sizeof(T));
+        std::memcpy(vals + p.write_pos[i] * d, val, d * sizeof(T));
+        if (k_pool != nullptr) {  // (values have the keys' pool strides: two views of one pool)
             const int64_t at = p.slots[row] * p.pool_slot + h * p.pool_head;
-            std::memcpy(k_pool + at, k_new + row * p.k_row + h * p.k_head, d * sizeof(T));
-            std::memcpy(v_pool + at, v_new + row * p.v_row + h * p.v_head, d * sizeof(T));
+            std::memcpy(k_pool + at, key, d * sizeof(T));
+            std::memcpy(v_pool + at, val, d * sizeof(T));
         }
     }
     if (n <= 0) {  // (a row always sees its own new key; nothing to attend to gives zeros, never garbage)
