@@ -1,12 +1,16 @@
-"""A decode step's bf16 linears, SmolLM2-135M's shapes: oneDNN's packed call against the AMX tile kernel.
+"""A decode step's linears, SmolLM2-135M's shapes: oneDNN's packed call against M*'s own kernel for this CPU.
 
 Every linear of one SmolLM2-135M step (30 layers of qkv 960 x 576, o 576 x 576, gate/up 3072 x 576, down
-576 x 1536, and the tied 49,152 x 576 head), each weight its own random bf16 tensor so the step streams all
-268 MB from memory as a served step does, at 1, 2, 8 and 32 rows. oneDNN side: `mkldnn._linear_pointwise`
-over the weights packed as `PackedLinear` packs them (a one-row call run as two rows, as the layer does);
-AMX side: `amx_linear.linear` over the tile-packed weights (`PackedLinear`'s path for up to 32 rows). Sides
-alternate per round; the median step of each is kept. Needs a CPU with AMX (skips cleanly without).
-Final line: JSON (`step_ms_onednn_R`, `step_ms_amx_R`, `speedup_R` per row count R, `cpu_flags`).
+576 x 1536, and the tied 49,152 x 576 head), each weight its own random tensor so the step streams every
+weight from memory as a served step does. oneDNN side: `mkldnn._linear_pointwise` over the weights packed as
+`PackedLinear` packs them for oneDNN (a one-row call run as two rows, as the layer does). Own side, where the
+CPU has it:
+  * bf16 on AMX (`amx_linear.linear`, `PackedLinear`'s path for up to 32 rows): 1, 2, 8 and 32 rows;
+  * fp32 on AVX2 without AVX-512 (`fp32_linear.linear`, its path for every row count): 1, 2, 8, 32 rows and
+    the prefill-sized 128 and 512.
+Sides alternate per round; the median step of each is kept. Skips cleanly on a CPU with neither.
+Final line: JSON (bf16: `step_ms_onednn_R`, `step_ms_amx_R`, `speedup_R`; fp32: `step_ms_onednn_fp32_R`,
+`step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; `cpu_flags`).
 
     python benchmarks/decode_linears.py [--quick] [--threads N]
 """
@@ -25,51 +29,68 @@ LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
 LAYERS = 30
 ROWS = (1, 2, 8, 32)
+PREFILL_ROWS = (128, 512)  # (fp32 only: its kernel takes prefill chunks too)
 
 
-def main(args: argparse.Namespace) -> dict:
-    from vs_vllm import cpu_flags
-
-    from mstar_core.nn import amx_linear
+def step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out) -> None:
+    """oneDNN against `kernel` (`amx_linear` or `fp32_linear`) over one step's weights, per row count, into `out`."""
     from mstar_core.nn.packed import PACK_ROWS_HINT
 
-    torch.set_num_threads(args.threads)
-    out: dict = {"benchmark": "decode_linears", "quick": args.quick, "threads": args.threads, "cpu_flags": cpu_flags()}
-    if not amx_linear.available():
-        out["skipped"] = "no AMX tiles on this CPU (or no compiler)"
-        return out
-    shapes = LAYER * LAYERS + [HEAD]
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in shapes]
+    dtype = weights[0].dtype
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
-    tiles = [amx_linear.pack(w) for w in weights]
+    own = [kernel.pack(w) for w in weights]
     linear = torch.ops.mkldnn._linear_pointwise
-    rounds = 4 if args.quick else 15
 
     def step_onednn(xs):
         for (_, k), packed in zip(shapes, onednn, strict=True):
             x = xs[k]
             linear(torch.cat((x, x)) if x.shape[0] == 1 else x, packed, None, "none", [], "")
 
-    def step_amx(xs):
-        for (n, k), packed in zip(shapes, tiles, strict=True):
-            amx_linear.linear(xs[k], packed, n, None)
+    def step_own(xs):
+        for (n, k), packed in zip(shapes, own, strict=True):
+            kernel.linear(xs[k], packed, n, None)
 
-    with torch.inference_mode():
-        for rows in ROWS:
-            xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
-            times = {"onednn": [], "amx": []}
-            for fn in (step_onednn, step_amx):  # warm-up: primitives, first touch
+    onednn_key, own_key, speedup_key, name = labels
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (576, 1536)}
+        times = {"onednn": [], "own": []}
+        for fn in (step_onednn, step_own):  # warm-up: primitives, first touch
+            fn(xs)
+        for _ in range(rounds):
+            for side, fn in (("onednn", step_onednn), ("own", step_own)):
+                started = time.perf_counter()
                 fn(xs)
-            for _ in range(rounds):
-                for side, fn in (("onednn", step_onednn), ("amx", step_amx)):
-                    started = time.perf_counter()
-                    fn(xs)
-                    times[side].append(time.perf_counter() - started)
-            a, b = statistics.median(times["onednn"]) * 1e3, statistics.median(times["amx"]) * 1e3
-            out[f"step_ms_onednn_{rows}"], out[f"step_ms_amx_{rows}"] = round(a, 2), round(b, 2)
-            out[f"speedup_{rows}"] = round(a / b, 3)
-            print(f"{rows:2d} rows: oneDNN {a:6.2f} ms, AMX tiles {b:6.2f} ms a step ({a / b:.2f}x)", flush=True)
+                times[side].append(time.perf_counter() - started)
+        a, b = statistics.median(times["onednn"]) * 1e3, statistics.median(times["own"]) * 1e3
+        out[f"{onednn_key}_{rows}"], out[f"{own_key}_{rows}"] = round(a, 2), round(b, 2)
+        out[f"{speedup_key}_{rows}"] = round(a / b, 3)
+        print(f"{dtype} {rows:3d} rows: oneDNN {a:7.2f} ms, {name} {b:7.2f} ms a step ({a / b:.2f}x)", flush=True)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from vs_vllm import cpu_flags
+
+    from mstar_core.nn import amx_linear, fp32_linear
+
+    torch.set_num_threads(args.threads)
+    out: dict = {"benchmark": "decode_linears", "quick": args.quick, "threads": args.threads, "cpu_flags": cpu_flags()}
+    sections = []
+    if amx_linear.available():
+        sections.append((torch.bfloat16, amx_linear, ROWS, ("step_ms_onednn", "step_ms_amx", "speedup", "AMX tiles")))
+    if fp32_linear.available():
+        sections.append((torch.float32, fp32_linear, ROWS + PREFILL_ROWS,
+                         ("step_ms_onednn_fp32", "step_ms_kernel_fp32", "speedup_fp32", "AVX2 kernel")))
+    if not sections:
+        out["skipped"] = "neither AMX tiles nor an AVX2 CPU without AVX-512 here (or no compiler)"
+        return out
+    shapes = LAYER * LAYERS + [HEAD]
+    gen = torch.Generator().manual_seed(0)
+    rounds = 4 if args.quick else 15
+    with torch.inference_mode():
+        for dtype, kernel, rows_list, labels in sections:
+            weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
+            step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out)
+            del weights
     return out
 
 

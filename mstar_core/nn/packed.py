@@ -32,6 +32,11 @@ calls of up to `amx_linear.MAX_ROWS` rows (decode steps): torch's oneDNN call co
 its size (121 calls a SmolLM2 step), and the kernel streams the weight faster (`benchmarks/decode_linears.py`,
 2 cores: a step's linears 13.8 -> 11.5 ms at 2 rows, 16.7 -> 13.8 ms at 32). Its rows are batch-invariant from one row up;
 longer calls (prefill chunks) keep oneDNN. That is a third copy of each bf16 weight.
+
+Where the CPU has AVX2 and FMA but no AVX-512, an fp32 layer runs `fp32_linear.cpp` instead of oneDNN, for every
+row count: oneDNN's AVX2 GEMM streams a decode step's weights at about half the memory's speed, and the kernel's
+rows are batch-invariant from one row up (`benchmarks/decode_linears.py`: a SmolLM2 step's linears 1.1-1.4x
+faster from 1 to 512 rows on a 2-core AMD EPYC). Its panels replace oneDNN's packed copy.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.nn import amx_linear
+import sys
+
+from mstar_core.nn import amx_linear, fp32_linear
 
 #: Fewest output features of a linear to pack: every linear (for batch invariance, see the module docstring).
 PACK_MIN_OUT = 1
@@ -85,37 +92,43 @@ class PackedLinear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     # what the eager forward checks, read in one attribute lookup (a Module's __getattr__ costs ~1 us a name, and
-    # a decode step runs 121 linears): (weight, packed, bias, dtype, data pointer, version, AMX tiles or None)
+    # a decode step runs 121 linears): (weight, oneDNN's packed weight or None, bias, dtype, data pointer, version,
+    # own kernel's packed weight or None, the most rows it takes, its module: `amx_linear` or `fp32_linear`)
     _fast: tuple | None = None
 
     def pack(self) -> None:
         """(Re)pack the current weight."""
-        weight = self.weight
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        bias = self.bias
-        tiles = None
-        if weight.dtype == torch.bfloat16 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
-            tiles = amx_linear.pack(weight.detach())
-        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, tiles)
+        weight, bias = self.weight, self.bias
+        own, own_rows, kernel = None, 0, None
+        if bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()):
+            if weight.dtype == torch.bfloat16:
+                own, own_rows, kernel = amx_linear.pack(weight.detach()), amx_linear.MAX_ROWS, amx_linear
+            elif weight.dtype == torch.float32:
+                own, own_rows, kernel = fp32_linear.pack(weight.detach()), sys.maxsize, fp32_linear
+        self._packed = None
+        if own is None or own_rows != sys.maxsize:  # (oneDNN for the rows the own kernel does not take)
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version,
+                      own, own_rows if own is not None else 0, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
-            if self._packed is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            if self._fast is None or torch.is_grad_enabled() or x.dtype != self.weight.dtype or x.device.type != "cpu":
                 return F.linear(x, self.weight, self.bias)
             # one opaque op in the graph (inductor fuses around it), running this layer's packed weight
             return torch.ops.mstar_nn.packed_linear(x, self.weight, self.bias, _register(self))
         fast = self._fast
         if fast is None:
             return F.linear(x, self.weight, self.bias)
-        weight, packed, bias, dtype, ptr, version, tiles = fast
+        weight, packed, bias, dtype, ptr, version, own, own_rows, kernel = fast
         # the pack is trusted only for the parameter it was made from, unchanged in place
         if (x.dtype != dtype or torch.is_grad_enabled() or x.device.type != "cpu" or self._parameters["weight"] is not weight
                 or self._parameters["bias"] is not bias or weight._version != version or weight.data_ptr() != ptr):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if tiles is not None and rows.shape[0] <= amx_linear.MAX_ROWS:  # a decode step's rows: the AMX kernel
-            out = amx_linear.linear(rows if rows.stride(-1) == 1 else rows.contiguous(), tiles, weight.shape[0], bias)
+        if rows.shape[0] <= own_rows:  # the own kernel (AMX tiles for a decode step's rows; AVX2 fp32 for any)
+            out = kernel.linear(rows if rows.stride(-1) == 1 else rows.contiguous(), own, weight.shape[0], bias)
         elif rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
             out = torch.ops.mkldnn._linear_pointwise(torch.cat((rows, rows)), packed, bias, "none", [], "")[:1]
         else:

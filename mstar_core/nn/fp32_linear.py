@@ -1,0 +1,58 @@
+"""fp32 linears on AVX2 CPUs (`fp32_linear.cpp`): weights streamed at the memory's speed, any row count.
+
+`pack` returns the weight in the kernel's panel layout (None where the kernel is not built here: a CPU with
+AVX-512, where oneDNN's kernels are faster, or one without AVX2 and FMA); `linear` runs one call into a fresh
+output. Each row's result is the same whatever the call's row count (the C++ file's comment says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from mstar_core.nn import native
+
+SOURCE = Path(__file__).with_name("fp32_linear.cpp")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "mstar_fp32_linear_available": ([], ctypes.c_int),
+    "mstar_fp32_packed_floats": ([_I64, _I64], _I64),
+    "mstar_fp32_pack": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "mstar_fp32_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
+}
+
+
+def _function(name: str, variant: str | None = None):
+    return native.function(SOURCE, name, *_SIGNATURES[name], variant)
+
+
+def available(variant: str | None = None) -> bool:
+    """Whether the kernel is built here (AVX2 and FMA, no AVX-512)."""
+    probe = _function("mstar_fp32_linear_available", variant)
+    return probe is not None and bool(probe())
+
+
+def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:
+    """An fp32 CPU weight `[out, in]` in the kernel's panel layout, or None: the kernel does not run here."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(-1) != 1:
+        return None
+    if not available(variant):
+        return None
+    n, k = weight.shape
+    packed = torch.empty(_function("mstar_fp32_packed_floats", variant)(n, k), dtype=torch.float32)
+    _function("mstar_fp32_pack", variant)(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    return packed
+
+
+def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           variant: str | None = None) -> torch.Tensor:
+    """`rows @ weight.T + bias` for 2-D fp32 `rows` (unit inner stride) over a `pack`ed weight."""
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    failed = _function("mstar_fp32_linear", variant)(
+        rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
+    if failed:
+        raise RuntimeError(f"fp32 linear refused the call (code {failed}: not built for this CPU)")
+    return out

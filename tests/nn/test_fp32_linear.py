@@ -1,0 +1,68 @@
+"""The AVX2 fp32 linear (fp32_linear.cpp) against a float64 reference, its batch invariance, and PackedLinear's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn import fp32_linear
+from mstar_core.nn.packed import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(not fp32_linear.available(),
+                                reason="the kernel is for AVX2 CPUs without AVX-512 (or there is no compiler)")
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 70), (16, 32), (7, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(out_features, in_features, bias, threads):
+    """Within fp32 rounding of the exact product; every row bitwise equal to that row alone, 1 to 300 rows."""
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(300, in_features + 3, generator=gen)[:, :in_features]  # strided rows
+    packed = fp32_linear.pack(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = fp32_linear.linear(x, packed, out_features, b)
+        alone = torch.cat([fp32_linear.linear(x[i : i + 1], packed, out_features, b) for i in range(300)])
+        for rows in (1, 2, 5, 6, 7, 12, 13, 64, 300):
+            assert torch.equal(fp32_linear.linear(x[:rows], packed, out_features, b), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * in_features ** 0.5, rtol=1e-5)
+    assert torch.equal(got, alone)
+
+
+def test_packed_fp32_linears_run_every_row_count_on_the_kernel_without_a_onednn_copy(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 200)
+    assert pack_linears(layer) == 1 and type(layer) is PackedLinear
+    assert layer._packed is None and layer._fast[6] is not None  # the panels replace oneDNN's packed copy
+    calls = []
+    real = fp32_linear.linear
+    monkeypatch.setattr(fp32_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(700, 64)
+    with torch.inference_mode():
+        one, many = layer(x[:1]), layer(x)
+    assert calls == [1, 700]
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double()).float()
+    torch.testing.assert_close(many, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(one, many[:1])
+    with torch.no_grad():
+        layer.weight.add_(1)  # a changed weight: never served from the stale panels
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x[:4]), F.linear(x[:4], layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+    assert calls == [1, 700]
+
+
+def test_no_panels_for_other_dtypes_or_a_bias_of_another_dtype():
+    assert fp32_linear.pack(torch.randn(32, 32).bfloat16()) is None
+    assert fp32_linear.pack(torch.randn(32, 32).t()) is None  # (a transposed view: rows not contiguous)
+    layer = nn.Linear(32, 32)
+    layer.bias = nn.Parameter(layer.bias.double())
+    assert pack_linears(layer) == 1 and layer._fast[6] is None and layer._packed is not None
