@@ -41,13 +41,12 @@ faster from 1 to 512 rows on a 2-core AMD EPYC). Its panels replace oneDNN's pac
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import sys
 
 from mstar_core.nn import amx_linear, fp32_linear
 
