@@ -67,6 +67,12 @@ void silu_mul(const T *gate_up, int64_t row, T *out, int64_t rows, int64_t width
             const __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), dst);
             store16(round16(_mm512_mul_ps(act, load16(up + e)), dst), dst + e);
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; e + 8 <= width; e += 8) {
+            const __m256 g = load8(gate + e);
+            const __m256 act = round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))), dst);
+            store8(round8(_mm256_mul_ps(act, load8(up + e)), dst), dst + e);
+        }
 #endif
         for (; e < width; ++e) {
             const float g = widen(gate[e]);
@@ -104,9 +110,9 @@ void rotary(T *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_
 
 extern "C" {
 
-// whether the vectorized SiLU is in this build (the portable one's scalar exp is slower than torch's)
+// whether the vectorized SiLU is in this build (a scalar exp is slower than torch's)
 int mstar_elementwise_vectorized() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;

@@ -1,11 +1,11 @@
 // What the CPU kernels share (native.py puts this folder on every kernel's include path): bf16 <-> fp32 with
-// torch's rounding, and one exp, scalar and 16 lanes at a time.
+// torch's rounding, and one exp, scalar, 8 lanes (AVX2) and 16 lanes (AVX-512) at a time.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -89,6 +89,44 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))), 16));
+}
+
+inline __m256 round8(__m256 x, float *) { return x; }
+inline __m256 round8(__m256 x, bf16 *) {  // (round_to, 8 lanes)
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i half = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, half), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+inline void store8(__m256 x, float *p) { _mm256_storeu_ps(p, x); }
+inline void store8(__m256 x, bf16 *p) {  // the high halves, packed in order (packus works per 128-bit lane)
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(p), _mm256_castsi256_si128(packed));
+}
+
+// exp_approx, 8 lanes (exp16's clamps and polynomial; 2^n built in the exponent bits, as the scalar one)
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.8f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif
 

@@ -5,8 +5,8 @@ second into `$MSTAR_KERNEL_CACHE` (default `~/.cache/mstar/kernels`), named by a
 the flags, the compiler and the CPU's flags, so a machine builds each version once and every process
 after loads it. OpenMP inside a kernel resolves to the runtime torch already loaded (the same
 `libgomp.so.1` soname, or Intel's preloaded over both). Without a compiler a kernel is None and its
-callers keep their torch ops; `MSTAR_NATIVE_KERNELS=0` turns every kernel off, `portable` builds
-them without AVX-512 (what such a CPU runs; the tests compare the two builds).
+callers keep their torch ops; `MSTAR_NATIVE_KERNELS=0` turns every kernel off, `avx2` builds them without
+AVX-512 and `portable` without AVX2 or FMA either (what such CPUs run: the tests compare the builds).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any
 
 log = logging.getLogger("mstar.nn.native")
 
-SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "portable" or "0"
+SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "avx2", "portable" or "0"
 CACHE_ENV = "MSTAR_KERNEL_CACHE"
 #: compiler flags per build variant
-FLAGS = {"native": ["-march=native"], "portable": ["-march=native", "-mno-avx512f"]}
+FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
+         "portable": ["-march=native", "-mno-avx2", "-mno-fma"]}
 #: the header every kernel may include (`#include "mstar_native.h"`): bf16 conversions, exp
 HEADER = Path(__file__).with_name("mstar_native.h")
 
@@ -43,7 +44,7 @@ def variant_from_env() -> str | None:
     if setting == "0":
         return None
     if setting not in FLAGS:
-        raise ValueError(f"{SWITCH_ENV} must be 0, native or portable, got {setting!r}")
+        raise ValueError(f"{SWITCH_ENV} must be 0, native, avx2 or portable, got {setting!r}")
     return setting
 
 

@@ -13,7 +13,7 @@ from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.rotary import RotaryEmbedding, apply_rotary, apply_rotary_
 
-VARIANTS = [v for v in ("native", "portable") if native.load(cpu_elementwise.SOURCE, v) is not None]
+VARIANTS = [v for v in ("native", "avx2", "portable") if native.load(cpu_elementwise.SOURCE, v) is not None]
 pytestmark = pytest.mark.skipif(not VARIANTS, reason="no C++ compiler: the kernels cannot be built here")
 
 

@@ -196,7 +196,7 @@ inline void softmax16(float *s, int64_t n) {
 
 // The whole attention of one task through the AVX-512 kernels; false: not for this head dim.
 template <typename T>
-bool attend_avx512(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
+bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
                    float *scores, float (*acc)[MAX_DIM]) {
     switch (d) {
 #define MSTAR_DIM(D)                                                  \
@@ -215,9 +215,108 @@ bool attend_avx512(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T
             return false;
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 path, the AVX-512 one's shape at 8 lanes: each query head's scores for 8 keys at a time (8 dot
+// products summed across their lanes at once), then its output from the probabilities in registers.
+
+using mstar::load8;
+
+// lanes [0, count) of 8 set
+inline __m256i first8(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// r[j] = sum of a[j]'s 8 lanes, for 8 vectors
+inline __m256 sum8(const __m256 *a) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+template <typename T, int D>
+void scores8(const float *qf, const T *keys, int64_t n, float *s) {
+    constexpr int C = D / 8;
+    __m256 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qf + 8 * c);
+    for (int64_t l0 = 0; l0 < n; l0 += 8) {
+        const int64_t m = n - l0 < 8 ? n - l0 : 8;
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) {
+            a[j] = _mm256_setzero_ps();
+            if (j < m)
+                for (int c = 0; c < C; ++c) a[j] = _mm256_fmadd_ps(qv[c], load8(keys + (l0 + j) * D + 8 * c), a[j]);
+        }
+        _mm256_maskstore_ps(s + l0, first8(m), sum8(a));
+    }
+}
+
+template <typename T, int D>
+void weighted8(const float *w, const T *vals, int64_t n, float *out) {
+    constexpr int C = D / 8;
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < n; ++l) {
+        const __m256 wl = _mm256_set1_ps(w[l]);
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wl, load8(vals + l * D + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+inline float reduce8(__m256 v, bool take_max) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    float r = lanes[0];
+    for (int i = 1; i < 8; ++i) r = take_max ? (lanes[i] > r ? lanes[i] : r) : r + lanes[i];
+    return r;
+}
+
+// softmax of s[0..n) in place, 8 lanes at a time
+inline void softmax8(float *s, int64_t n) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t l = 0; l < n; l += 8) {
+        const __m256i m = first8(n - l);
+        top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_maskload_ps(s + l, m), _mm256_castsi256_ps(m)));
+    }
+    const __m256 peak = _mm256_set1_ps(reduce8(top, true));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t l = 0; l < n; l += 8) {
+        const __m256i m = first8(n - l);
+        const __m256 e = _mm256_and_ps(mstar::exp8(_mm256_sub_ps(_mm256_maskload_ps(s + l, m), peak)), _mm256_castsi256_ps(m));
+        total = _mm256_add_ps(total, e);
+        _mm256_maskstore_ps(s + l, m, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / reduce8(total, false));
+    for (int64_t l = 0; l < n; l += 8) {
+        const __m256i m = first8(n - l);
+        _mm256_maskstore_ps(s + l, m, _mm256_mul_ps(_mm256_maskload_ps(s + l, m), inv));
+    }
+}
+
+// The whole attention of one task through the AVX2 kernels; false: not for this head dim.
+template <typename T>
+bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
+                   float *scores, float (*acc)[MAX_DIM]) {
+    switch (d) {
+#define MSTAR_DIM(D)                                                  \
+    case D:                                                           \
+        for (int64_t g = 0; g < group; ++g) {                         \
+            scores8<T, D>(qf[g], keys, n, scores);                    \
+            softmax8(scores, n);                                      \
+            weighted8<T, D>(scores, vals, n, acc[g]);                 \
+        }                                                             \
+        return true;
+        MSTAR_DIM(64)
+        MSTAR_DIM(128)
+        MSTAR_DIM(256)
+#undef MSTAR_DIM
+        default:
+            return false;
+    }
+}
 #else
 template <typename T>
-bool attend_avx512(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, float *, float (*)[MAX_DIM]) {
+bool attend_vector(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, float *, float (*)[MAX_DIM]) {
     return false;
 }
 #endif
@@ -286,7 +385,7 @@ void attend_one(const LanePlan &p, int64_t i, int64_t h, const T *q, const T *k_
         for (int64_t e = 0; e < d; ++e) qf[g][e] = widen(src[e]) * p.scale;
     }
     float acc[MAX_GROUP][MAX_DIM];
-    if (!attend_avx512<T>(d, group, qf, keys, vals, n, scores, acc))
+    if (!attend_vector<T>(d, group, qf, keys, vals, n, scores, acc))
         attend_portable<T>(d, group, qf, keys, vals, n, scores, acc);
     for (int64_t g = 0; g < group; ++g) {
         T *dst = out + row * p.out_row + (h * group + g) * p.out_head;
