@@ -35,8 +35,8 @@ longer calls (prefill chunks) keep oneDNN. That is a third copy of each bf16 wei
 
 Where the CPU has AVX2 and FMA but no AVX-512, an fp32 layer runs `fp32_linear.cpp` instead of oneDNN, for every
 row count: oneDNN's AVX2 GEMM streams a decode step's weights at about half the memory's speed, and the kernel's
-rows are batch-invariant from one row up (`benchmarks/decode_linears.py`: a SmolLM2 step's linears 1.1-1.4x
-faster from 1 to 512 rows on a 2-core AMD EPYC). Its panels replace oneDNN's packed copy.
+rows are batch-invariant from one row up (`benchmarks/decode_linears.py`, 2-core AMD EPYC: a SmolLM2 step's
+linears 1.2-1.9x faster at 1 to 32 rows, level at 128-512). Its panels replace oneDNN's packed copy.
 """
 
 from __future__ import annotations

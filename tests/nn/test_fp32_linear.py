@@ -10,27 +10,31 @@ from torch import nn
 from mstar_core.nn import fp32_linear
 from mstar_core.nn.packed import PackedLinear, pack_linears
 
-pytestmark = pytest.mark.skipif(not fp32_linear.available(),
-                                reason="the kernel is for AVX2 CPUs without AVX-512 (or there is no compiler)")
+# the `avx2` build runs the kernel on AVX-512 CPUs too (where the default build leaves fp32 to oneDNN)
+VARIANTS = [v for v in ("native", "avx2") if fp32_linear.available(v)]
+native_only = pytest.mark.skipif(not fp32_linear.available(),
+                                 reason="the kernel is for AVX2 CPUs without AVX-512 (or there is no compiler)")
 
 
+@pytest.mark.skipif(not VARIANTS, reason="no AVX2 and FMA here (or no compiler)")
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 70), (16, 32), (7, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(out_features, in_features, bias, threads):
+def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(variant, out_features, in_features, bias, threads):
     """Within fp32 rounding of the exact product; every row bitwise equal to that row alone, 1 to 300 rows."""
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(300, in_features + 3, generator=gen)[:, :in_features]  # strided rows
-    packed = fp32_linear.pack(weight)
+    packed = fp32_linear.pack(weight, variant)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = fp32_linear.linear(x, packed, out_features, b)
-        alone = torch.cat([fp32_linear.linear(x[i : i + 1], packed, out_features, b) for i in range(300)])
+        got = fp32_linear.linear(x, packed, out_features, b, variant)
+        alone = torch.cat([fp32_linear.linear(x[i : i + 1], packed, out_features, b, variant) for i in range(300)])
         for rows in (1, 2, 5, 6, 7, 12, 13, 64, 300):
-            assert torch.equal(fp32_linear.linear(x[:rows], packed, out_features, b), alone[:rows]), rows
+            assert torch.equal(fp32_linear.linear(x[:rows], packed, out_features, b, variant), alone[:rows]), rows
     finally:
         torch.set_num_threads(before)
     want = F.linear(x.double(), weight.double(), None if b is None else b.double())
@@ -38,6 +42,7 @@ def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(out_featur
     assert torch.equal(got, alone)
 
 
+@native_only
 def test_packed_fp32_linears_run_every_row_count_on_the_kernel_without_a_onednn_copy(monkeypatch):
     torch.manual_seed(0)
     layer = nn.Linear(64, 200)
@@ -60,6 +65,7 @@ def test_packed_fp32_linears_run_every_row_count_on_the_kernel_without_a_onednn_
     assert calls == [1, 700]
 
 
+@native_only
 def test_no_panels_for_other_dtypes_or_a_bias_of_another_dtype():
     assert fp32_linear.pack(torch.randn(32, 32).bfloat16()) is None
     assert fp32_linear.pack(torch.randn(32, 32).t()) is None  # (a transposed view: rows not contiguous)

@@ -194,27 +194,12 @@ inline void softmax16(float *s, int64_t n) {
     }
 }
 
-// The whole attention of one task through the AVX-512 kernels; false: not for this head dim.
-template <typename T>
-bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
-                   float *scores, float (*acc)[MAX_DIM]) {
-    switch (d) {
-#define MSTAR_DIM(D)                                                  \
-    case D:                                                           \
-        for (int64_t g = 0; g < group; ++g) {                         \
-            scores16<T, D>(qf[g], keys, n, scores);                   \
-            softmax16(scores, n);                                     \
-            weighted16<T, D>(scores, vals, n, acc[g]);                \
-        }                                                             \
-        return true;
-        MSTAR_DIM(64)
-        MSTAR_DIM(128)
-        MSTAR_DIM(256)
-#undef MSTAR_DIM
-        default:
-            return false;
-    }
-}
+// this build's vector kernels, by one name (the dispatch below is written once for both paths)
+template <typename T, int D>
+inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores16<T, D>(qf, keys, n, s); }
+inline void vector_softmax(float *s, int64_t n) { softmax16(s, n); }
+template <typename T, int D>
+inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted16<T, D>(w, vals, n, out); }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX2 path, the AVX-512 one's shape at 8 lanes: each query head's scores for 8 keys at a time (8 dot
 // products summed across their lanes at once), then its output from the probabilities in registers.
@@ -293,7 +278,15 @@ inline void softmax8(float *s, int64_t n) {
     }
 }
 
-// The whole attention of one task through the AVX2 kernels; false: not for this head dim.
+template <typename T, int D>
+inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores8<T, D>(qf, keys, n, s); }
+inline void vector_softmax(float *s, int64_t n) { softmax8(s, n); }
+template <typename T, int D>
+inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted8<T, D>(w, vals, n, out); }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The whole attention of one task through the vector kernels; false: not for this head dim.
 template <typename T>
 bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
                    float *scores, float (*acc)[MAX_DIM]) {
@@ -301,9 +294,9 @@ bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T
 #define MSTAR_DIM(D)                                                  \
     case D:                                                           \
         for (int64_t g = 0; g < group; ++g) {                         \
-            scores8<T, D>(qf[g], keys, n, scores);                    \
-            softmax8(scores, n);                                      \
-            weighted8<T, D>(scores, vals, n, acc[g]);                 \
+            vector_scores<T, D>(qf[g], keys, n, scores);              \
+            vector_softmax(scores, n);                                \
+            vector_weighted<T, D>(scores, vals, n, acc[g]);           \
         }                                                             \
         return true;
         MSTAR_DIM(64)
