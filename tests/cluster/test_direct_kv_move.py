@@ -49,16 +49,22 @@ async def test_the_kv_moves_between_workers_directly_and_only_control_messages_p
         while "peer" not in decode.load or "peer" not in prefill.load:  # mailboxes reported in heartbeats
             assert time.monotonic() < deadline, decode.load
             await asyncio.sleep(0.05)
+        # heartbeats pass the server the whole time (~10 KB/s here): their rate, measured idle, is allowed for on
+        # top of a request's own bytes, so a slow box does not read as KV through the server (a move is > 50 KB)
+        idle_from, idle_start = moved(prefill) + moved(decode), time.monotonic()
+        await asyncio.sleep(1.0)
+        idle_rate = (moved(prefill) + moved(decode) - idle_from) / (time.monotonic() - idle_start)
         for prompt in PROMPTS:
             request = {"input_ids": prompt, "max_tokens": 1, "ignore_eos": True}
             want = (await colocated.generate("llama", dict(request)))["next_token"]
-            before = moved(prefill), moved(decode)
+            before, started = (moved(prefill), moved(decode)), time.monotonic()
             # max_tokens 1 ends after the prefill: add a decode step so the request moves
             request["max_tokens"] = 3
             got = [o.value async for o in engine.submit("llama", request) if o.name == "next_token"]
             assert got[0] == want and len(got) == 3
             through_server = moved(prefill) - before[0] + moved(decode) - before[1]
-            assert through_server < 16_000, through_server  # prompt, tokens and control messages only
+            allowed = 16_000 + idle_rate * (time.monotonic() - started)  # prompt, tokens, control messages
+            assert through_server < allowed, (through_server, allowed)
         deadline = time.monotonic() + 10
         while min(decode.load["peer"]["received_moves"], prefill.load["peer"]["sent_moves"]) < len(PROMPTS):
             assert time.monotonic() < deadline, decode.load["peer"]
