@@ -8,6 +8,7 @@ output. Each row's result is the same whatever the call's row count (the C++ fil
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from mstar_core.nn import native
 
 SOURCE = Path(__file__).with_name("fp32_linear.cpp")
+#: Most rows a call takes: any count (prefill chunks too; a row's result does not depend on it)
+MAX_ROWS = sys.maxsize
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_fp32_linear_available": ([], ctypes.c_int),

@@ -34,7 +34,7 @@ its size (121 calls a SmolLM2 step), and the kernel streams the weight faster (`
 longer calls (prefill chunks) keep oneDNN. That is a third copy of each bf16 weight.
 
 Where the CPU has AVX2 and FMA but no AVX-512, an fp32 layer runs `fp32_linear.cpp` instead of oneDNN, for every
-row count: oneDNN's AVX2 GEMM streams a decode step's weights at about half the memory's speed, and the kernel's
+row count: oneDNN's AVX2 GEMM reads a decode step's weights well below the memory's speed, and the kernel's
 rows are batch-invariant from one row up (`benchmarks/decode_linears.py`, 2-core AMD EPYC: a SmolLM2 step's
 linears 1.2-1.9x faster at 1 to 32 rows, level at 128-512). Its panels replace oneDNN's packed copy.
 """
@@ -54,6 +54,8 @@ from mstar_core.nn import amx_linear, fp32_linear
 PACK_MIN_OUT = 1
 #: The row count oneDNN's packed layout is chosen for (a full decode batch); any count runs.
 PACK_ROWS_HINT = 32
+#: M*'s own kernel per weight dtype, where its CPU has it (`pack` says None elsewhere); each has `MAX_ROWS`
+_OWN_KERNELS = {torch.bfloat16: amx_linear, torch.float32: fp32_linear}
 
 
 def packing_available() -> bool:
@@ -98,18 +100,16 @@ class PackedLinear(nn.Linear):
     def pack(self) -> None:
         """(Re)pack the current weight."""
         weight, bias = self.weight, self.bias
-        own, own_rows, kernel = None, 0, None
-        if bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()):
-            if weight.dtype == torch.bfloat16:
-                own, own_rows, kernel = amx_linear.pack(weight.detach()), amx_linear.MAX_ROWS, amx_linear
-            elif weight.dtype == torch.float32:
-                own, own_rows, kernel = fp32_linear.pack(weight.detach()), sys.maxsize, fp32_linear
+        kernel = _OWN_KERNELS.get(weight.dtype)
+        own = None
+        if kernel is not None and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
+            own = kernel.pack(weight.detach())
+        own_rows = kernel.MAX_ROWS if own is not None else 0
         self._packed = None
-        if own is None or own_rows != sys.maxsize:  # (oneDNN for the rows the own kernel does not take)
+        if own_rows < sys.maxsize:  # oneDNN for the rows the own kernel does not take
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version,
-                      own, own_rows if own is not None else 0, kernel)
+        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, own, own_rows, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
