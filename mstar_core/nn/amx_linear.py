@@ -48,13 +48,12 @@ def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | Non
     return packed
 
 
+def runner(variant: str | None = None):
+    """`linear` with its entry point resolved now (None: not built here): what a `PackedLinear` keeps."""
+    return native.linear_runner(_function("mstar_amx_linear", variant), torch.bfloat16, "AMX linear")
+
+
 def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
            variant: str | None = None) -> torch.Tensor:
     """`rows @ weight.T + bias` for 2-D bf16 `rows` (at most `MAX_ROWS`, unit inner stride) over a `pack`ed weight."""
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    failed = _function("mstar_amx_linear", variant)(
-        rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
-    if failed:
-        raise RuntimeError(f"AMX linear refused the call (code {failed}: no AMX here, or no memory)")
-    return out
+    return runner(variant)(rows, packed, out_features, bias)

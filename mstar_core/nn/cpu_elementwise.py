@@ -28,51 +28,59 @@ def _function(name: str, dtype: torch.dtype, variant: str | None = None):
     return native.function(SOURCE, f"{name}_{_SUFFIX[dtype]}", _SIGNATURES[name], None, variant)
 
 
-_answers: dict[int, bool] = {}  # (ctypes functions are not hashable: by id; libraries stay loaded)
+_vectorized: dict[int, bool] = {}  # by id of an entry point (not hashable; libraries stay loaded): its build's answer
 
 
-def _answer(probe) -> bool:
-    """A no-argument C probe's answer, asked once per library."""
-    if id(probe) not in _answers:
-        _answers[id(probe)] = bool(probe())
-    return _answers[id(probe)]
+def _has_vector_exp(entry, variant: str | None) -> bool:
+    """Whether `entry`'s build has the vector exp (asked of its library once)."""
+    known = _vectorized.get(id(entry))
+    if known is None:
+        probe = native.function(SOURCE, "mstar_elementwise_vectorized", [], ctypes.c_int, variant)
+        known = _vectorized[id(entry)] = bool(probe())
+    return known
 
 
-def _applies(*tensors: torch.Tensor) -> bool:
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _SUFFIX or any(t.dtype != first.dtype for t in tensors):
+def _applies(first: torch.Tensor, second: torch.Tensor | None = None, third: torch.Tensor | None = None) -> bool:
+    # (called per layer of every step: the tensors spelled out, no tuple or generator)
+    dtype = first.dtype
+    if (not first.is_cpu or dtype not in _SUFFIX or (second is not None and second.dtype is not dtype)
+            or (third is not None and third.dtype is not dtype)):
         return False
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if torch.is_grad_enabled() and (first.requires_grad or (second is not None and second.requires_grad)
+                                    or (third is not None and third.requires_grad)):
         return False
-    return True
+    return not torch.compiler.is_compiling()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | None = None) -> torch.Tensor | None:
     """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as `RMSNorm` rounds it; None: use torch ops."""
     if not _applies(x, weight) or x.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous():
         return None
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # (a copy only where the rows are not a view)
+    flat = x.dim() != 2
+    rows = x.reshape(-1, x.shape[-1]) if flat else x  # (a copy only where the rows are not a view)
     fn = _function("mstar_rms_norm", x.dtype, variant)
     if fn is None:
         return None
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps,
-       torch.get_num_threads())
-    return out.view(x.shape)
+    count, dim = rows.shape
+    out = torch.empty((count, dim), dtype=x.dtype)  # (ints, not a torch.Size: a few microseconds less a call)
+    fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps, torch.get_num_threads())
+    return out.view(x.shape) if flat else out
 
 
 def add_rms_norm_(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                   variant: str | None = None) -> torch.Tensor | None:
     """`residual + delta` written into `delta` (the caller's scratch), and `rms_norm` of that sum; None: use torch ops."""
-    if (not _applies(delta, residual, weight) or delta.dim() != 2 or not delta.is_contiguous() or residual.shape != delta.shape
-            or residual.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous() or weight.shape[0] != delta.shape[1]):
+    if (not _applies(delta, residual, weight) or delta.dim() != 2 or not delta.is_contiguous()
+            or residual.shape != delta.shape or residual.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous()
+            or weight.shape[0] != delta.shape[1]):
         return None
     fn = _function("mstar_add_rms_norm", delta.dtype, variant)
     if fn is None:
         return None
-    out = torch.empty(delta.shape, dtype=delta.dtype)
-    fn(delta.data_ptr(), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), delta.shape[0],
-       delta.shape[1], eps, torch.get_num_threads())
+    count, dim = delta.shape
+    out = torch.empty((count, dim), dtype=delta.dtype)
+    fn(delta.data_ptr(), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps,
+       torch.get_num_threads())
     return out
 
 
@@ -81,10 +89,11 @@ def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> t
     if not _applies(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[-1] != 2 * width:
         return None
     fn = _function("mstar_silu_mul", gate_up.dtype, variant)
-    if fn is None or not _answer(native.function(SOURCE, "mstar_elementwise_vectorized", [], ctypes.c_int, variant)):
+    if fn is None or not _has_vector_exp(fn, variant):
         return None  # (without AVX-512 its exp is scalar: slower than torch's)
-    out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
-    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width, torch.get_num_threads())
+    count = gate_up.shape[0]
+    out = torch.empty((count, width), dtype=gate_up.dtype)
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), count, width, torch.get_num_threads())
     return out
 
 

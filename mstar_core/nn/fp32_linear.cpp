@@ -7,6 +7,11 @@
 // panel its K inputs in order ([panels][K][16]), and a call is one loop: each task takes a run of panels that
 // stays in L2, and passes every input row through it six rows at a time (12 accumulators of 8 lanes).
 //
+// With more than six rows the passes after the first compute from L2 and leave the memory idle, and the first
+// waits on it. So a thread claims its next task when it starts one, and fetches that task's panels into L2
+// while it computes this one, spread over its first passes: the weight stream keeps going during the
+// compute-bound passes (`benchmarks/decode_linears.py`: 8 and 32 rows).
+//
 // Batch invariance: an output element is one FMA chain over its inputs in order, from zero, then its bias
 // added, whatever the call's row count or the row's place in its block of six, so a row computes bitwise the
 // same alone or beside others, in a decode step or a prefill chunk of any length.
@@ -24,14 +29,17 @@ constexpr int64_t PANEL = 16;                 // outputs per panel: two 8-lane v
 constexpr int64_t BLOCK_ROWS = 6;             // rows per block: 12 accumulators, 2 weight vectors, 1 broadcast
 constexpr int64_t TASK_BYTES = 192 * 1024;    // weight panels one task passes every row through (in L2)
 constexpr int64_t PREFETCH = 32;              // inputs ahead the weight stream is fetched (32 lines, 2 KB)
+constexpr int64_t SPREAD = 8;                 // passes over which the next task's panels are fetched, at most
+constexpr int64_t LINE = 64;                  // bytes
 constexpr int64_t PARALLEL_MACS = 1 << 15;    // smaller calls run on the calling thread
 
 #if defined(MSTAR_FP32_LINEAR)
 // out[r][0..outs) = bias + x[r] . panel's columns, for R rows. The accumulators are named, not an array: gcc
 // keeps an array of them in memory, a store per FMA.
+// `ahead`: where this block fetches the next task's panels into L2, `ahead_step` bytes further each input (0: none).
 template <int R>
 void block(const float *x, int64_t x_row, const float *panel, int64_t k, const float *bias, float *out, int64_t out_row,
-           int64_t outs) {
+           int64_t outs, const char *ahead, int64_t ahead_step) {
     __m256 a0l = _mm256_setzero_ps(), a0h = a0l, a1l = a0l, a1h = a0l, a2l = a0l, a2h = a0l, a3l = a0l, a3h = a0l,
            a4l = a0l, a4h = a0l, a5l = a0l, a5h = a0l;
     const float *x0 = x, *x1 = x + x_row, *x2 = x + 2 * x_row, *x3 = x + 3 * x_row, *x4 = x + 4 * x_row,
@@ -39,6 +47,7 @@ void block(const float *x, int64_t x_row, const float *panel, int64_t k, const f
     for (int64_t e = 0; e < k; ++e) {
         const __m256 lo = _mm256_loadu_ps(panel + e * PANEL), hi = _mm256_loadu_ps(panel + e * PANEL + 8);
         _mm_prefetch(reinterpret_cast<const char *>(panel + (e + PREFETCH) * PANEL), _MM_HINT_T0);
+        if (ahead_step) _mm_prefetch(ahead + e * ahead_step, _MM_HINT_T1);
 #define MSTAR_ROW(r)                                                                        \
     if constexpr (R > r) {                                                                  \
         const __m256 v = _mm256_broadcast_ss(x##r + e);                                     \
@@ -55,14 +64,14 @@ void block(const float *x, int64_t x_row, const float *panel, int64_t k, const f
 }
 
 void rows_through_panel(int64_t rows, const float *x, int64_t x_row, const float *panel, int64_t k, const float *bias,
-                        float *out, int64_t out_row, int64_t outs) {
+                        float *out, int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
     switch (rows) {
-        case 1: return block<1>(x, x_row, panel, k, bias, out, out_row, outs);
-        case 2: return block<2>(x, x_row, panel, k, bias, out, out_row, outs);
-        case 3: return block<3>(x, x_row, panel, k, bias, out, out_row, outs);
-        case 4: return block<4>(x, x_row, panel, k, bias, out, out_row, outs);
-        case 5: return block<5>(x, x_row, panel, k, bias, out, out_row, outs);
-        default: return block<6>(x, x_row, panel, k, bias, out, out_row, outs);
+        case 1: return block<1>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
+        case 2: return block<2>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
+        case 3: return block<3>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
+        case 4: return block<4>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
+        case 5: return block<5>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
+        default: return block<6>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step);
     }
 }
 #endif
@@ -103,15 +112,30 @@ int mstar_fp32_linear(const float *x, int64_t x_row, const float *packed, const 
     if (panels < 4 * threads * per_task) per_task = (panels + 4 * threads - 1) / (4 * threads);  // a few tasks a thread
     per_task = per_task < 1 ? 1 : per_task;
     const int64_t tasks = (panels + per_task - 1) / per_task;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) if (tasks > 1 && m * n * k >= PARALLEL_MACS)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t first = t * per_task, last = first + per_task < panels ? first + per_task : panels;
-        for (int64_t r0 = 0; r0 < m; r0 += BLOCK_ROWS)
-            for (int64_t p = first; p < last; ++p) {
-                const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-                rows_through_panel(m - r0 < BLOCK_ROWS ? m - r0 : BLOCK_ROWS, x + r0 * x_row, x_row, packed + p * k * PANEL,
-                                   k, bias ? bias + p * PANEL : nullptr, out + r0 * out_row + p * PANEL, out_row, outs);
-            }
+    const int64_t passes = (m + BLOCK_ROWS - 1) / BLOCK_ROWS, spread = passes < SPREAD ? passes : SPREAD;
+    const int64_t ahead_step = (LINE + spread - 1) / spread;  // the next task's bytes fetched per input of a pass
+    const int64_t task_floats = per_task * k * PANEL;
+    int64_t claimed = 0;  // tasks handed out: claimed with an atomic add, so a held-up thread holds up no one
+#pragma omp parallel num_threads(tasks > 1 && m * n * k >= PARALLEL_MACS ? threads : 1)
+    {
+        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (t < tasks) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const int64_t first = t * per_task, last = first + per_task < panels ? first + per_task : panels;
+            // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes
+            const bool fetch = next < tasks && passes > 1;
+            const char *ahead = reinterpret_cast<const char *>(packed + (fetch ? next : t) * task_floats);
+            const int64_t pass_bytes = (task_floats * static_cast<int64_t>(sizeof(float)) + spread - 1) / spread;
+            for (int64_t r0 = 0, pass = 0; r0 < m; r0 += BLOCK_ROWS, ++pass)
+                for (int64_t p = first; p < last; ++p) {
+                    const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                    const char *at = ahead + pass * pass_bytes + (p - first) * k * ahead_step;
+                    rows_through_panel(m - r0 < BLOCK_ROWS ? m - r0 : BLOCK_ROWS, x + r0 * x_row, x_row, packed + p * k * PANEL,
+                                       k, bias ? bias + p * PANEL : nullptr, out + r0 * out_row + p * PANEL, out_row, outs,
+                                       at, fetch && pass < spread ? ahead_step : 0);
+                }
+            t = next;
+        }
     }
     return 0;
 #else

@@ -49,13 +49,12 @@ def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | Non
     return packed
 
 
+def runner(variant: str | None = None):
+    """`linear` with its entry point resolved now (None: not built here): what a `PackedLinear` keeps."""
+    return native.linear_runner(_function("mstar_fp32_linear", variant), torch.float32, "fp32 linear")
+
+
 def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
            variant: str | None = None) -> torch.Tensor:
     """`rows @ weight.T + bias` for 2-D fp32 `rows` (unit inner stride) over a `pack`ed weight."""
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    failed = _function("mstar_fp32_linear", variant)(
-        rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
-    if failed:
-        raise RuntimeError(f"fp32 linear refused the call (code {failed}: not built for this CPU)")
-    return out
+    return runner(variant)(rows, packed, out_features, bias)

@@ -79,6 +79,30 @@ def function(source: Path, name: str, argtypes: list, restype: Any, variant: str
     return fn
 
 
+def linear_runner(entry, dtype, label: str):
+    """`run(rows, packed, out_features, bias) -> out` over a packed-linear entry point, resolved once (None: no entry).
+
+    The entry points of `fp32_linear.cpp` and `amx_linear.cpp` share one C signature; a `PackedLinear` keeps
+    its runner, so the 121 calls of a decode step look nothing up.
+    """
+    import torch  # (here: building and loading kernels needs no torch)
+
+    if entry is None:
+        return None
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def run(rows, packed, out_features: int, bias):
+        count, inner = rows.shape
+        out = empty((count, out_features), dtype=dtype)
+        failed = entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), out_features, count, out_features, inner, threads())
+        if failed:
+            raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
+        return out
+
+    return run
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

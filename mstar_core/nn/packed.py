@@ -94,22 +94,23 @@ class PackedLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     # what the eager forward checks, read in one attribute lookup (a Module's __getattr__ costs ~1 us a name, and
     # a decode step runs 121 linears): (weight, oneDNN's packed weight or None, bias, dtype, data pointer, version,
-    # own kernel's packed weight or None, the most rows it takes, its module: `amx_linear` or `fp32_linear`)
+    # own kernel's packed weight or None, the most rows it takes, its runner: `amx_linear` or `fp32_linear`'s)
     _fast: tuple | None = None
 
     def pack(self) -> None:
         """(Re)pack the current weight."""
         weight, bias = self.weight, self.bias
         kernel = _OWN_KERNELS.get(weight.dtype)
-        own = None
+        own = run = None
         if kernel is not None and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
             own = kernel.pack(weight.detach())
-        own_rows = kernel.MAX_ROWS if own is not None else 0
+            run = kernel.runner() if own is not None else None
+        own_rows = kernel.MAX_ROWS if run is not None else 0
         self._packed = None
         if own_rows < sys.maxsize:  # oneDNN for the rows the own kernel does not take
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, own, own_rows, kernel)
+        self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, own, own_rows, run)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph
@@ -120,19 +121,20 @@ class PackedLinear(nn.Linear):
         fast = self._fast
         if fast is None:
             return F.linear(x, self.weight, self.bias)
-        weight, packed, bias, dtype, ptr, version, own, own_rows, kernel = fast
+        weight, packed, bias, dtype, ptr, version, own, own_rows, run = fast
         # the pack is trusted only for the parameter it was made from, unchanged in place
-        if (x.dtype != dtype or torch.is_grad_enabled() or x.device.type != "cpu" or self._parameters["weight"] is not weight
+        if (x.dtype is not dtype or torch.is_grad_enabled() or not x.is_cpu or self._parameters["weight"] is not weight
                 or self._parameters["bias"] is not bias or weight._version != version or weight.data_ptr() != ptr):
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
+        flat = x.dim() != 2
+        rows = x.reshape(-1, x.shape[-1]) if flat else x
         if rows.shape[0] <= own_rows:  # the own kernel (AMX tiles for a decode step's rows; AVX2 fp32 for any)
-            out = kernel.linear(rows if rows.stride(-1) == 1 else rows.contiguous(), own, weight.shape[0], bias)
+            out = run(rows if rows.stride(-1) == 1 else rows.contiguous(), own, self.out_features, bias)
         elif rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
             out = torch.ops.mkldnn._linear_pointwise(torch.cat((rows, rows)), packed, bias, "none", [], "")[:1]
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*x.shape[:-1], out.shape[-1]) if flat else out
 
     def __getstate__(self):
         # the packed tensor is opaque (no storage to copy or pickle): copies run unpacked until packed again

@@ -44,13 +44,18 @@ def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(variant, o
 
 @native_only
 def test_packed_fp32_linears_run_every_row_count_on_the_kernel_without_a_onednn_copy(monkeypatch):
+    calls = []  # rows of each call the kernel's runner made (the runner is resolved when the layer packs)
+    real = fp32_linear.runner
+
+    def counting(*args):
+        run = real(*args)
+        return lambda rows, *rest: calls.append(rows.shape[0]) or run(rows, *rest)
+
+    monkeypatch.setattr(fp32_linear, "runner", counting)
     torch.manual_seed(0)
     layer = nn.Linear(64, 200)
     assert pack_linears(layer) == 1 and type(layer) is PackedLinear
     assert layer._packed is None and layer._fast[6] is not None  # the panels replace oneDNN's packed copy
-    calls = []
-    real = fp32_linear.linear
-    monkeypatch.setattr(fp32_linear, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     x = torch.randn(700, 64)
     with torch.inference_mode():
         one, many = layer(x[:1]), layer(x)
