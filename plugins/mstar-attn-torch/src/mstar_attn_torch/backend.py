@@ -168,6 +168,7 @@ class TorchPagedContext:
         decode = [i for i, n in enumerate(batch.q_lens) if n == 1 and i not in readonly]
         self.in_lanes = None
         self.kernel: lane_kernel.LaneCall | None = None
+        self._storing: tuple | None = None  # the layout the lane kernel took at this step's first storing layer
         if decode and lanes is not None:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
                                [batch.kv_lens[i] for i in decode])
@@ -306,11 +307,23 @@ class TorchPagedContext:
 
     def _attend_lanes_storing(self, layer, q, k, v, scale, k_cache, v_cache):
         """Every row decodes in a lane: the kernel stores its new key and value in the pool and its lane and attends; None: it cannot."""
-        store_k = self.lane_views[0][layer]
-        if self.kernel is None or k_cache.dtype != k.dtype or k_cache.stride(-1) != 1 or not self.kernel.fits(q, k, v, store_k):
+        seen = self._storing
+        # every layer of a step after the first: the layout the first checked, so the kernel takes pointers (the checks
+        # and per-layer views cost about as much as a one-row layer's attention itself)
+        if seen is not None and seen[0] == (q.shape, q.stride(), k.stride(), v.stride(), scale) and q.dtype is seen[1]:
+            out = q.new_empty(q.shape)
+            k_lanes, v_lanes, layer_bytes = seen[2]
+            self.kernel.call(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_lanes + layer * layer_bytes,
+                             v_lanes + layer * layer_bytes, k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
+            return out
+        store_k, store_v = self.lane_views[0], self.lane_views[1]
+        if self.kernel is None or k_cache.dtype != k.dtype or k_cache.stride(-1) != 1 or not self.kernel.fits(q, k, v, store_k[layer]):
             return None
         out = q.new_empty(q.shape)
-        self.kernel(q, k, v, store_k, self.lane_views[1][layer], out, scale, (k_cache, v_cache, self.slots))
+        self.kernel(q, k, v, store_k[layer], store_v[layer], out, scale, (k_cache, v_cache, self.slots))
+        layer_bytes = store_k.stride(0) * store_k.element_size()
+        self._storing = ((q.shape, q.stride(), k.stride(), v.stride(), scale), q.dtype,
+                         (store_k.data_ptr(), store_v.data_ptr(), layer_bytes))
         return out
 
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):

@@ -79,6 +79,13 @@ class LaneCall:
         `pool`: the layer's paged keys and values `[slots, kv heads, D]` (the lanes' dtype, unit innermost stride) and
         each packed row's slot (int64): the new keys and values are stored there too, instead of by two `index_copy_`.
         """
+        k_pool, v_pool = self.prepare(q, k, v, store_k, out, scale, pool)
+        self.call(q.data_ptr(), k.data_ptr(), v.data_ptr(), store_k.data_ptr(), store_v.data_ptr(), k_pool, v_pool,
+                  out.data_ptr())
+
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_k: torch.Tensor, out: torch.Tensor, scale: float,
+                pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[int | None, int | None]:
+        """Set the plan for tensors laid out as these (strides, scale, pool strides); the pool's data pointers."""
         if self.plan is None or (self.plan.out_row, self.plan.out_head) != out.stride()[:2]:
             rows, lanes, pos, bound = (self.index[i].data_ptr() for i in range(4))
             self.plan = LanePlan(rows, lanes, pos, bound, self.count, q.shape[1], k.shape[1], q.shape[2],
@@ -86,12 +93,16 @@ class LaneCall:
                                  out.stride(0), out.stride(1),
                                  store_k.stride(0), store_k.stride(2), scale, torch.get_num_threads())
         self.plan.scale = scale
-        k_pool = v_pool = None
-        if pool is not None:
-            k_pool, v_pool, slots = pool
-            self.plan.slots, self.plan.pool_slot, self.plan.pool_head = slots.data_ptr(), k_pool.stride(0), k_pool.stride(1)
-            k_pool, v_pool = k_pool.data_ptr(), v_pool.data_ptr()
-        failed = self.kernel(ctypes.byref(self.plan), q.data_ptr(), k.data_ptr(), v.data_ptr(), store_k.data_ptr(),
-                             store_v.data_ptr(), k_pool, v_pool, out.data_ptr())
+        self.plan_ref = ctypes.byref(self.plan)
+        if pool is None:
+            return None, None
+        k_pool, v_pool, slots = pool
+        self.plan.slots, self.plan.pool_slot, self.plan.pool_head = slots.data_ptr(), k_pool.stride(0), k_pool.stride(1)
+        return k_pool.data_ptr(), v_pool.data_ptr()
+
+    def call(self, q: int, k: int, v: int, store_k: int, store_v: int, k_pool: int | None, v_pool: int | None,
+             out: int) -> None:
+        """The kernel over data pointers laid out as `prepare` last saw (a layer after the first of a step: no checks)."""
+        failed = self.kernel(self.plan_ref, q, k, v, store_k, store_v, k_pool, v_pool, out)
         if failed:
             raise RuntimeError(f"decode-lane kernel refused the step (code {failed}: head dim or group too large, or no memory)")
