@@ -9,6 +9,7 @@ from torch import nn
 
 from mstar_core.nn import amx_linear
 from mstar_core.nn.packed import PackedLinear, pack_linears
+from tests.nn._runner_rows import count_runner_rows
 
 pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="no AMX tiles on this CPU (or no compiler)")
 
@@ -31,14 +32,7 @@ def test_matches_f_linear_and_a_row_is_the_same_whatever_the_row_count(out_featu
 
 
 def test_packed_bf16_linears_run_decode_rows_on_the_tiles_and_longer_calls_on_onednn(monkeypatch):
-    calls = []  # rows of each call the kernel's runner made (the runner is resolved when the layer packs)
-    real = amx_linear.runner
-
-    def counting(*args):
-        run = real(*args)
-        return lambda rows, *rest: calls.append(rows.shape[0]) or run(rows, *rest)
-
-    monkeypatch.setattr(amx_linear, "runner", counting)
+    calls = count_runner_rows(monkeypatch, amx_linear)
     torch.manual_seed(0)
     layer = nn.Linear(64, 200).bfloat16()
     assert pack_linears(layer) == 1 and type(layer) is PackedLinear

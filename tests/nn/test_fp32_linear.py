@@ -9,6 +9,7 @@ from torch import nn
 
 from mstar_core.nn import fp32_linear
 from mstar_core.nn.packed import PackedLinear, pack_linears
+from tests.nn._runner_rows import count_runner_rows
 
 # the `avx2` build runs the kernel on AVX-512 CPUs too (where the default build leaves fp32 to oneDNN)
 VARIANTS = [v for v in ("native", "avx2") if fp32_linear.available(v)]
@@ -44,14 +45,7 @@ def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(variant, o
 
 @native_only
 def test_packed_fp32_linears_run_every_row_count_on_the_kernel_without_a_onednn_copy(monkeypatch):
-    calls = []  # rows of each call the kernel's runner made (the runner is resolved when the layer packs)
-    real = fp32_linear.runner
-
-    def counting(*args):
-        run = real(*args)
-        return lambda rows, *rest: calls.append(rows.shape[0]) or run(rows, *rest)
-
-    monkeypatch.setattr(fp32_linear, "runner", counting)
+    calls = count_runner_rows(monkeypatch, fp32_linear)
     torch.manual_seed(0)
     layer = nn.Linear(64, 200)
     assert pack_linears(layer) == 1 and type(layer) is PackedLinear
