@@ -6,11 +6,12 @@ weight from memory as a served step does. oneDNN side: `mkldnn._linear_pointwise
 `PackedLinear` packs them for oneDNN (a one-row call run as two rows, as the layer does). Own side, where the
 CPU has it:
   * bf16 on AMX (`amx_linear.linear`, `PackedLinear`'s path for up to 32 rows): 1, 2, 8 and 32 rows;
-  * fp32 on AVX2 without AVX-512 (`fp32_linear.linear`, its path for every row count): 1, 2, 8, 32 rows and
-    the prefill-sized 128 and 512.
-Sides alternate per round; the median step of each is kept. Skips cleanly on a CPU with neither.
-Final line: JSON (bf16: `step_ms_onednn_R`, `step_ms_amx_R`, `speedup_R`; fp32: `step_ms_onednn_fp32_R`,
-`step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; `cpu_flags`).
+  * bf16 on AVX512-BF16 without AMX (`bf16_linear.linear`, its path for every row count): 1, 2, 8, 32 rows and
+    the prefill-sized 128 and 512;
+  * fp32 on AVX2 or AVX-512 (`fp32_linear.linear`, its path for every row count): the same six row counts.
+Sides alternate per round; the median step of each is kept. Skips cleanly on a CPU with none.
+Final line: JSON (bf16: `step_ms_onednn_R`, `step_ms_amx_R` or `step_ms_panels_R`, `speedup_R`; fp32:
+`step_ms_onednn_fp32_R`, `step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; `cpu_flags`).
 
     python benchmarks/decode_linears.py [--quick] [--threads N]
 """
@@ -29,7 +30,7 @@ LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
 LAYERS = 30
 ROWS = (1, 2, 8, 32)
-PREFILL_ROWS = (128, 512)  # (fp32 only: its kernel takes prefill chunks too)
+PREFILL_ROWS = (128, 512)  # (the panel kernels only: they take prefill chunks too)
 
 
 def step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out) -> None:
@@ -70,18 +71,23 @@ def step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out) -> N
 def main(args: argparse.Namespace) -> dict:
     from vs_vllm import cpu_flags
 
-    from mstar_core.nn import amx_linear, fp32_linear
+    from mstar_core.nn import amx_linear, bf16_linear, fp32_linear
 
     torch.set_num_threads(args.threads)
     out: dict = {"benchmark": "decode_linears", "quick": args.quick, "threads": args.threads, "cpu_flags": cpu_flags()}
     sections = []
     if amx_linear.available():
         sections.append((torch.bfloat16, amx_linear, ROWS, ("step_ms_onednn", "step_ms_amx", "speedup", "AMX tiles")))
+    elif bf16_linear.available():
+        sections.append((torch.bfloat16, bf16_linear, ROWS + PREFILL_ROWS,
+                         ("step_ms_onednn", "step_ms_panels", "speedup", "bf16 panels")))
     if fp32_linear.available():
+        width = fp32_linear.vector_bits()
         sections.append((torch.float32, fp32_linear, ROWS + PREFILL_ROWS,
-                         ("step_ms_onednn_fp32", "step_ms_kernel_fp32", "speedup_fp32", "AVX2 kernel")))
+                         ("step_ms_onednn_fp32", "step_ms_kernel_fp32", "speedup_fp32", f"{width}-bit fp32 kernel")))
+        out["fp32_kernel_bits"] = width
     if not sections:
-        out["skipped"] = "neither AMX tiles nor an AVX2 CPU without AVX-512 here (or no compiler)"
+        out["skipped"] = "no AVX2 CPU here (or no compiler)"
         return out
     shapes = LAYER * LAYERS + [HEAD]
     gen = torch.Generator().manual_seed(0)

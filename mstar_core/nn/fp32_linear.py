@@ -1,8 +1,8 @@
-"""fp32 linears on AVX2 CPUs (`fp32_linear.cpp`): weights streamed at the memory's speed, any row count.
+"""fp32 linears on AVX2 or AVX-512 CPUs (`fp32_linear.cpp`): weights streamed at the memory's speed, any row count.
 
-`pack` returns the weight in the kernel's panel layout (None where the kernel is not built here: a CPU with
-AVX-512, where oneDNN's kernels are faster, or one without AVX2 and FMA); `linear` runs one call into a fresh
-output. Each row's result is the same whatever the call's row count (the C++ file's comment says why).
+`pack` returns the weight in the kernel's panel layout (None where the kernel is not built here: a CPU without
+AVX2 and FMA, or no compiler); `linear` runs one call into a fresh output. Each row's result is the same
+whatever the call's row count, and the same in the AVX2 and AVX-512 builds (the C++ file's comment says why).
 """
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ def _function(name: str, variant: str | None = None):
     return native.function(SOURCE, name, *_SIGNATURES[name], variant)
 
 
-def available(variant: str | None = None) -> bool:
-    """Whether the kernel is built here (AVX2 and FMA, no AVX-512)."""
+def vector_bits(variant: str | None = None) -> int:
+    """The kernel's vector width in this build: 512 (AVX-512), 256 (AVX2 and FMA), 0 (not built here)."""
     probe = _function("mstar_fp32_linear_available", variant)
-    return probe is not None and bool(probe())
+    return probe() if probe is not None else 0
+
+
+def available(variant: str | None = None) -> bool:
+    """Whether the kernel is built here (AVX2 and FMA, or AVX-512)."""
+    return vector_bits(variant) > 0
 
 
 def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:

@@ -131,3 +131,55 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 }  // namespace mstar
+
+namespace mstar {
+
+// The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
+// outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
+// is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
+// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's
+// panels into L2 behind the current task's later row passes: with more rows than one pass takes, those passes
+// compute from L2 while the memory would sit idle.
+//
+// `rows_through_panel(r0, rows, p, ahead, ahead_step)` runs rows [r0, r0 + rows) through panel p, and when
+// `ahead_step` is nonzero prefetches `ahead + e * ahead_step` into L2 at input step e.
+struct PanelCall {
+    int64_t m, panels, steps, step_bytes, block_rows;  // rows, panels, input steps a panel, bytes a step, rows a pass
+};
+
+constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passes every row through (in L2)
+constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
+constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
+
+template <typename Body>
+void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, Body rows_through_panel) {
+    const int64_t panel_bytes = c.steps * c.step_bytes;
+    int64_t per_task = PANEL_TASK_BYTES / panel_bytes;
+    if (c.panels < 4 * threads * per_task) per_task = (c.panels + 4 * threads - 1) / (4 * threads);  // a few tasks a thread
+    per_task = per_task < 1 ? 1 : per_task;
+    const int64_t tasks = (c.panels + per_task - 1) / per_task;
+    const int64_t passes = (c.m + c.block_rows - 1) / c.block_rows;
+    const int64_t spread = passes < PANEL_SPREAD ? passes : PANEL_SPREAD;
+    const int64_t ahead_step = (c.step_bytes + spread - 1) / spread;  // the next task's bytes fetched per input step
+    const int64_t task_bytes = per_task * panel_bytes, pass_bytes = (task_bytes + spread - 1) / spread;
+    int64_t claimed = 0;
+#pragma omp parallel num_threads(tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1)
+    {
+        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (t < tasks) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const int64_t first = t * per_task, last = first + per_task < c.panels ? first + per_task : c.panels;
+            // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes
+            const bool fetch = next < tasks && passes > 1;
+            const char *ahead = packed + (fetch ? next : t) * task_bytes;
+            for (int64_t r0 = 0, pass = 0; r0 < c.m; r0 += c.block_rows, ++pass)
+                for (int64_t p = first; p < last; ++p)
+                    rows_through_panel(r0, c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows, p,
+                                       ahead + pass * pass_bytes + (p - first) * c.steps * ahead_step,
+                                       fetch && pass < spread ? ahead_step : 0);
+            t = next;
+        }
+    }
+}
+
+}  // namespace mstar

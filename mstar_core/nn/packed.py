@@ -48,14 +48,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.nn import amx_linear, fp32_linear
+from mstar_core.nn import amx_linear, bf16_linear, fp32_linear
 
 #: Fewest output features of a linear to pack: every linear (for batch invariance, see the module docstring).
 PACK_MIN_OUT = 1
 #: The row count oneDNN's packed layout is chosen for (a full decode batch); any count runs.
 PACK_ROWS_HINT = 32
-#: M*'s own kernel per weight dtype, where its CPU has it (`pack` says None elsewhere); each has `MAX_ROWS`
-_OWN_KERNELS = {torch.bfloat16: amx_linear, torch.float32: fp32_linear}
+#: M*'s own kernels per weight dtype, first choice first: the first whose `pack` runs on this CPU (None elsewhere) is
+#: kept; each has `MAX_ROWS`
+_OWN_KERNELS = {torch.bfloat16: (amx_linear, bf16_linear), torch.float32: (fp32_linear,)}
 
 
 def packing_available() -> bool:
@@ -94,18 +95,22 @@ class PackedLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     # what the eager forward checks, read in one attribute lookup (a Module's __getattr__ costs ~1 us a name, and
     # a decode step runs 121 linears): (weight, oneDNN's packed weight or None, bias, dtype, data pointer, version,
-    # own kernel's packed weight or None, the most rows it takes, its runner: `amx_linear` or `fp32_linear`'s)
+    # own kernel's packed weight or None, the most rows it takes, its runner: `amx_linear`, `bf16_linear` or
+    # `fp32_linear`'s)
     _fast: tuple | None = None
 
     def pack(self) -> None:
         """(Re)pack the current weight."""
         weight, bias = self.weight, self.bias
-        kernel = _OWN_KERNELS.get(weight.dtype)
         own = run = None
-        if kernel is not None and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
-            own = kernel.pack(weight.detach())
-            run = kernel.runner() if own is not None else None
-        own_rows = kernel.MAX_ROWS if run is not None else 0
+        own_rows = 0
+        if bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()):
+            for kernel in _OWN_KERNELS.get(weight.dtype, ()):
+                own = kernel.pack(weight.detach())
+                run = kernel.runner() if own is not None else None
+                if run is not None:
+                    own_rows = kernel.MAX_ROWS
+                    break
         self._packed = None
         if own_rows < sys.maxsize:  # oneDNN for the rows the own kernel does not take
             with torch.no_grad():
@@ -128,7 +133,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.dim() != 2
         rows = x.reshape(-1, x.shape[-1]) if flat else x
-        if rows.shape[0] <= own_rows:  # the own kernel (AMX tiles for a decode step's rows; AVX2 fp32 for any)
+        if rows.shape[0] <= own_rows:  # the own kernel (AMX tiles for a decode step's rows; fp32 or bf16 panels for any)
             out = run(rows if rows.stride(-1) == 1 else rows.contiguous(), own, self.out_features, bias)
         elif rows.shape[0] == 1:  # run as two rows: oneDNN's one-row kernel sums in another order on some CPUs
             out = torch.ops.mkldnn._linear_pointwise(torch.cat((rows, rows)), packed, bias, "none", [], "")[:1]

@@ -1,4 +1,4 @@
-"""The AVX2 fp32 linear (fp32_linear.cpp) against a float64 reference, its batch invariance, and PackedLinear's use of it."""
+"""The fp32 linear (fp32_linear.cpp, AVX2 and AVX-512 builds) against a float64 reference, its batch invariance, and PackedLinear's use of it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from mstar_core.nn import fp32_linear
 from mstar_core.nn.packed import PackedLinear, pack_linears
 from tests.nn._runner_rows import count_runner_rows
 
-# the `avx2` build runs the kernel on AVX-512 CPUs too (where the default build leaves fp32 to oneDNN)
+# on an AVX-512 CPU the default build is the 16-lane kernel and the `avx2` build the 8-lane one
 VARIANTS = [v for v in ("native", "avx2") if fp32_linear.available(v)]
-native_only = pytest.mark.skipif(not fp32_linear.available(),
-                                 reason="the kernel is for AVX2 CPUs without AVX-512 (or there is no compiler)")
+native_only = pytest.mark.skipif(not fp32_linear.available(), reason="no AVX2 and FMA here (or no compiler)")
 
 
 @pytest.mark.skipif(not VARIANTS, reason="no AVX2 and FMA here (or no compiler)")
@@ -41,6 +40,16 @@ def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(variant, o
     want = F.linear(x.double(), weight.double(), None if b is None else b.double())
     torch.testing.assert_close(got.double(), want, atol=1e-5 * in_features ** 0.5, rtol=1e-5)
     assert torch.equal(got, alone)
+
+
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="one build of the kernel here")
+def test_the_avx2_and_avx512_builds_agree_bit_for_bit():
+    """One FMA chain per output whatever the vector width: packed differently, the same floats out."""
+    gen = torch.Generator().manual_seed(5)
+    weight, b = torch.randn(100, 70, generator=gen), torch.randn(100, generator=gen)
+    x = torch.randn(37, 70, generator=gen)
+    outs = [fp32_linear.linear(x, fp32_linear.pack(weight, v), 100, b, v) for v in VARIANTS]
+    assert torch.equal(outs[0], outs[1])
 
 
 @native_only

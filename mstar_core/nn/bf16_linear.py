@@ -1,0 +1,60 @@
+"""bf16 linears on AVX512-BF16 CPUs without AMX (`bf16_linear.cpp`): weights streamed at the memory's speed, any row count.
+
+`pack` returns the weight in the kernel's panel layout (None where the kernel is not built here: a CPU without
+AVX512-BF16, or no compiler); `linear` runs one call into a fresh output. Each row's result is the same whatever
+the call's row count (the C++ file's comment says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import torch
+
+from mstar_core.nn import native
+
+SOURCE = Path(__file__).with_name("bf16_linear.cpp")
+#: Most rows a call takes: any count (prefill chunks too; a row's result does not depend on it)
+MAX_ROWS = sys.maxsize
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "mstar_bf16_linear_available": ([], ctypes.c_int),
+    "mstar_bf16_packed_bytes": ([_I64, _I64], _I64),
+    "mstar_bf16_pack": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "mstar_bf16_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
+}
+
+
+def _function(name: str, variant: str | None = None):
+    return native.function(SOURCE, name, *_SIGNATURES[name], variant)
+
+
+def available(variant: str | None = None) -> bool:
+    """Whether the kernel is built here (AVX512-BF16)."""
+    probe = _function("mstar_bf16_linear_available", variant)
+    return probe is not None and bool(probe())
+
+
+def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:
+    """A bf16 CPU weight `[out, in]` in the kernel's panel layout, or None: the kernel does not run here."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(-1) != 1:
+        return None
+    if not available(variant):
+        return None
+    n, k = weight.shape
+    packed = torch.empty(_function("mstar_bf16_packed_bytes", variant)(n, k) // 2, dtype=torch.bfloat16)
+    _function("mstar_bf16_pack", variant)(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    return packed
+
+
+def runner(variant: str | None = None):
+    """`linear` with its entry point resolved now (None: not built here): what a `PackedLinear` keeps."""
+    return native.linear_runner(_function("mstar_bf16_linear", variant), torch.bfloat16, "bf16 linear")
+
+
+def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           variant: str | None = None) -> torch.Tensor:
+    """`rows @ weight.T + bias` for 2-D bf16 `rows` (unit inner stride) over a `pack`ed weight."""
+    return runner(variant)(rows, packed, out_features, bias)
