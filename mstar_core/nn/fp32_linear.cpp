@@ -1,4 +1,5 @@
-// fp32 linears on CPUs with AVX2 and FMA (8 lanes) or AVX-512 (16 lanes): built by native.py, called by packed.py.
+// fp32 linears on CPUs with AVX2 and FMA (8 lanes) or AVX-512 (16 lanes): built by native.py, called by packed.py
+// (fp32 weights) and quant.py (int8 weights with one scale per output, the `int8` weight-only mode).
 //
 // A decode step reads every weight once for a few rows, so its speed is the speed the weights stream at.
 // oneDNN's GEMM, called through torch, streams a step's 121 weights well below the memory's speed (most of the
@@ -7,10 +8,13 @@
 // ([panels][K][PANEL]), and a call is mstar::run_panel_tasks' loop: tasks of panels that stay in L2, every input
 // row passed through each panel BLOCK_ROWS rows at a time (two vectors of accumulators a row).
 //
-// Batch invariance: an output element is one FMA chain over its inputs in order, from zero, then its bias
-// added, whatever the call's row count, the row's place in its block or the vector width, so a row computes
-// bitwise the same alone or beside others, in a decode step or a prefill chunk of any length, and the AVX2 and
-// AVX-512 builds agree bit for bit.
+// int8 weights take the same panels at a byte an element: each is widened to fp32 (exact) as it is loaded, and
+// an output's sum is multiplied by its channel's scale before the bias: a quarter of the bytes a step streams.
+//
+// Batch invariance: an output element is one FMA chain over its inputs in order, from zero, then its scale and
+// bias applied, whatever the call's row count, the row's place in its block or the vector width, so a row
+// computes bitwise the same alone or beside others, in a decode step or a prefill chunk of any length, and the
+// AVX2 and AVX-512 builds agree bit for bit.
 
 #include <cstdint>
 
@@ -30,6 +34,9 @@ constexpr int64_t LANES = 16;
 constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors, broadcasts: 32 registers
 inline vec zero() { return _mm512_setzero_ps(); }
 inline vec load(const float *p) { return _mm512_loadu_ps(p); }
+inline vec load(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+}
 inline vec splat(const float *p) { return _mm512_set1_ps(*p); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 #elif MSTAR_FP32_LINEAR == 256
@@ -38,6 +45,9 @@ constexpr int64_t LANES = 8;
 constexpr int64_t BLOCK_ROWS = 6;  // 12 accumulators, 2 weight vectors, 1 broadcast: 16 registers
 inline vec zero() { return _mm256_setzero_ps(); }
 inline vec load(const float *p) { return _mm256_loadu_ps(p); }
+inline vec load(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+}
 inline vec splat(const float *p) { return _mm256_broadcast_ss(p); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 #else
@@ -48,21 +58,21 @@ constexpr int64_t PANEL = 2 * LANES;  // outputs per panel: two vectors
 constexpr int64_t PREFETCH = 2048;    // bytes ahead the weight stream is fetched
 
 #if defined(MSTAR_FP32_LINEAR)
-// out[r][0..outs) = bias + x[r] . panel's columns, for R rows. The accumulators are named, not an array: gcc
-// keeps an array of them in memory, a store per FMA.
+// out[r][0..outs) = bias + scale * (x[r] . panel's columns), for R rows (no scale: 1). The accumulators are named,
+// not an array: gcc keeps an array of them in memory, a store per FMA.
 // `ahead`: where this block fetches the next task's panels into L2, `ahead_step` bytes further each input (0: none).
-template <int R>
-void block(const float *x, int64_t x_row, const float *panel, int64_t k, const float *bias, float *out, int64_t out_row,
-           int64_t outs, const char *ahead, int64_t ahead_step) {
+template <int R, typename W>
+void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float *scale, const float *bias, float *out,
+           int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
 #define MSTAR_ACC(r) vec a##r##l = zero(), a##r##h = a##r##l; const float *x##r = x + (R > r ? r : 0) * x_row;
     MSTAR_ACC(0) MSTAR_ACC(1) MSTAR_ACC(2) MSTAR_ACC(3) MSTAR_ACC(4) MSTAR_ACC(5)
     MSTAR_ACC(6) MSTAR_ACC(7) MSTAR_ACC(8) MSTAR_ACC(9) MSTAR_ACC(10) MSTAR_ACC(11)
 #undef MSTAR_ACC
     for (int64_t e = 0; e < k; ++e) {
-        const float *w = panel + e * PANEL;
+        const W *w = panel + e * PANEL;
         const vec lo = load(w), hi = load(w + LANES);
         const char *next = reinterpret_cast<const char *>(w) + PREFETCH;
-        for (int64_t line = 0; line < PANEL * 4; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+        for (int64_t line = 0; line < PANEL * static_cast<int64_t>(sizeof(W)); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
         if (ahead_step) _mm_prefetch(ahead + e * ahead_step, _MM_HINT_T1);
 #define MSTAR_ROW(r)                                                                \
     if constexpr (R > r) {                                                          \
@@ -79,16 +89,48 @@ void block(const float *x, int64_t x_row, const float *panel, int64_t k, const f
     for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) __builtin_memcpy(sums[r] + h * LANES, &acc[r][h], sizeof(vec));
     for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < outs; ++j) out[r * out_row + j] = bias ? sums[r][j] + bias[j] : sums[r][j];
+        for (int64_t j = 0; j < outs; ++j) {
+            const float sum = scale ? sums[r][j] * scale[j] : sums[r][j];
+            out[r * out_row + j] = bias ? sum + bias[j] : sum;
+        }
 }
 
-template <int... R>
-void dispatch(int64_t rows, const float *x, int64_t x_row, const float *panel, int64_t k, const float *bias, float *out,
-              int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
+template <typename W, int... R>
+void dispatch(int64_t rows, const float *x, int64_t x_row, const W *panel, int64_t k, const float *scale,
+              const float *bias, float *out, int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
     // the block template for `rows` rows (1 to BLOCK_ROWS)
-    (void)((rows == R && (block<R>(x, x_row, panel, k, bias, out, out_row, outs, ahead, ahead_step), true)) || ...);
+    (void)((rows == R && (block<R>(x, x_row, panel, k, scale, bias, out, out_row, outs, ahead, ahead_step), true)) || ...);
+}
+
+// out [m, n] = x [m, k] @ (weight * scale).T + bias over panels of W (scale null: 1)
+template <typename W>
+void linear(const float *x, int64_t x_row, const W *packed, const float *scale, const float *bias, float *out,
+            int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
+    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(W)), BLOCK_ROWS};
+    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
+                           [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
+        const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
+        dispatch<W, 1, 2, 3, 4, 5, 6
+#if MSTAR_FP32_LINEAR == 512
+                 , 7, 8, 9, 10, 11, 12
+#endif
+                 >(rows, x + r0 * x_row, x_row, packed + p * k * PANEL, k, scale ? scale + first : nullptr,
+                   bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead, ahead_step);
+    });
 }
 #endif
+
+// weight [n, k] (row stride w_row) into panels: packed[p][e][j] = weight[p * PANEL + j][e], zeros past n
+template <typename W>
+void pack(const W *weight, int64_t w_row, int64_t n, int64_t k, W *packed) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t e = 0; e < k; ++e)
+            for (int64_t j = 0; j < PANEL; ++j) {
+                const int64_t o = p * PANEL + j;
+                packed[(p * k + e) * PANEL + j] = o < n ? weight[o * w_row + e] : W(0);
+            }
+}
 
 }  // namespace
 
@@ -103,38 +145,38 @@ int mstar_fp32_linear_available() {
 #endif
 }
 
-// floats of the packed layout of an [n, k] weight
+// elements of the packed layout of an [n, k] weight (floats, or bytes for int8)
 int64_t mstar_fp32_packed_floats(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
-// weight [n, k] (row stride w_row) into panels: packed[p][e][j] = weight[p * PANEL + j][e], zeros past n
 void mstar_fp32_pack(const float *weight, int64_t w_row, int64_t n, int64_t k, float *packed) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < panels; ++p)
-        for (int64_t e = 0; e < k; ++e)
-            for (int64_t j = 0; j < PANEL; ++j) {
-                const int64_t o = p * PANEL + j;
-                packed[(p * k + e) * PANEL + j] = o < n ? weight[o * w_row + e] : 0.0f;
-            }
+    pack(weight, w_row, n, k, packed);
+}
+
+void mstar_fp32_pack_int8(const int8_t *weight, int64_t w_row, int64_t n, int64_t k, int8_t *packed) {
+    pack(weight, w_row, n, k, packed);
 }
 
 // out [m, n] (row stride out_row) = x [m, k] (row stride x_row) @ weight.T + bias (or none); nonzero: not built here
 int mstar_fp32_linear(const float *x, int64_t x_row, const float *packed, const float *bias, float *out, int64_t out_row,
                       int64_t m, int64_t n, int64_t k, int threads) {
 #if defined(MSTAR_FP32_LINEAR)
-    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(float)), BLOCK_ROWS};
-    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
-                           [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
-        const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-        dispatch<1, 2, 3, 4, 5, 6
-#if MSTAR_FP32_LINEAR == 512
-                 , 7, 8, 9, 10, 11, 12
-#endif
-                 >(rows, x + r0 * x_row, x_row, packed + p * k * PANEL, k, bias ? bias + p * PANEL : nullptr,
-                   out + r0 * out_row + p * PANEL, out_row, outs, ahead, ahead_step);
-    });
+    linear(x, x_row, packed, nullptr, bias, out, out_row, m, n, k, threads);
     return 0;
 #else
     (void)x, (void)x_row, (void)packed, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k, (void)threads;
+    return 1;
+#endif
+}
+
+// the same over int8 weights: out = x @ (weight * scale[:, None]).T + bias; nonzero: not built here
+int mstar_fp32_int8_linear(const float *x, int64_t x_row, const int8_t *packed, const float *scale, const float *bias,
+                           float *out, int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
+#if defined(MSTAR_FP32_LINEAR)
+    linear(x, x_row, packed, scale, bias, out, out_row, m, n, k, threads);
+    return 0;
+#else
+    (void)x, (void)x_row, (void)packed, (void)scale, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k;
+    (void)threads;
     return 1;
 #endif
 }

@@ -79,11 +79,13 @@ def function(source: Path, name: str, argtypes: list, restype: Any, variant: str
     return fn
 
 
-def linear_runner(entry, dtype, label: str):
+def linear_runner(entry, dtype, label: str, scaled: bool = False):
     """`run(rows, packed, out_features, bias) -> out` over a packed-linear entry point, resolved once (None: no entry).
 
-    The entry points of `fp32_linear.cpp` and `amx_linear.cpp` share one C signature; a `PackedLinear` keeps
-    its runner, so the 121 calls of a decode step look nothing up.
+    The entry points of `fp32_linear.cpp`, `bf16_linear.cpp` and `amx_linear.cpp` share one C signature; a
+    `PackedLinear` keeps its runner, so the 121 calls of a decode step look nothing up. `scaled`: an int8 entry
+    point, which takes one fp32 scale per output after the packed weight: `run(rows, packed, out_features, bias,
+    scale)`.
     """
     import torch  # (here: building and loading kernels needs no torch)
 
@@ -91,16 +93,26 @@ def linear_runner(entry, dtype, label: str):
         return None
     empty, threads = torch.empty, torch.get_num_threads
 
+    def check(failed: int) -> None:
+        if failed:
+            raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
+
     def run(rows, packed, out_features: int, bias):
         count, inner = rows.shape
         out = empty((count, out_features), dtype=dtype)
-        failed = entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                       out.data_ptr(), out_features, count, out_features, inner, threads())
-        if failed:
-            raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
+        check(entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), out_features, count, out_features, inner, threads()))
         return out
 
-    return run
+    def run_scaled(rows, packed, out_features: int, bias, scale):
+        count, inner = rows.shape
+        out = empty((count, out_features), dtype=dtype)
+        check(entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), scale.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, count, out_features, inner,
+                    threads()))
+        return out
+
+    return run_scaled if scaled else run
 
 
 def _cpu_flags() -> str:

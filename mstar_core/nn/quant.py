@@ -3,11 +3,12 @@
 Every mode keeps one scale per output channel (`scale[n] = max |W[n, :]| / qmax`), so a row's error is
 bounded by half a step of its own largest weight, not the matrix's.
 
-* `int8` (weight-only): `y = (x @ q.T) * scale`, activations untouched. Two kernels compute it:
-  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for bf16 activations on AVX512) and
-  dequantize-then-matmul (the int8 weight turned back into the activation dtype for one call). On an
-  AVX2-only CPU both are slower than the fp32 GEMM (benchmarks/quantization.py measures them); the
-  saving there is memory (a quarter of fp32's weight bytes).
+* `int8` (weight-only): `y = (x @ q.T) * scale`, activations untouched. Three kernels compute it: M*'s own
+  panel kernels (`panels`: `fp32_linear.cpp` for fp32 activations on AVX2 / AVX-512, `bf16_linear.cpp` for
+  bf16 activations on AVX512-BF16; the int8 weight widened as it streams, so a decode step reads a quarter
+  (half) of the bytes; a row is bitwise the same alone or batched), the default where they run;
+  `torch._weight_int8pack_mm` (a fused int8-weight GEMM, vectorised for bf16 activations on AVX512); and
+  dequantize-then-matmul (the int8 weight turned back into the activation dtype for one call).
 * `int8_dynamic`: the same int8 weight and scales, activations quantized per call by FBGEMM
   (`quantized::linear_dynamic`, uint8 with one range per tensor, 7-bit): fast, but one range cannot hold
   SmolLM2's activation outliers (greedy agreement ~0.6, BENCHMARKS.md).
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.errors import ConfigError
+from mstar_core.nn import bf16_linear, fp32_linear
 
 #: The `quantize` values an LM node accepts (engine setting), and what each needs.
 QUANT_MODES = ("int8", "int8_dynamic", "int8_token", "fp8")
@@ -67,6 +69,16 @@ def int8pack_is_fast(dtype: torch.dtype = torch.bfloat16) -> bool:
     return dtype != torch.float32 and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2", "NO AVX")
 
 
+#: M*'s int8 panel kernel per activation dtype (`panels`)
+_PANEL_KERNELS = {torch.float32: fp32_linear, torch.bfloat16: bf16_linear}
+
+
+def int8_panels_available(dtype: torch.dtype) -> bool:
+    """Whether M*'s int8 panel kernel runs here for `dtype` activations (fp32: AVX2 or AVX-512; bf16: AVX512-BF16)."""
+    kernel = _PANEL_KERNELS.get(dtype)
+    return kernel is not None and kernel.available()
+
+
 def onednn_int8_available() -> bool:
     """Whether this torch has oneDNN's int8 linear (`onednn::qlinear_pointwise`), the `int8_token` kernel."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
@@ -82,9 +94,9 @@ def activation_qmax() -> int:
 
 
 class Int8Linear(nn.Module):
-    """A linear with int8 per-channel weights: weight-only (`int8pack`, `dequant`), FBGEMM dynamic, or oneDNN per-token."""
+    """A linear with int8 per-channel weights: weight-only (`panels`, `int8pack`, `dequant`), FBGEMM dynamic, or oneDNN per-token."""
 
-    KERNELS = ("int8pack", "dequant", "fbgemm", "onednn_token")
+    KERNELS = ("panels", "int8pack", "dequant", "fbgemm", "onednn_token")
 
     def __init__(self, linear: nn.Linear, kernel: str | None = None):
         super().__init__()
@@ -96,20 +108,29 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
         device = linear.weight.device.type
-        self.kernel = kernel or ("int8pack" if device == "cpu" and int8pack_is_fast(self.compute_dtype) else "dequant")
+        if kernel is None and device == "cpu":
+            kernel = ("panels" if int8_panels_available(self.compute_dtype)
+                      else "int8pack" if int8pack_is_fast(self.compute_dtype) else None)
+        self.kernel = kernel or "dequant"
         if self.kernel not in self.KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}; use one of {self.KERNELS}")
+        if self.kernel == "panels" and not int8_panels_available(self.compute_dtype):
+            raise ValueError(f"the int8 panel kernel does not run here for {self.compute_dtype} activations")
         self.qmax = activation_qmax() if self.kernel == "onednn_token" else None
         self._scale_as: dict[torch.dtype, torch.Tensor] = {}
-        self._prepacked = None  # the fbgemm / onednn_token kernel's own weight layout: packed now, at load
-        if self.kernel in ("fbgemm", "onednn_token"):
+        self._prepacked = None  # the panels / fbgemm / onednn_token kernel's own weight layout: packed now, at load
+        self._run = None  # the panel kernel's runner
+        if self.kernel in ("panels", "fbgemm", "onednn_token"):
             self.prepacked()
 
     def prepacked(self):
-        """The weight in the fbgemm or onednn_token kernel's layout (packed once; copies pack again)."""
+        """The weight in the panels, fbgemm or onednn_token kernel's layout (packed once; copies pack again)."""
         if self._prepacked is None:
             q, scale = self.qweight, self.scale
-            if self.kernel == "fbgemm":
+            if self.kernel == "panels":
+                panels = _PANEL_KERNELS[self.compute_dtype]
+                self._prepacked, self._run = panels.pack(q), panels.int8_runner()
+            elif self.kernel == "fbgemm":
                 qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(),
                                                 torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
                 self._prepacked = torch.ops.quantized.linear_prepack(qw, None if self.bias is None else self.bias.float())
@@ -129,6 +150,12 @@ class Int8Linear(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "panels" and x.dtype is self.compute_dtype and x.is_cpu and not torch.is_grad_enabled():
+            packed = self.prepacked()
+            flat = x.reshape(-1, self.in_features)
+            out = self._run(flat if flat.stride(-1) == 1 else flat.contiguous(), packed, self.out_features, self.bias,
+                            self.scale)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.kernel == "onednn_token":
             return self._per_token(x)
         if self.kernel == "fbgemm":
@@ -170,7 +197,8 @@ class Int8Linear(nn.Module):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_prepacked"] = None  # a torchbind object or an opaque oneDNN tensor: copies (and the wire) never carry it
+        # a torchbind object, an opaque oneDNN tensor or this machine's panels: copies (and the wire) never carry it
+        state["_prepacked"] = state["_run"] = None
         return state
 
     def extra_repr(self) -> str:

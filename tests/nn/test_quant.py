@@ -19,6 +19,7 @@ from mstar_core.nn.quant import (
     Int8Linear,
     activation_qmax,
     check_mode,
+    int8_panels_available,
     onednn_int8_available,
     per_channel_int8,
     quantize_linears,
@@ -49,7 +50,11 @@ def test_per_channel_int8_error_is_at_most_half_a_step_of_each_row():
     assert scale[5] > 20 * scale[4]  # per output channel, not per tensor
 
 
-@pytest.mark.parametrize("kernel", ["int8pack", "dequant"])
+PANELS_FP32 = ["panels"] if int8_panels_available(torch.float32) else []
+PANELS_BF16 = ["panels"] if int8_panels_available(torch.bfloat16) else []
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequant", *PANELS_FP32])
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_weight_only_int8_equals_the_dequantized_fp32_linear(kernel, rows):
     layer = _linear()
@@ -64,7 +69,26 @@ def test_weight_only_int8_equals_the_dequantized_fp32_linear(kernel, rows):
         assert q(x3).shape == (2, 3, 160)
 
 
-@pytest.mark.parametrize("kernel", ["int8pack", "dequant"])
+@pytest.mark.parametrize("dtype", [d for d in (torch.float32, torch.bfloat16) if int8_panels_available(d)])
+def test_int8_panels_are_the_default_where_they_run_and_a_row_is_the_same_alone_or_batched(dtype):
+    layer = _linear().to(dtype)
+    q = Int8Linear(layer)
+    assert q.kernel == "panels"
+    x = torch.randn(40, 96).to(dtype)
+    with torch.inference_mode():
+        batched = q(x)
+        alone = torch.cat([q(x[i : i + 1]) for i in range(40)])
+        want = F.linear(x.double(), q.qweight.double() * q.scale.double()[:, None], layer.bias.double())
+    assert batched.dtype == dtype and torch.equal(batched, alone)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert torch.allclose(batched.double(), want, rtol=tol, atol=1e-4 * want.abs().max().item())
+    clone = copy.deepcopy(q)  # a copy repacks its panels (they never travel)
+    assert clone._prepacked is None
+    with torch.inference_mode():
+        assert torch.equal(clone(x), batched)
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequant", *PANELS_BF16])
 def test_weight_only_int8_in_bf16_stays_bf16_and_close(kernel):
     layer = _linear().to(torch.bfloat16)
     q = Int8Linear(layer, kernel)
