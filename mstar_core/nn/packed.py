@@ -33,10 +33,12 @@ its size (121 calls a SmolLM2 step), and the kernel streams the weight faster (`
 2 cores: a step's linears 13.8 -> 11.5 ms at 2 rows, 16.7 -> 13.8 ms at 32). Its rows are batch-invariant from one row up;
 longer calls (prefill chunks) keep oneDNN. That is a third copy of each bf16 weight.
 
-Where the CPU has AVX2 and FMA but no AVX-512, an fp32 layer runs `fp32_linear.cpp` instead of oneDNN, for every
-row count: oneDNN's AVX2 GEMM reads a decode step's weights well below the memory's speed, and the kernel's
-rows are batch-invariant from one row up (`benchmarks/decode_linears.py`, 2-core AMD EPYC: a SmolLM2 step's
-linears 1.2-1.9x faster at 1 to 32 rows, level at 128-512). Its panels replace oneDNN's packed copy.
+Where the CPU has AVX2 and FMA (or AVX-512), an fp32 layer runs `fp32_linear.cpp` instead of oneDNN, for every row
+count: oneDNN's GEMM reads a decode step's weights well below the memory's speed, and the kernel's rows are
+batch-invariant from one row up (`benchmarks/decode_linears.py`: a SmolLM2 step's linears 1.2-1.9x faster at 1 to
+32 rows on a 2-core AVX2 EPYC, 1.13-1.28x on an AVX-512 Zen 5, level or faster at 128-512). Likewise a bf16 layer on
+an AVX512-BF16 CPU without AMX runs `bf16_linear.cpp` (vdpbf16ps panels; 1.26-1.39x oneDNN at 1 to 32 rows, 0.93x
+at 512). Their panels replace oneDNN's packed copy.
 """
 
 from __future__ import annotations
