@@ -93,13 +93,6 @@ void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float 
     }
 }
 
-template <typename W, int... R>
-void dispatch(int64_t rows, const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float *scale,
-              const bf16 *bias, bf16 *out, int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
-    // the block template for `rows` rows (1 to BLOCK_ROWS)
-    (void)((rows == R && (block<R>(x, x_row, panel, k, scale, bias, out, out_row, outs, ahead, ahead_step), true)) || ...);
-}
-
 // out [m, n] = x [m, k] @ (weight * scale).T + bias over pair panels of W (scale null: 1)
 template <typename W>
 void linear(const bf16 *x, int64_t x_row, const W *packed, const float *scale, const bf16 *bias, bf16 *out,
@@ -110,9 +103,11 @@ void linear(const bf16 *x, int64_t x_row, const W *packed, const float *scale, c
     mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
-        dispatch<W, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>(
-            rows, x + r0 * x_row, x_row, packed + p * steps * 2 * PANEL, k, scale ? scale + first : nullptr,
-            bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead, ahead_step);
+        mstar::for_rows<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>(rows, [&](auto r) {
+            block<decltype(r)::value>(x + r0 * x_row, x_row, packed + p * steps * 2 * PANEL, k, scale ? scale + first : nullptr,
+                                      bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead,
+                                      ahead_step);
+        });
     });
 }
 #endif

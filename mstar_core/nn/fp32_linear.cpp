@@ -95,13 +95,6 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
         }
 }
 
-template <typename W, int... R>
-void dispatch(int64_t rows, const float *x, int64_t x_row, const W *panel, int64_t k, const float *scale,
-              const float *bias, float *out, int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
-    // the block template for `rows` rows (1 to BLOCK_ROWS)
-    (void)((rows == R && (block<R>(x, x_row, panel, k, scale, bias, out, out_row, outs, ahead, ahead_step), true)) || ...);
-}
-
 // out [m, n] = x [m, k] @ (weight * scale).T + bias over panels of W (scale null: 1)
 template <typename W>
 void linear(const float *x, int64_t x_row, const W *packed, const float *scale, const float *bias, float *out,
@@ -110,12 +103,15 @@ void linear(const float *x, int64_t x_row, const W *packed, const float *scale, 
     mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
-        dispatch<W, 1, 2, 3, 4, 5, 6
+        mstar::for_rows<1, 2, 3, 4, 5, 6
 #if MSTAR_FP32_LINEAR == 512
-                 , 7, 8, 9, 10, 11, 12
+                        , 7, 8, 9, 10, 11, 12
 #endif
-                 >(rows, x + r0 * x_row, x_row, packed + p * k * PANEL, k, scale ? scale + first : nullptr,
-                   bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead, ahead_step);
+                        >(rows, [&](auto r) {
+            block<decltype(r)::value>(x + r0 * x_row, x_row, packed + p * k * PANEL, k, scale ? scale + first : nullptr,
+                                      bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead,
+                                      ahead_step);
+        });
     });
 }
 #endif
@@ -146,7 +142,7 @@ int mstar_fp32_linear_available() {
 }
 
 // elements of the packed layout of an [n, k] weight (floats, or bytes for int8)
-int64_t mstar_fp32_packed_floats(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+int64_t mstar_fp32_packed_elements(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
 void mstar_fp32_pack(const float *weight, int64_t w_row, int64_t n, int64_t k, float *packed) {
     pack(weight, w_row, n, k, packed);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -150,6 +151,12 @@ struct PanelCall {
 constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passes every row through (in L2)
 constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
 constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
+
+// body(std::integral_constant<int, R>{}) for the R of `rows` among R... (a block template's row count, chosen at run time)
+template <int... R, typename Body>
+void for_rows(int64_t rows, Body body) {
+    (void)((rows == R && (body(std::integral_constant<int, R>{}), true)) || ...);
+}
 
 template <typename Body>
 void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, Body rows_through_panel) {
