@@ -14,9 +14,11 @@ Shape (full): LLM hidden 512, 8 layers; 256 output latent tokens; edit with a 25
 `--quick` (< 60 s on 2 cores): 2 layers, 2 steps. Latency p50 per request at c=1 and c=4 (closed batch:
 all c requests start together; M* runs one request's flow at a time by default, `--flows N` admits N at
 once), CPU seconds of this process per side (`*_cpu_ratio`: load-independent). `edit_kv_bytes_ratio`: peak KV
-bytes of one edit request, M* over baseline. Prints one final JSON line (with the load average at start and end).
+bytes of one edit request, M* over baseline. `--dtype bfloat16` loads the weights in bf16 (the VAE stays float32,
+as the loader keeps it); the baseline shares those modules, so both sides run in it. Prints one final JSON line (with
+the load average at start and end).
 
-    python benchmarks/bagel_cfg.py --quick
+    python benchmarks/bagel_cfg.py --quick [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ async def peak_pages(engine: AsyncEngine, req: dict) -> int:
 async def run(args) -> dict:
     steps = args.steps or (2 if args.quick else 49)
     top, llm, vit = sizes(args.quick)
-    results: dict = {"steps": steps, "layers": llm["num_hidden_layers"], "hidden": llm["hidden_size"],
-                     "latent_tokens": 256}
+    results: dict = {"dtype": args.dtype, "steps": steps, "layers": llm["num_hidden_layers"],
+                     "hidden": llm["hidden_size"], "latent_tokens": 256}
+    print(f"bagel_cfg: {args.dtype}, {results['layers']} layers, {steps} steps", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         write_preset(Path(tmp), top, llm, vit)
         async with AsyncEngine() as engine:
@@ -131,7 +134,10 @@ async def run(args) -> dict:
             gen = ({"max_num_batched_tokens": args.gen_budget} if args.gen_budget else {}) | \
                 ({"max_active_requests": args.flows} if args.flows else {})
             settings = {"llm_gen": gen} if gen else None
-            loaded = await engine.load_model("bagel", LoadOptions(checkpoint=tmp, dtype="float32"), settings=settings)
+            loaded = await engine.load_model("bagel", LoadOptions(checkpoint=tmp, dtype=args.dtype), settings=settings)
+            # the baseline runs these same modules (loaded.extras), so it is in `--dtype` too: nothing to convert; its
+            # float inputs (pixels, noise) are float32 and the modules cast them to their weights' dtype, as in M*
+            assert loaded.extras["bagel"].vae2llm.weight.dtype == getattr(torch, args.dtype)
             page = 16
             for task in ("t2i", "edit"):
                 warm = requests(task, 1, 1)
@@ -151,7 +157,7 @@ async def run(args) -> dict:
             # peak KV of one edit request: M*'s pages (labels sharing them) vs the baseline's three dense caches
             edit = requests("edit", 1, 1)[0]
             cfg = loaded.extras["config"].llm
-            itemsize = 4  # float32 weights, so float32 KV on both sides
+            itemsize = engine.node_engines("bagel")["llm"].pool.kv.element_size()  # KV in the weights' dtype
             page_bytes = page * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
             mstar_bytes = await peak_pages(engine, edit) * page_bytes
             labels = baseline_one(loaded, loaded.prepare_inputs(edit), edit["seed"])
@@ -174,6 +180,8 @@ def main() -> None:
                         "requests' branches)")
     parser.add_argument("--flows", type=int, default=None, help="llm_gen max_active_requests: flows run at once "
                         "(default: bagel's, 1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weight dtype of both sides (default float32)")
     parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[1, 4],
                         help="comma-separated concurrencies (default 1,4)")
     args = parser.parse_args()

@@ -16,7 +16,10 @@ same pixels scaled to [-1, 1] and the same ids, and also works inside the timing
   machine disturb far less than wall time (one torch thread by default: `--threads`); `jct_cpu_min_ratio_c1`: the
   least CPU of any c=1 request of each side, the least disturbed figure.
 
-    python benchmarks/pi05_latency.py --quick
+`--dtype bfloat16` runs both sides in bf16: M* loads its weights so, the baseline's parameters and float inputs
+are cast (default float32).
+
+    python benchmarks/pi05_latency.py --quick [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def robots(n: int, state_dim: int) -> list[dict]:
 
 
 class Baseline:
-    """transformers' sample_actions on the same request: pixels to [-1, 1], ids as M*'s tokenizer gives them."""
+    """transformers' sample_actions on the same request: pixels to [-1, 1], ids as M*'s tokenizer gives them;
+    float inputs in the model's dtype."""
 
     def __init__(self, model, loaded, num_steps: int, patches: int):
         self.model, self.loaded, self.num_steps, self.patches = model, loaded, num_steps, patches
@@ -79,11 +83,14 @@ class Baseline:
         ids = torch.cat([torch.full((len(robot["images"]) * self.patches,), IMAGE_TOKEN), text])[None]
         noise = torch.randn(self.loaded.prepare.cfg.chunk_size, self.loaded.prepare.cfg.max_action_dim,
                             generator=torch.Generator().manual_seed(robot["seed"]))
-        return {"ids": ids, "noise": noise[None], "state": robot["state"][None].float(), "images": robot["images"]}
+        dtype = self.model.dtype
+        return {"ids": ids, "noise": noise[None].to(dtype), "state": robot["state"][None].to(dtype),
+                "images": robot["images"]}
 
     @torch.inference_mode()
     def __call__(self, inp: dict) -> torch.Tensor:
         pixels = torch.stack([im.permute(2, 0, 1).float() / 255.0 * 2 - 1 for im in inp["images"]])[None]
+        pixels = pixels.to(self.model.dtype)
         return self.model.sample_actions(state=inp["state"], input_ids=inp["ids"], pixel_values=pixels,
                                          noise=inp["noise"], num_steps=self.num_steps,
                                          pixel_attention_mask=torch.ones(1, pixels.shape[1], dtype=torch.bool),
@@ -101,8 +108,14 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(lerobot_state_dict(hf), Path(tmp),
                            lerobot_config(text=s["text"], expert=s["expert"], vision=s["vision"], **dims))
+        # both sides cast the same float32 weights. Parameters only: the RoPE and timestep frequencies (buffers)
+        # stay float32, as M* computes them and as from_pretrained(dtype=...) leaves them
+        with torch.no_grad():
+            for param in hf.parameters():
+                param.data = param.data.to(getattr(torch, args.dtype))
         async with AsyncEngine() as engine:
-            loaded = await engine.load_model("pi0", LoadOptions(checkpoint=tmp), settings=args.settings)
+            loaded = await engine.load_model("pi0", LoadOptions(checkpoint=tmp, dtype=args.dtype),
+                                             settings=args.settings)
             base = Baseline(hf, loaded, s["num_steps"], patches)
             base_inputs = [base.inputs(r) for r in fleet]
             request = [{**r, "num_steps": s["num_steps"], "horizon": s["chunk_size"]} for r in fleet]
@@ -112,7 +125,7 @@ async def run(args) -> dict:
 
             # warm-up, and fidelity: the same noise (the seed) on both sides
             got, want = await mstar(0), base(base_inputs[0])
-            max_abs_diff = float((got - want).abs().max())
+            max_abs_diff = float((got.float() - want.float()).abs().max())
 
             load_start = os.getloadavg()[0]
             # interleaved request by request, so load on the shared machine hits both sides alike; who goes first
@@ -132,6 +145,7 @@ async def run(args) -> dict:
     p50_m, p50_b = statistics.median(c1_mstar), statistics.median(c1_base)
     actions = args.robots * s["chunk_size"]
     return {
+        "dtype": args.dtype,
         "config": {"quick": args.quick, "threads": torch.get_num_threads(), "text_layers": s["text"]["num_hidden_layers"],
                    "prefix_tokens": len(base_inputs[0]["ids"][0]) + 1, "horizon": s["chunk_size"],
                    "num_steps": s["num_steps"], "load_avg": [round(load_start, 2), round(os.getloadavg()[0], 2)]},
@@ -159,6 +173,8 @@ async def run(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 Gemma layers, 2 SigLIP layers, fewer requests (< 60 s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and activations, both sides (default float32)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, both sides (default 1: on a shared box a second thread stalls every op)")
     parser.add_argument("--c1-requests", type=int, default=None)

@@ -7,7 +7,7 @@ frame-causal mask), served through AsyncEngine. Also reports CEM planning rollou
 in-process on dense caches.
 Prints one final JSON line.
 
-    python benchmarks/vjepa_rollout.py --quick
+    python benchmarks/vjepa_rollout.py --quick [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -53,16 +53,22 @@ async def timed(fn, repeats: int):
 
 async def run(args) -> dict:
     enc_cfg, pred_cfg = configs(args.quick)
+    print(f"V-JEPA 2-AC rollout, {'quick' if args.quick else 'full'} config, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         write_ac_preset(Path(tmp), enc_cfg, pred_cfg)
         async with AsyncEngine() as engine:
             samples, iters, horizon = (32, 2, 4) if args.quick else (128, 3, 5)
             # one page per step: the context prefix plus one iteration's forked rollouts fit at once
-            loaded = await engine.load_model("vjepa2-ac", LoadOptions(checkpoint=tmp), settings={
+            loaded = await engine.load_model("vjepa2-ac", LoadOptions(checkpoint=tmp, dtype=args.dtype), settings={
                 "ac_predictor": {"num_pages": max(4 * pred_cfg.max_frames, 1 + samples * horizon)}})
             encoder = loaded.graph.nodes["encoder"].module()
             ac = engine.node_engines("vjepa2-ac")["ac_predictor"]
             predictor = ac.module.predictor
+            # the reference runs M*'s own (already cast) modules, so both sides share weights and dtype; states and
+            # actions stay fp32 on both sides (requests give fp32, pose maths is fp32, the predictor embeds in dtype)
+            dtype = getattr(torch, args.dtype)
+            assert {p.dtype for m in (encoder.encoder, predictor) for p in m.parameters()} == {dtype}
             g = torch.Generator().manual_seed(0)
             frames = torch.randn(1, 3, enc_cfg.crop_size, enc_cfg.crop_size, generator=g)
             states = torch.rand(1, 7, generator=g) * 0.1
@@ -114,6 +120,7 @@ async def run(args) -> dict:
     return {
         "benchmark": "vjepa_rollout",
         "quick": args.quick,
+        "dtype": args.dtype,
         "config": {"tokens_per_step": pred_cfg.tokens_per_frame + 2, "predictor_dim": pred_cfg.predictor_embed_dim,
                    "depth": pred_cfg.depth, "context_frames": 1, "engine": ac.kind},
         "speedup_by_horizon": {str(h): round(r["speedup"], 2) for h, r in results.items()},
@@ -131,6 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small config, finishes in < 60 s on 2 CPU cores")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared CPU)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and activations of both sides (LoadOptions.dtype)")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats per side (best is kept)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

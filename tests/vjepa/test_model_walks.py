@@ -102,6 +102,20 @@ def test_plan_walk_matches_direct_cem():
     assert torch.allclose(env["costs"], ref["costs"], atol=1e-6, rtol=0)
 
 
+def test_plan_walk_runs_in_bf16_with_fp32_actions():
+    """bf16 latents, fp32 pose math: the CEM statistics follow the states, so sampled actions meet poses in fp32."""
+    async def go():
+        async with AsyncEngine() as engine:
+            await engine.load_model("vjepa2-ac", LoadOptions(preset="tiny", dtype="bfloat16"))
+            req = {"frames": _frames(2), "states": torch.rand(2, 7) * 0.1, "goal": _frames(1, seed=4), "horizon": 3,
+                   "samples": 8, "topk": 2, "iterations": 2, "seed": 7}
+            return await engine.submit("vjepa2-ac", req).result()
+
+    env = _run(go())
+    assert env["plan"].shape == (3, 7) and env["plan"].dtype == torch.float32
+    assert torch.isfinite(env["plan"]).all() and torch.isfinite(env["costs"].float()).all()
+
+
 def test_vjepa2_walks_match_the_module():
     async def go():
         async with AsyncEngine() as engine:

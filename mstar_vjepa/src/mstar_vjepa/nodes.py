@@ -109,7 +109,7 @@ class PlanStartNode:
         prefix = dict.fromkeys(("prefix_embeds", "prefix_positions", "prefix_rows"))
         if cached:  # C = 1: nothing to share, each sample starts from the only frame
             prefix = frame_call(self.predictor, context[:cached], poses_to_actions(states), states[:cached], 0, "prefix")
-        return {"cem_stats": cem_start(horizon, CEMSettings(**cem), context),
+        return {"cem_stats": cem_start(horizon, CEMSettings(**cem), states),
                 "cem_rng": torch.Generator().manual_seed(int(seed)).get_state(),
                 "prefix_calls": int(cached > 0), "prefix_label": PREFIX_LABEL if cached else None, **prefix}
 

@@ -42,7 +42,10 @@ def _blend(new: torch.Tensor, old: torch.Tensor, m_xyz: float, m_grip: float) ->
 
 
 def cem_start(horizon: int, cfg: CEMSettings, like: torch.Tensor) -> dict[str, Any]:
-    """The statistics before the first iteration (dtype and device of `like`): mean 0, std maxnorm / 1 (gripper)."""
+    """The statistics before the first iteration (dtype and device of `like`): mean 0, std maxnorm / 1 (gripper).
+
+    `like` is the states: actions meet poses in fp32 pose math, whatever dtype the latents are in.
+    """
     std = torch.cat([torch.full((horizon, 3), cfg.maxnorm), torch.ones(horizon, 1)], -1).to(like)
     return {"mean": torch.zeros_like(std), "std": std, "costs": [], "best_cost": float("inf"),
             "best": None}
@@ -90,7 +93,7 @@ def plan_cem(predictor, context: torch.Tensor, states: torch.Tensor, goal: torch
     """
     check_horizon(predictor, context.shape[1], horizon)
     prefix = prefill_prefix(predictor, context, states)
-    stats = cem_start(horizon, cfg, context)
+    stats = cem_start(horizon, cfg, states)
     frame, state = context[:, -1].expand(cfg.samples, -1, -1), states[:, -1].expand(cfg.samples, -1)
     for _ in range(cfg.iterations):
         sampled = cem_sample(stats, cfg, generator)
