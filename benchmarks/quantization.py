@@ -46,7 +46,7 @@ MODES = ("int8", "int8_dynamic", "int8_token")
 #: runs for the baseline's dtype (elsewhere no kernel for it is fast at 32 rows: the kernel table reads 3-70x the
 #: packed GEMM, so its c=32 run alone takes minutes).
 DEFAULT_MODES = ("int8_dynamic", "int8_token")
-PANEL_MODES = ("int8", "int8_dynamic", "int8_token")
+PANEL_MODES = ("int8", *DEFAULT_MODES)
 NEW_TOKENS = 64
 #: Standard-library modules whose docstrings are the prompt and perplexity text (fixed per Python version).
 TEXT_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal", "email", "enum",

@@ -150,7 +150,9 @@ class Int8Linear(nn.Module):
         return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "panels" and x.dtype is self.compute_dtype and x.is_cpu and not torch.is_grad_enabled():
+        # the kernel reads the scales as fp32 and the bias in x's dtype: a `.to()` since packing falls back below
+        if (self.kernel == "panels" and x.dtype is self.compute_dtype and self.scale.dtype is torch.float32
+                and (self.bias is None or self.bias.dtype is x.dtype) and x.is_cpu and not torch.is_grad_enabled()):
             packed = self.prepacked()
             flat = x.reshape(-1, self.in_features)
             out = self._run(flat if flat.stride(-1) == 1 else flat.contiguous(), packed, self.out_features, self.bias,

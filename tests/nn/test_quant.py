@@ -86,6 +86,10 @@ def test_int8_panels_are_the_default_where_they_run_and_a_row_is_the_same_alone_
     assert clone._prepacked is None
     with torch.inference_mode():
         assert torch.equal(clone(x), batched)
+    q.to(torch.bfloat16)  # scales (and an fp32 layer's bias) cast: the panels no longer apply, the result holds
+    with torch.inference_mode():
+        cast = q(x.bfloat16())
+    assert cast.dtype == torch.bfloat16 and torch.allclose(cast.double(), want, rtol=2 ** -6, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("kernel", ["int8pack", "dequant", *PANELS_BF16])
