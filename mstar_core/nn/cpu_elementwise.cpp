@@ -1,4 +1,4 @@
-// RMSNorm (alone or after a residual add), SiLU-and-multiply and rotary embedding for CPU, in one pass each:
+// RMSNorm (alone or after a residual add), a residual add, SiLU-and-multiply and rotary embedding for CPU, in one pass each:
 // built by native.py, called by cpu_elementwise.py.
 //
 // As torch ops a bf16 RMSNorm is eight passes over its rows (widen, square, mean, add, rsqrt, scale,
@@ -51,6 +51,18 @@ void add_rms_norm(T *delta, const T *residual, int64_t res_row, const T *weight,
         const float inv = 1.0f / std::sqrt(total / static_cast<float>(dim) + eps);
 #pragma omp simd
         for (int64_t e = 0; e < dim; ++e) store(round_to(widen(weight[e]) * round_to(widen(sum[e]) * inv, dst), dst), dst + e);
+    }
+}
+
+// acc [rows, dim] (contiguous) = other + acc, rounded to T as torch's add (a residual added to a block's output)
+template <typename T>
+void add(T *acc, const T *other, int64_t other_row, int64_t rows, int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        T *sum = acc + r * dim;
+        const T *src = other + r * other_row;
+#pragma omp simd
+        for (int64_t e = 0; e < dim; ++e) store(round_to(widen(src[e]) + widen(sum[e]), sum), sum + e);
     }
 }
 
@@ -141,6 +153,14 @@ void mstar_add_rms_norm_bf16(void *delta, const void *residual, int64_t res_row,
                              int64_t dim, float eps, int threads) {
     add_rms_norm(static_cast<bf16 *>(delta), static_cast<const bf16 *>(residual), res_row, static_cast<const bf16 *>(w),
                  static_cast<bf16 *>(out), rows, dim, eps, threads);
+}
+
+void mstar_add_f32(void *acc, const void *other, int64_t other_row, int64_t rows, int64_t dim, int threads) {
+    add(static_cast<float *>(acc), static_cast<const float *>(other), other_row, rows, dim, threads);
+}
+
+void mstar_add_bf16(void *acc, const void *other, int64_t other_row, int64_t rows, int64_t dim, int threads) {
+    add(static_cast<bf16 *>(acc), static_cast<const bf16 *>(other), other_row, rows, dim, threads);
 }
 
 void mstar_silu_mul_f32(const void *gate_up, int64_t row, void *out, int64_t rows, int64_t width, int threads) {

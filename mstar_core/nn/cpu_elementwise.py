@@ -1,4 +1,4 @@
-"""Fused RMSNorm, SiLU-and-multiply and rotary embedding on CPU (`cpu_elementwise.cpp`): one pass each, not several torch ops.
+"""Fused RMSNorm, residual add, SiLU-and-multiply and rotary embedding on CPU (`cpu_elementwise.cpp`): one pass each, not several torch ops.
 
 Each returns None where it does not apply (not a CPU tensor, a dtype other than fp32 / bf16, mixed
 dtypes, autograd, `torch.compile` tracing, no compiler here), and the caller runs its torch ops.
@@ -19,9 +19,16 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
     "mstar_add_rms_norm": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    "mstar_add": [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int],
     "mstar_silu_mul": [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int],
     "mstar_rotary": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int],
 }
+
+
+def _call(fn, *args) -> None:
+    fn(*args)
+    if native.RECORDER is not None:  # (a tape recording this thread's kernel calls, see tape.py)
+        native.RECORDER.record(fn, args)
 
 
 def _function(name: str, dtype: torch.dtype, variant: str | None = None):
@@ -63,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | N
         return None
     count, dim = rows.shape
     out = torch.empty((count, dim), dtype=x.dtype)  # (ints, not a torch.Size: a few microseconds less a call)
-    fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps, torch.get_num_threads())
+    _call(fn, rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps, torch.get_num_threads())
     return out.view(x.shape) if flat else out
 
 
@@ -79,9 +86,21 @@ def add_rms_norm_(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         return None
     count, dim = delta.shape
     out = torch.empty((count, dim), dtype=delta.dtype)
-    fn(delta.data_ptr(), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps,
-       torch.get_num_threads())
+    _call(fn, delta.data_ptr(), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), count, dim,
+          eps, torch.get_num_threads())
     return out
+
+
+def add_(acc: torch.Tensor, other: torch.Tensor, variant: str | None = None) -> bool:
+    """`other + acc` written into `acc` (the caller's scratch, 2-D contiguous), as torch's add rounds; False: not run here."""
+    if (not _applies(acc, other) or acc.dim() != 2 or not acc.is_contiguous() or other.shape != acc.shape
+            or other.stride(-1) != 1):
+        return False
+    fn = _function("mstar_add", acc.dtype, variant)
+    if fn is None:
+        return False
+    _call(fn, acc.data_ptr(), other.data_ptr(), other.stride(0), acc.shape[0], acc.shape[1], torch.get_num_threads())
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> torch.Tensor | None:
@@ -93,7 +112,7 @@ def silu_mul(gate_up: torch.Tensor, width: int, variant: str | None = None) -> t
         return None  # (without AVX-512 its exp is scalar: slower than torch's)
     count = gate_up.shape[0]
     out = torch.empty((count, width), dtype=gate_up.dtype)
-    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), count, width, torch.get_num_threads())
+    _call(fn, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), count, width, torch.get_num_threads())
     return out
 
 
@@ -106,6 +125,6 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, variant: str 
     fn = _function("mstar_rotary", x.dtype, variant)
     if fn is None:
         return False
-    fn(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], cos.shape[1], cos.data_ptr(), sin.data_ptr(),
-       torch.get_num_threads())
+    _call(fn, x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], cos.shape[1], cos.data_ptr(), sin.data_ptr(),
+          torch.get_num_threads())
     return True

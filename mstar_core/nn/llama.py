@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_core.nn import cpu_elementwise
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import GatedMLP
@@ -45,7 +46,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: AttentionContext) -> torch.Tensor:
         # the residual add and the second norm in one pass, over the attention's output (this call's own tensor)
         x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, context), x)
-        return x + self.mlp(h)
+        out = self.mlp(h)  # (this call's own tensor: the residual is added into it where the CPU kernel runs)
+        return out if cpu_elementwise.add_(out, x) else x + out
 
 
 class LlamaModel(nn.Module):
@@ -88,14 +90,26 @@ class LlamaForCausalLM(nn.Module):
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed `input_ids` `[T]` (or `input_embeds` `[T, H]`) at `positions` `[T]` -> final hidden `[T, H]`."""
+        return self.run_layers(self.layer_inputs(input_ids, positions, input_embeds), context)
+
+    def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """What the decoder layers read besides the cache: the embeddings `[T, H]` and the rotary tables (cos, sin).
+
+        With `run_layers` this splits `forward` where a recorded step (`mstar_core.nn.tape`) starts: these are
+        computed every step, the layers may be replayed over them.
+        """
         if input_embeds is None:
             if input_ids is None:
                 raise ValueError("forward needs input_ids or input_embeds")
             input_embeds = self.embed(input_ids)
-        x = input_embeds
-        rope = self.model.rotary_emb(positions)
+        return (input_embeds, *self.model.rotary_emb(positions))
+
+    def run_layers(self, inputs: tuple[torch.Tensor, ...], context: AttentionContext) -> torch.Tensor:
+        """The decoder layers and the final norm over `layer_inputs`' tensors -> final hidden `[T, H]`."""
+        x, cos, sin = inputs
         for layer in self.model.layers:
-            x = layer(x, rope, context)
+            x = layer(x, (cos, sin), context)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,9 @@ FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
 #: the header every kernel may include (`#include "mstar_native.h"`): bf16 conversions, exp
 HEADER = Path(__file__).with_name("mstar_native.h")
 
+#: The `Tape` recording on some thread (tape.py), else None: every kernel wrapper hands it the call it just made
+RECORDER: Any = None
+
 _lock = threading.Lock()
 # libraries by (source, variant) and entry points (signature set) by (source, variant, name); None: not built
 _loaded: dict[tuple, Any] = {}
@@ -100,16 +103,22 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
     def run(rows, packed, out_features: int, bias):
         count, inner = rows.shape
         out = empty((count, out_features), dtype=dtype)
-        check(entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), out_features, count, out_features, inner, threads()))
+        args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                out.data_ptr(), out_features, count, out_features, inner, threads())
+        check(entry(*args))
+        if RECORDER is not None:
+            RECORDER.record(entry, args)
         return out
 
     def run_scaled(rows, packed, out_features: int, bias, scale):
         count, inner = rows.shape
         out = empty((count, out_features), dtype=dtype)
-        check(entry(rows.data_ptr(), rows.stride(0), packed.data_ptr(), scale.data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, count, out_features, inner,
-                    threads()))
+        args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), scale.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, count, out_features, inner,
+                threads())
+        check(entry(*args))
+        if RECORDER is not None:
+            RECORDER.record(entry, args)
         return out
 
     return run_scaled if scaled else run

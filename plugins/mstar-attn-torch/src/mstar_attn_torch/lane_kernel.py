@@ -106,3 +106,5 @@ class LaneCall:
         failed = self.kernel(self.plan_ref, q, k, v, store_k, store_v, k_pool, v_pool, out)
         if failed:
             raise RuntimeError(f"decode-lane kernel refused the step (code {failed}: head dim or group too large, or no memory)")
+        if native.RECORDER is not None:  # (a tape recording this thread's kernel calls: the plan by its address)
+            native.RECORDER.record(self.kernel, (ctypes.addressof(self.plan), q, k, v, store_k, store_v, k_pool, v_pool, out))

@@ -80,6 +80,8 @@ class KVCacheSettings:
     quantize: str | None = None
     # a host tier for preempted sequences' pages and evicted prefix pages (offload.py); None: off
     kv_offload: OffloadSettings | None = None
+    # decode steps recorded once per batch layout and replayed from C (replay.py); None: on for a CPU node
+    replay_steps: bool | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
@@ -88,7 +90,7 @@ class KVCacheSettings:
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
-        for key in ("compile", "cuda_graphs", "pack_weights"):
+        for key in ("compile", "cuda_graphs", "pack_weights", "replay_steps"):
             if values.get(key) is not None and not isinstance(values[key], bool):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be true or false, got {values[key]!r}")
         if values.get("quantize") is not None:

@@ -22,6 +22,7 @@ from mstar_kvcache.no_token import NoTokenColumns
 from mstar_kvcache.offload import host_tier
 from mstar_kvcache.ranks import RankSteps, split_shape
 from mstar_kvcache.readers import ReadOnlyCalls
+from mstar_kvcache.replay import StepReplay
 from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
 from mstar_kvcache.sharing import cache_owner
@@ -104,6 +105,9 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
 
             self.packed_linears = pack_linears(module)  # a CPU step's wide GEMMs stop repacking their weights
         self.forward_fn = module if not self.settings.compile else self._compiled(module)
+        self.replay = None
+        if self.settings.replay_steps is not False and not self.settings.compile and self.ranks is None:
+            self.replay = StepReplay.for_module(module, node.name, self.device)
         if self.settings.compile and self.ranks is not None and not self.routed:
             # a split node compiles every bucket now, while its worker loads: compiling mid-serving (tens of
             # seconds of Python) starved a loaded rank's heartbeats and its group was replaced. Every rank
@@ -228,6 +232,8 @@ class KVCacheEngine(CacheLabels, ReadOnlyCalls, StepInputs, CallAnswers, CacheTr
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
             "packed_linears": self.packed_linears,
+            **({"replayed_steps": self.replay.replayed, "recorded_steps": self.replay.recorded}
+               if self.replay is not None else {}),
             "quantized_linears": self.quantized_linears,
             "num_running": sum(1 for s in pending if s.pages) + len(self.readers),
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.waiting_readers),

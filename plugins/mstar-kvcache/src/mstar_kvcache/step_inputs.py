@@ -23,6 +23,10 @@ class StepInputs:
             self._send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
         with torch.inference_mode():
             if embeds is None:
+                if self.replay is not None and not kwargs:
+                    hidden = self.replay.forward(ids, positions, context)
+                    if hidden is not None:  # (a decode step replayed, or recorded as it ran)
+                        return hidden
                 return self.forward_fn(ids, positions, context, **kwargs)
             return self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
 

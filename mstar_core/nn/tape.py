@@ -1,0 +1,127 @@
+"""Record a run of CPU kernel calls once and replay it from C (`tape.cpp`): a decode step without its Python.
+
+While a `Tape` records (`with tape.recording():`, on one thread), every kernel wrapper of `mstar_core.nn` and the
+lane attention appends its call to the tape as it ran it: entry point, pointers, sizes. A torch dispatch guard
+watches the same thread meanwhile. Allocations are kept alive by the tape (their addresses are in the calls: no
+later tensor may reuse that memory), views are free, and any other torch op makes the recording unusable
+(`failure` names it), since a replay runs the kernels alone. Replaying writes into the recorded buffers: the
+caller copies fresh inputs into the tensors it recorded with and reads the results where the recording left them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mstar_core.nn import native
+
+SOURCE = Path(__file__).with_name("tape.cpp")
+_ARGS = 11  # argument slots a call has (MAX_ARGS in tape.cpp)
+_CODES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f", None: "v"}
+#: The C signatures a tape replays (result, then arguments: p pointer, q int64, i int, f float), as tape.cpp's `Kind`
+KINDS = {"i:pqpppqqqqi": 1, "i:pqppppqqqqi": 2, "v:pqppqqfi": 3, "v:ppqppqqfi": 4, "v:pqpqqi": 5, "v:pqqqqqppi": 6,
+         "i:ppppppppp": 7, "v:ppqqqi": 8}
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
+
+
+def _code(argtype) -> str:
+    if isinstance(argtype, type) and issubclass(argtype, ctypes._Pointer):
+        return "p"
+    return _CODES.get(argtype, "?")
+
+
+def _kind(entry) -> int | None:
+    signature = _code(entry.restype) + ":" + "".join(_code(t) for t in entry.argtypes)
+    return KINDS.get(signature)
+
+
+def _runner():
+    return native.function(SOURCE, "mstar_tape_run", [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64)
+
+
+def available() -> bool:
+    """Whether tapes replay here (the replay loop built, with the layout this module writes)."""
+    size = native.function(SOURCE, "mstar_tape_op_bytes", [], ctypes.c_int64)
+    return size is not None and size() == 8 * (2 + _ARGS)
+
+
+class Tape:
+    """Kernel calls recorded in order, the tensors they write kept alive, and whether a replay may stand for the run."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []  # flat: per call, its entry's address, its kind and _ARGS argument slots
+        self.count = 0
+        self.keep: list[torch.Tensor] = []  # every tensor allocated while recording
+        self.failure: str | None = None  # what made the recording unusable (None: usable)
+        self.thread: int | None = None
+        self._array = None
+
+    def record(self, entry, args: tuple) -> None:
+        """Append a kernel call (`entry` a ctypes function, `args` as it was called with); from the recording thread only."""
+        if self.failure is not None or threading.get_ident() != self.thread:
+            return
+        kind = _kind(entry)
+        if kind is None or len(args) > _ARGS:
+            self.failure = f"kernel {getattr(entry, '__name__', entry)} (a signature tapes do not replay)"
+            return
+        slots = [0] * _ARGS
+        for i, (value, argtype) in enumerate(zip(args, entry.argtypes, strict=True)):
+            if argtype is ctypes.c_float:
+                slots[i] = struct.unpack("<i", struct.pack("<f", value))[0]
+            elif value is not None:
+                slots[i] = int(value)
+        self.calls += [ctypes.cast(entry, ctypes.c_void_p).value, kind, *slots]
+        self.count += 1
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Tape]:
+        """Record the kernel calls this thread makes in the block (torch ops other than allocations and views spoil it)."""
+        if native.RECORDER is not None:
+            raise RuntimeError("a tape is already recording")
+        self.thread = threading.get_ident()
+        with _Guard(self):
+            native.RECORDER = self
+            try:
+                yield self
+            finally:
+                native.RECORDER = None
+        if self.failure is None and not self.count:
+            self.failure = "no kernel call"
+        if self.failure is None:
+            self._array = (ctypes.c_int64 * len(self.calls))(*self.calls)
+
+    def replay(self) -> None:
+        """Run the recorded calls again, in order, from C (the GIL released)."""
+        if self._array is None:
+            raise RuntimeError(f"this tape does not replay: {self.failure or 'not recorded'}")
+        failed = _runner()(ctypes.addressof(self._array), self.count)
+        if failed:
+            raise RuntimeError(f"replayed kernel call {failed - 1} refused (not built for this CPU, or no memory)")
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers the tape keeps."""
+        return sum(t.untyped_storage().nbytes() for t in self.keep)
+
+
+class _Guard(TorchDispatchMode):
+    """Keeps what the recording allocates; notes the first torch op that computes (a replay would skip it)."""
+
+    def __init__(self, tape: Tape):
+        super().__init__()
+        self.tape = tape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.tape.keep.append(out)
+        elif not func.is_view and self.tape.failure is None:
+            self.tape.failure = f"torch op {func}"
+        return out

@@ -1,0 +1,116 @@
+"""Replayed decode steps: a CPU step's layers recorded once per batch layout, then run from C (`mstar_core.nn.tape`).
+
+On a CPU, a small model's decode step is mostly Python around its kernels: SmolLM2-135M in bf16 spends ~4.5 ms
+of a ~7.8 ms step in its 121 linears and most of the rest in module calls, checks, allocations and ctypes calls
+(~330 a step). A step whose attention is the lane kernel alone (every row decodes in a lane, see
+`mstar_attn_torch`) does the same calls on the same shapes every time, so the first such step of each row count
+is recorded as it runs, and later ones copy their inputs into the recorded ones (embeddings, rotary tables,
+each row's lane, position and slot) and replay the calls. The replay is the recorded step: the same kernels on
+the same sizes give the same bits (tested against eager steps).
+
+A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step) and
+`run_layers(inputs, context)` (recorded); one that does not, or whose layers run a torch op that computes
+(recording notes it), runs every step as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from mstar_core.nn import tape as tapes
+from mstar_core.nn.packed import PackedLinear
+
+log = logging.getLogger("mstar.kvcache.replay")
+
+#: Recorded layouts kept per engine (least recently used dropped first), and the bytes their buffers may hold
+MAX_PROGRAMS = 16
+MAX_PROGRAM_BYTES = 512 << 20
+
+
+class _Program:
+    """One recorded step: its tape, the tensors it read its inputs from, its output, and the weights it assumed."""
+
+    def __init__(self, tape: tapes.Tape, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, context: Any,
+                 module: torch.nn.Module):
+        self.tape, self.inputs, self.output = tape, inputs, output
+        self.context = context  # (holds the lane plan the recorded attention calls point at)
+        self.nbytes = tape.nbytes()
+        # a replay trusts the weights as recorded: every parameter the same tensor, unchanged in place, and every
+        # packed linear's pack the one it ran (load_state_dict or a repack sends the step back to a recording)
+        self.places = [(owner._parameters, name) for owner in module.modules()
+                       for name, param in owner._parameters.items() if param is not None]
+        self.params = [params[name] for params, name in self.places]
+        self.versions = [param._version for param in self.params]
+        self.packs = [(layer, layer._fast) for layer in module.modules() if isinstance(layer, PackedLinear)]
+
+    def current(self) -> bool:
+        """Whether the weights are still those recorded (~20 us for SmolLM2's 272 parameters)."""
+        return ([param._version for param in self.params] == self.versions
+                and all(map(operator.is_, [params.get(name) for params, name in self.places], self.params))
+                and all(layer._fast is fast for layer, fast in self.packs))
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for recorded, fresh in zip(self.inputs, inputs, strict=True):
+            recorded.copy_(fresh)
+        self.tape.replay()
+        return self.output.clone()  # (the next replay overwrites the recorded output)
+
+
+class StepReplay:
+    """An engine's recorded decode steps (one per row count and lane layout), or None where they cannot run."""
+
+    def __init__(self, module: Any, node: str):
+        self.module, self.node = module, node
+        self.enabled = True  # False once the layers are known not to replay
+        self.programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self.recorded = self.replayed = 0
+
+    @classmethod
+    def for_module(cls, module: Any, node: str, device: torch.device) -> StepReplay | None:
+        """Replay for `module` on `device`, or None (not a CPU, no `layer_inputs` / `run_layers`, no replay loop here)."""
+        if device.type != "cpu" or not (hasattr(module, "layer_inputs") and hasattr(module, "run_layers")):
+            return None
+        return cls(module, node) if tapes.available() else None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor | None:
+        """The step's final hidden rows, replayed or recorded as they run; None: run this step eagerly."""
+        layout = getattr(context, "replay_layout", None) if self.enabled else None
+        step = layout() if layout is not None else None
+        if step is None:
+            return None
+        key, step_tensors = step
+        key = (tuple(ids.shape), torch.get_num_threads(), key)  # (key[2] starts with the storage the calls point at)
+        layer_inputs = self.module.layer_inputs(ids, positions)
+        program = self.programs.get(key)
+        if program is not None and program.current():
+            self.programs.move_to_end(key)
+            self.replayed += 1
+            return program.run((*layer_inputs, *step_tensors))
+        return self._record(key, layer_inputs, step_tensors, context)
+
+    def _record(self, key: tuple, layer_inputs: tuple[torch.Tensor, ...], step_tensors: tuple[torch.Tensor, ...],
+                context: Any) -> torch.Tensor:
+        """Run the step's layers eagerly while recording them; keep the recording where it replays."""
+        # the recording's own copies: later steps copy into them (a module may hand out views of what it keeps)
+        layer_inputs = tuple(t.clone() for t in layer_inputs)
+        tape = tapes.Tape()
+        with tape.recording():
+            hidden = self.module.run_layers(layer_inputs, context)
+        if tape.failure is not None:
+            log.info("node %s: decode steps run eagerly (%s in its layers cannot be replayed)", self.node, tape.failure)
+            self.enabled = False  # (every later step runs the same layers)
+            return hidden
+        # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
+        for stale in [k for k in self.programs if k[2][:3] != key[2][:3]]:
+            del self.programs[stale]
+        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.module)
+        self.recorded += 1
+        while len(self.programs) > MAX_PROGRAMS or (
+                len(self.programs) > 1 and sum(p.nbytes for p in self.programs.values()) > MAX_PROGRAM_BYTES):
+            self.programs.popitem(last=False)
+        return hidden.clone()

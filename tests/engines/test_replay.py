@@ -1,0 +1,97 @@
+"""Replayed decode steps (`mstar_kvcache.replay`): recorded once per layout, then the same logits as eager steps."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from mstar_core.errors import ConfigError
+from mstar_core.nn import tape
+from mstar_core.runtime.engine import Invocation
+from tests.engines.driver import generate, make_engine
+from tests.engines.test_decode_lanes import _engine, _scenario
+
+pytestmark = pytest.mark.skipif(not tape.available(), reason="no C++ compiler here: tapes do not replay")
+
+
+def _replays(model) -> bool:
+    """Whether this CPU runs the model's linears on M*'s own kernels (oneDNN is a torch op: no replay)."""
+    fast = model.model.layers[0].mlp.gate_up_proj.__dict__.get("_fast")
+    return fast is not None and fast[6] is not None
+
+
+def test_replayed_steps_give_the_eager_logits_bit_for_bit(llama_pair):
+    """Forks, a rolled-back peek, releases and refills: every replayed step's logits equal the eager step's."""
+    _, ours = llama_pair
+    replaying = _engine(ours, True)
+    got = _scenario(replaying)
+    eager = _engine(ours, True, replay_steps=False)
+    assert eager.replay is None
+    ref = _scenario(eager)
+    assert len(got) == len(ref) > 100
+    assert torch.equal(torch.stack(got), torch.stack(ref))
+    if not _replays(ours):
+        pytest.skip("no own linear kernel on this CPU: every step ran eagerly")
+    stats = replaying.stats()
+    assert stats["replayed_steps"] >= 20 and 0 < stats["recorded_steps"] <= stats["replayed_steps"]
+    assert replaying.pool.num_used == 0
+
+
+def test_bf16_steps_replay_the_same_tokens(llama_pair):
+    _, ours = llama_pair
+    model = copy.deepcopy(ours).to(torch.bfloat16)
+    prompts = {"a": [1, 2, 3, 4], "b": [9, 8, 7], "c": list(range(20, 41))}
+    replaying = make_engine(model, num_pages=256, page_size=4)  # (room for the lanes to grow past 32 tokens)
+    got = generate(replaying, prompts, 20)
+    assert got == generate(make_engine(model, num_pages=256, page_size=4, replay_steps=False), prompts, 20)
+    if _replays(model):
+        assert replaying.replay.replayed >= 17
+
+
+def test_changed_weights_are_not_replayed(llama_pair):
+    """After `load_state_dict` a replay would run the packed copies of the old weights: the step runs anew."""
+    _, ours = llama_pair
+    model = copy.deepcopy(ours)
+    engine = make_engine(model, num_pages=64, page_size=4)
+    generate(engine, {"a": [1, 2, 3]}, 12)
+    state = {k: v * 1.5 if v.dim() == 2 else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    changed = copy.deepcopy(ours)
+    changed.load_state_dict(state)
+    fresh = make_engine(changed, num_pages=64, page_size=4)
+
+    def logits(engine) -> torch.Tensor:
+        out = []
+        engine.add(Invocation("b", "lm", {"input_ids": [5, 6, 7]}, {}))
+        while engine.has_work():
+            for _, res in engine.step():
+                out.append(res["logits"])
+                if len(out) < 10:
+                    engine.add(Invocation("b", "lm", {"input_ids": res["next_token"]}, {}))
+        return torch.stack(out)
+
+    torch.testing.assert_close(logits(engine), logits(fresh), atol=1e-5, rtol=1e-5)
+
+
+def test_layers_with_a_torch_op_run_eagerly(llama_pair, caplog):
+    _, ours = llama_pair
+    model = copy.deepcopy(ours)
+    mlp = model.model.layers[1].mlp
+    plain = mlp.forward
+    mlp.forward = lambda h: plain(h) * 1.0  # a multiply the kernels do not do
+    engine = make_engine(model, num_pages=64, page_size=4)
+    with caplog.at_level(logging.INFO, logger="mstar.kvcache.replay"):
+        got = generate(engine, {"a": [1, 2, 3], "b": [4, 5]}, 10)
+    assert got == generate(make_engine(model, num_pages=64, page_size=4, replay_steps=False), {"a": [1, 2, 3], "b": [4, 5]}, 10)
+    if _replays(model):
+        assert not engine.replay.enabled and engine.replay.replayed == 0
+        assert "aten.mul" in caplog.text
+
+
+def test_replay_steps_must_be_a_bool(llama_pair):
+    _, ours = llama_pair
+    with pytest.raises(ConfigError, match="replay_steps"):
+        make_engine(ours, replay_steps="yes")

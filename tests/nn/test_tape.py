@@ -1,0 +1,103 @@
+"""Tapes (`mstar_core.nn.tape`): CPU kernel calls recorded once, replayed from C over fresh inputs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mstar_core.nn import cpu_elementwise, tape
+from mstar_core.nn.mlp import GatedMLP
+from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.packed import pack_linears
+
+pytestmark = pytest.mark.skipif(not tape.available(), reason="no C++ compiler here: tapes do not replay")
+
+
+def _block(dtype: torch.dtype):
+    """RMSNorm, a packed SwiGLU MLP and the residual add: the kernels of half a decoder layer."""
+    torch.manual_seed(0)
+    norm, mlp = RMSNorm(64).to(dtype), GatedMLP(64, 96).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    pack_linears(mlp)
+    if mlp.gate_up_proj._fast is None or mlp.gate_up_proj._fast[6] is None:
+        pytest.skip(f"no own {dtype} linear kernel on this CPU (oneDNN is a torch op)")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = mlp(norm(x))
+        assert cpu_elementwise.add_(out, x)
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_over_fresh_inputs_gives_the_eager_bits(dtype):
+    run = _block(dtype)
+    x = torch.randn(3, 64).to(dtype)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        out = run(x)
+    assert recorded.failure is None
+    assert recorded.count == 5  # norm, gate/up, SiLU-mul, down, add
+    assert any(kept.data_ptr() == out.data_ptr() for kept in recorded.keep)  # the output buffer outlives the run
+    for seed in range(3):
+        fresh = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        x.copy_(fresh)
+        recorded.replay()
+        with torch.inference_mode():
+            assert torch.equal(out, run(fresh))
+
+
+def test_a_torch_op_that_computes_spoils_the_recording():
+    run = _block(torch.float32)
+    x = torch.randn(2, 64)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        run(x * 2)  # (the multiply runs while recording: a replay would skip it)
+    assert "aten.mul" in recorded.failure
+    with pytest.raises(RuntimeError, match="does not replay"):
+        recorded.replay()
+
+
+def test_views_and_allocations_do_not_spoil_it():
+    x = torch.randn(4, 8)
+    weight = torch.ones(8)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        rows = x[1:3].view(2, 8)  # views and an allocation
+        out = cpu_elementwise.rms_norm(rows, weight, 1e-6)
+    assert recorded.failure is None and recorded.count == 1
+    x[1:3] = torch.randn(2, 8)
+    recorded.replay()
+    torch.testing.assert_close(out, x[1:3] * torch.rsqrt(x[1:3].pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_other_threads_kernel_calls_are_not_recorded():
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    recorded = tape.Tape()
+    with recorded.recording():
+        worker = threading.Thread(target=cpu_elementwise.rms_norm, args=(x, weight, 1e-6))
+        worker.start()
+        worker.join()
+        cpu_elementwise.rms_norm(x, weight, 1e-6)
+    assert recorded.failure is None and recorded.count == 1
+
+
+def test_an_empty_recording_does_not_replay_and_tapes_do_not_nest():
+    recorded = tape.Tape()
+    with recorded.recording():
+        with pytest.raises(RuntimeError, match="already recording"):
+            with tape.Tape().recording():
+                pass
+    assert recorded.failure == "no kernel call"
+
+
+def test_a_signature_tapes_do_not_know_spoils_the_recording():
+    probe = tape.native.function(tape.SOURCE, "mstar_tape_op_bytes", [], tape.ctypes.c_int64)
+    recorded = tape.Tape()
+    with recorded.recording():
+        recorded.record(probe, ())
+    assert "signature" in recorded.failure
