@@ -91,6 +91,22 @@ def test_layers_with_a_torch_op_run_eagerly(llama_pair, caplog):
         assert "aten.mul" in caplog.text
 
 
+def test_a_subclass_overriding_forward_alone_is_not_replayed(llama_pair):
+    _, ours = llama_pair
+
+    class Shifted(type(ours)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) + 1.0
+
+    model = copy.deepcopy(ours)
+    model.__class__ = Shifted
+    assert make_engine(model, num_pages=64).replay is None
+    hooked = copy.deepcopy(ours)
+    hooked.register_forward_hook(lambda module, args, out: out)
+    assert make_engine(hooked, num_pages=64).replay is None
+    assert make_engine(copy.deepcopy(ours), num_pages=64).replay is not None
+
+
 def test_replay_steps_must_be_a_bool(llama_pair):
     _, ours = llama_pair
     with pytest.raises(ConfigError, match="replay_steps"):

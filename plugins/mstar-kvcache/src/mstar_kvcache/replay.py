@@ -32,6 +32,17 @@ MAX_PROGRAMS = 16
 MAX_PROGRAM_BYTES = 512 << 20
 
 
+def _splits_forward(module: Any) -> bool:
+    """Whether the class that defines `module`'s forward defines `layer_inputs` and `run_layers` with it.
+
+    (A subclass that overrides `forward` alone no longer runs as its parent's split says: it opts out.)
+    """
+    for owner in type(module).__mro__:
+        if "forward" in vars(owner):
+            return "layer_inputs" in vars(owner) and "run_layers" in vars(owner)
+    return False
+
+
 class _Program:
     """One recorded step: its tape, the tensors it read its inputs from, its output, and the weights it assumed."""
 
@@ -72,8 +83,9 @@ class StepReplay:
 
     @classmethod
     def for_module(cls, module: Any, node: str, device: torch.device) -> StepReplay | None:
-        """Replay for `module` on `device`, or None (not a CPU, no `layer_inputs` / `run_layers`, no replay loop here)."""
-        if device.type != "cpu" or not (hasattr(module, "layer_inputs") and hasattr(module, "run_layers")):
+        """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here)."""
+        if device.type != "cpu" or not _splits_forward(module) or getattr(module, "_forward_hooks", None) \
+                or getattr(module, "_forward_pre_hooks", None):
             return None
         return cls(module, node) if tapes.available() else None
 
