@@ -202,3 +202,19 @@ def test_bf16_pool_keeps_bf16_lanes_read_by_the_kernel(llama_pair):
     # two bf16 implementations (summation order): the same argmax nearly everywhere, logits within bf16 noise
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.97
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_lanes_get_shorter_to_make_room_for_more_sequences():
+    """One long sequence sized the lanes; sixteen short ones then need more lanes than the budget holds at that length."""
+    pool = torch.randn(1, 2, 600, 2, 1, 3)  # 600 pages of 2 slots; a token is 24 bytes of lane
+    lanes = DecodeLanes(budget_bytes=1024 * 24)
+    assert lanes.assign(pool, ["long"], [list(range(50))], [100]) == [0]
+    assert lanes.capacity >= 100
+    short = [f"s{i}" for i in range(16)]
+    pages = [list(range(100 + 5 * i, 105 + 5 * i)) for i in range(16)]
+    got = lanes.assign(pool, short, pages, [10] * 16)
+    assert None not in got and lanes.capacity < 100
+    for lane, held in zip(got, pages, strict=True):
+        torch.testing.assert_close(lanes.kv[0, :, lane, :9], pool[0, :, held].flatten(1, 2)[:, :9])
+    # the long sequence lost its lane's contents: it attends through the pages until a lane fits it again
+    assert lanes.assign(pool, ["long"], [list(range(51))], [101]) == [None]

@@ -122,8 +122,10 @@ class DecodeLanes:
         needed_cap = max(self.capacity, _round(length, 16))
         doubled_lanes = max(needed_lanes, 2 * self.num_lanes) if lanes > self.num_lanes else needed_lanes
         doubled_cap = max(self.capacity, _round(max(length, 2 * self.capacity, 64), 16)) if length > self.capacity else needed_cap
+        # last resort: more lanes, each only as long as this step needs (a few long sequences grew the lanes
+        # before many short ones came: without it, every lane beyond the first few attended through the pages)
         for want_lanes, cap in ((doubled_lanes, doubled_cap), (needed_lanes, doubled_cap), (doubled_lanes, needed_cap),
-                                (needed_lanes, needed_cap)):
+                                (needed_lanes, needed_cap), (needed_lanes, _round(length, 16))):
             if want_lanes * cap * per_token <= self.budget:
                 break
         else:
@@ -133,7 +135,11 @@ class DecodeLanes:
         # indexing `kv[layer, k/v, lane, position]` reads and writes a token's [heads, dim] as before
         grown = pool.new_zeros(layers, 2, want_lanes, heads, cap, dim, dtype=dtype).transpose(3, 4)
         if self.kv is not None:
-            grown[:, :, : self.num_lanes, : self.capacity] = self.kv
+            kept = min(cap, self.capacity)
+            grown[:, :, : self.num_lanes, :kept] = self.kv[:, :, :, :kept]
+            for lane, held in enumerate(self.length):
+                if held > cap:  # (shorter lanes: this lane no longer holds its sequence, which refills if it fits)
+                    self.length[lane], self.pages[lane] = -1, []
         self.kv = grown
         extra = want_lanes - self.num_lanes
         self.owner += [None] * extra
