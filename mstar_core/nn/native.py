@@ -33,7 +33,7 @@ FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
 #: the header every kernel may include (`#include "mstar_native.h"`): bf16 conversions, exp
 HEADER = Path(__file__).with_name("mstar_native.h")
 
-#: The `Tape` recording on some thread (tape.py), else None: every kernel wrapper hands it the call it just made
+#: The tapes recording (tape.py), while any thread records, else None: every kernel wrapper hands it the call it just made
 RECORDER: Any = None
 
 _lock = threading.Lock()

@@ -61,12 +61,11 @@ class Tape:
         self.count = 0
         self.keep: list[torch.Tensor] = []  # every tensor allocated while recording
         self.failure: str | None = None  # what made the recording unusable (None: usable)
-        self.thread: int | None = None
         self._array = None
 
     def record(self, entry, args: tuple) -> None:
-        """Append a kernel call (`entry` a ctypes function, `args` as it was called with); from the recording thread only."""
-        if self.failure is not None or threading.get_ident() != self.thread:
+        """Append a kernel call (`entry` a ctypes function, `args` as it was called with)."""
+        if self.failure is not None:
             return
         kind = _kind(entry)
         if kind is None or len(args) > _ARGS:
@@ -84,15 +83,20 @@ class Tape:
     @contextlib.contextmanager
     def recording(self) -> Iterator[Tape]:
         """Record the kernel calls this thread makes in the block (torch ops other than allocations and views spoil it)."""
-        if native.RECORDER is not None:
-            raise RuntimeError("a tape is already recording")
-        self.thread = threading.get_ident()
-        with _Guard(self):
-            native.RECORDER = self
-            try:
+        thread = threading.get_ident()
+        with _RECORDING.lock:
+            if thread in _RECORDING.tapes:
+                raise RuntimeError("a tape is already recording on this thread")
+            _RECORDING.tapes[thread] = self
+            native.RECORDER = _RECORDING
+        try:
+            with _Guard(self):  # (dispatch modes are per thread too)
                 yield self
-            finally:
-                native.RECORDER = None
+        finally:
+            with _RECORDING.lock:
+                del _RECORDING.tapes[thread]
+                if not _RECORDING.tapes:
+                    native.RECORDER = None
         if self.failure is None and not self.count:
             self.failure = "no kernel call"
         if self.failure is None:
@@ -109,6 +113,22 @@ class Tape:
     def nbytes(self) -> int:
         """Bytes of the buffers the tape keeps."""
         return sum(t.untyped_storage().nbytes() for t in self.keep)
+
+
+class _Recordings:
+    """The tapes recording now, by thread: `native.RECORDER` while any records (each kernel call goes to its thread's)."""
+
+    def __init__(self) -> None:
+        self.tapes: dict[int, Tape] = {}
+        self.lock = threading.Lock()
+
+    def record(self, entry, args: tuple) -> None:
+        tape = self.tapes.get(threading.get_ident())
+        if tape is not None:
+            tape.record(entry, args)
+
+
+_RECORDING = _Recordings()
 
 
 class _Guard(TorchDispatchMode):

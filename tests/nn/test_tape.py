@@ -86,6 +86,28 @@ def test_other_threads_kernel_calls_are_not_recorded():
     assert recorded.failure is None and recorded.count == 1
 
 
+def test_threads_record_their_own_tapes_at_once():
+    """Two engines on two device threads may record at the same time: each tape gets its own thread's calls."""
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    started, tapes = threading.Barrier(2), {}
+
+    def record(name: str, calls: int) -> None:
+        tapes[name] = tape.Tape()
+        with tapes[name].recording():
+            started.wait()
+            for _ in range(calls):
+                cpu_elementwise.rms_norm(x, weight, 1e-6)
+            started.wait()
+
+    threads = [threading.Thread(target=record, args=(name, calls)) for name, calls in (("a", 2), ("b", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (tapes["a"].count, tapes["b"].count) == (2, 3)
+    assert tape.native.RECORDER is None  # (cleared once no thread records)
+
+
 def test_an_empty_recording_does_not_replay_and_tapes_do_not_nest():
     recorded = tape.Tape()
     with recorded.recording():
