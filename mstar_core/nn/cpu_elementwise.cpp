@@ -32,6 +32,15 @@ void rms_norm(const T *x, int64_t x_row, const T *weight, T *out, int64_t rows, 
     }
 }
 
+// rms_norm over every head of [rows, heads, dim] rows whose heads are `head` apart and rows `row` apart (a per-head
+// q/k norm over a view of the fused qkv output, which no 2-D stride describes), into contiguous out
+template <typename T>
+void rms_norm_heads(const T *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t dim, const T *weight,
+                    T *out, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) rms_norm(x + r * row, head, weight, out + r * heads * dim, heads, dim, eps, 1);
+}
+
 // residual + delta (rounded to T, as torch's add) written over delta, then RMSNorm of that sum into out
 template <typename T>
 void add_rms_norm(T *delta, const T *residual, int64_t res_row, const T *weight, T *out, int64_t rows, int64_t dim,
@@ -141,6 +150,18 @@ void mstar_rms_norm_bf16(const void *x, int64_t x_row, const void *w, void *out,
                          int threads) {
     rms_norm(static_cast<const bf16 *>(x), x_row, static_cast<const bf16 *>(w), static_cast<bf16 *>(out), rows, dim, eps,
              threads);
+}
+
+void mstar_rms_norm_heads_f32(const void *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t dim,
+                              const void *w, void *out, float eps, int threads) {
+    rms_norm_heads(static_cast<const float *>(x), row, head, rows, heads, dim, static_cast<const float *>(w),
+                   static_cast<float *>(out), eps, threads);
+}
+
+void mstar_rms_norm_heads_bf16(const void *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t dim,
+                               const void *w, void *out, float eps, int threads) {
+    rms_norm_heads(static_cast<const bf16 *>(x), row, head, rows, heads, dim, static_cast<const bf16 *>(w),
+                   static_cast<bf16 *>(out), eps, threads);
 }
 
 void mstar_add_rms_norm_f32(void *delta, const void *residual, int64_t res_row, const void *w, void *out, int64_t rows,

@@ -18,6 +18,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "mstar_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    "mstar_rms_norm_heads": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float, ctypes.c_int],
     "mstar_add_rms_norm": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int],
     "mstar_add": [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int],
     "mstar_silu_mul": [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int],
@@ -63,6 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | N
     """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, as `RMSNorm` rounds it; None: use torch ops."""
     if not _applies(x, weight) or x.stride(-1) != 1 or weight.dim() != 1 or not weight.is_contiguous():
         return None
+    if x.dim() == 3 and x.stride(1) == x.shape[2] and x.stride(0) != x.shape[1] * x.shape[2]:
+        return _rms_norm_heads(x, weight, eps, variant)  # (heads of a fused qkv's view: no 2-D view of them)
     flat = x.dim() != 2
     rows = x.reshape(-1, x.shape[-1]) if flat else x  # (a copy only where the rows are not a view)
     fn = _function("mstar_rms_norm", x.dtype, variant)
@@ -72,6 +75,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | N
     out = torch.empty((count, dim), dtype=x.dtype)  # (ints, not a torch.Size: a few microseconds less a call)
     _call(fn, rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), count, dim, eps, torch.get_num_threads())
     return out.view(x.shape) if flat else out
+
+
+def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str | None) -> torch.Tensor | None:
+    fn = _function("mstar_rms_norm_heads", x.dtype, variant)
+    if fn is None:
+        return None
+    rows, heads, dim = x.shape
+    out = torch.empty((rows, heads, dim), dtype=x.dtype)
+    _call(fn, x.data_ptr(), x.stride(0), x.stride(1), rows, heads, dim, weight.data_ptr(), out.data_ptr(), eps,
+          torch.get_num_threads())
+    return out
 
 
 def add_rms_norm_(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -21,6 +21,7 @@ enum Kind : int64_t {
     ROTARY = 6,         // void (x, row, head, rows, heads, rot, cos, sin, threads)
     LANE = 7,           // int (plan, q, k, v, k_lanes, v_lanes, k_pool, v_pool, out)
     ADD = 8,            // void (acc, other, other_row, rows, dim, threads)
+    RMS_NORM_HEADS = 9, // void (x, row, head, rows, heads, dim, weight, out, eps, threads)
 };
 
 constexpr int MAX_ARGS = 11;
@@ -77,6 +78,10 @@ int run(const Op &o) {
                                                                              p(a[5]), p(a[6]), p(a[7]), p(a[8]));
         case ADD:
             as<void, ptr, ptr, i64, i64, i64, int>(o.fn)(p(a[0]), p(a[1]), a[2], a[3], a[4], n(a[5]));
+            return 0;
+        case RMS_NORM_HEADS:
+            as<void, ptr, i64, i64, i64, i64, i64, ptr, ptr, float, int>(o.fn)(p(a[0]), a[1], a[2], a[3], a[4], a[5],
+                                                                            p(a[6]), p(a[7]), f(a[8]), n(a[9]));
             return 0;
         default:
             return -1;

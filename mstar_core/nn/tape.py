@@ -27,7 +27,7 @@ _ARGS = 11  # argument slots a call has (MAX_ARGS in tape.cpp)
 _CODES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f", None: "v"}
 #: The C signatures a tape replays (result, then arguments: p pointer, q int64, i int, f float), as tape.cpp's `Kind`
 KINDS = {"i:pqpppqqqqi": 1, "i:pqppppqqqqi": 2, "v:pqppqqfi": 3, "v:ppqppqqfi": 4, "v:pqpqqi": 5, "v:pqqqqqppi": 6,
-         "i:ppppppppp": 7, "v:ppqqqi": 8}
+         "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9}
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                 torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
 

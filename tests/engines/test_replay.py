@@ -111,3 +111,20 @@ def test_replay_steps_must_be_a_bool(llama_pair):
     _, ours = llama_pair
     with pytest.raises(ConfigError, match="replay_steps"):
         make_engine(ours, replay_steps="yes")
+
+
+def test_qwen3_qk_norm_layers_replay_too(tmp_path):
+    """Per-head q/k norms over the fused qkv's view run as one kernel (no copy), so Qwen3-style layers replay."""
+    from mstar_core.checkpoint import save_hf_checkpoint
+    from mstar_core.nn.llama import load_llama
+    from tests.nn.test_llama_fidelity import make_hf
+
+    hf = make_hf("qwen3")
+    save_hf_checkpoint(hf, tmp_path, hf.config.to_dict())
+    model = load_llama(tmp_path, progress=False).eval()
+    prompts = {"a": [1, 2, 3, 4], "b": list(range(30, 50))}
+    replaying = make_engine(model, num_pages=128, page_size=4)
+    got = generate(replaying, prompts, 16)
+    assert got == generate(make_engine(model, num_pages=128, page_size=4, replay_steps=False), prompts, 16)
+    if _replays(model):
+        assert replaying.replay.enabled and replaying.replay.replayed >= 12

@@ -41,6 +41,33 @@ def test_rms_norm_rounds_as_the_torch_ops(variant, dtype, rows, dim):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_per_head_norm_over_a_fused_qkv_view_is_each_head_normed_alone(variant, dtype, rows):
+    """q of a fused [T, q + k + v] output viewed as [T, heads, D]: no 2-D stride covers it, yet no copy is made."""
+    gen = torch.Generator().manual_seed(rows)
+    qkv = (torch.randn(rows, 8 * 64 + 2 * 2 * 64, generator=gen) * 3).to(dtype)
+    q = qkv[:, : 8 * 64].view(rows, 8, 64)
+    weight = (torch.randn(64, generator=gen) * 0.3 + 1).to(dtype)
+    got = cpu_elementwise.rms_norm(q, weight, 1e-6, variant)
+    want = torch.stack([cpu_elementwise.rms_norm(q[:, h].contiguous(), weight, 1e-6, variant) for h in range(8)], 1)
+    assert got.shape == (rows, 8, 64) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (300, 576)])
+def test_residual_add_is_torch_s_add(variant, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    acc = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    other = (torch.randn(rows, dim + 4, generator=gen) * 5).to(dtype)[:, :dim]  # a strided residual
+    want = other + acc
+    assert cpu_elementwise.add_(acc, other, variant)
+    assert torch.equal(acc, want)
+    assert not cpu_elementwise.add_(acc.t(), other.t(), variant)  # (not contiguous rows: the caller adds)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 96)])
 def test_add_rms_norm_writes_the_rounded_sum_and_norms_it(variant, dtype, rows, dim):
     """The residual sum bitwise torch's add (written over delta), its norm as `rms_norm` of that sum."""
