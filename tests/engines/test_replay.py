@@ -49,6 +49,11 @@ def test_bf16_steps_replay_the_same_tokens(llama_pair):
     assert got == generate(make_engine(model, num_pages=256, page_size=4, replay_steps=False), prompts, 20)
     if _replays(model):
         assert replaying.replay.replayed >= 17
+        # the lanes grew past 32 tokens: recordings over the old storage were dropped, not kept pinning it
+        assert replaying.backend.lanes.capacity > 32
+        assert {k[0] for k in replaying.replay.programs} == {(replaying.backend.lanes.kv.data_ptr(),
+                                                             tuple(replaying.backend.lanes.kv.shape),
+                                                             replaying.pool.kv.data_ptr())}
 
 
 def test_changed_weights_are_not_replayed(llama_pair):

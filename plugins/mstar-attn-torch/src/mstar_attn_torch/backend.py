@@ -220,18 +220,19 @@ class TorchPagedContext:
             every_key = int(bound.min()) >= pos.shape[0]  # a bidirectional block at the end: no mask needed
             self.readonly.append((start, n, ctx, None if every_key else pos[None, :] < bound[:, None]))
 
-    def replay_layout(self) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
-        """Where this step's attention is the lane kernel alone: a key for its layout, and the tensors its calls read.
+    def replay_layout(self) -> tuple[tuple, int, tuple[torch.Tensor, ...]] | None:
+        """Where this step's attention is the lane kernel alone: the storage its calls point at, the lanes it attends
+        over, and the tensors it reads.
 
-        A recorded step (see `mstar_kvcache.replay`) replays for steps of the same key, with these tensors (each row's
-        lane, write position, bound and pool slot) copied into the recorded step's; None: the step cannot replay.
+        A recorded step (see `mstar_kvcache.replay`) replays for steps of the same storage and lane count, with these
+        tensors (each row's lane, write position, bound and pool slot) copied into the recorded step's; a recording
+        over other storage (the lanes grew) is stale. None: the step cannot replay.
         """
         plan = self.in_lanes
         if plan is None or not plan.whole or self.write_rows is not None or self.kernel is None:
             return None
-        store = self.lanes.kv  # (the storage first: a recording over other storage is stale)
-        key = (store.data_ptr(), tuple(store.shape), self.kv.data_ptr(), plan.count)
-        return key, (self.kernel.index, self.slots)
+        store = self.lanes.kv
+        return (store.data_ptr(), tuple(store.shape), self.kv.data_ptr()), plan.count, (self.kernel.index, self.slots)
 
     @staticmethod
     def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:

@@ -95,8 +95,8 @@ class StepReplay:
         step = layout() if layout is not None else None
         if step is None:
             return None
-        key, step_tensors = step
-        key = (tuple(ids.shape), torch.get_num_threads(), key)  # (key[2] starts with the storage the calls point at)
+        storage, lanes, step_tensors = step
+        key = (storage, lanes, tuple(ids.shape), torch.get_num_threads())
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
         if program is not None and program.current():
@@ -118,7 +118,7 @@ class StepReplay:
             self.enabled = False  # (every later step runs the same layers)
             return hidden
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
-        for stale in [k for k in self.programs if k[2][:3] != key[2][:3]]:
+        for stale in [k for k in self.programs if k[0] != key[0]]:
             del self.programs[stale]
         self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.module)
         self.recorded += 1
