@@ -92,8 +92,29 @@ def test_layers_with_a_torch_op_run_eagerly(llama_pair, caplog):
         got = generate(engine, {"a": [1, 2, 3], "b": [4, 5]}, 10)
     assert got == generate(make_engine(model, num_pages=64, page_size=4, replay_steps=False), {"a": [1, 2, 3], "b": [4, 5]}, 10)
     if _replays(model):
-        assert not engine.replay.enabled and engine.replay.replayed == 0
+        assert engine.replay.replayed == 0 and engine.replay.refused == {2}
         assert "aten.mul" in caplog.text
+        for rows in (5, 4, 3):  # a fourth row count refused, none recorded: it stops recording
+            generate(engine, {f"r{i}": [i + 1] for i in range(rows)}, 3)
+        assert not engine.replay.enabled and engine.replay.replayed == 0 and engine.replay.refused == {2, 3, 4, 5}
+
+
+def test_a_row_count_a_kernel_refuses_runs_eagerly_alone(llama_pair):
+    """Kernels that take only so many rows (AMX tiles: 32) refuse those steps' recordings, not every step's."""
+    _, ours = llama_pair
+    model = copy.deepcopy(ours)
+    mlp = model.model.layers[0].mlp
+    plain = mlp.forward
+    mlp.forward = lambda h: plain(h) if h.shape[0] != 3 else plain(h) * 1.0  # three rows: a torch op
+    engine = make_engine(model, num_pages=256, page_size=4)
+    if not _replays(model):
+        pytest.skip("no own linear kernel on this CPU: every step runs eagerly")
+    prompts = {"a": [1, 2], "b": [3, 4, 5], "c": [6]}
+    got = generate(engine, prompts, 12)
+    assert got == generate(make_engine(model, num_pages=256, page_size=4, replay_steps=False), prompts, 12)
+    assert engine.replay.refused == {3} and engine.replay.enabled
+    generate(engine, {"d": [7], "e": [8]}, 12)
+    assert engine.replay.replayed >= 10
 
 
 def test_a_subclass_overriding_forward_alone_is_not_replayed(llama_pair):

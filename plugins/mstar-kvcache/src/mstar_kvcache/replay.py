@@ -30,6 +30,8 @@ log = logging.getLogger("mstar.kvcache.replay")
 #: Recorded layouts kept per engine (least recently used dropped first), and the bytes their buffers may hold
 MAX_PROGRAMS = 16
 MAX_PROGRAM_BYTES = 512 << 20
+#: Row counts refused, with none recorded, after which an engine stops recording
+MAX_REFUSALS = 4
 
 
 def _splits_forward(module: Any) -> bool:
@@ -79,6 +81,9 @@ class StepReplay:
         self.module, self.node = module, node
         self.enabled = True  # False once the layers are known not to replay
         self.programs: OrderedDict[tuple, _Program] = OrderedDict()
+        # row counts whose layers ran a torch op while recorded (a kernel may take only so many rows: AMX tiles take
+        # up to 32, oneDNN the rest), so they run eagerly; a module none of whose recordings replays stops trying
+        self.refused: set[int] = set()
         self.recorded = self.replayed = 0
 
     @classmethod
@@ -96,6 +101,8 @@ class StepReplay:
         if step is None:
             return None
         storage, lanes, step_tensors = step
+        if ids.shape[0] in self.refused:
+            return None
         key = (storage, lanes, tuple(ids.shape), torch.get_num_threads())
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
@@ -114,8 +121,13 @@ class StepReplay:
         with tape.recording():
             hidden = self.module.run_layers(layer_inputs, context)
         if tape.failure is not None:
-            log.info("node %s: decode steps run eagerly (%s in its layers cannot be replayed)", self.node, tape.failure)
-            self.enabled = False  # (every later step runs the same layers)
+            rows = key[2][0]
+            if not self.refused:
+                log.info("node %s: decode steps of %d rows run eagerly (%s in its layers cannot be replayed)",
+                         self.node, rows, tape.failure)
+            self.refused.add(rows)
+            if not self.recorded and len(self.refused) >= MAX_REFUSALS:
+                self.enabled = False
             return hidden
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
         for stale in [k for k in self.programs if k[0] != key[0]]:
