@@ -101,12 +101,26 @@ class CodePredictor(nn.Module):
         context: AttentionContext,
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        inputs = self.layer_inputs(input_ids, positions, input_embeds)
+        return self.layer_outputs(self.run_layers(inputs, context), inputs)
+
+    def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Embeddings, rotary tables and each row's head: what the layers read (a replayed step's inputs)."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds
-        rope = self.model.rotary_emb(positions)
-        for layer in self.model.layers:
-            x = layer(x, rope, context)
         head = (positions.view(-1) - 1).clamp(0, self.heads - 1).to(x.dtype)
-        return torch.cat([self.model.norm(x), head[:, None]], dim=-1)
+        return (x, *self.model.rotary_emb(positions), head)
+
+    def run_layers(self, inputs: tuple[torch.Tensor, ...], context: AttentionContext) -> torch.Tensor:
+        """The layers and the final norm -> hidden `[T, H]` (the part a replayed step records)."""
+        x, cos, sin, _ = inputs
+        for layer in self.model.layers:
+            x = layer(x, (cos, sin), context)
+        return self.model.norm(x)
+
+    def layer_outputs(self, hidden: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The hidden rows with each row's head as one more column (`compute_logits` reads it)."""
+        return torch.cat([hidden, inputs[3][:, None]], dim=-1)
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's own head only (the other heads' ids stay -inf): one `[V, H]` matmul per head present.

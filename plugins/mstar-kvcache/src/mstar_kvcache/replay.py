@@ -8,9 +8,10 @@ is recorded as it runs, and later ones copy their inputs into the recorded ones 
 each row's lane, position and slot) and replay the calls. The replay is the recorded step: the same kernels on
 the same sizes give the same bits (tested against eager steps).
 
-A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step) and
-`run_layers(inputs, context)` (recorded); one that does not, or whose layers run a torch op that computes
-(recording notes it), runs every step as before.
+A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
+`run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
+append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
+step as before.
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ class StepReplay:
         if program is not None and program.current():
             self.programs.move_to_end(key)
             self.replayed += 1
-            return program.run((*layer_inputs, *step_tensors))
-        return self._record(key, layer_inputs, step_tensors, context)
+            hidden = program.run((*layer_inputs, *step_tensors))
+        else:
+            hidden = self._record(key, layer_inputs, step_tensors, context)
+        finish = getattr(self.module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
+        return hidden if finish is None else finish(hidden, layer_inputs)
 
     def _record(self, key: tuple, layer_inputs: tuple[torch.Tensor, ...], step_tensors: tuple[torch.Tensor, ...],
                 context: Any) -> torch.Tensor:
