@@ -87,8 +87,7 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
 
     The entry points of `fp32_linear.cpp`, `bf16_linear.cpp` and `amx_linear.cpp` share one C signature; a
     `PackedLinear` keeps its runner, so the 121 calls of a decode step look nothing up. `scaled`: an int8 entry
-    point, which takes one fp32 scale per output after the packed weight: `run(rows, packed, out_features, bias,
-    scale)`.
+    point, which takes one fp32 scale per output after the packed weight (`run(..., bias, scale)`).
     """
     import torch  # (here: building and loading kernels needs no torch)
 
@@ -96,32 +95,20 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
         return None
     empty, threads = torch.empty, torch.get_num_threads
 
-    def check(failed: int) -> None:
-        if failed:
-            raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
-
-    def run(rows, packed, out_features: int, bias):
+    def run(rows, packed, out_features: int, bias, scale=None):
         count, inner = rows.shape
         out = empty((count, out_features), dtype=dtype)
-        args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                out.data_ptr(), out_features, count, out_features, inner, threads())
-        check(entry(*args))
-        if RECORDER is not None:
-            RECORDER.record(entry, args)
-        return out
-
-    def run_scaled(rows, packed, out_features: int, bias, scale):
-        count, inner = rows.shape
-        out = empty((count, out_features), dtype=dtype)
-        args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), scale.data_ptr(),
+        args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), *((scale.data_ptr(),) if scaled else ()),
                 None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, count, out_features, inner,
                 threads())
-        check(entry(*args))
+        failed = entry(*args)
+        if failed:
+            raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
         if RECORDER is not None:
             RECORDER.record(entry, args)
         return out
 
-    return run_scaled if scaled else run
+    return run
 
 
 def _cpu_flags() -> str:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
 import torch
 
-from mstar_core.nn import cpu_elementwise, tape
+from mstar_core.nn import cpu_elementwise, native, tape
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.packed import pack_linears
@@ -105,7 +106,7 @@ def test_threads_record_their_own_tapes_at_once():
     for t in threads:
         t.join()
     assert (tapes["a"].count, tapes["b"].count) == (2, 3)
-    assert tape.native.RECORDER is None  # (cleared once no thread records)
+    assert native.RECORDER is None  # (cleared once no thread records)
 
 
 def test_an_empty_recording_does_not_replay_and_tapes_do_not_nest():
@@ -118,7 +119,7 @@ def test_an_empty_recording_does_not_replay_and_tapes_do_not_nest():
 
 
 def test_a_signature_tapes_do_not_know_spoils_the_recording():
-    probe = tape.native.function(tape.SOURCE, "mstar_tape_op_bytes", [], tape.ctypes.c_int64)
+    probe = native.function(tape.SOURCE, "mstar_tape_op_bytes", [], ctypes.c_int64)
     recorded = tape.Tape()
     with recorded.recording():
         recorded.record(probe, ())

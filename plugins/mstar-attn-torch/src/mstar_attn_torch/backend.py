@@ -220,11 +220,11 @@ class TorchPagedContext:
             every_key = int(bound.min()) >= pos.shape[0]  # a bidirectional block at the end: no mask needed
             self.readonly.append((start, n, ctx, None if every_key else pos[None, :] < bound[:, None]))
 
-    def replay_layout(self) -> tuple[tuple, int, tuple[torch.Tensor, ...]] | None:
-        """Where this step's attention is the lane kernel alone: the storage its calls point at, the lanes it attends
-        over, and the tensors it reads.
+    def replay_layout(self) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
+        """Where this step's attention is the lane kernel alone (every row in a lane, lanes 0..rows-1): the storage its
+        calls point at, and the tensors it reads.
 
-        A recorded step (see `mstar_kvcache.replay`) replays for steps of the same storage and lane count, with these
+        A recorded step (see `mstar_kvcache.replay`) replays for steps of as many rows over the same storage, with these
         tensors (each row's lane, write position, bound and pool slot) copied into the recorded step's; a recording
         over other storage (the lanes grew) is stale. None: the step cannot replay.
         """
@@ -232,7 +232,7 @@ class TorchPagedContext:
         if plan is None or not plan.whole or self.write_rows is not None or self.kernel is None:
             return None
         store = self.lanes.kv
-        return (store.data_ptr(), tuple(store.shape), self.kv.data_ptr()), plan.count, (self.kernel.index, self.slots)
+        return (store.data_ptr(), tuple(store.shape), self.kv.data_ptr()), (self.kernel.index, self.slots)
 
     @staticmethod
     def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:

@@ -76,10 +76,11 @@ class _Program:
 
 
 class StepReplay:
-    """An engine's recorded decode steps (one per row count and lane layout), or None where they cannot run."""
+    """An engine's recorded decode steps, one per row count over the current lane storage."""
 
     def __init__(self, module: Any, node: str):
         self.module, self.node = module, node
+        self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
         self.enabled = True  # False once the layers are known not to replay
         self.programs: OrderedDict[tuple, _Program] = OrderedDict()
         # row counts whose layers ran a torch op while recorded (a kernel may take only so many rows: AMX tiles take
@@ -101,10 +102,11 @@ class StepReplay:
         step = layout() if layout is not None else None
         if step is None:
             return None
-        storage, lanes, step_tensors = step
-        if ids.shape[0] in self.refused:
+        storage, step_tensors = step
+        rows = ids.shape[0]
+        if rows in self.refused:
             return None
-        key = (storage, lanes, tuple(ids.shape), torch.get_num_threads())
+        key = (storage, rows, torch.get_num_threads())
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
         if program is not None and program.current():
@@ -113,8 +115,7 @@ class StepReplay:
             hidden = program.run((*layer_inputs, *step_tensors))
         else:
             hidden = self._record(key, layer_inputs, step_tensors, context)
-        finish = getattr(self.module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
-        return hidden if finish is None else finish(hidden, layer_inputs)
+        return hidden if self.finish is None else self.finish(hidden, layer_inputs)
 
     def _record(self, key: tuple, layer_inputs: tuple[torch.Tensor, ...], step_tensors: tuple[torch.Tensor, ...],
                 context: Any) -> torch.Tensor:
@@ -125,7 +126,7 @@ class StepReplay:
         with tape.recording():
             hidden = self.module.run_layers(layer_inputs, context)
         if tape.failure is not None:
-            rows = key[2][0]
+            rows = key[1]
             if not self.refused:
                 log.info("node %s: decode steps of %d rows run eagerly (%s in its layers cannot be replayed)",
                          self.node, rows, tape.failure)
