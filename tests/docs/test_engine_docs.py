@@ -1,4 +1,5 @@
-"""The engine docs match the engines: option tables, every `options={...}` in a code example, the README graph."""
+"""The engine docs match the engines: option tables, every `options={...}` in a code example, the architecture
+guide's graph."""
 
 import ast
 import re
@@ -12,6 +13,7 @@ from mstar_kvcache.inputs import OPTIONS as KVCACHE_OPTIONS
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "MODEL_AUTHORS.md").read_text()
 README = (ROOT / "README.md").read_text()
+ARCHITECTURE = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
 STATELESS_OPTIONS = {"pad_dim", "pad_value", "batch"}
 BY_ENGINE = {"kvcache": set(KVCACHE_OPTIONS), "diffusion": set(DIFFUSION_OPTIONS), "stateless": STATELESS_OPTIONS}
 INTERNAL = {"transfer"}  # set by the runtime when a cache moves between workers (with input `state`), never by a model
@@ -45,7 +47,7 @@ def test_the_diffusion_section_names_every_option():
     assert set(DIFFUSION_OPTIONS) - {"inline"} <= named  # `inline` is the runtime's, for every engine
 
 
-@pytest.mark.parametrize("block", _python_blocks(GUIDE) + _python_blocks(README))
+@pytest.mark.parametrize("block", _python_blocks(GUIDE) + _python_blocks(README) + _python_blocks(ARCHITECTURE))
 def test_every_option_in_a_code_example_is_one_the_engine_knows(block):
     for call in (n for n in ast.walk(ast.parse(block)) if isinstance(n, ast.Call)):
         name = getattr(call.func, "id", None)
@@ -59,8 +61,8 @@ def test_every_option_in_a_code_example_is_one_the_engine_knows(block):
         assert set(keys) <= known, f"{ast.unparse(call)[:80]}: unknown options {set(keys) - known}"
 
 
-def test_the_readme_graph_example_builds():
-    block = next(b for b in _python_blocks(README) if "Graph.build(" in b)
+def test_the_architecture_guides_graph_example_builds():
+    block = next(b for b in _python_blocks(ARCHITECTURE) if "Graph.build(" in b)
     scope = {"build_lm": None, "build_codec": None}
     exec(block, scope)  # module factories are only called when engines are built
     assert set(scope["graph"].walks) == {"speech"}
