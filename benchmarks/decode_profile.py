@@ -52,7 +52,7 @@ class EngineSteps:
 
         # (class, method) of the step, its forward and its sampling: each engine's parts are these classes' instances
         self.owners = {"step": KVCacheEngine, "_forward": StepForward, "_sample": CallAnswers}
-        self.methods = {"step": "step", "_forward": "forward", "_sample": "sample"}
+        self.methods = {"step": "step", "_forward": "run", "_sample": "sample"}
         self.saved = {name: getattr(cls, self.methods[name]) for name, cls in self.owners.items()}
         self.rows: list[dict[str, float]] = []
         self.current: dict[str, float] = {}

@@ -328,7 +328,7 @@ class KVCacheEngine(Engine):
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Result]:
         """Forward `work`, advance its sequences, and answer those whose input is now all computed."""
         try:
-            hidden = self.forward.forward(work)
+            hidden = self.forward.run(work)
         except Exception as exc:
             if self.ranks is not None:  # a broken rank group ends this process (the server replaces the group)
                 exit_if_broken(exc, self.node.name, self.ranks)

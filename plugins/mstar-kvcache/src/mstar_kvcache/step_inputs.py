@@ -33,7 +33,7 @@ class StepForward:
         self.compiled = compiled  # a compiled forward keeps its embeddings graph (see `splice_embeds`)
         self.leader = leader  # rank 0 of a split node: every rank runs each step (ranks.py)
 
-    def forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order."""
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
