@@ -47,9 +47,13 @@ class EngineSteps:
 
     def __init__(self):
         from mstar_kvcache import KVCacheEngine
+        from mstar_kvcache.answers import CallAnswers
+        from mstar_kvcache.step_inputs import StepForward
 
-        self.cls = KVCacheEngine
-        self.saved = {name: getattr(KVCacheEngine, name) for name in ("step", "_forward", "_sample")}
+        # (class, method) of the step, its forward and its sampling: each engine's parts are these classes' instances
+        self.owners = {"step": KVCacheEngine, "_forward": StepForward, "_sample": CallAnswers}
+        self.methods = {"step": "step", "_forward": "run", "_sample": "sample"}
+        self.saved = {name: getattr(cls, self.methods[name]) for name, cls in self.owners.items()}
         self.rows: list[dict[str, float]] = []
         self.current: dict[str, float] = {}
         rec = self
@@ -57,10 +61,10 @@ class EngineSteps:
         def timed(name):
             original = rec.saved[name]
 
-            def wrapper(engine, *args):
+            def wrapper(part, *args):
                 started = time.thread_time()
                 try:
-                    return original(engine, *args)
+                    return original(part, *args)
                 finally:
                     rec.current[name] = rec.current.get(name, 0.0) + time.thread_time() - started
             return wrapper
@@ -77,11 +81,12 @@ class EngineSteps:
                              "process_end": time.process_time()})
             return results
 
-        KVCacheEngine.step, KVCacheEngine._forward, KVCacheEngine._sample = step, forward, sample
+        for name, fn in (("step", step), ("_forward", forward), ("_sample", sample)):
+            setattr(self.owners[name], self.methods[name], fn)
 
     def restore(self) -> None:
         for name, fn in self.saved.items():
-            setattr(self.cls, name, fn)
+            setattr(self.owners[name], self.methods[name], fn)
 
 
 def _median_of_least(runs: list[list[float]]) -> float:

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn import amx_linear, bf16_linear, fp32_linear
+from mstar_core.nn.replayable import weights_changed
 
 #: Fewest output features of a linear to pack: every linear (for batch invariance, see the module docstring).
 PACK_MIN_OUT = 1
@@ -118,6 +119,12 @@ class PackedLinear(nn.Linear):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         self._fast = (weight, self._packed, bias, weight.dtype, weight.data_ptr(), weight._version, own, own_rows, run)
+        weights_changed(self)  # a recorded step ran the previous pack (`mstar_core.nn.replayable`)
+
+    @property
+    def runs_own_kernel(self) -> bool:
+        """Whether the current pack runs M*'s own kernel (for up to its most rows; oneDNN, a torch op, the rest)."""
+        return self._fast is not None and self._fast[6] is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: data_ptr would break the graph

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from mstar_kvcache.answers import penalty_history
 from mstar_kvcache.history import TokenIds
 from mstar_kvcache.sampler import apply_repetition_penalty
 
@@ -71,4 +72,4 @@ def test_forks_and_rollbacks_never_read_a_stale_mirror(llama_pair):
     engine.blocks.truncate(main, 2)
     assert main.token_ids is None
     main.tokens.extend([7, 8])
-    assert engine._history(main).tolist() == [1, 2, 7, 8]
+    assert penalty_history(main).tolist() == [1, 2, 7, 8]

@@ -163,16 +163,16 @@ async def test_n_choices_fork_one_prefill_and_equal_single_requests(tiny, preset
 
         prompt_len = len(prompt)
         rows: list[int] = []
-        forward = kvc._forward
+        forward = kvc.forward.run  # (the step forward part: `StepForward`)
 
         def counted(work):
             rows.append(sum(n for _, n in work))
             return forward(work)
 
-        kvc._forward = counted
+        kvc.forward.run = counted
         copies = kvc.pool.copies
         outs = await run({"input_ids": prompt, "n": 3, **sampling})
-        kvc._forward = forward
+        kvc.forward.run = forward
         tokens = {i: [int(o.value) for o in outs if o.name == "next_token" and o.branch == i] for i in range(3)}
         assert all(o.branch in (0, 1, 2) for o in outs)
         assert {o.name for o in outs} == {"next_token", "logprob", "top_logprobs"}

@@ -1,7 +1,8 @@
-"""Answers of `KVCacheEngine` calls: per-token rows and/or sampled tokens, finish reasons, failures, what attaches next."""
+"""Answers of a `KVCacheEngine`'s calls: per-token rows and/or sampled tokens, finish reasons, failures, what attaches next."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -9,43 +10,45 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Result
+from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.grammar import attach as attach_grammars
 from mstar_kvcache.history import TokenIds
-from mstar_kvcache.inputs import ParsedInvocation
-from mstar_kvcache.sampler import Sampled, sample
+from mstar_kvcache.intake import CallIntake
+from mstar_kvcache.labels import Labels
+from mstar_kvcache.no_token import NoTokenColumns
+from mstar_kvcache.readers import ReadOnlyCalls
+from mstar_kvcache.rows import CallRows
+from mstar_kvcache.sampler import Sampled
+from mstar_kvcache.sampler import sample as sample_rows
 from mstar_kvcache.sequence import Sequence
 
 
+def penalty_history(seq: Sequence) -> list[int] | torch.Tensor:
+    """What the repetition penalty reads: the tokens, mirrored as a tensor when the row has a penalty."""
+    if seq.sampling is None or seq.sampling.repetition_penalty == 1.0:
+        return seq.tokens
+    if seq.token_ids is None:
+        seq.token_ids = TokenIds()
+    return seq.token_ids.of(seq.tokens)
+
+
 class CallAnswers:
-    """Mixin of `KVCacheEngine`: turns a step's hidden states into each finished call's result."""
+    """Turns a step's hidden states into each finished call's result: its rows and `compute_<name>` outputs, or
+    its sampled token (a `decode_steps` call fed back until done); fails calls; attaches what waits behind them.
 
-    def _wants_rows(self, call: ParsedInvocation) -> bool:
-        """Whether the call's rows are gathered: every call of a per-token node; on a sampling node, a call
-        that asks (`output_rows` or `output_index`) when the node declares `compute_<name>` outputs."""
-        if not self.samples:
-            return True
-        return bool(self.extra_outputs) and (call.output_rows is not None or call.output_index is not None)
+    `module` is what `compute_logits` / `compute_<name>` are called on (a split node's rank 0: on every rank).
+    """
 
-    def _rows_from(self, call: ParsedInvocation, start: int) -> int | None:
-        """The first token (of the label) whose row the call returns; None when only its last row is needed."""
-        if not self._wants_rows(call):
-            return None
-        if call.output_index is not None:
-            n = len(call.ids)
-            return start + min((int(i) % n for i in call.output_index), default=n - 1)
-        # (a per-token node's "all" call still takes prefix hits and returns the rows after them, as before)
-        return start if self.samples and call.output_rows == "all" else None
-
-    def _call_rows(self, seq: Sequence) -> torch.Tensor:
-        """The call's gathered hidden rows, narrowed to `output_index` or the last row when it asks."""
-        got = torch.cat(seq.collected) if len(seq.collected) > 1 else seq.collected[0]
-        seq.collected = []
-        call = seq.call
-        if call.output_index is not None:
-            n = len(call.ids)
-            skipped = n - got.shape[0]  # leading rows a prefix hit reused (never one of those asked for)
-            return got[(call.output_index % n - skipped).to(got.device)]
-        return got[-1:] if call.output_rows == "last" else got
+    def __init__(self, node: str, module: Any, outputs: Collection[str], rows: CallRows, no_token: NoTokenColumns | None,
+                 grammar_vocab: Any, max_model_len: int | None, labels: Labels, readonly: ReadOnlyCalls,
+                 intake: CallIntake, blocks: BlockManager):
+        self.node, self.module, self.rows = node, module, rows
+        self.returns_logits, self.returns_hidden = "logits" in outputs, "hidden" in outputs
+        self.returns_logprobs = "logprob" in outputs  # (a log-softmax over the vocabulary, when a request asks)
+        self.no_token = no_token  # vocabulary columns no token stands for (padding): never sampled
+        self.grammar_vocab = grammar_vocab  # what sampling grammars compile against
+        self.max_model_len = max_model_len
+        self.labels, self.readonly, self.intake, self.blocks = labels, readonly, intake, blocks
 
     def _per_token(self, rows: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Each call's `compute_<name>` outputs over its rows (one module call per output for all of them)."""
@@ -54,16 +57,17 @@ class CallAnswers:
         with torch.inference_mode():
             joined = torch.cat(rows)
             sizes = [r.shape[0] for r in rows]
-            computed = {name: getattr(self.module, f"compute_{name}")(joined).split(sizes) for name in self.extra_outputs}
+            computed = {name: getattr(self.module, f"compute_{name}")(joined).split(sizes)
+                        for name in self.rows.extra_outputs}
         return [{name: values[i] for name, values in computed.items()} for i in range(len(rows))]
 
-    def _finish_rows(self, done: list[tuple[Sequence, int]]) -> list[Result]:
+    def finish_rows(self, done: list[tuple[Sequence, int]]) -> list[Result]:
         """Per-token outputs: the calls' rows of hidden states and the module's outputs computed from them."""
-        rows = [self._call_rows(seq) for seq, _ in done]
+        rows = [self.rows.take(seq) for seq, _ in done]
         try:
             computed = self._per_token(rows)
         except Exception as exc:
-            return [self._fail(seq, exc) for seq, _ in done]
+            return [self.fail(seq, exc) for seq, _ in done]
         results = []
         for i, (seq, _) in enumerate(done):
             out: dict[str, Any] = dict(computed[i])
@@ -72,24 +76,26 @@ class CallAnswers:
             results.append(self._complete(seq, out))
         return results
 
-    def _finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
+    def finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
+        """Sampled outputs of the calls in `done` (each with its row of `hidden`); a `decode_steps` call going on
+        gives none."""
         # per-token outputs of the calls that asked, computed before sampling (a failure there fails them alone)
         asked = [(s, r) for s, r in done if s.collected]
         extras: dict[int, dict[str, torch.Tensor]] = {}
         if asked:
             try:
-                extras = dict(zip((id(s) for s, _ in asked), self._per_token([self._call_rows(s) for s, _ in asked]),
+                extras = dict(zip((id(s) for s, _ in asked), self._per_token([self.rows.take(s) for s, _ in asked]),
                                   strict=True))
             except Exception as exc:
-                failed = [self._fail(s, exc) for s, _ in asked]
+                failed = [self.fail(s, exc) for s, _ in asked]
                 rest = [(s, r) for s, r in done if not any(s is a for a, _ in asked)]
-                return failed + (self._finish(rest, hidden) if rest else [])
+                return failed + (self.finish(rest, hidden) if rest else [])
         rows = [r for _, r in done]
         # every row of the step, in order (a decode step): the rows themselves, no index tensor and copy
         last = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
         seqs = [s for s, _ in done]
         try:
-            logits, picked = self._sample(seqs, last)
+            logits, picked = self.sample(seqs, last)
         except Exception:
             # One row's parameters broke the batched sampling: sample each row alone so only it fails.
             # (The sampler draws last, so no row's generator advanced before the failure.)
@@ -101,34 +107,26 @@ class CallAnswers:
 
     def _finish_alone(self, seq: Sequence, last: torch.Tensor, extras: dict[str, torch.Tensor] | None) -> Result | None:
         try:
-            logits, picked = self._sample([seq], last)
+            logits, picked = self.sample([seq], last)
         except Exception as exc:
-            return self._fail(seq, exc)
+            return self.fail(seq, exc)
         return self._answer(seq, 0, logits, picked, last, extras)
 
-    def _sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
+    def sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
+        """The logits of `last` (one row per sequence) and the tokens drawn from them."""
         with torch.inference_mode():
             logits = self.module.compute_logits(last)
             if self.no_token is not None:  # ids no token stands for (a padded vocabulary) are never drawn
                 self.no_token.fill(logits)
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
-            wanted = "logprob" in self.node.outputs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
+            wanted = self.returns_logprobs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             grammars = None
             if any(s.sampling is not None and s.sampling.grammar is not None or s.grammar is not None for s in seqs):
-                grammars = attach_grammars(self.node.name, self.grammar_vocab, seqs)
-            picked = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                            [self._history(s) for s in seqs], logprobs=wanted, generated=[s.generated for s in seqs],
-                            grammars=grammars)
+                grammars = attach_grammars(self.node, self.grammar_vocab, seqs)
+            picked = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                                 [penalty_history(s) for s in seqs], logprobs=wanted,
+                                 generated=[s.generated for s in seqs], grammars=grammars)
         return logits, picked
-
-    @staticmethod
-    def _history(seq: Sequence) -> list[int] | torch.Tensor:
-        """What the repetition penalty reads: the tokens, mirrored as a tensor when the row has a penalty."""
-        if seq.sampling is None or seq.sampling.repetition_penalty == 1.0:
-            return seq.tokens
-        if seq.token_ids is None:
-            seq.token_ids = TokenIds()
-        return seq.token_ids.of(seq.tokens)
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor,
                 extras: dict[str, torch.Tensor] | None = None) -> Result | None:
@@ -138,8 +136,8 @@ class CallAnswers:
         """
         token = picked.tokens[i]
         if seq.grammar is not None and seq.grammar.rejected:
-            return self._fail(seq, RequestError(f"node '{self.node.name}': no token fits the request's grammar here "
-                                                "(the model's vocabulary cannot continue it)"))
+            return self.fail(seq, RequestError(f"node '{self.node}': no token fits the request's grammar here "
+                                               "(the model's vocabulary cannot continue it)"))
         # a call without sampling is a prompt write: its token is returned but never one the label generated
         # (max_tokens, stops, penalties and the grammar count only the tokens a sampling call drew)
         keep = not seq.readonly and seq.call.sampling is not None
@@ -153,7 +151,7 @@ class CallAnswers:
         except Exception as exc:  # e.g. stop lists no validation vetted: this request alone fails
             if keep:
                 seq.generated.pop()
-            return self._fail(seq, exc)
+            return self.fail(seq, exc)
         if seq.call.decode_steps is not None:
             if self._step_again(seq, token, out["finish_reason"]):
                 return None
@@ -182,10 +180,10 @@ class CallAnswers:
                 or (self.max_model_len is not None and start + 1 > self.max_model_len)):
             return False
         # the token as a one-id call of its own: implicit next position, routing 0, causal (only a sequence that
-        # records positions or routing has anything to record for it, as in `_attach`)
+        # records positions or routing has anything to record for it, as in `CallIntake.attach`)
         if seq.positions is not None or seq.routing is not None:
-            self._append_inputs(seq, attrs.evolve(seq.call, ids=[token], embeds=[], positions=None, routing=None,
-                                                  extras={}), start)
+            self.intake.append_inputs(seq, attrs.evolve(seq.call, ids=[token], embeds=[], positions=None,
+                                                        routing=None, extras={}), start)
         if seq.limits is not None:
             seq.limits.append(start + 1)
         seq.tokens.append(token)
@@ -197,19 +195,19 @@ class CallAnswers:
         inv, call = seq.pending, seq.call
         seq.pending, seq.call, seq.gathers = None, None, False
         if seq.readonly:
-            self._drop_reader(seq)
+            self.readonly.drop(seq)
         try:
             for name in () if seq.readonly else call.snapshot_after:
-                self.snapshot_label(seq.request_id, seq.label, name)
+                self.labels.snapshot_label(seq.request_id, seq.label, name)
             for name in call.drop:
-                self.drop_label(seq.request_id, name)
+                self.labels.drop_label(seq.request_id, name)
         except Exception as exc:
             if not seq.readonly:
-                self._attach_backlog(seq)
+                self.intake.attach_backlog(seq)
             return (inv, exc)
         if seq.readonly:
             return (inv, out)
-        self._attach_backlog(seq)
+        self.intake.attach_backlog(seq)
         return (inv, out)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -227,29 +225,16 @@ class CallAnswers:
             return "length"
         return None
 
-    def _fail(self, seq: Sequence, exc: BaseException) -> Result:
+    def fail(self, seq: Sequence, exc: BaseException) -> Result:
+        """Answer the sequence's call with `exc`: its tokens roll back, the label's next queued call attaches."""
         inv = seq.pending
         seq.pending, seq.call, seq.collected, seq.gathers = None, None, [], False
         if seq.stepped:  # a decode_steps call failing midway: its tokens go with it
             del seq.generated[len(seq.generated) - len(seq.stepped):]
             seq.stepped = []
         if seq.readonly:
-            self._drop_reader(seq)
+            self.readonly.drop(seq)
             return (inv, exc)
         self.blocks.truncate(seq, seq.pending_start)
-        self._attach_backlog(seq)
+        self.intake.attach_backlog(seq)
         return (inv, exc)
-
-    def _attach_backlog(self, seq: Sequence) -> None:
-        if not self.backlog:
-            return
-        for inv in list(self.backlog):
-            if inv.request_id == seq.request_id and inv.options.get("cache_label", "main") == seq.label:
-                self.backlog.remove(inv)
-                try:
-                    parsed = self._parse(inv)
-                    self._attach(self.seqs.get(seq.key) or self._sequence(inv, parsed), inv, parsed)
-                except Exception as exc:
-                    self.answered.append((inv, exc))
-                    continue
-                return

@@ -116,6 +116,24 @@ class PagePool:
         self.copies += 1
         return dst
 
+    def read_rows(self, pages: list[int], rows: int) -> torch.Tensor:
+        """A copy of the first `rows` token rows of `pages`: `[layers, 2, rows, kv_heads, head_dim]`."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(2, index).flatten(2, 3)[:, :, :rows].clone()
+
+    def write_rows(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Store `kv` (`[layers, 2, rows, kv_heads, head_dim]`) as the first token rows of `pages`; the rest are zeros."""
+        layers, _, _, page_size, heads, dim = self.kv.shape
+        filled = self.kv.new_zeros(layers, 2, len(pages) * page_size, heads, dim)
+        filled[:, :, : kv.shape[2]] = kv
+        index = torch.tensor(pages, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, index, filled.unflatten(2, (len(pages), page_size)))
+
+    def empty_rows(self, rows: int) -> torch.Tensor:
+        """An uninitialised `[layers, 2, rows, kv_heads, head_dim]` in the pool's dtype and device."""
+        layers, _, _, _, heads, dim = self.kv.shape
+        return self.kv.new_empty(layers, 2, rows, heads, dim)
+
     def clear_cache(self) -> None:
         """Forget every cached page (used ones stay allocated)."""
         for page in list(self._evictable):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from mstar_kvcache.step_message import (
     read_step,
     step_message,
 )
+
+if TYPE_CHECKING:
+    from mstar_kvcache.step_inputs import StepForward
 
 log = logging.getLogger("mstar.kvcache.ranks")
 
@@ -61,14 +64,19 @@ class LeaderPagePool(PagePool):
 class _BroadcastingModule:
     """Rank 0's view of the module: calls with collectives outside the forward go to the followers first."""
 
-    def __init__(self, module: Any, engine: Any):
-        self.__dict__["_module"], self.__dict__["_engine"] = module, engine
+    def __init__(self, module: Any, leader: StepLeader):
+        self.__dict__["_module"], self.__dict__["_leader"] = module, leader
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
         if name == "embed" or name.startswith("compute_"):
-            return lambda x, _name=name, _fn=value: self._engine._leader_call(_name, _fn, x)
+            return lambda x, _name=name, _fn=value: self._leader.call(_name, _fn, x)
         return value
+
+
+def pool_class(group: RankGroup | None) -> type[PagePool]:
+    """The pool a rank of `group` keeps: rank 0's records the page ops its followers must repeat."""
+    return LeaderPagePool if group is not None and group.leader else PagePool
 
 
 def split_shape(module: Any, group: RankGroup, node: str, kv_heads: int) -> int:
@@ -85,86 +93,87 @@ def split_shape(module: Any, group: RankGroup, node: str, kv_heads: int) -> int:
     return kv_heads // group.world_size  # `config` gives the whole model's
 
 
-class RankSteps:
-    """Mixin of `KVCacheEngine`: the rank-group side of a split node (nothing happens when `ranks` is None)."""
+def exit_if_broken(exc: BaseException, node: str, group: RankGroup) -> None:
+    """Exit the process when `exc` says the rank group broke: its requests then fail as lost, at once."""
+    if group_broken(exc):
+        log.error("node '%s': rank %d's tensor-parallel group broke (%s); exiting so the server replaces the "
+                  "group", node, group.rank, str(exc)[:200])
+        os._exit(3)
 
-    ranks: RankGroup | None
 
-    def _pool_class(self) -> type[PagePool]:
-        return LeaderPagePool if self.ranks is not None and self.ranks.leader else PagePool
+class StepLeader:
+    """Rank 0 of a split node: sends the followers every step and every module call they must run with it."""
 
-    def _lead(self) -> None:
-        """Rank 0: route the module's out-of-forward collectives through the followers."""
-        self.module = _BroadcastingModule(self.module, self)
+    def __init__(self, group: RankGroup, pool: PagePool, node: str):
+        self.group, self.pool, self.node = group, pool, node
+        self.forgotten: list[int] = []  # sequences whose backend state was dropped since the last message
 
-    def _pending_ops(self) -> list[list[Any]]:
+    def module_view(self, module: Any) -> Any:
+        """`module` as rank 0 calls it: `embed` and `compute_<name>` run on every rank."""
+        return _BroadcastingModule(module, self)
+
+    def pending_ops(self) -> list[list[Any]]:
         take = getattr(self.pool, "take_ops", None)
         ops = take() if take is not None else []
-        ops.extend(["forget", seq_id] for seq_id in self._forgotten)
-        self._forgotten.clear()
+        ops.extend(["forget", seq_id] for seq_id in self.forgotten)
+        self.forgotten.clear()
         return ops
 
-    def _send_step(self, ids: torch.Tensor | None, positions: torch.Tensor, batch: Any,
-                   embeds: torch.Tensor | None, kwargs: dict[str, torch.Tensor]) -> None:
-        header, tensors = step_message(self.ranks.key, self._pending_ops(), ids, positions, batch, embeds, kwargs)
-        self.ranks.channel.send(header, tensors)
+    def send_step(self, ids: torch.Tensor | None, positions: torch.Tensor, batch: Any,
+                  embeds: torch.Tensor | None, kwargs: dict[str, torch.Tensor]) -> None:
+        header, tensors = step_message(self.group.key, self.pending_ops(), ids, positions, batch, embeds, kwargs)
+        self.group.channel.send(header, tensors)
 
-    def _leader_call(self, name: str, fn: Any, x: torch.Tensor) -> torch.Tensor:
-        return self._with_followers(*call_message(self.ranks.key, self._pending_ops(), name, x), lambda: fn(x))
+    def call(self, name: str, fn: Any, x: torch.Tensor) -> torch.Tensor:
+        """Run the module's `name` (`fn`) on `x` here and on every follower."""
+        return self._with_followers(*call_message(self.group.key, self.pending_ops(), name, x), lambda: fn(x))
 
-    def _gather_heads(self, pages: list[int], rows: int, local: torch.Tensor) -> torch.Tensor:
-        """Rank 0: `local` (its rows of `pages`) with every other rank's heads of them, in rank order."""
-        header = kv_message(self.ranks.key, self._pending_ops(), GATHER, pages, rows)
-        return self._with_followers(header, None, lambda: gather_heads(local, self.ranks))
+    def gather_heads(self, pages: list[int], rows: int, local: torch.Tensor) -> torch.Tensor:
+        """`local` (rank 0's rows of `pages`) with every other rank's heads of them, in rank order."""
+        header = kv_message(self.group.key, self.pending_ops(), GATHER, pages, rows)
+        return self._with_followers(header, None, lambda: gather_heads(local, self.group))
 
-    def _scatter_heads(self, pages: list[int], rows: int, kv: torch.Tensor) -> torch.Tensor:
-        """Rank 0: hand each rank its heads of `kv` (every head, `rows` rows for `pages`); returns rank 0's."""
-        header = kv_message(self.ranks.key, self._pending_ops(), SCATTER, pages, rows)
+    def scatter_heads(self, pages: list[int], rows: int, kv: torch.Tensor) -> torch.Tensor:
+        """Hand each rank its heads of `kv` (every head, `rows` rows for `pages`); returns rank 0's."""
+        header = kv_message(self.group.key, self.pending_ops(), SCATTER, pages, rows)
         kv = kv.to(self.pool.kv.device, self.pool.kv.dtype)
-        return self._with_followers(header, None, lambda: scatter_heads(kv, self._kv_rows(rows), self.ranks))
+        return self._with_followers(header, None, lambda: scatter_heads(kv, self.pool.empty_rows(rows), self.group))
 
     def _with_followers(self, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None, run: Any) -> Any:
-        """Rank 0: send the followers `header`, then run its own side of what they do (a broken group exits)."""
+        """Send the followers `header`, then run rank 0's own side of what they do (a broken group exits)."""
         try:
-            self.ranks.channel.send(header, tensors)
+            self.group.channel.send(header, tensors)
             return run()
         except Exception as exc:
-            self._check_group(exc)
+            exit_if_broken(exc, self.node, self.group)
             raise
 
-    def _kv_rows(self, rows: int) -> torch.Tensor:
-        """An empty `[layers, 2, rows, this rank's kv_heads, head_dim]` for this rank's share of a moved cache."""
-        layers, _, _, _, heads, dim = self.pool.kv.shape
-        return self.pool.kv.new_empty(layers, 2, rows, heads, dim)
 
-    def _check_group(self, exc: BaseException) -> None:
-        """Exit the process when `exc` says the rank group broke: its requests then fail as lost, at once."""
-        if group_broken(exc):
-            log.error("node '%s': rank %d's tensor-parallel group broke (%s); exiting so the server replaces the "
-                      "group", self.node.name, self.ranks.rank, str(exc)[:200])
-            os._exit(3)
+class StepFollower:
+    """Another rank of a split node: never schedules; runs what rank 0 sent on its own pool, in the order it came."""
+
+    def __init__(self, group: RankGroup, pool: PagePool, forward: StepForward, module: Any, device: torch.device,
+                 node: str):
+        self.group, self.pool, self.forward, self.module = group, pool, forward, module
+        self.device, self.node = device, node
 
     def follow(self, msg: RankMessage) -> None:
-        """A follower: run what rank 0 sent (on the device thread, in the order it came)."""
+        """Run one message from rank 0 (on the device thread)."""
         header = msg.header
         with torch.inference_mode():  # (a backend's per-sequence tensors were made in inference mode)
             try:
-                apply_page_ops(self.pool.kv, self.backend, header["ops"])
+                apply_page_ops(self.pool.kv, self.forward.backend, header["ops"])
             except Exception:  # the step must still run: its collectives are what keeps the ranks in step
-                log.exception("node '%s': rank %d could not apply rank 0's page ops", self.node.name, self.ranks.rank)
+                log.exception("node '%s': rank %d could not apply rank 0's page ops", self.node, self.group.rank)
             if header["kind"] == STEP:
-                ids, positions, batch, embeds, kwargs = read_step(msg, self.pool.page_size, self.device)
-                context = self.backend.begin(batch, self.pool.kv)
-                if embeds is None:
-                    self.forward_fn(ids, positions, context, **kwargs)
-                else:
-                    self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
+                self.forward.run_followed(*read_step(msg, self.pool.page_size, self.device))
             elif header["kind"] == CALL:
                 getattr(self.module, header["method"])(msg.tensors["x"].to(self.device))
             elif header["kind"] == GATHER:
-                gather_heads(self._read_kv(header["pages"], header["rows"]), self.ranks)
+                gather_heads(self.pool.read_rows(header["pages"], header["rows"]), self.group)
             elif header["kind"] == SCATTER:
-                self._write_kv(header["pages"], scatter_heads(None, self._kv_rows(header["rows"]), self.ranks))
+                self.pool.write_rows(header["pages"], scatter_heads(None, self.pool.empty_rows(header["rows"]),
+                                                                    self.group))
             else:
                 raise ValueError(f"unknown step message kind {header['kind']!r}")
 

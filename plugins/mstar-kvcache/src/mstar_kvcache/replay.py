@@ -11,20 +11,21 @@ the same sizes give the same bits (tested against eager steps).
 A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
 `run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
 append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
-step as before.
+step as before. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
+runs that split alone (no hooks, no subclass overriding `forward` alone), and its weights' generation, which moves
+when its weights may have changed (a recording made under another generation records again).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from mstar_core.nn import tape as tapes
-from mstar_core.nn.packed import PackedLinear
+from mstar_core.nn.replayable import WeightsGeneration, splits_forward, weights_generation
 
 log = logging.getLogger("mstar.kvcache.replay")
 
@@ -35,38 +36,21 @@ MAX_PROGRAM_BYTES = 512 << 20
 MAX_REFUSALS = 4
 
 
-def _splits_forward(module: Any) -> bool:
-    """Whether the class that defines `module`'s forward defines `layer_inputs` and `run_layers` with it.
-
-    (A subclass that overrides `forward` alone no longer runs as its parent's split says: it opts out.)
-    """
-    for owner in type(module).__mro__:
-        if "forward" in vars(owner):
-            return "layer_inputs" in vars(owner) and "run_layers" in vars(owner)
-    return False
-
-
 class _Program:
     """One recorded step: its tape, the tensors it read its inputs from, its output, and the weights it assumed."""
 
     def __init__(self, tape: tapes.Tape, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, context: Any,
-                 module: torch.nn.Module):
+                 weights: WeightsGeneration):
         self.tape, self.inputs, self.output = tape, inputs, output
         self.context = context  # (holds the lane plan the recorded attention calls point at)
         self.nbytes = tape.nbytes()
-        # a replay trusts the weights as recorded: every parameter the same tensor, unchanged in place, and every
-        # packed linear's pack the one it ran (load_state_dict or a repack sends the step back to a recording)
-        self.places = [(owner._parameters, name) for owner in module.modules()
-                       for name, param in owner._parameters.items() if param is not None]
-        self.params = [params[name] for params, name in self.places]
-        self.versions = [param._version for param in self.params]
-        self.packs = [(layer, layer._fast) for layer in module.modules() if isinstance(layer, PackedLinear)]
+        # a replay trusts the weights as recorded: loading weights, assigning a parameter or repacking a packed
+        # linear moves the module's generation, which sends the step back to a recording
+        self.weights, self.generation = weights, weights.value
 
     def current(self) -> bool:
-        """Whether the weights are still those recorded (~20 us for SmolLM2's 272 parameters)."""
-        return ([param._version for param in self.params] == self.versions
-                and all(map(operator.is_, [params.get(name) for params, name in self.places], self.params))
-                and all(layer._fast is fast for layer, fast in self.packs))
+        """Whether the weights are still those recorded."""
+        return self.weights.value == self.generation
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         for recorded, fresh in zip(self.inputs, inputs, strict=True):
@@ -80,6 +64,7 @@ class StepReplay:
 
     def __init__(self, module: Any, node: str):
         self.module, self.node = module, node
+        self.weights = weights_generation(module)  # moves whenever the module's weights may have changed
         self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
         self.enabled = True  # False once the layers are known not to replay
         self.programs: OrderedDict[tuple, _Program] = OrderedDict()
@@ -91,8 +76,7 @@ class StepReplay:
     @classmethod
     def for_module(cls, module: Any, node: str, device: torch.device) -> StepReplay | None:
         """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here)."""
-        if device.type != "cpu" or not _splits_forward(module) or getattr(module, "_forward_hooks", None) \
-                or getattr(module, "_forward_pre_hooks", None):
+        if device.type != "cpu" or not isinstance(module, torch.nn.Module) or not splits_forward(module):
             return None
         return cls(module, node) if tapes.available() else None
 
@@ -137,7 +121,7 @@ class StepReplay:
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
         for stale in [k for k in self.programs if k[0] != key[0]]:
             del self.programs[stale]
-        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.module)
+        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.weights)
         self.recorded += 1
         while len(self.programs) > MAX_PROGRAMS or (
                 len(self.programs) > 1 and sum(p.nbytes for p in self.programs.values()) > MAX_PROGRAM_BYTES):

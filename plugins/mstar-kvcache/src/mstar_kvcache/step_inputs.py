@@ -2,25 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mstar_kvcache.batch import build_batch, rope_positions
+from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
+if TYPE_CHECKING:
+    from mstar_kvcache.ranks import StepLeader
+    from mstar_kvcache.replay import StepReplay
 
-class StepInputs:
-    """Mixin of `KVCacheEngine`: builds one step's module call from the scheduled rows."""
 
-    def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+class StepForward:
+    """Builds one step's module call from the scheduled rows and runs it (replayed where a recording stands for it).
+
+    It owns what runs a step: the attention `backend` (and its per-sequence state, e.g. decode lanes), the
+    `forward_fn` (the module, or its compiled form) and the `replay` of recorded decode steps. `module` is what
+    `embed` is called on (on a split node's rank 0, the view that runs it on every rank: see `ranks.py`).
+    """
+
+    def __init__(self, module: Any, forward_fn: Any, backend: Any, replay: StepReplay | None, pool: PagePool,
+                 device: torch.device, dtype: torch.dtype, axes: int, routed: bool, call_inputs: dict[str, str],
+                 compiled: bool, leader: StepLeader | None):
+        self.module, self.forward_fn, self.backend, self.replay = module, forward_fn, backend, replay
+        self.pool, self.device, self.dtype, self.axes = pool, device, dtype, axes
+        self.routed = routed  # the module takes per-token `routing` ids
+        self.call_inputs = call_inputs  # module-declared call tensors: {name: "token" | "sequence"}
+        self.compiled = compiled  # a compiled forward keeps its embeddings graph (see `splice_embeds`)
+        self.leader = leader  # rank 0 of a split node: every rank runs each step (ranks.py)
+
+    def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """The final hidden rows of `work`'s rows, in order."""
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
-        kwargs = self._module_inputs(work, batch)
-        embeds = self._splice_embeds(work, ids)
+        kwargs = self.module_inputs(work, batch)
+        embeds = self.splice_embeds(work, ids)
         context = self.backend.begin(batch, self.pool.kv)
-        if self.ranks is not None and self.ranks.leader:  # a split node: every rank runs this step (ranks.py)
-            self._send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
+        if self.leader is not None:
+            self.leader.send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
         with torch.inference_mode():
             if embeds is None:
                 if self.replay is not None and not kwargs:
@@ -30,7 +51,24 @@ class StepInputs:
                 return self.forward_fn(ids, positions, context, **kwargs)
             return self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
 
-    def _module_inputs(self, work: list[tuple[Sequence, int]], batch: Any) -> dict[str, torch.Tensor]:
+    def run_followed(self, ids: torch.Tensor | None, positions: torch.Tensor, batch: Any, embeds: torch.Tensor | None,
+                     kwargs: dict[str, torch.Tensor]) -> None:
+        """A split node's follower: run the step rank 0 sent, on this rank's pool (its result is rank 0's to use)."""
+        context = self.backend.begin(batch, self.pool.kv)
+        if embeds is None:
+            self.forward_fn(ids, positions, context, **kwargs)
+        else:
+            self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
+
+    def forget(self, order: int) -> bool:
+        """Drop the backend's per-sequence state of sequence `order`; whether the backend keeps any."""
+        forget = getattr(self.backend, "forget", None)  # backends may keep per-sequence state (decode lanes)
+        if forget is None:
+            return False
+        forget(order)
+        return True
+
+    def module_inputs(self, work: list[tuple[Sequence, int]], batch: Any) -> dict[str, torch.Tensor]:
         """Routing ids and module-declared tensors for the step's rows (zeros where a call gave none)."""
         out: dict[str, torch.Tensor] = {}
         if self.routed:
@@ -64,7 +102,7 @@ class StepInputs:
             out["sequence_index"] = torch.tensor(index, dtype=torch.long, device=self.device)
         return out
 
-    def _splice_embeds(self, work: list[tuple[Sequence, int]], ids: torch.Tensor) -> torch.Tensor | None:
+    def splice_embeds(self, work: list[tuple[Sequence, int]], ids: torch.Tensor) -> torch.Tensor | None:
         if not any(seq.embeds for seq, _ in work):
             return None
         spans = []
@@ -76,7 +114,7 @@ class StepInputs:
                 if a < b:
                     spans.append((row + a - lo, row + b - lo, rows[a - start : b - start]))
             row += n
-        if not spans and not self.settings.compile:
+        if not spans and not self.compiled:
             # no row of this step is an embedding (decode steps after an embedded prompt): the module embeds
             # the ids itself, as `embed` would (a compiled forward keeps its embeddings graph: no new variant)
             return None
