@@ -52,7 +52,7 @@ KINDS = {
     "any": None,
 }
 
-#: The native tensor format (`mstar_core.api.tensors`) as JSON Schema.
+#: The native tensor format (`mstar_core.api.media.tensors`) as JSON Schema.
 TENSOR_JSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "a tensor: raw little-endian bytes, base64, row-major",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
 
 #: Request fields of the images routes that are OpenAI's, not BAGEL's settings.

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.api.adapters import ApiAdapter
 from mstar_core.api.media import AudioPart, ImagePart, MediaLimits, TextPart, resample
+from mstar_core.api.media.video import VideoPart
 from mstar_core.api.realtime.conversation import TokensPart
-from mstar_core.api.video import VideoPart
+from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
 from mstar_qwen_omni.audio_encoder import audio_token_count
 
