@@ -15,10 +15,10 @@ from typing import Any
 from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
 from mstar_core.grammar.pieces import piece_bytes
+from mstar_core.sampling import sampling_names
 
 #: Sampling fields of an OpenAI body forwarded to the model's `prepare` when the client set them.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "grammar")
+SAMPLING_FIELDS = (*sampling_names(without=("logprobs", "stop_token_ids", "stop_sequences")), "ignore_eos")
 #: Fields the chat and completions routes handle themselves (or accept and ignore, like `user`).
 ROUTE_FIELDS = {
     "chat": {"model", "messages", "stream", "stream_options", "n", "stop", "logprobs", "top_logprobs",

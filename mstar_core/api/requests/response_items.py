@@ -143,7 +143,7 @@ class ResponseBuilder:
         return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-def event(kind: str, seq: int, **fields: Any) -> bytes:
+def sse_event(kind: str, seq: int, **fields: Any) -> bytes:
     data = json_bytes({"type": kind, "sequence_number": seq, **fields})
     return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
@@ -166,7 +166,7 @@ async def event_stream(built: ResponseBuilder, tools: ChatTools, choices: list[c
     def ev(kind: str, **fields: Any) -> bytes:
         nonlocal seq
         seq += 1
-        return event(kind, seq - 1, **fields)
+        return sse_event(kind, seq - 1, **fields)
 
     yield ev("response.created", response=built.snapshot())
     yield ev("response.in_progress", response=built.snapshot())

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from mstar_core.sampling import MAX_COUNT, MAX_SEED, MAX_TOP_LOGPROBS
+from mstar_core.sampling import MAX_COUNT, MAX_TOP_LOGPROBS, SAMPLING_FIELDS
 
 
 class _Body(BaseModel):
@@ -24,6 +24,17 @@ def _count(default: int | None, lo: int, hi: int, **kw: Any) -> Any:
 
 def _real(default: float | None, **kw: Any) -> Any:
     return Field(default, allow_inf_nan=False, **kw)
+
+
+def _sampling(name: str, default: Any = None, **kw: Any) -> Any:
+    """A sampling field as the OpenAI routes take it: OpenAI's bounds and the doc from its one declaration
+    (`mstar_core.sampling.SAMPLING_FIELDS`); integers strict, reals finite."""
+    spec = SAMPLING_FIELDS[name]
+    bounds = dict(spec.openai or {})
+    kw.setdefault("description", spec.doc)
+    if spec.json_schema.get("type") == "integer":
+        return Field(default, strict=True, **bounds, **kw)
+    return Field(default, allow_inf_nan=False, **bounds, **kw)
 
 
 # --- errors -------------------------------------------------------------------------------------------------
@@ -133,25 +144,23 @@ class SamplingFields(_Body):
     """Sampling fields shared by chat and completions: OpenAI's, then vLLM's extensions. Finer bounds (the
     temperature floor, vocabulary-sized ids) are checked by `mstar_core.sampling` and the model's `prepare`."""
 
-    temperature: float | None = _real(None, ge=0.0, le=2.0,
-                                      description="0 is greedy; otherwise at least 1e-5 (smaller overflows the arithmetic)")
-    top_p: float | None = _real(None, gt=0.0, le=1.0)
-    seed: int | None = _count(None, 0, MAX_SEED, description="choice i samples with seed + i")
+    temperature: float | None = _sampling("temperature", description="0 is greedy; otherwise at least 1e-5 (smaller "
+                                                                     "overflows the arithmetic)")
+    top_p: float | None = _sampling("top_p")
+    seed: int | None = _sampling("seed", description="choice i samples with seed + i")
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings; the text ends before the first")
     n: int = _count(1, 1, MAX_COUNT, description="choices per prompt (up to the server's cap, `mstar serve --max-n`)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = _real(None, ge=-2.0, le=2.0,
-                                           description="subtracted once from every token already generated")
-    frequency_penalty: float | None = _real(None, ge=-2.0, le=2.0,
-                                            description="subtracted per occurrence among the generated tokens")
+    presence_penalty: float | None = _sampling("presence_penalty")
+    frequency_penalty: float | None = _sampling("frequency_penalty")
     logit_bias: dict[str, Any] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = _count(None, -1, MAX_COUNT, description="keep the k most likely tokens; 0 or -1 disables")
-    min_p: float | None = _real(None, ge=0.0, lt=1.0)
-    repetition_penalty: float | None = _real(None, gt=0.0, description="1 disables; >1 discourages repeats "
-                                                                          "(prompt and generated tokens)")
+    top_k: int | None = _sampling("top_k", description="keep the k most likely tokens; 0 or -1 disables")
+    min_p: float | None = _sampling("min_p")
+    repetition_penalty: float | None = _sampling("repetition_penalty", description="1 disables; >1 discourages "
+                                                                                  "repeats (prompt and generated tokens)")
     ignore_eos: bool | None = Field(None, strict=True, description="keep generating past the end-of-sequence token")
 
 
@@ -167,8 +176,8 @@ class ChatRequest(SamplingFields):
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = _count(None, 1, 1_000_000)
-    max_completion_tokens: int | None = _count(None, 1, 1_000_000)
+    max_tokens: int | None = _sampling("max_tokens")
+    max_completion_tokens: int | None = _sampling("max_tokens")
     logprobs: bool | None = Field(None, strict=True, description="return each token's log-probability")
     top_logprobs: int | None = _count(None, 0, MAX_TOP_LOGPROBS,
                                       description="and this many most likely alternatives (needs logprobs)")
@@ -184,7 +193,7 @@ class CompletionRequest(SamplingFields):
     model: str = Field(min_length=1)
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="a string, a list of strings (each its own choices), token ids, or a list of token-id lists")
-    max_tokens: int | None = _count(16, 1, 1_000_000)
+    max_tokens: int | None = _sampling("max_tokens", 16)
     logprobs: int | None = _count(None, 0, MAX_TOP_LOGPROBS,
                                   description="return each token's log-probability and this many alternatives")
     echo: bool | None = Field(None, strict=True, description="not supported: only false")
@@ -280,7 +289,7 @@ class ImageRequest(_Body):
     size: str | None = Field(None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$",
                              description="WIDTHxHEIGHT; absent: the model's default (GET /v1/models says which sizes "
                                          "each model draws)")
-    seed: int | None = _count(None, 0, MAX_SEED)
+    seed: int | None = _sampling("seed", description="image i draws with seed + i")
     response_format: Literal["b64_json"] = "b64_json"
 
 
@@ -328,10 +337,10 @@ class ResponsesRequest(_Body):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = Field(None, description="{format: {type: text | json_object | json_schema, ...}}")
-    max_output_tokens: int | None = _count(None, 1, 1_000_000)
-    temperature: float | None = _real(None, ge=0.0, le=2.0)
-    top_p: float | None = _real(None, gt=0.0, le=1.0)
-    seed: int | None = _count(None, 0, MAX_SEED)
+    max_output_tokens: int | None = _sampling("max_tokens")
+    temperature: float | None = _sampling("temperature")
+    top_p: float | None = _sampling("top_p")
+    seed: int | None = _sampling("seed")
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True

@@ -1,4 +1,7 @@
-"""Incremental detokenization for chat: stop strings, EOS, max_tokens, and no half characters on the wire."""
+"""Incremental detokenization for the text routes: stop strings, EOS, max_tokens, and no half characters on the wire.
+
+`max_tokens` here is a stop rule (the reply ends "length" at the limit the request was given), not a clamp: fitting
+it to the context is `mstar_core.sampling.fit_max_tokens`, once, where the request is prepared."""
 
 from __future__ import annotations
 

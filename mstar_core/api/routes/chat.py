@@ -25,6 +25,7 @@ from mstar_core.api.requests.submit import sse
 
 router = APIRouter()
 
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,

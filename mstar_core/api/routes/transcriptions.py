@@ -29,6 +29,7 @@ from mstar_core.api.requests.submit import (
     submit,
 )
 from mstar_core.api.requests.text import TextAssembler
+from mstar_core.sampling import check_openai
 
 router = APIRouter()
 FORMATS = ("json", "text", "verbose_json")
@@ -52,8 +53,7 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
                             "(srt and vtt need timestamps this model does not give)", param="response_format")
     if stream and response_format == "verbose_json":
         raise ApiError(400, "'stream' gives text deltas; use response_format json or text", param="stream")
-    if not 0.0 <= temperature <= 2.0:
-        raise ApiError(400, "'temperature' must be in [0, 2]", param="temperature")
+    check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
     if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
     limits = state.media_limits.get((model, "chat")) or MediaLimits().with_env()
