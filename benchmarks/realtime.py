@@ -72,8 +72,8 @@ class InProcessServer:
     def __init__(self):
         import uvicorn
 
-        from mstar_core.api.launch import serving_engine
-        from mstar_core.api.server import ModelToServe, ServerConfig, create_app
+        from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
+        from mstar_core.api.server.launch import serving_engine
         from mstar_core.plugins.manager import discover
 
         registry = discover()

@@ -69,7 +69,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mstar_core import __version__
-    from mstar_core.api import launch, offline
+    from mstar_core.api.server import launch, offline
     from mstar_core.bench import serve as bench_serve
 
     parser = argparse.ArgumentParser(prog="mstar", description="M*: serve composite multimodal models.")

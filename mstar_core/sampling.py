@@ -7,7 +7,7 @@ names the field) before it reaches an engine, where it could fail the whole batc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -160,22 +160,109 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-#: One check per field, shared by `SamplingParams` and by the HTTP edge for the same names in any request.
-FIELD_CHECKS = {
-    "temperature": check_temperature,
-    "top_k": lambda v, f: check_int(v, f, 0, MAX_COUNT),
-    "top_p": lambda v, f: _in_range(v, f, lambda x: 0 < x <= 1, "(0, 1]"),
-    "min_p": lambda v, f: _in_range(v, f, lambda x: 0 <= x < 1, "[0, 1)"),
+@attrs.frozen
+class SamplingField:
+    """One sampling field, declared once: read by `SamplingParams` (its default and check), by request schemas
+    (`mstar_core.schema.sampling_field`: its JSON Schema and doc), by the OpenAI routes (`openai`: the tighter
+    bounds OpenAI documents, as pydantic `Field` keywords) and by adapters that forward sampling fields."""
+
+    name: str
+    doc: str
+    #: the value as JSON Schema (the engine's bounds, what `check` enforces)
+    json_schema: Mapping[str, Any]
+    #: `check(value, field)` -> the value converted, or a RequestError naming `field`; None: `SamplingParams`
+    #: converts it (token-id lists, the grammar)
+    check: Callable[[Any, str], Any] | None = None
+    #: OpenAI's bounds on its routes (pydantic keywords such as `ge`, `le`), None where it documents none
+    openai: Mapping[str, Any] | None = None
+
+
+#: The sampling fields (their defaults are `SamplingParams`' own, or a model's `SamplingDefaults`).
+SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: f for f in (
+    SamplingField("temperature", "0 is greedy; otherwise in [1e-5, 1e5]",
+                  {"type": "number", "minimum": 0, "maximum": MAX_SCALE}, check_temperature, {"ge": 0.0, "le": 2.0}),
+    SamplingField("top_k", "keep the k most likely tokens (0: all)", {"type": "integer", "minimum": 0,
+                                                                       "maximum": MAX_COUNT},
+                  lambda v, f: check_int(v, f, 0, MAX_COUNT), {"ge": -1, "le": MAX_COUNT}),  # vLLM's -1 is 0
+    SamplingField("top_p", "nucleus sampling: the probability mass kept",
+                  {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                  lambda v, f: _in_range(v, f, lambda x: 0 < x <= 1, "(0, 1]"), {"gt": 0.0, "le": 1.0}),
+    SamplingField("min_p", "drop tokens below min_p times the top token's probability",
+                  {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                  lambda v, f: _in_range(v, f, lambda x: 0 <= x < 1, "[0, 1)"), {"ge": 0.0, "lt": 1.0}),
     # logits are divided or multiplied by it, so it has the temperature's finite range (1 disables it)
-    "repetition_penalty": lambda v, f: _in_range(v, f, lambda x: MIN_TEMPERATURE <= x <= MAX_SCALE,
-                                                 f"[{MIN_TEMPERATURE:g}, {MAX_SCALE:g}]"),
-    "presence_penalty": lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
-    "frequency_penalty": lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
-    "logit_bias": check_logit_bias,
-    "max_tokens": lambda v, f: check_int(v, f, 1, MAX_COUNT),
-    "seed": check_seed,
-    "logprobs": lambda v, f: check_int(v, f, 0, MAX_COUNT),
-}
+    SamplingField("repetition_penalty", "divides positive logits of tokens already in the sequence (1: off)",
+                  {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_SCALE},
+                  lambda v, f: _in_range(v, f, lambda x: MIN_TEMPERATURE <= x <= MAX_SCALE,
+                                         f"[{MIN_TEMPERATURE:g}, {MAX_SCALE:g}]"), {"gt": 0.0}),
+    SamplingField("presence_penalty", "subtracted once from the logit of each token generated so far",
+                  {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+                  lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
+                  {"ge": -MAX_PENALTY, "le": MAX_PENALTY}),
+    SamplingField("frequency_penalty", "subtracted per occurrence among the generated tokens",
+                  {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+                  lambda v, f: _in_range(v, f, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, "[-2, 2]"),
+                  {"ge": -MAX_PENALTY, "le": MAX_PENALTY}),
+    SamplingField("logit_bias", "token id -> bias added to its logit",
+                  {"type": "object", "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                              "maximum": MAX_LOGIT_BIAS}}, check_logit_bias),
+    SamplingField("max_tokens", "the most tokens to generate", {"type": "integer", "minimum": 1, "maximum": MAX_COUNT},
+                  lambda v, f: check_int(v, f, 1, MAX_COUNT), {"ge": 1, "le": 1_000_000}),
+    SamplingField("seed", "makes sampling reproducible",
+                  {"type": "integer", "minimum": 0, "maximum": MAX_SEED}, check_seed, {"ge": 0, "le": MAX_SEED}),
+    SamplingField("logprobs", "return each token's log-probability and those of the k most likely tokens",
+                  {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}, lambda v, f: check_int(v, f, 0, MAX_COUNT)),
+    SamplingField("stop_token_ids", "token ids that end generation",
+                  {"type": "array", "items": {"type": "integer", "minimum": 0}}),
+    SamplingField("stop_sequences", "token-id sequences that end generation",
+                  {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}),
+    SamplingField("grammar", "[kind, source]: output constrained to a grammar (json_schema, json_object, "
+                  "structural_tag, regex, ebnf); the OpenAI routes set it from response_format and tools",
+                  {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 2}),
+)}
+
+#: One check per field, shared by `SamplingParams` and by the HTTP edge for the same names in any request.
+FIELD_CHECKS = {name: f.check for name, f in SAMPLING_FIELDS.items() if f.check is not None}
+
+
+def sampling_names(*only: str, without: Iterable[str] = ()) -> tuple[str, ...]:
+    """Declared sampling field names: `only` those (each checked to be declared), else all of them in declaration
+    order, less `without`. What a model or adapter forwards, named against the declaration, never by hand."""
+    named = set(only) | set(without)
+    unknown = sorted(named - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"sampling_names: unknown fields {unknown}; known: {list(SAMPLING_FIELDS)}")
+    chosen = only or tuple(SAMPLING_FIELDS)
+    return tuple(name for name in chosen if name not in set(without))
+
+
+def check_openai(name: str, value: Any, field: str | None = None) -> Any:
+    """`value` of sampling field `name` within OpenAI's bounds for it (then the engine's), else a RequestError
+    naming `field`; None passes (unset). For routes whose bodies are not pydantic models (forms, socket events)."""
+    field = field or name
+    if value is None:
+        return None
+    spec = SAMPLING_FIELDS[name]
+    value = spec.check(value, field) if spec.check is not None else value
+    bounds = spec.openai or {}
+    ok = {"ge": lambda b: value >= b, "gt": lambda b: value > b, "le": lambda b: value <= b,
+          "lt": lambda b: value < b}
+    for key, bound in bounds.items():
+        if not ok[key](bound):
+            low = "(" if "gt" in bounds else "["
+            high = ")" if "lt" in bounds else "]"
+            lo = bounds.get("ge", bounds.get("gt", "-inf"))
+            hi = bounds.get("le", bounds.get("lt", "inf"))
+            raise _fail(field, f"must be in {low}{lo:g}, {hi:g}{high}, got {value!r}")
+    return value
+
+
+def fit_max_tokens(requested: int | None, prompt_tokens: int, context: int, default: int | None = None) -> int:
+    """`max_tokens` fitted to the context: what a request asked for (or `default`, or `SamplingParams`' own),
+    at most the room the prompt leaves. The one clamp (OpenAI's behaviour: the reply stops with finish_reason
+    "length"), applied where a request is prepared; the engine only stops at the limit it is given."""
+    wanted = requested if requested is not None else default if default is not None else _DEFAULT_MAX_TOKENS
+    return max(1, min(wanted, context - prompt_tokens))
 
 
 def check_fields(values: Mapping[str, Any], where: str = "") -> None:
@@ -259,10 +346,49 @@ class SamplingParams:
                     or self.logit_bias)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> SamplingParams:
-        """Build from a dict (e.g. request JSON); unknown keys raise `RequestError` listing the known ones."""
+    def from_mapping(cls, values: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """Build from a dict (e.g. request JSON) over a model's `defaults` (the one place they meet); unknown keys
+        raise `RequestError` listing the known ones."""
         reject_unknown(values, (f.name for f in attrs.fields(cls)), "sampling", what="parameter", error=RequestError)
-        return cls(**values)
+        return cls(**(defaults.merged(values) if defaults is not None else values))
 
 
 GREEDY = SamplingParams()
+_DEFAULT_MAX_TOKENS = attrs.fields(SamplingParams).max_tokens.default
+
+#: generation_config.json's names for the sampling fields it may set (transformers' `GenerationConfig`)
+_GENERATION_CONFIG = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@attrs.frozen
+class SamplingDefaults:
+    """A model's defaults for the sampling fields a request leaves unset (its checkpoint's, say): each checked by
+    the field's declaration. `merged(fields)` is the one place a request's fields meet them: what the request set
+    wins, then these, then `SamplingParams`' own defaults."""
+
+    values: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in self.values.items():
+            if name not in SAMPLING_FIELDS:
+                raise ValueError(f"SamplingDefaults: unknown field {name!r}; known: {list(SAMPLING_FIELDS)}")
+            check = SAMPLING_FIELDS[name].check
+            if check is not None:
+                check(value, name)
+
+    def merged(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The request's set fields (None means unset) over these defaults."""
+        return {**self.values, **{k: v for k, v in fields.items() if v is not None}}
+
+    def get(self, name: str, fallback: Any = None) -> Any:
+        return self.values.get(name, fallback)
+
+    @classmethod
+    def from_generation_config(cls, config: Mapping[str, Any]) -> SamplingDefaults:
+        """From a checkpoint's `generation_config.json`: its sampling fields under their names here; `do_sample:
+        false` means greedy (temperature 0)."""
+        values = {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG.items() if config.get(theirs) is not None}
+        if config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return cls(values)

@@ -29,12 +29,8 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.sampling import (
-    FIELD_CHECKS,
-    MAX_COUNT,
-    MAX_LOGIT_BIAS,
-    MAX_PENALTY,
-    MAX_SCALE,
     MAX_SEED,
+    SAMPLING_FIELDS,
     check_int,
     check_number,
     is_integer,
@@ -52,7 +48,7 @@ KINDS = {
     "any": None,
 }
 
-#: The native tensor format (`mstar_core.api.tensors`) as JSON Schema.
+#: The native tensor format (`mstar_core.api.media.tensors`) as JSON Schema.
 TENSOR_JSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "a tensor: raw little-endian bytes, base64, row-major",
@@ -274,35 +270,6 @@ _KIND_CHECKS: dict[str, Callable[[RequestField, Any], Any]] = {
 
 # -- sampling fields ------------------------------------------------------------------------------
 
-_SAMPLING_DOCS: dict[str, tuple[dict[str, Any], str]] = {
-    # name: (JSON Schema of the value, description)
-    "temperature": ({"type": "number", "minimum": 0, "maximum": MAX_SCALE}, "0 is greedy; otherwise in [1e-5, 1e5]"),
-    "top_k": ({"type": "integer", "minimum": 0, "maximum": MAX_COUNT}, "keep the k most likely tokens (0: all)"),
-    "top_p": ({"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "nucleus sampling: the probability mass kept"),
-    "min_p": ({"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-              "drop tokens below min_p times the top token's probability"),
-    "repetition_penalty": ({"type": "number", "minimum": 1e-5, "maximum": MAX_SCALE},
-                           "divides positive logits of tokens already in the sequence (1: off)"),
-    "presence_penalty": ({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
-                         "subtracted once from the logit of each token generated so far"),
-    "frequency_penalty": ({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
-                          "subtracted per occurrence among the generated tokens"),
-    "logit_bias": ({"type": "object", "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
-                                                               "maximum": MAX_LOGIT_BIAS}},
-                   "token id -> bias added to its logit"),
-    "max_tokens": ({"type": "integer", "minimum": 1, "maximum": MAX_COUNT}, "the most tokens to generate"),
-    "seed": ({"type": "integer", "minimum": 0, "maximum": MAX_SEED}, "makes sampling reproducible"),
-    "logprobs": ({"type": "integer", "minimum": 0, "maximum": MAX_COUNT},
-                 "return each token's log-probability and those of the k most likely tokens"),
-    "stop_token_ids": ({"type": "array", "items": {"type": "integer", "minimum": 0}}, "token ids that end generation"),
-    "stop_sequences": ({"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
-                       "token-id sequences that end generation"),
-    "grammar": ({"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 2},
-                "[kind, source]: output constrained to a grammar (json_schema, json_object, structural_tag, regex, "
-                "ebnf); the OpenAI routes set it from response_format and tools"),
-}
-
-
 def sampling_field(name: str, *, default: Any = UNSET, description: str | None = None) -> RequestField:
     """A `SamplingParams` field, checked by the rule `SamplingParams` itself applies (`mstar_core.sampling`).
 
@@ -310,11 +277,11 @@ def sampling_field(name: str, *, default: Any = UNSET, description: str | None =
     `logprobs`, token ids) stay with `SamplingParams.check_vocab`, and the id lists are checked when
     `SamplingParams` converts them.
     """
-    if name not in _SAMPLING_DOCS:
-        raise ValueError(f"sampling_field: unknown field {name!r}; known: {sorted(_SAMPLING_DOCS)}")
-    doc, text = _SAMPLING_DOCS[name]
-    return RequestField(name, "any", description or text, default=default, check=FIELD_CHECKS.get(name),
-                        json_extra=doc)
+    if name not in SAMPLING_FIELDS:
+        raise ValueError(f"sampling_field: unknown field {name!r}; known: {sorted(SAMPLING_FIELDS)}")
+    spec = SAMPLING_FIELDS[name]
+    return RequestField(name, "any", description or spec.doc, default=default, check=spec.check,
+                        json_extra=dict(spec.json_schema))
 
 
 def sampling_fields(*names: str, defaults: Mapping[str, Any] | None = None) -> tuple[RequestField, ...]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mstar_core.api.server import ModelToServe, ServerConfig, create_app
+from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from mstar_core.api.metrics import Metrics
+from mstar_core.api.server.metrics import Metrics
 from mstar_core.cluster.cluster import WorkerLost
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement

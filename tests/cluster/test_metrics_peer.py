@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mstar_core.api.metrics import Metrics
+from mstar_core.api.server.metrics import Metrics
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.cluster.worker_link import WorkerLink
 from mstar_core.config import load_placement

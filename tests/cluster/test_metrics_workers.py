@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mstar_core.api.metrics import Metrics
+from mstar_core.api.server.metrics import Metrics
 from mstar_core.cluster.cluster import Cluster
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.cluster.worker_link import WorkerLink

@@ -58,7 +58,7 @@ async def test_handle_reports_the_walks_it_ran():
 def test_native_done_event_holds_only_the_walks_run():
     from fastapi.testclient import TestClient
 
-    from mstar_core.api.server import ModelToServe, ServerConfig, create_app
+    from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
     from mstar_core.model import LoadOptions
     from mstar_core.plugins.manager import discover
     from mstar_core.runtime import AsyncEngine

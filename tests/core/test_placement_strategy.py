@@ -15,7 +15,7 @@ from mstar_core.runtime import AsyncEngine
 
 
 def test_the_in_process_runtime_loads_no_cluster_module():
-    code = ("import sys, mstar_core.runtime, mstar_core.api.server; "
+    code = ("import sys, mstar_core.runtime, mstar_core.api.server.app; "
             "print(sorted(m for m in sys.modules if m.startswith('mstar_core.cluster')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout

@@ -43,7 +43,7 @@ def _toy_router():
 
 
 def _app(registry):
-    from mstar_core.api.server import ServerConfig, create_app
+    from mstar_core.api.server.app import ServerConfig, create_app
     from mstar_core.runtime import AsyncEngine
 
     return create_app(ServerConfig(), lambda: AsyncEngine(registry), registry=registry)

@@ -14,7 +14,7 @@ import torch
 from mstar_diffusion.contract import DenoiserModule
 from mstar_kvcache.contract import CONFIG_FIELDS, KVCacheModule
 
-from mstar_core.api.tensors import decode_tensor
+from mstar_core.api.media.tensors import decode_tensor
 from mstar_core.runtime.contract import BatchedModule, KeywordModule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ def test_the_error_kind_the_noun_and_how_a_name_is_shown_are_the_callers():
     lambda: __import__("mstar_kvcache.config", fromlist=["x"]).KVCacheSettings.from_mapping({"num_pagess": 4}),
     lambda: __import__("mstar_core.sampling", fromlist=["x"]).SamplingParams.from_mapping({"num_pagess": 4}),
     lambda: __import__("mstar_core.config", fromlist=["x"]).Placement.from_dict({"num_pagess": 4}, "p.yaml"),
-    lambda: __import__("mstar_core.api.deploy", fromlist=["x"])._check("server", {"num_pagess": 4}, {"port"}),
+    lambda: __import__("mstar_core.api.server.deploy", fromlist=["x"])._check("server", {"num_pagess": 4}, {"port"}),
 ])
 def test_the_adopters_name_the_unknown_key_in_the_one_shape(check):
     with pytest.raises((ConfigError, RequestError), match=re.escape("unknown ") + r"\w+" + re.escape("(s) ['num_pagess']; known: [")):

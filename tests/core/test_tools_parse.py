@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mstar_core.api.errors import ApiError
-from mstar_core.api.tools import (
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.requests.tools import (
     UNPARSED_MARKER,
     ToolCalls,
     check_tool_choice,

@@ -240,7 +240,7 @@ def test_split_and_sharing_nodes_refuse_offload():
 def test_through_the_runtime_the_setting_applies_and_the_counters_reach_metrics(llama_pair, reference):
     import asyncio
 
-    from mstar_core.api.metrics import Metrics
+    from mstar_core.api.server.metrics import Metrics
     from mstar_core.runtime import AsyncEngine
     from mstar_core.sampling import SamplingParams
     from tests.engines.test_through_async_engine import _loaded

@@ -76,7 +76,7 @@ def _mp4(frames: np.ndarray, rate: int = 10, audio_seconds: float = 0.0) -> byte
 
 
 def test_video_url_parts_decode_sample_and_bound(monkeypatch):
-    from mstar_core.api.video import VideoLimits, video_part
+    from mstar_core.api.media.video import VideoLimits, video_part
     from mstar_core.errors import RequestError
 
     frames = np.stack([np.full((48, 64, 3), 10 * i, np.uint8) for i in range(25)])  # 2.5 s at 10 fps

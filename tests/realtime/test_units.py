@@ -14,7 +14,7 @@ from mstar_core.api.realtime.conversation import Conversation, Item
 from mstar_core.api.realtime.limits import RealtimeLimits
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, decode_pcm16
 from mstar_core.api.realtime.vad import EnergyScorer, TurnDetector
-from mstar_core.api.tool_call_parser import ToolCallStream
+from mstar_core.api.requests.tool_parser import ToolCallStream
 from tests.realtime.helpers import silence, tone
 
 
@@ -133,8 +133,8 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered():
 
 
 def test_idle_and_lifetime_bounds_end_the_session_with_an_error_event():
-    from mstar_core.api.realtime import route
     from mstar_core.api.realtime.session import RealtimeSession
+    from mstar_core.api.routes import realtime as route
 
     class Bridge:
         model, speaks, voices, default_modalities, takes_audio = "m", False, (), ("text",), False

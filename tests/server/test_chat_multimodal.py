@@ -434,8 +434,8 @@ def test_typed_adapter_serves_plain_bodies_too():
 def test_transcript_from_the_final_env_and_a_buffered_wav():
     from types import SimpleNamespace
 
-    from mstar_core.api.adapters import to_int16_pcm
-    from mstar_core.api.chat_audio import AudioReply
+    from mstar_core.api.requests.adapters import to_int16_pcm
+    from mstar_core.api.requests.chat_audio import AudioReply
 
     adapter = SimpleNamespace(chat_audio_output="wave", chat_transcript_output="said", sample_rate=8000,
                               audio_chunk=to_int16_pcm)

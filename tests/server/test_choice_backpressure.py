@@ -13,8 +13,8 @@ import gc
 
 import pytest
 
-from mstar_core.api import choices as ch
-from mstar_core.api.errors import ApiError
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.requests import choices as ch
 from mstar_core.runtime.request import MAX_UNREAD, Output, RequestHandle
 
 pytestmark = pytest.mark.timeout(60)

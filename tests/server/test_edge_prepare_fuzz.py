@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar_core.api.tensors import decode_inputs, encode_value
+from mstar_core.api.media.tensors import decode_inputs, encode_value
 from mstar_core.errors import MStarError, RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.sampling import check_fields
@@ -17,7 +17,7 @@ from tests.server.test_edge_fuzz import EDGE_NUMBERS, WRONG_TYPES, junk, mutated
 
 pytest.importorskip("mstar_vjepa")
 
-#: What `mstar_core.api.common.submit` answers with a 400 when `prepare` raises it; anything else would be a 500.
+#: What `mstar_core.api.requests.submit.submit` answers with a 400 when `prepare` raises it; anything else would be a 500.
 CLIENT_ERRORS = (RequestError, MStarError, ValueError, TypeError, KeyError, IndexError, OverflowError)
 
 

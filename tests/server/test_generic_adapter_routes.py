@@ -7,7 +7,7 @@ completions request a 400 naming `prompt` (the 10-minute soak's only errors). A 
 
 import pytest
 
-from mstar_core.api.chat_adapter import TokenizerChatAdapter
+from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 

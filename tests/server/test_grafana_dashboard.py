@@ -1,5 +1,5 @@
 """Every metric examples/grafana/mstar-dashboard.json queries is one the server exports (names from
-mstar_core/api/metrics.py, and the registry's own rendering for the serving process's metrics)."""
+mstar_core/api/server/metrics.py, and the registry's own rendering for the serving process's metrics)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from mstar_core.api import metrics as metrics_module
-from mstar_core.api.metrics import Metrics
+from mstar_core.api.server import metrics as metrics_module
+from mstar_core.api.server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "mstar-dashboard.json"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mstar_core.api.deploy import load_deploy
 from mstar_core.api.media import MediaLimits
+from mstar_core.api.server.deploy import load_deploy
 from mstar_core.errors import ConfigError
 from tests.server.helpers import Server
 

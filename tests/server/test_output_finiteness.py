@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mstar_core.api.adapters import to_int16_pcm
+from mstar_core.api.requests.adapters import to_int16_pcm
 from mstar_core.errors import RequestError
 
 

@@ -10,9 +10,9 @@ import time
 
 import attrs
 
-from mstar_core.api.common import submit
-from mstar_core.api.launch import serving_engine
-from mstar_core.api.server import ServerConfig
+from mstar_core.api.requests.submit import submit
+from mstar_core.api.server.app import ServerConfig
+from mstar_core.api.server.launch import serving_engine
 from mstar_core.graph import Graph, GraphNode, Walk
 from mstar_core.model import LoadedModel
 from mstar_core.plugins.manager import discover

@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from mstar_core.api.adapters import ApiAdapter, api_named, describe_routes
-from mstar_core.api.choices import forks_choices
-from mstar_core.api.errors import ApiError
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.requests.adapters import ApiAdapter, api_named, describe_routes
+from mstar_core.api.requests.choices import forks_choices
 from mstar_core.compat import PluginAPIWarning
 from mstar_core.errors import RequestError
 from mstar_core.sampling import MAX_SEED, choice_seed

@@ -11,11 +11,11 @@ import pytest
 import soundfile
 import torch
 
-from mstar_core.api.adapters import ApiAdapter, to_int16_pcm
-from mstar_core.api.audio import AudioEncoder
-from mstar_core.api.deploy import load_deploy
-from mstar_core.api.tensors import DTYPES, decode_inputs, encode_value
-from mstar_core.api.text import TextAssembler
+from mstar_core.api.media.audio import AudioEncoder
+from mstar_core.api.media.tensors import DTYPES, decode_inputs, encode_value
+from mstar_core.api.requests.adapters import ApiAdapter, to_int16_pcm
+from mstar_core.api.requests.text import TextAssembler
+from mstar_core.api.server.deploy import load_deploy
 from mstar_core.errors import ConfigError, RequestError
 
 
@@ -128,7 +128,7 @@ def test_deploy_file_is_strict(tmp_path):
 def test_metrics_label_only_loaded_models():
     import types
 
-    from mstar_core.api.metrics import Metrics
+    from mstar_core.api.server.metrics import Metrics
 
     metrics = Metrics(types.SimpleNamespace(models={"orpheus": object()}))
     metrics.observe_request("orpheus", "speech", 200, 0.1)
@@ -141,9 +141,9 @@ def test_metrics_label_only_loaded_models():
 
 
 def test_torch_threads_server_option_reaches_the_engine_and_is_checked(tmp_path):
-    from mstar_core.api.deploy import apply_server_options
-    from mstar_core.api.launch import serving_engine
-    from mstar_core.api.server import ServerConfig
+    from mstar_core.api.server.app import ServerConfig
+    from mstar_core.api.server.deploy import apply_server_options
+    from mstar_core.api.server.launch import serving_engine
 
     deploy = tmp_path / "threads.yaml"
     deploy.write_text("server: {torch_threads: 1}\nmodels:\n  orpheus: {preset: tiny}\n")
@@ -164,7 +164,7 @@ def test_torch_threads_server_option_reaches_the_engine_and_is_checked(tmp_path)
 def test_dtype_flag_sets_every_models_dtype_over_the_deploy_file(tmp_path):
     import argparse
 
-    from mstar_core.api.launch import add_arguments, build_config
+    from mstar_core.api.server.launch import add_arguments, build_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -106,7 +106,7 @@ async def test_a_fixture_transport_selected_in_placement_carries_the_tensors():
             await asyncio.sleep(0.05)
         assert state.load["link"]["transport"] == "fixture_spool"
         assert state.load["link"]["offloaded_bytes"] == 3 * x.numel() * 4
-        from mstar_core.api.metrics import Metrics
+        from mstar_core.api.server.metrics import Metrics
 
         text = Metrics(engine).render().decode()
         labels = 'end="server",transport="fixture_spool",worker="w"'

@@ -6,14 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
+from mstar_core.sampling import sampling_names
 
 #: Request fields of the images routes that are OpenAI's, not BAGEL's settings.
 _OPENAI_IMAGE_FIELDS = {"model", "prompt", "n", "size", "seed", "response_format", "index", "image", "user",
                         "quality", "style", "background", "output_format", "moderation", "mask"}
 #: What chat forwards to understand's sampling (`grammar`: from response_format, or tools with a required call).
-_CHAT_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "grammar")
+_CHAT_FIELDS = sampling_names("max_tokens", "temperature", "top_k", "top_p", "seed", "grammar")
 
 
 class BagelImagesAdapter(ApiAdapter):

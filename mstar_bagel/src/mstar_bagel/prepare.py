@@ -20,7 +20,7 @@ from mstar_bagel.graph import MAX_STEPS
 from mstar_bagel.tokenizer import SpecialIds
 from mstar_core.errors import RequestError
 from mstar_core.nn.sincos import flattened_grid_ids
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import SamplingParams, sampling_names
 from mstar_core.schema import RequestField, RequestSchema, sampling_fields
 
 TASKS = ("t2i", "edit", "understand", "think")
@@ -36,7 +36,7 @@ MAX_IMAGES = 8
 MAX_N = 10
 MAX_PROMPT = 4096
 #: The request's fields that make the text tasks' `SamplingParams` (a `grammar`: structured output, tool calls).
-_TEXT_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "seed", "grammar")
+_TEXT_SAMPLING = sampling_names("max_tokens", "temperature", "top_k", "top_p", "logit_bias", "seed", "grammar")
 
 
 def _interval(value: Any, name: str) -> tuple[float, float]:

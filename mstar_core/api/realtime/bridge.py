@@ -9,11 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from mstar_core.api.adapters import ApiAdapter
 from mstar_core.api.media import resample
 from mstar_core.api.realtime.config import RATE, ResponseOptions
 from mstar_core.api.realtime.conversation import Item, render
 from mstar_core.api.realtime.protocol import EventError
+from mstar_core.api.requests import tools as tl
+from mstar_core.api.requests.adapters import ApiAdapter
+from mstar_core.api.requests.pipeline import chat_request, sampling_fields
 
 
 class ModelBridge:
@@ -38,46 +40,53 @@ class ModelBridge:
         media = set(getattr(a, "chat_media", ()) or ()) if self.kind == "chat" else set()
         self.takes_visual = {"image", "video"} <= media
         self.sample_rate = int(getattr(a, "sample_rate", RATE) or RATE)
+        #: how tools, calls and their outputs are written for this model (chat's rule: `tools.tool_format`)
+        self.tool_format = tl.tool_format(a)
 
     @property
     def default_modalities(self) -> tuple[str, ...]:
         return ("audio",) if self.speaks else ("text",)
 
-    def inputs(self, items: Sequence[Item], options: ResponseOptions,
-               previous: tuple[list[int], Item] | None = None) -> dict[str, Any]:
+    async def inputs(self, items: Sequence[Item], options: ResponseOptions,
+                     previous: tuple[list[int], Item] | None = None) -> dict[str, Any]:
         """The model's raw inputs for a response over `items` with `options`; `previous` (the last response's
-        prompt ids and reply item) lets a text model's next prompt carry that reply's exact ids."""
+        prompt ids and reply item) lets a text model's next prompt carry that reply's exact ids. A chat model's
+        turn goes through the text routes' pipeline (`requests.pipeline.chat_request`)."""
         speak = options.output_modalities == ("audio",)
+        sampling = sampling_fields({"max_tokens": options.max_output_tokens, "temperature": options.temperature})
         if self.kind == "speech":
             text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
             if not text.strip():
                 raise EventError(f"model '{self.model}' speaks the latest user text item; add one "
                                  "(conversation.item.create with input_text)", param="response", code="no_user_text")
             body = {"input": text, "voice": options.voice or (self.voices[0] if self.voices else None), "speed": 1.0,
-                    "response_format": "pcm", "stream_format": "audio", "model": self.model}
-            if options.max_output_tokens is not None:
-                body["max_tokens"] = options.max_output_tokens
-            if options.temperature is not None:
-                body["temperature"] = options.temperature
+                    "response_format": "pcm", "stream_format": "audio", "model": self.model, **sampling}
             return self._call(self.adapter.speech_inputs, body)
-        turns, plain = render(items, options.instructions, options.tools if options.tool_choice != "none" else (),
-                              takes_audio=self.takes_audio, takes_tokens=self.takes_tokens,
-                              takes_visual=self.takes_visual)
+        tools = self.tools(options)
+        turns, plain = render(items, options.instructions, tools, self.tool_format, takes_audio=self.takes_audio,
+                              takes_tokens=self.takes_tokens, takes_visual=self.takes_visual)
         if not turns or turns[-1].role == "assistant":
             raise EventError("the conversation has nothing for the model to answer; add a user item first",
                              param="response", code="nothing_to_answer")
-        body: dict[str, Any] = {"model": self.model, "messages": plain}
-        if options.max_output_tokens is not None:
-            body["max_tokens"] = options.max_output_tokens
-        if options.temperature is not None:
-            body["temperature"] = options.temperature
+        body: dict[str, Any] = {"model": self.model, "messages": plain, **sampling}
         if speak:
             body["modalities"] = ["text", "audio"]
             body["audio"] = {"voice": options.voice or self.voices[0], "format": "pcm16"}
-        inputs = self._call(self.adapter.chat_message_inputs, body, turns)
+        inputs = await chat_request(self.state, self.adapter, self.model, body, turns=turns, call=self._call)
         if previous is not None and not self.takes_tokens and options.input is None:
             inputs = self._exact_history(inputs, previous)
         return inputs
+
+    @staticmethod
+    def tools(options: ResponseOptions) -> list[tl.Tool]:
+        """The response's tools as chat's checked tools (none when `tool_choice` is none)."""
+        if options.tool_choice == "none":
+            return []
+        return [tl.Tool(t["name"], t.get("description") or "", dict(t.get("parameters") or {})) for t in options.tools]
+
+    def tool_calls(self, options: ResponseOptions) -> tl.ToolCalls | None:
+        """The parser of the reply's calls, in the model's tool format (chat's parser), when tools are offered."""
+        return tl.ToolCalls(self.tool_format) if self.tools(options) else None
 
     def _exact_history(self, inputs: dict[str, Any], previous: tuple[list[int], Item]) -> dict[str, Any]:
         """A text model's prompt with the last reply as the ids it generated, not their re-tokenized text, so the

@@ -9,6 +9,8 @@ from typing import Any
 import attrs
 
 from mstar_core.api.realtime.protocol import EventError
+from mstar_core.errors import RequestError
+from mstar_core.sampling import check_openai
 
 RATE = 24_000
 PCM = {"type": "audio/pcm", "rate": RATE}
@@ -109,11 +111,12 @@ def max_tokens(value: Any, where: str) -> int | None:
 
 
 def temperature(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 2:
-        raise EventError(f"'{where}' must be a number in [0, 2]", param=where)
-    return float(value)
+    """OpenAI's temperature bounds, as the declaration of the sampling fields has them (`check_openai`)."""
+    try:
+        checked = check_openai("temperature", value, where)
+    except RequestError as exc:
+        raise EventError(str(exc), param=where) from None
+    return None if checked is None else float(checked)
 
 
 def tools(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from mstar_core.api.media import AudioPart, ChatTurn, TextPart
 from mstar_core.api.realtime.protocol import EventError, decode_pcm16, new_id
+from mstar_core.api.requests import tools as tl
 
 RATE = 24_000
 
@@ -151,8 +152,8 @@ def item_from_client(data: Any, where: str, max_audio_bytes: int) -> Item:
 
 def _visual(part: Mapping[str, Any], ptype: str, at: str) -> Any:
     """An `input_image` (`image_url`: a data URI) or `input_video` (`video_url`: a data URI) part, decoded."""
-    from mstar_core.api.media import ImagePart, MediaLimits, _data_uri, decode_image
-    from mstar_core.api.video import video_part
+    from mstar_core.api.media.decode import ImagePart, MediaLimits, _data_uri, decode_image
+    from mstar_core.api.media.video import video_part
     from mstar_core.errors import RequestError
 
     try:
@@ -217,35 +218,28 @@ class Conversation:
 # --- rendering into a chat model's inputs -------------------------------------------------------------------
 
 
-def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tool block Qwen's chat template writes into the system turn (Hermes-style `<tool_call>` format)."""
-    lines = "\n".join(json.dumps({"type": "function", "function": {k: t[k] for k in ("name", "description",
-                                                                                        "parameters")}})
-                      for t in tools)
-    return ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + lines +
-            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
-
-
-def render(items: Sequence[Item], instructions: str, tools: Sequence[Mapping[str, Any]], *,
+def render(items: Sequence[Item], instructions: str, tools: Sequence[tl.Tool], fmt: str, *,
            takes_audio: bool, takes_tokens: bool, takes_visual: bool = False
            ) -> tuple[list[ChatTurn], list[dict[str, Any]]]:
     """The conversation as typed chat turns (for adapters that take parts) and as plain text messages.
 
-    Function calls become the assistant's `<tool_call>` text, their outputs a user turn's `<tool_response>`
-    (what Qwen's template writes for the `tool` role); consecutive tool outputs share one turn.
+    Tools, function calls and their outputs are written as chat writes them for the model's tool format `fmt`
+    (`requests.tools`: the same system section, call text and tool-response turn); consecutive tool outputs
+    share one turn.
     """
-    system = instructions + (tools_prompt(tools) if tools else "")
+    system = tl.with_tools_prompt(instructions, list(tools), fmt) if tools else instructions
     turns: list[ChatTurn] = [ChatTurn("system", (TextPart(system),))] if system else []
+    names: dict[str, str] = {}
+    after_output = False  # the last turn holds tool outputs (the next one joins it)
     for item in items:
+        joins, after_output = after_output, item.type == "function_call_output"
         if item.type == "function_call":
-            call = f"<tool_call>\n{json.dumps({'name': item.name, 'arguments': _arguments(item.arguments)})}\n</tool_call>"
-            turns.append(ChatTurn("assistant", (TextPart(call),)))
+            names[item.call_id or ""] = item.name or ""
+            arguments = json.dumps(_arguments(item.arguments))
+            turns.append(ChatTurn("assistant", (TextPart(tl.call_text(item.name or "", arguments, fmt)),)))
         elif item.type == "function_call_output":
-            part = TextPart(f"<tool_response>\n{item.output}\n</tool_response>")
-            if turns and turns[-1].role == "user" and turns[-1].parts[-1].text.endswith("</tool_response>"):
+            part = TextPart(tl.result_text(item.output or "", names.get(item.call_id or "", ""), fmt))
+            if joins:
                 turns[-1] = ChatTurn("user", (*turns[-1].parts, TextPart("\n"), part))
             else:
                 turns.append(ChatTurn("user", (part,)))

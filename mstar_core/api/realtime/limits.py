@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import attrs
 
-from mstar_core.errors import ConfigError
+from mstar_core.api.media.limits import env_overrides
 
 
 @attrs.frozen
@@ -32,18 +31,4 @@ class RealtimeLimits:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RealtimeLimits:
-        environ = os.environ if environ is None else environ
-        changes = {}
-        for field in attrs.fields(cls):
-            name = f"MSTAR_REALTIME_{field.name.upper()}"
-            raw = environ.get(name)
-            if raw is None or not raw.strip():
-                continue
-            try:
-                value = (int if field.type in (int, "int") else float)(raw)
-            except ValueError:
-                raise ConfigError(f"environment variable {name} must be a number, got {raw!r}") from None
-            if value <= 0:
-                raise ConfigError(f"environment variable {name} must be positive, got {raw!r}")
-            changes[field.name] = value
-        return attrs.evolve(cls(), **changes)
+        return attrs.evolve(cls(), **env_overrides(cls, "MSTAR_REALTIME_", environ))

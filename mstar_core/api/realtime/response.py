@@ -14,13 +14,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mstar_core.api.common import submit
-from mstar_core.api.errors import ApiError
+from mstar_core.api.http.errors import ApiError
 from mstar_core.api.realtime.config import PCM, ResponseOptions
 from mstar_core.api.realtime.conversation import Item
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, encode_pcm16, event, new_id
-from mstar_core.api.text import TextAssembler
-from mstar_core.api.tool_call_parser import ToolCallStream
+from mstar_core.api.requests.submit import submit
+from mstar_core.api.requests.text import TextAssembler
 from mstar_core.errors import RequestError
 
 log = logging.getLogger("mstar.api.realtime")
@@ -47,7 +46,7 @@ class ResponseRun:
         self.prompt_ids: list[int] | None = None
         self.audio_frames = 0
         self.assembler: TextAssembler | None = None
-        self.tools = ToolCallStream() if options.tools and options.tool_choice != "none" else None
+        self.tools = session.bridge.tool_calls(options)  # chat's parser, in the model's tool format
         self.first_audio_at: float | None = None
         self.ended = asyncio.Event()
 
@@ -135,20 +134,20 @@ class ResponseRun:
         for ev in self.tools.feed(piece):
             await self._tool_event(ev)
 
-    async def _tool_event(self, ev: Any) -> None:
-        if ev.kind == "text":
-            await self._text(ev.text)
-        elif ev.kind == "start":
-            self.call = Item(new_id("item"), "function_call", status="in_progress", name=ev.name,
-                             call_id=new_id("call"))
+    async def _tool_event(self, ev: tuple) -> None:
+        """One event of chat's `ToolCalls`: text, a call's start, a piece of its arguments, its end."""
+        if ev[0] == "text":
+            await self._text(ev[1])
+        elif ev[0] == "start":
+            self.call = Item(new_id("item"), "function_call", status="in_progress", name=ev[3], call_id=ev[2])
             await self._add_item(self.call)
-        elif ev.kind == "arguments" and self.call is not None:
-            self.call.arguments += ev.text
+        elif ev[0] == "arguments" and self.call is not None and ev[2]:
+            self.call.arguments += ev[2]
             await self._emit("response.function_call_arguments.delta", **self._where(self.call),
-                             call_id=self.call.call_id, delta=ev.text)
-        elif ev.kind == "end" and self.call is not None:
+                             call_id=self.call.call_id, delta=ev[2])
+        elif ev[0] == "end" and self.call is not None:
             call, self.call = self.call, None
-            call.status = "completed" if ev.valid else "incomplete"
+            call.status = "completed" if ev[2] else "incomplete"
             await self._emit("response.function_call_arguments.done", **self._where(call), call_id=call.call_id,
                              name=call.name, arguments=call.arguments)
             await self._done_item(call)
@@ -162,7 +161,7 @@ class ResponseRun:
         bridge = self.session.bridge
         try:
             await self._emit("response.created", response=self.to_json())
-            inputs = bridge.inputs(self.items, self.options, self.session.previous_reply(self.items))
+            inputs = await bridge.inputs(self.items, self.options, self.session.previous_reply(self.items))
             self.handle = await submit(self.session.state, bridge.model, inputs)
             self.prompt_ids = bridge.prompt_ids(self.handle.prepared)
             self.input_tokens = bridge.prompt_tokens(self.handle.prepared)

@@ -13,12 +13,9 @@ from typing import Any
 import attrs
 
 from mstar_core.errors import RequestError
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import SamplingDefaults, SamplingParams, fit_max_tokens
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
 from mstar_llm.chat import check_messages, render_chat
-
-#: `max_tokens` when a request does not say (SamplingParams' default)
-DEFAULT_MAX_TOKENS = attrs.fields(SamplingParams).max_tokens.default
 
 PROMPT_KEYS = ("messages", "prompt", "input_ids")
 SAMPLING_KEYS = tuple(f.name for f in attrs.fields(SamplingParams))
@@ -70,6 +67,8 @@ class RequestPreparer:
     vocab_size: int
     max_model_len: int
     special_tokens: Mapping[str, str] = attrs.field(factory=dict)
+    #: the checkpoint's sampling defaults (`generation_config.json`), for fields a request leaves unset
+    sampling_defaults: SamplingDefaults = attrs.field(factory=SamplingDefaults)
 
     @property
     def schema(self) -> RequestSchema:
@@ -86,11 +85,10 @@ class RequestPreparer:
             user_stops = fields.get("stop_token_ids", ())
             user_stops = [user_stops] if isinstance(user_stops, int) else list(user_stops)
             fields["stop_token_ids"] = list(dict.fromkeys([*user_stops, *self.eos_token_ids]))
-        # what cannot fit is capped up front (OpenAI's behaviour: the reply stops with finish_reason "length"),
-        # never discovered after generating up to the context's end and then refused
-        room = self.max_model_len - len(ids)
-        if fields.get("max_tokens", DEFAULT_MAX_TOKENS) > room:
-            fields["max_tokens"] = room
+        # the model's defaults under what the request set; then what cannot fit is capped up front (the one clamp,
+        # `fit_max_tokens`), never discovered after generating up to the context's end and then refused
+        fields = self.sampling_defaults.merged(fields)
+        fields["max_tokens"] = fit_max_tokens(fields.get("max_tokens"), len(ids), self.max_model_len)
         env = {"input_ids": ids, "sampling": SamplingParams.from_mapping(fields).check_vocab(self.vocab_size)}
         n = inputs.get("n")
         if n is not None:  # choices as forks of one prefill (see `choice_walks`)

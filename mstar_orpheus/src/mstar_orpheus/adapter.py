@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.requests.adapters import ApiAdapter
 
 
 class OrpheusSpeechAdapter(ApiAdapter):

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import SamplingParams, sampling_names
 from mstar_core.schema import RequestField, RequestSchema, sampling_fields
 from mstar_orpheus.codes import AudioTokenMap
 
@@ -16,7 +16,7 @@ VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 EMOTION_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groan>", "<yawn>", "<gasp>")
 DEFAULT_SAMPLING = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}
 DEFAULT_MAX_TOKENS = 1200  # the orpheus-speech package's default
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+_SAMPLING_FIELDS = sampling_names("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 EXAMPLE = {"text": "Hello there!", "voice": "tara", "max_tokens": 28}
 
 

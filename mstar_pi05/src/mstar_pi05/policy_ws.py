@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from mstar_core.api.common import submit
-from mstar_core.api.errors import ApiError
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.requests.submit import submit
 from mstar_core.errors import ConfigError, RequestError
 from mstar_core.strict import reject_unknown
 

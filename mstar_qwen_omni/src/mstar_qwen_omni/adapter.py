@@ -14,16 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.api.adapters import ApiAdapter
 from mstar_core.api.media import AudioPart, ImagePart, MediaLimits, TextPart, resample
+from mstar_core.api.media.video import VideoPart
 from mstar_core.api.realtime.conversation import TokensPart
-from mstar_core.api.video import VideoPart
+from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
+from mstar_core.sampling import sampling_names
 from mstar_qwen_omni.audio_encoder import audio_token_count
 
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
           "auditory and visual inputs, as well as generating text and speech.")
-_FORWARD = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "grammar")
+_FORWARD = sampling_names("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "grammar")
 
 
 #: Prompt tokens kept free beside the audio: the chat template's turns and at least a short reply.

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from mstar_core.errors import RequestError
-from mstar_core.sampling import SamplingParams
+from mstar_core.sampling import SamplingParams, sampling_names
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
 from mstar_qwen_omni.config import OmniConfig
 
-SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "grammar")
+SAMPLING = sampling_names("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "grammar")
 EXAMPLE = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 
 

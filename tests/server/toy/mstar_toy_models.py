@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from mstar_core.api.adapters import ApiAdapter
+from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
 from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Walk
 from mstar_core.model import LoadedModel, ModelSpec

@@ -1,0 +1,1 @@
+"""HTTP plumbing every layer of the API shares: OpenAI-shaped errors (`errors`) and JSON / streaming bodies (`bodies`)."""

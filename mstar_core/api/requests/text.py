@@ -1,0 +1,87 @@
+"""Incremental detokenization for the text routes: stop strings, EOS, max_tokens, and no half characters on the wire.
+
+`max_tokens` here is a stop rule (the reply ends "length" at the limit the request was given), not a clamp: fitting
+it to the context is `mstar_core.sampling.fit_max_tokens`, once, where the request is prepared."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class TextAssembler:
+    """Feeds generated ids one at a time; returns the text that is safe to send now.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could still grow
+    into a stop string, so a client never sees a stop string or a broken character.
+    """
+
+    def __init__(self, adapter: Any, stops: Sequence[str] = (), max_tokens: int | None = None):
+        self.adapter = adapter
+        self.stops = [s for s in stops if s]
+        self.max_tokens = max_tokens
+        self.ids: list[int] = []
+        self.generated = 0
+        self.sent = ""
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def feed(self, token_id: int) -> str:
+        """Take one generated id; return newly final text (possibly empty)."""
+        if self.finish_reason is not None:
+            return ""
+        self.generated += 1
+        if self.adapter.is_stop_token(token_id):
+            self.finish_reason = "stop"
+            return self._flush()
+        self.ids.append(token_id)
+        self.text = self.adapter.detokenize(self.ids)
+        for stop in self.stops:
+            at = self.text.find(stop)
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+                return self._flush()
+        if self.max_tokens is not None and self.generated >= self.max_tokens:
+            self.finish_reason = "length"
+            return self._flush()
+        return self._release(self._holdback())
+
+    def close(self, env: Mapping[str, Any]) -> str:
+        """The generation ended on the model's side; settle finish_reason and return the remaining text."""
+        if self.finish_reason is None:
+            reason = env.get("finish_reason") if env else None
+            if isinstance(reason, list):  # accumulated per step
+                reason = next((r for r in reversed(reason) if r), None)
+            if reason not in ("stop", "length"):
+                at_limit = self.max_tokens is not None and self.generated >= self.max_tokens
+                reason = "length" if at_limit else "stop"
+            self.finish_reason = reason
+        return self._flush()
+
+    def _holdback(self) -> int:
+        text = self.text
+        hold = 0
+        if text.endswith("\ufffd"):
+            hold = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return hold
+
+    def _release(self, hold: int) -> str:
+        upto = len(self.text) - hold
+        if upto <= len(self.sent) or not self.text.startswith(self.sent):
+            return ""
+        delta = self.text[len(self.sent):upto]
+        self.sent = self.text[:upto]
+        return delta
+
+    def _flush(self) -> str:
+        if not self.text.startswith(self.sent):  # detokenization re-segmented earlier text; send nothing odd
+            return ""
+        delta = self.text[len(self.sent):]
+        self.sent = self.text
+        return delta

@@ -1,0 +1,116 @@
+"""POST /v1/audio/transcriptions: an audio file (multipart) in, its text out, from any served model that hears
+audio in chat (`qwen3-omni`): the model is asked to transcribe, greedy unless `temperature` says otherwise.
+
+`response_format`: `json` (`{text, usage}`), `text` (the bare text), `verbose_json` (`{task, language, duration,
+text, usage}`; `language` is the request's, or "unknown": no language detection runs). `stream=true` answers
+server-sent events `transcript.text.delta` as the text is written, then `transcript.text.done`. The file is
+WAV, FLAC, OGG or MP3 (what libsndfile reads), bounded by the model's chat media limits (bytes and seconds)
+before it is decoded. `srt` and `vtt` need timestamps the model does not give: a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from mstar_core.api.http.bodies import OrjsonResponse
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.media import AudioPart, ChatTurn, MediaLimits, TextPart
+from mstar_core.api.media.upload import decode_upload
+from mstar_core.api.requests.pipeline import chat_request
+from mstar_core.api.requests.schemas import ERROR_RESPONSES
+from mstar_core.api.requests.submit import (
+    cancel_on_exit,
+    first_then_rest,
+    sse,
+    stream_error_payload,
+    submit,
+)
+from mstar_core.api.requests.text import TextAssembler
+from mstar_core.sampling import check_openai
+
+router = APIRouter()
+FORMATS = ("json", "text", "verbose_json")
+INSTRUCTION = "Transcribe the audio into text."
+
+
+@router.post("/v1/audio/transcriptions", responses={200: {"content": {"text/event-stream": {}, "text/plain": {}}},
+                                                    **ERROR_RESPONSES},
+             summary="Transcribe audio (OpenAI-compatible)")
+async def create_transcription(request: Request, file: UploadFile, model: str = Form(...),
+                               language: str | None = Form(None), prompt: str | None = Form(None),
+                               response_format: str = Form("json"), temperature: float = Form(0.0),
+                               stream: bool = Form(False)):
+    state = request.app.state.mstar
+    request.state.model = model
+    adapter = state.adapter(model, "chat")
+    if "audio" not in (getattr(adapter, "chat_media", ()) or ()):
+        raise ApiError(400, f"model '{model}' does not take audio input, so it cannot transcribe", param="model")
+    if response_format not in FORMATS:
+        raise ApiError(400, f"'response_format' {response_format!r} is not served; use one of {', '.join(FORMATS)} "
+                            "(srt and vtt need timestamps this model does not give)", param="response_format")
+    if stream and response_format == "verbose_json":
+        raise ApiError(400, "'stream' gives text deltas; use response_format json or text", param="stream")
+    check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
+    if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
+        raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
+    limits = state.media_limits.get((model, "chat")) or MediaLimits().with_env()
+    raw = await file.read(limits.max_audio_bytes + 1)
+    samples, rate = decode_upload(raw, limits)
+    seconds = samples.size / rate
+    instruction = INSTRUCTION + (f" The language is {language}." if language else "")
+    if prompt:
+        instruction += f" Context: {prompt}"
+    turns = [ChatTurn("user", (AudioPart(samples, rate, "file"), TextPart(instruction)))]
+    # a bound on the text: speech runs at about 3 words a second, a few tokens each
+    max_tokens = int(min(4096, 32 + 12 * seconds))
+    body = {"model": model, "messages": [{"role": "user", "content": instruction}], "max_tokens": max_tokens,
+            "temperature": temperature}
+    inputs = await chat_request(state, adapter, model, body, turns=turns)
+    handle = await submit(state, model, inputs)
+    text = TextAssembler(adapter, (), max_tokens)
+
+    def usage() -> dict[str, Any]:
+        prompt_tokens = adapter.prompt_tokens({}, handle.prepared)
+        return {"type": "tokens", "input_tokens": prompt_tokens, "output_tokens": text.generated,
+                "total_tokens": prompt_tokens + text.generated}
+
+    def piece(out: Any) -> str:
+        if out is None or out.name != adapter.token_output:
+            return ""
+        return text.feed(int(out.value))
+
+    first, rest = await first_then_rest(request, handle)
+
+    async def pieces():
+        yield piece(first)
+        if text.finish_reason is None:
+            async for out in rest:
+                yield piece(out)
+                if text.finish_reason is not None:
+                    break
+        yield text.close({} if text.finish_reason else await handle.result())
+
+    if stream:
+        async def events():
+            async with cancel_on_exit(handle):
+                try:
+                    async for delta in pieces():
+                        if delta:
+                            yield sse({"type": "transcript.text.delta", "delta": delta})
+                    yield sse({"type": "transcript.text.done", "text": text.text, "usage": usage()})
+                except Exception as exc:
+                    yield sse({"type": "error", **stream_error_payload(exc)})
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async with cancel_on_exit(handle):
+        async for _ in pieces():
+            pass
+    if response_format == "text":
+        return PlainTextResponse(text.text)
+    if response_format == "verbose_json":
+        return OrjsonResponse({"task": "transcribe", "language": language or "unknown", "duration": seconds,
+                               "text": text.text, "usage": {"type": "duration", "seconds": seconds}})
+    return OrjsonResponse({"text": text.text, "usage": usage()})

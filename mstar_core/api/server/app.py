@@ -1,0 +1,313 @@
+"""The FastAPI app: server state, model loading at startup, /v1/models, /health, /metrics, and the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from mstar_core.api.http.bodies import OrjsonResponse
+from mstar_core.api.http.errors import ApiError, install_error_handlers, retry_after
+from mstar_core.api.media import MediaLimits
+from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
+from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
+from mstar_core.api.requests.schemas import Health, ModelList
+from mstar_core.api.routes import (
+    chat,
+    completions,
+    images,
+    realtime,
+    responses,
+    speech,
+    transcriptions,
+    walks,
+)
+from mstar_core.api.server import playground
+from mstar_core.api.server.metrics import Metrics
+from mstar_core.api.server.middleware import GuardMiddleware
+from mstar_core.api.server.plugin_routes import include_plugin_routes
+from mstar_core.config.placement import Placement
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+
+log = logging.getLogger("mstar.api")
+
+_ROUTE_LABELS = {
+    "/v1/audio/speech": "speech",
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/images/generations": "images",
+    "/v1/images/edits": "images_edit",
+    "/v1/models": "models",
+}
+
+
+@attrs.define
+class ModelToServe:
+    """One model the server loads at startup."""
+
+    name: str
+    options: LoadOptions = attrs.field(factory=lambda: LoadOptions(preset="tiny"))
+    settings: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    placement: Placement | None = None
+    #: the deploy file's `media:` section (MediaLimits fields), over the adapter's limits
+    media: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _positive_or_none(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"server option '{name}' must be a whole number >= 1, got {value!r}")
+
+
+@attrs.define
+class ServerConfig:
+    """Server options (CLI flags or the `server:` section of a deploy file)."""
+
+    models: list[ModelToServe] = attrs.field(factory=list)
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_running: int = 256
+    max_queued: int = 1024
+    request_timeout: float | None = 600.0
+    #: The most choices (`n`) one chat or completions request may ask for per prompt.
+    max_n: int = 16
+    #: torch threads of the serving process (None: its cores, split evenly with workers a placement spawns here)
+    torch_threads: int | None = attrs.field(default=None, validator=lambda _, a, v: _positive_or_none(a.name, v))
+
+    @property
+    def max_inflight(self) -> int:
+        return self.max_running + self.max_queued
+
+
+class ServerState:
+    """What the routes share: the engine, adapters by (model, route), metrics, in-flight requests."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.engine: Any = None
+        self.metrics: Metrics | None = None
+        self.adapters: dict[tuple[str, str], ApiAdapter] = {}
+        #: each adapter's media limits with the deploy file's and the environment's applied, resolved at startup
+        self.media_limits: dict[tuple[str, str], MediaLimits] = {}
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self._inflight: set[Any] = set()
+
+    # -- lookups used by routes ----------------------------------------------------------------
+
+    def loaded(self, model: str) -> Any:
+        if not self.ready:
+            raise ApiError(503, "models are still loading; retry shortly (GET /health says when ready)",
+                           headers=retry_after(2), type_="server_loading")
+        models = self.engine.models
+        if model not in models:
+            raise ApiError(404, f"model '{model}' is not loaded; loaded models: {', '.join(sorted(models)) or 'none'}",
+                           param="model", code="model_not_found")
+        return models[model]
+
+    def adapter(self, model: str, route: str) -> ApiAdapter:
+        self.loaded(model)
+        adapter = self.adapters.get((model, route))
+        if adapter is None:
+            serving = sorted(m for (m, r) in self.adapters if r == route)
+            raise ApiError(404, f"model '{model}' does not serve the {route} route; models that do: "
+                                f"{', '.join(serving) or 'none'} (its walks are at /v1/walks/{model})",
+                           param="model", code="route_not_supported")
+        return adapter
+
+    def routes_of(self, model: str) -> list[str]:
+        return sorted(r for (m, r) in self.adapters if m == model)
+
+    @staticmethod
+    def route_label(path: str) -> str:
+        if path.startswith("/v1/walks/"):
+            return "walks"
+        return _ROUTE_LABELS.get(path, "other")
+
+    # -- in-flight bookkeeping -----------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def track(self, handle: Any) -> None:
+        self._inflight.add(handle)
+        task = getattr(handle, "_task", None)
+        if task is not None:
+            task.add_done_callback(lambda _t: self._inflight.discard(handle))
+
+    # -- startup -------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Create the engine, load every model, bind the adapters; `ready` flips when all are in."""
+        MediaLimits().with_env()  # a bad MSTAR_MEDIA_* stops the server before minutes of loading
+        self.engine = self.engine_factory()
+        self.metrics = Metrics(self.engine)
+        for item in self.config.models:
+            what = item.options.checkpoint or f"preset '{item.options.preset}' (random weights)"
+            log.info("loading model %s from %s", item.name, what)
+            t0 = time.perf_counter()
+            loaded = await self.engine.load_model(
+                item.name, item.options, settings=item.settings, alias=item.name, placement=item.placement
+            )
+            log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
+                     " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
+            self.bind_adapters(item.name, loaded, item.media)
+        self.ready = True
+
+    def bind_adapters(self, name: str, loaded: Any, media: dict[str, Any] | None = None) -> None:
+        registry = getattr(self.engine, "registry", None)
+        for raw in list(getattr(registry, "api_adapters", []) or []):
+            if getattr(raw, "model", None) not in (name, loaded.name):
+                continue
+            validate_adapter(raw)
+            adapter = with_defaults(raw)
+            adapter.bind(loaded)
+            for route in adapter.routes:
+                self.adapters[(name, route)] = adapter
+        if "tokenizer" in (loaded.extras or {}):
+            generic = TokenizerChatAdapter(name, loaded)  # chat needs the chat template too; completions does not
+            for route in generic.routes:
+                self.adapters.setdefault((name, route), generic)
+        for (model, route), adapter in self.adapters.items():
+            if model == name:
+                limits = getattr(adapter, "media_limits", None) or MediaLimits()
+                self.media_limits[(model, route)] = limits.with_settings(media, f"models.{name}.media").with_env()
+
+    async def close(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            await self.engine.close()
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_ready: Callable[[], None] | None = None,
+               on_error: Callable[[str], None] | None = None, registry: Any = None) -> FastAPI:
+    """Build the app; models load in the background at startup (GET /health answers 503 until then).
+
+    `registry`: the plugins whose `mstar_register_routes` routers the app serves beside its own.
+    """
+    state = ServerState(config, engine_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        async def load():
+            try:
+                await state.load()
+                if on_ready is not None:
+                    on_ready()
+            except Exception as exc:
+                state.load_error = f"{type(exc).__name__}: {exc}"
+                log.exception("loading models failed")
+                if on_error is not None:
+                    on_error(state.load_error)
+        loader = asyncio.ensure_future(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await state.close()
+
+    app = FastAPI(title="M*", version=_version(), default_response_class=OrjsonResponse, lifespan=lifespan,
+                  description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")
+    app.state.mstar = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    # HEAD too: load balancers and uptime probes ask with HEAD (the server sends the status and headers, no body)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}})
+    async def health():
+        if state.load_error:
+            return OrjsonResponse({"status": "loading", "models": [], "error": state.load_error}, status_code=503)
+        if not state.ready or state.draining:
+            return OrjsonResponse({"status": "loading", "models": []}, status_code=503)
+        return {"status": "ok", "models": sorted(state.engine.models)}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(request: Request):
+        request.state.model = "-"
+        if not state.ready:
+            return {"object": "list", "data": []}
+        data = []
+        for name, loaded in sorted(state.engine.models.items()):
+            data.append({"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
+                         "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
+                         "random_weights": bool(loaded.random_weights),
+                         **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})})
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics():
+        if state.metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    for module in (speech, chat, completions, responses, images, walks, realtime, transcriptions, playground):
+        app.include_router(module.router)
+    include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
+
+    def openapi() -> dict[str, Any]:
+        # once models are in, `model` fields list the models that serve each route, so the schema is exact
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = FastAPI.openapi(app)
+        if state.ready:
+            _pin_models(schema, state)
+        else:
+            app.openapi_schema = None  # rebuild after loading
+        return schema
+
+    app.openapi = openapi
+    return app
+
+
+def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
+    """Put the served model names into the schema as enums (per route) and into the walks path parameter."""
+    components = schema.get("components", {}).get("schemas", {})
+    by_route = {"SpeechRequest": "speech", "ChatRequest": "chat", "CompletionRequest": "completions",
+                "ImageRequest": "images", "ImageEditRequest": "images"}
+    for name, route in by_route.items():
+        models = sorted(m for (m, r) in state.adapters if r == route)
+        prop = components.get(name, {}).get("properties", {}).get("model")
+        if prop is not None and models:
+            prop["enum"] = models
+    voices = [a.voices for (m, r), a in state.adapters.items() if r == "speech"]
+    voice = components.get("SpeechRequest", {}).get("properties", {}).get("voice")
+    if voice is not None and voices and all(voices):
+        voice["enum"] = sorted({v for vs in voices for v in vs})
+    # per model, in words: which voices and formats speech takes, which sizes images draws (GET /v1/models too)
+    models = {m for (m, _r) in state.adapters}
+    described = {m: describe_routes({r: a for (mm, r), a in state.adapters.items() if mm == m}) for m in models}
+    docs = {("SpeechRequest", "voice"): lambda d: d.get("voices") and f"voices {', '.join(d['voices'])} "
+                                                                      f"(default {d['voices'][0]})",
+            ("SpeechRequest", "response_format"): lambda d: d.get("audio_formats") and ", ".join(d["audio_formats"]),
+            ("SpeechRequest", "speed"): lambda d: "speed" in d and ("honoured" if d["speed"] else "1.0 only"),
+            ("ImageRequest", "size"): lambda d: d.get("image_size_rule") and (
+                f"{d['image_size_rule']}; standard sizes {', '.join(d['image_sizes'])}; default "
+                f"{d.get('default_image_size')}")}
+    for (component, prop_name), say in docs.items():
+        prop = components.get(component, {}).get("properties", {}).get(prop_name)
+        lines = [f"{m}: {text}" for m in sorted(described) if (text := say(described[m]))]
+        if prop is not None and lines:
+            prop["description"] = (prop.get("description", "") + " | per model: " + "; ".join(lines)).lstrip(" |")
+    walk_op = schema.get("paths", {}).get("/v1/walks/{model}", {}).get("post", {})
+    for param in walk_op.get("parameters", []):
+        if param.get("name") == "model" and state.engine.models:
+            param["schema"]["enum"] = sorted(state.engine.models)
+    walks.document_models(schema, state.engine.models)
+
+
+def _version() -> str:
+    from mstar_core import __version__
+
+    return __version__

@@ -1,0 +1,83 @@
+"""The deploy file for `mstar serve --config`: server options and per-model loading, strictly checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mstar_core.api.media import MediaLimits
+from mstar_core.api.server.app import ModelToServe, ServerConfig
+from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+from mstar_core.strict import reject_unknown
+
+_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
+                "max_n", "torch_threads"}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media"}
+
+
+def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{section} must be a mapping, got {type(data).__name__}")
+    reject_unknown(data, allowed, section)
+    return data
+
+
+def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServe]]:
+    """Read a deploy file: (server options, models by name). Unknown keys are errors naming the key.
+
+    Shape::
+
+        server: {host: 0.0.0.0, port: 8000, max_running: 64, max_queued: 256}
+        models:
+          orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}},
+                    placement: placement/orpheus-disaggregated.yaml}   # a file (relative to this one) or inline
+          qwen3-omni: {checkpoint: /ckpt/qwen3-omni,
+                       media: {max_image_pixels: 4000000, url_prefixes: ["https://cdn.example.com/img/"]}}
+
+    A deploy file may also be a bare placement file (top-level `workers`/`nodes`/...): it then
+    applies to every model named on the command line.
+    """
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if isinstance(raw, dict) and raw and set(raw) <= PLACEMENT_KEYS:
+        return {}, {"*": ModelToServe("*", LoadOptions(), {}, Placement.from_dict(raw, str(path)))}
+    top = _check(f"{path}", raw, {"server", "models"})
+    server = _check(f"{path}: server", top.get("server"), _SERVER_KEYS)
+    models: dict[str, ModelToServe] = {}
+    for name, spec in _check(f"{path}: models", top.get("models"), set(top.get("models") or {})).items():
+        spec = _check(f"{path}: models.{name}", spec, _MODEL_KEYS)
+        engines = spec.get("engines") or {}
+        if not isinstance(engines, dict) or not all(isinstance(v, dict) for v in engines.values()):
+            raise ConfigError(f"{path}: models.{name}.engines must map node names to settings mappings")
+        options = LoadOptions(
+            checkpoint=spec.get("checkpoint"),
+            preset=spec.get("preset") if spec.get("checkpoint") is None else None,
+            device=spec.get("device", "cpu"),
+            dtype=spec.get("dtype"),
+        )
+        media = spec.get("media") or {}
+        MediaLimits().with_settings(media, f"{path}: models.{name}.media")  # checked now, applied at startup
+        models[name] = ModelToServe(
+            name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement")),
+            media=dict(media),
+        )
+    return server, models
+
+
+def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return load_placement(Path(path).parent / value)
+    return Placement.from_dict(value, f"{path}: models.{model}.placement")
+
+
+def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
+    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads"):
+        if key in options:
+            setattr(config, key, options[key])
