@@ -1,14 +1,14 @@
 """Both worker ends of a stream whose producer and consumer run on two different workers.
 
 The producer's worker sends every kept item straight to the consumer's worker over the peer line
-(`links.PeerMailbox`), on one sealed session per stream however many of its loop runs feed it
+(`peer_mailbox.PeerMailbox`), on one sealed session per stream however many of its loop runs feed it
 (`StreamLines`); the consumer's worker runs the stream's chunk policy (the only place it runs)
 and its consumer. The serving process only starts both sides and says how many items the
 producing stage sent in all (`StreamEnd`), so the consumer knows when the stream is complete.
 
 Backpressure: the consumer's end reports the items it has taken off the line back to the
 producer's mailbox (`PeerMailbox.ack_stream`), and a run feeding the stream waits before its next
-node call while `PeerMailbox.STREAM_WINDOW` of its items are not taken (`StreamSender.credit`), so
+node call while `stream_outbox.STREAM_WINDOW` of its items are not taken (`StreamSender.credit`), so
 a producer far ahead of its consumer holds at most that many items per stream in flight and queued.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mstar_core.cluster.links import PeerMailbox
 from mstar_core.cluster.remote_values import from_wire, to_wire
+from mstar_core.cluster.stream_outbox import ACK_EVERY
 from mstar_core.graph.walk import StreamingGraphEdge, StreamProgress
 from mstar_core.runtime.streams import RequestStream
 from mstar_core.streaming.policies import Chunk
@@ -85,7 +85,7 @@ class StreamSender:
         self.sent += 1
 
     async def credit(self) -> None:
-        """Wait while the stream's consumer has not taken `PeerMailbox.STREAM_WINDOW` of the items sent on it."""
+        """Wait while the stream's consumer has not taken `stream_outbox.STREAM_WINDOW` of the items sent on it."""
         await self.mailbox.stream_credit(self.session, self.channel)
 
     def progress(self, now: float | None = None) -> StreamProgress:
@@ -133,7 +133,7 @@ class InboundStream:
         if self.ack is None:
             return
         taken = self.taken()
-        if taken - self.acked >= PeerMailbox.ACK_EVERY:
+        if taken - self.acked >= ACK_EVERY:
             self.acked = taken
             self.ack(taken)
 

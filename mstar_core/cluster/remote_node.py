@@ -12,7 +12,7 @@ from mstar_core.runtime.engine import Invocation
 
 
 class NodeCalls(Protocol):
-    """What remote nodes need of the control plane (`Cluster`): its workers, and sending calls to them."""
+    """What remote nodes need of the control plane (`calls.WorkerCalls`, through `Cluster`): workers, calls to them."""
 
     workers: Mapping[str, WorkerLink]
 

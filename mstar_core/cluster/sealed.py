@@ -1,7 +1,7 @@
 """The one sealed send: seal frames on a session's channel and hand them to a ZeroMQ socket in one go.
 
 Every message after a worker's Hello travels sealed (`wire.session.Channel`): the control socket's
-both ends (cluster, worker) and the peer line between workers (`links.PeerMailbox`). A channel
+both ends (cluster, worker) and the peer line between workers (`peer_mailbox.PeerMailbox`). A channel
 numbers what it seals, and the receiver opens only in order, so sealing and handing to the
 socket must never be split by an await: this helper does both in one synchronous call.
 """

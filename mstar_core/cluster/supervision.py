@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from mstar_core.cluster.worker_link import WorkerLink
@@ -39,20 +39,10 @@ STALL_S = 0.25
 
 
 class Supervised(Protocol):
-    """What the supervisor watches and asks of the control plane (`Cluster`); it never calls anything else up."""
+    """What the supervisor watches and restarts (`WorkerPool`): the workers, and starting and loading one."""
 
-    heartbeat_interval: float
     closing: bool
     workers: Mapping[str, WorkerLink]
-    rank_groups: Any
-
-    def ensure_receiving(self) -> None: ...
-
-    def flush_soon(self, state: WorkerLink) -> None: ...
-
-    def retire(self, state: WorkerLink) -> None: ...
-
-    def requests_lost(self, worker: str, requests: set[str], why: str) -> None: ...
 
     async def ensure_worker(self, name: str, spec: Any, timeout: float = 60.0) -> None: ...
 
@@ -60,34 +50,46 @@ class Supervised(Protocol):
 
 
 class Supervisor:
-    """Watches every worker of a `Supervised` control plane; restarts spawned ones, reloads hand-joined ones that rejoin."""
+    """Watches every worker of a `Supervised` pool; restarts spawned ones, reloads hand-joined ones that rejoin.
 
-    def __init__(self, cluster: Supervised):
-        self.cluster = cluster
-        self.tick = min(0.1, cluster.heartbeat_interval / 2)
+    It is handed what else it needs: the tensor-parallel groups, how to retire a lost worker's
+    session (`Sessions.retire`) and how to flush what a worker's link has for its other end.
+    """
+
+    def __init__(self, pool: Supervised, rank_groups: Any, heartbeat_interval: float, *,
+                 retire: Callable[[WorkerLink], None], flush_soon: Callable[[WorkerLink], None]):
+        self.pool = pool
+        self.rank_groups = rank_groups
+        self.heartbeat_interval = heartbeat_interval
+        self._retire = retire
+        self._flush_soon = flush_soon
+        self.tick = min(0.1, heartbeat_interval / 2)
+        #: called with (worker, request ids, why) when a worker is lost: fail those requests now
+        self.on_requests_lost: Callable[[str, set[str], str], None] | None = None
 
     @property
     def silence_s(self) -> float:
-        return max(MIN_SILENCE_S, MISSED_BEATS * self.cluster.heartbeat_interval)
+        return max(MIN_SILENCE_S, MISSED_BEATS * self.heartbeat_interval)
 
-    async def run(self) -> None:
+    async def run(self, keep_receiving: Callable[[], None]) -> None:
+        """Every tick: `keep_receiving` (restarts the control socket's receive loop should it have died), then each worker."""
         last = time.monotonic()
-        while not self.cluster.closing:
+        while not self.pool.closing:
             await asyncio.sleep(self.tick)
             now = time.monotonic()
             stall, last = now - last - self.tick, now
             try:
-                self.cluster.ensure_receiving()
-                for state in list(self.cluster.workers.values()):
+                keep_receiving()
+                for state in list(self.pool.workers.values()):
                     if stall > STALL_S:  # this process stalled: the beats wait unread in the socket
                         state.last_seen += stall
-                    if state.alive and not self.cluster.closing:
+                    if state.alive and not self.pool.closing:
                         self._check(state, now)
             except Exception:  # the supervisor must outlive any one worker's trouble
                 log.exception("worker supervision failed a round; continuing")
 
     def _check(self, state: WorkerLink, now: float) -> None:
-        self.cluster.flush_soon(state)
+        self._flush_soon(state)
         process = state.process
         if process is not None and process.poll() is not None:
             self.lost(state, f"exited with code {process.returncode}")
@@ -100,18 +102,18 @@ class Supervisor:
 
         A rank of a group takes the whole group down, and the group is replaced as one.
         """
-        group = self.cluster.rank_groups.group_of(state.name)
+        group = self.rank_groups.group_of(state.name)
         if group is not None:
             self._lose(state, why, kill)
             for name in group:
-                other = self.cluster.workers.get(name)
+                other = self.pool.workers.get(name)
                 if other is not None and other is not state and other.alive:
                     self._lose(other, f"went down with its tensor-parallel group ({state.name} {why})", True)
-            if restart and state.spec.spawned and not self.cluster.closing:
+            if restart and state.spec.spawned and not self.pool.closing:
                 self.start_group_restart(group)
             return
         self._lose(state, why, kill)
-        if restart and state.spec.spawned and not self.cluster.closing:
+        if restart and state.spec.spawned and not self.pool.closing:
             self.start_restart(state)
 
     def _lose(self, state: WorkerLink, why: str, kill: bool) -> None:
@@ -122,13 +124,20 @@ class Supervisor:
                 state.process.kill()
             except Exception:  # already gone
                 pass
-        self.cluster.retire(state)
+        self._retire(state)
         requests = state.lost(why)
         if requests:
-            self.cluster.requests_lost(state.name, requests, why)
+            self._requests_lost(state.name, requests, why)
+
+    def _requests_lost(self, worker: str, requests: set[str], why: str) -> None:
+        if self.on_requests_lost is not None:
+            try:
+                self.on_requests_lost(worker, requests, why)
+            except Exception:
+                log.exception("failing the requests of lost worker %s", worker)
 
     def start_group_restart(self, group: tuple[str, ...]) -> None:
-        states = [self.cluster.workers[name] for name in group]
+        states = [self.pool.workers[name] for name in group]
         task = states[0].restart_task
         if task is None or task.done():
             task = asyncio.ensure_future(self._restart_group(states))
@@ -140,7 +149,7 @@ class Supervisor:
         """Start every rank again, then load them together (they meet at a new rendezvous); ready only when all are."""
         group, failures, first = tuple(s.name for s in states), 0, states[0]
         try:
-            while not self.cluster.closing:
+            while not self.pool.closing:
                 unstable = time.monotonic() - first.ready_since < STABLE_S
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures + (first.restarts if unstable else 0))))
                 for state in states:
@@ -150,10 +159,10 @@ class Supervisor:
                         if state.alive:  # a rank left over from a failed attempt: it waits at the old rendezvous
                             self._lose(state, "was restarted with its tensor-parallel group", True)
                         await self._reap(state)
-                    await asyncio.gather(*(self.cluster.ensure_worker(s.name, s.spec) for s in states))
-                    self.cluster.rank_groups.renew(group)
+                    await asyncio.gather(*(self.pool.ensure_worker(s.name, s.spec) for s in states))
+                    self.rank_groups.renew(group)
                     for model in list(first.loads):
-                        await asyncio.gather(*(self.cluster.load(s.name, self.cluster.rank_groups.load_message(
+                        await asyncio.gather(*(self.pool.load(s.name, self.rank_groups.load_message(
                             s.loads[model], group, i, s.loads[model].device)) for i, s in enumerate(states)))
                 except Exception as exc:
                     failures += 1
@@ -178,7 +187,7 @@ class Supervisor:
     async def _restart(self, state: WorkerLink) -> None:
         failures = 0
         try:
-            while not self.cluster.closing:
+            while not self.pool.closing:
                 unstable = time.monotonic() - state.ready_since < STABLE_S
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** (failures + (state.restarts if unstable else 0))))
                 state.restarts += 1
@@ -187,11 +196,11 @@ class Supervisor:
                         pass  # it joined again by itself (a hand-started worker): only reload
                     elif state.spec.spawned:
                         await self._reap(state)
-                        await self.cluster.ensure_worker(state.name, state.spec)
+                        await self.pool.ensure_worker(state.name, state.spec)
                     else:
                         await state.joined.wait()
                     for msg in list(state.loads.values()):
-                        await self.cluster.load(state.name, msg)
+                        await self.pool.load(state.name, msg)
                 except Exception as exc:
                     failures += 1
                     log.error("worker %s failed to restart (attempt %d): %s", state.name, failures, exc)

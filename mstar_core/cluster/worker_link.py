@@ -1,6 +1,7 @@
 """What the serving process knows about one worker: its process, its session, the calls it owes answers to.
 
-A `WorkerLink` holds no socket; the `Cluster` sends and receives for it. It resolves the futures
+A `WorkerLink` holds no socket: `WorkerSender` (sender.py) sends for it and the receive loop
+(receiver.py, dispatch.py) hands it what its worker sent. It resolves the futures
 of the calls and delegated loops in flight on that worker, and when the worker is lost it fails
 all of them at once and remembers which requests held state there, so none of them waits for an
 answer that can no longer come.

@@ -141,7 +141,7 @@ def test_random_and_mutated_messages_from_unauthenticated_peers_do_not_stop_serv
 
     # a Hello the coordinator has already seen (as if captured on the wire and replayed)
     seen = make_hello(cluster.secret, "gen")
-    server.loop.call_soon_threadsafe(cluster._verifier.verify, seen)
+    server.loop.call_soon_threadsafe(cluster.handshake.verifier.verify, seen)
     # a real message of the live session, replayed (its sequence number was accepted long ago)
     worker_end = Channel(session, gen.channel._recv_key, gen.channel._send_key)
     replayed = worker_end.seal(encode(Heartbeat(worker="gen", seq=1, time=time.time())))
@@ -167,7 +167,7 @@ def test_random_and_mutated_messages_from_unauthenticated_peers_do_not_stop_serv
         assert gen.alive and gen.ready and gen.restarts == 0 and gen.process.pid == pid
         assert gen.channel.session == session
         assert cluster.refusals.count - refused_before > 100  # they were seen and refused, not lost
-        assert cluster._receiver is not None and not cluster._receiver.done()
+        assert cluster.receiver.task is not None and not cluster.receiver.task.done()
         assert not any(p.received() for p in [*peers.values(), peer])  # nobody unauthenticated got an answer
     finally:
         ctx.destroy(linger=0)

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mstar_core.cluster.links import PeerMailbox
+from mstar_core.cluster.peer_mailbox import PeerMailbox
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import load_placement
 from mstar_core.model import LoadOptions

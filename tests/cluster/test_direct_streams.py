@@ -142,7 +142,7 @@ def _outward_address() -> str | None:
 
 
 async def test_stream_items_reach_a_mailbox_open_to_other_hosts_from_one_on_loopback_sealed_and_in_order():
-    from mstar_core.cluster.links import PeerMailbox
+    from mstar_core.cluster.peer_mailbox import PeerMailbox
     from mstar_core.wire import encode
     from mstar_core.wire.messages import StreamItem
 
@@ -158,7 +158,7 @@ async def test_stream_items_reach_a_mailbox_open_to_other_hosts_from_one_on_loop
         for i in range(3):  # two items arrive before the consumer registers, kept in order
             local.send_stream(remote.address, "ab", channel, encode(StreamItem(request_id="r", stream=0, value=i)))
         deadline = time.monotonic() + 5
-        while remote.stream_received_items < 3:
+        while remote.streams_in.received_items < 3:
             assert time.monotonic() < deadline, remote.stats()
             await asyncio.sleep(0.02)
         remote.accept_stream("11" * 8, "ab", got.append)
@@ -171,7 +171,7 @@ async def test_stream_items_reach_a_mailbox_open_to_other_hosts_from_one_on_loop
         assert [decode(f).value for f in got] == [0, 1, 2, 3]
         remote.drop_stream("11" * 8)  # later items of an ended stream are dropped quietly
         local.send_stream(remote.address, "ab", channel, encode(StreamItem(request_id="r", stream=0, value=4)))
-        while remote.stream_late_items < 1:
+        while remote.streams_in.late_items < 1:
             assert time.monotonic() < deadline, remote.stats()
             await asyncio.sleep(0.02)
         assert remote.refused == 0 and len(got) == 4

@@ -56,13 +56,11 @@ async def test_a_bind_to_other_hosts_refuses_to_start_without_a_shared_secret():
     cluster = Cluster(bind="tcp://10.213.0.1:7100")
     with pytest.raises(MStarError, match="set MSTAR_SECRET"):
         await cluster.start()
-    cluster.sock.close(0)
-    cluster.ctx.term()
+    cluster.socket.close()
     cluster = Cluster(bind="tcp://10.213.0.1:7100", secret=SECRET.encode(), encrypt=False)
     with pytest.raises(MStarError, match="always encrypted"):
         await cluster.start()
-    cluster.sock.close(0)
-    cluster.ctx.term()
+    cluster.socket.close()
 
 
 def test_placement_control_encrypt_and_bind_are_checked():

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from mstar_core.api.server.metrics import Metrics
-from mstar_core.cluster.cluster import Cluster
 from mstar_core.cluster.strategy import placed_engine
 from mstar_core.cluster.worker_link import WorkerLink
+from mstar_core.cluster.worker_pool import WorkerPool
 from mstar_core.config import Placement
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
@@ -46,7 +46,7 @@ def joined(name: str, pid: int | None, host: str = "h1") -> WorkerLink:
 def test_worker_info_lists_live_workers_with_the_pid_of_their_hello():
     workers = {"lm": joined("lm", 4242), "codec": joined("codec", 77, "h2"), "late": joined("late", None)}
     cluster = SimpleNamespace(workers=workers, link_stats=lambda: {})
-    cluster.worker_processes = lambda: Cluster.worker_processes(cluster)
+    cluster.worker_processes = lambda: WorkerPool.worker_processes(cluster)
     metrics = Metrics(SimpleNamespace(cluster=cluster, models={}))
     assert worker_info(metrics) == {"lm": (4242, "h1"), "codec": (77, "h2")}  # "late" never joined: no pid
     workers["lm"].lost("exited with code -9")  # its old pid is no one to signal any more

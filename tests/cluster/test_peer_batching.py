@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from mstar_core.cluster.links import PeerMailbox
+from mstar_core.cluster.peer_mailbox import PeerMailbox
 from mstar_core.wire import decode, encode
 from mstar_core.wire.batch import join_messages
 from mstar_core.wire.messages import StreamItem
@@ -30,9 +30,9 @@ async def test_items_of_one_turn_for_many_streams_go_as_one_message_and_arrive_i
             for s in got:
                 local.send_stream(remote.address, s, channels[s], encode(StreamItem(request_id=s, stream=0, value=step)))
             await asyncio.sleep(0)  # the turn ends: the step's items go out
-        await _until(lambda: remote.stream_received_items == 12, remote)
+        await _until(lambda: remote.streams_in.received_items == 12, remote)
         assert {s: [decode(f).value for f in items] for s, items in got.items()} == {s: [0, 1, 2, 3] for s in got}
-        assert local.stream_sent_items == 12 and local.stream_messages_sent == 4
+        assert local.streams_out.sent_items == 12 and local.streams_out.messages_sent == 4
         assert remote.refused == 0
     finally:
         remote.close()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mstar_core.cluster.links import PeerMailbox
+from mstar_core.cluster.peer_mailbox import PeerMailbox
 from mstar_core.cluster.peer_streams import InboundStream, StreamLines, StreamSender
 from mstar_core.graph.walk import StreamingGraphEdge
 from mstar_core.streaming.policies import FixedChunkPolicy

@@ -150,7 +150,7 @@ async def test_a_worker_that_joins_before_its_placement_is_welcomed_once_placed(
     try:
         deadline = time.monotonic() + 30
         # wait until its Hello has arrived (held for a placement; the old server refused it)
-        while "early" not in getattr(cluster, "_early", {}) and not cluster.refused and time.monotonic() < deadline:
+        while "early" not in cluster.handshake.early and not cluster.refused and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await cluster.ensure_worker("early", WorkerSpec("early", host="127.0.0.1", launcher="manual"), timeout=20)
         assert cluster.workers["early"].alive and cluster.workers["early"].pid == worker.pid
