@@ -22,7 +22,7 @@ PRESETS = ("tiny", "smollm2")
 LOGPROB_OUTPUTS = ("logprob", "top_logprobs")
 
 
-def choice_walks(node: str = "lm", default_max_tokens: int = 256) -> tuple[Walk, Walk]:
+def choice_walks(node: str = "lm", default_max_tokens: int | None = None) -> tuple[Walk, Walk]:
     """`n > 1` choices as cache forks: `prefill_shared` runs the prompt but its last token once on label `main`
     (nothing sampled is kept), then `choices` fans out `n` branches: branch `i` forks `main` as label `choice<i>`
     (shared pages, copy-on-write), feeds the prompt's last token and samples its first token with seed + i, then

@@ -5,12 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from mstar_core.graph import DynamicLoop, NodeCall, Walk
 from mstar_core.sampling import SamplingParams
 
+#: what a request that names no `max_tokens` gets: SamplingParams' own default, declared once in mstar_core.sampling
+_DEFAULT_MAX_TOKENS = attrs.fields(SamplingParams).max_tokens.default
 
-def decode_iterations(sampling: str = "sampling", default_max_tokens: int = 256):
-    """`max_iters` for the decode loop: the tokens still allowed after prefill sampled the first one."""
+
+def decode_iterations(sampling: str = "sampling", default_max_tokens: int | None = None):
+    """`max_iters` for the decode loop: the tokens still allowed after prefill sampled the first one.
+
+    `default_max_tokens` (None: SamplingParams' default) applies when the env carries no sampling fields."""
+    default_max_tokens = _DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens
 
     def max_iters(env: Mapping[str, Any]) -> int:
         if env.get("finish_reason") is not None:
@@ -38,7 +46,7 @@ def ar_walks(
     token: str = "next_token",
     sampling: str = "sampling",
     cache_label: str | None = None,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = None,
     prefill_name: str = "prefill",
     decode_name: str = "decode",
 ) -> tuple[Walk, Walk]:
