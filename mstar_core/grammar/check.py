@@ -2,6 +2,10 @@
 
 The grammar only enforces what it understands, so a keyword it would silently ignore (say `uniqueItems`) could let
 through output the schema rejects: such keywords are refused by name rather than half honoured.
+
+Order matters: the schema's size, nesting and patterns are measured first by loops over an explicit stack (a
+request can nest as deep as it likes, and every recursive checker after them, jsonschema's and `re`'s included, would
+otherwise run out of stack: a 500), then its keywords, and only then jsonschema's own check.
 """
 
 from __future__ import annotations
@@ -11,10 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from mstar_core.errors import RequestError
+from mstar_core.grammar import limits
 
-#: Largest schema text accepted (bytes of its JSON) and deepest nesting: checked before any work.
-MAX_SCHEMA_BYTES = 64 * 1024
-MAX_DEPTH = 32
+MAX_DEPTH = limits.MAX_DEPTH
 
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                 "readOnly", "writeOnly", "$anchor"}
@@ -28,7 +31,7 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
 
 
-def _path(where: str, parts: list[Any]) -> str:
+def _path(where: str, parts: tuple[Any, ...] | list[Any]) -> str:
     return where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
 
 
@@ -39,10 +42,12 @@ def check_json_schema(schema: Any, where: str) -> str:
     """
     if not isinstance(schema, Mapping) and not isinstance(schema, bool):
         raise RequestError(f"'{where}' must be a JSON schema object", param=where)
+    _measure(schema, where)  # bounded nesting from here on: json.dumps and jsonschema recurse
     text = json.dumps(schema, separators=(",", ":"))  # property order kept: the output follows it
-    if len(text.encode()) > MAX_SCHEMA_BYTES:
-        raise RequestError(f"'{where}' is {len(text.encode())} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted",
-                           param=where)
+    size, most = len(text.encode()), limits.max_schema_bytes()
+    if size > most:
+        raise RequestError(f"'{where}' is {size} bytes of JSON; at most {most} are accepted", param=where)
+    _walk(schema, where)
     import jsonschema
 
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -51,35 +56,94 @@ def check_json_schema(schema: Any, where: str) -> str:
     except jsonschema.SchemaError as exc:
         at = _path(where, list(exc.absolute_path))
         raise RequestError(f"'{at}' is not a valid JSON schema: {exc.message}", param=where) from None
-    _walk(schema, where, [], 0)
     return text
 
 
-def _walk(node: Any, where: str, parts: list[Any], depth: int) -> None:
-    if isinstance(node, bool):
-        return
-    if depth > MAX_DEPTH:
-        raise RequestError(f"'{_path(where, parts)}' nests deeper than {MAX_DEPTH} levels", param=where)
-    if not isinstance(node, Mapping):
-        raise RequestError(f"'{_path(where, parts)}' must be a schema object", param=where)
-    unsupported = sorted(k for k in node if k not in _SUPPORTED and k not in _ANNOTATIONS and not k.startswith("x-"))
-    if unsupported:
-        raise RequestError(f"'{_path(where, parts)}' uses {', '.join(unsupported)}, which structured outputs do not "
-                           f"enforce; supported keywords: {', '.join(sorted(_SUPPORTED))}", param=where)
-    ref = node.get("$ref")
-    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
-        raise RequestError(f"'{_path(where, [*parts, '$ref'])}' is {ref!r}: only references inside the schema "
-                           "('#/$defs/...') are resolved", param=where)
-    fmt = node.get("format")
-    if fmt is not None and fmt not in _FORMATS:
-        raise RequestError(f"'{_path(where, [*parts, 'format'])}' is {fmt!r}, which is not enforced; supported "
-                           f"formats: {', '.join(sorted(_FORMATS))}", param=where)
-    for key in _SCHEMA_MAPS:
-        for name, sub in (node.get(key) or {}).items():
-            _walk(sub, where, [*parts, key, name], depth + 1)
-    for key in _SCHEMA_LISTS:
-        for i, sub in enumerate(node.get(key) or ()):
-            _walk(sub, where, [*parts, key, i], depth + 1)
-    for key in ("items", "additionalProperties"):
-        if isinstance(node.get(key), Mapping):
-            _walk(node[key], where, [*parts, key], depth + 1)
+def _measure(schema: Any, where: str) -> None:
+    """Nesting of JSON containers, the number of declared properties and each `pattern`'s group nesting, all
+    bounded; one pass over an explicit stack (no recursion a request can drive), stopping at the first excess."""
+    most_properties = limits.max_properties()
+    properties = 0
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(schema, 1, ())]
+    while stack:
+        node, depth, parts = stack.pop()
+        if depth > limits.MAX_JSON_DEPTH:
+            raise RequestError(f"'{_path(where, parts)}' nests deeper than {limits.MAX_JSON_DEPTH} levels of JSON "
+                               f"(schemas may nest {MAX_DEPTH} levels)", param=where)
+        if isinstance(node, Mapping):
+            props = node.get("properties")
+            if isinstance(props, Mapping):
+                properties += len(props)
+                if properties > most_properties:
+                    raise RequestError(f"'{where}' declares more than {most_properties} properties",
+                                       param=where)
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                _check_pattern(pattern, where, (*parts, "pattern"))
+            stack.extend((v, depth + 1, (*parts, str(k))) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            stack.extend((v, depth + 1, (*parts, i)) for i, v in enumerate(node))
+
+
+def _check_pattern(pattern: str, where: str, parts: tuple[Any, ...]) -> None:
+    """A regex's group nesting, counted without parsing it (escapes and character classes skipped)."""
+    depth = deepest = 0
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern.startswith("]", i + 1) or pattern.startswith("^]", i + 1):  # a leading ] is a literal
+                i += 2 if pattern[i + 1] == "]" else 3
+                continue
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth = max(0, depth - 1)
+        i += 1
+    if deepest > limits.MAX_PATTERN_DEPTH:
+        raise RequestError(f"'{_path(where, parts)}' nests {deepest} groups deep; at most "
+                           f"{limits.MAX_PATTERN_DEPTH} are accepted", param=where)
+
+
+def _walk(schema: Any, where: str) -> None:
+    """Every schema object's keywords enforced and its nesting within `MAX_DEPTH` (an explicit stack)."""
+    stack: list[tuple[Any, tuple[Any, ...], int]] = [(schema, (), 0)]
+    while stack:
+        node, parts, depth = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if depth > MAX_DEPTH:
+            raise RequestError(f"'{_path(where, parts)}' nests deeper than {MAX_DEPTH} levels", param=where)
+        if not isinstance(node, Mapping):
+            raise RequestError(f"'{_path(where, parts)}' must be a schema object", param=where)
+        unsupported = sorted(k for k in node if k not in _SUPPORTED and k not in _ANNOTATIONS
+                             and not k.startswith("x-"))
+        if unsupported:
+            raise RequestError(f"'{_path(where, parts)}' uses {', '.join(unsupported)}, which structured outputs "
+                               f"do not enforce; supported keywords: {', '.join(sorted(_SUPPORTED))}", param=where)
+        ref = node.get("$ref")
+        if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+            raise RequestError(f"'{_path(where, [*parts, '$ref'])}' is {ref!r}: only references inside the schema "
+                               "('#/$defs/...') are resolved", param=where)
+        fmt = node.get("format")
+        if fmt is not None and fmt not in _FORMATS:
+            raise RequestError(f"'{_path(where, [*parts, 'format'])}' is {fmt!r}, which is not enforced; supported "
+                               f"formats: {', '.join(sorted(_FORMATS))}", param=where)
+        children: list[tuple[Any, tuple[Any, ...], int]] = []
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), Mapping):
+                children += [(sub, (*parts, key, name), depth + 1) for name, sub in node[key].items()]
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                children += [(sub, (*parts, key, i), depth + 1) for i, sub in enumerate(node[key])]
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), Mapping):
+                children.append((node[key], (*parts, key), depth + 1))
+        stack.extend(reversed(children))  # first child first: the error names what a recursive walk would
