@@ -44,6 +44,14 @@ def pool() -> CompilePool:
         return _pool
 
 
+def warm(vocab: GrammarVocab) -> None:
+    """Get ready to compile for `vocab` without blocking: the pool's processes start, and this process's
+    `TokenizerInfo` (which rebuilds their grammars) is made in the background."""
+    pool().warm()
+    threading.Thread(target=lambda: _tokenizer_info(vocab, _fingerprint(vocab)), daemon=True,
+                     name="mstar-grammar-warm").start()
+
+
 def _tokenizer_info(vocab: GrammarVocab, key: str) -> Any:
     import xgrammar as xgr
 

@@ -86,6 +86,12 @@ class _Zygote:
         self._proc: subprocess.Popen | None = None
         self._ctrl: socket.socket | None = None
 
+    def ensure(self) -> None:
+        """Started (again, if it died)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+
     def fork(self) -> tuple[int, Connection]:
         """A fresh compile process: its pid and the connection to it."""
         with self._lock:
@@ -255,6 +261,11 @@ class CompilePool:
                 self._waiting.remove(job)
                 job.future.cancel()
 
+    def warm(self) -> None:
+        """Start the threads and the zygote now (in a pool thread), so the first request does not wait for them."""
+        with self._lock:
+            self._start()
+
     def _start(self) -> None:
         if self._threads:
             return
@@ -265,6 +276,11 @@ class CompilePool:
             self._threads.append(thread)
 
     def _serve(self, slot: int) -> None:
+        if slot == 0:  # the zygote's parent-death signal follows the thread that started it: a thread that lives
+            try:  # as long as the server does
+                self._zygote.ensure()
+            except Exception:
+                log.exception("the grammar zygote did not start (compiles will try again)")
         while True:
             with self._ready:
                 while not self._waiting:
