@@ -49,11 +49,7 @@ class GrammarVocab:
             if 0 <= i < vocab_size and i not in specials:
                 pieces[i] = _bytes_of(tokenizer, piece, i)
         no_token = sorted(set(range(vocab_size)).difference(ids.values()))
-        vocab = cls(tuple(pieces), tuple(int(t) for t in stop_ids), int(vocab_size), tuple(no_token))
-        from mstar_core.grammar.compile import warm
-
-        warm(vocab)  # a model that can decode under grammars: its compile processes start while it loads
-        return vocab
+        return cls(tuple(pieces), tuple(int(t) for t in stop_ids), int(vocab_size), tuple(no_token))
 
 
 def _bytes_of(tokenizer: Any, piece: str, token_id: int) -> bytes:
