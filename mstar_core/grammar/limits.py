@@ -45,6 +45,12 @@ def compile_timeout_s() -> float:
     return _number("MSTAR_GRAMMAR_COMPILE_TIMEOUT", 10.0)
 
 
+def compile_memory_mb() -> int:
+    """Resident memory (MB) one compile process may reach before it is killed and the request refused (a 400):
+    MSTAR_GRAMMAR_COMPILE_MEMORY_MB. It counts the pages it shares with the zygote (xgrammar, torch) as well."""
+    return int(_number("MSTAR_GRAMMAR_COMPILE_MEMORY_MB", 2048))
+
+
 def compile_workers() -> int:
     """Compile processes at once: MSTAR_GRAMMAR_WORKERS (more only share the same cores and all miss the limit)."""
     return int(_number("MSTAR_GRAMMAR_WORKERS", 2))

@@ -39,6 +39,7 @@ log = logging.getLogger("mstar.grammar")
 ZYGOTE_START_S = 120.0
 #: Seconds a fresh process may take to load a vocabulary (trusted data from the model, not the request).
 VOCAB_LOAD_S = 120.0
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 #: How often a waiting thread looks for a cancelled job (and so how soon a cancelled compile is killed).
 POLL_S = 0.05
 
@@ -190,17 +191,29 @@ class _Worker:
             raise CompileFailed("the grammar compiler stopped") from None
 
     def _answer(self, job: CompileJob, deadline: float, what: str) -> tuple[dict[str, Any], bytes]:
-        """The process's next frame, waiting until `deadline` unless the job is cancelled first."""
+        """The process's next frame, waiting until `deadline` unless the job is cancelled first (or the process
+        grows past its memory limit)."""
+        most_mb = limits.compile_memory_mb()
         while not self.conn.poll(POLL_S):
             if job.cancelled:
                 raise CompileCancelled("the compile was cancelled: no request waits for it any more")
             if time.monotonic() > deadline:
                 raise CompileFailed(f"the grammar did not {what}")
+            if self.resident_mb() > most_mb:
+                raise CompileFailed(f"the grammar needed more than {most_mb} MB to compile; simplify the schema")
         try:
             return protocol.unframe(self.conn.recv_bytes(protocol.MAX_FRAME_BYTES))
         except (EOFError, OSError):  # the process died (a crash in the library): its socket closed
             self.dead = True
             raise CompileFailed("the grammar compiler stopped (the grammar is too complex to compile)") from None
+
+    def resident_mb(self) -> float:
+        """The process's resident memory (0 where /proc cannot tell)."""
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                return int(f.read().split()[1]) * _PAGE / 2**20
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def kill(self) -> None:
         if not self.dead:

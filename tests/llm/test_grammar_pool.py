@@ -150,3 +150,16 @@ def test_masks_are_bit_exact_after_the_round_trip(tiny):
             assert bool((a == b).all())
             assert ours.accept_token(token) and ref.accept_token(token)
     assert gc.cached(vocab, specs[0]) is gc.compiled(vocab, specs[0])  # reused, not compiled again
+
+
+def test_a_compile_past_its_memory_limit_is_killed(monkeypatch):
+    """A limit below what any compile process holds (the zygote's pages it shares): killed at the first look."""
+    pool = CompilePool(workers=1, queue_size=1)
+    pool.submit(("v", "warm"), VOCAB, GrammarSpec("regex", "w"), budget_s=30.0).future.result(timeout=200)
+    proc = pool._procs[0]
+    assert proc is not None and 20 < proc.resident_mb() < 2048  # what an idle compile process holds
+    monkeypatch.setenv("MSTAR_GRAMMAR_COMPILE_MEMORY_MB", "1")
+    job = pool.submit(("v", "big"), VOCAB, GrammarSpec("json_schema", _slow_schema(3000)), budget_s=300.0)
+    with pytest.raises(RequestError, match="more than 1 MB"):
+        job.future.result(timeout=30)
+    assert pool.killed == 1
