@@ -1,8 +1,9 @@
 """Grammar stress (issue 50, items 1 and 2) beside healthy traffic, on its own tiny `llama` server.
 
 While a healthy loop posts small `response_format` chats and `GET /health` is polled every 50 ms, the stress posts
-the issue's abusive grammars: 8 tools x 1,200 optional integer properties with `tool_choice: required` (~240 KB),
-four ~62 KB `response_format` schemas of 2,400 optional properties, and a 200-level schema and a 2,000-parenthesis
+the issue's abusive grammars, sized just within the default limits (the issue's own sizes are now refused at once by
+the size limits: 64 KB a schema, 256 KB a grammar): 8 tools x 1,000 optional integer properties with
+`tool_choice: required` (~230 KB), four ~60 KB `response_format` schemas of 2,200 optional properties, and a 200-level schema and a 2,000-parenthesis
 `pattern` on each of the five routes that take a schema. Then SIGTERM while a compile runs. Figures:
   * `grammar_stress_health_max_s`: the slowest /health answer while the stress ran (target <= 0.1);
   * `grammar_stress_5xx`: answers >= 500 other than 503 (target 0): abusive grammars get 400s (budget, checks) or
@@ -53,13 +54,13 @@ def _five_routes(schema: dict) -> list[tuple[str, dict]]:
 
 
 def abusive() -> list[tuple[str, str, dict]]:
-    tools = [{"type": "function", "function": {"name": f"t{k}", "parameters": _optional(1200, f"t{k}_")}}
+    tools = [{"type": "function", "function": {"name": f"t{k}", "parameters": _optional(1000, f"t{k}_")}}
              for k in range(8)]
-    out = [("tools_8x1200", "/v1/chat/completions",
+    out = [("tools_8x1000", "/v1/chat/completions",
             {"model": "llama", "messages": ASK, "tools": tools, "tool_choice": "required"})]
     for k in range(4):
-        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional(2400, f"r{k}_")}}
-        out.append((f"response_format_2400_{k}", "/v1/chat/completions",
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional(2200, f"r{k}_")}}
+        out.append((f"response_format_2200_{k}", "/v1/chat/completions",
                     {"model": "llama", "messages": ASK, "response_format": fmt}))
     for name, schema in (("deep_200", _nest(200)),
                          ("parens_2000", {"type": "string", "pattern": "(" * 2000 + "a" + ")" * 2000})):
@@ -130,7 +131,7 @@ async def grammar_stress(start_timeout: float = 300.0) -> dict[str, Any]:
             # SIGTERM while a compile runs (one that would take minutes, were it let)
             pending = asyncio.ensure_future(one("slow", "/v1/chat/completions", {
                 "model": "llama", "messages": ASK, "response_format": {
-                    "type": "json_schema", "json_schema": {"name": "x", "schema": _optional(2400, "s")}}}))
+                    "type": "json_schema", "json_schema": {"name": "x", "schema": _optional(2200, "s")}}}))
             await asyncio.sleep(2)
             t = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)

@@ -28,6 +28,7 @@ _SUPPORTED = {"type", "properties", "required", "additionalProperties", "items",
               "anyOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
               "pattern", "format", "minItems", "maxItems", "minProperties", "maxProperties", "$ref", "$defs",
               "definitions", "nullable"}
+_KNOWN = _SUPPORTED | _ANNOTATIONS
 _FORMATS = {"date", "time", "date-time", "email", "uuid", "ipv4", "ipv6", "uri", "hostname", "duration"}
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
@@ -76,9 +77,9 @@ def _measure(schema: Any, where: str) -> None:
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 _check_pattern(pattern, where, (*parts, "pattern"))
-            stack.extend((v, depth + 1, (*parts, str(k))) for k, v in node.items())
+            stack.extend((v, depth + 1, (*parts, str(k))) for k, v in node.items() if isinstance(v, dict | list))
         elif isinstance(node, list):
-            stack.extend((v, depth + 1, (*parts, i)) for i, v in enumerate(node))
+            stack.extend((v, depth + 1, (*parts, i)) for i, v in enumerate(node) if isinstance(v, dict | list))
 
 
 def _check_pattern(pattern: str, where: str, parts: tuple[Any, ...]) -> None:
@@ -177,8 +178,8 @@ def _walk(schema: Any, where: str) -> None:
             raise RequestError(f"'{_path(where, parts)}' nests deeper than {MAX_DEPTH} levels", param=where)
         if not isinstance(node, dict):
             raise RequestError(f"'{_path(where, parts)}' must be a schema object", param=where)
-        unsupported = sorted(k for k in node if k not in _SUPPORTED and k not in _ANNOTATIONS
-                             and not k.startswith("x-"))
+        unsupported = [] if node.keys() <= _KNOWN else sorted(k for k in node if k not in _KNOWN
+                                                              and not k.startswith("x-"))
         if unsupported:
             raise RequestError(f"'{_path(where, parts)}' uses {', '.join(unsupported)}, which structured outputs "
                                f"do not enforce; supported keywords: {', '.join(sorted(_SUPPORTED))}", param=where)
