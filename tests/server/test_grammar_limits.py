@@ -107,7 +107,7 @@ def test_a_full_compile_queue_is_a_503_and_sigterm_stops_the_server_during_compi
     srv = Server(["llama"], "--drain-timeout", str(drain), MSTAR_GRAMMAR_WORKERS="1", MSTAR_GRAMMAR_QUEUE="1",
                  MSTAR_GRAMMAR_COMPILE_TIMEOUT="600")
     try:
-        bodies = [_bodies(_slow(1200, salt))[0] for salt in range(1, 5)]
+        bodies = [_bodies(_slow(2000, salt))[0] for salt in range(1, 5)]  # minutes each
         with ThreadPoolExecutor(4) as pool:
             pending = [pool.submit(_post, srv, route, body, 300) for route, body, _ in bodies]
             deadline = time.monotonic() + 120
@@ -125,8 +125,10 @@ def test_a_full_compile_queue_is_a_503_and_sigterm_stops_the_server_during_compi
             srv.proc.send_signal(signal.SIGTERM)
             srv.proc.wait(timeout=drain + 60)
             took = time.monotonic() - t0
-        # (a loaded box stops even an idle server slowly: MSTAR_TEST_START_SCALE stretches the allowance)
-        assert took <= drain + 5 * float(os.environ.get("MSTAR_TEST_START_SCALE", "1")), took
+        # the compiles would run for minutes: the exit does not wait for them. (The figure, drain + 5 s, is
+        # chaos_grammar.py's `sigterm_exit_s`: here, beside other tests on a loaded box, an idle server alone can
+        # take 5-10 s to stop, so the bound is the compile's absence, not that figure.)
+        assert took <= drain + 20 * float(os.environ.get("MSTAR_TEST_START_SCALE", "1")), took
         deadline = time.monotonic() + 10  # the zygote and the compile processes it forked end with the server
         while Path(f"/proc/{zygotes[0]}").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
