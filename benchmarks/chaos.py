@@ -49,6 +49,8 @@ Stresses (issue 31), each on its own colocated server started beside the others 
     3 requests sent during the drain must get 503, the server must exit 0 (`stress.drain`).
   * `slow_client_rss_growth_mb`: 4 streamed llama completions (ignore_eos, 2000 tokens) read 512 B every 50 ms
     for 15 s, then hung up; the serving process' peak RSS over its RSS after a warm-up (`stress.slow_reader`).
+  * `grammar_stress_health_max_s` (<= 0.1), `sigterm_exit_s` (<= drain timeout + 5): abusive grammars beside healthy
+    traffic, then SIGTERM during a compile (chaos_grammar.py; details under `stress.grammar`).
   * `partition_recovery_s`: the SNAC codec on a worker in its own network namespace (tests/cluster/link_faults.py,
     the scenario the network-fault test runs, here in this process): a request in flight, then a 3 s partition of
     the veth link (netem loss 100 %, or pfifo with no room where the kernel has no netem), then the heal; seconds
@@ -100,6 +102,7 @@ from chaos_faults import (
     poisons,
     slow_reader,
 )
+from chaos_grammar import grammar_stress
 from chaos_report import (
     _count,
     classify,
@@ -259,6 +262,7 @@ async def run_stresses(args) -> dict[str, Any]:
             if isinstance(out.get(label), dict):
                 out[label]["server_log"] = log_summary(srv.output())
             srv.close(args.keep_logs)
+    out["grammar"] = await grammar_stress(args.start_timeout)  # issue 50: abusive grammars beside healthy traffic
     if not args.no_partition:  # after the stress servers stopped: its heartbeats need a less busy box
         try:
             log = (f"{os.environ.get('TMPDIR', '/tmp')}/mstar-chaos-partition-worker.log" if args.keep_logs else None)

@@ -177,6 +177,9 @@ def summarize(scenarios: dict[str, dict], wall: float, quick: bool, stress: dict
         "drain_lost": (stress or {}).get("drain", {}).get("drain_lost"),
         "partition_recovery_s": (stress or {}).get("partition", {}).get("partition_recovery_s"),
         "slow_client_rss_growth_mb": (stress or {}).get("slow_reader", {}).get("slow_client_rss_growth_mb"),
+        # issue 50: grammars (chaos_grammar.py)
+        "grammar_stress_health_max_s": (stress or {}).get("grammar", {}).get("grammar_stress_health_max_s"),
+        "sigterm_exit_s": (stress or {}).get("grammar", {}).get("sigterm_exit_s"),
         "stress": stress or {},
         "scenario_errors": errors,
         "server_start_failures": sum(len(s.get("start_failures", [])) for s in scenarios.values()),

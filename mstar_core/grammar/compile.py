@@ -1,52 +1,68 @@
-"""Compiling `GrammarSpec`s with xgrammar: one compiler per vocabulary, compiled grammars cached by digest.
+"""Compiled `GrammarSpec`s: compiled in a bounded pool of killable processes (`pool.py`), cached by digest.
 
 `compiled()` is what an engine calls (blocking; a hit is a dict lookup). `compile_bounded()` is what the HTTP
-edge awaits: the compile runs on a small thread pool off the event loop, the same spec compiles once however
-many requests wait for it, and one that takes longer than the limit is a 400 (the compile itself finishes in
-the background and is cached, since xgrammar cannot be interrupted).
+edge awaits, off the event loop: the same spec compiles once however many requests wait for it, a full queue is a
+503, a compile past its budget is killed and a 400, and a request that goes away (refused, cancelled, disconnected)
+cancels the compile if no other request waits for it. Either way the grammar comes back from its process as
+xgrammar's JSON serialisation and is rebuilt here against this process's `TokenizerInfo` for the same vocabulary
+(the same masks bit for bit), then cached, so the engine finds what the edge compiled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from mstar_core.errors import RequestError
+from mstar_core.grammar import limits
+from mstar_core.grammar.pool import CompileJob, CompilePool
 from mstar_core.grammar.spec import GrammarSpec
 from mstar_core.grammar.vocab import GrammarVocab
 
 #: Compiled grammars kept (all vocabularies together); each holds its token-mask cache, tens of KB to a few MB.
 MAX_CACHED = 256
-#: Compiles running at once: more would only share the same two cores and all miss their limit.
-COMPILE_THREADS = 2
-#: Seconds a request waits for its grammar to compile before it is refused (MSTAR_GRAMMAR_COMPILE_TIMEOUT).
-DEFAULT_TIMEOUT = 10.0
 
 _lock = threading.Lock()
-_compilers: dict[str, Any] = {}
+_infos: dict[str, Any] = {}
 _cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-_inflight: dict[tuple[str, str], Future] = {}
-_pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="mstar-grammar")
-#: (kind, milliseconds) of the last compiles, for benchmarks and /metrics-style reporting.
+_pool: CompilePool | None = None
+#: Milliseconds of the last compiles (in their process), for benchmarks and /metrics-style reporting.
 compile_times_ms: list[float] = []
+#: Milliseconds of the last round trips (queue wait excluded: sent, compiled, received and rebuilt here).
+round_trip_ms: list[float] = []
 
 
-def _compiler(vocab: GrammarVocab) -> Any:
+def pool() -> CompilePool:
+    """The process's compile pool, made on first use with the operator's limits."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = CompilePool()
+        return _pool
+
+
+def warm(vocab: GrammarVocab) -> None:
+    """Get ready to compile for `vocab` without blocking: the pool's processes start, and this process's
+    `TokenizerInfo` (which rebuilds their grammars) is made in the background."""
+    pool().warm()
+    threading.Thread(target=lambda: _tokenizer_info(vocab, _fingerprint(vocab)), daemon=True,
+                     name="mstar-grammar-warm").start()
+
+
+def _tokenizer_info(vocab: GrammarVocab, key: str) -> Any:
     import xgrammar as xgr
 
-    key = _fingerprint(vocab)
     with _lock:
-        compiler = _compilers.get(key)
-    if compiler is None:
+        info = _infos.get(key)
+    if info is None:
         info = xgr.TokenizerInfo(list(vocab.token_bytes), vocab_type=xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
                                  stop_token_ids=list(vocab.stop_ids))
-        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         with _lock:
-            compiler = _compilers.setdefault(key, compiler)
-    return compiler
+            info = _infos.setdefault(key, info)
+    return info
 
 
 _fingerprints: dict[int, tuple[GrammarVocab, str]] = {}
@@ -62,78 +78,116 @@ def _fingerprint(vocab: GrammarVocab) -> str:
     return fp
 
 
-def _build(compiler: Any, spec: GrammarSpec) -> Any:
-    import xgrammar as xgr
-
-    if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
-    if spec.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if spec.kind == "structural_tag":
-        return compiler.compile_structural_tag(spec.source)
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.source)
-    if spec.kind == "ebnf":
-        return compiler.compile_grammar(xgr.Grammar.from_ebnf(spec.source))
-    raise RequestError(f"unknown grammar kind {spec.kind!r}", param="grammar")
-
-
-def compiled(vocab: GrammarVocab, spec: GrammarSpec) -> Any:
-    """The xgrammar `CompiledGrammar` for `spec` over `vocab` (compiled now unless cached); a spec the library
-    refuses is a `RequestError` (400) quoting its reason."""
-    import time
-
+def cached(vocab: GrammarVocab, spec: GrammarSpec) -> Any:
+    """The compiled grammar if it is cached, else None."""
     key = (_fingerprint(vocab), spec.digest)
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
             _cache.move_to_end(key)
-            return hit
-    t0 = time.perf_counter()
-    try:
-        grammar = _build(_compiler(vocab), spec)
-    except RequestError:
-        raise
-    except Exception as exc:  # xgrammar's RuntimeError / InvalidJSONError carry the reason
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {reason}", param="grammar") from None
-    compile_times_ms.append((time.perf_counter() - t0) * 1e3)
-    del compile_times_ms[:-1000]
+        return hit
+
+
+def _check_size(spec: GrammarSpec, param: str) -> None:
+    size, most = len(spec.source.encode()), limits.max_grammar_bytes()
+    if size > most:
+        raise RequestError(f"'{param}': the grammar is {size} bytes; at most {most} are accepted (fewer or smaller "
+                           "schemas)", param=param)
+
+
+def _submit(vocab: GrammarVocab, spec: GrammarSpec, budget_s: float | None, param: str) -> CompileJob:
+    _check_size(spec, param)
+    budget = budget_s if budget_s is not None else limits.compile_timeout_s()
+    return pool().submit((_fingerprint(vocab), spec.digest), vocab, spec, budget, param=param)
+
+
+def _finish(vocab: GrammarVocab, job: CompileJob) -> Any:
+    """The job's grammar rebuilt here (once per job however many wait for it) and cached."""
+    import xgrammar as xgr
+
+    text, ms = job.future.result()
     with _lock:
-        _cache[key] = grammar
+        hit = _cache.get(job.key)
+    if hit is not None:
+        return hit
+    grammar = xgr.CompiledGrammar.deserialize_json(text, _tokenizer_info(vocab, job.key[0]))
+    with _lock:
+        compile_times_ms.append(ms)
+        del compile_times_ms[:-1000]
+        _cache[job.key] = grammar
         while len(_cache) > MAX_CACHED:
             _cache.popitem(last=False)
     return grammar
 
 
-def _submit(vocab: GrammarVocab, spec: GrammarSpec) -> Future:
-    key = (_fingerprint(vocab), spec.digest)
-    with _lock:
-        future = _inflight.get(key)
-        if future is None:
-            future = _pool.submit(compiled, vocab, spec)
-            _inflight[key] = future
-            future.add_done_callback(lambda _f: _drop_inflight(key))
-    return future
+def _named(exc: RequestError, param: str) -> RequestError:
+    """`exc` with its message naming `param`, its status and Retry-After kept."""
+    if str(exc).startswith(f"'{param}'"):
+        return exc
+    named = type(exc).__new__(type(exc))
+    RequestError.__init__(named, f"'{param}': {exc}", status=exc.status, param=param)
+    named.__dict__.update({k: v for k, v in exc.__dict__.items() if k not in ("param",)})
+    return named
 
 
-def _drop_inflight(key: tuple[str, str]) -> None:
-    with _lock:
-        _inflight.pop(key, None)
+def compiled(vocab: GrammarVocab, spec: GrammarSpec, param: str = "grammar") -> Any:
+    """The xgrammar `CompiledGrammar` for `spec` over `vocab` (compiled now, in the pool, unless cached); a spec the
+    library refuses or that runs past its budget is a `RequestError` (400), a full pool one with status 503."""
+    hit = cached(vocab, spec)
+    if hit is not None:
+        return hit
+    job = _submit(vocab, spec, None, param)
+    try:
+        job.future.result()
+        return _finish(vocab, job)
+    except RequestError as exc:
+        raise _named(exc, param) from None
+    finally:
+        pool().release(job)
 
 
 async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float | None = None,
                           param: str = "response_format") -> Any:
-    """`compiled()` off the event loop; longer than `timeout` seconds (default `DEFAULT_TIMEOUT`, or the
-    MSTAR_GRAMMAR_COMPILE_TIMEOUT variable) is a 400 naming `param`."""
-    import os
-
-    limit = timeout if timeout is not None else float(os.environ.get("MSTAR_GRAMMAR_COMPILE_TIMEOUT", DEFAULT_TIMEOUT))
-    future = asyncio.wrap_future(_submit(vocab, spec))
+    """`compiled()` off the event loop; a compile longer than `timeout` seconds (default the operator's budget,
+    MSTAR_GRAMMAR_COMPILE_TIMEOUT) is killed and a 400 naming `param`; a full pool a 503 with Retry-After. If this
+    coroutine is cancelled (its request went away) the compile is cancelled too, unless another request waits."""
+    hit = cached(vocab, spec)
+    if hit is not None:
+        return hit
     try:
-        return await asyncio.wait_for(asyncio.shield(future), limit)
-    except TimeoutError:
-        raise RequestError(f"'{param}': the grammar did not compile within {limit:g} s; simplify the schema (fewer "
-                           "or smaller maxLength / maxItems bounds, fewer alternatives)", param=param) from None
+        job = _submit(vocab, spec, timeout, param)
     except RequestError as exc:
-        raise RequestError(f"'{param}': {exc}", param=param) from None
+        raise _named(exc, param) from None
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wrap_future(_unshared(job))
+        grammar = await asyncio.to_thread(_finish, vocab, job)  # rebuilding a large grammar takes milliseconds
+    except RequestError as exc:
+        raise _named(exc, param) from None
+    finally:
+        pool().release(job)
+    round_trip_ms.append((time.perf_counter() - t0) * 1e3)
+    del round_trip_ms[:-1000]
+    return grammar
+
+
+def _unshared(job: CompileJob) -> Any:
+    """A future of this waiter's own that follows the job's: cancelling it (the request went away) leaves the
+    shared one alone, and `release` decides whether the compile is cancelled."""
+    from concurrent.futures import Future, InvalidStateError
+
+    mine: Future = Future()
+
+    def follow(done: Future) -> None:
+        try:
+            if done.cancelled():
+                mine.cancel()
+            elif done.exception() is not None:
+                mine.set_exception(done.exception())
+            else:
+                mine.set_result(done.result())
+        except InvalidStateError:  # this waiter was cancelled first
+            pass
+
+    job.future.add_done_callback(follow)
+    return mine

@@ -35,6 +35,7 @@ from mstar_core.api.server.middleware import GuardMiddleware
 from mstar_core.api.server.plugin_routes import include_plugin_routes
 from mstar_core.config.placement import Placement
 from mstar_core.errors import ConfigError
+from mstar_core.grammar.compile import warm as warm_grammars
 from mstar_core.model import LoadOptions
 
 log = logging.getLogger("mstar.api")
@@ -163,6 +164,8 @@ class ServerState:
             )
             log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
                      " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
+            if (loaded.extras or {}).get("grammar_vocab") is not None:  # compile processes start now, not on the
+                warm_grammars(loaded.extras["grammar_vocab"])  # first structured request
             self.bind_adapters(item.name, loaded, item.media)
         self.ready = True
 
