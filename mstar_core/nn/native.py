@@ -123,8 +123,8 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
 
 def active() -> dict[str, tuple[str, str]]:
     """The kernels this process has loaded so far: source stem -> (level, build), build "prebuilt" (`level`: the
-    instruction set it was built for), "jit" (built here on first use: `level` is the variant) or "none" (torch
-    ops run instead); for the variant $MSTAR_NATIVE_KERNELS names (tests load others beside it)."""
+    instruction set it was built for), "jit" (built here on first use with -march=native: `level` native, or
+    the level the setting caps it at) or "none" (torch ops run instead); for the variant $MSTAR_NATIVE_KERNELS names (tests load others beside it)."""
     setting = os.environ.get(SWITCH_ENV, "native")
     return {stem: how for (stem, variant), how in sorted(_how.items()) if variant == setting}
 
@@ -166,7 +166,7 @@ def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
 
 
 def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
-    _how[(source.stem, variant)] = (variant, "none")
+    _how[(source.stem, variant)] = ("native" if variant == "jit" else variant, "none")
     compiler = native_build.compiler()
     if compiler is None:
         log.warning("no C++ compiler (%s) and no prebuilt library: %s runs as torch ops",
@@ -177,7 +177,7 @@ def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("%s not built (%s): it runs as torch ops", source.stem, getattr(exc, "stderr", "") or exc)
         return None
-    _how[(source.stem, variant)] = (variant, "jit")
+    _how[(source.stem, variant)] = ("native" if variant == "jit" else variant, "jit")  # (-march=native, capped)
     return lib
 
 

@@ -188,12 +188,12 @@ def cmdclass(packages: list[str], header: Path = HEADER) -> dict:
             return commands
 
     class bdist_platform_wheel(bdist_wheel):
-        def finalize_options(self):
-            super().finalize_options()
-            self.root_is_pure = False
-
-        def get_tag(self):
-            return "py3", "none", super().get_tag()[2]  # (no Python extension: any CPython 3 of the platform)
+        def get_tag(self):  # (the libraries are no Python extension: any Python 3 of this platform)
+            pure, self.root_is_pure = self.root_is_pure, False
+            try:
+                return "py3", "none", super().get_tag()[2]
+            finally:
+                self.root_is_pure = pure
 
     commands["bdist_wheel"] = bdist_platform_wheel
     return commands
