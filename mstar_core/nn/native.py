@@ -124,19 +124,24 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
 def active() -> dict[str, tuple[str, str]]:
     """The kernels this process has loaded so far: source stem -> (level, build), build "prebuilt" (`level`: the
     instruction set it was built for), "jit" (built here on first use with -march=native: `level` native, or
-    the level the setting caps it at) or "none" (torch ops run instead); for the variant $MSTAR_NATIVE_KERNELS names (tests load others beside it)."""
+    the level the setting caps it at) or "none" (torch ops run instead: `level` none); for the variant $MSTAR_NATIVE_KERNELS names (tests load others beside it)."""
     setting = os.environ.get(SWITCH_ENV, "native")
     return {stem: how for (stem, variant), how in sorted(_how.items()) if variant == setting}
 
 
 def summary() -> str:
-    """One line for the server banner: the kernels loaded and how, and the level this CPU gets."""
+    """One line for the server banner: the kernels loaded so far and how (the rest load on first use), and
+    whether this CPU's level is prebuilt for the core's kernels."""
     setting = os.environ.get(SWITCH_ENV, "native")
+    if setting == "0" or setting not in FLAGS:
+        return f"native kernels: off ({SWITCH_ENV}={setting}): torch ops"
+    shown = {"prebuilt": "{level}", "jit": "built here (-march={level})", "none": "torch ops"}
+    loaded = ", ".join(f"{stem} {shown[build].format(level=level)}" for stem, (level, build) in active().items())
+    sources = sorted(Path(__file__).parent.glob("*.cpp"))
+    ready = sum(_prebuilt_library(source, setting) is not None for source in sources)
     best = native_build.select_level(_cpu_flags(), list(native_build.BY_NAME))
-    loaded = ", ".join(f"{stem} {level}" + ("" if build == "prebuilt" else f" ({build})")
-                       for stem, (level, build) in active().items())
-    return (f"native kernels ({SWITCH_ENV}={setting}, CPU level {best}): "
-            + ("off" if setting == "0" else loaded or "none loaded yet"))
+    return (f"native kernels ({SWITCH_ENV}={setting}; CPU level {best}; {ready} of {len(sources)} core kernels "
+            f"prebuilt for it): {loaded or 'none loaded yet'}")
 
 
 @functools.cache
@@ -144,9 +149,9 @@ def _cpu_flags() -> frozenset[str]:
     return native_build.cpu_flags()
 
 
-def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
-    """The prebuilt library of `source`'s version at the best level this CPU runs (no higher than a level
-    `variant` names), or None where none is (or `variant` is jit)."""
+def _prebuilt_library(source: Path, variant: str) -> tuple[str, Path] | None:
+    """The level and path of `source`'s prebuilt library (its version) at the best level this CPU runs, no
+    higher than a level `variant` names; None where none is (or `variant` is jit)."""
     folder = source.parent / native_build.PREBUILT
     if variant == "jit" or not folder.is_dir():
         return None
@@ -154,10 +159,16 @@ def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
     built = {level: folder / native_build.library_name(source, level, text) for level in native_build.levels_for(text)}
     built = {level: path for level, path in built.items() if path.exists()}
     level = native_build.select_level(_cpu_flags(), list(built), None if variant == "native" else variant)
-    if level is None:
+    return None if level is None else (level, built[level])
+
+
+def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
+    found = _prebuilt_library(source, variant)
+    if found is None:
         return None
+    level, path = found
     try:
-        lib = ctypes.CDLL(str(built[level]))
+        lib = ctypes.CDLL(str(path))
     except OSError as exc:
         log.warning("prebuilt %s (%s) did not load (%s): building it here", source.stem, level, exc)
         return None
@@ -166,7 +177,7 @@ def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
 
 
 def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
-    _how[(source.stem, variant)] = ("native" if variant == "jit" else variant, "none")
+    _how[(source.stem, variant)] = ("none", "none")
     compiler = native_build.compiler()
     if compiler is None:
         log.warning("no C++ compiler (%s) and no prebuilt library: %s runs as torch ops",
