@@ -152,7 +152,7 @@ def prebuild(sources: list[Path], out: Path, header: Path = HEADER, jobs: int | 
                 return None
         return target
 
-    workers = int(os.environ.get(JOBS_ENV) or 0) or os.cpu_count() or 1
+    workers = jobs or int(os.environ.get(JOBS_ENV) or 0) or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         built = [path for path in pool.map(build, wanted) if path is not None]
     keep = {target.name for _, _, target in wanted}
