@@ -158,7 +158,8 @@ def _prebuilt_library(source: Path, variant: str) -> tuple[str, Path] | None:
     text = native_build.source_text(source, HEADER)
     built = {level: folder / native_build.library_name(source, level, text) for level in native_build.levels_for(text)}
     built = {level: path for level, path in built.items() if path.exists()}
-    level = native_build.select_level(_cpu_flags(), list(built), None if variant == "native" else variant)
+    cap = variant if variant in native_build.BY_NAME else None  # (native, or a level this machine type lacks)
+    level = native_build.select_level(_cpu_flags(), list(built), cap)
     return None if level is None else (level, built[level])
 
 
