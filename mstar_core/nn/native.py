@@ -1,12 +1,16 @@
-"""Small C++ CPU kernels built once per machine and loaded through ctypes (no torch headers, no build step at install).
+"""Small C++ CPU kernels loaded through ctypes (no torch headers): prebuilt per instruction set, else built on first use.
 
-A kernel source is plain C ABI over raw pointers; `c++ -O3 -march=native -fopenmp` builds it in about a
-second into `$MSTAR_KERNEL_CACHE` (default `~/.cache/mstar/kernels`), named by a hash of the source,
-the flags, the compiler and the CPU's flags, so a machine builds each version once and every process
-after loads it. OpenMP inside a kernel resolves to the runtime torch already loaded (the same
-`libgomp.so.1` soname, or Intel's preloaded over both). Without a compiler a kernel is None and its
-callers keep their torch ops; `MSTAR_NATIVE_KERNELS=0` turns every kernel off, `avx2` builds them without
-AVX-512 and `portable` without AVX2 or FMA either (what such CPUs run: the tests compare the builds).
+A kernel source is plain C ABI over raw pointers. Installing the package builds it once per instruction-set level
+its `#if`s test (portable, avx2, avx512, avx512bf16, amx: `native_build.py`) into `prebuilt/` beside it, and a
+process loads the highest level this CPU runs, so a machine without a compiler has the kernels too. Where none
+is prebuilt for the source's version (an sdist installed without a compiler, a source edited in an editable
+install), `c++ -O3 -march=native -fopenmp` builds it in about a second into `$MSTAR_KERNEL_CACHE` (default
+`~/.cache/mstar/kernels`), named by a hash of the source, the flags, the compiler and the CPU's flags, so a
+machine builds each version once and every process after loads it. OpenMP inside a kernel resolves to the
+runtime torch already loaded (the same `libgomp.so.1` soname, or Intel's preloaded over both). With neither a
+kernel is None and its callers keep their torch ops. `MSTAR_NATIVE_KERNELS`: `native` (default) the best
+prebuilt level, `avx2` / `portable` (or `avx512`, `avx512bf16`, `amx`) no higher than that level (what such
+CPUs run: the tests compare the builds), `jit` always the first-use build, `0` every kernel off.
 """
 
 from __future__ import annotations
@@ -16,22 +20,26 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from mstar_core.nn import native_build
+
 log = logging.getLogger("mstar.nn.native")
 
-SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "avx2", "portable" or "0"
+SWITCH_ENV = "MSTAR_NATIVE_KERNELS"  # "native" (default), "jit", a level of native_build.LEVELS, or "0"
 CACHE_ENV = "MSTAR_KERNEL_CACHE"
-#: compiler flags per build variant
-FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
+#: compiler flags of the first-use build per variant (a level: -march=native without the instructions above it)
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+FLAGS = {"native": ["-march=native"], "jit": ["-march=native"], "amx": ["-march=native"],
+         "avx512bf16": ["-march=native", *_NO_AMX],
+         "avx512": ["-march=native", "-mno-avx512bf16", "-mno-avx512vnni", *_NO_AMX],
+         "avx2": ["-march=native", "-mno-avx512f"],
          "portable": ["-march=native", "-mno-avx2", "-mno-fma"]}
 #: the header every kernel may include (`#include "mstar_native.h"`): bf16 conversions, exp
-HEADER = Path(__file__).with_name("mstar_native.h")
+HEADER = native_build.HEADER
 
 #: The tapes recording (tape.py), while any thread records, else None: every kernel wrapper hands it the call it just made
 RECORDER: Any = None
@@ -39,6 +47,8 @@ RECORDER: Any = None
 _lock = threading.Lock()
 # libraries by (source, variant) and entry points (signature set) by (source, variant, name); None: not built
 _loaded: dict[tuple, Any] = {}
+# how each library loaded: (source stem, variant) -> (level, build) with build "prebuilt", "jit" or "none"
+_how: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 def variant_from_env() -> str | None:
@@ -47,7 +57,7 @@ def variant_from_env() -> str | None:
     if setting == "0":
         return None
     if setting not in FLAGS:
-        raise ValueError(f"{SWITCH_ENV} must be 0, native, avx2 or portable, got {setting!r}")
+        raise ValueError(f"{SWITCH_ENV} must be 0, native, jit, {', '.join(native_build.BY_NAME)}, got {setting!r}")
     return setting
 
 
@@ -61,7 +71,7 @@ def load(source: Path, variant: str | None = None) -> ctypes.CDLL | None:
         return _loaded[key]
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(source, variant)
+            _loaded[key] = _load_prebuilt(source, variant) or _build_and_load(source, variant)
         return _loaded[key]
 
 
@@ -111,26 +121,76 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
     return run
 
 
-def _cpu_flags() -> str:
+def active() -> dict[str, tuple[str, str]]:
+    """The kernels this process has loaded so far: source stem -> (level, build), build "prebuilt" (`level`: the
+    instruction set it was built for), "jit" (built here on first use with -march=native: `level` native, or
+    the level the setting caps it at) or "none" (torch ops run instead: `level` none); for the variant $MSTAR_NATIVE_KERNELS names (tests load others beside it)."""
+    setting = os.environ.get(SWITCH_ENV, "native")
+    return {stem: how for (stem, variant), how in sorted(_how.items()) if variant == setting}
+
+
+def summary() -> str:
+    """One line for the server banner: the kernels loaded so far and how (the rest load on first use), and
+    whether this CPU's level is prebuilt for the core's kernels."""
+    setting = os.environ.get(SWITCH_ENV, "native")
+    if setting == "0" or setting not in FLAGS:
+        return f"native kernels: off ({SWITCH_ENV}={setting}): torch ops"
+    shown = {"prebuilt": "{level}", "jit": "built here (-march={level})", "none": "torch ops"}
+    loaded = ", ".join(f"{stem} {shown[build].format(level=level)}" for stem, (level, build) in active().items())
+    sources = sorted(Path(__file__).parent.glob("*.cpp"))
+    ready = sum(_prebuilt_library(source, setting) is not None for source in sources)
+    best = native_build.select_level(_cpu_flags(), list(native_build.BY_NAME))
+    return (f"native kernels ({SWITCH_ENV}={setting}; CPU level {best}; {ready} of {len(sources)} core kernels "
+            f"prebuilt for it): {loaded or 'none loaded yet'}")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    return native_build.cpu_flags()
+
+
+def _prebuilt_library(source: Path, variant: str) -> tuple[str, Path] | None:
+    """The level and path of `source`'s prebuilt library (its version) at the best level this CPU runs, no
+    higher than a level `variant` names; None where none is (or `variant` is jit)."""
+    folder = source.parent / native_build.PREBUILT
+    if variant == "jit" or not folder.is_dir():
+        return None
+    text = native_build.source_text(source, HEADER)
+    built = {level: folder / native_build.library_name(source, level, text) for level in native_build.levels_for(text)}
+    built = {level: path for level, path in built.items() if path.exists()}
+    cap = variant if variant in native_build.BY_NAME else None  # (native, or a level this machine type lacks)
+    level = native_build.select_level(_cpu_flags(), list(built), cap)
+    return None if level is None else (level, built[level])
+
+
+def _load_prebuilt(source: Path, variant: str) -> ctypes.CDLL | None:
+    found = _prebuilt_library(source, variant)
+    if found is None:
+        return None
+    level, path = found
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("prebuilt %s (%s) did not load (%s): building it here", source.stem, level, exc)
+        return None
+    _how[(source.stem, variant)] = (level, "prebuilt")
+    return lib
 
 
 def _build_and_load(source: Path, variant: str) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or (None if "CXX" in os.environ else shutil.which("g++"))
+    _how[(source.stem, variant)] = ("none", "none")
+    compiler = native_build.compiler()
     if compiler is None:
-        log.warning("no C++ compiler (%s): %s runs as torch ops", os.environ.get("CXX", "c++"), source.stem)
+        log.warning("no C++ compiler (%s) and no prebuilt library: %s runs as torch ops",
+                    os.environ.get("CXX", "c++"), source.stem)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, source, variant)))
+        lib = ctypes.CDLL(str(_build(compiler, source, variant)))
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("%s not built (%s): it runs as torch ops", source.stem, getattr(exc, "stderr", "") or exc)
         return None
+    _how[(source.stem, variant)] = ("native" if variant == "jit" else variant, "jit")  # (-march=native, capped)
+    return lib
 
 
 @functools.cache
@@ -139,22 +199,15 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _build(compiler: str, source: Path, variant: str) -> Path:
-    # no fused multiply-add the source does not spell out: kernels that round as torch's separate ops need each
-    # product rounded before it is added (explicit FMA intrinsics stay FMAs)
-    flags = ["-O3", *FLAGS[variant], "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", f"-I{HEADER.parent}"]
+    flags = [*native_build.COMMON_FLAGS, *FLAGS[variant]]
     version = _compiler_version(compiler)
     digest = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + " ".join(flags).encode() + version.encode()
-                            + _cpu_flags().encode())
+                            + " ".join(sorted(_cpu_flags())).encode())
     folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mstar" / "kernels")
     target = folder / f"{source.stem}-{variant}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # built beside the target and renamed into place: processes building at once never load half a file
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True, check=True)
-        os.replace(built, target)
+    native_build.compile_library(compiler, source, FLAGS[variant], target, HEADER)
     for stale in folder.glob(f"{source.stem}-{variant}-*.so"):  # earlier versions (unlinking a loaded one is safe)
         if stale != target:
             stale.unlink(missing_ok=True)

@@ -111,13 +111,15 @@ def test_tensors_the_kernel_cannot_read_go_through_torch_ops():
 
 
 def test_without_a_compiler_lanes_use_torch_ops(monkeypatch, tmp_path, caplog):
-    """No compiler: no kernel, one warning per build, and nothing is built."""
+    """No compiler and no prebuilt library (the `jit` setting passes the prebuilt ones by): no kernel, one
+    warning per build, and nothing is built. (With a prebuilt library and no compiler the kernel loads:
+    tests/nn/test_native_prebuilt.py.)"""
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="mstar.nn.native"):
-        assert lane_kernel.kernel_for(torch.bfloat16, "native") is None
-        assert lane_kernel.kernel_for(torch.float32, "native") is None
+        assert lane_kernel.kernel_for(torch.bfloat16, "jit") is None
+        assert lane_kernel.kernel_for(torch.float32, "jit") is None
     assert sum("no C++ compiler" in r.message for r in caplog.records) == 1
     assert not (tmp_path / "cache").exists()
 

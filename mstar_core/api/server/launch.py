@@ -112,6 +112,9 @@ def banner(config: ServerConfig, host: str, port: int, models: dict[str, Any], r
     key = "os.environ['MSTAR_API_KEY']" if config.api_key else '"none"'
     lines = [f"M* serving at {url}   (OpenAPI: {url}/docs, metrics: {url}/metrics)",
              f"  playground: {url}/   (speak, draw, chat, policies, walks in the browser)"]
+    from mstar_core.nn import native  # (here: the command's other paths need no torch)
+
+    lines.append(f"  {native.summary()}")  # (which CPU kernels run, at which instruction set)
     for name, loaded in models.items():
         src = next((m.options for m in config.models if m.name == name), None)
         origin = src.checkpoint if src and src.checkpoint else f"preset '{src.preset if src else '?'}'"

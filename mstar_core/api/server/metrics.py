@@ -110,6 +110,17 @@ class _EngineCollector:
         yield step
         yield steps
         yield calls
+        yield _native_kernel_metric()
+
+
+def _native_kernel_metric():
+    from mstar_core.nn import native  # (at scrape: this module is imported before torch is)
+
+    gauge = GaugeMetricFamily("mstar_native_kernels", "C++ CPU kernels this process loaded (1): the instruction-set "
+                              "level, and prebuilt, jit (built here) or none (torch ops)", labels=["kernel", "level", "build"])
+    for kernel, (level, build) in native.active().items():
+        gauge.add_metric([kernel, level, build], 1.0)
+    return gauge
 
 
 def _worker_metrics(engine: Any):
