@@ -5,6 +5,6 @@ from mstar_core.plugins import hookimpl
 
 @hookimpl
 def mstar_register_models(register):
-    from mstar_llm.model import SPEC
+    from mstar_llm.model import SPEC  # imported lazily: `mstar plugins` stays fast
 
     register(SPEC)
