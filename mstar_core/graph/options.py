@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from mstar_core.compat import changed
 from mstar_core.errors import GraphValidationError
 
 _KNOWN: dict[str, frozenset[str]] = {}
@@ -32,8 +33,6 @@ def record_engine_options(kind: str, names: Iterable[str], node_refs: Iterable[s
 
 def declare_call_options(kind: str, names: Iterable[str], node_refs: Iterable[str] = ()) -> None:
     """The plugin API 1.0 way to declare an engine's options: warns in 1.1 (declare them on the class), errors after."""
-    from mstar_core.compat import changed
-
     changed("declare_call_options")
     record_engine_options(kind, names, node_refs)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from mstar_core.errors import ConfigError
+from mstar_core.graph.options import node_ref_options, record_engine_options
 
 if TYPE_CHECKING:
     import torch
@@ -104,8 +105,6 @@ def call_order(node: str, value: Any) -> str:
 
 def build_order(graph: Any, names: Iterable[str]) -> list[str]:
     """`names` in graph order, except that a node named by another's node-ref option comes before it."""
-    from mstar_core.graph.options import node_ref_options
-
     todo = [n for n in graph.nodes if n in set(names)]
     order: list[str] = []
 
@@ -163,8 +162,6 @@ class Engine(abc.ABC):
         # a class that sets any of the three (an inherited kind included) records them for Graph.build
         declares = {"call_options", "node_options", "node_ref_options"} & set(vars(cls))
         if declares and cls.call_options is not None and isinstance(getattr(cls, "kind", None), str):
-            from mstar_core.graph.options import record_engine_options
-
             record_engine_options(cls.kind, cls.call_options | cls.node_options, cls.node_ref_options)
 
     def __init__(self, node: GraphNode, module: Any, context: EngineContext):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mstar_bagel.checkpoint import ensure_tiny, load_bagel
 from mstar_bagel.graph import build_graph
+from mstar_bagel.parallel import load_bagel_tensor_parallel
 from mstar_bagel.prepare import Preparer
 from mstar_bagel.tokenizer import open_tokenizer, special_ids
 from mstar_core.grammar import GrammarVocab
@@ -45,8 +46,6 @@ def load(options: LoadOptions) -> LoadedModel:
     dtype = options.torch_dtype("bagel", "float32" if preset else "bfloat16")
     group = options.tensor_parallel  # (the rank group, if any)
     if group is not None and group.world_size > 1 and options.device != "meta":
-        from mstar_bagel.parallel import load_bagel_tensor_parallel
-
         bagel, vae = load_bagel_tensor_parallel(directory, group, device=options.device, dtype=dtype)
     else:
         bagel, vae = load_bagel(directory, device=options.device, dtype=dtype)

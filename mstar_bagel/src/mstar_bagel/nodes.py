@@ -16,6 +16,7 @@ from mstar_diffusion.guidance import Guidance
 from torch import nn
 
 from mstar_bagel.modeling import Bagel, latent_tokens, tokens_to_image
+from mstar_bagel.parallel import llm_dimensions
 from mstar_core.grammar import GrammarVocab
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 
@@ -88,8 +89,6 @@ class UnderstandLLM(nn.Module):
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
         """The sizes a tensor-parallel group must divide to split the LLM (`mstar_bagel.parallel`)."""
-        from mstar_bagel.parallel import llm_dimensions
-
         return llm_dimensions(self.bagel.language_model)
 
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, routing=None) -> torch.Tensor:

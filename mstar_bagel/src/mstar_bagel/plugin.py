@@ -10,6 +10,6 @@ def mstar_register_models(register):
 
 @hookimpl
 def mstar_register_api_adapters(register):
-    from mstar_bagel.adapter import BagelImagesAdapter
+    from mstar_bagel.adapter import BagelImagesAdapter  # imported lazily: `mstar plugins` stays fast
 
     register(BagelImagesAdapter())

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mstar_core.checkpoint import read_config
 from mstar_core.checkpoint.errors import CheckpointError
 from mstar_core.checkpoint.meta import on_meta
-from mstar_core.nn.llama import LlamaForCausalLM
+from mstar_core.nn.llama import LlamaForCausalLM, load_llama
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.parallel.group import TensorParallelGroup
@@ -145,8 +146,6 @@ def load_llama_tensor_parallel(
     module: str = "llama",
 ) -> LlamaForCausalLM:
     """Load this rank's shard of a HF Llama/Qwen2/Qwen3 safetensors checkpoint, reading only its slices."""
-    from mstar_core.checkpoint import read_config
-
     cfg = LlamaConfig.from_hf(read_config(directory))
     check_divisible(module, llama_dimensions(cfg), group.world_size)  # before any byte is read
     with on_meta():  # meta tensors without running their initialisers (which import torch._refs: seconds)
@@ -160,8 +159,6 @@ def load_llama_tensor_parallel(
 def load_llama_for_rank(directory: str | Path, group: TensorParallelGroup | None, *, dtype: torch.dtype | None,
                         device: str | torch.device, module: str, progress: bool = True) -> LlamaForCausalLM:
     """A Llama/Qwen checkpoint as this rank holds it: only its slices in a group of 2+, else the whole model."""
-    from mstar_core.nn.llama import load_llama
-
     # (a worker builds the nodes it does not host on the meta device: nothing to read for those)
     if group is not None and group.world_size > 1 and str(device) != "meta":
         return load_llama_tensor_parallel(directory, group, dtype=dtype, device=device, module=module)

@@ -30,6 +30,8 @@ def choice_walks(node: str = "lm", default_max_tokens: int | None = None) -> tup
     same draws over logits equal up to the last ulps: the prompt's last token runs as a step of its own here).
     Every emitted value carries its branch (`Output.branch`); a one-token prompt skips `prefill_shared`
     (`fork_label` None: each branch starts empty)."""
+    # the kvcache engine (about 1 s of imports) comes in when a graph is built, not when `import mstar_llm`
+    # brings this module in for its spec at plugin discovery
     from mstar_kvcache.walks import decode_iterations
 
     label = FromEnv("choice", "choice{}")
@@ -74,7 +76,7 @@ def build_graph(lm: Any, name: str = "llama") -> Graph:
     """One `kvcache` node `lm`; walks `prefill` then `decode` until a finish reason, emitting `next_token`
     (and, when asked, each token's `logprob` and `top_logprobs` just before it); with `n` (see `choice_walks`),
     `prefill_shared` then `choices`."""
-    from mstar_kvcache import ar_walks
+    from mstar_kvcache import ar_walks  # (imported here: see `choice_walks`)
 
     node = GraphNode(
         "lm",
@@ -89,6 +91,7 @@ def build_graph(lm: Any, name: str = "llama") -> Graph:
 
 
 def _load_hf(directory: Path, options: LoadOptions, progress: bool) -> tuple[Any, Any, str | None, list[int]]:
+    # the loading stack (checkpoint readers, the split Llama: over half a second) is imported when a model loads
     from mstar_core.checkpoint import load_tokenizer, read_chat_template, read_config, read_eos_token_ids
     from mstar_core.nn.parallel import load_llama_for_rank
 

@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from mstar_core.checkpoint import save_hf_checkpoint
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import ConfigError
+from mstar_core.nn import LlamaForCausalLM
 from mstar_llm.chat import CHATML
 
 PRESET_VERSION = 2  # 2: layer weights drawn wider than the embedding (see write_tiny)
@@ -62,9 +64,6 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
 
 def write_tiny(directory: Path, seed: int = 0) -> Path:
     """Write the tiny preset (config, safetensors, tokenizer, chat template) into `directory`."""
-    from mstar_core.checkpoint import save_hf_checkpoint
-    from mstar_core.nn import LlamaForCausalLM
-
     tok = build_tokenizer()
     vocab = -(-tok.get_vocab_size() // 64) * 64  # round up like real checkpoints pad their embeddings
     eos = tok.token_to_id("<|im_end|>")

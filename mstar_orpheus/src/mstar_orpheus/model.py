@@ -7,11 +7,17 @@ from pathlib import Path
 
 import torch
 
+from mstar_core.checkpoint import load_tokenizer
+from mstar_core.checkpoint.meta import on_meta
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_core.nn.parallel import load_llama_for_rank
 from mstar_orpheus.graph import build_graph
+from mstar_orpheus.preset import ensure_preset
 from mstar_orpheus.prompt import EXAMPLE, VOICES, OrpheusVocab, PromptBuilder
 from mstar_orpheus.snac import load_snac
+from mstar_orpheus.snac.checkpoint import SNACConfig
+from mstar_orpheus.snac.model import SNACDecoder
 from mstar_orpheus.snac_node import SNACWindowDecoder
 
 SNAC_ENV = "MSTAR_ORPHEUS_SNAC"
@@ -33,10 +39,6 @@ def _snac(directory: Path, device: str) -> torch.nn.Module:
     """The SNAC decoder, in fp32 (the codec always runs in fp32); on the meta device, built without reading it."""
     if device != "meta":
         return load_snac(directory, device=device)
-    from mstar_core.checkpoint.meta import on_meta
-    from mstar_orpheus.snac.checkpoint import SNACConfig
-    from mstar_orpheus.snac.model import SNACDecoder
-
     with on_meta():
         return SNACDecoder(SNACConfig.from_file(directory / "config.json")).fold_weight_norm().eval()
 
@@ -45,19 +47,13 @@ def load_orpheus(
     options: LoadOptions, *, lm_engine: str = "kvcache", snac_engine: str = "stateless", progress: bool = True
 ) -> LoadedModel:
     """Load Orpheus from `options.checkpoint` (HF Llama dir + `snac/`) or the `tiny` preset."""
-    from mstar_core.checkpoint import load_tokenizer
-
     preset = options.preset_or_checkpoint("orpheus", ("tiny",))
     if preset is None:
         directory, random_weights = Path(options.checkpoint), False
     else:
-        from mstar_orpheus.preset import ensure_preset
-
         directory, random_weights = ensure_preset(preset), True
-    # a worker loads only the weights of the nodes it hosts; the others stay on the meta device
-    from mstar_core.nn.parallel import load_llama_for_rank
-
-    # a Llama: with a rank group, this rank's heads, columns and vocabulary rows, read from the checkpoint's slices
+    # a worker loads only the weights of the nodes it hosts; the others stay on the meta device.
+    # A Llama: with a rank group, this rank's heads, columns and vocabulary rows, read from the checkpoint's slices
     lm = load_llama_for_rank(directory, options.tensor_parallel, dtype=options.torch_dtype("orpheus", None),
                              device=options.device_for("lm"), module="node 'lm' (orpheus)", progress=progress)
     tokenizer = load_tokenizer(directory)

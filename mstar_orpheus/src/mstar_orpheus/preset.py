@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from mstar_core.checkpoint import save_hf_checkpoint
 from mstar_core.checkpoint.presets import ensure_preset as write_once
+from mstar_core.nn.llama import LlamaForCausalLM
 from mstar_orpheus.codes import TOKENS_PER_FRAME, AudioTokenMap
 from mstar_orpheus.prompt import EMOTION_TAGS, VOICES
 from mstar_orpheus.snac import SNACConfig, SNACDecoder, save_snac
@@ -75,8 +77,6 @@ def tiny_lm_config(tokenizer: Any, **overrides: Any) -> dict[str, Any]:
 
 def random_lm_state(cfg: dict[str, Any], audio: AudioTokenMap, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random Llama weights in HF names, with the audio-leaning output head."""
-    from mstar_core.nn.llama import LlamaForCausalLM
-
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     residual_scale = (2 * cfg["num_hidden_layers"]) ** -0.5  # GPT-2's scaled init of residual outputs
@@ -108,8 +108,6 @@ def random_lm_state(cfg: dict[str, Any], audio: AudioTokenMap, seed: int) -> dic
 
 def write_tiny(directory: Path, seed: int = 0, snac: SNACConfig = TINY_SNAC, **lm_overrides: Any) -> Path:
     """Write the tiny Orpheus checkpoint (LM + SNAC) to `directory`."""
-    from mstar_core.checkpoint import save_hf_checkpoint
-
     tokenizer = build_tokenizer(snac.codebook_size)
     cfg = tiny_lm_config(tokenizer, **lm_overrides)
     audio = AudioTokenMap(base=tokenizer.token_to_id("<custom_token_0>"), codebook_size=snac.codebook_size)

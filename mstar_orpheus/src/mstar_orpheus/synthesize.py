@@ -64,6 +64,7 @@ def synthesize_to_wav(
     """
 
     async def run() -> Path:
+        # the runtime is imported when synthesis runs: `import mstar_orpheus` (this module with it) stays light
         from mstar_core.runtime import AsyncEngine
 
         async with AsyncEngine() as engine:

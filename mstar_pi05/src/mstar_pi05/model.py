@@ -9,6 +9,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_pi05.checkpoint import ensure_tiny, load_policy
 from mstar_pi05.graph import build_graph
+from mstar_pi05.parallel import load_policy_tensor_parallel
 from mstar_pi05.prepare import EXAMPLE, Preparer, tokenizer_for
 from mstar_pi05.robots import policy_server
 
@@ -35,8 +36,6 @@ def _loader(kind: str):
         directory = Path(ensure_tiny(kind) if preset else options.checkpoint)
         group = options.tensor_parallel  # (the rank group, if any)
         if group is not None and group.world_size > 1 and options.device != "meta":
-            from mstar_pi05.parallel import load_policy_tensor_parallel
-
             # this rank's heads of both decoders, read from the checkpoint's slices
             policy = load_policy_tensor_parallel(directory, group, dtype=options.torch_dtype(kind),
                                                  device=options.device, module=f"{kind} (vlm + expert)")

@@ -22,6 +22,7 @@ from mstar_core.nn.gemma import AdaRMSNorm, GemmaDecoder
 from mstar_core.nn.rotary import apply_rotary
 from mstar_core.nn.siglip import SiglipVisionTransformer
 from mstar_pi05.config import PolicyConfig
+from mstar_pi05.split import policy_dimensions
 
 
 class Policy(nn.Module):
@@ -125,9 +126,7 @@ class ActionExpert(nn.Module):
         return c.num_hidden_layers, c.num_key_value_heads // split, c.head_dim, None, None  # inputs: actions, any width
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
-        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
-        from mstar_pi05.parallel import policy_dimensions
-
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.split`)."""
         return policy_dimensions(self.policy)
 
     def forward(self, input_ids, positions, context, /, *, input_embeds=None, timestep=None, sequence_index=None):
@@ -209,9 +208,7 @@ class PrefixWriter(nn.Module):
         return getattr(self.policy, "tensor_parallel", None)
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
-        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.parallel`)."""
-        from mstar_pi05.parallel import policy_dimensions
-
+        """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.split`)."""
         return policy_dimensions(self.policy)
 
     def forward(self, input_ids, positions, context: AttentionContext, /, *, input_embeds=None, routing=None,

@@ -16,19 +16,10 @@ import torch
 from mstar_core.checkpoint import read_config
 from mstar_core.checkpoint.meta import on_meta
 from mstar_core.nn.parallel import SafetensorsSlices, TensorParallelGroup, fill_from_plan
-from mstar_core.nn.parallel.shard import ShardPlan, layer_dimensions, shard_layers
+from mstar_core.nn.parallel.shard import ShardPlan, shard_layers
 from mstar_pi05.config import PolicyConfig
 from mstar_pi05.modeling import Policy
-
-_LM = "paligemma_with_expert.paligemma.model.language_model"
-_EXPERT = "paligemma_with_expert.gemma_expert.model"
-#: both decoders' layers, and the language model's (tied) vocabulary
-POLICY_SPLIT = {"split": (f"{_LM}.layers", f"{_EXPERT}.layers"), "vocab": (f"{_LM}.embed_tokens",)}
-
-
-def policy_dimensions(policy: Policy) -> dict[str, int]:
-    """The sizes a group must divide to split the VLM and the action expert (heads, KV heads, columns, vocab)."""
-    return layer_dimensions(policy, **POLICY_SPLIT)
+from mstar_pi05.split import LANGUAGE_MODEL, POLICY_SPLIT
 
 
 def shard_policy(policy: Policy, group: TensorParallelGroup, *, module: str = "vlm",
@@ -44,7 +35,7 @@ def load_policy_tensor_parallel(directory: str | Path, group: TensorParallelGrou
     with on_meta():
         policy = Policy(cfg)
     with SafetensorsSlices(directory) as source:
-        prefix = "model." if f"model.{_LM}.norm.weight" in source else ""
+        prefix = "model." if f"model.{LANGUAGE_MODEL}.norm.weight" in source else ""
         plan = shard_policy(policy, group, module=module, checkpoint_prefix=prefix)
         fill_from_plan(policy, plan, source, dtype=dtype, device=device)
     return policy.eval()

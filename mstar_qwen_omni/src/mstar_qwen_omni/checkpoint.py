@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mstar_core.checkpoint import (
+    CheckpointError,
     ExpertFusion,
     WeightMapping,
     build_and_load,
@@ -63,8 +64,6 @@ class OmniMapping(WeightMapping):
         return ((name, tensor),)
 
     def flush(self) -> Iterable[tuple[str, torch.Tensor]]:
-        from mstar_core.checkpoint import CheckpointError
-
         missing = [m for f in self.fusions.values() for m in f.incomplete()]
         if missing:
             raise CheckpointError("checkpoint is missing expert weights: " + ", ".join(missing[:20]))

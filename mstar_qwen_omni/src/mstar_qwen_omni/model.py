@@ -6,26 +6,25 @@ from pathlib import Path
 
 import torch
 
+from mstar_core.grammar import GrammarVocab
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
-from mstar_qwen_omni.prepare import EXAMPLE
+from mstar_qwen_omni.prepare import EXAMPLE, Preparer
 
 PRESETS = ("tiny",)
 
 
 def load(options: LoadOptions) -> LoadedModel:
+    # the loading stack is imported when a model loads: discovery imports this module (for SPEC) in every process
     from mstar_core.checkpoint import load_tokenizer
-    from mstar_core.grammar import GrammarVocab
     from mstar_qwen_omni.checkpoint import load_omni
     from mstar_qwen_omni.graph import SPEECH_NODES, build_graph
-    from mstar_qwen_omni.prepare import Preparer
+    from mstar_qwen_omni.parallel import load_omni_tensor_parallel
     from mstar_qwen_omni.preset import ensure_tiny
 
     preset = options.preset_or_checkpoint("qwen3-omni", PRESETS)
     directory = Path(ensure_tiny() if preset else options.checkpoint)
     group = options.tensor_parallel  # (the rank group, if any)
     if group is not None and group.world_size > 1:
-        from mstar_qwen_omni.parallel import load_omni_tensor_parallel
-
         model = load_omni_tensor_parallel(directory, group, options)
     else:
         model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))

@@ -18,24 +18,12 @@ from mstar_core.checkpoint import read_config
 from mstar_core.checkpoint.meta import on_meta
 from mstar_core.model import LoadOptions
 from mstar_core.nn.parallel import SafetensorsSlices, TensorParallelGroup, fill_from_plan
-from mstar_core.nn.parallel.shard import ShardPlan, layer_dimensions, shard_layers
+from mstar_core.nn.parallel.shard import ShardPlan, shard_layers
 from mstar_qwen_omni.checkpoint import QwenOmni
 from mstar_qwen_omni.config import OmniConfig
+from mstar_qwen_omni.split import SPLITS
 from mstar_qwen_omni.talker import Talker
 from mstar_qwen_omni.thinker import Thinker
-
-#: what is split in each part: its decoder layers, and its LM head by vocabulary rows
-SPLITS = {"thinker": {"split": ("model.layers",), "vocab": ("lm_head",)},
-          "talker": {"split": ("model.layers",), "vocab": ("codec_head",)}}
-
-
-def part_dimensions(part: Thinker | Talker, expert_parallel: bool = False) -> dict[str, int]:
-    """The sizes a group must divide to split `part` (see `Thinker.tensor_parallel_dimensions`)."""
-    return layer_dimensions(part, **SPLITS[_name(part)], expert_parallel=expert_parallel)
-
-
-def _name(part: Thinker | Talker) -> str:
-    return "thinker" if isinstance(part, Thinker) else "talker"
 
 
 def shard_thinker(thinker: Thinker, group: TensorParallelGroup, *, expert_parallel: bool | None = None,

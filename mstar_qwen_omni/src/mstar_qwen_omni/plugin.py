@@ -10,6 +10,6 @@ def mstar_register_models(register):
 
 @hookimpl
 def mstar_register_api_adapters(register):
-    from mstar_qwen_omni.adapter import QwenOmniAdapter
+    from mstar_qwen_omni.adapter import QwenOmniAdapter  # imported lazily: `mstar plugins` stays fast
 
     register(QwenOmniAdapter())

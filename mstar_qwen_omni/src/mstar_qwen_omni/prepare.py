@@ -26,6 +26,8 @@ class Preparer:
     """`prepare(inputs) -> env`: prompt ids, the Thinker's sampling, and for speech the Talker's and predictor's."""
 
     def __init__(self, cfg: OmniConfig, tokenizer: Any, with_audio: bool, patcher: Any = None):
+        # imported here, not at the top: `model` imports this module for its EXAMPLE at discovery, and the prompt
+        # builder brings PIL and the image and audio feature code, which only a loaded model needs
         from mstar_qwen_omni.prompt import PromptBuilder
 
         self.cfg, self.tokenizer, self.with_audio = cfg, tokenizer, with_audio

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from mstar_core.checkpoint.presets import ensure_preset
+from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
+from mstar_qwen_omni.config import OmniConfig
 
 PRESET_VERSION = 3
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
@@ -155,9 +157,6 @@ def speak_past_the_first_frame(model: torch.nn.Module, code_scale: float = 3.0) 
 
 
 def write_tiny(directory: Path, seed: int = 0) -> Path:
-    from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
-    from mstar_qwen_omni.config import OmniConfig
-
     tok = build_tokenizer()
     config = tiny_config(tok)
     model = QwenOmni(OmniConfig.from_hf(config))

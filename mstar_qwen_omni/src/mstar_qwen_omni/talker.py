@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
+from mstar_core.nn.llama import LlamaDecoderLayer
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import activation
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.rotary import RotaryEmbedding
 from mstar_qwen_omni.config import CodePredictorConfig, TalkerConfig
 from mstar_qwen_omni.decoder import MoeDecoder
+from mstar_qwen_omni.split import part_dimensions
 
 
 class ResizeMLP(nn.Module):
@@ -50,8 +52,6 @@ class TalkerModel(MoeDecoder):
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig):
         super().__init__()
-        from mstar_core.nn.llama import LlamaDecoderLayer
-
         llama = LlamaConfig.from_hf({
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -167,10 +167,8 @@ class Talker(nn.Module):
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
         """The sizes a tensor-parallel group must divide to split this node (heads, KV heads, experts or their
-        columns, vocabulary); `mstar_qwen_omni.parallel` splits it."""
-        from mstar_qwen_omni.parallel import part_dimensions
-
-        return part_dimensions(self, expert_parallel)
+        columns, vocabulary); `mstar_qwen_omni.parallel` splits it by the same table."""
+        return part_dimensions(self, "talker", expert_parallel)
 
     def forward(
         self,

@@ -16,6 +16,7 @@ from mstar_core.nn.logits import lm_logits
 from mstar_qwen_omni.audio_encoder import AudioEncoder
 from mstar_qwen_omni.config import ThinkerConfig
 from mstar_qwen_omni.decoder import MoeDecoder
+from mstar_qwen_omni.split import part_dimensions
 from mstar_qwen_omni.vision_encoder import VisionEncoder
 
 
@@ -51,10 +52,8 @@ class Thinker(nn.Module):
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
         """The sizes a tensor-parallel group must divide to split this node (heads, KV heads, experts or their
-        columns, vocabulary); `mstar_qwen_omni.parallel` splits it."""
-        from mstar_qwen_omni.parallel import part_dimensions
-
-        return part_dimensions(self, expert_parallel)
+        columns, vocabulary); `mstar_qwen_omni.parallel` splits it by the same table."""
+        return part_dimensions(self, "thinker", expert_parallel)
 
     def forward(
         self,

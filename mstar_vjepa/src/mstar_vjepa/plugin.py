@@ -5,7 +5,7 @@ from mstar_core.plugins import hookimpl
 
 @hookimpl
 def mstar_register_models(register):
-    from mstar_vjepa.model import SPECS
+    from mstar_vjepa.model import SPECS  # imported lazily: `mstar plugins` stays fast
 
     for spec in SPECS:
         register(spec)

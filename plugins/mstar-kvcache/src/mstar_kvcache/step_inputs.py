@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -11,8 +11,15 @@ from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
-    from mstar_kvcache.ranks import StepLeader
     from mstar_kvcache.replay import StepReplay
+
+
+class StepBroadcast(Protocol):
+    """What a step tells the other ranks of a split node before it runs (`ranks.StepLeader`, which itself runs a
+    `StepForward` on the followers: named by this protocol so the two modules need not import each other)."""
+
+    def send_step(self, ids: torch.Tensor | None, positions: torch.Tensor, batch: Any,
+                  embeds: torch.Tensor | None, kwargs: dict[str, torch.Tensor]) -> None: ...
 
 
 class StepForward:
@@ -25,7 +32,7 @@ class StepForward:
 
     def __init__(self, module: Any, forward_fn: Any, backend: Any, replay: StepReplay | None, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, axes: int, routed: bool, call_inputs: dict[str, str],
-                 compiled: bool, leader: StepLeader | None):
+                 compiled: bool, leader: StepBroadcast | None):
         self.module, self.forward_fn, self.backend, self.replay = module, forward_fn, backend, replay
         self.pool, self.device, self.dtype, self.axes = pool, device, dtype, axes
         self.routed = routed  # the module takes per-token `routing` ids
