@@ -168,9 +168,9 @@ def test_each_prebuilt_level_this_cpu_runs_computes_what_the_first_use_build_doe
 
 
 def test_the_banner_and_metrics_say_which_kernels_run_at_which_level():
-    from mstar_core.api.launch import banner
-    from mstar_core.api.metrics import Metrics
-    from mstar_core.api.server import ServerConfig
+    from mstar_core.api.server.app import ServerConfig
+    from mstar_core.api.server.launch import banner
+    from mstar_core.api.server.metrics import Metrics
 
     if cpu_elementwise.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5) is None:
         pytest.skip("no kernel here (no compiler and nothing prebuilt)")
