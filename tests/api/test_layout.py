@@ -44,14 +44,14 @@ def test_every_route_module_is_small_and_imports_no_other_route():
 
 
 def test_an_upward_import_inside_the_api_breaks_its_layers(tmp_path):
-    root = copy_with(tmp_path, "mstar_core.api.media.upward", "from mstar_core.api.routes import chat\n")
+    root = copy_with(tmp_path, {"mstar_core.api.media.upward": "from mstar_core.api.routes import chat\n"})
     result = lint(root)
     assert result.returncode != 0
     assert "api layers" in result.stdout and "mstar_core.api.media.upward -> mstar_core.api.routes.chat" in result.stdout
 
 
 def test_a_layer_importing_a_compatibility_path_breaks_the_contract(tmp_path):
-    root = copy_with(tmp_path, "mstar_core.api.requests.old_path", "from mstar_core.api.errors import ApiError\n")
+    root = copy_with(tmp_path, {"mstar_core.api.requests.old_path": "from mstar_core.api.errors import ApiError\n"})
     result = lint(root)
     assert result.returncode != 0 and "compatibility path" in result.stdout, result.stdout
 
