@@ -2,8 +2,8 @@
 Base, `speaker_encoder.*`, `generation_config.json`, the Qwen2 tokenizer files, `speech_tokenizer/`) read into
 `QwenTTS` and `SpeechDecoder`, and written back in that layout (the tiny preset).
 
-The speech tokenizer's `encoder.*` (Mimi) and the Base speaker encoder are what cloning reads; this package does
-not build them yet, so their tensors are skipped by name, never silently dropped by shape.
+Cloning reads the Base speaker encoder (built and loaded for `tts_model_type` "base": x-vector cloning). The speech
+tokenizer's `encoder.*` (Mimi, for the in-context clone prompt) is not built yet: its tensors are skipped by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from mstar_core.checkpoint import RuleMapping, build_and_load, open_checkpoint, read_config
 from mstar_core.errors import ConfigError
 from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
+from mstar_qwen_tts.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
 from mstar_qwen_tts.talker import Talker
 
@@ -27,12 +28,20 @@ _DERIVED = r"(\.rotary_emb\.inv_freq)$"
 
 
 class QwenTTS(nn.Module):
-    """The Talker under its checkpoint prefix (`talker.*`)."""
+    """The Talker under its checkpoint prefix (`talker.*`) and, for Base (cloning), the speaker encoder."""
 
     def __init__(self, cfg: TTSConfig):
         super().__init__()
         self.config = cfg
         self.talker = Talker(cfg.talker)
+        self.speaker_encoder = None
+        if cfg.tts_model_type == "base":
+            enc = SpeakerEncoderConfig.from_hf(cfg.speaker_encoder)
+            if enc.enc_dim != cfg.talker.text.hidden_size:
+                raise ConfigError(f"config.json: 'speaker_encoder_config.enc_dim' ({enc.enc_dim}) must equal the "
+                                  f"Talker's hidden_size ({cfg.talker.text.hidden_size}): the x-vector fills a "
+                                  f"codec slot")
+            self.speaker_encoder = SpeakerEncoder(enc)
 
 
 def read_generation_config(directory: Path) -> dict[str, Any]:
@@ -50,7 +59,9 @@ def load_tts(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype |
              progress: bool = True) -> QwenTTS:
     directory = Path(directory)
     cfg = TTSConfig.from_hf(read_config(directory))
-    mapping = RuleMapping(skip=(r"^speaker_encoder\.", _DERIVED))
+    # a non-Base checkpoint may still carry speaker-encoder weights: unused there
+    skip = (_DERIVED,) if cfg.tts_model_type == "base" else (r"^speaker_encoder\.", _DERIVED)
+    mapping = RuleMapping(skip=skip)
     return build_and_load(lambda: QwenTTS(cfg), open_checkpoint(directory), mapping, dtype=dtype, device=device,
                           progress=progress)
 

@@ -9,8 +9,9 @@ speak:  talker_prompt -> talker (prefill) -> code 0
         |-- frame_step.codes (LeftContextChunkPolicy(25, 25)) --> code2wav -> audio
 ```
 
-The same walk serves a preset speaker (CustomVoice: the speaker's codec embedding in the prefix) and voice design
-(the instruction's projected turn first, no speaker slot); the request's prepared inputs choose. A frame's G - 1
+The same walk serves a preset speaker (CustomVoice: the speaker's codec embedding in the prefix), a cloned voice
+(Base: its cached x-vector in that slot) and voice design (the instruction's projected turn first, no speaker
+slot); the request's prepared inputs choose. A frame's G - 1
 code-predictor steps are one call on a scratch label the kvcache engine resets per frame, feeding each sampled code
 back itself. The speech decoder decodes each 25-frame window (with 25 frames of context) as soon as it exists,
 exactly as Qwen3-Omni's Code2Wav does.
@@ -51,7 +52,8 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts")
                   outputs=("next_token", "finish_reason", "hidden"), engine="kvcache", module=lambda: talker),
         GraphNode("code_predictor", inputs=(), optional_inputs=("input_ids", "input_embeds", "sampling"),
                   outputs=("next_token",), engine="kvcache", module=lambda: talker.code_predictor),
-        GraphNode("talker_prompt", inputs=PROMPT_INPUTS, outputs=("talker_in", "talker_ids", "trailing", "text_step"),
+        GraphNode("talker_prompt", inputs=PROMPT_INPUTS, optional_inputs=("speaker_embedding",),
+                  outputs=("talker_in", "talker_ids", "trailing", "text_step"),
                   engine="function", module=lambda: TalkerPrompt(talker, cfg)),
         GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
                   module=lambda: FrameSeed(talker)),
@@ -81,6 +83,7 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts")
             DynamicLoop(body=frame, until=_talker_done, max_iters=_frames_left),
         ),
         inputs=(*PROMPT_INPUTS, "talker_sampling", "predictor_sampling", "talker_max_tokens"),
+        optional_inputs=("speaker_embedding",),  # a cloned voice's x-vector (Base checkpoints)
         outputs=("audio",),
         emit=("codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
         streams=(

@@ -7,7 +7,7 @@ from pathlib import Path
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_tts.prepare import EXAMPLE
 
-PRESETS = ("tiny", "tiny-design")
+PRESETS = ("tiny", "tiny-design", "tiny-base")
 
 
 def load(options: LoadOptions) -> LoadedModel:

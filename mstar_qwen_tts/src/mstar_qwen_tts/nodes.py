@@ -23,9 +23,9 @@ class TalkerPrompt(nn.Module):
         self.talker, self.cfg = talker, cfg
 
     def forward(self, text_ids: list[int], instruct_ids: list[int], speaker: str, language: str,
-                non_streaming: bool) -> dict[str, Any]:
+                non_streaming: bool, speaker_embedding: torch.Tensor | None = None) -> dict[str, Any]:
         prefill, trailing = talker_rows(self.talker, self.cfg, text_ids, instruct_ids, speaker, language,
-                                        bool(non_streaming))
+                                        bool(non_streaming), speaker_embedding)
         # ids under the prefill rows: codec pad, never sampled (suppressed), so the repetition penalty counts only
         # the codes the Talker speaks, as the upstream generate does
         return {"talker_in": prefill, "talker_ids": [self.cfg.talker.codec_pad_id] * prefill.shape[0],

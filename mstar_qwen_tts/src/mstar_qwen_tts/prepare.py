@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingParams
 from mstar_core.schema import RequestField, RequestSchema
@@ -42,7 +44,7 @@ class Preparer:
         self.languages = ["auto", *sorted(k for k in tc.codec_language_id if "dialect" not in k)]
         kind = cfg.tts_model_type
         voice_help = {"custom_voice": "a preset speaker", "voice_design": "none: describe the voice in `instructions`",
-                      "base": "a cloned voice (not served yet)"}[kind]
+                      "base": "a voice created with POST /v1/audio/voices"}[kind]
         self.schema = RequestSchema(
             fields=(
                 RequestField("input", "string", "the text to speak", required=True, min_length=1, blank=False),
@@ -54,8 +56,8 @@ class Preparer:
                 RequestField("language", "string", "the language spoken (auto: the model guesses)", default="auto",
                              choices=self.languages),
                 RequestField("non_streaming_mode", "boolean", "feed the whole text before the first frame (the "
-                             "upstream default for preset speakers and voice design) or one token per frame",
-                             default=True),
+                             "upstream default for preset speakers and voice design) or one token per frame (its "
+                             "default for cloned voices)", default=kind != "base"),
                 RequestField("max_frames", "integer", "most code-0 samples (80 ms frames), EOS included",
                              default=int(gen["max_new_tokens"]), minimum=1, maximum=8192),
                 RequestField("do_sample", "boolean", "sample the Talker's code 0 (false: greedy)",
@@ -74,6 +76,10 @@ class Preparer:
                              minimum=0),
                 RequestField("subtalker_top_p", "number", "code predictor top-p",
                              default=float(gen["subtalker_top_p"]), minimum=0, maximum=1),
+                RequestField("speaker_embedding", "array", "Base checkpoints: a cloned voice's x-vector "
+                             f"({cfg.talker.text.hidden_size} numbers, what the voices route computed)",
+                             items="number", min_length=cfg.talker.text.hidden_size,
+                             max_length=cfg.talker.text.hidden_size),
                 RequestField("seed", "integer", "sampling seed", minimum=0),
                 RequestField("ignore_eos", "boolean", "speak exactly max_frames frames (benchmarks)", default=False),
             ),
@@ -88,8 +94,11 @@ class Preparer:
         cfg, kind = self.cfg, self.cfg.tts_model_type
         voice, instruct = inputs.get("voice"), inputs.get("instructions")
         if kind == "base":
-            raise RequestError("this is a Base (voice cloning) checkpoint; cloning is not served yet: use a "
-                               "CustomVoice or VoiceDesign checkpoint", param="voice")
+            if inputs.get("speaker_embedding") is None:
+                raise RequestError("a Base checkpoint speaks cloned voices only: send 'speaker_embedding' (a voice "
+                                   "created with POST /v1/audio/voices, named by 'voice' on the speech route)",
+                                   param="voice")
+            return "", []  # (the upstream clone path has no instruct turn)
         if kind == "voice_design":
             if voice:
                 raise RequestError("a VoiceDesign checkpoint has no preset speakers: describe the voice in "
@@ -117,7 +126,12 @@ class Preparer:
         greedy = not inputs["do_sample"] or inputs["temperature"] == 0
         sub_greedy = not inputs["subtalker_dosample"] or inputs["subtalker_temperature"] == 0
         seed = inputs.get("seed")
-        return {
+        clone = {}
+        if speaker_embedding := inputs.get("speaker_embedding"):
+            if self.cfg.tts_model_type != "base":
+                raise RequestError("'speaker_embedding' (a cloned voice) needs a Base checkpoint", param="voice")
+            clone["speaker_embedding"] = torch.tensor([float(v) for v in speaker_embedding])
+        return {**clone,
             "text_ids": text_ids, "instruct_ids": instruct_ids, "speaker": speaker, "language": inputs["language"],
             "non_streaming": bool(inputs["non_streaming_mode"]), "talker_max_tokens": frames,
             "talker_sampling": SamplingParams(

@@ -5,7 +5,8 @@ its code predictor, speaker_encoder_config, the `im_*` / `tts_*` ids), `model.sa
 `generation_config.json`, `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained here with Qwen's
 special tokens: no download), and `speech_tokenizer/` (its config, `decoder.*` weights and preprocessor config).
 Sizes are those of MODELS.md's tiny config; `tts_model_size` "1b7" keeps the instruct turn. `tiny-design` is
-the same weights as a VoiceDesign checkpoint (no preset speakers). The speech is noise,
+the same weights as a VoiceDesign checkpoint (no preset speakers), `tiny-base` as a Base one (cloning: plus the
+speaker encoder's `speaker_encoder.*`). The speech is noise,
 and `generation_config.json` caps a reply at 48 frames (3.8 s) so it ends within a few dozen frames.
 """
 
@@ -53,8 +54,8 @@ def build_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def tiny_config(tok: Any, kind: str = "custom_voice") -> dict[str, Any]:
-    """`config.json` in the published form at tiny sizes, token ids from `tok`; `kind` "voice_design" has no
-    preset speakers (as the published VoiceDesign checkpoint)."""
+    """`config.json` in the published form at tiny sizes, token ids from `tok`; kinds "voice_design" and "base"
+    have no preset speakers (as the published checkpoints)."""
     ids = {t: tok.token_to_id(t) for t in SPECIALS}
     predictor = {"vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu",
@@ -139,7 +140,7 @@ def write_tiny(directory: Path, seed: int = 0, kind: str = "custom_voice") -> Pa
 
 
 #: preset name -> `tts_model_type`: the same seeded weights as a CustomVoice and as a VoiceDesign checkpoint
-PRESETS = {"tiny": "custom_voice", "tiny-design": "voice_design"}
+PRESETS = {"tiny": "custom_voice", "tiny-design": "voice_design", "tiny-base": "base"}
 
 
 def ensure_tiny(preset: str = "tiny") -> Path:

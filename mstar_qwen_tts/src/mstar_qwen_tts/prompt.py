@@ -3,7 +3,8 @@
 Text is wrapped as `<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n` (role: ids [0:3], text:
 [3:-5]); a voice description or style hint as a `<|im_start|>user\\n{instruct}<|im_end|>\\n` turn, projected and
 placed first. The codec side of the prefix is [think, think_bos, language, think_eos] ([nothink, think_bos,
-think_eos] for "auto"), then the speaker's slot (a preset speaker's codec embedding; none for voice design), then
+think_eos] for "auto"), then the speaker's slot (a preset speaker's codec embedding, a cloned voice's x-vector;
+none for voice design), then
 [pad, bos]; its text side is `tts_pad` but `tts_bos` on the position before bos.
 
 - streaming text: the last prefill row is proj(first text token) + codec bos; decode step k adds text token k + 1,
@@ -35,8 +36,12 @@ def language_id(cfg: TTSConfig, language: str, speaker: str) -> int | None:
 
 @torch.no_grad()
 def talker_rows(talker: Talker, cfg: TTSConfig, text_ids: Sequence[int], instruct_ids: Sequence[int],
-                speaker: str, language: str, non_streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prefill rows `[P, H]`, text rows of decode steps `[N, H]` whose last row, `tts_pad`, repeats forever)."""
+                speaker: str, language: str, non_streaming: bool,
+                speaker_embedding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill rows `[P, H]`, text rows of decode steps `[N, H]` whose last row, `tts_pad`, repeats forever).
+
+    `speaker_embedding` `[H]`: a cloned voice's x-vector, which fills the speaker slot in place of a preset speaker.
+    """
     tc = cfg.talker
     device = talker.codec_head.weight.device
 
@@ -48,7 +53,9 @@ def talker_rows(talker: Talker, cfg: TTSConfig, text_ids: Sequence[int], instruc
     tags = ([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id] if lang is None
             else [tc.codec_think_id, tc.codec_think_bos_id, lang, tc.codec_think_eos_id])
     codec = [talker.embed(ids(tags))]
-    if speaker:
+    if speaker_embedding is not None:
+        codec.append(speaker_embedding.to(device=device, dtype=codec[0].dtype).view(1, -1))
+    elif speaker:
         codec.append(talker.embed(ids([tc.spk_id[speaker]])))
     codec.append(talker.embed(ids([tc.codec_pad_id, tc.codec_bos_id])))
     codec_rows = torch.cat(codec)
