@@ -20,6 +20,8 @@ from tests.qwen_tts.oracle import load_reference, load_reference_decoder, refere
 
 FRAMES = 30
 GREEDY = {"do_sample": False, "subtalker_dosample": False, "max_frames": FRAMES}
+#: the first code 0 greedy picks on the tiny preset for the "speaker" case
+FIRST_CODE = 1512
 CASES = {
     "speaker": ({"input": "Hello there!", "voice": "ryan"}, {"speaker": "ryan"}),
     "speaker-streaming-text": ({"input": "Hello there! The quick brown fox.", "voice": "ryan",
@@ -123,3 +125,32 @@ def test_speech_decoder_equals_upstream_decode(tiny_dir):
         # the 25/25 windows M* streams, against the upstream decoder run the same way: same numbers
         want25 = ref.chunked_decode(codes, chunk_size=25, left_context_size=25)
         assert (ours.chunked_decode(codes, 25, 25) - want25).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_an_early_eos_ends_both_alike_after_the_first_two_codes(tiny_dir, tmp_path, tokenizer):
+    """EOS made likely (its head row twice the row of the code greedy picks first): the upstream `min_new_tokens`
+    (2) keeps the first two codes 0 from being EOS, and M* ends where the package does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "eager-eos"
+    shutil.copytree(tiny_dir, directory)
+    weights = load_file(directory / "model.safetensors")
+    head = weights["talker.codec_head.weight"]
+    head[2150] = 2.0 * head[FIRST_CODE]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    inputs, ref_args = CASES["speaker"]
+
+    async def main():
+        async with AsyncEngine(discover()) as engine:
+            await engine.load_model("qwen3-tts", LoadOptions(checkpoint=str(directory)))
+            return await _run(engine, {**GREEDY, **inputs})
+
+    got = asyncio.run(main())["codes"]
+    frames = [c for c in got if c is not None]
+    ids = tokenizer.encode(assistant_text(inputs["input"]), add_special_tokens=False).ids
+    want = reference_codes(load_reference(directory), ids, max_frames=FRAMES, **ref_args)
+    assert 2 <= want.shape[0] < FRAMES - 1, want.shape  # EOS ended it early, never before two frames
+    assert torch.equal(torch.stack(frames), want)

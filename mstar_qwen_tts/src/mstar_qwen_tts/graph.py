@@ -57,8 +57,10 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts")
                   engine="function", module=lambda: TalkerPrompt(talker, cfg)),
         GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
                   module=lambda: FrameSeed(talker)),
-        GraphNode("frame_step", inputs=("code0", "cp_codes", "trailing", "text_step", "talker_finish"),
-                  outputs=("codes", "step_embeds", "text_step"), engine="function", module=lambda: FrameStep(talker)),
+        GraphNode("frame_step", inputs=("code0", "cp_codes", "trailing", "text_step", "talker_finish",
+                                         "talker_sampling", "talker_opening_sampling"),
+                  outputs=("codes", "step_embeds", "text_step", "step_sampling"), engine="function",
+                  module=lambda: FrameStep(talker)),
         GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
                   module=lambda: WindowDecoder(decoder)),
     ]
@@ -71,18 +73,20 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts")
                  options={"cache_label": "frame", "reset": True, "decode_steps": groups - 1}),
         NodeCall("frame_step", outputs={"step_embeds": "talker_in"}),
         # input_ids: the code 0 this step's rows carry, so the repetition penalty sees the codes spoken
-        NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "code0", "sampling": "talker_sampling"},
+        NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "code0", "sampling": "step_sampling"},
                  outputs=talker_outputs),
     )
     speak = Walk(
         name="speak",
         body=Sequential(
             NodeCall("talker_prompt"),
+            # the first two codes 0 are never EOS (upstream `min_new_tokens` 2): this one and the next step's
             NodeCall("talker", inputs={"input_embeds": "talker_in", "input_ids": "talker_ids",
-                                       "sampling": "talker_sampling"}, outputs=talker_outputs),
+                                       "sampling": "talker_opening_sampling"}, outputs=talker_outputs),
             DynamicLoop(body=frame, until=_talker_done, max_iters=_frames_left),
         ),
-        inputs=(*PROMPT_INPUTS, "talker_sampling", "predictor_sampling", "talker_max_tokens"),
+        inputs=(*PROMPT_INPUTS, "talker_sampling", "talker_opening_sampling", "predictor_sampling",
+                "talker_max_tokens"),
         optional_inputs=("speaker_embedding",),  # a cloned voice's x-vector (Base checkpoints)
         outputs=("audio",),
         emit=("codes", "audio"),  # codes: each frame's G codes (None for the last code 0)

@@ -33,7 +33,8 @@ class TalkerPrompt(nn.Module):
 
 
 class FrameStep(nn.Module):
-    """Frame k's codes (None past the end) and the Talker's next input; `text_step` counts the steps taken."""
+    """Frame k's codes (None past the end), the Talker's next input and the sampling of its next code 0;
+    `text_step` counts the steps taken."""
 
     def __init__(self, talker: Talker):
         super().__init__()
@@ -41,7 +42,7 @@ class FrameStep(nn.Module):
         self.codebook = talker.code_predictor.codebook
 
     def forward(self, code0: int, cp_codes: list[int], trailing: torch.Tensor, text_step: int,
-                talker_finish: str | None) -> dict[str, Any]:
+                talker_finish: str | None, talker_sampling: Any, talker_opening_sampling: Any) -> dict[str, Any]:
         joined = [int(t) for t in cp_codes]
         step = int(text_step)
         with torch.no_grad():
@@ -51,4 +52,6 @@ class FrameStep(nn.Module):
                    + trailing[min(step, trailing.shape[0] - 1)].to(device))
         # the last sampled code 0 (EOS, or the one at the length limit) gets no frame
         codes = None if talker_finish is not None else torch.tensor([int(code0), *(j % self.codebook for j in joined)])
-        return {"codes": codes, "step_embeds": row[None], "text_step": step + 1}
+        # the Talker's second code 0 (this step's) may not be EOS either: the upstream `min_new_tokens` 2
+        sampling = talker_opening_sampling if step == 0 else talker_sampling
+        return {"codes": codes, "step_embeds": row[None], "text_step": step + 1, "step_sampling": sampling}

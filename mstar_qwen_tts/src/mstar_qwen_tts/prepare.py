@@ -2,8 +2,8 @@
 
 Sampling defaults are the checkpoint's `generation_config.json` (the published: Talker top-k 50, top-p 1.0,
 temperature 0.9, repetition penalty 1.05; the code predictor the same without the penalty); `do_sample: false` and
-`subtalker_dosample: false` make either greedy. The upstream `min_new_tokens` (2) is not applied: a Talker whose
-first or second code 0 is EOS ends there.
+`subtalker_dosample: false` make either greedy. As upstream (`min_new_tokens` 2), the first two code-0 samples are
+never EOS: they use `talker_opening_sampling`, the same with EOS biased out.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from mstar_core.errors import RequestError
@@ -131,15 +132,17 @@ class Preparer:
             if self.cfg.tts_model_type != "base":
                 raise RequestError("'speaker_embedding' (a cloned voice) needs a Base checkpoint", param="voice")
             clone["speaker_embedding"] = torch.tensor([float(v) for v in speaker_embedding])
+        talker = SamplingParams(
+            temperature=0.0 if greedy else inputs["temperature"], top_k=0 if greedy else inputs["top_k"],
+            top_p=1.0 if greedy else inputs["top_p"], repetition_penalty=inputs["repetition_penalty"],
+            max_tokens=frames, seed=seed, stop_token_ids=() if ignore_eos else (tc.codec_eos_token_id,),
+            # ignoring EOS: never sample it (it is no codebook entry the decoder could decode)
+            logit_bias=((tc.codec_eos_token_id, -100.0),) if ignore_eos else ())
         return {**clone,
             "text_ids": text_ids, "instruct_ids": instruct_ids, "speaker": speaker, "language": inputs["language"],
             "non_streaming": bool(inputs["non_streaming_mode"]), "talker_max_tokens": frames,
-            "talker_sampling": SamplingParams(
-                temperature=0.0 if greedy else inputs["temperature"], top_k=0 if greedy else inputs["top_k"],
-                top_p=1.0 if greedy else inputs["top_p"], repetition_penalty=inputs["repetition_penalty"],
-                max_tokens=frames, seed=seed, stop_token_ids=() if ignore_eos else (tc.codec_eos_token_id,),
-                # ignoring EOS: never sample it (it is no codebook entry the decoder could decode)
-                logit_bias=((tc.codec_eos_token_id, -100.0),) if ignore_eos else ()),
+            "talker_sampling": talker,
+            "talker_opening_sampling": attrs.evolve(talker, logit_bias=((tc.codec_eos_token_id, -100.0),)),
             "predictor_sampling": SamplingParams(
                 temperature=0.0 if sub_greedy else inputs["subtalker_temperature"],
                 top_k=0 if sub_greedy else inputs["subtalker_top_k"],
