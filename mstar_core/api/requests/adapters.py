@@ -134,6 +134,17 @@ class ApiAdapter:
         """Convert one emitted audio value into mono int16 PCM samples."""
         return to_int16_pcm(value)
 
+    # --- voices (/v1/audio/voices: cloned voices) ------------------------------------------------------------
+
+    #: Whether the model clones voices from reference audio (`clone_voice`); the voices route refuses the others.
+    clones_voices: bool = False
+
+    def clone_voice(self, samples: np.ndarray, sample_rate: int, transcript: str) -> Mapping[str, Any]:
+        """Reference audio (mono float) and its transcript -> the voice's prompt (what the speech route hands back to
+        `speech_inputs` as `cloned_voice`): computed once when the voice is created, so speaking with it runs no
+        encoder. Its values are JSON-like (lists of numbers, strings): the store keeps them as they are."""
+        raise RequestError(f"model '{self.model}' does not clone voices", param="model")
+
     # --- chat (/v1/chat/completions) ----------------------------------------------------------------------
 
     #: Name of the emitted output that carries one generated token id per value.

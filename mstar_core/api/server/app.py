@@ -19,6 +19,7 @@ from mstar_core.api.media import MediaLimits
 from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.requests.schemas import Health, ModelList
+from mstar_core.api.requests.voices import VoiceStore
 from mstar_core.api.routes import (
     chat,
     completions,
@@ -26,7 +27,9 @@ from mstar_core.api.routes import (
     realtime,
     responses,
     speech,
+    speech_stream,
     transcriptions,
+    voices,
     walks,
 )
 from mstar_core.api.server import playground
@@ -104,6 +107,8 @@ class ServerState:
         self.load_error: str | None = None
         self.created = int(time.time())
         self._inflight: set[Any] = set()
+        #: cloned voices (/v1/audio/voices), per API key
+        self.voices = VoiceStore()
 
     # -- lookups used by routes ----------------------------------------------------------------
 
@@ -255,7 +260,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, responses, images, walks, realtime, transcriptions, playground):
+    for module in (speech, speech_stream, voices, chat, completions, responses, images, walks, realtime, transcriptions, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 

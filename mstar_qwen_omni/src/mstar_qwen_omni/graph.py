@@ -35,9 +35,10 @@ from mstar_core.graph import (
     StreamingGraphEdge,
     Walk,
 )
+from mstar_core.nn.code_predictor import FrameSeed
 from mstar_core.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar_qwen_omni.checkpoint import QwenOmni
-from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, PromptEncoder, TalkerPrompt, TextStart
+from mstar_qwen_omni.nodes import Code2WavWindow, FrameStep, PromptEncoder, TalkerPrompt, TextStart
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
 
@@ -110,7 +111,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
                       engine="function", module=lambda: TalkerPrompt(model, text_embed)),
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
-                      module=lambda: FrameSeed(model)),
+                      module=lambda: FrameSeed(model.talker)),
             GraphNode("frame_step", inputs=("code0", "cp_codes", "text", "feed", "talker_finish"),
                       outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model, text_embed)),
             GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",

@@ -13,14 +13,14 @@ from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.logits import lm_logits
+from mstar_core.nn.qwen3_decoder import Qwen3Decoder
 from mstar_qwen_omni.audio_encoder import AudioEncoder
 from mstar_qwen_omni.config import ThinkerConfig
-from mstar_qwen_omni.decoder import MoeDecoder
 from mstar_qwen_omni.split import part_dimensions
 from mstar_qwen_omni.vision_encoder import VisionEncoder
 
 
-class ThinkerTextModel(MoeDecoder):
+class ThinkerTextModel(Qwen3Decoder):
     def __init__(self, cfg: ThinkerConfig):
         super().__init__(cfg.text)
         self.embed_tokens = nn.Embedding(cfg.text.vocab_size, cfg.text.hidden_size)
