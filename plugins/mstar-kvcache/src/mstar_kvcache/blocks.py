@@ -207,5 +207,6 @@ class BlockManager:
             generated=list(src.generated),
             generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,
+            speculation=None,  # (the engine settles a label's verified tokens before forking it)
             token_ids=None,  # a mirror of `src.tokens`, which the fork's list no longer is once either grows
         )
