@@ -78,10 +78,10 @@ async def _reply(engine, model: str, ids: list[int], tokens: int) -> tuple[list[
 
 async def run(args) -> dict:
     import torch
-    from mstar_llm import load_llm
 
     from mstar_core.model import LoadOptions
     from mstar_core.runtime import AsyncEngine
+    from mstar_llm import load_llm
 
     torch.set_num_threads(args.threads)
     loaded = load_llm(LoadOptions(preset="smollm2", dtype=args.dtype), progress=False)

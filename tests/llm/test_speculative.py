@@ -29,9 +29,9 @@ async def _replies(loaded, prompts: list[list[int]], steps: int, settings: dict,
 async def test_tiny_llama_greedy_text_is_identical_with_speculation(tiny):
     tokenizer = tiny.extras["tokenizer"]
     text = "one two three four five six seven eight nine ten"
-    prompts = [tokenizer.encode(f"{text}, {text}, {text}").ids, tokenizer.encode("Paris is the capital of").ids]
-    want, _ = await _replies(tiny, prompts, 16, {})
-    got, lm = await _replies(tiny, prompts, 16, {"speculative": NGRAM})
+    prompts = [tokenizer.encode(f"{text}, {text}, {text}").ids]
+    want, _ = await _replies(tiny, prompts, 32, {})
+    got, lm = await _replies(tiny, prompts, 32, {"speculative": NGRAM})
     assert got == want
     stats = lm.stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["kv_pages_used"] == 0  # (every request released its pages)
