@@ -291,6 +291,7 @@ class KVCacheEngine(Engine):
             "kv_pages_cached": self.pool.num_cached,
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
+            "kv_prefix_partial_hits": self.pool.partial_hits,
             "tokens_forwarded": self.tokens_forwarded,
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,

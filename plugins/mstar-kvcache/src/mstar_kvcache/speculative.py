@@ -254,7 +254,7 @@ class Speculator:
         reasons: list[str | None] = []
         for token in outputs:
             seq.generated.append(token)
-            reasons.append(self.answers._finish_reason(seq, token))
+            reasons.append(self.answers.finish_reason(seq, token))
             if reasons[-1] is not None:
                 break
         del seq.generated[len(seq.generated) - len(reasons):]
@@ -268,7 +268,7 @@ class Speculator:
         # the next calls feed back outputs[0..]: each is answered with the token after it
         state.ahead = [(outputs[i], outs[i + 1]) for i in range(len(outputs) - 1)]
         seq.generated.append(outputs[0])
-        return self.answers._complete(seq, outs[0])
+        return self.answers.complete(seq, outs[0])
 
     @staticmethod
     def _sample(logits: torch.Tensor, drafts: list[int], params: Any, generator: torch.Generator | None) -> list[int]:
