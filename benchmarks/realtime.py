@@ -101,6 +101,18 @@ class InProcessServer:
     def forwarded(self) -> int:
         return int(self.engine.node_engines("qwen3-omni")["thinker"].tokens_forwarded)
 
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until no node holds a request: a cancelled turn's last steps no longer draw random numbers."""
+        engines = self.engine.node_engines("qwen3-omni").values()
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            try:  # (read from this thread while the server's thread runs the engines: a torn read just retries)
+                if not any(e.active_requests() or e.has_work() for e in engines):
+                    return
+            except RuntimeError:
+                pass
+            await asyncio.sleep(0.01)
+
     def samples_per_frame(self) -> int:
         return int(self.engine.models["qwen3-omni"].extras["config"].code2wav.samples_per_frame)
 
@@ -303,6 +315,7 @@ async def main(args) -> dict:
                     # The Talker samples (temperature 0.9) from the process's global generator: without this, each
                     # side's speech has its own random length, and first audio comes after min(25 frames, the
                     # speech), so the two sides timed different amounts of work (see BENCHMARKS.md, issue 53)
+                    await srv.settled()
                     torch.manual_seed(1000 + i)
                     seconds, samples = await measure()
                     times.append(seconds)
