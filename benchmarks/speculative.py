@@ -147,18 +147,18 @@ def torch_threads() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 prompts per workload, 64 tokens (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="2 prompts per workload, 48 tokens (under a minute on a quiet box)")
     parser.add_argument("--prompts", type=int, default=6, help="prompts per workload (at most 6)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per reply")
     parser.add_argument("--repeats", type=int, default=1, help="replies per prompt and side")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default float32; bfloat16)")
     parser.add_argument("--threads", type=int, default=torch_threads(), help="torch threads (default: every core)")
-    parser.add_argument("--num-tokens", type=int, default=4, help="guesses per step")
+    parser.add_argument("--num-tokens", type=int, default=8, help="guesses per step")
     parser.add_argument("--max-ngram", type=int, default=3)
     parser.add_argument("--min-ngram", type=int, default=2)
     args = parser.parse_args()
     if args.quick:
-        args.prompts, args.tokens = 3, 64
+        args.prompts, args.tokens = 2, 48
     args.prompts = max(1, min(args.prompts, len(PASSAGES)))
     print(json.dumps(asyncio.run(run(args))))
 

@@ -272,6 +272,12 @@ class KVCacheEngine(Engine):
             self.offload.costs.observe_step(plan.num_tokens, time.perf_counter() - started)
         return results
 
+    def answers_only(self) -> bool:
+        # tokens verified ahead by speculative decoding answer decode calls with no forward: the scheduler returns
+        # them from the event loop (checked only while there are such answers: the scan is over the labels)
+        return (bool(self.intake.answered) and not self.readonly.waiting and not self.readonly.attached
+                and not any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
+
     def release(self, request_id: str) -> None:
         forgotten = self.labels.release(request_id)
         if self.leader is not None:  # its followers forget them with the next step
