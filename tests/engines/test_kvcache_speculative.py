@@ -202,3 +202,21 @@ def test_a_batch_of_rows_speculates_each_on_its_own():
                 engine.add(Invocation(inv.request_id, "lm", {"input_ids": [out["next_token"]], "sampling": SHORT},
                                       {}))
     assert got == want and engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_m_rope_positions_continue_through_guesses():
+    """A Thinker-like node (3-axis positions given with the prompt, implicit after it): identical greedy output."""
+    module = TinyNode(axes=3)
+    node = GraphNode("lm", inputs=("input_ids",), optional_inputs=("sampling", "positions"),
+                     outputs=("next_token", "finish_reason", "hidden"), engine="kvcache")
+    positions = torch.arange(len(PROMPT)).expand(3, -1).clone()
+    positions[1, 4:8] = 2  # a media span: its positions differ per axis, as M-RoPE's do
+    outs = {}
+    for name, settings in (("plain", {}), ("spec", {"speculative": NGRAM})):
+        engine = engine_for(module, node, **settings)
+        got = [run(engine, "a", {"input_ids": PROMPT, "positions": positions, "sampling": SHORT})]
+        while got[-1]["finish_reason"] is None:
+            got.append(run(engine, "a", {"input_ids": [got[-1]["next_token"]], "sampling": SHORT}))
+        outs[name] = (_tokens(got), engine.seqs[("a", "main")].positions, engine.stats().get("spec_accepted_tokens"))
+    assert outs["spec"][0] == outs["plain"][0] and outs["spec"][2] > 0
+    assert torch.equal(outs["spec"][1], outs["plain"][1])  # the positions recorded for every token are the same
