@@ -126,13 +126,18 @@ def test_a_call_that_does_not_feed_back_the_token_settles_the_label():
     assert len(engine.seqs[("a", "branch")].tokens) == handed == len(engine.seqs[("a", "main")].tokens)
 
 
-def test_rows_that_cannot_speculate_decode_plainly():
+def test_penalised_rows_speculate_with_plain_decodings_output_and_decode_steps_rows_do_not():
     module = TinyNode()
     engine = engine_for(module, LM_NODE, speculative=NGRAM)
-    penalised = {**GREEDY, "repetition_penalty": 1.3}
+    # penalties read each row's history: a verify row's includes the guesses before it
+    penalised = {**GREEDY, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.3}
     want = _generate(engine_for(module, LM_NODE), "a", PROMPT, penalised)
     assert _tokens(_generate(engine, "a", PROMPT, penalised)) == _tokens(want)
-    assert engine.stats()["spec_proposed_tokens"] == 0
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    stepped = engine_for(module, LM_NODE, speculative=NGRAM)
+    got = run(stepped, "b", {"input_ids": PROMPT, "sampling": GREEDY}, decode_steps=12)
+    assert got["next_token"] == _tokens(_generate(engine_for(module, LM_NODE), "b", PROMPT, GREEDY))[:12]
+    assert stepped.stats()["spec_proposed_tokens"] == 0
 
 
 def test_rejection_sampling_keeps_the_distribution_exact():

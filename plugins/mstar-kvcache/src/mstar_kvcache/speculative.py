@@ -23,9 +23,9 @@ was expected (another walk, a fork, an export) first settles the label: the toke
 dropped and their keys rolled back, as if speculation had never run.
 
 Rows speculate only where verifying is exact and cheap to state: a sampling call of one token, no grammar
-(its matcher would have to advance through every guess), no repetition/presence/frequency penalty (each
-guess changes the history they read), no `decode_steps`, no per-token rows, embeddings or routing ids, no
-custom mask, not split over ranks. Positions continue implicitly (M-RoPE included). A row whose guesses
+(its matcher would have to advance through every guess), no `decode_steps`, no per-token rows, embeddings or
+routing ids, no custom mask, not split over ranks. Penalties and biases apply per row over the history that row
+continues (the guesses before it included), as plain decoding would have applied them. Positions continue implicitly (M-RoPE included). A row whose guesses
 keep failing backs off (it proposes again after 2, 4, ... 32 plain steps), and a step with more sequences
 than `max_batch` does not speculate: a verify chunk costs a batch of decodes its replayed step.
 """
@@ -125,8 +125,7 @@ class Speculator:
                 or call.embeds or call.positions is not None or call.routing is not None or call.extras
                 or seq.routing is not None or seq.limits is not None
                 or call.reset or call.fork_from is not None or call.snapshot_before or call.snapshot_after or call.drop
-                or params.grammar is not None or seq.grammar is not None or params.repetition_penalty != 1.0
-                or params.presence_penalty or params.frequency_penalty):
+                or params.grammar is not None or seq.grammar is not None):
             return 0
         # the call returns one token and the guesses kept: never past max_tokens or the model's context
         k = min(self.settings.num_tokens, params.max_tokens - len(seq.generated) - 1)
@@ -239,8 +238,10 @@ class Speculator:
         params = seq.sampling
         with torch.inference_mode():
             logits = raw.float()
-            if params.logit_bias:  # (the only adjustment a speculating row may have: it reads no history)
-                logits = adjust_logits(logits, [params] * n, [seq.tokens] * n, [seq.generated] * n)
+            if params.adjusts_logits:  # bias and penalties, each row over the history it continues (guesses included)
+                base = len(seq.tokens) - len(drafts)
+                logits = adjust_logits(logits, [params] * n, [seq.tokens[: base + i] for i in range(n)],
+                                       [seq.generated + drafts[:i] for i in range(n)])
             if params.greedy:
                 best = logits.max(-1).indices.tolist()
                 kept = 0
