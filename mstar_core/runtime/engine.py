@@ -191,6 +191,11 @@ class Engine(abc.ABC):
     def has_work(self) -> bool:
         """Whether `step()` has anything to do."""
 
+    def answers_only(self) -> bool:
+        """Whether the next `step()` only hands back answers found without device work (no forward pass); the
+        scheduler then calls it on the event loop, without a hop to the device thread. False by default."""
+        return False
+
     @abc.abstractmethod
     def release(self, request_id: str) -> None:
         """Forget a request: drop its queued invocations and free its caches and buffers."""

@@ -227,7 +227,7 @@ class NodeScheduler:
             return "idle", len(held)
         started = time.perf_counter()
         try:
-            if self.inline:
+            if self.inline or engine.answers_only():  # (answers found without a forward: no device-thread hop)
                 results = engine.step()
             else:
                 results = await asyncio.get_running_loop().run_in_executor(self.executor, engine.step)

@@ -210,6 +210,14 @@ class CallAnswers:
         self.intake.attach_backlog(seq)
         return (inv, out)
 
+    def complete(self, seq: Sequence, out: dict[str, Any]) -> Result:
+        """Answer the sequence's call with `out` (for a verified speculative step: `speculative.py`)."""
+        return self._complete(seq, out)
+
+    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why the label stops after `token` (its stop tokens and sequences, its grammar, max_tokens), or None."""
+        return self._finish_reason(seq, token)
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
         if params is None:

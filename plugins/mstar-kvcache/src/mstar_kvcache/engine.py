@@ -29,6 +29,7 @@ from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
 from mstar_kvcache.sharing import cache_owner
 from mstar_kvcache.snapshot import CacheSnapshot
+from mstar_kvcache.speculative import Speculator
 from mstar_kvcache.step_inputs import StepForward
 from mstar_kvcache.transfer import CacheTransfer
 
@@ -138,6 +139,10 @@ class KVCacheEngine(Engine):
         self.answers = CallAnswers(node.name, self.module, node.outputs, rows, no_token, self.grammar_vocab,
                                    self.max_model_len, self.labels, self.readonly, self.intake, self.blocks)
         self.transfer = CacheTransfer(node.name, self.labels, self.pool, self.blocks, self.leader, self.device)
+        # speculative decoding (speculative.py), where configured on a sampling node that runs on one process
+        spec = self.settings.speculative
+        self.speculator = (Speculator(spec, node.name, self.blocks, self.answers, self.max_model_len)
+                           if spec is not None and self.samples and self.ranks is None else None)
 
         self.num_preemptions = 0
         self.num_steps = 0
@@ -198,6 +203,7 @@ class KVCacheEngine(Engine):
     def add(self, invocation: Invocation) -> None:
         transfer = invocation.options.get("transfer")
         if transfer is not None:
+            self._settle(invocation.request_id)
             # (an export releases the request, which rebuilds the answered list: append after it)
             answer = self.transfer.answer(invocation, transfer, self.release)
             self.intake.answered.append((invocation, answer))
@@ -208,10 +214,17 @@ class KVCacheEngine(Engine):
             if not parsed.write_cache:
                 self.readonly.waiting.append((invocation, parsed))
                 return
+            if self.speculator is not None and parsed.fork_from is not None:
+                self.speculator.settle(self.labels.seqs.get((invocation.request_id, parsed.fork_from)))
             seq = self.labels.sequence(invocation, parsed)
         except Exception as exc:
             self.intake.answered.append((invocation, exc))
             return
+        if self.speculator is not None:  # a token verified ahead answers a decode call without a forward
+            ahead = self.speculator.answer_ahead(seq, invocation, parsed)
+            if ahead is not None:
+                self.intake.answered.append((invocation, ahead))
+                return
         if seq.pending is not None:
             self.intake.backlog.append(invocation)
             return
@@ -233,7 +246,11 @@ class KVCacheEngine(Engine):
         pending.extend(self.readonly.attached)
         if not pending:
             return results
+        if self.speculator is not None:
+            self.speculator.propose(pending)
         plan = self.scheduler.schedule(pending, seqs.values)
+        if self.speculator is not None:
+            self.speculator.trim(plan.work, pending)
         if self.offload is not None:
             self.offload.load(plan.work)  # restored sequences get their keys and values back before the forward
         self.num_preemptions += len(plan.preempted)
@@ -255,6 +272,12 @@ class KVCacheEngine(Engine):
             self.offload.costs.observe_step(plan.num_tokens, time.perf_counter() - started)
         return results
 
+    def answers_only(self) -> bool:
+        # tokens verified ahead by speculative decoding answer decode calls with no forward: the scheduler returns
+        # them from the event loop (checked only while there are such answers: the scan is over the labels)
+        return (bool(self.intake.answered) and not self.readonly.waiting and not self.readonly.attached
+                and not any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
+
     def release(self, request_id: str) -> None:
         forgotten = self.labels.release(request_id)
         if self.leader is not None:  # its followers forget them with the next step
@@ -274,6 +297,7 @@ class KVCacheEngine(Engine):
             "kv_pages_cached": self.pool.num_cached,
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
+            "kv_prefix_partial_hits": self.pool.partial_hits,
             "tokens_forwarded": self.tokens_forwarded,
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
@@ -284,6 +308,7 @@ class KVCacheEngine(Engine):
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.readonly.waiting),
             **({"compile_seconds": self.forward.forward_fn.compile_seconds} if self.settings.compile else {}),
             **(self.offload.stats() if self.offload is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
             # this process's share of the KV pool (a split node's pool holds only its rank's heads)
             "kv_heads": self.kv_shape[1],
             "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
@@ -299,6 +324,7 @@ class KVCacheEngine(Engine):
 
     def fork(self, request_id: str, src_label: str, dst_label: str) -> None:
         """Share `src_label`'s cache under `dst_label` copy-on-write (see `Labels.fork`)."""
+        self._settle(request_id)
         self.labels.fork(request_id, src_label, dst_label)
 
     def drop_label(self, request_id: str, label: str) -> None:
@@ -307,15 +333,24 @@ class KVCacheEngine(Engine):
 
     def snapshot_label(self, request_id: str, src_label: str, dst_label: str) -> None:
         """Make `dst_label` a copy-on-write copy of `src_label` as it stands (replacing `dst_label`)."""
+        self._settle(request_id)
         self.labels.snapshot_label(request_id, src_label, dst_label)
 
     def export_cache(self, request_id: str, label: str = "main") -> CacheSnapshot:
         """A copy of one label's cache and sampling state, for `import_cache` in another engine."""
+        self._settle(request_id)
         return self.transfer.export_cache(request_id, label)
 
     def import_cache(self, request_id: str, snapshot: CacheSnapshot) -> None:
         """Make `snapshot` this request's cache label, as if its tokens had been computed here."""
         self.transfer.import_cache(request_id, snapshot)
+
+    def _settle(self, request_id: str) -> None:
+        """Before a label operation: drop the request's verified tokens no call has taken (speculative.py)."""
+        if self.speculator is not None:
+            for key, seq in self.labels.seqs.items():
+                if key[0] == request_id:
+                    self.speculator.settle(seq)
 
     def follow(self, msg: RankMessage) -> None:
         """A split node's follower rank: run what rank 0 sent (on the device thread, in the order it came)."""
@@ -333,6 +368,8 @@ class KVCacheEngine(Engine):
             if self.ranks is not None:  # a broken rank group ends this process (the server replaces the group)
                 exit_if_broken(exc, self.node.name, self.ranks)
             if len(work) == 1:
+                if self.speculator is not None:
+                    self.speculator.drop_drafts(work[0][0])
                 if work[0][0].pending is None:  # a recompute for readers: they keep waiting
                     work[0][0].recompute = False
                     return []
@@ -341,9 +378,14 @@ class KVCacheEngine(Engine):
             # fails. Nothing advanced, so a retry just rewrites the same positions' KV.
             return [r for item in work for r in self._run([item])]
         done: list[tuple[Sequence, int]] = []
+        guessed: list[tuple[Sequence, int, int]] = []  # sequences that ran guesses: verified below
         row = 0
         self.tokens_forwarded += sum(n for _, n in work)
         for seq, n in work:
+            if seq.speculation is not None and seq.speculation.drafts:
+                guessed.append((seq, row, n))
+                row += n
+                continue
             # rows before the call's first token are a recompute (after preemption), not the call's output
             lo = row + max(0, seq.pending_start - seq.num_computed)
             row += n
@@ -358,6 +400,7 @@ class KVCacheEngine(Engine):
                     done.append((seq, row - 1))
                 else:
                     seq.recompute = False
+        verified = self.speculator.verify(guessed, hidden) if guessed else []
         if not done:
-            return []
-        return self.answers.finish(done, hidden) if self.samples else self.answers.finish_rows(done)
+            return verified
+        return verified + (self.answers.finish(done, hidden) if self.samples else self.answers.finish_rows(done))

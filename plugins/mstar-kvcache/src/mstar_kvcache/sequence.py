@@ -75,6 +75,8 @@ class Sequence:
     token_ids: Any = None
     #: While preempted with setting `kv_offload`: the host copy of its pages (`offload.HostCopy`), restored on admission.
     host: Any = None
+    #: Speculative decoding's guesses and verified tokens not handed out yet (`speculative.SpeculationState`).
+    speculation: Any = None
 
     @property
     def next_position(self) -> int:
