@@ -148,7 +148,7 @@ class WanTransformer(nn.Module):
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
-        self._rope_bands = _rope_bands(cfg.attention_head_dim, cfg.rope_max_seq_len)
+        self._rope_bands: list[torch.Tensor] | None = None  # built on first use (the module may be built on meta)
 
     # -- the three stages ---------------------------------------------------------------------------
 
@@ -196,6 +196,8 @@ class WanTransformer(nn.Module):
     def _rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[L, 1, head_dim/2]`: the time band by frame, then the height and width bands."""
         f, hh, ww = grid
+        if self._rope_bands is None:
+            self._rope_bands = _rope_bands(self.config.attention_head_dim, self.config.rope_max_seq_len)
         parts = []
         for band, n, shape in zip(self._rope_bands, grid, ((f, 1, 1), (1, hh, 1), (1, 1, ww)), strict=True):
             if n > band.shape[0]:

@@ -280,8 +280,12 @@ class WanVAE(nn.Module):
         self.quant_conv = CausalConv3d(cfg.z_dim * 2, cfg.z_dim * 2, 1)
         self.post_quant_conv = CausalConv3d(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder(cfg)
-        self.register_buffer("latents_mean", torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1), persistent=False)
-        self.register_buffer("latents_std", torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1), persistent=False)
+
+    def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, 1/std) of the latent channels, shaped to broadcast over `[B, z, F, H, W]` (the reference's forms)."""
+        mean = torch.tensor(self.config.latents_mean).view(1, -1, 1, 1, 1).to(like)
+        inv_std = (1.0 / torch.tensor(self.config.latents_std)).view(1, -1, 1, 1, 1).to(like)
+        return mean, inv_std
 
     def encode_mode(self, video: torch.Tensor) -> torch.Tensor:
         """Pixels `[B, 3, T, H, W]` in [-1, 1] -> the posterior's mean `[B, z, 1 + (T-1)//4, H/16, W/16]`, normalised."""
@@ -291,16 +295,17 @@ class WanVAE(nn.Module):
             cache.cursor = 0
             outs.append(self.encoder(x[:, :, :1] if i == 0 else x[:, :, 1 + 4 * (i - 1): 1 + 4 * i], cache))
         mean = self.quant_conv(torch.cat(outs, 2))[:, : self.config.z_dim]
-        return (mean - self.latents_mean.to(mean)) * (1.0 / self.latents_std.to(mean))
+        mu, inv_std = self._stats(mean)
+        return (mean - mu) * inv_std
 
     def decode_chunk(self, latents: torch.Tensor, first: bool, cache: FrameCache) -> torch.Tensor:
         """Normalised latents of a chunk `[B, z, f, h, w]` -> its pixels in [-1, 1]; `cache` carries the context."""
-        z = latents / (1.0 / self.latents_std.to(latents)) + self.latents_mean.to(latents)
-        x = self.post_quant_conv(z)
+        mu, inv_std = self._stats(latents)
+        z = latents / inv_std + mu
         outs = []
-        for i in range(x.shape[2]):
+        for i in range(z.shape[2]):  # frame by frame, the pointwise conv too: any chunking gives the same bits
             cache.cursor = 0
-            outs.append(self.decoder(x[:, :, i: i + 1], cache, first_chunk=first and i == 0))
+            outs.append(self.decoder(self.post_quant_conv(z[:, :, i: i + 1]), cache, first_chunk=first and i == 0))
         out = torch.cat(outs, 2)
         out = unpatchify(out, self.config.patch_size) if self.config.patch_size else out
         return out.clamp(-1.0, 1.0) if self.config.clip_output else out

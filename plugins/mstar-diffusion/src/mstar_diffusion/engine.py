@@ -37,10 +37,11 @@ from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
 from mstar_diffusion.guidance import Guidance, combine
 from mstar_diffusion.schedules import SigmaTable
+from mstar_diffusion.solvers import unipc_step
 
 SETTINGS = ("max_batch_size", "max_rows")
 INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
-STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity")
+STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity", "solver_history")
 _BRANCHES = ("cond", "uncond", "uncond_image")
 
 @attrs.define(eq=False)
@@ -54,6 +55,11 @@ class _Call:
     sigma: float = 1.0
     sigma_next: float = 0.0
     dt: torch.Tensor | None = None  # float32 sigma_next - sigma, as the reference schedulers compute it
+    timestep: torch.Tensor | None = None  # what the module sees for this step (sigma x timestep_scale)
+    index: int = 0
+    sigmas: torch.Tensor | None = None  # the request's float32 schedule (multistep solvers read earlier sigmas)
+    history: torch.Tensor | None = None  # the multistep solver's state from the previous step (solver_history)
+    next_timestep: torch.Tensor | None = None
     guidance: Guidance = attrs.field(factory=Guidance)
     velocities: dict[str, torch.Tensor] = attrs.field(factory=dict)  # branch -> velocity (velocity nodes)
     conds: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # branch -> module conditioning (DiT)
@@ -80,6 +86,8 @@ class DiffusionEngine(Engine):
         self.device = torch.device(context.device)
         self.max_rows = int(context.settings.get("max_rows", 256))
         self.timestep_scale = float(options.get("timestep_scale", 1.0))
+        self.integer_timesteps = bool(options.get("integer_timesteps", False))
+        self.solver = options.get("solver", "euler")
         self.schedule = options.get("schedule", "flow_euler")
         self.template = options.get("latent_shape")
         self.sigmas = SigmaTable()
@@ -187,14 +195,23 @@ class DiffusionEngine(Engine):
         shift = params.shift(node, inputs, options)
         guidance = params.guidance(node, inputs, options)
         sigmas = self.sigmas.get(self.schedule, steps, shift)
+        exact = self.sigmas.exact(self.schedule, steps, shift)
         if self.role == "init":
             shape = params.latent_shape(node, inputs, options)
             return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=float(sigmas[0]),
-                         guidance=guidance)
+                         guidance=guidance, timestep=self._timestep(exact[0]))
         index = params.step_index(node, inputs.get("step"), steps)
         x = params.latents(node, inputs.get("latents"), self.template)
         call = _Call(inv, latents=x, sigma=float(sigmas[index]), sigma_next=float(sigmas[index + 1]),
-                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance)
+                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance, timestep=self._timestep(exact[index]),
+                     index=index, sigmas=sigmas)
+        call.next_timestep = self._timestep(exact[index + 1])
+        if self.solver == "unipc" and index > 0:
+            history = inputs.get("solver_history")
+            if not isinstance(history, torch.Tensor) or tuple(history.shape) != (3, *x.shape):
+                raise RequestError(f"node '{node}': step {index} of the unipc solver needs input 'solver_history' "
+                                   f"[3, {', '.join(map(str, x.shape))}] from the previous step", param="solver_history")
+            call.history = history
         branches = ["cond"]
         if guidance.text_active(call.sigma):
             branches.append("uncond")
@@ -241,22 +258,25 @@ class DiffusionEngine(Engine):
     def _noise(self, call: _Call) -> Result:
         generator = torch.Generator(device="cpu").manual_seed(call.seed)
         noise = torch.randn(call.shape, generator=generator, dtype=torch.float32).to(self.device)
-        out = {"latents": noise, "timestep": self._timestep(call.sigma), "sigma": call.sigma, "seed": call.seed}
+        out = {"latents": noise, "timestep": call.timestep, "sigma": call.sigma, "seed": call.seed}
         return call.inv, {k: v for k, v in out.items() if k in self.outputs}
 
-    def _timestep(self, sigma: float) -> torch.Tensor:
-        return torch.tensor(sigma, dtype=torch.float32) * self.timestep_scale
+    def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The module's timestep: the float32 sigma x scale, or the float64 one truncated (`integer_timesteps`)."""
+        if self.integer_timesteps:
+            return torch.tensor(float(int(sigma.item() * self.timestep_scale)), dtype=torch.float32)
+        return sigma.to(torch.float32) * self.timestep_scale
 
     def _update(self, call: _Call, velocities: dict[str, torch.Tensor]) -> Result:
         try:
             x = call.latents.to(self.device, torch.float32)
             v = combine(call.guidance, call.sigma, *(velocities.get(b) for b in _BRANCHES)).to(self.device, torch.float32)
-            out = {
-                "latents": x + call.dt.to(self.device) * v,
-                "timestep": self._timestep(call.sigma_next),
-                "sigma": call.sigma_next,
-                "guided_velocity": v,
-            }
+            out = {"timestep": call.next_timestep, "sigma": call.sigma_next, "guided_velocity": v}
+            if self.solver == "unipc":
+                history = None if call.history is None else call.history.to(self.device, torch.float32)
+                out["latents"], out["solver_history"] = unipc_step(call.sigmas, call.index, x, v, history)
+            else:
+                out["latents"] = x + call.dt.to(self.device) * v
         except Exception as exc:
             return call.inv, exc
         return call.inv, {k: val for k, val in out.items() if k in self.outputs}
@@ -294,7 +314,7 @@ class DiffusionEngine(Engine):
 
     def _forward(self, rows: list[tuple[_Call, str]]) -> list[torch.Tensor]:
         x = torch.stack([c.latents for c, _ in rows]).to(self.device, self.module_dtype)
-        t = torch.stack([self._timestep(c.sigma) for c, _ in rows]).to(self.device)
+        t = torch.stack([c.timestep for c, _ in rows]).to(self.device)
         names = rows[0][0].conds[rows[0][1]].keys()
         cond = {n: _to(torch.stack([c.conds[b][n] for c, b in rows]), self.device, self.module_dtype) for n in names}
         self.num_forwards += 1
