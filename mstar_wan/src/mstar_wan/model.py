@@ -33,8 +33,9 @@ def load(options: LoadOptions) -> LoadedModel:
                         decode_chunk_frames=defaults.decode_chunk_frames)
     return LoadedModel(name="wan", graph=graph, random_weights=preset is not None, prepare=prepare,
                        request_schema=prepare.schema, engine_settings=engine_settings(),
+                       # (the tokenizer is not under "tokenizer": that key offers a model the chat routes)
                        extras={"config": cfg, "defaults": defaults, "transformer": dit, "vae": vae,
-                               "text_encoder": text, "tokenizer": tokenizer, "checkpoint": str(directory)})
+                               "text_encoder": text, "umt5_tokenizer": tokenizer, "checkpoint": str(directory)})
 
 
 SPEC = ModelSpec(name="wan", load=load, presets=PRESETS, example=EXAMPLE,
