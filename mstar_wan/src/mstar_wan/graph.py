@@ -9,7 +9,8 @@
 
 `denoise` is a DiT step node of the `diffusion` engine: it stacks every request's CFG branches (the negative
 prompt's context swapped in) into one forward, and takes a UniPC step per request; the solver's two-step
-history travels with the request (`solver_history`), as the VAE's conv cache does (`vae_cache`).
+history travels with the request (`solver_history`), as the VAE's conv cache does (`vae_cache`) and, when the
+engine setting `step_cache_threshold` turns it on, the DiT's cached block residuals (`step_cache`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def build_graph(dit: WanTransformer, vae: WanVAE, text: UMT5Encoder, *, max_sequ
         GraphNode("noise", inputs=SETTINGS, optional_inputs=("seed", "shift"), outputs=("latents", "seed"),
                   engine="diffusion", options={"role": "init", **options}),
         GraphNode("denoise", inputs=("latents", "step", "num_steps", "context", "negative_context"),
-                  optional_inputs=("shift", "guidance_scale", "condition", "solver_history"),
-                  outputs=("latents", "solver_history", "sigma"), engine="diffusion", module=lambda: dit,
+                  optional_inputs=("shift", "guidance_scale", "condition", "solver_history", "step_cache"),
+                  outputs=("latents", "solver_history", "step_cache", "sigma"), engine="diffusion", module=lambda: dit,
                   options={**options, "solver": "unipc", "uncond_inputs": {"context": "negative_context"}}),
         GraphNode("vae_decode", inputs=("latents", "chunk"), optional_inputs=("vae_cache", "condition"),
                   outputs=("frames", "vae_cache"), engine="stateless", options={"batch": False},

@@ -129,6 +129,11 @@ class Tokens:
     rope: tuple[torch.Tensor, torch.Tensor]
     grid: tuple[int, int, int]
 
+    def select(self, rows: torch.Tensor) -> Tokens:
+        """The context of some rows (a step cache runs the later blocks only for rows that changed)."""
+        return Tokens(self.context.index_select(0, rows), self.mod.index_select(0, rows),
+                      self.temb.index_select(0, rows), self.rope, self.grid)
+
 
 class WanTransformer(nn.Module):
     """`forward(x [B, C, F, H, W], t [B], /, context [B, S, text_dim], condition=None) -> velocity`.
@@ -189,6 +194,23 @@ class WanTransformer(nn.Module):
         h, tokens = self.embed(x, t, context, condition)
         for block in self.blocks:
             h = block(h, tokens.context, tokens.mod, tokens.rope)
+        return self.head(h, tokens)
+
+    # -- the same forward in stages, for the diffusion engine's step cache (mstar_diffusion.step_cache) --
+
+    def cache_embed(self, x: torch.Tensor, t: torch.Tensor, /, context: torch.Tensor,
+                    condition: torch.Tensor | None = None) -> tuple[torch.Tensor, Tokens]:
+        return self.embed(x, t, context, condition)
+
+    def cache_first_block(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
+        return self.blocks[0](h, tokens.context, tokens.mod, tokens.rope)
+
+    def cache_other_blocks(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
+        for block in self.blocks[1:]:
+            h = block(h, tokens.context, tokens.mod, tokens.rope)
+        return h
+
+    def cache_head(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
         return self.head(h, tokens)
 
     # -- rotary tables ------------------------------------------------------------------------------

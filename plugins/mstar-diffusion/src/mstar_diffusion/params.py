@@ -53,7 +53,7 @@ KNOWN_OPTIONS = frozenset(NODE_OPTIONS) | frozenset(SETTINGS)
 CALL_OPTIONS = frozenset(SETTINGS)
 
 #: The inputs the engine itself reads; a DiT node's other inputs are the module's conditioning.
-LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image", "solver_history")
+LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image", "solver_history", "step_cache")
 
 MAX_LATENT_RANK = 8
 
