@@ -110,7 +110,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, mod: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`mod` `[B, L, 6, dim]` (float32): the per-token time projection."""
+        """`mod` `[B, L | 1, 6, dim]` (float32): the per-token (or per-row) time projection."""
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + mod).unbind(2)
         x = (self.norm1(h) * (1 + scale) + shift).type_as(h)
         h = (h.float() + self.attn1(x, rope=rope) * gate).type_as(h)
@@ -124,8 +124,8 @@ class Tokens:
     """What the blocks need besides the hidden states: one row's text, modulation and rotary tables."""
 
     context: torch.Tensor  # [B, S, dim]
-    mod: torch.Tensor  # [B, L, 6, dim]
-    temb: torch.Tensor  # [B, L, dim]
+    mod: torch.Tensor  # [B, L, 6, dim], or [B, 1, 6, dim] when every token has the row's timestep
+    temb: torch.Tensor  # [B, L | 1, dim]
     rope: tuple[torch.Tensor, torch.Tensor]
     grid: tuple[int, int, int]
 
@@ -174,9 +174,12 @@ class WanTransformer(nn.Module):
         temb = temb.type_as(context)
         mod = emb.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
         temb, mod = temb.unflatten(0, (b, -1)), mod.unflatten(0, (b, -1))  # [B, 1|2, ...]
-        frame_of = torch.arange(grid[0], device=x.device).repeat_interleave(grid[1] * grid[2])
-        which = (frame_of == 0).long() if first_zero else torch.zeros_like(frame_of)  # index into the timesteps
-        tokens = Tokens(context=emb.text_embedder(context), mod=mod[:, which].float(), temb=temb[:, which],
+        if first_zero:  # per token: the first frame's tokens take the t = 0 row
+            frame_of = torch.arange(grid[0], device=x.device).repeat_interleave(grid[1] * grid[2])
+            which = (frame_of == 0).long()
+            mod, temb = mod[:, which], temb[:, which]
+        # (else one row per request, broadcast over its tokens: never [B, L, 6, dim] for a text-to-video step)
+        tokens = Tokens(context=emb.text_embedder(context), mod=mod.float(), temb=temb,
                         rope=self._rope(grid, x.device), grid=grid)
         return h.contiguous(), tokens
 
