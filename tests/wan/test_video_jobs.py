@@ -65,3 +65,28 @@ def test_delete_cancels_the_running_task_and_its_request():
 
     job, cancelled = asyncio.run(go())
     assert cancelled == [True] and job.task.done()
+
+
+def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
+    import io
+
+    import av
+    import numpy as np
+
+    from mstar_core.api.media.mp4 import Mp4Writer, encode_mp4
+
+    frames = np.random.default_rng(0).integers(0, 256, (13, 32, 48, 3), dtype=np.uint8)
+    writer = Mp4Writer(8)
+    for a, b in ((0, 5), (5, 9), (9, 13)):
+        writer.add(frames[a:b])
+    chunked = writer.close()
+    assert chunked == encode_mp4(frames, 8)
+    with av.open(io.BytesIO(chunked)) as container:
+        stream = container.streams.video[0]
+        assert sum(1 for _ in container.decode(stream)) == 13 and stream.average_rate == 8
+    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
+        Mp4Writer(8).add(frames[:, :, :, :2])
+    mixed = Mp4Writer(8)
+    mixed.add(frames[:2])
+    with pytest.raises(ValueError, match="chunk"):  # every chunk of one video has its size
+        mixed.add(frames[:2, :16])

@@ -232,8 +232,16 @@ class ApiAdapter:
         """The job's done fraction in [0, 1) from how many outputs of each emitted name arrived so far."""
         return 0.0
 
-    def video_from_env(self, env: Mapping[str, Any], prepared: Mapping[str, Any]) -> tuple[Any, int]:
-        """`(frames [T, H, W, 3] uint8, fps)` of the finished video, from the request's final env."""
+    #: The emitted output that carries each decoded chunk of frames `[t, H, W, 3]` uint8, in order (None: the
+    #: video comes whole from `video_from_env`). With it, the MP4 is written as the chunks arrive.
+    video_frames_output: str | None = None
+
+    def video_fps(self, prepared: Mapping[str, Any]) -> int:
+        """Frames per second of the request's video."""
+        return int(prepared.get("fps", 24))
+
+    def video_from_env(self, env: Mapping[str, Any], prepared: Mapping[str, Any]) -> Any:
+        """The finished video's frames `[T, H, W, 3]` uint8, from the request's final env."""
         raise RequestError(f"model '{self.model}' returned no video", status=500)
 
 

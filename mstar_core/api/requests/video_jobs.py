@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.media.mp4 import encode_mp4
+from mstar_core.api.media.mp4 import Mp4Writer
 from mstar_core.errors import RequestCancelled, RequestError
 
 log = logging.getLogger("mstar.api.videos")
@@ -176,15 +176,21 @@ class VideoJobStore:
 
 
 async def follow_video_job(job: VideoJob, *, store: VideoJobStore, handle: Any, adapter: Any) -> None:
-    """Follow a submitted request's emitted outputs for progress, then encode the MP4 off the event loop."""
+    """Follow a submitted request: its emitted outputs give the progress, and its chunks of frames (when the
+    adapter names them) go into the MP4 as they arrive; the encoder runs off the event loop."""
     job.handle, job.status = handle, "in_progress"
     prepared = getattr(handle, "prepared", None) or {}
+    writer = Mp4Writer(adapter.video_fps(prepared))
+    chunks = adapter.video_frames_output
     emitted: Counter = Counter()
     async for out in handle:
         emitted[out.name] += 1
+        if chunks is not None and out.name == chunks:
+            await asyncio.to_thread(writer.add, out.value)
         job.progress = max(job.progress, min(99, int(100 * adapter.video_progress(prepared, emitted))))
     env = await handle.result()
-    frames, fps = adapter.video_from_env(env, prepared)
-    mp4 = await asyncio.to_thread(encode_mp4, frames, fps)
+    if not writer.frames:  # the adapter streams no chunks: the whole video from the final env
+        await asyncio.to_thread(writer.add, adapter.video_from_env(env, prepared))
+    mp4 = await asyncio.to_thread(writer.close)
     job.handle = None
     store.complete(job, mp4)

@@ -58,5 +58,11 @@ class WanVideosAdapter(ApiAdapter):
         total = int(prepared.get("num_steps", 1)) + int(prepared.get("decode_chunks", 1))
         return (emitted.get("sigma", 0) + emitted.get("frames", 0)) / max(1, total)
 
-    def video_from_env(self, env: Mapping[str, Any], prepared: Mapping[str, Any]) -> tuple[Any, int]:
-        return env["video"], int(prepared.get("fps", self.defaults.fps))
+    #: each decode chunk's frames, emitted as the VAE's decode loop produces them: the MP4 is written meanwhile
+    video_frames_output = "frames"
+
+    def video_fps(self, prepared: Mapping[str, Any]) -> int:
+        return int(prepared.get("fps", self.defaults.fps))
+
+    def video_from_env(self, env: Mapping[str, Any], prepared: Mapping[str, Any]) -> Any:
+        return env["video"]
