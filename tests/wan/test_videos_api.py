@@ -149,3 +149,23 @@ def test_unknown_video_is_404_and_unfinished_content_is_409(client, server):
         assert r.status_code == 409 and r.json()["error"]["code"] == "video_not_ready"
     finally:
         client.videos.delete(video.id)
+
+
+@pytest.mark.parametrize(("method", "path", "kw", "param"), [
+    ("post", "/v1/videos", {"json": ["a list"]}, None),
+    ("post", "/v1/videos", {"content": b"--x\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=x"}},
+     None),
+    ("post", "/v1/videos", {"json": {"model": "wan", "prompt": "x", "input_reference": "not a file"}}, "input_reference"),
+    ("post", "/v1/videos", {"json": {"model": "wan", "prompt": "x", "seed": 2**70}}, "seed"),
+    ("get", "/v1/videos?limit=0", {}, "limit"),
+    ("get", "/v1/videos?order=sideways", {}, "order"),
+    ("get", "/v1/videos?after=video_unknown", {}, "after"),
+    ("get", "/v1/videos/video_unknown/content?variant=thumbnail", {}, "video_id"),
+])
+def test_raw_bad_requests_are_4xx(server, method, path, kw, param):
+    headers = {**server.headers, **kw.pop("headers", {})}
+    r = getattr(httpx, method)(f"{server.url}{path}", headers=headers, timeout=30, **kw) if method == "get" else \
+        httpx.request(method.upper(), f"{server.url}{path}", headers=headers, timeout=30, **kw)
+    assert 400 <= r.status_code < 500, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.text

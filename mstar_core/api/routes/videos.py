@@ -34,7 +34,10 @@ _TEXT_FIELDS = ("prompt", "model", "size", "seconds", "negative_prompt")
 async def _body(request: Request) -> dict[str, Any]:
     kind = request.headers.get("content-type", "")
     if kind.startswith("multipart/form-data"):
-        form = await request.form()
+        try:
+            form = await request.form()
+        except Exception as exc:  # a malformed multipart body is the client's
+            raise ApiError(400, f"malformed multipart/form-data body: {exc}") from None
         body: dict[str, Any] = {}
         for name, value in form.multi_items():
             if hasattr(value, "read"):  # an uploaded file
