@@ -65,7 +65,7 @@ def build_graph(dit: WanTransformer, vae: WanVAE, text: UMT5Encoder, *, max_sequ
                   outputs=("latents", "solver_history", "step_cache", "sigma"), engine="diffusion", module=lambda: dit,
                   options={**options, "solver": "unipc", "uncond_inputs": {"context": "negative_context"}}),
         GraphNode("vae_decode", inputs=("latents", "chunk"), optional_inputs=("vae_cache", "condition"),
-                  outputs=("frames", "vae_cache"), engine="stateless", options={"batch": False},
+                  outputs=("frames", "vae_cache"), engine="stateless",
                   module=lambda: DecodeChunkNode(vae, decode_chunk_frames)),
         GraphNode("join", inputs=("video_chunks",), outputs=("video",), engine="function", module=lambda: join_frames),
     ]
