@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
+from mstar_wan.checkpoint import ensure_tiny, load_wan
+from mstar_wan.config import WanConfig
 from safetensors.torch import load_file, save_file
 
 from mstar_core.errors import ConfigError
-from mstar_wan.checkpoint import ensure_tiny, load_wan
-from mstar_wan.config import WanConfig
 
 
 @pytest.fixture
