@@ -98,3 +98,23 @@ def test_bad_fields_are_request_errors_naming_the_field(served, field, value):
     with pytest.raises(RequestError) as info:
         loaded.prepare_inputs({"prompt": "x", field: value})
     assert info.value.param == field
+
+
+def test_bf16_weights_stay_within_bf16_noise_of_the_bf16_pipeline(pipe):
+    """bf16 with the references' float32 islands (time embedding, modulation tables, norms; UMT5's `wo`).
+
+    Tolerance: 0.15 on latents of mean magnitude ~1 (each side's bf16 run is ~0.06 from the float32 one)."""
+
+    async def go():
+        async with AsyncEngine() as engine:
+            await engine.load_model("wan", LoadOptions(preset="tiny", dtype="bfloat16"))
+            return await engine.generate("wan", {"prompt": "a cat", "seed": 1})
+
+    env = asyncio.run(go())
+    bf16 = diffusers.WanPipeline.from_pretrained(str(ensure_tiny()), torch_dtype=torch.bfloat16)
+    kw = dict(negative_prompt="", height=32, width=32, num_frames=9, num_inference_steps=2, guidance_scale=6.0,
+              max_sequence_length=16, output_type="latent")
+    want = bf16("a cat", generator=torch.Generator().manual_seed(1), **kw).frames[0].float()
+    assert (env["latents"] - want).abs().max() < 0.15
+    exact = pipe("a cat", generator=torch.Generator().manual_seed(1), **kw).frames[0]
+    assert 0 < (env["latents"] - exact).abs().max() < 0.15  # bf16 for real, and close

@@ -76,18 +76,37 @@ class _ShardedSource(SafetensorsSource):
         self._count = sum(len(n) for n in shards.values())
 
 
+#: Kept in float32 whatever the weights' dtype, as the references keep them (diffusers' and transformers'
+#: `_keep_in_fp32_modules`): the timestep embedding, the modulation tables and norms, UMT5's FFN output.
+DIT_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+TEXT_FP32 = ("wo",)
+
+
+def _declared(module: torch.nn.Module, dtype: torch.dtype | None, keep: tuple[str, ...]) -> torch.nn.Module:
+    """The module's parameters in `dtype`, except those under a name in `keep` (float32); free on meta."""
+    if dtype is None:
+        return module
+    for name, param in module.named_parameters():
+        if not any(part in keep for part in name.split(".")):
+            param.data = param.data.to(dtype)
+    return module
+
+
 def load_wan(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, progress: bool = True
              ) -> tuple[WanConfig, WanTransformer, WanVAE, UMT5Encoder]:
     d = Path(directory)
     cfg = WanConfig.from_dir(d)
-    dit = build_and_load(lambda: WanTransformer(cfg.transformer), _weights(d / "transformer", "diffusion_pytorch_model"),
-                         RuleMapping(skip=[r"norm_added_q"]), dtype=dtype, device=device, progress=progress)
+    # each tensor loads in the dtype its module declares (dtype=None below): `dtype` but for the float32 ones
+    dit = build_and_load(lambda: _declared(WanTransformer(cfg.transformer), dtype, DIT_FP32),
+                         _weights(d / "transformer", "diffusion_pytorch_model"), RuleMapping(skip=[r"norm_added_q"]),
+                         device=device, progress=progress)
     # the VAE stays float32, as the reference runs it: bf16 causal convs band the video
     vae = build_and_load(lambda: WanVAE(cfg.vae), _weights(d / "vae", "diffusion_pytorch_model"), RuleMapping(),
                          dtype=torch.float32, device=device, progress=progress)
     # transformers saves the tied `encoder.embed_tokens` beside `shared`; the encoder reads `shared`
-    text = build_and_load(lambda: UMT5Encoder(cfg.text_encoder), _weights(d / "text_encoder", "model"),
-                          RuleMapping(skip=[r"^encoder\.embed_tokens\.weight$", r"^lm_head\."]), dtype=dtype,
+    text = build_and_load(lambda: _declared(UMT5Encoder(cfg.text_encoder), dtype, TEXT_FP32),
+                          _weights(d / "text_encoder", "model"),
+                          RuleMapping(skip=[r"^encoder\.embed_tokens\.weight$", r"^lm_head\."]),
                           device=device, progress=progress)
     return cfg, dit, vae, text
 

@@ -67,7 +67,8 @@ class GatedFFN(nn.Module):
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x))
+        h = F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x)
+        return self.wo(h.to(self.wo.weight.dtype))  # `wo` may be kept in float32 (as transformers keeps it)
 
 
 class _Sub(nn.Module):

@@ -155,6 +155,11 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
         self._rope_bands: list[torch.Tensor] | None = None  # built on first use (the module may be built on meta)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its inputs take (its weights'; the modulation tables and time embedding may be float32)."""
+        return self.patch_embedding.weight.dtype
+
     # -- the three stages ---------------------------------------------------------------------------
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,

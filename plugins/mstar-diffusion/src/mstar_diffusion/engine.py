@@ -113,6 +113,9 @@ class DiffusionEngine(Engine):
             self._check_substitutes()
             first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
             self.module_dtype = first.dtype if first is not None and first.dtype.is_floating_point else torch.float32
+            declared = getattr(module, "dtype", None)  # a module with float32 islands says which dtype it takes
+            if isinstance(declared, torch.dtype) and declared.is_floating_point:
+                self.module_dtype = declared
             if self.cache_threshold is not None and not supports_step_cache(module):
                 raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold needs a "
                                      "module with cache_embed / cache_first_block / cache_other_blocks / cache_head "
