@@ -19,6 +19,7 @@ from mstar_core.api.media import MediaLimits
 from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.requests.schemas import Health, ModelList
+from mstar_core.api.requests.video_jobs import VideoJobStore
 from mstar_core.api.requests.voices import VoiceStore
 from mstar_core.api.routes import (
     chat,
@@ -29,6 +30,7 @@ from mstar_core.api.routes import (
     speech,
     speech_stream,
     transcriptions,
+    videos,
     voices,
     walks,
 )
@@ -50,6 +52,7 @@ _ROUTE_LABELS = {
     "/v1/responses": "responses",
     "/v1/images/generations": "images",
     "/v1/images/edits": "images_edit",
+    "/v1/videos": "videos",
     "/v1/models": "models",
 }
 
@@ -109,6 +112,8 @@ class ServerState:
         self._inflight: set[Any] = set()
         #: cloned voices (/v1/audio/voices), per API key
         self.voices = VoiceStore()
+        #: /v1/videos jobs: they outlive the requests that create them (bounded per API key, swept after retention)
+        self.video_jobs = VideoJobStore()
 
     # -- lookups used by routes ----------------------------------------------------------------
 
@@ -195,6 +200,7 @@ class ServerState:
 
     async def close(self) -> None:
         self.draining = True
+        await self.video_jobs.close()
         if self.engine is not None:
             await self.engine.close()
 
@@ -260,7 +266,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, speech_stream, voices, chat, completions, responses, images, walks, realtime, transcriptions, playground):
+    for module in (speech, speech_stream, voices, chat, completions, responses, images, videos, walks, realtime,
+                   transcriptions, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
