@@ -30,8 +30,6 @@ Dispatch = Callable[[str, bytes, asyncio.Event], Awaitable[tuple[int, bytes]]]
 #: Answers that mean "not now": the line waits and tries again (first after RETRY_FIRST s, doubling to RETRY_MAX).
 RETRY_STATUSES = (429, 503)
 RETRY_FIRST, RETRY_MAX = 0.5, 15.0
-#: The record (with its request counts) is saved at most this often while lines finish.
-SAVE_EVERY = 1.0
 
 
 class BatchRunner:
@@ -114,7 +112,6 @@ class BatchRunner:
         counts["failed"] = len(kept) - counts["completed"]
         todo = self._lines(record, {r["custom_id"] for r in kept})
         cancelled = self._event(record)
-        saved = [time.monotonic()]
 
         async def worker() -> None:
             for number, item in todo:  # one iterator shared by the workers: each line is taken once
@@ -125,11 +122,8 @@ class BatchRunner:
                 if result is None:  # cancelled while it ran: it counts as not run
                     return
                 result["_line"] = number
-                self.jobs.append_result(record, result)
+                self.jobs.append_result(record, result)  # (the results file is what a restart counts from)
                 counts["completed" if result["error"] is None else "failed"] += 1
-                if time.monotonic() - saved[0] >= SAVE_EVERY:
-                    saved[0] = time.monotonic()
-                    self.jobs.save(record)
 
         workers = [asyncio.ensure_future(worker()) for _ in range(self.concurrency)]
         try:

@@ -16,7 +16,6 @@ from mstar_core.api.batch.runner import BatchRunner
 from mstar_core.api.http.errors import ApiError
 from mstar_core.runtime.engine import BACKGROUND_PRIORITY
 
-
 #: Defaults of the server options `batch_max_file_bytes` (OpenAI takes 200 MB), `batch_max_lines` (OpenAI's
 #: limit) and `batch_concurrency`.
 MAX_FILE_BYTES, MAX_LINES, CONCURRENCY = 64 * 1024 * 1024, 50_000, 4
