@@ -88,9 +88,11 @@ def split_shape(module: Any, group: RankGroup, node: str, kv_heads: int) -> int:
                           "modules); place it on a worker without tensor_parallel")
     if hasattr(module, "kv_cache_spec"):
         return kv_heads  # a module's own spec gives this rank's shape
-    if kv_heads % group.world_size:
-        raise ConfigError(f"node '{node}': {kv_heads} KV heads do not split over {group.world_size} ranks")
-    return kv_heads // group.world_size  # `config` gives the whole model's
+    try:  # `config` gives the whole model's: a rank holds its share, or the one head its query heads read
+        return split.local_kv_heads(kv_heads)
+    except ValueError:
+        raise ConfigError(f"node '{node}': {kv_heads} KV heads neither split over nor replicate on "
+                          f"{group.world_size} ranks") from None
 
 
 def exit_if_broken(exc: BaseException, node: str, group: RankGroup) -> None:
