@@ -73,8 +73,11 @@ class KVCacheEngine(Engine):
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
         self.ranks = context.rank_group  # None unless the node is split across processes (see ranks.py)
+        kv_replicas = 1  # ranks holding each KV head (more than 1 where they outnumber the model's KV heads)
         if self.ranks is not None:
-            kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
+            model_kv_heads, kv_heads = kv_heads, split_shape(module, self.ranks, node.name, kv_heads)
+            if not hasattr(module, "kv_cache_spec") and model_kv_heads < self.ranks.world_size:
+                kv_replicas = self.ranks.world_size // model_kv_heads
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
@@ -121,7 +124,7 @@ class KVCacheEngine(Engine):
 
         # the parts, each given the parts it uses
         leads = self.ranks is not None and self.ranks.leader
-        self.leader = StepLeader(self.ranks, self.pool, node.name) if leads else None
+        self.leader = StepLeader(self.ranks, self.pool, node.name, kv_replicas) if leads else None
         if self.leader is not None:  # rank 0 runs the module's out-of-forward collectives on every rank
             self.module = self.leader.module_view(module)
         self.forward = StepForward(self.module, forward_fn, backend, replay, self.pool, self.device, dtype, axes,
