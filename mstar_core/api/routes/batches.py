@@ -10,6 +10,7 @@ When it ends, `output_file_id` holds the 2xx answers and `error_file_id` the res
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -53,7 +54,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                                 f"to {MAX_METADATA_VALUE}", param=f"metadata.{key[:64]}")
 
 
-def _first_other_endpoint(path, endpoint: str) -> tuple[int, str] | None:
+def _first_other_endpoint(path: Path, endpoint: str) -> tuple[int, str] | None:
     """(line number, url) of the first line of the file that calls another endpoint than the batch's."""
     with open(path, "rb") as f:
         for number, row in enumerate(f, 1):
