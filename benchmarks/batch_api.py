@@ -36,7 +36,7 @@ import orjson
 class InProcessServer:
     """`mstar serve llama` (tiny preset) in a thread of this process, its Batch API state in a temporary folder."""
 
-    def __init__(self, concurrency: int, threads: int, preset: str):
+    def __init__(self, concurrency: int, threads: int, preset: str, settings: dict | None = None):
         import uvicorn
 
         from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
@@ -45,7 +45,7 @@ class InProcessServer:
         from mstar_core.plugins.manager import discover
 
         registry = discover()
-        config = ServerConfig(models=[ModelToServe("llama", LoadOptions(preset=preset))],
+        config = ServerConfig(models=[ModelToServe("llama", LoadOptions(preset=preset), settings=settings or {})],
                               state_dir=tempfile.mkdtemp(prefix="mstar-bench-batch-"),
                               batch_concurrency=concurrency, torch_threads=threads)
         self.ready = threading.Event()
@@ -117,7 +117,8 @@ async def cancel(client, batch_id: str) -> None:
 async def measure(args) -> dict:
     import httpx
 
-    server = InProcessServer(args.concurrency, args.threads, args.preset)
+    server = InProcessServer(args.concurrency, args.threads, args.preset,
+                             {"lm": json.loads(args.lm_settings)} if args.lm_settings else None)
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             # warm-up: the same mix once (decode steps of every batch size recorded), then the batch cancelled
@@ -161,6 +162,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per batch line")
     parser.add_argument("--concurrency", type=int, default=4, help="the server's batch_concurrency")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument("--lm-settings", default=None, metavar="JSON",
+                        help='kvcache settings of the LM node, e.g. \'{"background_step_tokens": 16}\'')
     parser.add_argument("--preset", default="tiny", help="llama preset: tiny, or smollm2 (SmolLM2-135M's real weights)")
     args = parser.parse_args()
     args.streams = args.streams or (3 if args.quick else 8)
