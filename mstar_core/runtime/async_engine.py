@@ -272,6 +272,7 @@ class AsyncEngine:
         request_id: str | None = None,
         prepared: bool = False,
         place: Place | None = None,
+        priority: float = 0.0,
     ) -> RequestHandle:
         """Start a request; returns its handle at once. Bad input raises `RequestError` here.
 
@@ -280,17 +281,19 @@ class AsyncEngine:
         A server takes the request's `place` (`admission.take()`) before its first await and passes
         it here; the request then owns it (given back when it ends, or here if it cannot start).
         Without one, a place is taken now; `AtCapacity` (503) when none is free.
+        `priority` is the request's class under its calls' own ranks: 0 for live traffic,
+        `runtime.engine.BACKGROUND_PRIORITY` for work that may wait (schedulers serve it after live calls).
         """
         runtime = self._runtime(model)
         place = self.admission.take() if place is None else place
         try:
-            return self._start(runtime, model, inputs, timeout, request_id, prepared, place)
+            return self._start(runtime, model, inputs, timeout, request_id, prepared, place, priority)
         except BaseException:
             place.release()
             raise
 
     def _start(self, runtime: _ModelRuntime, model: str, inputs: Mapping[str, Any], timeout: float | None,
-               request_id: str | None, prepared: bool, place: Place) -> RequestHandle:
+               request_id: str | None, prepared: bool, place: Place, priority: float = 0.0) -> RequestHandle:
         if place.released:
             raise ValueError("a released admission place cannot start a request")
         env = dict(inputs) if prepared else runtime.loaded.prepare_inputs(inputs)
@@ -308,7 +311,7 @@ class AsyncEngine:
             raise RequestError(f"request id '{rid}' is already in use")
         handle = RequestHandle(rid, model)
         self._handles[rid] = handle
-        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place, walks),
+        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place, walks, priority),
                                                       name=f"mstar-req-{rid}")
         handle._attach(task)
         return handle
@@ -326,7 +329,7 @@ class AsyncEngine:
                 check()
 
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None,
-                   place: Place, plan: list[str]) -> dict:
+                   place: Place, plan: list[str], priority: float = 0.0) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
         try:
@@ -336,7 +339,7 @@ class AsyncEngine:
                     try:
                         # the plan computed and checked at submission (one plan per request)
                         return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks,
-                                                           credit=handle.credit, plan=plan)
+                                                           credit=handle.credit, plan=plan, priority=priority)
                     finally:
                         place.release()  # before the slot goes to the next waiter: the count never dips
         except TimeoutError:

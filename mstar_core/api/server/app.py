@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from mstar_core.api.batch import BatchLimits, BatchService
+from mstar_core.api.batch import service as batch_defaults
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError, install_error_handlers, retry_after
 from mstar_core.api.media import MediaLimits
@@ -22,8 +26,10 @@ from mstar_core.api.requests.schemas import Health, ModelList
 from mstar_core.api.requests.video_jobs import VideoJobStore
 from mstar_core.api.requests.voices import VoiceStore
 from mstar_core.api.routes import (
+    batches,
     chat,
     completions,
+    files,
     images,
     realtime,
     responses,
@@ -88,10 +94,30 @@ class ServerConfig:
     max_n: int = 16
     #: torch threads of the serving process (None: its cores, split evenly with workers a placement spawns here)
     torch_threads: int | None = attrs.field(default=None, validator=lambda _, a, v: _positive_or_none(a.name, v))
+    #: where the server keeps what outlives a process (the Batch API's files and jobs under `batch/`); None: a
+    #: temporary directory (`mstar serve` defaults to $MSTAR_STATE_DIR, else ~/.local/state/mstar)
+    state_dir: str | None = None
+    #: the Batch API's bounds: input file bytes and lines, and batch lines in flight at once beside live traffic
+    batch_max_file_bytes: int = attrs.field(default=batch_defaults.MAX_FILE_BYTES,
+                                            validator=lambda _, a, v: _positive_or_none(a.name, v))
+    batch_max_lines: int = attrs.field(default=batch_defaults.MAX_LINES,
+                                       validator=lambda _, a, v: _positive_or_none(a.name, v))
+    batch_concurrency: int = attrs.field(default=batch_defaults.CONCURRENCY,
+                                         validator=lambda _, a, v: _positive_or_none(a.name, v))
 
     @property
     def max_inflight(self) -> int:
         return self.max_running + self.max_queued
+
+    @property
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.batch_max_file_bytes, self.batch_max_lines, self.batch_concurrency)
+
+    def body_limit(self, path: str) -> int:
+        """The largest body a route takes: a batch input upload has its own bound (plus room for the form)."""
+        if path == "/v1/files":
+            return max(self.max_body_bytes, self.batch_max_file_bytes + 64 * 1024)
+        return self.max_body_bytes
 
 
 class ServerState:
@@ -144,6 +170,8 @@ class ServerState:
     def route_label(path: str) -> str:
         if path.startswith("/v1/walks/"):
             return "walks"
+        if path.startswith(("/v1/files", "/v1/batches")):
+            return path.split("/")[2]
         return _ROUTE_LABELS.get(path, "other")
 
     # -- in-flight bookkeeping -----------------------------------------------------------------
@@ -218,6 +246,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         async def load():
             try:
                 await state.load()
+                app.state.batch.runner.resume()  # jobs a previous run left unfinished go on once the models are in
                 if on_ready is not None:
                     on_ready()
             except Exception as exc:
@@ -230,11 +259,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             yield
         finally:
             loader.cancel()
+            await app.state.batch.runner.close()  # (before the engine: a running line stops as its client left)
             await state.close()
 
     app = FastAPI(title="M*", version=_version(), default_response_class=OrjsonResponse, lifespan=lifespan,
                   description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")
     app.state.mstar = state
+    app.state.batch = BatchService(_batch_dir(config), app, config.api_key, config.batch_limits)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -267,7 +298,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     for module in (speech, speech_stream, voices, chat, completions, responses, images, videos, walks, realtime,
-                   transcriptions, playground):
+                   transcriptions, files, batches, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
@@ -320,6 +351,15 @@ def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
         if param.get("name") == "model" and state.engine.models:
             param["schema"]["enum"] = sorted(state.engine.models)
     walks.document_models(schema, state.engine.models)
+
+
+def _batch_dir(config: ServerConfig) -> Path:
+    """The Batch API's directory: `<state_dir>/batch`, or a temporary one (jobs then end with the process)."""
+    if config.state_dir is None:
+        directory = Path(tempfile.mkdtemp(prefix="mstar-batch-"))
+        log.info("no state directory set: Batch API files and jobs kept in %s until the process ends", directory)
+        return directory
+    return Path(config.state_dir).expanduser() / "batch"
 
 
 def _version() -> str:

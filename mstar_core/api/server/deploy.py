@@ -14,8 +14,10 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.strict import reject_unknown
 
-_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
-                "max_n", "torch_threads"}
+#: server options a deploy file may set beside host and port (ServerConfig's fields of the same names)
+_OPTION_KEYS = ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads",
+                "state_dir", "batch_max_file_bytes", "batch_max_lines", "batch_concurrency")
+_SERVER_KEYS = {"host", "port", *_OPTION_KEYS}
 _MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media"}
 
 
@@ -78,6 +80,6 @@ def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
 
 
 def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
-    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads"):
+    for key in _OPTION_KEYS:
         if key in options:
             setattr(config, key, options[key])

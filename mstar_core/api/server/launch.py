@@ -17,6 +17,15 @@ from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
 API_KEY_ENV = "MSTAR_API_KEY"
+STATE_DIR_ENV = "MSTAR_STATE_DIR"
+
+
+def default_state_dir() -> str:
+    """$MSTAR_STATE_DIR, else the XDG state directory's `mstar` (what outlives one run of the server)."""
+    if os.environ.get(STATE_DIR_ENV):
+        return os.environ[STATE_DIR_ENV]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "mstar")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=None, help="most choices (n) per prompt on chat/completions (default 16)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch threads for the models in this process (default: the cores, shared with spawned workers)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help=f"where the Batch API keeps files and jobs, resumed after a restart (default: ${STATE_DIR_ENV}, "
+                        "else $XDG_STATE_HOME/mstar or ~/.local/state/mstar)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin (not installed as a distribution)")
@@ -97,6 +109,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
         if value is not None:
             setattr(config, key, value)
     config.api_key = args.api_key or os.environ.get(API_KEY_ENV) or config.api_key
+    config.state_dir = getattr(args, "state_dir", None) or config.state_dir or default_state_dir()
     host = args.host or server_opts.get("host") or "127.0.0.1"
     port = args.port if args.port is not None else int(server_opts.get("port", 8000))
     return config, host, port

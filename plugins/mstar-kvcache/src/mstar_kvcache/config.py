@@ -68,6 +68,8 @@ class KVCacheSettings:
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # tokens background sequences (Batch API lines) may add to a step live sequences have work in (scheduler.py)
+    background_step_tokens: int = 8
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_batch_size: int | None = None
@@ -89,7 +91,8 @@ class KVCacheSettings:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
         reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting")
-        for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens",
+                    "background_step_tokens"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")

@@ -74,8 +74,11 @@ class KVCacheEngine(Engine):
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
         self.ranks = context.rank_group  # None unless the node is split across processes (see ranks.py)
+        kv_replicas = 1  # ranks holding each KV head (more than 1 where they outnumber the model's KV heads)
         if self.ranks is not None:
-            kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
+            model_kv_heads, kv_heads = kv_heads, split_shape(module, self.ranks, node.name, kv_heads)
+            if not hasattr(module, "kv_cache_spec") and model_kv_heads < self.ranks.world_size:
+                kv_replicas = self.ranks.world_size // model_kv_heads
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
@@ -93,7 +96,8 @@ class KVCacheEngine(Engine):
                                                self.device)
         self.offload = host_tier(self.settings.kv_offload, self.pool, node.name, self.ranks, self.share_with)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name, host=self.offload)
-        self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens,
+                                   self.settings.background_step_tokens)
         backend = select_backend(self.settings.attention_backend, self.device, context.registry)
         self.quantized_linears = 0
         if self.settings.quantize is not None and isinstance(module, torch.nn.Module):
@@ -121,7 +125,7 @@ class KVCacheEngine(Engine):
 
         # the parts, each given the parts it uses
         leads = self.ranks is not None and self.ranks.leader
-        self.leader = StepLeader(self.ranks, self.pool, node.name) if leads else None
+        self.leader = StepLeader(self.ranks, self.pool, node.name, kv_replicas) if leads else None
         if self.leader is not None:  # rank 0 runs the module's out-of-forward collectives on every rank
             self.module = self.leader.module_view(module)
         self.forward = StepForward(self.module, forward_fn, backend, replay, self.pool, self.device, dtype, axes,
