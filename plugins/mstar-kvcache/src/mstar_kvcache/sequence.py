@@ -75,6 +75,8 @@ class Sequence:
     token_ids: Any = None
     #: While preempted with setting `kv_offload`: the host copy of its pages (`offload.HostCopy`), restored on admission.
     host: Any = None
+    #: The request's cross-attention label its calls named (`cross.py`): every step of it attends to that label too.
+    cross_label: str | None = None
 
     @property
     def next_position(self) -> int:
