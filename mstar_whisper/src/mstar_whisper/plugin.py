@@ -1,0 +1,9 @@
+"""Entry point (group `mstar`, name `whisper`): registers the `whisper` model and its audio API adapter."""
+
+from mstar_core.plugins import hookimpl
+from mstar_whisper.model import SPEC  # (loaded with the package anyway: `mstar_whisper/__init__` exports it)
+
+
+@hookimpl
+def mstar_register_models(register):
+    register(SPEC)
