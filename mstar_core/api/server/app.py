@@ -27,6 +27,7 @@ from mstar_core.api.routes import (
     responses,
     speech,
     transcriptions,
+    translations,
     walks,
 )
 from mstar_core.api.server import playground
@@ -255,7 +256,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, responses, images, walks, realtime, transcriptions, playground):
+    for module in (speech, chat, completions, responses, images, walks, realtime, transcriptions, translations, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 

@@ -7,3 +7,10 @@ from mstar_whisper.model import SPEC  # (loaded with the package anyway: `mstar_
 @hookimpl
 def mstar_register_models(register):
     register(SPEC)
+
+
+@hookimpl
+def mstar_register_api_adapters(register):
+    from mstar_whisper.adapter import WhisperAudioAdapter  # imported lazily: `mstar plugins` stays fast
+
+    register(WhisperAudioAdapter())
