@@ -89,3 +89,28 @@ def test_language_detection_matches(reference):
         assert env["detected_language"] == int(detected[0])
         want = _hf_generate(model, audio, 6, task="transcribe")
         assert tokens == want
+
+
+def test_long_form_matches_generate(reference):
+    """Sequential 30-second windows: the same segments (tokens, times) as transformers' long-form generate."""
+    directory, model = reference
+    audio = torch.cat([speech(20.0, seed=6), speech(25.0, seed=7), speech(9.0, seed=8)])
+    extractor = transformers.WhisperFeatureExtractor(feature_size=80)
+    feats = extractor(audio.numpy(), sampling_rate=16000, truncation=False, padding="longest",
+                      return_attention_mask=True, return_tensors="pt")
+    from mstar_core.nn.whisper_features import LogMelFeatures
+
+    mel = LogMelFeatures(80)(audio)
+    assert mel.shape == feats.input_features.shape[1:] and (mel - feats.input_features[0]).abs().max() < 1e-4
+    with torch.no_grad():
+        out = model.generate(feats.input_features, attention_mask=feats.attention_mask, language="en",
+                             task="transcribe", return_timestamps=True, return_segments=True, do_sample=False,
+                             num_beams=1, max_new_tokens=20)
+    want = [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist()) for s in out["segments"][0]]
+    (tokens, env), = asyncio.run(_serve(directory, [{"audio": audio, "language": "en", "max_tokens": 20}]))
+    got = [(round(a, 2), round(b, 2), list(t)) for w in env["windows"] for a, b, t in w["segments"]]
+    offsets = [w["offset"] for w in env["windows"]]
+    assert len(offsets) >= 2 and offsets[1] % 30 != 0  # (the second window seeks after a timestamp pair)
+    assert len(got) == len(want)
+    for (a, b, t), (wa, wb, wt) in zip(got, want, strict=True):
+        assert t == wt and abs(a - wa) < 1e-6 and abs(b - wb) < 1e-6

@@ -8,7 +8,13 @@ detect:   decoder([SOT], cross_states) on label 'detect' (dropped after): the en
 prefill:  prompt -> [<|startofprev|> prev..., SOT, language, task, <|notimestamps|>?]
           decoder(prompt) on label 'main', cross-attending 'audio' -> first token
 decode:   loop: decoder(token) until end-of-text or max_tokens
+longform: loop over 30-second windows of the whole clip's log-mel, from seek 0 until the clip's end:
+            window(mel, seek) -> encoder -> decoder(prompt, new cross states; label 'main' reset)
+            -> loop decoder(token) -> seek: the window's segments, the next seek (after its last timestamp pair)
 ```
+
+A short request runs `encode, detect, prefill, decode`; a long one (over 30 s) `encode, detect, longform`, its first
+window's features serving the language detection.
 
 Whisper's rules (suppressed tokens, timestamp pairs, language detection) are the decoder module's
 `process_logits`, which the kvcache sampler applies from each row's tokens; nothing here keeps a cache.
@@ -21,12 +27,27 @@ from typing import Any
 
 from mstar_kvcache.walks import decode_iterations
 
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
+from mstar_core.graph import Copy, DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
 from mstar_whisper.config import WhisperTokens
+from mstar_whisper.longform import SeekNext, WindowFeatures
 
 #: The request's cross-attention label on the decoder: the encoder output of its (current) 30-second window.
 AUDIO = "audio"
 WALKS = ("encode", "detect", "prefill", "decode")
+LONG_WALKS = ("encode", "detect", "longform")
+
+
+def _plan(env: Mapping[str, Any]) -> list[str]:
+    return list(LONG_WALKS if env.get("long_form") else WALKS)
+
+
+def _clip_done(env: Mapping[str, Any]) -> bool:
+    return env["seek"] >= env["max_frames"]
+
+
+def _max_windows(env: Mapping[str, Any]) -> int:
+    # a window advances by at least one timestamp (2 frames) unless it ends the clip: a bound, not an estimate
+    return env["max_frames"] // 2 + 1
 
 
 def _finished(env: Mapping[str, Any]) -> bool:
@@ -58,6 +79,11 @@ def build_graph(encoder: Any, decoder: Any, tokens: WhisperTokens, *, name: str 
                   module=lambda: decoder),
         GraphNode("prompt", inputs=("detected_language", "language_token", "task_token", "timestamps", "prev_ids"),
                   outputs=("prompt_ids",), engine="function", module=lambda: PromptTokens(tokens)),
+        GraphNode("window", inputs=("mel", "seek", "max_frames"), outputs=("input_features", "seek_frames", "time_offset"),
+                  engine="function", module=lambda: WindowFeatures()),
+        GraphNode("seek", inputs=("first_token", "window_tokens", "seek", "seek_frames", "time_offset"),
+                  outputs=("next_seek", "window_result"), engine="function",
+                  module=lambda: SeekNext(tokens.timestamp_begin, tokens.eot)),
     ]
     encode = Walk(name="encode", inputs=("input_features",), outputs=("encoder_states",),
                   body=NodeCall("encoder"), description="log-mel features of the 30-second window -> encoder states")
@@ -95,4 +121,30 @@ def build_graph(encoder: Any, decoder: Any, tokens: WhisperTokens, *, name: str 
         ),
         description="feed each token back until end-of-text (Whisper's rules mask the logits)",
     )
-    return Graph.build(name, nodes, [encode, detect, prefill, decode], plan=lambda env: list(WALKS))
+    step = NodeCall("decoder", inputs={"input_ids": "next_token", "sampling": "sampling"},
+                    outputs={"next_token": "next_token", "finish_reason": "finish_reason", "logprob": "logprob"})
+    longform = Walk(
+        name="longform",
+        inputs=("mel", "max_frames", "seek", "detected_language", "language_token", "task_token", "timestamps",
+                "prev_ids"),
+        optional_inputs=("sampling",), outputs=("windows",), emit=("next_token", "logprob"),
+        body=DynamicLoop(
+            body=Sequential(
+                NodeCall("window"),
+                NodeCall("encoder"),
+                NodeCall("prompt"),
+                NodeCall("decoder", inputs={"input_ids": "prompt_ids", "cross_states": "encoder_states",
+                                            "sampling": "sampling"},
+                         outputs={"next_token": "next_token", "finish_reason": "finish_reason", "logprob": "logprob"},
+                         options={"cross_label": AUDIO, "reset": True}),
+                Copy(first_token="next_token", replace=True),
+                DynamicLoop(body=step, until=_finished, max_iters=decode_iterations("sampling"),
+                            accumulate={"next_token": "window_tokens"}, index_name="token_index"),
+                NodeCall("seek"),
+            ),
+            until=_clip_done, max_iters=_max_windows, carry={"next_seek": "seek"},
+            accumulate={"window_result": "windows"}, index_name="window_index",
+        ),
+        description="Whisper's sequential long-form: 30-second windows, each seeking after the last timestamp pair",
+    )
+    return Graph.build(name, nodes, [encode, detect, prefill, decode, longform], plan=_plan)

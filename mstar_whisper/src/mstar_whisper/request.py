@@ -16,13 +16,15 @@ from mstar_whisper.features import WhisperFeatures
 _SAMPLING = sampling_names("temperature", "top_p", "top_k", "seed")
 #: at most this much text per 30-second window (the decoder holds 448 positions, prompt included)
 MAX_TOKENS = 224
+MAX_SECONDS = 4 * 3600
 EXAMPLE = {"audio": [0.0] * 1600, "language": "en", "max_tokens": 8}
 
 
 def request_schema(tokens: WhisperTokens) -> RequestSchema:
     return RequestSchema(
         fields=(
-            RequestField("audio", "tensor", "mono 16 kHz samples in [-1, 1] (at most 30 s: one window)", required=True),
+            RequestField("audio", "tensor", "mono 16 kHz samples in [-1, 1]; over 30 s, Whisper's sequential long-form "
+                         "(timestamps on)", required=True),
             RequestField("language", "string", "ISO-639-1 code of the spoken language; detected when left out",
                          choices=tuple(tokens.languages) or None),
             RequestField("task", "string", "transcribe, or translate into English", default="transcribe",
@@ -51,10 +53,10 @@ class WhisperRequest:
         audio = inputs["audio"]
         if audio.dim() != 1 or not audio.is_floating_point() or audio.numel() < 400:
             raise RequestError("'audio' must be 1-D float samples at 16 kHz (at least 400 of them)", param="audio")
-        if audio.numel() > self.features.n_samples:
-            raise RequestError(f"'audio' holds {audio.numel() / self.features.sampling_rate:.1f} s; one request is "
-                               f"one window of at most {self.features.n_samples // self.features.sampling_rate} s",
-                               param="audio")
+        seconds = audio.numel() / self.features.sampling_rate
+        if seconds > MAX_SECONDS:
+            raise RequestError(f"'audio' holds {seconds:.0f} s; at most {MAX_SECONDS} s per request", param="audio")
+        long_form = audio.numel() > self.features.n_samples
         task = t.tasks.get(inputs["task"], -1)
         if inputs["task"] == "translate" and task < 0:
             raise RequestError("this checkpoint cannot translate (it has no <|translate|> token)", param="task")
@@ -65,14 +67,20 @@ class WhisperRequest:
         sampling = SamplingParams.from_mapping({**fields, "max_tokens": inputs["max_tokens"], "logprobs": 0,
                                                 "stop_token_ids": (t.eot,)}).check_vocab(self.vocab_size)
         language = t.language_id(inputs.get("language"))
+        env: dict[str, Any] = {}
+        if long_form:  # the whole clip's log-mel (its own maximum), cut into windows by the longform walk
+            mel = self.features.mel(audio.float())
+            first = torch.nn.functional.pad(mel[:, : self.features.frames], (0, max(0, self.features.frames - mel.shape[1])))
+            env = {"long_form": True, "mel": mel, "max_frames": mel.shape[1], "seek": 0, "input_features": first}
         return {
             "input_features": self.features(audio.float()),
+            **env,
             "sot_ids": [t.sot],
             "sot_row": torch.tensor([0]),
             "language_token": -1 if language is None else language,
             "task_token": task,
-            "timestamps": bool(inputs["timestamps"]),
+            "timestamps": bool(inputs["timestamps"]) or long_form,
             "prev_ids": prev,
             "sampling": sampling,
-            "audio_seconds": audio.numel() / self.features.sampling_rate,
+            "audio_seconds": seconds,
         }
