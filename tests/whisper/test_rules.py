@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-
-from mstar_core.api.requests.transcripts import Segment, Transcript, compression_ratio, srt, vtt
 from mstar_whisper.config import WhisperTokens
 from mstar_whisper.preset import generation_config
 from mstar_whisper.rules import WhisperLogitsRules
+
+from mstar_core.api.requests.transcripts import Segment, Transcript, compression_ratio, srt, vtt
 
 TOKENS = WhisperTokens.from_generation_config(generation_config())
 RULES = WhisperLogitsRules(TOKENS)
