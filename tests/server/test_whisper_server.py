@@ -83,3 +83,21 @@ def test_translations(whisper, clip):
     with open(clip, "rb") as f:
         with pytest.raises(openai.BadRequestError, match="response_format"):
             client.audio.translations.create(model="whisper", file=f, response_format="mp3")
+
+
+def test_long_audio_runs_the_long_form_walk(whisper, tmp_path):
+    import soundfile
+    import torch
+
+    from tests.whisper.helpers import speech
+
+    path = tmp_path / "long.wav"
+    soundfile.write(str(path), torch.cat([speech(25.0, seed=2), speech(20.0, seed=3)]).numpy(), 16000)
+    client = _client(whisper)
+    with open(path, "rb") as f:
+        out = client.audio.transcriptions.create(model="whisper", file=f, response_format="verbose_json",
+                                                 language="en", timestamp_granularities=["segment"])
+    assert abs(out.duration - 45.0) < 0.01 and out.segments
+    starts = [s.start for s in out.segments]
+    assert starts == sorted(starts) and all(s.start <= s.end for s in out.segments)
+    assert out.segments[-1].end > 30  # the second window's segments, offset by its seek

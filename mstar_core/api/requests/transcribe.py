@@ -1,7 +1,9 @@
 """Speech recognition through a `transcriptions` adapter (Whisper): the one path both audio routes take.
 
-The audio is cut into 30-second windows decoded one after another, each conditioned on the previous window's text
-(Whisper's sequential long-form, with seeking by whole windows). A window decoded at temperature 0 that fails
+Audio longer than a window is one request: the model's own long-form walk decodes its 30-second windows in turn,
+seeking after each one's last timestamp pair (`adapter.long_transcript` reads its segments); it takes no temperature
+fallback. Streamed, long audio is cut into whole 30-second windows decoded one after another, each conditioned on
+the previous window's text, so the deltas are never taken back. A window decoded at temperature 0 that fails
 Whisper's thresholds (compression ratio > 2.4, average log-probability < -1, unless it is silence) is decoded again
 at the next temperature of (0.2, 0.4, ..., 1.0); a request that names a temperature above 0 decodes at that one only.
 `stream=true` sends the text as it is written (`transcript.text.delta`); a streamed request takes no fallback.
@@ -62,6 +64,11 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
     temperatures = TEMPERATURES if temperature == 0.0 and not stream else (temperature,)
     if stream:
         return _stream(state, adapter, model, windows, task, language, prompt, temperature, timestamps)
+    if len(windows) > 1 and hasattr(adapter, "long_transcript"):
+        fields = {"task": task, "language": language, "timestamps": True, "prompt_ids": adapter.prompt_ids(prompt)}
+        _, logprobs, env = await _decode(state, adapter, model, samples, temperature, **fields)
+        return _respond(adapter.long_transcript(logprobs, env, len(samples) / adapter.sample_rate, temperature),
+                        response_format, task)
     parts: list[Transcript] = []
     previous: list[int] = []
     for i, window in enumerate(windows):
@@ -75,7 +82,10 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
                 break
         parts.append(part)
         previous = [] if part.temperature > 0.5 else tokens  # openai-whisper: hot text does not condition the next
-    transcript = _joined(parts, len(samples) / adapter.sample_rate)
+    return _respond(_joined(parts, len(samples) / adapter.sample_rate), response_format, task)
+
+
+def _respond(transcript: Transcript, response_format: str, task: str) -> Any:
     if response_format == "text":
         return PlainTextResponse(transcript.text)
     if response_format == "srt":

@@ -82,3 +82,17 @@ class WhisperAudioAdapter(ApiAdapter):
         segments = tuple(Segment(i, a, b, self.text(w), tuple(w), avg, ratio, no_speech, temperature)
                          for i, (a, b, w) in enumerate(pieces) if w or len(pieces) == 1)
         return Transcript(text, self.code_of.get(language, "unknown"), duration, segments, avg, no_speech, temperature)
+
+    def long_transcript(self, logprobs: Sequence[float], env: dict[str, Any], duration: float,
+                        temperature: float) -> Transcript:
+        """A long-form request's segments, as its walk split each window (`env["windows"]`)."""
+        avg = float(np.mean(logprobs)) if logprobs else 0.0
+        no_speech = env.get("no_speech")
+        no_speech = float(no_speech[0]) if isinstance(no_speech, torch.Tensor) else 0.0
+        language = env.get("detected_language") if env.get("language_token", -1) < 0 else env.get("language_token")
+        parts = [(a, b, [t for t in toks if t < self.tokens.eot]) for w in env["windows"] for a, b, toks in w["segments"]]
+        text = "".join(self.text(t) for _, _, t in parts)
+        ratio = compression_ratio(text)
+        segments = tuple(Segment(i, a, b, self.text(t), tuple(t), avg, ratio, no_speech, temperature)
+                         for i, (a, b, t) in enumerate(parts))
+        return Transcript(text, self.code_of.get(language, "unknown"), duration, segments, avg, no_speech, temperature)
