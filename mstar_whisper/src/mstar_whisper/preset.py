@@ -86,10 +86,16 @@ def generation_config() -> dict[str, Any]:
 
 
 def write_tiny(directory: Path, seed: int = 0) -> Path:
+    return write_random(directory, TINY_CONFIG, seed)
+
+
+def write_random(directory: Path, raw_config: dict[str, Any], seed: int = 0, ramp: float = 0.3) -> Path:
+    """A seeded random Whisper of `raw_config`'s shape in the real layout (the tiny preset; the benchmark's
+    whisper-base-size checkpoint). `ramp`: how fast positions lean toward end-of-text (0: replies never end)."""
     from mstar_whisper.config import WhisperConfig
     from mstar_whisper.modeling import WhisperForConditionalGeneration
 
-    config = WhisperConfig.from_mapping(TINY_CONFIG)
+    config = WhisperConfig.from_mapping(raw_config)
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config)
     with torch.no_grad():
@@ -100,16 +106,16 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
         # position lean further (measured: replies end after ~55 tokens whatever the audio; a bias alone switched
         # from never to at once between 4.5 and 5)
         decoder = model.model.decoder
-        eot = decoder.embed_tokens.weight[TINY_CONFIG["eos_token_id"]]
+        eot = decoder.embed_tokens.weight[raw_config["eos_token_id"]]
         toward = eot / eot.norm()
         decoder.layer_norm.bias.copy_(toward * 3.0)
-        decoder.embed_positions.weight.add_(0.3 * torch.arange(config.max_target_positions)[:, None] * toward)
+        decoder.embed_positions.weight.add_(ramp * torch.arange(config.max_target_positions)[:, None] * toward)
         model.model.encoder.embed_positions.weight.copy_(_sinusoids(1500, config.d_model))
     build_tokenizer().save(str(directory / "tokenizer.json"))
     preprocessor = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 80, "sampling_rate": 16000,
                     "hop_length": 160, "chunk_length": 30, "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000,
                     "padding_side": "right", "padding_value": 0.0, "return_attention_mask": False}
-    save_hf_checkpoint(model, directory, TINY_CONFIG, extra_files={
+    save_hf_checkpoint(model, directory, raw_config, extra_files={
         "generation_config.json": generation_config(), "preprocessor_config.json": preprocessor,
         "tokenizer_config.json": {"tokenizer_class": "WhisperTokenizer", "model_max_length": 448,
                                   "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}})
