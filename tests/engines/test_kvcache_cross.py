@@ -194,7 +194,8 @@ def test_bad_cross_inputs_fail_the_call_alone():
     engine = engine_for(TinyDecoder(), NODE)
     cases = [({"input_ids": PROMPT, "cross_states": _states(4, 1)}, {}, "needs option cross_label"),
              ({"input_ids": PROMPT, "cross_states": torch.zeros(4, 7)}, {"cross_label": "x"}, "32 features"),
-             ({"input_ids": PROMPT}, {"cross_label": "nope"}, "no cross label 'nope'")]
+             ({"input_ids": PROMPT}, {"cross_label": "nope"}, "no cross label 'nope'"),
+             ({"input_ids": PROMPT}, {"cross_label": "x", "write_cache": False}, "read-only call")]
     for inputs, opts, message in cases:
         engine.add(Invocation("a", "dec", inputs, opts))
         (_, res), = engine.step()

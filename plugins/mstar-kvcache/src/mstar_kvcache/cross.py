@@ -50,6 +50,9 @@ def parse_cross(inputs: Any, options: Any, node: str, hidden: int | None) -> tup
     """A call's `cross_label` option and `cross_states` input, checked."""
     label = options.get("cross_label")
     states = inputs.get("cross_states")
+    if (label is not None or states is not None) and options.get("write_cache", True) is False:
+        raise RequestError(f"node '{node}': cross-attention (cross_label, cross_states) is for calls that write their "
+                           "cache label; a read-only call attends to frozen self-attention labels only")
     if label is not None and (not isinstance(label, str) or not label):
         raise RequestError(f"node '{node}': option cross_label must be a non-empty string, got {label!r:.40}")
     if states is None:
