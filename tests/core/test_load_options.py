@@ -30,7 +30,7 @@ def test_preset_or_checkpoint_is_decided_once_for_every_loader():
 
 
 @pytest.mark.parametrize("family", ["bagel", "llama", "orpheus", "pi05", "qwen3-omni", "qwen3-tts", "vjepa2", "wan",
-                                    "example-captioner"])
+                                    "whisper", "example-captioner"])
 def test_every_loader_refuses_an_unknown_preset_before_loading_anything(family):
     from mstar_core.plugins import default_registry
 

@@ -44,7 +44,7 @@ from mstar_core.api.media import ChatTurn, MediaLimits, decode_messages
 from mstar_core.errors import RequestError
 from mstar_core.schema import UNSET, RequestField
 
-ROUTES = frozenset({"speech", "chat", "completions", "images", "videos"})
+ROUTES = frozenset({"speech", "chat", "completions", "images", "videos", "transcriptions"})
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ from mstar_core.api.routes import (
     speech,
     speech_stream,
     transcriptions,
+    translations,
     videos,
     voices,
     walks,
@@ -298,7 +299,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     for module in (speech, speech_stream, voices, chat, completions, responses, images, videos, walks, realtime,
-                   transcriptions, files, batches, playground):
+                   transcriptions, translations, files, batches, playground):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 

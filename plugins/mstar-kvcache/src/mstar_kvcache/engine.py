@@ -15,6 +15,7 @@ from mstar_kvcache.answers import CallAnswers
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation
 from mstar_kvcache.intake import CallIntake
 from mstar_kvcache.labels import Labels
@@ -128,14 +129,16 @@ class KVCacheEngine(Engine):
         self.leader = StepLeader(self.ranks, self.pool, node.name, kv_replicas) if leads else None
         if self.leader is not None:  # rank 0 runs the module's out-of-forward collectives on every rank
             self.module = self.leader.module_view(module)
+        self.cross = CrossLabels(node.name, self.module, self.pool, self.device)  # encoder K/V labels (cross.py)
         self.forward = StepForward(self.module, forward_fn, backend, replay, self.pool, self.device, dtype, axes,
-                                   "routing" in node.all_inputs, inputs, bool(self.settings.compile), self.leader)
+                                   "routing" in node.all_inputs, inputs, bool(self.settings.compile), self.leader,
+                                   self.cross)
         self.follower = (StepFollower(self.ranks, self.pool, self.forward, self.module, self.device, node.name)
                          if self.ranks is not None and not leads else None)
         self.labels = Labels(node.name, self.blocks, self.forward, self.device)
         rows = CallRows(self.samples, [o for o in node.outputs if o not in BUILTIN_OUTPUTS])
         self.intake = CallIntake(node.name, self.vocab_size, self.hidden_size, axes, inputs, self.max_model_len,
-                                 self.device, self.labels, rows)
+                                 self.device, self.labels, rows, self.cross)
         source = self.labels if self.partner is None else self.partner.labels
         self.readonly = ReadOnlyCalls(node.name, self.share_with, self.labels, source, self.pool, self.device, axes,
                                       rows)
@@ -220,6 +223,16 @@ class KVCacheEngine(Engine):
                 return
             if self.speculator is not None and parsed.fork_from is not None:
                 self.speculator.settle(self.labels.seqs.get((invocation.request_id, parsed.fork_from)))
+            if parsed.cross_states is not None:  # stored (batched) at the next step, then attached
+                self.cross.queue(invocation, parsed)
+                return
+        except Exception as exc:
+            self.intake.answered.append((invocation, exc))
+            return
+        self._attach(invocation, parsed)
+
+    def _attach(self, invocation: Invocation, parsed: ParsedInvocation) -> None:
+        try:
             seq = self.labels.sequence(invocation, parsed)
         except Exception as exc:
             self.intake.answered.append((invocation, exc))
@@ -239,9 +252,15 @@ class KVCacheEngine(Engine):
 
     def has_work(self) -> bool:
         return (bool(self.intake.answered) or bool(self.readonly.waiting) or bool(self.readonly.attached)
+                or bool(self.cross.waiting)
                 or any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
 
     def step(self) -> list[Result]:
+        if self.cross.waiting:
+            ready, failed = self.cross.store_waiting()
+            self.intake.answered.extend(failed)
+            for invocation, parsed in ready:
+                self._attach(invocation, parsed)
         if self.readonly.waiting:
             self.intake.answered.extend(self.readonly.attach_waiting())
         results = self.intake.take_answered()
@@ -280,7 +299,7 @@ class KVCacheEngine(Engine):
         # tokens verified ahead by speculative decoding answer decode calls with no forward: the scheduler returns
         # them from the event loop (checked only while there are such answers: the scan is over the labels)
         return (bool(self.intake.answered) and not self.readonly.waiting and not self.readonly.attached
-                and not any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
+                and not self.cross.waiting and not any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
 
     def release(self, request_id: str) -> None:
         forgotten = self.labels.release(request_id)
@@ -288,9 +307,11 @@ class KVCacheEngine(Engine):
             self.leader.forgotten.extend(forgotten)
         self.readonly.release(request_id)
         self.intake.release(request_id)
+        self.cross.release(request_id)
 
     def active_requests(self) -> set[str]:
-        return {k[0] for k in self.labels.seqs} | self.intake.request_ids() | self.readonly.request_ids()
+        return ({k[0] for k in self.labels.seqs} | self.intake.request_ids() | self.readonly.request_ids()
+                | {k[0] for k in self.cross.labels} | self.cross.request_ids())
 
     def stats(self) -> dict[str, float]:
         pending = [s for s in self.labels.seqs.values() if s.pending is not None]
@@ -299,6 +320,7 @@ class KVCacheEngine(Engine):
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_used": self.pool.num_used,
             "kv_pages_cached": self.pool.num_cached,
+            "kv_cross_pages": self.cross.num_pages,
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
             "kv_prefix_partial_hits": self.pool.partial_hits,
@@ -323,6 +345,7 @@ class KVCacheEngine(Engine):
     def close(self) -> None:
         self.labels.close()
         self.readonly.close()
+        self.cross.close()
 
     # -- cache labels and moved caches (walks' label operations, per-walk placement) ---------------
 

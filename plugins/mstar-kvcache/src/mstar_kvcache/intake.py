@@ -8,6 +8,7 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation, Result
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import Labels
 from mstar_kvcache.rows import CallRows
@@ -23,7 +24,8 @@ class CallIntake:
 
     def __init__(self, node: str, vocab_size: int | None, hidden_size: int | None, axes: int,
                  call_inputs: dict[str, str], max_model_len: int | None, device: torch.device, labels: Labels,
-                 rows: CallRows):
+                 rows: CallRows, cross: CrossLabels | None = None):
+        self.cross = cross  # the node's cross-attention labels, which a call may name (cross.py)
         self.node, self.vocab_size, self.hidden_size, self.axes = node, vocab_size, hidden_size, axes
         self.call_inputs, self.max_model_len, self.device = call_inputs, max_model_len, device
         self.labels, self.rows = labels, rows
@@ -41,6 +43,10 @@ class CallIntake:
         """Make `inv` the sequence's pending call. Everything that can fail runs before the sequence changes."""
         start = 0 if parsed.reset else len(seq.tokens)
         n = len(parsed.ids)
+        if parsed.cross_label is not None and (self.cross is None or self.cross.labels.get(
+                (seq.request_id, parsed.cross_label)) is None):
+            raise RequestError(f"node '{self.node}': request {seq.request_id} has no cross label "
+                               f"'{parsed.cross_label}'; send cross_states with the call that first names it")
         if self.max_model_len is not None and start + n > self.max_model_len:
             raise RequestError(
                 f"node '{self.node}': sequence would reach {start + n} tokens, "
@@ -66,6 +72,8 @@ class CallIntake:
                 or seq.positions is not None or seq.routing is not None):  # (a plain token call records nothing)
             self.append_inputs(seq, parsed, start)
         seq.chunkable = limits is None
+        if self.cross is not None:
+            self.cross.bind(seq, parsed, start)
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
         # each call's: the request's arrival, or its submission on a node with call_order "fifo" (a fork, a snapshot

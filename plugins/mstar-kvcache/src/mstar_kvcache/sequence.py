@@ -77,6 +77,8 @@ class Sequence:
     host: Any = None
     #: Speculative decoding's guesses and verified tokens not handed out yet (`speculative.SpeculationState`).
     speculation: Any = None
+    #: The request's cross-attention label its calls named (`cross.py`): every step of it attends to that label too.
+    cross_label: str | None = None
 
     @property
     def next_position(self) -> int:

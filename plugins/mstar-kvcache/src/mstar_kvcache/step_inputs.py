@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mstar_kvcache.batch import build_batch, rope_positions
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
@@ -32,13 +33,14 @@ class StepForward:
 
     def __init__(self, module: Any, forward_fn: Any, backend: Any, replay: StepReplay | None, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, axes: int, routed: bool, call_inputs: dict[str, str],
-                 compiled: bool, leader: StepBroadcast | None):
+                 compiled: bool, leader: StepBroadcast | None, cross: CrossLabels | None = None):
         self.module, self.forward_fn, self.backend, self.replay = module, forward_fn, backend, replay
         self.pool, self.device, self.dtype, self.axes = pool, device, dtype, axes
         self.routed = routed  # the module takes per-token `routing` ids
         self.call_inputs = call_inputs  # module-declared call tensors: {name: "token" | "sequence"}
         self.compiled = compiled  # a compiled forward keeps its embeddings graph (see `splice_embeds`)
         self.leader = leader  # rank 0 of a split node: every rank runs each step (ranks.py)
+        self.cross = cross  # cross-attention labels the step's sequences may attend to (cross.py)
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order."""
@@ -47,6 +49,8 @@ class StepForward:
         kwargs = self.module_inputs(work, batch)
         embeds = self.splice_embeds(work, ids)
         context = self.backend.begin(batch, self.pool.kv)
+        if self.cross is not None:
+            context = self.cross.context(work, context)
         if self.leader is not None:
             self.leader.send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
         with torch.inference_mode():
