@@ -44,6 +44,8 @@ def page_content(seq: Sequence, lo: int, hi: int) -> bytes:
         if a < b:
             part = value[a - start : b - start] if per_token else value
             parts.append(b"x%d:%d:" % (a, start) + name.encode() + b"=" + _tensor_bytes(part))
+    if seq.lora is not None:  # keys computed under a LoRA adapter (its load, not only its name)
+        parts.append(b"l" + seq.lora.encode())
     return b"".join(parts)
 
 
@@ -71,7 +73,8 @@ class BlockManager:
 
     def _key(self, seq: Sequence, i: int, previous: bytes) -> bytes:
         lo, hi = i * self.page_size, (i + 1) * self.page_size
-        plain = seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+        plain = (seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+                 and seq.lora is None)
         return chain_digest(previous, seq.tokens[lo:hi], b"" if plain else page_content(seq, lo, hi))
 
     def pages_needed(self, seq: Sequence, n: int) -> int:

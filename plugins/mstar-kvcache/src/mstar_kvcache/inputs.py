@@ -46,7 +46,7 @@ _OPTION_NAMES = frozenset(OPTIONS)
 
 #: Inputs the engine itself reads; any other input of a node must be declared by its module.
 BUILTIN_INPUTS = ("input_ids", "input_embeds", "embeds_at", "positions", "routing", "output_index", "sampling",
-                  "state")
+                  "state", "lora")
 
 
 @attrs.define
@@ -74,6 +74,7 @@ class ParsedInvocation:
     seed_offset: int | None = None
     blocks: tuple[int, ...] | None = None
     decode_steps: int | None = None
+    lora: str | None = None  # the LoRA adapter the call runs under (input `lora`, see lora.py); None: as its label does
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -276,7 +277,19 @@ def parse_invocation(
         seed_offset=offset,
         blocks=blocks,
         decode_steps=steps,
+        lora=_adapter_name(inputs.get("lora"), write, node),
     )
+
+
+def _adapter_name(value: Any, write: bool, node: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"node '{node}': input lora must be an adapter's name, got {type(value).__name__}")
+    if not write:
+        raise RequestError(f"node '{node}': LoRA adapters apply to calls that write their cache label, not to "
+                           "read-only calls (write_cache: False)")
+    return value
 
 
 def mask_limits(start: int, count: int, bidirectional: bool, frame_size: int | None,

@@ -75,6 +75,8 @@ class Sequence:
     token_ids: Any = None
     #: While preempted with setting `kv_offload`: the host copy of its pages (`offload.HostCopy`), restored on admission.
     host: Any = None
+    #: The LoRA adapter its keys and values were computed under (`lora.NodeAdapters` key `name#load`); None: the base.
+    lora: str | None = None
 
     @property
     def next_position(self) -> int:
