@@ -13,16 +13,19 @@ linear the module fuses from several checkpoint linears (`qkv_proj` from `q_proj
 `B`s block-diagonal, so one low-rank product gives every part its own delta.
 
 Rows of different adapters (and none) run in one forward: the caller says which rows belong to which slot
-(`set_rows`) before it, and each targeted linear adds, per slot present, the delta of that slot's rows (a
-segmented low-rank matmul: a slice where a slot's rows are contiguous, gathered rows where not). The delta is
-added by a forward hook on the linear, after whatever kernel ran it (packed, quantized), so the module's own
-code and `state_dict` are unchanged. A step that replays recorded kernels (`mstar_core.nn.tape`) would skip the
-hooks: `has_rows` says whether the current step needs them, and an engine must run such a step eagerly.
+(`set_rows`) before it, and each targeted linear adds each row's delta under its slot (a segmented low-rank
+matmul). The delta is added by a forward hook on the linear, after whatever kernel ran it (packed or not), so the
+module's own code and `state_dict` are unchanged. On a CPU the hook is one call of `lora.cpp` per linear for every
+slot at once, reading the rows' slots from a buffer; a step that replays recorded kernels (`mstar_core.nn.tape`)
+replays those calls too, and loading or unloading an adapter makes recordings stale (`weights_changed`). Elsewhere
+(no kernel built, a GPU) the deltas are torch ops per slot (a slice where a slot's rows are contiguous, gathered
+rows where not), which a replay would skip: `needs_eager` says when a step must run eagerly.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import math
 import re
@@ -35,8 +38,11 @@ import torch
 from torch import nn
 
 from mstar_core.errors import ConfigError
+from mstar_core.nn.replayable import weights_changed
 
 CONFIG_FILE = "adapter_config.json"
+#: The largest rank a slot may hold (`lora.cpp`'s MAX_RANK)
+MAX_RANK = 1024
 WEIGHTS_FILE = "adapter_model.safetensors"
 #: PEFT's prefix of every saved key (its wrapper `base_model`, then the wrapped model's `model`)
 PEFT_PREFIX = "base_model.model."
@@ -182,12 +188,14 @@ class _Part:
 class LoraLayer:
     """One linear's adapter slots: `a` `[slots, parts * max_rank, in]`, `b` `[slots, parts * max_rank, out]`.
 
-    Part `k` of a fused linear uses rank columns `k * max_rank` on; `cols[slot]` is the width a slot uses (0: the
-    slot does not target this linear). Allocated when an adapter first targets the linear.
+    Part `k` of a fused linear uses rank rows `k * max_rank` on, for outputs `bounds[k]` (`(lo, rows)`);
+    `cols[slot][k]` is slot's rank for part k (0: it does not target it), mirrored in the int64 tensors the kernel
+    reads. Allocated, and the forward hook registered, when an adapter first targets the linear; the hook goes
+    when no slot targets it any more.
     """
 
     def __init__(self, bank: LoraBank, linear: nn.Module, parts: int):
-        self.bank, self.parts = bank, parts
+        self.bank, self.parts, self.linear = bank, parts, linear
         self.in_features, self.out_features = int(linear.in_features), int(linear.out_features)
         weight = linear.weight
         self.dtype, self.device = weight.dtype, weight.device
@@ -195,9 +203,12 @@ class LoraLayer:
             self.dtype = torch.float32
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        self.cols = [0] * bank.max_loras
-        self.linear = linear
-        self.handle: Any = None  # the forward hook, on the linear while some slot targets it (none costs nothing)
+        self.cols = [[0] * parts for _ in range(bank.max_loras)]
+        self.cols_tensor = torch.zeros(bank.max_loras * parts, dtype=torch.int64)  # (what the kernel reads)
+        self.bounds = torch.zeros(2 * parts, dtype=torch.int64)
+        self.handle: Any = None
+        self.kernel = _kernel(self.dtype) if self.device.type == "cpu" else None
+        self._dims: dict[tuple, torch.Tensor] = {}  # the kernel's sizes per call shape (recorded steps point at them)
 
     def write(self, slot: int, part: _Part, pair: LoraPair) -> None:
         if self.a is None:
@@ -211,27 +222,41 @@ class LoraLayer:
             self.a[slot, lo : lo + r] = pair.a.to(self.a)
             # B^T with the scale folded in, in this part's output rows (the rest of the block stays zero)
             self.b[slot, lo : lo + r, part.lo : part.lo + part.rows] = (pair.b.to(torch.float32) * pair.scale).T.to(self.b)
-        self.cols[slot] = max(self.cols[slot], lo + r)
+        self.cols[slot][part.block] = r
+        _write_int64(self.cols_tensor, [c for row in self.cols for c in row])
+
+    def set_bounds(self, part: _Part) -> None:
+        values = self.bounds.tolist()
+        values[2 * part.block : 2 * part.block + 2] = [part.lo, part.rows]
+        _write_int64(self.bounds, values)
+
+    def width(self, slot: int) -> int:
+        """The rank rows slot's parts span (0: the slot does not target this linear)."""
+        return max((k * self.bank.max_rank + c for k, c in enumerate(self.cols[slot]) if c), default=0)
 
     def clear(self, slot: int) -> None:
-        if self.a is not None and self.cols[slot]:
+        if self.a is not None and any(self.cols[slot]):
             with torch.no_grad():
                 self.a[slot].zero_()
                 self.b[slot].zero_()
-        self.cols[slot] = 0
-        if self.handle is not None and not any(self.cols):
+        self.cols[slot] = [0] * self.parts
+        _write_int64(self.cols_tensor, [c for row in self.cols for c in row])
+        if self.handle is not None and not any(any(row) for row in self.cols):
             self.handle.remove()
             self.handle = None
 
     def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        groups = self.bank.groups
-        if not groups or self.a is None:
+        bank = self.bank
+        if not bank.active or self.a is None or torch.compiler.is_compiling():
             return
         x = args[0]
         x2 = x.reshape(-1, self.in_features)
         y2 = out.view(-1, self.out_features)  # (the linear's own fresh output: the delta is added in place)
-        for slot, rows in groups:
-            width = self.cols[slot]
+        if bank.native:
+            self._run_kernel(x2, y2)
+            return
+        for slot, rows in bank.groups:
+            width = self.width(slot)
             if not width:
                 continue
             a, b = self.a[slot, :width], self.b[slot, :width]
@@ -240,6 +265,44 @@ class LoraLayer:
             else:
                 low = torch.mm(x2.index_select(0, rows).to(a.dtype), a.T)
                 y2.index_add_(0, rows, torch.mm(low, b).to(y2.dtype))
+
+    def _run_kernel(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from mstar_core.nn import native
+
+        if x.stride(-1) != 1 or x.dtype is not self.dtype:  # (a torch op: a recording notes it and runs eagerly)
+            x = x.contiguous().to(self.dtype)
+        rows = x.shape[0]
+        key = (rows, x.stride(0), y.stride(0), torch.get_num_threads())
+        dims = self._dims.get(key)
+        if dims is None:  # fixed per call shape, so a recorded call's sizes stay valid for its replays
+            dims = self._dims[key] = torch.empty(9, dtype=torch.int64)
+            _write_int64(dims, [rows, self.in_features, self.out_features, key[1], key[2], self.bank.max_rank,
+                                self.bank.max_loras, self.parts, key[3]])
+        args = (x.data_ptr(), y.data_ptr(), self.a.data_ptr(), self.b.data_ptr(), self.bank.row_slots.data_ptr(),
+                self.cols_tensor.data_ptr(), dims.data_ptr(), self.bounds.data_ptr(), None)
+        if self.kernel(*args):
+            raise RuntimeError(f"the LoRA kernel refused the call (a rank over its {MAX_RANK})")
+        if native.RECORDER is not None:  # (a tape recording this thread's kernel calls, see tape.py)
+            native.RECORDER.record(self.kernel, args)
+
+
+def _write_int64(tensor: torch.Tensor, values: Sequence[int]) -> None:
+    """Write into an int64 CPU tensor without a torch op (a tape recording a step would note one)."""
+    buffer = (ctypes.c_int64 * len(values))(*values)
+    ctypes.memmove(tensor.data_ptr(), buffer, 8 * len(values))
+
+
+SOURCE = Path(__file__).with_name("lora.cpp")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _kernel(dtype: torch.dtype):
+    """`lora.cpp`'s entry point for `dtype` (None: not a kernel dtype, or no kernel built here: torch ops then)."""
+    from mstar_core.nn import native
+
+    if dtype not in _SUFFIX:
+        return None
+    return native.function(SOURCE, f"mstar_lora_delta_{_SUFFIX[dtype]}", [ctypes.c_void_p] * 9, ctypes.c_int)
 
 
 def linear_targets(module: nn.Module) -> dict[str, tuple[str, nn.Module, int, int, int]]:
@@ -269,17 +332,25 @@ def linear_targets(module: nn.Module) -> dict[str, tuple[str, nn.Module, int, in
 class LoraBank:
     """Up to `max_loras` adapters of rank up to `max_rank` over `module`'s linears, and the current step's rows.
 
-    `slots[i]` is the adapter in slot `i` (None: free). `groups` is the current step's `(slot, rows)` list (rows a
-    slice or an index tensor), empty between steps and on steps with no adapter rows.
+    `slots[i]` is the adapter in slot `i` (None: free). While a step runs (`set_rows` .. `clear_rows`) `active` is
+    set: the hooks add deltas. With the kernel (`native`: every targeted linear is fp32 or bf16 on a CPU that has
+    `lora.cpp` built) every linear an adapter targets makes one kernel call per step, reading each row's slot from
+    `row_slots` (-1: the base), so a recorded step replays correctly whatever the next step's rows are. Without it,
+    `groups` lists the step's `(slot, rows)` (a slice or an index tensor) and the deltas are torch ops, which a
+    replay would skip: `needs_eager` says when a step must run eagerly.
     """
 
     def __init__(self, module: nn.Module, max_loras: int, max_rank: int, *, where: str = "module"):
         for key, value in (("max_loras", max_loras), ("max_lora_rank", max_rank)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{where}: {key} must be an integer >= 1, got {value!r}")
-        self.max_loras, self.max_rank, self.where = max_loras, max_rank, where
+        if max_rank > MAX_RANK:
+            raise ConfigError(f"{where}: max_lora_rank {max_rank} is over the largest supported, {MAX_RANK}")
+        self.max_loras, self.max_rank, self.where, self.module = max_loras, max_rank, where, module
         self.slots: list[LoraAdapter | None] = [None] * max_loras
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.groups: list[tuple[int, slice | torch.Tensor | None]] = []
+        self.active = False
+        self.row_slots = torch.full((256,), -1, dtype=torch.int64)  # (grown on demand: recordings point at it)
         self.parts: dict[str, _Part] = {}
         layers: dict[str, LoraLayer] = {}
         device = None
@@ -290,10 +361,12 @@ class LoraBank:
                 continue
             if path not in layers:
                 layers[path] = LoraLayer(self, linear, parts_of[path])
-            self.parts[name] = _Part(layers[path], lo, rows, block)
+            self.parts[name] = part = _Part(layers[path], lo, rows, block)
+            part.layer.set_bounds(part)
             device = layers[path].device
         self.layers = list(layers.values())
         self.device = device if device is not None else torch.device("cpu")
+        self.native = bool(self.layers) and all(layer.kernel is not None for layer in self.layers)
         if not self.parts:
             raise ConfigError(f"{where}: the module has no linear layers for LoRA adapters to target")
         self._leaves = {n.rsplit(".", 1)[-1] for n in self.parts}
@@ -330,12 +403,14 @@ class LoraBank:
             part = self.parts[name]
             part.layer.write(free, part, pair)
         self.slots[free] = adapter
+        weights_changed(self.module)  # recorded steps re-record, with this adapter's kernel calls
         return free
 
     def unload(self, slot: int) -> None:
         for layer in self.layers:
             layer.clear(slot)
         self.slots[slot] = None
+        weights_changed(self.module)
 
     def slot_of(self, name: str) -> int | None:
         return next((i for i, a in enumerate(self.slots) if a is not None and a.name == name), None)
@@ -343,7 +418,16 @@ class LoraBank:
     # -- one step's rows -------------------------------------------------------------------------
 
     def set_rows(self, runs: Sequence[tuple[int | None, int]]) -> None:
-        """The step's rows as consecutive runs `(slot or None, row count)`, in order."""
+        """The step's rows as consecutive runs `(slot or None, row count)`, in order (the step starts: `active`)."""
+        self.active = any(a is not None for a in self.slots)
+        total = sum(n for _, n in runs)
+        if total > self.row_slots.shape[0]:  # a new buffer: recordings pointing at the old one re-record
+            self.row_slots = torch.full((max(total, 2 * self.row_slots.shape[0]),), -1, dtype=torch.int64)
+            weights_changed(self.module)
+        _write_int64(self.row_slots, [-1 if slot is None else slot for slot, n in runs for _ in range(n)])
+        if self.native:
+            self.groups = [(slot, None) for slot in dict.fromkeys(s for s, _ in runs if s is not None)]
+            return
         spans: dict[int, list[tuple[int, int]]] = {}
         row = 0
         for slot, n in runs:
@@ -365,11 +449,18 @@ class LoraBank:
 
     @property
     def has_rows(self) -> bool:
-        """Whether the current step has adapter rows (its linears' hooks add deltas: a replay would drop them)."""
+        """Whether the current step has adapter rows."""
         return bool(self.groups)
+
+    @property
+    def needs_eager(self) -> bool:
+        """Whether the current step must run eagerly: adapter rows whose deltas are torch ops (no kernel), which a
+        replayed step would skip."""
+        return self.has_rows and not self.native
 
     def clear_rows(self) -> None:
         self.groups = []
+        self.active = False
 
     def close(self) -> None:
         """Remove the hooks (the module runs as it did before)."""

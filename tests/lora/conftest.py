@@ -11,6 +11,7 @@ def tiny_adapters(preset_cache, tmp_path_factory):
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from mstar_llm.preset import ensure_tiny
+
     from tests.lora.peft_fixtures import make_adapter
 
     tiny = ensure_tiny()

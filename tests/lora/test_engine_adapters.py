@@ -81,15 +81,26 @@ async def test_prefix_pages_stay_with_their_adapter(engine):
     assert lm.pool.hits > hits  # the same adapter again does reuse its own
 
 
-async def test_steps_with_adapter_rows_are_never_replayed(engine):
+async def test_adapter_steps_replay_with_their_deltas_or_run_eagerly(engine, tiny_adapters):
+    """Where lora.cpp runs the deltas, a recorded step holds its calls and replays whatever the rows' adapters;
+    where the deltas are torch ops (no kernel), a step with adapter rows never replays (it would drop them)."""
     lm = engine.node_engines("llama")["lm"]
-    if lm.replay is None:
-        pytest.skip("no replayed steps on this machine")
-    await _tokens(engine, "llama", n=6)
+    if lm.replay is None or not lm.adapters.bank.native:
+        pytest.skip("no replayed steps or no LoRA kernel on this machine")
+    no_token = list(engine.models["llama"].extras["grammar_vocab"].no_token_ids)
+    want = _greedy_merged(tiny_adapters[1]["poet"][1], PROMPT, 8, no_token)
     replayed = lm.replay.replayed
-    assert replayed > 0  # the base decodes replayed...
-    await _tokens(engine, "sql", n=6)
-    assert lm.replay.replayed == replayed  # ...the adapter's decode steps ran eagerly, with their deltas
+    assert await _tokens(engine, "poet", n=8) == want
+    assert await _tokens(engine, "poet", n=8) == want
+    assert lm.replay.replayed > replayed  # replayed, with the deltas (the tokens are peft's)
+    lm.adapters.bank.native = False  # as on a machine without the kernel: torch ops, eager steps
+    try:
+        await _tokens(engine, "llama", n=6)
+        replayed = lm.replay.replayed
+        assert await _tokens(engine, "poet", n=8) == want
+        assert lm.replay.replayed == replayed
+    finally:
+        lm.adapters.bank.native = True
 
 
 async def test_unload_frees_and_refuses_while_in_use(engine, tiny_adapters):

@@ -84,10 +84,21 @@ class NodeAdapters:
         seq.lora = key
 
     def begin(self, work: list[tuple[Sequence, int]]) -> bool:
-        """Lay out the step's rows by adapter; whether any row runs under one (then no replay may stand for it)."""
-        if not self.slots or all(seq.lora is None for seq, _ in work):
-            return False
-        self.bank.set_rows([(None if seq.lora is None else self.slots[seq.lora], n) for seq, n in work])
+        """Lay out the step's rows by adapter; whether the step must run eagerly (adapter rows whose deltas are torch
+        ops, which a replayed step would skip: see `LoraBank`)."""
+        if not self.slots:
+            return False  # (no adapter loaded: no hook on any linear)
+        runs = []
+        for seq, n in work:
+            slot = None if seq.lora is None else self.slots.get(seq.lora)
+            if seq.lora is not None and slot is None:  # (unloaded as it bound: `_run` retries rows alone)
+                raise RequestError(f"node '{self.node}': LoRA adapter '{seq.lora.rsplit('#', 1)[0]}' was unloaded")
+            runs.append((slot, n))
+        self.bank.set_rows(runs)
+        return self.bank.needs_eager
+
+    @property
+    def has_rows(self) -> bool:
         return self.bank.has_rows
 
     def end(self) -> None:

@@ -44,15 +44,16 @@ class StepForward:
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order."""
-        if self.adapters is None or not self.adapters.begin(work):
+        if self.adapters is None:
             return self._run(work, False)
-        try:  # rows under LoRA adapters: their deltas are added by hooks that only an eager forward runs
-            return self._run(work, True)
+        try:  # rows under LoRA adapters: a compiled step, or a replay where the deltas are torch ops, would drop them
+            eager = self.adapters.begin(work) or (self.compiled and self.adapters.has_rows)
+            return self._run(work, eager)
         finally:
             self.adapters.end()
 
     def _run(self, work: list[tuple[Sequence, int]], adapted: bool) -> torch.Tensor:
-        """`run`; with `adapted`, eagerly: a replayed or compiled step would not add the adapters' deltas."""
+        """`run`; with `adapted`, eagerly (the module itself, never a replay or the compiled forward)."""
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
         kwargs = self.module_inputs(work, batch)
