@@ -94,7 +94,11 @@ def _refuse(path: Path, message: str) -> ConfigError:
 def read_peft_adapter(name: str, path: str | Path, *, max_rank: int | None = None) -> LoraAdapter:
     """Read a PEFT LoRA directory; a `ConfigError` naming the directory and what is wrong otherwise."""
     directory = Path(path)
-    if not directory.is_dir():
+    try:
+        is_dir = directory.is_dir()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL
+        is_dir = False
+    if not is_dir:
         raise _refuse(directory, "is not a directory (a PEFT adapter is a directory with adapter_config.json and "
                                  "adapter_model.safetensors)")
     config_path = directory / CONFIG_FILE

@@ -48,8 +48,9 @@ def test_rank_over_the_bound_is_named(tmp_path):
 
 
 def test_missing_files_are_named(tmp_path):
-    with pytest.raises(ConfigError, match="is not a directory"):
-        read_peft_adapter("x", tmp_path / "nowhere")
+    for path in (tmp_path / "nowhere", "x" * 5000, "a\x00b"):
+        with pytest.raises(ConfigError, match="is not a directory"):
+            read_peft_adapter("x", path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="missing file adapter_config.json"):
         read_peft_adapter("x", tmp_path / "empty")

@@ -134,3 +134,15 @@ async def test_names_and_bad_directories(engine, tmp_path):
     with pytest.raises(RequestError, match="no LoRA adapter named 'nope'") as err:
         await engine.unload_lora_adapter("nope")
     assert err.value.status == 404
+
+
+async def test_choices_fork_under_the_adapter(engine):
+    """`n` choices fork the prompt's cache: the forks keep the adapter their prompt ran under."""
+    alone = await _tokens(engine, "poet", n=6)
+    handle = await engine.submit_async("poet", {"input_ids": PROMPT, "max_tokens": 6, "ignore_eos": True, "n": 2,
+                                                "temperature": 0})
+    by_branch: dict[int, list[int]] = {}
+    async for out in handle:
+        if out.name == "next_token":
+            by_branch.setdefault(out.branch, []).append(int(out.value))
+    assert by_branch == {0: alone, 1: alone}
