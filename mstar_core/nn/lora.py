@@ -358,7 +358,11 @@ class LoraBank:
         self.parts: dict[str, _Part] = {}
         layers: dict[str, LoraLayer] = {}
         device = None
-        targets = linear_targets(module)
+        # a module may say which of its linears run in its forward (`lora_scope`: attribute-path prefixes; others run
+        # in other nodes, where no step's rows are laid out) and under which prefix its checkpoint names them
+        scope = tuple(getattr(module, "lora_scope", ()) or ())
+        self.prefix = str(getattr(module, "checkpoint_prefix", "") or "")
+        targets = {n: t for n, t in linear_targets(module).items() if not scope or n.startswith(scope)}
         parts_of = collections.Counter(path for path, *_ in targets.values())
         for name, (path, linear, lo, rows, block) in targets.items():
             if path.rsplit(".", 1)[-1] in OUTSIDE_FORWARD:
@@ -377,16 +381,21 @@ class LoraBank:
 
     # -- adapters --------------------------------------------------------------------------------
 
+    def _name(self, name: str) -> str:
+        """An adapter's module name as this module's own (the checkpoint's prefix of the module dropped)."""
+        return name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+
     def check(self, adapter: LoraAdapter) -> None:
         """Whether `adapter` fits this module: every target and tensor names one of its linears, at its shapes."""
         where = f"LoRA adapter {adapter.path!r}"
         if isinstance(adapter.target_modules, tuple):
             for target in adapter.target_modules:
-                if target not in self._leaves and target not in self.parts and target != "all-linear":
+                if (target not in self._leaves and self._name(target) not in self.parts
+                        and target != "all-linear"):
                     raise ConfigError(f"{where}: target module {target!r} is not a linear of this model; "
                                       f"its linears: {sorted(self._leaves)}")
         for name, pair in adapter.pairs.items():
-            part = self.parts.get(name)
+            part = self.parts.get(self._name(name))
             if part is None:
                 raise ConfigError(f"{where}: weights for {name!r}, which is not a linear of this model "
                                   f"(its linears are named like {next(iter(self.parts))!r})")
@@ -404,7 +413,7 @@ class LoraBank:
         if free is None:
             raise ConfigError(f"{self.where}: all {self.max_loras} LoRA slots are taken (max_loras); unload one first")
         for name, pair in adapter.pairs.items():
-            part = self.parts[name]
+            part = self.parts[self._name(name)]
             part.layer.write(free, part, pair)
         self.slots[free] = adapter
         weights_changed(self.module)  # recorded steps re-record, with this adapter's kernel calls

@@ -15,11 +15,11 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
-@pytest.mark.slow  # (~9 s on a loaded 2-core box: two Orpheus models load)
 async def test_orpheus_adapter_speaks_as_the_merged_checkpoint(preset_cache, tmp_path):
+    from mstar_orpheus.preset import ensure_preset
+
     from mstar_core.checkpoint import save_hf_checkpoint
     from mstar_core.runtime import AsyncEngine
-    from mstar_orpheus.preset import ensure_preset
     from tests.lora.peft_fixtures import make_adapter
 
     preset = ensure_preset("tiny")
