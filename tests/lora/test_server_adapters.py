@@ -99,3 +99,23 @@ def test_deploy_file_lora_keys_are_strict(tmp_path):
         load_deploy(path)
     path.write_text(yaml.safe_dump({"models": {"llama": {"preset": "tiny", "lora_adapters": {"a": "/x"}}}}))
     assert dict(load_deploy(path)[1]["llama"].lora.adapters) == {"a": "/x"}
+
+
+def test_serve_flags_name_adapters_like_vllm(tmp_path):
+    import argparse
+
+    from mstar_core.api.server.launch import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config, _, _ = build_config(parser.parse_args(["llama", "--lora-modules", "sql=/a/sql", "poet=/a/poet",
+                                                   "--max-loras", "2"]))
+    lora = config.models[0].lora
+    assert (dict(lora.adapters), lora.max_loras, lora.max_lora_rank) == ({"sql": "/a/sql", "poet": "/a/poet"}, 2, 16)
+    assert build_config(parser.parse_args(["llama"]))[0].models[0].lora is None
+    with pytest.raises(ConfigError, match=r"--lora-modules 'sql': write NAME=PATH"):
+        build_config(parser.parse_args(["llama", "--lora-modules", "sql"]))
+    with pytest.raises(ConfigError, match=r"max_loras must be an integer >= 1, got 0"):
+        build_config(parser.parse_args(["llama", "--max-loras", "0"]))
+    with pytest.raises(ConfigError, match="apply to one served model"):
+        build_config(parser.parse_args(["llama", "orpheus", "--max-loras", "2"]))
