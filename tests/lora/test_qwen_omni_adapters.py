@@ -36,7 +36,6 @@ def _adapter(thinker, directory):
     return deltas
 
 
-@pytest.mark.slow  # (two tiny Qwen3-Omni models load: ~10 s on a loaded 2-core box)
 async def test_thinker_adapter_writes_as_the_merged_thinker(preset_cache, tmp_path):
     from mstar_core.runtime import AsyncEngine
 
