@@ -71,6 +71,8 @@ class ModelCard(BaseModel):
     image_size_rule: str | None = Field(None, description="which sizes it draws, in words")
     default_image_size: str | None = Field(None, description="the size drawn when a request gives none")
     speed: bool | None = Field(None, description="whether /v1/audio/speech honours 'speed'")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (requests naming the adapter run there)")
+    root: str | None = Field(None, description="a LoRA adapter's directory")
 
 
 class ModelList(BaseModel):

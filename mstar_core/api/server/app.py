@@ -31,6 +31,7 @@ from mstar_core.api.routes import (
     completions,
     files,
     images,
+    lora_adapters,
     realtime,
     responses,
     speech,
@@ -45,6 +46,7 @@ from mstar_core.api.server import playground
 from mstar_core.api.server.metrics import Metrics
 from mstar_core.api.server.middleware import GuardMiddleware
 from mstar_core.api.server.plugin_routes import include_plugin_routes
+from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.grammar.compile import warm as warm_grammars
@@ -74,6 +76,8 @@ class ModelToServe:
     placement: Placement | None = None
     #: the deploy file's `media:` section (MediaLimits fields), over the adapter's limits
     media: dict[str, Any] = attrs.field(factory=dict)
+    #: the deploy file's LoRA keys (`lora_adapters`, `max_loras`, `max_lora_rank`); None: no adapters
+    lora: LoraSettings | None = None
 
 
 def _positive_or_none(name: str, value: Any) -> None:
@@ -144,10 +148,15 @@ class ServerState:
 
     # -- lookups used by routes ----------------------------------------------------------------
 
+    def base_model(self, model: str) -> str:
+        """The model a request's `model` runs on: itself, or a LoRA adapter's base model."""
+        return self.engine.lora.resolve(model)[0] if self.engine is not None else model
+
     def loaded(self, model: str) -> Any:
         if not self.ready:
             raise ApiError(503, "models are still loading; retry shortly (GET /health says when ready)",
                            headers=retry_after(2), type_="server_loading")
+        model = self.base_model(model)
         models = self.engine.models
         if model not in models:
             raise ApiError(404, f"model '{model}' is not loaded; loaded models: {', '.join(sorted(models)) or 'none'}",
@@ -156,7 +165,7 @@ class ServerState:
 
     def adapter(self, model: str, route: str) -> ApiAdapter:
         self.loaded(model)
-        adapter = self.adapters.get((model, route))
+        adapter = self.adapters.get((self.base_model(model), route))
         if adapter is None:
             serving = sorted(m for (m, r) in self.adapters if r == route)
             raise ApiError(404, f"model '{model}' does not serve the {route} route; models that do: "
@@ -206,6 +215,8 @@ class ServerState:
             if (loaded.extras or {}).get("grammar_vocab") is not None:  # compile processes start now, not on the
                 warm_grammars(loaded.extras["grammar_vocab"])  # first structured request
             self.bind_adapters(item.name, loaded, item.media)
+            if item.lora is not None:  # the nodes that take adapters get their slots, the named adapters load
+                await self.engine.enable_lora(item.name, item.lora)
         self.ready = True
 
     def bind_adapters(self, name: str, loaded: Any, media: dict[str, Any] | None = None) -> None:
@@ -290,6 +301,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
                          "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
                          "random_weights": bool(loaded.random_weights),
                          **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})})
+        for name, served in sorted(state.engine.lora.adapters.items()):  # as vLLM lists them: parent, root
+            data.append({"id": name, "object": "model", "created": served.created, "owned_by": "mstar",
+                         "parent": served.base, "root": served.path, "routes": state.routes_of(served.base),
+                         "walks": sorted(state.engine.models[served.base].graph.walks), "random_weights": False})
         return {"object": "list", "data": data}
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -299,7 +314,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     for module in (speech, speech_stream, voices, chat, completions, responses, images, videos, walks, realtime,
-                   transcriptions, translations, files, batches, playground):
+                   transcriptions, translations, files, batches, playground, lora_adapters):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 

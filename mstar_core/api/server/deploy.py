@@ -9,6 +9,8 @@ import yaml
 
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.server.app import ModelToServe, ServerConfig
+from mstar_core.config.lora import DEPLOY_KEYS as LORA_KEYS
+from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
@@ -18,7 +20,7 @@ from mstar_core.strict import reject_unknown
 _OPTION_KEYS = ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads",
                 "state_dir", "batch_max_file_bytes", "batch_max_lines", "batch_concurrency")
 _SERVER_KEYS = {"host", "port", *_OPTION_KEYS}
-_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media"}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media", *LORA_KEYS}
 
 
 def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
@@ -41,6 +43,7 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
                     placement: placement/orpheus-disaggregated.yaml}   # a file (relative to this one) or inline
           qwen3-omni: {checkpoint: /ckpt/qwen3-omni,
                        media: {max_image_pixels: 4000000, url_prefixes: ["https://cdn.example.com/img/"]}}
+          llama: {checkpoint: /ckpt/llama, lora_adapters: {sql: /adapters/sql}, max_loras: 4, max_lora_rank: 16}
 
     A deploy file may also be a bare placement file (top-level `workers`/`nodes`/...): it then
     applies to every model named on the command line.
@@ -66,7 +69,7 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
         MediaLimits().with_settings(media, f"{path}: models.{name}.media")  # checked now, applied at startup
         models[name] = ModelToServe(
             name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement")),
-            media=dict(media),
+            media=dict(media), lora=LoraSettings.from_deploy(spec, f"{path}: models.{name}"),
         )
     return server, models
 

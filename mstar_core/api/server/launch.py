@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
+from mstar_core.config.lora import LoraSettings
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
@@ -52,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help=f"where the Batch API keeps files and jobs, resumed after a restart (default: ${STATE_DIR_ENV}, "
                         "else $XDG_STATE_HOME/mstar or ~/.local/state/mstar)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served as models NAME over the one model served (vLLM's flag; "
+                        "several models: the deploy file's lora_adapters)")
+    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters held at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank (default 16)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin (not installed as a distribution)")
@@ -69,6 +75,29 @@ def _per_model(values: list[str], models: list[str], flag: str) -> dict[str, str
         else:
             raise ConfigError(f"{flag} {value!r}: with several models write {flag} MODEL=VALUE (models: {', '.join(models)})")
     return out
+
+
+def _lora_flags(args: argparse.Namespace, models: list[ModelToServe]) -> None:
+    """`--lora-modules`, `--max-loras`, `--max-lora-rank` onto the one model served (over its deploy entry's keys)."""
+    flags = {"lora_adapters": {}, "max_loras": getattr(args, "max_loras", None),
+             "max_lora_rank": getattr(args, "max_lora_rank", None)}
+    for value in getattr(args, "lora_modules", None) or []:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules {value!r}: write NAME=PATH (a PEFT adapter directory)")
+        flags["lora_adapters"][name] = path
+    given = {k: v for k, v in flags.items() if v is not None and v != {}}
+    if not given:
+        return
+    if len(models) != 1:
+        raise ConfigError("--lora-modules / --max-loras / --max-lora-rank apply to one served model; with several, "
+                          "name each model's lora_adapters, max_loras, max_lora_rank in the deploy file")
+    item = models[0]
+    before = item.lora or LoraSettings()
+    merged = {"lora_adapters": {**before.adapters, **given.get("lora_adapters", {})},
+              "max_loras": given.get("max_loras", before.max_loras),
+              "max_lora_rank": given.get("max_lora_rank", before.max_lora_rank)}
+    item.lora = LoraSettings.from_deploy(merged, "--lora-modules / --max-loras / --max-lora-rank")
 
 
 def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
@@ -100,6 +129,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
             item.options = attrs.evolve(item.options, dtype=dtype)
         item.options.torch_dtype(name)  # an unknown dtype fails here, naming the choices, before anything loads
         models.append(item)
+    _lora_flags(args, models)
     config = ServerConfig(models=models)
     apply_server_options(config, server_opts)
     overrides = {"max_body_bytes": args.max_body_bytes, "max_running": args.max_running,

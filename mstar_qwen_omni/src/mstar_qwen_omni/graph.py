@@ -79,7 +79,8 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     # a speaking model's Thinker also gives the Talker's accept-layer states, per token, to the media prefill
     accept = ("accept_hidden",) if model.talker is not None else ()
     nodes = [
-        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
+        # lora: the LoRA adapter a request names as its model (the Thinker's decoder runs under it)
+        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", "lora", *_MM_PORTS),
                   outputs=("next_token", "finish_reason", *accept), engine="kvcache", module=lambda: model.thinker),
         GraphNode("encode", inputs=("prompt_ids",),
                   optional_inputs=("audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
@@ -89,12 +90,12 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     walks = [
         Walk(name="prefill",
              body=_thinker("prompt_ids"),
-             inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             inputs=("prompt_ids",), optional_inputs=("sampling", "lora"), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
         _media_prefill("prefill_mm", None),
         Walk(name="decode",
              body=_thinker_loop(),
-             inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             inputs=("next_token",), optional_inputs=("sampling", "lora"), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
     ]
     if accept:  # every prompt row's accept-layer state comes back beside the sample (the Talker's prompt reads it)
@@ -121,7 +122,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
             name="speak",
             body=_thinker_loop(),
             inputs=("next_token", "prompt_ids", "speaker", "talker_sampling", "predictor_sampling", "talker_max_tokens"),
-            optional_inputs=("sampling", "accept_hidden", "image_grid"),
+            optional_inputs=("sampling", "lora", "accept_hidden", "image_grid"),
             outputs=("next_token", "finish_reason", "audio"),
             emit=("next_token", "codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
             streams=(
@@ -143,7 +144,8 @@ def _media_prefill(name: str, options: Mapping[str, Any] | None) -> Walk:
             _thinker("prompt_ids", options, input_embeds="mm_rows", embeds_at="mm_at", positions="prompt_positions",
                      deepstack="mm_deepstack")),
         inputs=("prompt_ids", "prompt_positions"),
-        optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
+        optional_inputs=("sampling", "lora", "audio_features", "image_patches", "image_grid", "video_patches",
+                         "video_grid"),
         outputs=("next_token", "finish_reason"), emit=("next_token",),
         description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"
                     + (" with every row's accept-layer state (a spoken reply)" if options else ""))

@@ -36,6 +36,10 @@ class Thinker(nn.Module):
 
     position_axes = 3
     call_inputs = {"deepstack": "token"}  # [T, K, H]: added after decoder layer k (zeros: no visual token)
+    # LoRA adapters (mstar_core.nn.lora) target the decoder's linears only (the encoders run in node `encode`),
+    # named as in the full checkpoint (`thinker.model.layers.0.self_attn.q_proj`)
+    lora_scope = ("model.",)
+    checkpoint_prefix = "thinker."
 
     def __init__(self, cfg: ThinkerConfig):
         super().__init__()

@@ -44,6 +44,8 @@ def page_content(seq: Sequence, lo: int, hi: int) -> bytes:
         if a < b:
             part = value[a - start : b - start] if per_token else value
             parts.append(b"x%d:%d:" % (a, start) + name.encode() + b"=" + _tensor_bytes(part))
+    if seq.lora is not None:  # keys computed under a LoRA adapter (its load, not only its name)
+        parts.append(b"l" + seq.lora.encode())
     return b"".join(parts)
 
 
@@ -74,7 +76,8 @@ class BlockManager:
         key differs from every full page's, since the digest counts the tokens)."""
         lo = i * self.page_size
         hi = lo + (self.page_size if length is None else length)
-        plain = seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+        plain = (seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+                 and seq.lora is None)
         return chain_digest(previous, seq.tokens[lo:hi], b"" if plain else page_content(seq, lo, hi))
 
     def pages_needed(self, seq: Sequence, n: int) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_core.runtime.rank_steps import RankMessage
@@ -19,6 +19,7 @@ from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation
 from mstar_kvcache.intake import CallIntake
 from mstar_kvcache.labels import Labels
+from mstar_kvcache.lora import NodeAdapters
 from mstar_kvcache.no_token import NoTokenColumns
 from mstar_kvcache.offload import host_tier
 from mstar_kvcache.pool import PagePool
@@ -150,6 +151,8 @@ class KVCacheEngine(Engine):
         spec = self.settings.speculative
         self.speculator = (Speculator(spec, node.name, self.blocks, self.answers, self.max_model_len)
                            if spec is not None and self.samples and self.ranks is None else None)
+
+        self.adapters: NodeAdapters | None = None  # LoRA adapters, once `enable_lora` ran (lora.py)
 
         self.num_preemptions = 0
         self.num_steps = 0
@@ -335,6 +338,7 @@ class KVCacheEngine(Engine):
             **({"compile_seconds": self.forward.forward_fn.compile_seconds} if self.settings.compile else {}),
             **(self.offload.stats() if self.offload is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.adapters.stats() if self.adapters is not None else {}),
             # this process's share of the KV pool (a split node's pool holds only its rank's heads)
             "kv_heads": self.kv_shape[1],
             "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
@@ -346,6 +350,37 @@ class KVCacheEngine(Engine):
         self.labels.close()
         self.readonly.close()
         self.cross.close()
+
+    # -- LoRA adapters (lora.py; the runtime calls these on the device thread, between steps) --------
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Hold up to `max_loras` adapters of rank up to `max_rank` (calls then name one with input `lora`)."""
+        if self.adapters is not None:
+            if (self.adapters.max_loras, self.adapters.max_rank) != (max_loras, max_rank):
+                raise ConfigError(f"node '{self.node.name}': LoRA already enabled with max_loras "
+                                  f"{self.adapters.max_loras}, max_lora_rank {self.adapters.max_rank}")
+            return
+        if self.ranks is not None:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters on a node split across ranks "
+                              "(tensor_parallel) are not supported; serve it on one device")
+        if self.quantized_linears:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters over quantized linears are not supported; "
+                              "drop the node's 'quantize' setting")
+        seqs = lambda: [*self.labels.seqs.values(), *self.readonly.attached]  # noqa: E731
+        self.adapters = NodeAdapters(self.node.name, self.module, max_loras, max_rank, seqs)
+        self.intake.adapters = self.forward.adapters = self.adapters
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` as `name` (`enable_lora` first)."""
+        if self.adapters is None:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters are not enabled (set max_loras)")
+        self.adapters.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter `name` (refused while a sequence runs under it)."""
+        if self.adapters is None:
+            raise RequestError(f"node '{self.node.name}': no LoRA adapter named '{name}' is loaded", status=404)
+        self.adapters.unload(name)
 
     # -- cache labels and moved caches (walks' label operations, per-walk placement) ---------------
 

@@ -48,7 +48,7 @@ _OPTION_NAMES = frozenset(OPTIONS)
 
 #: Inputs the engine itself reads; any other input of a node must be declared by its module.
 BUILTIN_INPUTS = ("input_ids", "input_embeds", "embeds_at", "positions", "routing", "output_index", "sampling",
-                  "state", "cross_states")
+                  "state", "cross_states", "lora")
 
 
 @attrs.define
@@ -78,6 +78,7 @@ class ParsedInvocation:
     decode_steps: int | None = None
     cross_label: str | None = None  # (cross.py) the cross label attended; with `cross_states`, the one they fill
     cross_states: torch.Tensor | None = None
+    lora: str | None = None  # the LoRA adapter the call runs under (input `lora`, see lora.py); None: as its label does
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -283,7 +284,19 @@ def parse_invocation(
         decode_steps=steps,
         cross_label=cross_label,
         cross_states=cross_states,
+        lora=_adapter_name(inputs.get("lora"), write, node),
     )
+
+
+def _adapter_name(value: Any, write: bool, node: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"node '{node}': input lora must be an adapter's name, got {type(value).__name__}")
+    if not write:
+        raise RequestError(f"node '{node}': LoRA adapters apply to calls that write their cache label, not to "
+                           "read-only calls (write_cache: False)")
+    return value
 
 
 def mask_limits(start: int, count: int, bidirectional: bool, frame_size: int | None,

@@ -11,6 +11,7 @@ from mstar_core.runtime.engine import Invocation, Result
 from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import Labels
+from mstar_kvcache.lora import NodeAdapters
 from mstar_kvcache.rows import CallRows
 from mstar_kvcache.sequence import Sequence
 
@@ -31,6 +32,7 @@ class CallIntake:
         self.labels, self.rows = labels, rows
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
         self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
+        self.adapters: NodeAdapters | None = None  # the node's LoRA adapters, once enabled (lora.py)
 
     def parse(self, inv: Invocation) -> ParsedInvocation:
         return parse_invocation(inv, self.vocab_size, self.hidden_size, self.axes, self.call_inputs)
@@ -58,6 +60,11 @@ class CallIntake:
         if parsed.reset and (seq.tokens or seq.pages):  # the label starts over: a fresh sequence, same name
             self.labels.drop_label(seq.request_id, seq.label)
             seq = self.labels.create(inv.request_id, parsed.label, inv.arrival)
+        if self.adapters is not None:
+            self.adapters.bind(seq, parsed.lora)
+        elif parsed.lora is not None:
+            raise RequestError(f"node '{self.node}': LoRA adapter '{parsed.lora}' asked for, but this node serves no "
+                               "adapters", status=404, param="model")
         for name in parsed.snapshot_before:
             self.labels.snapshot_label(seq.request_id, seq.label, name)
         limits = None

@@ -79,6 +79,8 @@ class Sequence:
     speculation: Any = None
     #: The request's cross-attention label its calls named (`cross.py`): every step of it attends to that label too.
     cross_label: str | None = None
+    #: The LoRA adapter its keys and values were computed under (`lora.NodeAdapters` key `name#load`); None: the base.
+    lora: str | None = None
 
     @property
     def next_position(self) -> int:
