@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# appended, not put first: a benchmark named after a package (benchmarks/qwen_tts.py) must not shadow it
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from alternating import alternate
 

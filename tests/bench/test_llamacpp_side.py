@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# appended, not put first: a benchmark named after a package (benchmarks/qwen_tts.py) must not shadow it
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import llamacpp_side
 import vs_llamacpp

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# appended, not put first: a benchmark named after a package (benchmarks/qwen_tts.py) must not shadow it
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import vllm_side
 from openai_load import closed_loop, summarize, tree_cpu_s
