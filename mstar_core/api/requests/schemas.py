@@ -71,6 +71,10 @@ class ModelCard(BaseModel):
     image_size_rule: str | None = Field(None, description="which sizes it draws, in words")
     default_image_size: str | None = Field(None, description="the size drawn when a request gives none")
     speed: bool | None = Field(None, description="whether /v1/audio/speech honours 'speed'")
+    defaults: dict[str, Any] | None = Field(None, description="the value each request field of the model's own "
+                                            "schema (/v1/walks) takes when a request leaves it unset: sampling from "
+                                            "the checkpoint's generation_config.json unless the server was started "
+                                            "with --generation-config none; the OpenAI routes map onto these")
 
 
 class ModelList(BaseModel):
@@ -94,8 +98,8 @@ class SpeechRequest(_Body):
     voice: str | None = Field(None, min_length=1, description="one of the model's voices (GET /v1/models lists "
                                                               "them); absent: the model's default voice")
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = Field(
-        "wav", description="wav (streamed with an open-ended header), pcm (raw s16le mono), flac, mp3, opus (Ogg) "
-                           "or aac (ADTS); every format streams"
+        "mp3", description="mp3 (the default, as OpenAI's), wav (streamed with an open-ended header), pcm (raw s16le "
+                           "mono), flac, opus (Ogg) or aac (ADTS); every format streams"
     )
     speed: float = _real(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
