@@ -290,9 +290,9 @@ class ImageRequest(_Body):
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1, max_length=32000)
     n: int = _count(1, 1, 10)
-    size: str | None = Field(None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$",
-                             description="WIDTHxHEIGHT; absent: the model's default (GET /v1/models says which sizes "
-                                         "each model draws)")
+    size: str | None = Field(None, pattern=r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$",
+                             description="WIDTHxHEIGHT; absent or auto: the model's default (GET /v1/models says which "
+                                         "sizes each model draws), for an edit the input image's size")
     seed: int | None = _sampling("seed", description="image i draws with seed + i")
     response_format: Literal["b64_json"] = "b64_json"
 
