@@ -20,7 +20,7 @@ from mstar_core.checkpoint.presets import ensure_preset
 from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
 from mstar_qwen_omni.config import OmniConfig
 
-PRESET_VERSION = 3
+PRESET_VERSION = 4  # 4: the Thinker ends its turns by itself (`end_turns_by_themselves`)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>", "<tts_text_bos>",
             "<tts_text_eod>"]
@@ -156,12 +156,42 @@ def speak_past_the_first_frame(model: torch.nn.Module, code_scale: float = 3.0) 
         model.thinker.lm_head.weight[im_end] = 0.0
 
 
+#: The residual-stream channel that carries "the turn may end": constant in every token's embedding, written by no
+#: layer, read only by <|im_end|>'s row of the LM head.
+END_CHANNEL = 0
+#: <|im_end|>'s logit is END_WEIGHT times the normalized channel (about 0.46 with these widths): about 3, near the
+#: top of the other logits (their maximum is 2.4 to 3.5), so a sampled turn ends after some twenty tokens at
+#: temperature 1 and a greedy one within a few.
+END_WEIGHT = 6.5
+
+
+def end_turns_by_themselves(model: torch.nn.Module, tokenizer: Any) -> None:
+    """Random weights never end a turn: <|im_end|> is one token among hundreds, so replies (realtime turns too) ran
+    to their token limit. The preset gives the Thinker a constant channel in its residual stream: every token's
+    embedding holds +1 there (the role token that ends a prompt, `assistant`, holds -1, so a reply never ends
+    before its first token) and no attention or expert output writes to it, so after the final norm it is a
+    positive number at every reply position; <|im_end|>'s LM-head row reads only that channel. Its logit sits
+    among the highest at every step, so a reply ends by itself within a few dozen tokens. These are a
+    checkpoint's weights: the server reads them as any other, nothing in it is special-cased."""
+    thinker, end = model.thinker, model.config.im_end_token_id
+    with torch.no_grad():
+        thinker.model.embed_tokens.weight[:, END_CHANNEL] = 1.0
+        thinker.model.embed_tokens.weight[tokenizer.token_to_id("assistant"), END_CHANNEL] = -1.0
+        for layer in thinker.model.layers:
+            layer.self_attn.o_proj.weight[END_CHANNEL, :] = 0.0
+            layer.mlp.experts.down_proj[:, END_CHANNEL, :] = 0.0
+        thinker.lm_head.weight[:, END_CHANNEL] = 0.0
+        thinker.lm_head.weight[end] = 0.0
+        thinker.lm_head.weight[end, END_CHANNEL] = END_WEIGHT
+
+
 def write_tiny(directory: Path, seed: int = 0) -> Path:
     tok = build_tokenizer()
     config = tiny_config(tok)
     model = QwenOmni(OmniConfig.from_hf(config))
     randomize(model, seed)
     speak_past_the_first_frame(model)
+    end_turns_by_themselves(model, tok)
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE,
                         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
     save_omni(model, directory, config, extra_files={
