@@ -71,6 +71,8 @@ class ModelCard(BaseModel):
     image_size_rule: str | None = Field(None, description="which sizes it draws, in words")
     default_image_size: str | None = Field(None, description="the size drawn when a request gives none")
     speed: bool | None = Field(None, description="whether /v1/audio/speech honours 'speed'")
+    fields: list[str] | None = Field(None, description="the request fields the model's own schema declares (what "
+                                                      "/v1/walks takes; the OpenAI routes map onto them)")
     defaults: dict[str, Any] | None = Field(None, description="the value each request field of the model's own "
                                             "schema (/v1/walks) takes when a request leaves it unset: sampling from "
                                             "the checkpoint's generation_config.json unless the server was started "

@@ -285,6 +285,7 @@ def _model_card(state: ServerState, name: str, loaded: Any) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
             "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
             "random_weights": bool(loaded.random_weights), "defaults": _jsonable(loaded.request_defaults()),
+            "fields": [f.name for f in loaded.request_schema.fields] if loaded.request_schema is not None else [],
             **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})}
 
 
