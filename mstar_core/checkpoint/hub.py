@@ -126,7 +126,10 @@ def resolve_checkpoint(value: str) -> str:
     hub_id = HubId.parse(value)
     if hub_id is None:
         return value
-    return str(pull(hub_id))
+    try:
+        return str(pull(hub_id))
+    except CheckpointError as exc:  # a mistyped local path reads like an id: say both were tried
+        raise CheckpointError(f"no local path {value!r}, and {exc}") from None
 
 
 def resolve_options(options):
