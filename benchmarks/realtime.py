@@ -4,10 +4,13 @@ on Qwen3-Omni's tiny preset (random weights, the published structure), one serve
 - `first_audio_ratio_c1`: an audio turn's time from `input_audio_buffer.commit` (with `response.create` right
   after) to the first `response.output_audio.delta`, over the time from sending the same audio as a streamed
   `/v1/chat/completions` request (`modalities: ["text", "audio"]`) to its first `delta.audio.data`; same
-  audio, same instructions, greedy Thinker, fresh session per turn; medians of alternating pairs.
+  audio, same instructions, greedy Thinker, fresh session per turn; medians of alternating pairs, after one untimed
+  turn each. The process's global generator is reseeded before each timed turn (the same seed for both turns of a
+  pair), so the sampled Talker makes the same speech on both sides (`first_audio_same_speech`): first audio comes
+  after min(25 frames, the speech), and speech of a random length per request made the ratio compare different work.
 - `turn2_prefill_tokens` / `turn2_new_tokens`: a second text turn's Thinker rows computed (the engine's
   `tokens_forwarded` counter, less the reply tokens fed back) against the tokens turn 1 did not leave in the
-  KV cache (prompt 2 minus turn 1's prompt and fed-back reply). They differ by turn 1's last partial page.
+  KV cache (prompt 2 minus turn 1's prompt and fed-back reply). Equal: turn 1's last, partly written page is reused.
   `turn2_after_audio_*`: the same when turn 1 is the 1 s of audio (text replies: a spoken reply's prefill
   computes every row, since the Talker reads each prompt row's accept-layer state).
 - `barge_in_ms`: `input_audio_buffer.speech_started` to `response.done` (status cancelled), at the client,
@@ -98,6 +101,18 @@ class InProcessServer:
     def forwarded(self) -> int:
         return int(self.engine.node_engines("qwen3-omni")["thinker"].tokens_forwarded)
 
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until no node holds a request: a cancelled turn's last steps no longer draw random numbers."""
+        engines = self.engine.node_engines("qwen3-omni").values()
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            try:  # (read from this thread while the server's thread runs the engines: a torn read just retries)
+                if not any(e.active_requests() or e.has_work() for e in engines):
+                    return
+            except RuntimeError:
+                pass
+            await asyncio.sleep(0.01)
+
     def samples_per_frame(self) -> int:
         return int(self.engine.models["qwen3-omni"].extras["config"].code2wav.samples_per_frame)
 
@@ -129,7 +144,7 @@ async def _until(conn, kind: str, seen: list | None = None):
 INSTRUCTIONS = "You are Qwen, a virtual human."
 
 
-async def realtime_first_audio(client, audio: np.ndarray, max_tokens: int) -> float:
+async def realtime_first_audio(client, audio: np.ndarray, max_tokens: int) -> tuple[float, int]:
     conn = await _session(client, instructions=INSTRUCTIONS, max_output_tokens=max_tokens,
                           audio={"input": {"turn_detection": None}})
     try:
@@ -137,16 +152,16 @@ async def realtime_first_audio(client, audio: np.ndarray, max_tokens: int) -> fl
         t0 = time.perf_counter()
         await conn.input_audio_buffer.commit()
         await conn.response.create()
-        await _until(conn, "response.output_audio.delta")
+        delta = await _until(conn, "response.output_audio.delta")
         first = time.perf_counter() - t0
         await conn.response.cancel()
         await _until(conn, "response.done")
-        return first
+        return first, len(base64.b64decode(delta.delta)) // 2
     finally:
         await conn.close()
 
 
-async def http_first_audio(http, audio: np.ndarray, max_tokens: int, voice: str) -> float:
+async def http_first_audio(http, audio: np.ndarray, max_tokens: int, voice: str) -> tuple[float, int]:
     body = {"model": "qwen3-omni", "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "modalities": ["text", "audio"], "audio": {"voice": voice, "format": "pcm16"},
             "messages": [{"role": "system", "content": INSTRUCTIONS},
@@ -159,7 +174,7 @@ async def http_first_audio(http, audio: np.ndarray, max_tokens: int, voice: str)
                 chunk = json.loads(line[6:])
                 delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
                 if (delta.get("audio") or {}).get("data"):
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, len(base64.b64decode(delta["audio"]["data"])) // 2
     raise RuntimeError("the HTTP reply had no audio")
 
 
@@ -288,15 +303,28 @@ async def main(args) -> dict:
         voice = (await (await client.realtime.connect(model="qwen3-omni").enter()).recv()).session.audio.output.voice
         audio = _tone(1.0)
         rt, hp = [], []
+        chunks = {"rt": [], "http": []}
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as http:
+            # one untimed turn each: the first request of a process records replays and fills caches
+            await realtime_first_audio(client, audio, args.max_tokens)
+            await http_first_audio(http, audio, args.max_tokens, voice)
             for i in range(args.pairs):  # alternating order, so a load change on the box hits both sides
-                sides = [(rt, lambda: realtime_first_audio(client, audio, args.max_tokens)),
-                         (hp, lambda: http_first_audio(http, audio, args.max_tokens, voice))]
-                for times, measure in (sides if i % 2 == 0 else sides[::-1]):
-                    times.append(await measure())
+                sides = [(rt, "rt", lambda: realtime_first_audio(client, audio, args.max_tokens)),
+                         (hp, "http", lambda: http_first_audio(http, audio, args.max_tokens, voice))]
+                for times, side, measure in (sides if i % 2 == 0 else sides[::-1]):
+                    # The Talker samples (temperature 0.9) from the process's global generator: without this, each
+                    # side's speech has its own random length, and first audio comes after min(25 frames, the
+                    # speech), so the two sides timed different amounts of work (see BENCHMARKS.md, issue 53)
+                    await srv.settled()
+                    torch.manual_seed(1000 + i)
+                    seconds, samples = await measure()
+                    times.append(seconds)
+                    chunks[side].append(samples)
         out = {"first_audio_ratio_c1": round(statistics.median(rt) / statistics.median(hp), 3),
                "first_audio_realtime_s": round(statistics.median(rt), 3),
-               "first_audio_http_s": round(statistics.median(hp), 3)}
+               "first_audio_http_s": round(statistics.median(hp), 3),
+               # the first chunk's samples per pair: equal on both sides when both made the same speech
+               "first_audio_same_speech": chunks["rt"] == chunks["http"]}
         out.update(await second_turn(client, srv))
         out.update(await second_turn(client, srv, audio))
         out.update(await barge_in(client))

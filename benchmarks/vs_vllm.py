@@ -257,27 +257,28 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
-def report(dtype: str, runs: dict[str, list[dict]], levels: list[int]) -> dict[str, Any]:
-    """Print one dtype's table; its ratios and text agreement as JSON fields."""
+def report(dtype: str, runs: dict[str, list[dict]], levels: list[int], peer: str = "vllm") -> dict[str, Any]:
+    """Print one dtype's table (M* against `peer`, the other key of `runs`); its ratios and text agreement as JSON
+    fields."""
     out: dict[str, Any] = {}
     keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "cpu_s_per_1k_tok")
-    print(f"\n== {dtype}: medians over {len(runs['mstar'])} round(s) (M* / vLLM, ratio M*/vLLM)")
+    print(f"\n== {dtype}: medians over {len(runs['mstar'])} round(s) (M* / {peer}, ratio M*/{peer})")
     print(f"{'c':>3} " + " ".join(f"{k:>26}" for k in keys))
     for c in levels:
         cells = []
         for k in keys:
-            a, b = med(runs["mstar"], c, k), med(runs["vllm"], c, k)
+            a, b = med(runs["mstar"], c, k), med(runs[peer], c, k)
             r = ratio(a, b)
             cells.append(f"{a or float('nan'):9.1f} / {b or float('nan'):7.1f} ({r if r is not None else '-'})")
-            out[f"{k}_c{c}_{dtype}"] = {"mstar": a, "vllm": b}
+            out[f"{k}_c{c}_{dtype}"] = {"mstar": a, peer: b}
             if k in ("tok_s", "ttft_p50_ms"):
                 out[f"{k.replace('_ms', '')}_ratio_c{c}_{dtype}"] = r
         print(f"{c:>3} " + " ".join(f"{x:>26}" for x in cells))
     starts = {side: [r["startup_s"] for r in rs if "startup_s" in r] for side, rs in runs.items()}
     start = {side: median(v) if v else None for side, v in starts.items()}
     out[f"startup_s_{dtype}"] = start
-    print(f"start-up to first token: M* {start['mstar']} s, vLLM {start['vllm']} s (each round: {starts})")
-    texts = [r.get("texts") for r in (runs["mstar"][:1] + runs["vllm"][:1])]
+    print(f"start-up to first token: M* {start['mstar']} s, {peer} {start[peer]} s (each round: {starts})")
+    texts = [r.get("texts") for r in (runs["mstar"][:1] + runs[peer][:1])]
     if len(texts) == 2 and all(texts):
         same = [a == b for a, b in zip(*texts, strict=False)]
         out[f"greedy_texts_identical_{dtype}"] = f"{sum(same)}/{len(same)}"
@@ -286,7 +287,7 @@ def report(dtype: str, runs: dict[str, list[dict]], levels: list[int]) -> dict[s
             mark = "same" if a == b else f"differ after {common_prefix(a, b)} chars"
             print(f"  [{i}] {mark}\n    M*:   {a[:160]!r}")
             if a != b:
-                print(f"    vLLM: {b[:160]!r}")
+                print(f"    {peer}: {b[:160]!r}")
     errors = [r["error"] for rs in runs.values() for r in rs if "error" in r]
     if errors:
         out[f"errors_{dtype}"] = errors

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10
 DOCUMENTS = ("README.md", "docs/*.md")
-MODEL_PACKAGES = ("mstar_llm", "mstar_orpheus", "mstar_pi05", "mstar_qwen_omni", "mstar_vjepa", "mstar_bagel")
+MODEL_PACKAGES = ("mstar_llm", "mstar_orpheus", "mstar_pi05", "mstar_qwen_omni", "mstar_qwen_tts", "mstar_vjepa",
+                  "mstar_bagel", "mstar_wan", "mstar_whisper")
 
 
 @dataclass(frozen=True)

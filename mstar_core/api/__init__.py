@@ -5,6 +5,7 @@ Layers, arrows downward only (the `api layers` import-linter contract in pyproje
     server     the app and its state, middleware, metrics, drain, launch, deploy file, playground, offline command
     routes     one module per route: read the OpenAI request, call the pipeline, shape the response
     realtime   the realtime session's protocol, state and conversation (its route is `routes/realtime.py`)
+    batch      (beside realtime) the Batch API's files, jobs on disk and runner (routes `files.py`, `batches.py`)
     requests   the one pipeline for text and voice requests, the adapters' hooks, submission to the engine
     media      decode and bound images, audio, video, tensors
     http       errors and bodies

@@ -46,7 +46,7 @@ class WorkerCalls:
             state.check_request(inv.request_id)
             frames = state.encode(InvokeNode(request_id=inv.request_id, node=node, call_index=inv.call_index,
                                              inputs=to_wire(inv.inputs), options=to_wire(dict(inv.options)),
-                                             arrival=inv.arrival))
+                                             arrival=inv.arrival, priority=inv.priority))
         except WireError as exc:  # the request's own values cannot travel: the client's to fix, not a lost worker
             future.set_exception(RequestError(f"request {inv.request_id}: an input of node '{inv.node}' cannot be "
                                               f"sent to worker '{worker}': {exc}", status=400))

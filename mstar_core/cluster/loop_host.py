@@ -95,6 +95,7 @@ class LoopHostConductor(Conductor):
         state = _LoopState(msg.request_id, msg.loop, msg.branch,
                            self._forward(self.graph, walk, loop.body, frozenset(senders)), send)
         state.arrival = msg.arrival  # the serving process's: its calls queue here by the request's age, not the loop's
+        state.priority = msg.priority  # and by its class (a Batch API line's background)
         _hold_to_credits(state, senders)
         try:
             await self.run_loop(state, frame, loop, env)
@@ -126,7 +127,7 @@ class LoopHostConductor(Conductor):
                 site = sites.stream_calls[msg.stream]
                 frame = self._frame(walk, site, senders)
                 state = _LoopState(msg.request_id, msg.loop, msg.branch, {}, send)
-                state.arrival = msg.arrival
+                state.arrival, state.priority = msg.arrival, msg.priority
                 _hold_to_credits(state, senders)
                 ports = self.graph.nodes[site.node].outputs
                 while (chunk := await stream.next_chunk()) is not None:
@@ -139,7 +140,7 @@ class LoopHostConductor(Conductor):
                 body = sites.consumers[msg.stream]
                 state = _LoopState(msg.request_id, msg.loop, msg.branch,
                                    self._forward(self.graph, walk, body, frozenset(senders)), send)
-                state.arrival = msg.arrival
+                state.arrival, state.priority = msg.arrival, msg.priority
                 _hold_to_credits(state, senders)
                 await self._step(state, self._frame(walk, body, senders).fragment({edge.into: stream}), body, env)
                 stream.finish_reading()

@@ -47,7 +47,8 @@ class RemoteLoop:
             routes = {k: r for k, r in frame.routes.items() if r.edge.src_node in self.nodes}
             msg = RunLoop(request_id=state.request_id, model=self.model, walk=self.walk.name, loop=self.index,
                           env=to_wire(sent), branch=frame.branch_key,
-                          streams={str(k): r.route() for k, r in routes.items()}, arrival=state.arrival)
+                          streams={str(k): r.route() for k, r in routes.items()}, arrival=state.arrival,
+                          priority=state.priority)
             worker = self.scheduler.replica_for(state.request_id)
 
             def on_values(call: int, outputs: dict[str, Any]) -> None:

@@ -118,7 +118,8 @@ class DirectStream:
         try:
             msg = RunConsumer(request_id=self.request_id, model=plan.model, walk=plan.walk, stream=plan.index,
                               env=to_wire(sent), nonce=self.nonce, session=self.session, branch=frame.branch_key,
-                              arrival=state.arrival, streams={str(k): r.route() for k, r in routes.items()})
+                              arrival=state.arrival, priority=state.priority,
+                              streams={str(k): r.route() for k, r in routes.items()})
             delta, streamed = await plan.cluster.run_loop(self.worker, msg, on_values)
         except WireError as exc:
             raise RequestError(f"request {self.request_id}: an input of the consumer of stream {edge.name} cannot be "

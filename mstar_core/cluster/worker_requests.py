@@ -132,7 +132,8 @@ class WorkerRequests:
             # (imported after the release, that state's pages would never be freed)
             self._track(msg.request_id, asyncio.ensure_future(self._move(msg, sched, inputs, options)))
             return
-        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index, arrival=msg.arrival)
+        inv = Invocation(msg.request_id, msg.node.split("/", 1)[1], inputs, options, msg.call_index,
+                         priority=msg.priority, arrival=msg.arrival)
         future = sched.submit(inv)
         future.add_done_callback(lambda f, m=msg: asyncio.ensure_future(self._reply(m, f)))
 
@@ -150,7 +151,7 @@ class WorkerRequests:
                 sent = decode(frames)
                 inputs = {**inputs, "state": from_wire(sent.outputs)["state"]}
             result = await sched.submit(Invocation(msg.request_id, node, inputs, options, msg.call_index,
-                                                    arrival=msg.arrival))
+                                                    priority=msg.priority, arrival=msg.arrival))
             if to is not None:
                 state = NodeResult(request_id=msg.request_id, node=msg.node, call_index=msg.call_index,
                                    outputs=to_wire({"state": result["state"]}))

@@ -1,6 +1,7 @@
 """Shared torch building blocks that model packages import (norms, rotary, attention, MLPs, MoE)."""
 
 from mstar_core.nn.attention import AttentionContext, DenseAttention, DenseKVCache
+from mstar_core.nn.cross_attention import CrossAttention, DenseCrossContext
 from mstar_core.nn.llama import LlamaForCausalLM, load_llama
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import MLP, GatedMLP, SwiGLU
@@ -12,7 +13,9 @@ from mstar_core.nn.self_attention import GroupedQueryAttention
 __all__ = [
     "MLP",
     "AttentionContext",
+    "CrossAttention",
     "DenseAttention",
+    "DenseCrossContext",
     "DenseKVCache",
     "FusedExperts",
     "GatedMLP",

@@ -34,6 +34,8 @@ def fuse_on_load(owner: nn.Module, fused: str, parts: Sequence[tuple[str, int]])
     names = [name for name, _ in parts]
     # plain attribute: which checkpoint tensors each fused linear is made of (read by tensor-parallel shard plans)
     owner.__dict__.setdefault("checkpoint_parts", {})[fused] = tuple(names)
+    # and how many output rows each part has (read by LoRA adapters, which target the parts: `mstar_core.nn.lora`)
+    owner.__dict__.setdefault("checkpoint_part_rows", {})[fused] = tuple(sizes)
 
     def split_on_save(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         # This module's keys are the last ones written (children come first, then this hook), so

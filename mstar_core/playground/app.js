@@ -310,6 +310,38 @@ async function loadWalks() {
   }));
 }
 
+// --- video: a job on /v1/videos, polled for its progress, then played --------------------------------------
+
+async function generateVideo() {
+  const form = new FormData();
+  form.append("model", model());
+  form.append("prompt", $("video-prompt").value);
+  form.append("size", $("video-size").value);
+  form.append("seconds", $("video-seconds").value);
+  if ($("video-seed").value !== "") form.append("seed", $("video-seed").value);
+  if ($("video-steps").value !== "") form.append("num_steps", $("video-steps").value);
+  const image = $("video-image").files[0];
+  if (image) form.append("input_reference", image, image.name);
+  let job = await (await api("/v1/videos", { form })).json();
+  const bar = $("video-progress");
+  bar.hidden = false;
+  while (job.status === "queued" || job.status === "in_progress") {
+    bar.value = job.progress;
+    $("video-status").textContent = `${job.status} ${job.progress}%`;
+    await new Promise((done) => setTimeout(done, 500));
+    job = await (await api(`/v1/videos/${job.id}`)).json();
+  }
+  bar.value = job.progress;
+  if (job.status !== "completed") throw new Error(job.error ? job.error.message : `the job ${job.status}`);
+  const blob = await (await api(`/v1/videos/${job.id}/content`)).blob();
+  const player = $("video-result");
+  if (player.src) URL.revokeObjectURL(player.src);
+  player.src = URL.createObjectURL(blob);
+  player.hidden = false;
+  player.play().catch(() => { /* autoplay may be refused: the controls are there */ });
+  $("video-status").textContent = `completed: ${job.size}, ${job.seconds} s (${(blob.size / 1024).toFixed(0)} KiB MP4)`;
+}
+
 // --- wiring -------------------------------------------------------------------------------------------------
 
 function showTab(name) {
@@ -335,6 +367,7 @@ window.addEventListener("DOMContentLoaded", () => {
   $("speech-go").addEventListener("click", () => busy($("speech-go"), $("speech-status"), speak));
   $("image-go").addEventListener("click", () => busy($("image-go"), $("image-status"), draw));
   $("image-edit").addEventListener("click", () => busy($("image-edit"), $("image-status"), edit));
+  $("video-go").addEventListener("click", () => busy($("video-go"), $("video-status"), generateVideo));
   $("chat-go").addEventListener("click", () => busy($("chat-go"), null, chat));
   $("chat-clear").addEventListener("click", () => { view.history = []; $("chat-log").replaceChildren(); });
   $("policy-sample").addEventListener("click", () => busy($("policy-sample"), $("policy-status"), sampleObservation));

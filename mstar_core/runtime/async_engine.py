@@ -20,6 +20,7 @@ import torch
 
 from mstar_core.checkpoint.hub import resolve_options
 from mstar_core.checkpoint.partial import release_unhosted
+from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import LOCAL, Placement
 from mstar_core.errors import ConfigError, RequestCancelled, RequestError, RequestTimeout
 from mstar_core.model import LoadedModel, LoadOptions
@@ -28,6 +29,7 @@ from mstar_core.runtime.admission import Admission, Place
 from mstar_core.runtime.conductor import Conductor
 from mstar_core.runtime.engine import Engine, EngineContext, active_limit, build_order, call_order
 from mstar_core.runtime.host_memory import keep_freed_memory
+from mstar_core.runtime.lora import LORA_INPUT, AdapterHost, AdapterRegistry, ServedAdapter
 from mstar_core.runtime.placing import PlacementStrategy, node_workers
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
@@ -87,6 +89,8 @@ class AsyncEngine:
         self.placement_strategy = placement_strategy  # runs the nodes a placement puts in other processes
         self._lost: dict[str, Exception] = {}  # request id -> why its state was lost (see `fail_requests`)
         self._own_executors: list[ThreadPoolExecutor] = []  # nodes with `own_thread`
+        #: LoRA adapters served by name over the models that take them (`enable_lora`, `load_lora_adapter`)
+        self.lora = AdapterRegistry()
 
     # -- models --------------------------------------------------------------------------------
 
@@ -276,6 +280,7 @@ class AsyncEngine:
         request_id: str | None = None,
         prepared: bool = False,
         place: Place | None = None,
+        priority: float = 0.0,
     ) -> RequestHandle:
         """Start a request; returns its handle at once. Bad input raises `RequestError` here.
 
@@ -284,20 +289,28 @@ class AsyncEngine:
         A server takes the request's `place` (`admission.take()`) before its first await and passes
         it here; the request then owns it (given back when it ends, or here if it cannot start).
         Without one, a place is taken now; `AtCapacity` (503) when none is free.
+        `priority` is the request's class under its calls' own ranks: 0 for live traffic,
+        `runtime.engine.BACKGROUND_PRIORITY` for work that may wait (schedulers serve it after live calls).
+
+        `model` may name a LoRA adapter: the request runs on its base model, under the adapter.
         """
+        model, adapter = self.lora.resolve(model)
         runtime = self._runtime(model)
         place = self.admission.take() if place is None else place
         try:
-            return self._start(runtime, model, inputs, timeout, request_id, prepared, place)
+            return self._start(runtime, model, inputs, timeout, request_id, prepared, place, priority, adapter)
         except BaseException:
             place.release()
             raise
 
     def _start(self, runtime: _ModelRuntime, model: str, inputs: Mapping[str, Any], timeout: float | None,
-               request_id: str | None, prepared: bool, place: Place) -> RequestHandle:
+               request_id: str | None, prepared: bool, place: Place, priority: float = 0.0,
+               adapter: str | None = None) -> RequestHandle:
         if place.released:
             raise ValueError("a released admission place cannot start a request")
         env = dict(inputs) if prepared else runtime.loaded.prepare_inputs(inputs)
+        if adapter is not None:  # (set after preparing: a model's request schema knows nothing of adapters)
+            env[LORA_INPUT] = adapter
         graph = runtime.loaded.graph
         try:
             walks = graph.plan(env)
@@ -312,7 +325,7 @@ class AsyncEngine:
             raise RequestError(f"request id '{rid}' is already in use")
         handle = RequestHandle(rid, model)
         self._handles[rid] = handle
-        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place, walks),
+        task = asyncio.get_running_loop().create_task(self._run(runtime, handle, env, timeout, place, walks, priority),
                                                       name=f"mstar-req-{rid}")
         handle._attach(task)
         return handle
@@ -330,7 +343,7 @@ class AsyncEngine:
                 check()
 
     async def _run(self, runtime: _ModelRuntime, handle: RequestHandle, env: dict, timeout: float | None,
-                   place: Place, plan: list[str]) -> dict:
+                   place: Place, plan: list[str], priority: float = 0.0) -> dict:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_running)
         try:
@@ -340,7 +353,7 @@ class AsyncEngine:
                     try:
                         # the plan computed and checked at submission (one plan per request)
                         return await runtime.conductor.run(handle.request_id, env, handle._emit, handle.walks,
-                                                           credit=handle.credit, plan=plan)
+                                                           credit=handle.credit, plan=plan, priority=priority)
                     finally:
                         place.release()  # before the slot goes to the next waiter: the count never dips
         except TimeoutError:
@@ -361,7 +374,7 @@ class AsyncEngine:
         A large upload then costs a worker thread, not every other request's stream. Raises what
         the model's `prepare` raises (a `RequestError` says what to fix).
         """
-        loaded = self._runtime(model).loaded
+        loaded = self._runtime(self.lora.resolve(model)[0]).loaded
         if loaded.prepare is None and loaded.request_schema is None:
             return dict(inputs)
         return await asyncio.to_thread(loaded.prepare_inputs, inputs)
@@ -382,6 +395,72 @@ class AsyncEngine:
             return False
         handle.cancel()
         return True
+
+    # -- LoRA adapters (mstar_core.runtime.lora) -------------------------------------------------
+
+    def _adapter_hosts(self, model: str) -> list[tuple[Any, AdapterHost]]:
+        """(scheduler, engine) of every node of `model` that takes the input `lora`; a ConfigError if one cannot."""
+        runtime = self._runtime(model)
+        hosts = []
+        for name, node in runtime.loaded.graph.nodes.items():
+            if LORA_INPUT not in node.optional_inputs:
+                continue
+            engine = runtime.engines.get(name)
+            if not isinstance(engine, AdapterHost):
+                where = "runs in a worker process" if engine is None else f"runs on the {node.engine} engine"
+                raise ConfigError(f"model '{model}': node '{name}' takes LoRA adapters but {where}, which cannot "
+                                  "load them; serve that node in the serving process")
+            hosts.append((runtime.schedulers.get(name), engine))
+        if not hosts:
+            raise ConfigError(f"model '{model}' has no node that takes LoRA adapters (none declares the optional "
+                              f"input '{LORA_INPUT}')")
+        return hosts
+
+    async def _on_device(self, scheduler: Any, fn: Callable[[], Any]) -> Any:
+        """Run `fn` where the node's steps run, between two of them (its executor is one thread)."""
+        executor = getattr(scheduler, "executor", None)
+        if executor is None or getattr(scheduler, "inline", False):
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+
+    async def enable_lora(self, model: str, settings: LoraSettings | None = None) -> None:
+        """Let `model`'s adapter-taking nodes hold adapters within `settings`' bounds, and load its named adapters."""
+        settings = settings or LoraSettings()
+        hosts = self._adapter_hosts(model)
+        for scheduler, engine in hosts:
+            await self._on_device(scheduler, lambda e=engine: e.enable_lora(settings.max_loras, settings.max_lora_rank))
+        self.lora.enabled[model] = settings
+        for name, path in settings.adapters.items():
+            await self.load_lora_adapter(name, path, model=model)
+
+    async def load_lora_adapter(self, name: str, path: str, *, model: str | None = None) -> ServedAdapter:
+        """Serve the PEFT adapter directory `path` as model `name` over `model` (default: the one model that takes
+        adapters). A bad directory is a `ConfigError` naming it; a taken name a `RequestError`."""
+        base = self.lora.base_for_load(model)
+        if not isinstance(name, str) or not name or name in self._models or name in self.lora.adapters:
+            raise RequestError(f"'{name}' is already the name of a served model or adapter; pick another lora_name",
+                               status=400, param="lora_name")
+        done: list[Any] = []
+        try:
+            for scheduler, engine in self._adapter_hosts(base):
+                await self._on_device(scheduler, lambda e=engine: e.load_lora(name, str(path)))
+                done.append((scheduler, engine))
+        except BaseException:
+            for scheduler, engine in done:  # all nodes or none
+                await self._on_device(scheduler, lambda e=engine: e.unload_lora(name))
+            raise
+        served = self.lora.adapters[name] = ServedAdapter(name, base, str(path))
+        return served
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` and free its slots (a 409 `RequestError` while a request runs under it)."""
+        served = self.lora.adapters.get(name)
+        if served is None:
+            raise RequestError(f"no LoRA adapter named '{name}' is loaded; loaded: {sorted(self.lora.adapters) or 'none'}",
+                               status=404, param="lora_name")
+        for scheduler, engine in self._adapter_hosts(served.base):
+            await self._on_device(scheduler, lambda e=engine: e.unload_lora(name))
+        del self.lora.adapters[name]
 
     def node_stats(self, model: str) -> list[tuple[str, str, dict[str, Any]]]:
         """(node, worker, gauges) for every engine of a model: local ones, and those in workers (last heartbeat)."""

@@ -66,13 +66,14 @@ class Conductor:
 
     async def run(self, request_id: str, env: dict[str, Any], emit: Callable[[Output], None],
                   walks: list[str] | None = None, credit: Callable[[], Awaitable[None]] | None = None,
-                  plan: list[str] | None = None) -> dict[str, Any]:
+                  plan: list[str] | None = None, priority: float = 0.0) -> dict[str, Any]:
         """Run the request's plan over `env`; each walk's name is appended to `walks` as it starts.
 
         `credit`, awaited before each node call, holds the request back while its reader lags (backpressure).
         `plan`: the walks the submitter already planned and checked (`AsyncEngine.submit`); None plans here.
+        `priority`: the request's own, added to each call's (`engine.BACKGROUND_PRIORITY` for work that may wait).
         """
-        state = RequestState(request_id, emit, credit)
+        state = RequestState(request_id, emit, credit, priority)
         try:
             todo = deque(self.graph.plan(env) if plan is None else plan)
             while todo:
@@ -335,12 +336,12 @@ class Conductor:
         options = site.options
         if site.dynamic:
             options = {**options, **{key: _option_value(site, key, ref.resolve(env)) for key, ref in site.dynamic}}
-        priority = 0.0
+        priority = state.priority
         producing = frame.streams.get(site.node) if site.prioritised else None
         if producing:
             now = time.monotonic()
             ranks = [s.edge.priority(s.progress(now)) for s in producing if s.edge.priority is not None]
-            priority = float(max(ranks)) if ranks else 0.0
+            priority += float(max(ranks)) if ranks else 0.0
         scheduler = site.scheduler
         if state.holders.get(site.node) is not scheduler:  # first call, or a per-walk node changing workers
             await self.hold(state, site.node, scheduler)
@@ -414,11 +415,13 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class RequestState:
-    __slots__ = ("arrival", "call_counts", "credit", "emit", "holders", "move_locks", "request_id", "visited")
+    __slots__ = ("arrival", "call_counts", "credit", "emit", "holders", "move_locks", "priority", "request_id",
+                 "visited")
 
     def __init__(self, request_id: str, emit: Callable[[Output], None],
-                 credit: Callable[[], Awaitable[None]] | None = None):
+                 credit: Callable[[], Awaitable[None]] | None = None, priority: float = 0.0):
         self.request_id = request_id
+        self.priority = priority  # the request's class, under each call's stream priority (see `Conductor.run`)
         self.arrival = time.monotonic()  # every call carries it: schedulers serve older requests first
         self.emit = emit
         self.credit = credit

@@ -57,6 +57,17 @@ class Invocation:
         return (-self.priority, self.arrival)
 
 
+#: A request's priority class for work that may wait (the Batch API's lines): added to each of its calls' priority,
+#: it ranks them below every live call (stream priorities stay within +-their horizon, seconds), so schedulers that
+#: order by `urgency` run and admit live requests first and preempt background ones first.
+BACKGROUND_PRIORITY = -1.0e6
+
+
+def is_background(priority: float) -> bool:
+    """Whether a call's priority puts it in the background class (`BACKGROUND_PRIORITY`)."""
+    return priority <= BACKGROUND_PRIORITY / 2
+
+
 Result = tuple[Invocation, "dict[str, Any] | BaseException"]
 
 
@@ -190,6 +201,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def has_work(self) -> bool:
         """Whether `step()` has anything to do."""
+
+    def answers_only(self) -> bool:
+        """Whether the next `step()` only hands back answers found without device work (no forward pass); the
+        scheduler then calls it on the event loop, without a hop to the device thread. False by default."""
+        return False
 
     @abc.abstractmethod
     def release(self, request_id: str) -> None:

@@ -32,7 +32,7 @@ from concurrent.futures import Executor
 import attrs
 
 from mstar_core.errors import NodeExecutionError
-from mstar_core.runtime.engine import Engine, Invocation
+from mstar_core.runtime.engine import Engine, Invocation, is_background
 
 log = logging.getLogger("mstar.scheduler")
 
@@ -91,7 +91,8 @@ class NodeScheduler:
         return future
 
     def _admit_oldest(self) -> None:
-        """Fill free places with the oldest waiting requests: admission goes strictly by arrival, so none starves.
+        """Fill free places with the oldest waiting requests: admission goes strictly by arrival, so none starves
+        (background requests, `engine.BACKGROUND_PRIORITY`, after every live one: their submitter bounds them).
 
         (Within the admitted, calls still go most urgent first; an admitted request keeps its place
         until it is released, or its state leaves with an export, so it finishes while the later ones
@@ -101,10 +102,10 @@ class NodeScheduler:
         free = self._limit - len(admitted)
         if free <= 0:
             return
-        waiting: dict[str, float] = {}
+        waiting: dict[str, tuple[bool, float]] = {}  # live requests before background ones, each class oldest first
         for inv, fut in self._pending:
             if inv.request_id not in admitted and not fut.done():
-                waiting.setdefault(inv.request_id, inv.arrival)
+                waiting.setdefault(inv.request_id, (is_background(inv.priority), inv.arrival))
         for rid in sorted(waiting, key=waiting.__getitem__)[:free]:
             admitted[rid] = None
 
@@ -227,7 +228,7 @@ class NodeScheduler:
             return "idle", len(held)
         started = time.perf_counter()
         try:
-            if self.inline:
+            if self.inline or engine.answers_only():  # (answers found without a forward: no device-thread hop)
                 results = engine.step()
             else:
                 results = await asyncio.get_running_loop().run_in_executor(self.executor, engine.step)

@@ -26,7 +26,8 @@ from mstar_core.wire.messages import Hello, Welcome
 
 #: 2: messages after the handshake are sealed (`mstar_core.wire.session`); errors carry their status.
 #: 3: calls and delegated loops carry their request's arrival; errors carry the field they name (`param`).
-PROTOCOL = 3
+#: 4: calls, delegated loops and consumers carry their priority (a Batch API line's background class).
+PROTOCOL = 4
 #: Environment variable the CLI reads the shared secret from (never pass it on a command line).
 SECRET_ENV = "MSTAR_SECRET"
 

@@ -173,6 +173,8 @@ class InvokeNode:
     inputs: dict[str, Any]
     options: dict[str, Any] = attrs.field(factory=dict)
     arrival: float = 0.0
+    #: the call's `Invocation.priority` (its stream's, plus its request's class: background for a batch line)
+    priority: float = 0.0
 
 
 @message("node_result")
@@ -245,6 +247,8 @@ class RunLoop:
     branch: str = ""
     streams: dict[str, Any] = attrs.field(factory=dict)
     arrival: float = 0.0
+    #: the request's priority class (`RequestState.priority`), for the calls the loop makes there
+    priority: float = 0.0
 
 
 @message("loop_values")
@@ -295,6 +299,7 @@ class RunConsumer:
     branch: str = ""
     arrival: float = 0.0  # the request's (see `InvokeNode`), for the consumer's calls there
     streams: dict[str, Any] = attrs.field(factory=dict)
+    priority: float = 0.0  # the request's class (see `RunLoop`), for the consumer's calls there
 
     @property
     def loop(self) -> int:

@@ -91,3 +91,33 @@ async def test_a_request_error_raised_in_a_worker_keeps_its_status_and_names_its
         assert (err.status, err.param) == (400, "temperature")
     # and the worker still serves
     assert (await asyncio.wait_for(cluster.invoke("gen", MODEL, call("r3", 1.0)), 60))["token"] == 0
+
+
+async def test_a_worker_admits_a_live_request_before_an_older_background_one(engine):
+    """A Batch API line's class crosses to the worker on calls and delegated loops: there too a live request is
+    admitted first though it arrived later (`max_active_requests` admits live before background)."""
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+
+    cluster = engine.cluster
+    cluster.release("gen", "r3")  # (the error test's last call keeps the worker's one place)
+    await asyncio.wait_for(cluster.invoke("gen", MODEL, call("hold", 1.0)), 60)
+    background = cluster.invoke("gen", MODEL, Invocation("bg", "gen", {"start": 0}, {}, 0, BACKGROUND_PRIORITY, 10.0))
+    live = cluster.invoke("gen", MODEL, call("live", 30.0))
+    cluster.release("gen", "hold")
+    assert await first_done(background, live) == {live}
+    cluster.release("gen", "live")
+    await asyncio.wait_for(background, 60)
+    cluster.release("gen", "bg")
+
+    await asyncio.wait_for(cluster.invoke("gen", MODEL, call("hold2", 1.0)), 60)
+    ignore = lambda _call, _outputs: None  # noqa: E731
+    bg_loop = RunLoop(request_id="bgl", model=MODEL, walk="count", loop=0, env=to_wire({"start": 0, "stop": 2}),
+                      arrival=10.0, priority=BACKGROUND_PRIORITY)
+    background = asyncio.ensure_future(cluster.run_loop("gen", bg_loop, ignore))
+    live = asyncio.ensure_future(cluster.run_loop("gen", loop("livel", 30.0), ignore))
+    await asyncio.sleep(0)
+    cluster.release("gen", "hold2")
+    assert await first_done(background, live) == {live}
+    cluster.release("gen", "livel")
+    await asyncio.wait_for(background, 60)
+    cluster.release("gen", "bgl")

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from mstar_core.cluster.strategy import placed_engine
 from mstar_core.config import Placement
-from tests.cluster.test_per_walk_placement import choices, generate
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from tests.cluster.test_per_walk_placement import REQUESTS, choices, generate
+from tests.cluster.tp_checkpoints import make_hf, write_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -37,3 +41,25 @@ async def test_choices_forked_from_a_cache_moved_into_a_group_give_the_colocated
     colocated = await choices()
     assert sorted(colocated) == [0, 1, 2] and all(len(t) == 8 for t in colocated.values())
     assert await choices(split) == colocated
+
+
+async def test_a_replicated_kv_head_moves_once_between_group_sizes(tmp_path):
+    """One KV head over 2 ranks (each keeps it): the exported cache holds it once, so it moves to one process and
+    back; tokens are the colocated model's."""
+    checkpoint = write_checkpoint(make_hf("llama_mqa"), tmp_path / "mqa")
+
+    async def run(placement=None) -> list[list[int]]:
+        engine = placed_engine(discover())
+        await engine.load_model("llama", LoadOptions(checkpoint=str(checkpoint)), placement=placement)
+        try:
+            return [[o.value async for o in engine.submit("llama", dict(r)) if o.name == "next_token"]
+                    for r in REQUESTS]
+        finally:
+            await engine.close()
+
+    colocated = await run()
+    assert all(colocated)
+    for prefill, decode in (("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2")):
+        split = Placement.from_dict({"workers": {"prefill": SIDES[prefill], "decode": SIDES[decode]},
+                                     "nodes": {"lm": {"prefill": "prefill", "decode": "decode"}}}, "moves.yaml")
+        assert await run(split) == colocated, (prefill, decode)

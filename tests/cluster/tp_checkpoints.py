@@ -21,6 +21,8 @@ CONFIGS = {
                                                       tie_word_embeddings=True)),
     # per-head q/k norms (replicated), head_dim decoupled from hidden / heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # one KV head, fewer than the ranks: every rank keeps it (replicated), the query heads split
+    "llama_mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
 }
 
 

@@ -14,6 +14,7 @@ FAMILIES = {
     "llama": ("lm",),
     "orpheus": ("lm",),
     "qwen3-omni": ("thinker", "talker"),
+    "qwen3-tts": ("talker", "code_predictor"),
     "bagel": ("llm", "vit"),
     "pi05": ("vlm", "expert"),
     "vjepa2": ("encoder", "predictor"),

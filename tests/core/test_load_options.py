@@ -29,7 +29,8 @@ def test_preset_or_checkpoint_is_decided_once_for_every_loader():
         LoadOptions(preset="huge").preset_or_checkpoint("m", ("tiny",))
 
 
-@pytest.mark.parametrize("family", ["bagel", "llama", "orpheus", "pi05", "qwen3-omni", "vjepa2", "example-captioner"])
+@pytest.mark.parametrize("family", ["bagel", "llama", "orpheus", "pi05", "qwen3-omni", "qwen3-tts", "vjepa2", "wan",
+                                    "whisper", "example-captioner"])
 def test_every_loader_refuses_an_unknown_preset_before_loading_anything(family):
     from mstar_core.plugins import default_registry
 

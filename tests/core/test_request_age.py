@@ -139,3 +139,46 @@ async def test_a_state_move_between_schedulers_carries_the_request_arrival():
     await Conductor._move(Conductor.__new__(Conductor), state, "n", held, target)
     assert [i.options["transfer"] for i in held.seen + target.seen] == ["export", "import"]
     assert {i.arrival for i in held.seen + target.seen} == {state.arrival} and state.arrival > 0
+
+
+async def test_max_active_requests_admits_live_requests_before_older_background_ones():
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+
+    engine = Recording(max_batch_size=64, max_active=1)
+    sched = NodeScheduler(engine, None)
+    futures = [sched.submit(_inv("batch", 0.0, priority=BACKGROUND_PRIORITY)), sched.submit(_inv("live", 5.0))]
+    await futures[1]
+    sched.release("live")
+    await futures[0]
+    assert engine.order == ["live", "batch"]  # the background request, though older, waited
+    await sched.close()
+
+
+async def test_a_request_priority_reaches_every_call_under_its_stream_priority():
+    """`AsyncEngine.submit(priority=...)` is the request's class: each of its node calls carries it."""
+    from mstar_core.runtime import AsyncEngine
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+    from mstar_core.runtime.scheduler import NodeScheduler as Real
+
+    seen: list[float] = []
+    original = Real.submit
+
+    def spy(self, invocation):
+        seen.append(invocation.priority)
+        return original(self, invocation)
+
+    from mstar_core.model import LoadOptions
+    from mstar_core.plugins.manager import discover
+
+    engine = AsyncEngine(discover())
+    await engine.load_model("fixture-echo", LoadOptions(preset="tiny"))
+    try:
+        Real.submit = spy
+        await engine.generate("fixture-echo", {"x": 1}, priority=BACKGROUND_PRIORITY)
+        assert seen and all(p == BACKGROUND_PRIORITY for p in seen)
+        seen.clear()
+        await engine.generate("fixture-echo", {"x": 1})
+        assert seen and all(p == 0.0 for p in seen)
+    finally:
+        Real.submit = original
+        await engine.close()

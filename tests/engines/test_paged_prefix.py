@@ -72,3 +72,36 @@ def test_no_python_hash_in_the_engine():
     for path in src.glob("*.py"):
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
         assert not re.search(r"(?<![\w.])hash\(", code), path.name
+
+
+def test_a_continued_conversation_computes_only_its_new_tokens():
+    """A request that continues a finished one (its prompt and the tokens it fed back, then new ones) reuses the
+    finished one's last, partly written page too: it computes exactly its new tokens, with the same outputs."""
+    module = TinyNode()
+    engine = engine_for(module, NODE)  # (page_size 4)
+    first = [5, 6, 7, 8, 9, 10, 11]  # one full page and 3 tokens of the next
+    run(engine, "a", {"input_ids": first})
+    engine.release("a")
+    cont = first + [12, 13, 14]
+    before, hits = engine.tokens_forwarded, engine.pool.partial_hits
+    got = run(engine, "b", {"input_ids": cont})
+    assert engine.tokens_forwarded - before == 3 and engine.pool.partial_hits == hits + 1
+    torch.testing.assert_close(got["hidden"], dense(module, cont)[len(first):], atol=1e-5, rtol=0)
+    engine.release("b")
+    # the same start again, then a different continuation of its partial page: that one reuses the page, writes its
+    # own tokens in place past the cached three, and the page (full now) is keyed as a full page
+    run(engine, "a2", {"input_ids": first})
+    engine.release("a2")
+    other = first + [40]
+    before = engine.tokens_forwarded
+    got = run(engine, "c", {"input_ids": other + [41]})
+    assert engine.tokens_forwarded - before == 2
+    torch.testing.assert_close(got["hidden"], dense(module, other + [41])[len(first):], atol=1e-5, rtol=0)
+    engine.release("c")
+    hits = engine.pool.hits
+    run(engine, "d", {"input_ids": other + [2, 3]})
+    assert engine.pool.hits == hits + 2  # both of c's full pages
+    engine.release("d")
+    hits = engine.pool.hits
+    run(engine, "e", {"input_ids": cont + [1]})
+    assert engine.pool.hits == hits + 2  # and b's, untouched by c

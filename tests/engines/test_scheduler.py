@@ -53,3 +53,23 @@ def test_out_of_pages_preempts_lowest_ranked_holder():
     plan = sched.schedule([first], lambda: [first, second])
     assert [s.request_id for s in plan.preempted] == ["second"] and second.num_computed == 0
     assert [(s.request_id, n) for s, n in plan.work] == [("first", 1)]
+
+
+def test_background_sequences_go_after_live_ones_in_small_chunks():
+    """Batch API lines (BACKGROUND_PRIORITY): a live arrival runs before an older background one, background
+    prefill beside live work takes at most `background_step_tokens` a step, alone it takes the whole budget, and
+    a background holder is the first preempted."""
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+
+    pool = PagePool(32, 4, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(BlockManager(pool), max_num_seqs=4, max_num_batched_tokens=64, background_step_tokens=5)
+    batch = _seq("batch", 20, 0, priority=BACKGROUND_PRIORITY)  # older than the live one
+    live = _seq("live", 6, 1)
+    plan = sched.schedule([batch, live], lambda: [batch, live])
+    assert [(s.request_id, n) for s, n in plan.work] == [("live", 6), ("batch", 5)]
+    _run(plan)
+    plan = sched.schedule([batch], lambda: [batch, live])  # no live work this step: the whole budget
+    assert [(s.request_id, n) for s, n in plan.work] == [("batch", 15)]
+    _run(plan)
+    small = Scheduler(BlockManager(pool), max_num_seqs=4, max_num_batched_tokens=64)
+    assert small._victim([batch, live], set(), exclude=live) is batch

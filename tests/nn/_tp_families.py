@@ -30,11 +30,14 @@ class MoEBlock(nn.Module):
 
 #: families loaded through the whole model's tensor-parallel loader, compared with the part they hold
 WHOLE = {"omni": "thinker", "bagel_whole": "bagel"}
+#: jobs of a family on a checkpoint of their own: pi0.5 with the preset's single KV head (replicated on each rank)
+SAME_FAMILY = {"pi05_mqa": "pi05"}
 MOE_SIZES = {"moe": dict(shared=None), "moe_shared": dict(shared=24), "moe_dense": dict(shared=None, intermediate=6)}
 
 
 def load_full(kind: str, path: Path) -> nn.Module:
     """The unsplit module, loaded by the family's own loader."""
+    kind = SAME_FAMILY.get(kind, kind)
     if kind in MOE_SIZES:
         from mstar_qwen_omni.checkpoint import expert_layout
         from safetensors.torch import load_file
@@ -78,6 +81,8 @@ def load_full(kind: str, path: Path) -> nn.Module:
 def load_shard(kind: str, path: Path, group: TensorParallelGroup, expert_parallel: bool) -> tuple[nn.Module, int]:
     """This rank's module, read from the checkpoint's slices; and how many bytes it read from the files."""
     from mstar_core.checkpoint.meta import on_meta
+
+    kind = SAME_FAMILY.get(kind, kind)
 
     if kind in MOE_SIZES:
         with on_meta():
@@ -147,6 +152,7 @@ def _greedy(step, embed, logits_of, prompt_rows: torch.Tensor, cache: DenseKVCac
 @torch.inference_mode()
 def outputs(kind: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the tests compare between TP=1 and each rank: `logits` (or hidden rows) and greedy `tokens`."""
+    kind = SAME_FAMILY.get(kind, kind)
     ids = inputs["ids"][:PROMPT]
     if kind in MOE_SIZES:
         return {"logits": model.mlp(inputs["rows"])}

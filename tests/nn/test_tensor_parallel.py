@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU over gloo: a Llama-family decoder split over 2 ranks gives TP=1's logits.
+"""Tensor parallelism on CPU over gloo: a Llama-family decoder split over 2 ranks gives TP=1's logits (one with a
+single KV head too: each rank then keeps that head, replicated, and splits the query heads, as vLLM does).
 
 Checkpoints are written by transformers' own `save_pretrained`; each rank (a subprocess) loads only its
 slices of the safetensors file, and also splits a fully loaded model in place; both must match TP=1.
@@ -42,6 +43,8 @@ CONFIGS = {
                                                       tie_word_embeddings=True)),
     # per-head q/k norms (replicated), head_dim decoupled from hidden / heads
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # one KV head (MQA), fewer than the ranks: replicated on both, the query heads split
+    "llama_mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
 }
 
 
@@ -116,8 +119,13 @@ def test_tp2_ranks_hold_half_the_weights_heads_and_kv(tp2_run, kind):
     ids, runs = tp2_run
     model, _, ranks = runs[kind]
     cfg = model.config
-    # replicated: every norm, and the biases added after a row-parallel sum (none in these configs)
+    # replicated: every norm, and the biases added after a row-parallel sum (none in these configs); where the
+    # ranks outnumber the KV heads, the k_proj and v_proj rows too (each rank keeps the head its queries read)
     replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    kv_heads = cfg.num_key_value_heads
+    kv_replicated = kv_heads < WORLD
+    if kv_replicated:
+        replicated += cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim * cfg.hidden_size * 4
     total = param_bytes(model)
     cache = DenseKVCache()
     with torch.no_grad():
@@ -125,8 +133,12 @@ def test_tp2_ranks_hold_half_the_weights_heads_and_kv(tp2_run, kind):
     for out in ranks:
         assert int(out["param_bytes"]) == replicated + (total - replicated) // WORLD
         assert int(out["param_bytes"]) <= 0.6 * total
-        assert int(out["kv_bytes"]) * WORLD == cache.nbytes()  # each rank caches only its KV heads
-        assert out["heads"].tolist() == [cfg.num_attention_heads // WORLD, cfg.num_key_value_heads // WORLD]
+        if kv_replicated:  # every rank caches the one head (its copy)
+            assert int(out["kv_bytes"]) == cache.nbytes()
+            assert out["heads"].tolist() == [cfg.num_attention_heads // WORLD, 1]
+        else:
+            assert int(out["kv_bytes"]) * WORLD == cache.nbytes()  # each rank caches only its KV heads
+            assert out["heads"].tolist() == [cfg.num_attention_heads // WORLD, cfg.num_key_value_heads // WORLD]
 
 
 def test_divisibility_error_names_the_dimension_and_working_sizes():
@@ -140,6 +152,24 @@ def test_divisibility_error_names_the_dimension_and_working_sizes():
     assert "[1, 2, 4]" in message
     with pytest.raises(ConfigError, match="vocab_size"):
         check_divisible("lm", {**llama_dimensions(cfg), "vocab_size": 1022}, 4)
+
+
+def test_ranks_outnumbering_kv_heads_replicate_the_head_their_queries_read():
+    """4 KV heads, 8 query heads: at 8 ranks ranks 2k and 2k+1 keep KV head k (query heads 2r, 2r+1 read it, as
+    GQA pairs query head q with KV head q // 2); a size that is neither a divisor nor a multiple is refused."""
+    cfg = LlamaConfig.from_hf(dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4))
+    check_divisible("lm", llama_dimensions(cfg), 8)
+    for rank in range(8):
+        group = TensorParallelGroup(rank, 8)
+        assert group.kv_shard(4) == (rank // 2, rank // 2 + 1) and group.local_kv_heads(4) == 1
+        q0, q1 = group.shard(8)
+        assert {q // (8 // 4) for q in range(q0, q1)} == {rank // 2}
+    assert TensorParallelGroup(1, 2).kv_shard(4) == (2, 4)  # fewer ranks than KV heads: split as before
+    cfg6 = LlamaConfig.from_hf(dict(model_type="llama", vocab_size=1200, hidden_size=96, intermediate_size=240,
+                                    num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=4))
+    with pytest.raises(ConfigError, match=r"does not divide num_key_value_heads \(4\) nor is a multiple of it"):
+        check_divisible("lm", llama_dimensions(cfg6), 6)
 
 
 def test_tp1_group_is_the_unsplit_model(tmp_path):

@@ -1,9 +1,9 @@
 """Expert and tensor parallelism for every kvcache family built from the shared layers, on CPU over 2 gloo ranks.
 
 An MoE layer at EP=2 (and with TP inside the experts) equals EP=1; the Qwen3-Omni Thinker (EP and TP MoE)
-and Talker, BAGEL's MoT LLM, the pi0.5 VLM + action expert and the Orpheus LM at TP=2 give TP=1's logits
-and greedy tokens. Each rank reads only its slices of the checkpoint files and holds 1/2 of every split
-weight plus what is replicated.
+and Talker, BAGEL's MoT LLM, the pi0.5 VLM + action expert (with 2 KV heads, and with the preset's single KV
+head, which each rank then keeps whole) and the Orpheus LM at TP=2 give TP=1's logits and greedy tokens. Each
+rank reads only its slices of the checkpoint files and holds 1/2 of every split weight plus what is replicated.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.nn.parallel import TensorParallelGroup, shard_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tp_families import MOE_SIZES, WHOLE, MoEBlock, load_full, outputs
+from _tp_families import MOE_SIZES, SAME_FAMILY, WHOLE, MoEBlock, load_full, outputs
 
 WORLD = 2
 RANK_SCRIPT = Path(__file__).with_name("_tp_family_rank.py")
@@ -32,6 +32,7 @@ JOBS = [("moe_ep", "moe", True), ("moe_tp", "moe", False), ("moe_shared_ep", "mo
         ("moe_shared_tp", "moe_shared", False), ("moe_dense_ep", "moe_dense", True),
         ("thinker_ep", "thinker", True), ("thinker_tp", "thinker", False), ("talker_ep", "talker", True),
         ("talker_tp", "talker", False), ("bagel", "bagel", False), ("pi05", "pi05", False),
+        ("pi05_mqa", "pi05_mqa", False),
         ("orpheus", "orpheus", False), ("omni_ep", "omni", True), ("bagel_whole", "bagel_whole", False)]
 LM_JOBS = [name for name, kind, _ in JOBS if kind not in MOE_SIZES]
 
@@ -50,8 +51,12 @@ def write_moe(directory: Path, kind: str) -> Path:
     return directory
 
 
-def write_pi05(directory: Path) -> Path:
-    """pi0.5 at tiny sizes with 2 KV heads (the preset's single KV head divides by no group size above 1)."""
+#: jobs whose ranks each keep every KV head (fewer KV heads than ranks: replicated, as vLLM does)
+KV_REPLICATED = {"pi05_mqa"}
+
+
+def write_pi05(directory: Path, kv_heads: int | None = 2) -> Path:
+    """pi0.5 at tiny sizes with 2 KV heads (split over the ranks), or (None) the preset's single KV head."""
     from mstar_pi05.checkpoint import tiny_config
     from mstar_pi05.config import PolicyConfig
     from mstar_pi05.modeling import Policy
@@ -59,8 +64,8 @@ def write_pi05(directory: Path) -> Path:
     from mstar_core.checkpoint import save_hf_checkpoint
 
     config = copy.deepcopy(tiny_config("pi05"))  # (its sizes are the preset module's own dicts)
-    for part in ("text", "expert"):
-        config["mstar_sizes"][part]["num_key_value_heads"] = 2
+    for part in ("text", "expert") if kv_heads is not None else ():
+        config["mstar_sizes"][part]["num_key_value_heads"] = kv_heads
     torch.manual_seed(4)
     policy = Policy(PolicyConfig.from_dict(config))
     with torch.no_grad():
@@ -77,7 +82,8 @@ def write_checkpoints(root: Path, kinds: set[str]) -> dict[str, Path]:
     from mstar_qwen_omni.preset import write_tiny as write_omni
 
     paths = {kind: write_moe(root / kind, kind) for kind in MOE_SIZES if kind in kinds}
-    writers = {"thinker": write_omni, "bagel": write_bagel, "pi05": write_pi05, "orpheus": write_orpheus}
+    writers = {"thinker": write_omni, "bagel": write_bagel, "pi05": write_pi05, "orpheus": write_orpheus,
+               "pi05_mqa": lambda directory: write_pi05(directory, kv_heads=None)}
     for kind, write in writers.items():
         if kind in kinds or (kind == "thinker" and "talker" in kinds):
             (root / kind).mkdir()
@@ -152,8 +158,9 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(runs, name):
     _, want, ranks, *_ = runs[name]
     for rank, out in enumerate(ranks):
         assert out["tokens"].tolist() == want["tokens"].tolist(), f"{name} rank {rank}: greedy tokens differ"
-        # each rank's cache holds keys and values of its half of the KV heads only
-        assert int(out["kv_bytes"]) * WORLD == int(want["kv_bytes"]) > 0, f"{name} rank {rank}: KV bytes"
+        # each rank's cache holds keys and values of its half of the KV heads only (all of them where replicated)
+        share = 1 if name in KV_REPLICATED else WORLD
+        assert int(out["kv_bytes"]) * share == int(want["kv_bytes"]) > 0, f"{name} rank {rank}: KV bytes"
         for key in want:
             if key not in ("tokens", "kv_bytes"):
                 got, ref = out[key], want[key]
@@ -192,7 +199,7 @@ def _meta_shard(kind: str, path: Path, rank: int, expert_parallel: bool) -> dict
 
             cfg = BagelConfig.from_dir(path, table_sides(path / EMA))
             return shard_mot(MoTForCausalLM(cfg.llm), group)
-        if kind == "pi05":
+        if SAME_FAMILY.get(kind, kind) == "pi05":
             from mstar_pi05.config import PolicyConfig
             from mstar_pi05.modeling import Policy
             from mstar_pi05.parallel import shard_policy
@@ -213,6 +220,13 @@ def test_rank_holds_half_the_split_weights_plus_the_replicated_and_reads_only_th
     plan = _meta_shard(kind, path, 0, ep)
     whole = {n for n, entry in plan.items() if isinstance(entry, list) and all(p.dim is None for p in entry)}
     replicated = sum(full[n] for n in whole)
+    if name in KV_REPLICATED:  # the k and v rows of each fused q/k/v: every rank reads and keeps them whole
+        shapes = dict(model.named_parameters())
+        for n, entry in plan.items():
+            if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
+                rows = sum(p.stop - p.start for p in entry[1:])  # (q, k, v pieces)
+                param = shapes[n]
+                replicated += rows * (param.shape[1] if param.dim() == 2 else 1) * param.element_size()
     total = sum(full.values())
     assert whole < set(full), f"{name}: every parameter replicated"
     for rank, out in enumerate(ranks):
@@ -233,28 +247,53 @@ def test_sizes_that_do_not_divide_name_the_node_dimension_and_working_sizes(fami
     from mstar_core.checkpoint.meta import on_meta
 
     cfg = OmniConfig.from_hf(read_config(thinker_path))
+    # 4 ranks over 2 KV heads: each keeps the head its query heads read (rank 3: head 1), replicated as vLLM does
+    with on_meta():
+        thinker = Thinker(cfg.thinker)
+        plan = shard_thinker(thinker, TensorParallelGroup(3, 4), expert_parallel=True)
+    attention = [m for m in thinker.modules() if type(m).__name__ == "GroupedQueryAttention"]
+    assert attention and all((a.num_heads, a.num_kv_heads) == (1, 1) for a in attention)
+    qkv = next(entry for name, entry in plan.items() if name.endswith("self_attn.qkv_proj.weight"))
+    d = attention[0].head_dim
+    assert [(p.start, p.stop) for p in qkv] == [(3 * d, 4 * d), (d, 2 * d), (d, 2 * d)]
     with on_meta(), pytest.raises(ConfigError) as err:
-        shard_thinker(Thinker(cfg.thinker), TensorParallelGroup(0, 4), expert_parallel=True)
-    assert "thinker" in str(err.value) and "num_key_value_heads (2)" in str(err.value) and "[1, 2]" in str(err.value)
-    with on_meta(), pytest.raises(ConfigError, match=r"thinker: tensor_parallel 3 does not divide num_attention_heads"):
         shard_thinker(Thinker(cfg.thinker), TensorParallelGroup(0, 3))
+    assert "thinker: tensor_parallel 3 does not divide num_attention_heads" in str(err.value)
+    assert "[1, 2, 4]" in str(err.value)  # 4 ranks work now (the KV heads replicated)
     with on_meta(), pytest.raises(ConfigError, match=r"moe: tensor_parallel 3 does not divide num_experts \(8\)"):
         shard_layers(MoEBlock(shared=None, hidden=32), TensorParallelGroup(0, 3), module="moe", split=("mlp",),
                      expert_parallel=True)
 
 
-def test_pi05_preset_single_kv_head_is_a_config_error():
+def test_pi05_preset_single_kv_head_is_replicated_on_every_rank():
+    """PaliGemma's one KV head (and the action expert's) at TP=2: each rank keeps it and half the query heads (the
+    logits and velocities equal TP=1's: job `pi05_mqa`); a size that divides no dimension is still named."""
     from mstar_pi05.checkpoint import tiny_config
     from mstar_pi05.config import PolicyConfig
     from mstar_pi05.modeling import Policy
     from mstar_pi05.parallel import shard_policy
+    from mstar_pi05.split import ACTION_EXPERT, LANGUAGE_MODEL
 
     from mstar_core.checkpoint.meta import on_meta
 
-    with on_meta():
-        policy = Policy(PolicyConfig.from_dict(tiny_config("pi05")))
-    with pytest.raises(ConfigError, match=r"vlm: tensor_parallel 2 does not divide num_key_value_heads \(1\).*\[1\]"):
-        shard_policy(policy, TensorParallelGroup(0, 2))
+    config = tiny_config("pi05")
+    assert {config["mstar_sizes"][p]["num_key_value_heads"] for p in ("text", "expert")} == {1}
+    for rank in range(2):
+        with on_meta():
+            policy = Policy(PolicyConfig.from_dict(config))
+            plan = shard_policy(policy, TensorParallelGroup(rank, 2))
+        decoders = {name: m for name, m in policy.named_modules()
+                    if name.startswith((LANGUAGE_MODEL, ACTION_EXPERT)) and type(m).__name__ == "GroupedQueryAttention"}
+        assert decoders and all(a.num_kv_heads == 1 for a in decoders.values())
+        for name, attn in decoders.items():
+            pieces = plan[f"{name}.qkv_proj.weight"]
+            d = attn.head_dim
+            assert [(p.start, p.stop) for p in pieces[1:]] == [(0, d), (0, d)], name  # the whole KV head
+            assert (pieces[0].start, pieces[0].stop) == (rank * attn.num_heads * d, (rank + 1) * attn.num_heads * d)
+    with on_meta(), pytest.raises(ConfigError) as err:
+        shard_policy(Policy(PolicyConfig.from_dict(config)), TensorParallelGroup(0, 3))
+    assert "vlm: tensor_parallel 3 does not divide" in str(err.value)
+    assert str(err.value).endswith("[1, 2, 4, 8]")  # up to 8 ranks, the one KV head on each
 
 
 def test_a_module_without_splittable_layers_is_a_config_error_naming_it():

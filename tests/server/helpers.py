@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def server_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(TOY_DIR), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
     env.pop("MSTAR_API_KEY", None)
+    # each server its own Batch API state (a test that restarts one passes --state-dir), never the user's
+    env["MSTAR_STATE_DIR"] = tempfile.mkdtemp(prefix="mstar-test-state-")
     env.update(extra)
     return env
 

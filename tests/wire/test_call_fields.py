@@ -36,3 +36,17 @@ def test_other_failures_name_no_field():
     assert error_fields(RequestError("bad", status=500, param="x"))["error_param"] is None
     err = remote_failure("n", "r", "boom", "ValueError", None, None)
     assert (err.status, err.param) == (500, None)
+
+
+def test_priority_travels_on_calls_loops_and_consumers_and_defaults_to_zero():
+    """A Batch API line's background class reaches a worker's schedulers (it ranks live calls first there too)."""
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+
+    call = InvokeNode(request_id="r", node="m/n", call_index=0, inputs={}, priority=BACKGROUND_PRIORITY + 0.5)
+    assert roundtrip(call).priority == BACKGROUND_PRIORITY + 0.5
+    assert roundtrip(RunLoop(request_id="r", model="m", walk="w", loop=0, env={},
+                             priority=BACKGROUND_PRIORITY)).priority == BACKGROUND_PRIORITY
+    consumer = RunConsumer(request_id="r", model="m", walk="w", stream=0, env={}, nonce="n", session="s",
+                           priority=BACKGROUND_PRIORITY)
+    assert roundtrip(consumer).priority == BACKGROUND_PRIORITY
+    assert roundtrip(InvokeNode(request_id="r", node="m/n", call_index=0, inputs={})).priority == 0.0

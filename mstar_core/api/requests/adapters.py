@@ -2,7 +2,7 @@
 
 A model package registers adapter objects with the `mstar_register_api_adapters` hook. Each adapter
 names the model it serves (`model`) and the routes it can answer (`routes`, among `speech`, `chat`,
-`completions`, `images`). The server validates the request body against the route's schema, then asks the
+`completions`, `images`, `videos`). The server validates the request body against the route's schema, then asks the
 adapter to turn it into the model's raw inputs (`speech_inputs`, `chat_inputs`, `completion_inputs`,
 `image_inputs`); those go to
 `AsyncEngine.submit`. Outputs named in the walk's `emit` come back through the per-route output
@@ -44,7 +44,7 @@ from mstar_core.api.media import ChatTurn, MediaLimits, decode_messages
 from mstar_core.errors import RequestError
 from mstar_core.schema import UNSET, RequestField
 
-ROUTES = frozenset({"speech", "chat", "completions", "images"})
+ROUTES = frozenset({"speech", "chat", "completions", "images", "videos", "transcriptions"})
 
 
 @runtime_checkable
@@ -134,6 +134,17 @@ class ApiAdapter:
         """Convert one emitted audio value into mono int16 PCM samples."""
         return to_int16_pcm(value)
 
+    # --- voices (/v1/audio/voices: cloned voices) ------------------------------------------------------------
+
+    #: Whether the model clones voices from reference audio (`clone_voice`); the voices route refuses the others.
+    clones_voices: bool = False
+
+    def clone_voice(self, samples: np.ndarray, sample_rate: int, transcript: str) -> Mapping[str, Any]:
+        """Reference audio (mono float) and its transcript -> the voice's prompt (what the speech route hands back to
+        `speech_inputs` as `cloned_voice`): computed once when the voice is created, so speaking with it runs no
+        encoder. Its values are JSON-like (lists of numbers, strings): the store keeps them as they are."""
+        raise RequestError(f"model '{self.model}' does not clone voices", param="model")
+
     # --- chat (/v1/chat/completions) ----------------------------------------------------------------------
 
     #: Name of the emitted output that carries one generated token id per value.
@@ -220,6 +231,29 @@ class ApiAdapter:
     def images_from_env(self, env: Mapping[str, Any]) -> list[bytes]:
         """PNG bytes of each generated image, from the request's final env."""
         return [to_png(img) for img in _as_list(env.get(self.image_output))]
+
+
+    # --- videos (/v1/videos: jobs) -------------------------------------------------------------------------
+
+    def video_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Turn a create body (`prompt`, `size`, `seconds`, `seed`, `input_reference` bytes, extras) into inputs."""
+        raise RequestError(f"model '{self.model}' does not serve /v1/videos", status=404)
+
+    def video_progress(self, prepared: Mapping[str, Any], emitted: Mapping[str, int]) -> float:
+        """The job's done fraction in [0, 1) from how many outputs of each emitted name arrived so far."""
+        return 0.0
+
+    #: The emitted output that carries each decoded chunk of frames `[t, H, W, 3]` uint8, in order (None: the
+    #: video comes whole from `video_from_env`). With it, the MP4 is written as the chunks arrive.
+    video_frames_output: str | None = None
+
+    def video_fps(self, prepared: Mapping[str, Any]) -> int:
+        """Frames per second of the request's video."""
+        return int(prepared.get("fps", 24))
+
+    def video_from_env(self, env: Mapping[str, Any], prepared: Mapping[str, Any]) -> Any:
+        """The finished video's frames `[T, H, W, 3]` uint8, from the request's final env."""
+        raise RequestError(f"model '{self.model}' returned no video", status=500)
 
 
 def api_named(exc: Any, adapter: Any, route: str) -> Any:

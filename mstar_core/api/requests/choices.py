@@ -27,6 +27,7 @@ from mstar_core.api.http.errors import ApiError
 from mstar_core.api.requests.submit import (
     first_then_rest,
     map_result,
+    request_priority,
     sse,
     stream_error_payload,
     submit,
@@ -244,16 +245,17 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
     choices: list[Choice] = []
     shared: list[SharedRequest] = []
     forks = n > 1 and forks_choices(adapter)
+    priority = request_priority(request)  # a Batch API line's is background: live requests go first
 
     async def add(p: int, i: int) -> Choice:
-        handle = await submit(state, model, inputs_for(prompts[p], i))
+        handle = await submit(state, model, inputs_for(prompts[p], i), priority=priority)
         choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens, make_audio() if make_audio else None)
         choices.append(choice)
         return choice
 
     async def add_forks(p: int) -> list[Choice]:
         # one request: the seed it carries is choice 0's; the engine gives branch i seed + i
-        handle = await submit(state, model, {**inputs_for(prompts[p], 0), "n": n})
+        handle = await submit(state, model, {**inputs_for(prompts[p], 0), "n": n}, priority=priority)
         request = SharedRequest(handle, n)
         shared.append(request)
         own = [Choice(p * n + i, p, request.branch(i), adapter, stops, max_tokens) for i in range(n)]
@@ -271,7 +273,7 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
         else:
             leaders = [await add(p, 0) for p in range(len(prompts))]
         await asyncio.gather(*(prime(c) for c in leaders))
-        if started is not None:
+        if started is not None and not priority:  # (a batch line's wait is no live client's time to first token)
             observe_ttft(state, model, started)
         if not forks:
             followers = [await add(p, i) for p in range(len(prompts)) for i in range(1, n)]

@@ -115,7 +115,7 @@ async def chat_request(state: Any, adapter: Any, model: str, payload: dict[str, 
     if tools is not None:
         payload["messages"] = tools.messages(payload["messages"])
     if turns is None:
-        turns = await decode_messages(adapter, model, payload["messages"], state.media_limits[(model, "chat")])
+        turns = await decode_messages(adapter, model, payload["messages"], state.media_limits[(state.base_model(model), "chat")])
     run = asyncio.to_thread if any(t.media for t in turns) else run_now
     call = call or (lambda fn, *args: adapter_call(fn, *args, what=f"the chat adapter of '{model}'"))
     return await run(call, adapter.chat_message_inputs, payload, list(turns))

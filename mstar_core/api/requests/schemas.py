@@ -77,6 +77,8 @@ class ModelCard(BaseModel):
                                             "schema (/v1/walks) takes when a request leaves it unset: sampling from "
                                             "the checkpoint's generation_config.json unless the server was started "
                                             "with --generation-config none; the OpenAI routes map onto these")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (requests naming the adapter run there)")
+    root: str | None = Field(None, description="a LoRA adapter's directory")
 
 
 class ModelList(BaseModel):

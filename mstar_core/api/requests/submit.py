@@ -33,7 +33,17 @@ def adapter_call(fn: Callable[..., Any], *args: Any, what: str, **kw: Any) -> An
         raise ApiError(400, f"{what} rejected the request: {type(exc).__name__}: {exc}") from None
 
 
-async def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
+#: The key of a request's ASGI `scope["state"]` (`request.state`) that carries its priority class. Only an in-process
+#: caller can set it (the Batch API's runner sets `runtime.engine.BACKGROUND_PRIORITY`); no header reaches it.
+PRIORITY_STATE = "mstar_priority"
+
+
+def request_priority(request: Request) -> float:
+    """The priority class the request was dispatched with: 0 (live) unless an in-process caller set one."""
+    return float(getattr(request.state, PRIORITY_STATE, 0.0) or 0.0)
+
+
+async def submit(state: Any, model: str, inputs: Mapping[str, Any], *, priority: float = 0.0) -> Any:
     """`AsyncEngine.submit` with its errors mapped: RequestError keeps its status (503 gets Retry-After).
 
     The request takes its admission place first, before any await (so a burst of any size admits
@@ -57,7 +67,7 @@ async def submit(state: Any, model: str, inputs: Mapping[str, Any]) -> Any:
             raise
         # the engine owns the place from here: it gives it back when the request ends, or now if it cannot start
         handle = state.engine.submit(model, prepared, timeout=state.config.request_timeout, prepared=True,
-                                     place=place)
+                                     place=place, **({"priority": priority} if priority else {}))
     except RequestError as exc:
         raise from_request_error(exc) from None
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, MStarError) as exc:

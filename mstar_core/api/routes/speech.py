@@ -22,6 +22,7 @@ from mstar_core.api.requests.submit import (
     stream_error_payload,
     submit,
 )
+from mstar_core.api.requests.voices import caller_scope, is_voice_id
 from mstar_core.sampling import check_fields
 
 router = APIRouter()
@@ -42,12 +43,18 @@ async def create_speech(body: SpeechRequest, request: Request) -> Response:
     request.state.model = body.model
     adapter = state.adapter(body.model, "speech")
     payload = body.model_dump()
+    if is_voice_id(payload.get("voice")):  # a cloned voice: this key's own, its prompt computed when it was created
+        voice = state.voices.get(caller_scope(request.headers), payload["voice"], param="voice")
+        if voice.model != body.model:
+            raise ApiError(400, f"voice '{voice.id}' was created for model '{voice.model}', not '{body.model}'",
+                           param="voice")
+        payload["voice"], payload["cloned_voice"] = None, dict(voice.prompt)
     # voice, speed and their bounds are the model's declared fields: its schema checks them when the request is
     # prepared; the route only fills the model's default voice and refuses a field the model does not take
-    if payload.get("voice") is None:
+    if payload.get("voice") is None and "cloned_voice" not in payload:
         payload["voice"] = adapter.field_default("speech", "voice") or (adapter.voices[0] if adapter.voices else None)
     voice_field = adapter.model_field("speech", "voice")
-    if voice_field is None and adapter.voices and payload["voice"] not in adapter.voices:  # no schema: the adapter's list
+    if voice_field is None and adapter.voices and payload["voice"] not in (*adapter.voices, None):  # no schema: the adapter's list
         raise ApiError(400, f"voice '{payload['voice']}' is not available for model '{body.model}'; "
                             f"choose one of: {', '.join(adapter.voices)}", param="voice")
     if body.speed != 1.0 and adapter.model_field("speech", "speed") is None and not adapter.supports_speed:

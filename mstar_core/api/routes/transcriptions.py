@@ -1,5 +1,9 @@
-"""POST /v1/audio/transcriptions: an audio file (multipart) in, its text out, from any served model that hears
-audio in chat (`qwen3-omni`): the model is asked to transcribe, greedy unless `temperature` says otherwise.
+"""POST /v1/audio/transcriptions: an audio file (multipart) in, its text out.
+
+A model with a `transcriptions` adapter (Whisper) is served by `requests.transcribe`: every response format (json,
+text, srt, vtt, verbose_json with segments), language detection, a text prompt, Whisper's temperature fallback and
+streamed text deltas. Otherwise any served model that hears audio in chat (`qwen3-omni`) is asked to transcribe,
+greedy unless `temperature` says otherwise, as follows.
 
 `response_format`: `json` (`{text, usage}`), `text` (the bare text), `verbose_json` (`{task, language, duration,
 text, usage}`; `language` is the request's, or "unknown": no language detection runs). `stream=true` answers
@@ -29,6 +33,7 @@ from mstar_core.api.requests.submit import (
     submit,
 )
 from mstar_core.api.requests.text import TextAssembler
+from mstar_core.api.requests.transcribe import transcribe
 from mstar_core.sampling import check_openai
 
 router = APIRouter()
@@ -42,9 +47,20 @@ INSTRUCTION = "Transcribe the audio into text."
 async def create_transcription(request: Request, file: UploadFile, model: str = Form(...),
                                language: str | None = Form(None), prompt: str | None = Form(None),
                                response_format: str = Form("json"), temperature: float = Form(0.0),
-                               stream: bool = Form(False)):
+                               stream: bool = Form(False),
+                               timestamp_granularities: list[str] | None = Form(None, alias="timestamp_granularities[]")):
     state = request.app.state.mstar
     request.state.model = model
+    if (model, "transcriptions") in state.adapters:  # a speech-recognition model (Whisper)
+        check_openai("temperature", temperature)
+        if timestamp_granularities and set(timestamp_granularities) - {"segment"}:
+            raise ApiError(400, "'timestamp_granularities' can be ['segment'] (word timestamps are not served)",
+                           param="timestamp_granularities")
+        limits = state.media_limits.get((model, "transcriptions")) or MediaLimits().with_env()
+        samples, rate = decode_upload(await file.read(limits.max_audio_bytes + 1), limits)
+        return await transcribe(request, state, state.adapter(model, "transcriptions"), model, samples, rate,
+                                task="transcribe", language=language, prompt=prompt, response_format=response_format,
+                                temperature=temperature, stream=stream, timestamps=bool(timestamp_granularities))
     adapter = state.adapter(model, "chat")
     if "audio" not in (getattr(adapter, "chat_media", ()) or ()):
         raise ApiError(400, f"model '{model}' does not take audio input, so it cannot transcribe", param="model")

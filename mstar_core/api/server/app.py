@@ -5,34 +5,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from mstar_core.api.batch import BatchLimits, BatchService
+from mstar_core.api.batch import service as batch_defaults
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError, install_error_handlers, retry_after
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
 from mstar_core.api.requests.schemas import ErrorResponse, Health, ModelCard, ModelList
+from mstar_core.api.requests.video_jobs import VideoJobStore
+from mstar_core.api.requests.voices import VoiceStore
 from mstar_core.api.routes import (
+    batches,
     chat,
     completions,
+    files,
     images,
+    lora_adapters,
     realtime,
     responses,
     speech,
+    speech_stream,
     transcriptions,
+    translations,
+    videos,
+    voices,
     walks,
 )
 from mstar_core.api.server import playground
 from mstar_core.api.server.metrics import Metrics
 from mstar_core.api.server.middleware import GuardMiddleware
 from mstar_core.api.server.plugin_routes import include_plugin_routes
+from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import Placement
 from mstar_core.errors import ConfigError
 from mstar_core.grammar.compile import warm as warm_grammars
@@ -47,6 +61,7 @@ _ROUTE_LABELS = {
     "/v1/responses": "responses",
     "/v1/images/generations": "images",
     "/v1/images/edits": "images_edit",
+    "/v1/videos": "videos",
     "/v1/models": "models",
 }
 
@@ -61,6 +76,8 @@ class ModelToServe:
     placement: Placement | None = None
     #: the deploy file's `media:` section (MediaLimits fields), over the adapter's limits
     media: dict[str, Any] = attrs.field(factory=dict)
+    #: the deploy file's LoRA keys (`lora_adapters`, `max_loras`, `max_lora_rank`); None: no adapters
+    lora: LoraSettings | None = None
 
 
 def _positive_or_none(name: str, value: Any) -> None:
@@ -82,10 +99,30 @@ class ServerConfig:
     max_n: int = 16
     #: torch threads of the serving process (None: its cores, split evenly with workers a placement spawns here)
     torch_threads: int | None = attrs.field(default=None, validator=lambda _, a, v: _positive_or_none(a.name, v))
+    #: where the server keeps what outlives a process (the Batch API's files and jobs under `batch/`); None: a
+    #: temporary directory (`mstar serve` defaults to $MSTAR_STATE_DIR, else ~/.local/state/mstar)
+    state_dir: str | None = None
+    #: the Batch API's bounds: input file bytes and lines, and batch lines in flight at once beside live traffic
+    batch_max_file_bytes: int = attrs.field(default=batch_defaults.MAX_FILE_BYTES,
+                                            validator=lambda _, a, v: _positive_or_none(a.name, v))
+    batch_max_lines: int = attrs.field(default=batch_defaults.MAX_LINES,
+                                       validator=lambda _, a, v: _positive_or_none(a.name, v))
+    batch_concurrency: int = attrs.field(default=batch_defaults.CONCURRENCY,
+                                         validator=lambda _, a, v: _positive_or_none(a.name, v))
 
     @property
     def max_inflight(self) -> int:
         return self.max_running + self.max_queued
+
+    @property
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.batch_max_file_bytes, self.batch_max_lines, self.batch_concurrency)
+
+    def body_limit(self, path: str) -> int:
+        """The largest body a route takes: a batch input upload has its own bound (plus room for the form)."""
+        if path == "/v1/files":
+            return max(self.max_body_bytes, self.batch_max_file_bytes + 64 * 1024)
+        return self.max_body_bytes
 
 
 class ServerState:
@@ -104,13 +141,22 @@ class ServerState:
         self.load_error: str | None = None
         self.created = int(time.time())
         self._inflight: set[Any] = set()
+        #: cloned voices (/v1/audio/voices), per API key
+        self.voices = VoiceStore()
+        #: /v1/videos jobs: they outlive the requests that create them (bounded per API key, swept after retention)
+        self.video_jobs = VideoJobStore()
 
     # -- lookups used by routes ----------------------------------------------------------------
+
+    def base_model(self, model: str) -> str:
+        """The model a request's `model` runs on: itself, or a LoRA adapter's base model."""
+        return self.engine.lora.resolve(model)[0] if self.engine is not None else model
 
     def loaded(self, model: str) -> Any:
         if not self.ready:
             raise ApiError(503, "models are still loading; retry shortly (GET /health says when ready)",
                            headers=retry_after(2), type_="server_loading")
+        model = self.base_model(model)
         models = self.engine.models
         if model not in models:
             raise ApiError(404, f"model '{model}' is not loaded; loaded models: {', '.join(sorted(models)) or 'none'}",
@@ -119,7 +165,7 @@ class ServerState:
 
     def adapter(self, model: str, route: str) -> ApiAdapter:
         self.loaded(model)
-        adapter = self.adapters.get((model, route))
+        adapter = self.adapters.get((self.base_model(model), route))
         if adapter is None:
             serving = sorted(m for (m, r) in self.adapters if r == route)
             raise ApiError(404, f"model '{model}' does not serve the {route} route; models that do: "
@@ -134,6 +180,8 @@ class ServerState:
     def route_label(path: str) -> str:
         if path.startswith("/v1/walks/"):
             return "walks"
+        if path.startswith(("/v1/files", "/v1/batches")):
+            return path.split("/")[2]
         return _ROUTE_LABELS.get(path, "other")
 
     # -- in-flight bookkeeping -----------------------------------------------------------------
@@ -167,6 +215,8 @@ class ServerState:
             if (loaded.extras or {}).get("grammar_vocab") is not None:  # compile processes start now, not on the
                 warm_grammars(loaded.extras["grammar_vocab"])  # first structured request
             self.bind_adapters(item.name, loaded, item.media)
+            if item.lora is not None:  # the nodes that take adapters get their slots, the named adapters load
+                await self.engine.enable_lora(item.name, item.lora)
         self.ready = True
 
     def bind_adapters(self, name: str, loaded: Any, media: dict[str, Any] | None = None) -> None:
@@ -190,6 +240,7 @@ class ServerState:
 
     async def close(self) -> None:
         self.draining = True
+        await self.video_jobs.close()
         if self.engine is not None:
             await self.engine.close()
 
@@ -207,6 +258,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         async def load():
             try:
                 await state.load()
+                app.state.batch.runner.resume()  # jobs a previous run left unfinished go on once the models are in
                 if on_ready is not None:
                     on_ready()
             except Exception as exc:
@@ -219,11 +271,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             yield
         finally:
             loader.cancel()
+            await app.state.batch.runner.close()  # (before the engine: a running line stops as its client left)
             await state.close()
 
     app = FastAPI(title="M*", version=_version(), default_response_class=OrjsonResponse, lifespan=lifespan,
                   description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")
     app.state.mstar = state
+    app.state.batch = BatchService(_batch_dir(config), app, config.api_key, config.batch_limits)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -241,12 +295,15 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         request.state.model = "-"
         if not state.ready:
             return {"object": "list", "data": []}
-        return {"object": "list", "data": [_model_card(state, name, loaded)
-                                           for name, loaded in sorted(state.engine.models.items())]}
+        data = [_model_card(state, name, loaded) for name, loaded in sorted(state.engine.models.items())]
+        data += [_adapter_card(state, name, served) for name, served in sorted(state.engine.lora.adapters.items())]
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def retrieve_model(model: str, request: Request):
         request.state.model = model
+        if state.ready and model in state.engine.lora.adapters:
+            return _adapter_card(state, model, state.engine.lora.adapters[model])
         loaded = state.engine.models.get(model) if state.ready else None
         if loaded is None:
             raise ApiError(404, f"model '{model}' is not served here; GET /v1/models lists what is", param="model",
@@ -259,7 +316,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
             return Response(b"", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    for module in (speech, chat, completions, responses, images, walks, realtime, transcriptions, playground):
+    for module in (speech, speech_stream, voices, chat, completions, responses, images, videos, walks, realtime,
+                   transcriptions, translations, files, batches, playground, lora_adapters):
         app.include_router(module.router)
     include_plugin_routes(app, getattr(registry, "routers", ()))  # a model package's own routes (pi0's socket)
 
@@ -287,6 +345,13 @@ def _model_card(state: ServerState, name: str, loaded: Any) -> dict[str, Any]:
             "random_weights": bool(loaded.random_weights), "defaults": _jsonable(loaded.request_defaults()),
             "fields": [f.name for f in loaded.request_schema.fields] if loaded.request_schema is not None else [],
             **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})}
+
+
+def _adapter_card(state: ServerState, name: str, served: Any) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists it: `parent` its base model, `root` its directory; it serves its base's routes."""
+    return {"id": name, "object": "model", "created": served.created, "owned_by": "mstar", "parent": served.base,
+            "root": served.path, "routes": state.routes_of(served.base),
+            "walks": sorted(state.engine.models[served.base].graph.walks), "random_weights": False}
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
@@ -328,6 +393,15 @@ def _pin_models(schema: dict[str, Any], state: ServerState) -> None:
         if param.get("name") == "model" and state.engine.models:
             param["schema"]["enum"] = sorted(state.engine.models)
     walks.document_models(schema, state.engine.models)
+
+
+def _batch_dir(config: ServerConfig) -> Path:
+    """The Batch API's directory: `<state_dir>/batch`, or a temporary one (jobs then end with the process)."""
+    if config.state_dir is None:
+        directory = Path(tempfile.mkdtemp(prefix="mstar-batch-"))
+        log.info("no state directory set: Batch API files and jobs kept in %s until the process ends", directory)
+        return directory
+    return Path(config.state_dir).expanduser() / "batch"
 
 
 def _version() -> str:

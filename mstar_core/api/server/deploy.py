@@ -9,14 +9,19 @@ import yaml
 
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.server.app import ModelToServe, ServerConfig
+from mstar_core.config.lora import DEPLOY_KEYS as LORA_KEYS
+from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.strict import reject_unknown
 
-_SERVER_KEYS = {"host", "port", "api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout",
-                "max_n", "torch_threads"}
-_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media", "generation_config"}
+#: server options a deploy file may set beside host and port (ServerConfig's fields of the same names)
+_OPTION_KEYS = ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads",
+                "state_dir", "batch_max_file_bytes", "batch_max_lines", "batch_concurrency")
+_SERVER_KEYS = {"host", "port", *_OPTION_KEYS}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media", "generation_config",
+               *LORA_KEYS}
 #: in a per-part `checkpoint:` mapping, the key of the model's own checkpoint (the others name its parts)
 MAIN_PART = "model"
 
@@ -44,6 +49,7 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
                        media: {max_image_pixels: 4000000, url_prefixes: ["https://cdn.example.com/img/"]}}
           # a checkpoint per part: the model's own under `model`, a part's under its name (`ModelSpec.parts`)
           orpheus-hub: {checkpoint: {model: canopylabs/orpheus-3b-0.1-ft, snac: hubertsiuzdak/snac_24khz}}
+          llama: {checkpoint: /ckpt/llama, lora_adapters: {sql: /adapters/sql}, max_loras: 4, max_lora_rank: 16}
 
     A checkpoint is a local path, or a Hugging Face Hub id `ORG/NAME[@REVISION]` (a local path of that name wins).
 
@@ -75,7 +81,7 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
         MediaLimits().with_settings(media, f"{path}: models.{name}.media")  # checked now, applied at startup
         models[name] = ModelToServe(
             name, options, {k: dict(v) for k, v in engines.items()}, _placement(path, name, spec.get("placement")),
-            media=dict(media),
+            media=dict(media), lora=LoraSettings.from_deploy(spec, f"{path}: models.{name}"),
         )
     return server, models
 
@@ -110,6 +116,6 @@ def _placement(path: str | Path, model: str, value: Any) -> Placement | None:
 
 
 def apply_server_options(config: ServerConfig, options: dict[str, Any]) -> None:
-    for key in ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads"):
+    for key in _OPTION_KEYS:
         if key in options:
             setattr(config, key, options[key])

@@ -13,10 +13,20 @@ from typing import Any
 import attrs
 
 from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
+from mstar_core.config.lora import LoraSettings
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 
 API_KEY_ENV = "MSTAR_API_KEY"
+STATE_DIR_ENV = "MSTAR_STATE_DIR"
+
+
+def default_state_dir() -> str:
+    """$MSTAR_STATE_DIR, else the XDG state directory's `mstar` (what outlives one run of the server)."""
+    if os.environ.get(STATE_DIR_ENV):
+        return os.environ[STATE_DIR_ENV]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "mstar")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=None, help="most choices (n) per prompt on chat/completions (default 16)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch threads for the models in this process (default: the cores, shared with spawned workers)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help=f"where the Batch API keeps files and jobs, resumed after a restart (default: ${STATE_DIR_ENV}, "
+                        "else $XDG_STATE_HOME/mstar or ~/.local/state/mstar)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served as models NAME over the one model served (vLLM's flag; "
+                        "several models: the deploy file's lora_adapters)")
+    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters held at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank (default 16)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let requests finish on SIGINT/SIGTERM")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also register this importable module as a plugin (not installed as a distribution)")
@@ -76,6 +94,29 @@ def _split_parts(values: list[str], models: list[str]) -> tuple[dict[str, dict[s
         else:
             rest.append(value)
     return parts, rest
+
+
+def _lora_flags(args: argparse.Namespace, models: list[ModelToServe]) -> None:
+    """`--lora-modules`, `--max-loras`, `--max-lora-rank` onto the one model served (over its deploy entry's keys)."""
+    flags = {"lora_adapters": {}, "max_loras": getattr(args, "max_loras", None),
+             "max_lora_rank": getattr(args, "max_lora_rank", None)}
+    for value in getattr(args, "lora_modules", None) or []:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules {value!r}: write NAME=PATH (a PEFT adapter directory)")
+        flags["lora_adapters"][name] = path
+    given = {k: v for k, v in flags.items() if v is not None and v != {}}
+    if not given:
+        return
+    if len(models) != 1:
+        raise ConfigError("--lora-modules / --max-loras / --max-lora-rank apply to one served model; with several, "
+                          "name each model's lora_adapters, max_loras, max_lora_rank in the deploy file")
+    item = models[0]
+    before = item.lora or LoraSettings()
+    merged = {"lora_adapters": {**before.adapters, **given.get("lora_adapters", {})},
+              "max_loras": given.get("max_loras", before.max_loras),
+              "max_lora_rank": given.get("max_lora_rank", before.max_lora_rank)}
+    item.lora = LoraSettings.from_deploy(merged, "--lora-modules / --max-loras / --max-lora-rank")
 
 
 def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
@@ -114,6 +155,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
                 generation[name], f"--generation-config {generation[name]!r}"))
         item.options.torch_dtype(name)  # an unknown dtype fails here, naming the choices, before anything loads
         models.append(item)
+    _lora_flags(args, models)
     config = ServerConfig(models=models)
     apply_server_options(config, server_opts)
     overrides = {"max_body_bytes": args.max_body_bytes, "max_running": args.max_running,
@@ -123,6 +165,7 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
         if value is not None:
             setattr(config, key, value)
     config.api_key = args.api_key or os.environ.get(API_KEY_ENV) or config.api_key
+    config.state_dir = getattr(args, "state_dir", None) or config.state_dir or default_state_dir()
     host = args.host or server_opts.get("host") or "127.0.0.1"
     port = args.port if args.port is not None else int(server_opts.get("port", 8000))
     return config, host, port

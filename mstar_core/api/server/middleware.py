@@ -47,11 +47,11 @@ class GuardMiddleware:
                              {"www-authenticate": "Bearer"})
                 return
             if scope.get("method") in ("POST", "PUT", "PATCH"):
-                body = await self._read_body(scope, receive, config.max_body_bytes)
+                limit = config.body_limit(path)
+                body = await self._read_body(scope, receive, limit)
                 if body is None:
-                    await _drain(scope, receive, DRAIN_FACTOR * config.max_body_bytes)
-                    await _reply(send_tracking, 413,
-                                 f"request body is larger than the server's limit of {config.max_body_bytes} bytes",
+                    await _drain(scope, receive, DRAIN_FACTOR * limit)
+                    await _reply(send_tracking, 413, f"request body is larger than the server's limit of {limit} bytes",
                                  {"connection": "close"})
                     return
                 receive = _replay(body, receive)

@@ -48,6 +48,22 @@ class TensorParallelGroup:
         size = total // self.world_size
         return self.rank * size, (self.rank + 1) * size
 
+    def kv_shard(self, kv_heads: int) -> tuple[int, int]:
+        """This rank's `[start, stop)` of `kv_heads` KV heads: split evenly when the ranks divide them; when the
+        ranks outnumber them (a multiple of them), the one KV head this rank's query heads read, replicated on
+        `world_size / kv_heads` ranks (as vLLM does: a model with one KV head still splits its query heads)."""
+        if kv_heads % self.world_size == 0:
+            return self.shard(kv_heads)
+        if self.world_size % kv_heads:
+            raise ValueError(f"{kv_heads} KV heads neither split over nor replicate on {self.world_size} ranks")
+        head = self.rank // (self.world_size // kv_heads)  # ranks r*n/kv..: query heads of KV head r // (n / kv)
+        return head, head + 1
+
+    def local_kv_heads(self, kv_heads: int) -> int:
+        """How many KV heads a rank holds (and caches): its share, or the one replicated head."""
+        start, stop = self.kv_shard(kv_heads)
+        return stop - start
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place (compiled: into a new tensor); use what it returns."""
         if self.world_size > 1:

@@ -2,7 +2,8 @@
 
 Attention is split by heads: each rank holds `heads / N` query heads and `kv_heads / N` KV heads (its
 rows of q_proj, k_proj, v_proj and their biases; its columns of o_proj), so its KV cache holds only its
-heads. The MLP is split by intermediate columns (gate/up rows, down columns); the embedding and an
+heads. Where the ranks outnumber the KV heads (a multiple of them), each rank holds the one KV head its query
+heads read (`TensorParallelGroup.kv_shard`), replicated on `N / kv_heads` ranks. The MLP is split by intermediate columns (gate/up rows, down columns); the embedding and an
 untied LM head by vocabulary rows, a tied head reuses the embedding's shard. Norms (and the biases of
 row-parallel linears, added once after the sum) are replicated.
 """
@@ -46,7 +47,7 @@ def llama_shard_plan(cfg: LlamaConfig, group: TensorParallelGroup) -> ShardPlan:
     """This rank's parameters (split model's names) -> the checkpoint pieces each is read from (HF names)."""
     d = cfg.head_dim
     h0, h1 = group.shard(cfg.num_attention_heads)
-    k0, k1 = group.shard(cfg.num_key_value_heads)
+    k0, k1 = group.kv_shard(cfg.num_key_value_heads)
     i0, i1 = group.shard(cfg.intermediate_size)
     v0, v1 = group.shard(cfg.vocab_size)
     plan: ShardPlan = {"model.embed_tokens.weight": [Piece("model.embed_tokens.weight", 0, v0, v1)]}
@@ -75,9 +76,10 @@ def llama_shard_plan(cfg: LlamaConfig, group: TensorParallelGroup) -> ShardPlan:
 def _split_attention(attn: GroupedQueryAttention, cfg: LlamaConfig, group: TensorParallelGroup,
                      layer_idx: int) -> GroupedQueryAttention:
     n = group.world_size
-    local = GroupedQueryAttention(cfg.hidden_size, cfg.num_attention_heads // n, cfg.num_key_value_heads // n,
-                                  cfg.head_dim, layer_idx, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                                  qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps)
+    kv_heads = group.local_kv_heads(cfg.num_key_value_heads)
+    local = GroupedQueryAttention(cfg.hidden_size, cfg.num_attention_heads // n, kv_heads, cfg.head_dim, layer_idx,
+                                  qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
+                                  norm_eps=cfg.rms_norm_eps)
     local.scale = attn.scale  # the full head_dim's scale, unchanged by the split
     local.qkv_proj = ColumnParallelLinear(cfg.hidden_size, local.q_size + 2 * local.kv_size, group,
                                           bias=cfg.qkv_bias)

@@ -22,7 +22,7 @@ def _mot_attention_splitter(cfg, group: TensorParallelGroup, checkpoint_prefix: 
     def split(name: str, sub: nn.Module):
         if not isinstance(sub, MoTAttention):
             return None
-        local_cfg = attrs.evolve(cfg, num_attention_heads=sub.num_heads // n, num_key_value_heads=sub.num_kv_heads // n)
+        local_cfg = attrs.evolve(cfg, num_attention_heads=sub.num_heads // n, num_key_value_heads=group.local_kv_heads(sub.num_kv_heads))
         local = MoTAttention(local_cfg, sub.layer_idx)
         local.scale = sub.scale
         entries: ShardPlan = {}

@@ -45,11 +45,13 @@ def _join(*parts: str) -> str:
 
 
 def split_attention(attn: GroupedQueryAttention, group: TensorParallelGroup) -> GroupedQueryAttention:
-    """A GQA layer over this rank's `heads / N` query and `kv_heads / N` KV heads (built on the current device)."""
+    """A GQA layer over this rank's `heads / N` query and `kv_heads / N` KV heads (or the one KV head its query
+    heads read, where ranks outnumber KV heads), built on the current device."""
     n, qkv = group.world_size, attn.qkv_proj
     norm = attn.q_norm
-    local = GroupedQueryAttention(qkv.in_features, attn.num_heads // n, attn.num_kv_heads // n, attn.head_dim,
-                                  attn.layer_idx, qkv_bias=qkv.bias is not None, o_bias=attn.o_proj.bias is not None,
+    local = GroupedQueryAttention(qkv.in_features, attn.num_heads // n, group.local_kv_heads(attn.num_kv_heads),
+                                  attn.head_dim, attn.layer_idx, qkv_bias=qkv.bias is not None,
+                                  o_bias=attn.o_proj.bias is not None,
                                   qk_norm=norm is not None, norm_eps=norm.eps if norm is not None else 1e-6)
     local.scale = attn.scale  # the full head_dim's scale, unchanged by the split
     local.qkv_proj = ColumnParallelLinear(qkv.in_features, local.q_size + 2 * local.kv_size, group,
@@ -62,7 +64,7 @@ def attention_entries(ckpt: str, group: TensorParallelGroup, heads: int, kv_head
                       qkv_bias: bool, o_bias: bool, qk_norm: bool, suffix: str = "") -> ShardPlan:
     """Entries of a head-split attention (names relative to it; `suffix` for MoT's second expert)."""
     h0, h1 = group.shard(heads)
-    k0, k1 = group.shard(kv_heads)
+    k0, k1 = group.kv_shard(kv_heads)
     d = head_dim
     plan: ShardPlan = {}
     for leaf in ("weight", "bias") if qkv_bias else ("weight",):

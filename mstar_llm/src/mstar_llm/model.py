@@ -43,6 +43,7 @@ def choice_walks(node: str = "lm", default_max_tokens: int | None = None) -> tup
                       outputs={name: f"prompt_{name}" for name in (*LOGPROB_OUTPUTS, "next_token", "finish_reason")},
                       options={"cache_label": "main"}),
         inputs=("prompt_head",),
+        optional_inputs=("lora",),
         description=f"run the prompt but its last token through '{node}' once, on cache label 'main'",
     )
     first = NodeCall(node, inputs={"input_ids": "prompt_tail", "sampling": "sampling"},
@@ -58,7 +59,7 @@ def choice_walks(node: str = "lm", default_max_tokens: int | None = None) -> tup
         # every name a branch writes comes back as a list, one value per choice
         body=Parallel(Sequential(first, decode), count="n", index_name="choice"),
         inputs=("prompt_tail", "n", "fork_label"),
-        optional_inputs=("sampling",),
+        optional_inputs=("sampling", "lora"),
         outputs=("next_token", "finish_reason"),
         emit=(*LOGPROB_OUTPUTS, "next_token"),
         description=f"fork the prompt's cache n times and decode the forks side by side on '{node}'",
@@ -81,7 +82,7 @@ def build_graph(lm: Any, name: str = "llama") -> Graph:
     node = GraphNode(
         "lm",
         inputs=("input_ids",),
-        optional_inputs=("sampling",),
+        optional_inputs=("sampling", "lora"),  # lora: the request's LoRA adapter (mstar_kvcache.walks.LORA_INPUT)
         outputs=(*LOGPROB_OUTPUTS, "next_token", "finish_reason"),
         engine="kvcache",
         module=lambda: lm,

@@ -56,7 +56,7 @@ def build_graph(
         GraphNode(
             "lm",
             inputs=("input_ids",),
-            optional_inputs=("sampling",),
+            optional_inputs=("sampling", "lora"),  # lora: a LoRA adapter named as the request's model
             outputs=("next_token", "finish_reason", "logprob"),
             engine=lm_engine,
             module=lambda: lm,
@@ -79,6 +79,7 @@ def build_graph(
             outputs={"next_token": "prefill_token", "finish_reason": "prefill_finish", "logprob": "prefill_logprob"},
         ),
         inputs=("prompt_ids", "sampling"),
+        optional_inputs=("lora",),
         description="prefill the prompt (all but start-of-speech) into the paged KV cache",
     )
     decode = Walk(
@@ -90,7 +91,7 @@ def build_graph(
             carry={"next_token": "decode_ids"},
         ),
         inputs=("decode_ids", "sampling", "max_tokens"),
-        optional_inputs=("noise_seed",),
+        optional_inputs=("noise_seed", "lora"),
         outputs=("audio",),
         emit=("audio", "next_token"),
         streams=(

@@ -121,9 +121,11 @@ class ActionExpert(nn.Module):
 
     def kv_cache_spec(self):
         c = self.config
-        split = self.tensor_parallel.world_size if self.tensor_parallel is not None else 1
-        # this rank's KV heads (the prefix's pages it reads hold the VLM's heads split the same way)
-        return c.num_hidden_layers, c.num_key_value_heads // split, c.head_dim, None, None  # inputs: actions, any width
+        group = self.tensor_parallel
+        # this rank's KV heads (the prefix's pages it reads hold the VLM's heads split the same way): its share, or
+        # the one head its query heads read where the ranks outnumber them (PaliGemma's single KV head)
+        kv_heads = group.local_kv_heads(c.num_key_value_heads) if group is not None else c.num_key_value_heads
+        return c.num_hidden_layers, kv_heads, c.head_dim, None, None  # inputs: actions, any width
 
     def tensor_parallel_dimensions(self, expert_parallel: bool = False) -> dict[str, int]:
         """The sizes a group must divide to split the VLM and the action expert together (`mstar_pi05.split`)."""

@@ -3,8 +3,8 @@
 The action expert attends over the language model's keys and values (and pi0's prefix writer runs the
 expert's layers for the state token), so both decoders are split over the same heads: a rank's KV pages
 hold its heads of both. The tied vocabulary is split by rows; the vision tower, projector and action / time
-projections are replicated. PaliGemma's published sizes have one KV head (MQA), which no group size above 1
-divides: that is a ConfigError naming `num_key_value_heads` (KV heads are split, never replicated).
+projections are replicated. PaliGemma's published sizes have one KV head (MQA): every rank then keeps that
+head (its K/V rows replicated, as vLLM does) and splits the query heads, MLP columns and vocabulary.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import attrs
 
 from mstar_core.config.hf import check, config_field, read_fields, section
 from mstar_core.errors import ConfigError
+from mstar_core.nn.code_predictor import CodePredictorConfig
 
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 
@@ -151,23 +152,6 @@ class ThinkerConfig:
                              rope_theta=rope_settings(vcfg, "thinker_config.vision_config", 10000.0,
                                                       ("default", "axial"))["rope_theta"])
         return read_fields(cls, cfg, "thinker_config", text=text, audio=audio, vision=vision)
-
-
-@attrs.frozen(kw_only=True)
-class CodePredictorConfig:
-    vocab_size: int = 2048
-    hidden_size: int = 1024
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 5
-    num_attention_heads: int = config_field(16, minimum=1)
-    num_key_value_heads: int = config_field(8, minimum=1)
-    head_dim: int = 128
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    num_code_groups: int = 16
-    max_position_embeddings: int = 32768
-    rope_theta: float = 1000000.0
 
 
 @attrs.frozen(kw_only=True)

@@ -35,9 +35,10 @@ from mstar_core.graph import (
     StreamingGraphEdge,
     Walk,
 )
+from mstar_core.nn.code_predictor import FrameSeed
 from mstar_core.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar_qwen_omni.checkpoint import QwenOmni
-from mstar_qwen_omni.nodes import Code2WavWindow, FrameSeed, FrameStep, PromptEncoder, TalkerPrompt, TextStart
+from mstar_qwen_omni.nodes import Code2WavWindow, FrameStep, PromptEncoder, TalkerPrompt, TextStart
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
 
@@ -78,7 +79,8 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     # a speaking model's Thinker also gives the Talker's accept-layer states, per token, to the media prefill
     accept = ("accept_hidden",) if model.talker is not None else ()
     nodes = [
-        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", *_MM_PORTS),
+        # lora: the LoRA adapter a request names as its model (the Thinker's decoder runs under it)
+        GraphNode("thinker", inputs=("input_ids",), optional_inputs=("sampling", "lora", *_MM_PORTS),
                   outputs=("next_token", "finish_reason", *accept), engine="kvcache", module=lambda: model.thinker),
         GraphNode("encode", inputs=("prompt_ids",),
                   optional_inputs=("audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
@@ -88,12 +90,12 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
     walks = [
         Walk(name="prefill",
              body=_thinker("prompt_ids"),
-             inputs=("prompt_ids",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             inputs=("prompt_ids",), optional_inputs=("sampling", "lora"), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="run the prompt through the Thinker and sample the first reply token"),
         _media_prefill("prefill_mm", None),
         Walk(name="decode",
              body=_thinker_loop(),
-             inputs=("next_token",), optional_inputs=("sampling",), outputs=("next_token", "finish_reason"),
+             inputs=("next_token",), optional_inputs=("sampling", "lora"), outputs=("next_token", "finish_reason"),
              emit=("next_token",), description="the Thinker writes until a finish reason (text only)"),
     ]
     if accept:  # every prompt row's accept-layer state comes back beside the sample (the Talker's prompt reads it)
@@ -110,7 +112,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
                       engine="function", module=lambda: TalkerPrompt(model, text_embed)),
             GraphNode("text_start", inputs=("text",), outputs=("feed",), engine="function", module=lambda: TextStart()),
             GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
-                      module=lambda: FrameSeed(model)),
+                      module=lambda: FrameSeed(model.talker)),
             GraphNode("frame_step", inputs=("code0", "cp_codes", "text", "feed", "talker_finish"),
                       outputs=("codes", "step_embeds", "feed"), engine="function", module=lambda: FrameStep(model, text_embed)),
             GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
@@ -120,7 +122,7 @@ def build_graph(model: QwenOmni, name: str = "qwen3-omni", text_embed: Any = Non
             name="speak",
             body=_thinker_loop(),
             inputs=("next_token", "prompt_ids", "speaker", "talker_sampling", "predictor_sampling", "talker_max_tokens"),
-            optional_inputs=("sampling", "accept_hidden", "image_grid"),
+            optional_inputs=("sampling", "lora", "accept_hidden", "image_grid"),
             outputs=("next_token", "finish_reason", "audio"),
             emit=("next_token", "codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
             streams=(
@@ -142,7 +144,8 @@ def _media_prefill(name: str, options: Mapping[str, Any] | None) -> Walk:
             _thinker("prompt_ids", options, input_embeds="mm_rows", embeds_at="mm_at", positions="prompt_positions",
                      deepstack="mm_deepstack")),
         inputs=("prompt_ids", "prompt_positions"),
-        optional_inputs=("sampling", "audio_features", "image_patches", "image_grid", "video_patches", "video_grid"),
+        optional_inputs=("sampling", "lora", "audio_features", "image_patches", "image_grid", "video_patches",
+                         "video_grid"),
         outputs=("next_token", "finish_reason"), emit=("next_token",),
         description="encode the audio and images, splice them into the prompt (M-RoPE, deepstack), prefill"
                     + (" with every row's accept-layer state (a spoken reply)" if options else ""))

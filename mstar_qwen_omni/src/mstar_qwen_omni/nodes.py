@@ -1,7 +1,8 @@
 """The `function` / `stateless` glue between the three partitions (cheap, per request).
 
 - `TalkerPrompt`: the Talker's prefill embeddings (see `reference.talker_prompt`).
-- `FrameSeed`: [Talker hidden, embed(code 0)], the code predictor's first input each frame.
+- `FrameSeed` (shared, `mstar_core.nn.code_predictor`): [Talker hidden, embed(code 0)], the code predictor's
+  first input each frame.
 - `TextStart` / `FrameStep`: the text side of each Talker step, reading the Thinker's token stream one
   token ahead (a token is spoken only once a later one shows it was fed back), and the frame's codes.
 - `Code2WavWindow`: one `LeftContextChunkPolicy` window of frames -> its new samples.
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_core.nn.codec_vocoder import WindowDecoder
 from mstar_core.streaming import Chunk
 from mstar_qwen_omni.checkpoint import QwenOmni
 from mstar_qwen_omni.positions import prompt_positions
@@ -91,17 +93,6 @@ class TalkerPrompt(nn.Module):
                 "talker_ids": [cfg.talker.codec_pad_id] * embeds.shape[0]}
 
 
-class FrameSeed(nn.Module):
-    def __init__(self, model: QwenOmni):
-        super().__init__()
-        self.talker = model.talker
-
-    def forward(self, hidden: torch.Tensor, code0: int) -> torch.Tensor:
-        with torch.no_grad():
-            code = torch.tensor([int(code0)], device=hidden.device)
-            return torch.cat([hidden.view(1, -1), self.talker.embed(code).to(hidden.dtype)])
-
-
 def _first(chunk: Chunk) -> int:
     return int(chunk.new_items[0]) if chunk.new_items else NOTHING
 
@@ -146,31 +137,8 @@ class FrameStep(nn.Module):
         return {"codes": codes, "step_embeds": step[None], "feed": feed}
 
 
-class Code2WavWindow(nn.Module):
-    """A window of frames (context first) -> the new frames' samples `[n]` (fp32).
-
-    `forward_batch` decodes the windows of several requests that have the same length and context as one batch:
-    sessions that speak at once reach a window boundary together, and one call then pays the vocoder's many
-    small convolutions once for all of them.
-    """
+class Code2WavWindow(WindowDecoder):
+    """A window of frames (context first) -> the new frames' samples `[n]` (the shared `WindowDecoder` on Code2Wav)."""
 
     def __init__(self, model: QwenOmni):
-        super().__init__()
-        self.code2wav = model.code2wav
-
-    def forward(self, codes: Chunk) -> torch.Tensor:
-        return self.forward_batch([{"codes": codes}])[0]["audio"]
-
-    def forward_batch(self, calls: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for i, call in enumerate(calls):
-            shapes.setdefault((len(call["codes"].items), call["codes"].num_context), []).append(i)
-        device = self.code2wav.code_embedding.weight.device
-        out: list[dict[str, torch.Tensor]] = [{} for _ in calls]
-        for (_, context), at in shapes.items():
-            frames = torch.stack([torch.stack(list(calls[i]["codes"].items), dim=1) for i in at])  # [B, Q, frames]
-            with torch.inference_mode():
-                wav = self.code2wav.decode_window(frames.to(device), context)
-            for row, i in enumerate(at):
-                out[i] = {"audio": wav[row, 0].float()}
-        return out
+        super().__init__(model.code2wav)

@@ -13,14 +13,14 @@ from torch import nn
 
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.logits import lm_logits
+from mstar_core.nn.qwen3_decoder import Qwen3Decoder
 from mstar_qwen_omni.audio_encoder import AudioEncoder
 from mstar_qwen_omni.config import ThinkerConfig
-from mstar_qwen_omni.decoder import MoeDecoder
 from mstar_qwen_omni.split import part_dimensions
 from mstar_qwen_omni.vision_encoder import VisionEncoder
 
 
-class ThinkerTextModel(MoeDecoder):
+class ThinkerTextModel(Qwen3Decoder):
     def __init__(self, cfg: ThinkerConfig):
         super().__init__(cfg.text)
         self.embed_tokens = nn.Embedding(cfg.text.vocab_size, cfg.text.hidden_size)
@@ -36,6 +36,10 @@ class Thinker(nn.Module):
 
     position_axes = 3
     call_inputs = {"deepstack": "token"}  # [T, K, H]: added after decoder layer k (zeros: no visual token)
+    # LoRA adapters (mstar_core.nn.lora) target the decoder's linears only (the encoders run in node `encode`),
+    # named as in the full checkpoint (`thinker.model.layers.0.self_attn.q_proj`)
+    lora_scope = ("model.",)
+    checkpoint_prefix = "thinker."
 
     def __init__(self, cfg: ThinkerConfig):
         super().__init__()

@@ -37,10 +37,12 @@ from mstar_diffusion import params
 from mstar_diffusion.contract import DenoiserModule, check_denoiser_module
 from mstar_diffusion.guidance import Guidance, combine
 from mstar_diffusion.schedules import SigmaTable
+from mstar_diffusion.solvers import unipc_step
+from mstar_diffusion.step_cache import cached_forward, supports_step_cache
 
-SETTINGS = ("max_batch_size", "max_rows")
+SETTINGS = ("max_batch_size", "max_rows", "step_cache_threshold")
 INIT_OUTPUTS = ("latents", "timestep", "sigma", "seed")
-STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity")
+STEP_OUTPUTS = ("latents", "timestep", "sigma", "guided_velocity", "solver_history", "step_cache")
 _BRANCHES = ("cond", "uncond", "uncond_image")
 
 @attrs.define(eq=False)
@@ -54,6 +56,13 @@ class _Call:
     sigma: float = 1.0
     sigma_next: float = 0.0
     dt: torch.Tensor | None = None  # float32 sigma_next - sigma, as the reference schedulers compute it
+    timestep: torch.Tensor | None = None  # what the module sees for this step (sigma x timestep_scale)
+    index: int = 0
+    sigmas: torch.Tensor | None = None  # the request's float32 schedule (multistep solvers read earlier sigmas)
+    history: torch.Tensor | None = None  # the multistep solver's state from the previous step (solver_history)
+    next_timestep: torch.Tensor | None = None
+    step_cache: dict = attrs.field(factory=dict)  # branch -> (first-block residual, other blocks' residual), in
+    new_step_cache: dict = attrs.field(factory=dict)  # and out (the step cache's state of this request)
     guidance: Guidance = attrs.field(factory=Guidance)
     velocities: dict[str, torch.Tensor] = attrs.field(factory=dict)  # branch -> velocity (velocity nodes)
     conds: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # branch -> module conditioning (DiT)
@@ -79,7 +88,10 @@ class DiffusionEngine(Engine):
         reject_unknown(context.settings, SETTINGS, f"node '{node.name}' (engine 'diffusion')", what="engine setting")
         self.device = torch.device(context.device)
         self.max_rows = int(context.settings.get("max_rows", 256))
+        self.cache_threshold = _cache_threshold(node, context.settings.get("step_cache_threshold"))
         self.timestep_scale = float(options.get("timestep_scale", 1.0))
+        self.integer_timesteps = bool(options.get("integer_timesteps", False))
+        self.solver = options.get("solver", "euler")
         self.schedule = options.get("schedule", "flow_euler")
         self.template = options.get("latent_shape")
         self.sigmas = SigmaTable()
@@ -101,6 +113,17 @@ class DiffusionEngine(Engine):
             self._check_substitutes()
             first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
             self.module_dtype = first.dtype if first is not None and first.dtype.is_floating_point else torch.float32
+            declared = getattr(module, "dtype", None)  # a module with float32 islands says which dtype it takes
+            if isinstance(declared, torch.dtype) and declared.is_floating_point:
+                self.module_dtype = declared
+            if self.cache_threshold is not None and not supports_step_cache(module):
+                raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold needs a "
+                                     "module with cache_embed / cache_first_block / cache_other_blocks / cache_head "
+                                     "(mstar_diffusion.step_cache.StepCacheableDenoiser)")
+            if self.cache_threshold is not None and not {"step_cache"} <= set(node.all_inputs) & set(node.outputs):
+                raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold carries "
+                                     "each request's cached residuals from step to step: declare 'step_cache' as an "
+                                     "optional input and an output")
         elif module is not None:
             raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): a {self.role} node that "
                                  f"{'reads input velocity' if self.role == 'step' else 'draws noise'} takes no module; "
@@ -115,6 +138,8 @@ class DiffusionEngine(Engine):
         self.max_rows_seen = 0
         self.max_requests_per_step = 0
         self.mixed_sigma_steps = 0
+        self.cache_reused_rows = 0
+        self.cache_computed_rows = 0
 
     # -- contract ---------------------------------------------------------------------------------
 
@@ -168,6 +193,8 @@ class DiffusionEngine(Engine):
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
             "diffusion_queued": len(self.queue),
+            "diffusion_cache_reused_rows": self.cache_reused_rows,
+            "diffusion_cache_computed_rows": self.cache_computed_rows,
         }
 
     def close(self) -> None:
@@ -187,14 +214,23 @@ class DiffusionEngine(Engine):
         shift = params.shift(node, inputs, options)
         guidance = params.guidance(node, inputs, options)
         sigmas = self.sigmas.get(self.schedule, steps, shift)
+        exact = self.sigmas.exact(self.schedule, steps, shift)
         if self.role == "init":
             shape = params.latent_shape(node, inputs, options)
             return _Call(inv, shape=shape, seed=params.seed(node, inputs, options), sigma=float(sigmas[0]),
-                         guidance=guidance)
+                         guidance=guidance, timestep=self._timestep(exact[0]))
         index = params.step_index(node, inputs.get("step"), steps)
         x = params.latents(node, inputs.get("latents"), self.template)
         call = _Call(inv, latents=x, sigma=float(sigmas[index]), sigma_next=float(sigmas[index + 1]),
-                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance)
+                     dt=sigmas[index + 1] - sigmas[index], guidance=guidance, timestep=self._timestep(exact[index]),
+                     index=index, sigmas=sigmas)
+        call.next_timestep = self._timestep(exact[index + 1])
+        if self.solver == "unipc" and index > 0:
+            history = inputs.get("solver_history")
+            if not isinstance(history, torch.Tensor) or tuple(history.shape) != (3, *x.shape):
+                raise RequestError(f"node '{node}': step {index} of the unipc solver needs input 'solver_history' "
+                                   f"[3, {', '.join(map(str, x.shape))}] from the previous step", param="solver_history")
+            call.history = history
         branches = ["cond"]
         if guidance.text_active(call.sigma):
             branches.append("uncond")
@@ -202,6 +238,8 @@ class DiffusionEngine(Engine):
                 branches.append("uncond_image")
         if self.uses_module:
             call.conds = self._conds(inv, branches, guidance)
+            if self.cache_threshold is not None and isinstance(inputs.get("step_cache"), dict) and index > 0:
+                call.step_cache = inputs["step_cache"]
         else:
             for branch in branches:
                 name = "velocity" if branch == "cond" else f"velocity_{branch}"
@@ -241,22 +279,27 @@ class DiffusionEngine(Engine):
     def _noise(self, call: _Call) -> Result:
         generator = torch.Generator(device="cpu").manual_seed(call.seed)
         noise = torch.randn(call.shape, generator=generator, dtype=torch.float32).to(self.device)
-        out = {"latents": noise, "timestep": self._timestep(call.sigma), "sigma": call.sigma, "seed": call.seed}
+        out = {"latents": noise, "timestep": call.timestep, "sigma": call.sigma, "seed": call.seed}
         return call.inv, {k: v for k, v in out.items() if k in self.outputs}
 
-    def _timestep(self, sigma: float) -> torch.Tensor:
-        return torch.tensor(sigma, dtype=torch.float32) * self.timestep_scale
+    def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The module's timestep: the float32 sigma x scale, or the float64 one truncated (`integer_timesteps`)."""
+        if self.integer_timesteps:
+            return torch.tensor(float(int(sigma.item() * self.timestep_scale)), dtype=torch.float32)
+        return sigma.to(torch.float32) * self.timestep_scale
 
     def _update(self, call: _Call, velocities: dict[str, torch.Tensor]) -> Result:
         try:
             x = call.latents.to(self.device, torch.float32)
             v = combine(call.guidance, call.sigma, *(velocities.get(b) for b in _BRANCHES)).to(self.device, torch.float32)
-            out = {
-                "latents": x + call.dt.to(self.device) * v,
-                "timestep": self._timestep(call.sigma_next),
-                "sigma": call.sigma_next,
-                "guided_velocity": v,
-            }
+            out = {"timestep": call.next_timestep, "sigma": call.sigma_next, "guided_velocity": v}
+            if "step_cache" in self.outputs:
+                out["step_cache"] = call.new_step_cache
+            if self.solver == "unipc":
+                history = None if call.history is None else call.history.to(self.device, torch.float32)
+                out["latents"], out["solver_history"] = unipc_step(call.sigmas, call.index, x, v, history)
+            else:
+                out["latents"] = x + call.dt.to(self.device) * v
         except Exception as exc:
             return call.inv, exc
         return call.inv, {k: val for k, val in out.items() if k in self.outputs}
@@ -294,14 +337,22 @@ class DiffusionEngine(Engine):
 
     def _forward(self, rows: list[tuple[_Call, str]]) -> list[torch.Tensor]:
         x = torch.stack([c.latents for c, _ in rows]).to(self.device, self.module_dtype)
-        t = torch.stack([self._timestep(c.sigma) for c, _ in rows]).to(self.device)
+        t = torch.stack([c.timestep for c, _ in rows]).to(self.device)
         names = rows[0][0].conds[rows[0][1]].keys()
         cond = {n: _to(torch.stack([c.conds[b][n] for c, b in rows]), self.device, self.module_dtype) for n in names}
         self.num_forwards += 1
         self.last_rows = len(rows)
         self.rows_total += len(rows)
         self.max_rows_seen = max(self.max_rows_seen, len(rows))
-        v = self.module(x, t, **cond)
+        if self.cache_threshold is None:
+            v = self.module(x, t, **cond)
+        else:
+            states = [c.step_cache.get(b) for c, b in rows]
+            v, new_states, reused = cached_forward(self.module, x, t, cond, states, self.cache_threshold)
+            for (c, b), state in zip(rows, new_states, strict=True):
+                c.new_step_cache[b] = state
+            self.cache_reused_rows += reused
+            self.cache_computed_rows += len(rows) - reused
         if not isinstance(v, torch.Tensor) or v.shape != x.shape:
             shown = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"node '{self.node.name}': the module returned {shown} for latents {list(x.shape)}; "
@@ -331,6 +382,17 @@ class DiffusionEngine(Engine):
                         f"node '{self.node.name}' (engine 'diffusion'): option {option} maps {target!r} -> {source!r}, "
                         f"but both must be node inputs, the first a conditioning input of the module "
                         f"({', '.join(self.cond_inputs + self.optional_cond) or 'none'})")
+
+
+def _cache_threshold(node: Any, value: Any) -> float | None:
+    """The step cache's threshold: None (off, the default) or a number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold must be a number "
+                             f">= 0 (the relative change of the first block's residual below which the other blocks "
+                             f"are skipped), got {value!r}")
+    return float(value)
 
 
 def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@ from mstar_core.errors import ModelLoadError, RequestError
 from mstar_core.sampling import check_int, check_number, check_seed, is_integer
 from mstar_diffusion.guidance import RENORM_MODES, Guidance
 from mstar_diffusion.schedules import SCHEDULES
+from mstar_diffusion.solvers import SOLVERS
 
 #: Settings a request may send (as node inputs) or a node may fix (as options), with their defaults.
 SETTINGS: dict[str, Any] = {
@@ -40,6 +41,8 @@ NODE_OPTIONS = (
     "channel_dim",       # the latents' channel dim, for `channel` / `text_channel` renorm (default -1)
     "uncond_inputs",     # DiT nodes: {conditioning input: its text-unconditional counterpart}
     "uncond_image_inputs",  # DiT nodes: {conditioning input: its image-unconditional counterpart}
+    "solver",            # step nodes: "euler" (default) or "unipc" (multistep; carries input/output solver_history)
+    "integer_timesteps",  # the module's timestep is truncated to an integer (diffusers' UniPC and DPM schedulers)
     "inline",            # read by the runtime's scheduler
 )
 
@@ -50,7 +53,7 @@ KNOWN_OPTIONS = frozenset(NODE_OPTIONS) | frozenset(SETTINGS)
 CALL_OPTIONS = frozenset(SETTINGS)
 
 #: The inputs the engine itself reads; a DiT node's other inputs are the module's conditioning.
-LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image")
+LOOP_INPUTS = ("latents", "step", "velocity", "velocity_uncond", "velocity_uncond_image", "solver_history", "step_cache")
 
 MAX_LATENT_RANK = 8
 
@@ -189,6 +192,12 @@ def check_node_options(node: Any, role: str) -> None:
     if schedule not in SCHEDULES:
         raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): unknown schedule {schedule!r}; "
                              f"known: {', '.join(sorted(SCHEDULES))}")
+    solver = node.options.get("solver", "euler")
+    if solver not in SOLVERS:
+        raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): unknown solver {solver!r}; known: {', '.join(SOLVERS)}")
+    if solver == "unipc" and role == "step" and not {"solver_history"} <= set(node.all_inputs) & set(node.outputs):
+        raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): solver 'unipc' carries its history from step to "
+                             "step: declare 'solver_history' as an optional input and an output")
     template = node.options.get("latent_shape")
     if template is not None and (
         isinstance(template, str) or not isinstance(template, Sequence) or not template

@@ -5,10 +5,12 @@ A schedule maps `(num_steps, shift)` to `num_steps + 1` sigmas, descending, the 
 Sigmas are float32 values (computed in float64, rounded once), so every request with the same
 settings gets bit-identical steps whatever else is in the batch.
 
-Two flow-matching schedules ship, both with the timestep shift `s' = shift*s / (1 + (shift-1)*s)`:
+Three flow-matching schedules ship, both with the timestep shift `s' = shift*s / (1 + (shift-1)*s)`:
 
 - `flow_euler`: `linspace(1, 0, N+1)` shifted. BAGEL's (`num_timesteps - 1` steps, shift 3) and
   pi0.5's (shift 1: t = 1, 0.9, ..., dt = -0.1).
+- `unipc_flow`: what diffusers' `UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=...)` walks (Wan):
+  `linspace(1, 1/T, N+1)[:-1]` shifted, the first sigma just under 1, a terminal 0 (pair it with `solver="unipc"`).
 - `diffusers_flow_match_euler`: what `diffusers`' `FlowMatchEulerDiscreteScheduler(shift=...)`
   walks (SD3, FLUX without dynamic shifting): N sigmas from 1 down to the shifted
   `1 / num_train_timesteps`, shifted (again), then a terminal 0.
@@ -55,9 +57,19 @@ def diffusers_flow_match_euler(num_steps: int, shift: float, /, num_train_timest
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)])
 
 
+def unipc_flow(num_steps: int, shift: float, /, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The sigmas of diffusers' UniPCMultistepScheduler with flow sigmas (Wan): N values spaced from 1 down to 1/T,
+    shifted, the first nudged just under 1 (the solver takes log(1 - sigma)), then a terminal 0."""
+    sigmas = shift_sigmas(torch.linspace(1.0, 1.0 / num_train_timesteps, num_steps + 1, dtype=torch.float64)[:-1], shift)
+    if abs(sigmas[0].item() - 1.0) < 1e-6:
+        sigmas[0] -= 1e-6
+    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)])
+
+
 SCHEDULES: dict[str, Callable[..., torch.Tensor]] = {
     "flow_euler": flow_euler,
     "diffusers_flow_match_euler": diffusers_flow_match_euler,
+    "unipc_flow": unipc_flow,
 }
 
 
@@ -76,13 +88,22 @@ def get_schedule(name: str) -> Callable[..., torch.Tensor]:
 
 
 class SigmaTable:
-    """Sigmas per (schedule, num_steps, shift), shared by every request (a small LRU, not per-request state)."""
+    """Sigmas per (schedule, num_steps, shift), shared by every request (a small LRU, not per-request state).
+
+    `get` gives the float32 table the updates use; `exact` the float64 one the schedule computed (an integer
+    timestep is truncated from it, as the reference schedulers do before rounding to float32)."""
 
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
-        self._tables: OrderedDict[tuple[str, int, float], torch.Tensor] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, int, float], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def get(self, schedule: str, num_steps: int, shift: float) -> torch.Tensor:
+        return self._pair(schedule, num_steps, shift)[0]
+
+    def exact(self, schedule: str, num_steps: int, shift: float) -> torch.Tensor:
+        return self._pair(schedule, num_steps, shift)[1]
+
+    def _pair(self, schedule: str, num_steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
         key = (schedule, num_steps, shift)
         table = self._tables.get(key)
         if table is None:
@@ -90,7 +111,7 @@ class SigmaTable:
             if sigmas.shape != (num_steps + 1,):
                 raise ValueError(f"schedule '{schedule}' returned {tuple(sigmas.shape)} sigmas for {num_steps} steps; "
                                  f"it must return num_steps + 1")
-            table = sigmas.to(torch.float32)
+            table = (sigmas.to(torch.float32), sigmas.to(torch.float64))
             self._tables[key] = table
             if len(self._tables) > self.capacity:
                 self._tables.popitem(last=False)

@@ -49,6 +49,9 @@ class CallAnswers:
         self.grammar_vocab = grammar_vocab  # what sampling grammars compile against
         self.max_model_len = max_model_len
         self.labels, self.readonly, self.intake, self.blocks = labels, readonly, intake, blocks
+        # a module's own logits rules (`process_logits(logits, histories)`, e.g. Whisper's timestamp rules): a pure
+        # function of each row's tokens so far, so forks, preemption and replays see the same masks
+        self.process_logits = getattr(module, "process_logits", None)
 
     def _per_token(self, rows: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Each call's `compute_<name>` outputs over its rows (one module call per output for all of them)."""
@@ -118,6 +121,8 @@ class CallAnswers:
             logits = self.module.compute_logits(last)
             if self.no_token is not None:  # ids no token stands for (a padded vocabulary) are never drawn
                 self.no_token.fill(logits)
+            if self.process_logits is not None:
+                logits = self.process_logits(logits, [s.tokens for s in seqs])
             # a log-softmax normaliser over the vocabulary per row: only when a request asked for it
             wanted = self.returns_logprobs and any(s.sampling and s.sampling.logprobs is not None for s in seqs)
             grammars = None
@@ -209,6 +214,14 @@ class CallAnswers:
             return (inv, out)
         self.intake.attach_backlog(seq)
         return (inv, out)
+
+    def complete(self, seq: Sequence, out: dict[str, Any]) -> Result:
+        """Answer the sequence's call with `out` (for a verified speculative step: `speculative.py`)."""
+        return self._complete(seq, out)
+
+    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why the label stops after `token` (its stop tokens and sequences, its grammar, max_tokens), or None."""
+        return self._finish_reason(seq, token)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling

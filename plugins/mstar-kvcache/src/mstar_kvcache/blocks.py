@@ -44,6 +44,8 @@ def page_content(seq: Sequence, lo: int, hi: int) -> bytes:
         if a < b:
             part = value[a - start : b - start] if per_token else value
             parts.append(b"x%d:%d:" % (a, start) + name.encode() + b"=" + _tensor_bytes(part))
+    if seq.lora is not None:  # keys computed under a LoRA adapter (its load, not only its name)
+        parts.append(b"l" + seq.lora.encode())
     return b"".join(parts)
 
 
@@ -69,9 +71,13 @@ class BlockManager:
         # the chain starts from the node's name: nodes sharing a pool never hit each other's pages
         self.root = blake2b(salt.encode(), digest_size=DIGEST_SIZE).digest()
 
-    def _key(self, seq: Sequence, i: int, previous: bytes) -> bytes:
-        lo, hi = i * self.page_size, (i + 1) * self.page_size
-        plain = seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+    def _key(self, seq: Sequence, i: int, previous: bytes, length: int | None = None) -> bytes:
+        """Page `i`'s key after `previous`: of the whole page, or of its first `length` tokens (a partial page's
+        key differs from every full page's, since the digest counts the tokens)."""
+        lo = i * self.page_size
+        hi = lo + (self.page_size if length is None else length)
+        plain = (seq.positions is None and seq.routing is None and not seq.embeds and not seq.extras
+                 and seq.lora is None)
         return chain_digest(previous, seq.tokens[lo:hi], b"" if plain else page_content(seq, lo, hi))
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
@@ -132,7 +138,32 @@ class BlockManager:
             seq.hashes.append(key)
             previous = key
         seq.num_computed = len(seq.pages) * self.page_size
+        self._match_partial(seq, reusable - seq.num_computed, previous)
         return seq.num_computed
+
+    def _match_partial(self, seq: Sequence, most: int, previous: bytes) -> None:
+        """After the full pages matched: the longest partial page a finished sequence left (`keep_partial`) whose
+        tokens start the next page, reused (a conversation's next turn then computes only its new tokens)."""
+        i = len(seq.pages)
+        for length in range(min(most, self.page_size - 1), 0, -1):
+            page = self.pool.lookup(self._key(seq, i, previous, length))
+            if page is None:
+                continue
+            self.pool.incref(page)  # (written in place past `length` while it is the only reader; else copied)
+            self.pool.partial_hits += 1
+            seq.pages.append(page)
+            seq.num_computed += length
+            return
+
+    def keep_partial(self, seq: Sequence) -> None:
+        """Key a finished sequence's last, partly written page by its tokens, for `match_prefix` to reuse."""
+        length = seq.num_computed % self.page_size
+        full = seq.num_computed // self.page_size
+        if (not length or not (self.prefix_caching and seq.cacheable) or len(seq.pages) <= full
+                or len(seq.hashes) < full or self.pool.refcount[seq.pages[full]] != 1):
+            return  # (a page another sequence still holds may yet be written by it)
+        previous = seq.hashes[full - 1] if full else self.root
+        self.pool.register(seq.pages[full], self._key(seq, full, previous, length))
 
     def commit(self, seq: Sequence) -> None:
         """Key the pages that became full so later requests can reuse them."""
@@ -153,6 +184,11 @@ class BlockManager:
         seq.token_ids = None  # (it mirrors the dropped tokens)
         seq.num_computed = min(seq.num_computed, length)
         keep = -(-seq.num_computed // self.page_size)
+        if seq.num_computed % self.page_size and keep <= len(seq.pages):
+            # the kept tail page will be written from inside: it must no longer stand for its old content in the
+            # prefix cache (a page another sequence reads too is copied before that write, see `reserve`)
+            if self.pool.refcount[seq.pages[keep - 1]] == 1:
+                self.pool.unregister(seq.pages[keep - 1])
         for page in seq.pages[keep:]:
             self.pool.decref(page)
         del seq.pages[keep:]
@@ -175,6 +211,7 @@ class BlockManager:
 
     def discard(self, seq: Sequence) -> None:
         """Free a sequence that is gone (released, cancelled, dropped): its pages and any host copy of them."""
+        self.keep_partial(seq)
         self.free(seq)
         if self.host is not None:
             self.host.discard(seq)
@@ -207,5 +244,6 @@ class BlockManager:
             generated=list(src.generated),
             generator=None,  # never shared: the engine gives the fork its own (sampling is not this file's job)
             pending=None,
+            speculation=None,  # (the engine settles a label's verified tokens before forking it)
             token_ids=None,  # a mirror of `src.tokens`, which the fork's list no longer is once either grows
         )

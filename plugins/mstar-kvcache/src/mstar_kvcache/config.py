@@ -11,6 +11,7 @@ import torch
 from mstar_core.errors import ConfigError
 from mstar_core.strict import reject_unknown
 from mstar_kvcache.pool import PagePool
+from mstar_kvcache.speculative import SpeculativeSettings
 
 # with neither `num_pages` nor `kv_cache_bytes`, the pool holds `max_num_seqs` sequences of DEFAULT_TOKENS_PER_SEQ
 # tokens (at least DEFAULT_NUM_PAGES pages) within DEFAULT_KV_CACHE_BYTES, vLLM's default CPU KV space: a fixed
@@ -67,6 +68,8 @@ class KVCacheSettings:
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # tokens background sequences (Batch API lines) may add to a step live sequences have work in (scheduler.py)
+    background_step_tokens: int = 8
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_batch_size: int | None = None
@@ -82,11 +85,14 @@ class KVCacheSettings:
     kv_offload: OffloadSettings | None = None
     # decode steps recorded once per batch layout and replayed from C (replay.py); None: on for a CPU node
     replay_steps: bool | None = None
+    # speculative decoding (speculative.py): {method: ngram, num_tokens, max_ngram, min_ngram, max_batch}; None: off
+    speculative: SpeculativeSettings | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
         reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting")
-        for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens",
+                    "background_step_tokens"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
@@ -109,6 +115,8 @@ class KVCacheSettings:
             raise ConfigError("kvcache engine: give either 'num_pages' or 'kv_cache_bytes', not both")
         if values.get("kv_offload") is not None:
             values = {**values, "kv_offload": OffloadSettings.from_mapping(values["kv_offload"])}
+        if values.get("speculative") is not None:
+            values = {**values, "speculative": SpeculativeSettings.from_mapping(values["speculative"])}
         return cls(**values)
 
     def resolve_num_pages(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -41,6 +41,11 @@ class KVCacheModule(Protocol):
     must ignore those rows; a tensor no call of the step has is not passed at all), and `compute_<name>(hidden) -> [N, ...]` for each
     output `<name>` the node declares beyond the built-in ones (velocities from hidden states). A
     node with input `routing` gets `routing=` `[T]` integer expert ids in `forward`.
+
+    Encoder-decoder modules (`cross.py`): `cross_kv(states [B, F, H]) -> [B, layers, 2, F, kv_heads, head_dim]` turns
+    a call's `cross_states` into the keys and values of a cross label, which each layer reads with
+    `context.cross_attend(layer, q, scale)`. `process_logits(logits [N, V], histories) -> [N, V]` applies a
+    module's own rules (suppressed tokens, timestamp pairs) to the sampled rows, from each row's tokens so far.
     """
 
     config: KVCacheConfig

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 from mstar_core.graph.options import check_call_options
 from mstar_core.runtime.engine import Engine, EngineContext, Invocation, Result
 from mstar_core.runtime.rank_steps import RankMessage
@@ -15,9 +15,11 @@ from mstar_kvcache.answers import CallAnswers
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.config import KVCacheSettings, kv_shape, select_backend
 from mstar_kvcache.contract import BUILTIN_OUTPUTS, KVCacheModule, call_inputs, check_kvcache_module, samples
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import OPTIONS, ParsedInvocation
 from mstar_kvcache.intake import CallIntake
 from mstar_kvcache.labels import Labels
+from mstar_kvcache.lora import NodeAdapters
 from mstar_kvcache.no_token import NoTokenColumns
 from mstar_kvcache.offload import host_tier
 from mstar_kvcache.pool import PagePool
@@ -29,6 +31,7 @@ from mstar_kvcache.scheduler import Scheduler
 from mstar_kvcache.sequence import Sequence
 from mstar_kvcache.sharing import cache_owner
 from mstar_kvcache.snapshot import CacheSnapshot
+from mstar_kvcache.speculative import Speculator
 from mstar_kvcache.step_inputs import StepForward
 from mstar_kvcache.transfer import CacheTransfer
 
@@ -73,8 +76,11 @@ class KVCacheEngine(Engine):
         self.device = torch.device(context.device)
         layers, kv_heads, head_dim, self.vocab_size, self.hidden_size = kv_shape(module)
         self.ranks = context.rank_group  # None unless the node is split across processes (see ranks.py)
+        kv_replicas = 1  # ranks holding each KV head (more than 1 where they outnumber the model's KV heads)
         if self.ranks is not None:
-            kv_heads = split_shape(module, self.ranks, node.name, kv_heads)
+            model_kv_heads, kv_heads = kv_heads, split_shape(module, self.ranks, node.name, kv_heads)
+            if not hasattr(module, "kv_cache_spec") and model_kv_heads < self.ranks.world_size:
+                kv_replicas = self.ranks.world_size // model_kv_heads
         first = next(iter(module.parameters()), None) if hasattr(module, "parameters") else None
         self.dtype = dtype = torch.float32 if first is None else first.dtype
         self.samples = samples(node)
@@ -92,7 +98,8 @@ class KVCacheEngine(Engine):
                                                self.device)
         self.offload = host_tier(self.settings.kv_offload, self.pool, node.name, self.ranks, self.share_with)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name, host=self.offload)
-        self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens,
+                                   self.settings.background_step_tokens)
         backend = select_backend(self.settings.attention_backend, self.device, context.registry)
         self.quantized_linears = 0
         if self.settings.quantize is not None and isinstance(module, torch.nn.Module):
@@ -120,17 +127,19 @@ class KVCacheEngine(Engine):
 
         # the parts, each given the parts it uses
         leads = self.ranks is not None and self.ranks.leader
-        self.leader = StepLeader(self.ranks, self.pool, node.name) if leads else None
+        self.leader = StepLeader(self.ranks, self.pool, node.name, kv_replicas) if leads else None
         if self.leader is not None:  # rank 0 runs the module's out-of-forward collectives on every rank
             self.module = self.leader.module_view(module)
+        self.cross = CrossLabels(node.name, self.module, self.pool, self.device)  # encoder K/V labels (cross.py)
         self.forward = StepForward(self.module, forward_fn, backend, replay, self.pool, self.device, dtype, axes,
-                                   "routing" in node.all_inputs, inputs, bool(self.settings.compile), self.leader)
+                                   "routing" in node.all_inputs, inputs, bool(self.settings.compile), self.leader,
+                                   self.cross)
         self.follower = (StepFollower(self.ranks, self.pool, self.forward, self.module, self.device, node.name)
                          if self.ranks is not None and not leads else None)
         self.labels = Labels(node.name, self.blocks, self.forward, self.device)
         rows = CallRows(self.samples, [o for o in node.outputs if o not in BUILTIN_OUTPUTS])
         self.intake = CallIntake(node.name, self.vocab_size, self.hidden_size, axes, inputs, self.max_model_len,
-                                 self.device, self.labels, rows)
+                                 self.device, self.labels, rows, self.cross)
         source = self.labels if self.partner is None else self.partner.labels
         self.readonly = ReadOnlyCalls(node.name, self.share_with, self.labels, source, self.pool, self.device, axes,
                                       rows)
@@ -138,6 +147,12 @@ class KVCacheEngine(Engine):
         self.answers = CallAnswers(node.name, self.module, node.outputs, rows, no_token, self.grammar_vocab,
                                    self.max_model_len, self.labels, self.readonly, self.intake, self.blocks)
         self.transfer = CacheTransfer(node.name, self.labels, self.pool, self.blocks, self.leader, self.device)
+        # speculative decoding (speculative.py), where configured on a sampling node that runs on one process
+        spec = self.settings.speculative
+        self.speculator = (Speculator(spec, node.name, self.blocks, self.answers, self.max_model_len)
+                           if spec is not None and self.samples and self.ranks is None else None)
+
+        self.adapters: NodeAdapters | None = None  # LoRA adapters, once `enable_lora` ran (lora.py)
 
         self.num_preemptions = 0
         self.num_steps = 0
@@ -198,6 +213,7 @@ class KVCacheEngine(Engine):
     def add(self, invocation: Invocation) -> None:
         transfer = invocation.options.get("transfer")
         if transfer is not None:
+            self._settle(invocation.request_id)
             # (an export releases the request, which rebuilds the answered list: append after it)
             answer = self.transfer.answer(invocation, transfer, self.release)
             self.intake.answered.append((invocation, answer))
@@ -208,10 +224,27 @@ class KVCacheEngine(Engine):
             if not parsed.write_cache:
                 self.readonly.waiting.append((invocation, parsed))
                 return
+            if self.speculator is not None and parsed.fork_from is not None:
+                self.speculator.settle(self.labels.seqs.get((invocation.request_id, parsed.fork_from)))
+            if parsed.cross_states is not None:  # stored (batched) at the next step, then attached
+                self.cross.queue(invocation, parsed)
+                return
+        except Exception as exc:
+            self.intake.answered.append((invocation, exc))
+            return
+        self._attach(invocation, parsed)
+
+    def _attach(self, invocation: Invocation, parsed: ParsedInvocation) -> None:
+        try:
             seq = self.labels.sequence(invocation, parsed)
         except Exception as exc:
             self.intake.answered.append((invocation, exc))
             return
+        if self.speculator is not None:  # a token verified ahead answers a decode call without a forward
+            ahead = self.speculator.answer_ahead(seq, invocation, parsed)
+            if ahead is not None:
+                self.intake.answered.append((invocation, ahead))
+                return
         if seq.pending is not None:
             self.intake.backlog.append(invocation)
             return
@@ -222,9 +255,15 @@ class KVCacheEngine(Engine):
 
     def has_work(self) -> bool:
         return (bool(self.intake.answered) or bool(self.readonly.waiting) or bool(self.readonly.attached)
+                or bool(self.cross.waiting)
                 or any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
 
     def step(self) -> list[Result]:
+        if self.cross.waiting:
+            ready, failed = self.cross.store_waiting()
+            self.intake.answered.extend(failed)
+            for invocation, parsed in ready:
+                self._attach(invocation, parsed)
         if self.readonly.waiting:
             self.intake.answered.extend(self.readonly.attach_waiting())
         results = self.intake.take_answered()
@@ -233,7 +272,11 @@ class KVCacheEngine(Engine):
         pending.extend(self.readonly.attached)
         if not pending:
             return results
+        if self.speculator is not None:
+            self.speculator.propose(pending)
         plan = self.scheduler.schedule(pending, seqs.values)
+        if self.speculator is not None:
+            self.speculator.trim(plan.work, pending)
         if self.offload is not None:
             self.offload.load(plan.work)  # restored sequences get their keys and values back before the forward
         self.num_preemptions += len(plan.preempted)
@@ -255,15 +298,23 @@ class KVCacheEngine(Engine):
             self.offload.costs.observe_step(plan.num_tokens, time.perf_counter() - started)
         return results
 
+    def answers_only(self) -> bool:
+        # tokens verified ahead by speculative decoding answer decode calls with no forward: the scheduler returns
+        # them from the event loop (checked only while there are such answers: the scan is over the labels)
+        return (bool(self.intake.answered) and not self.readonly.waiting and not self.readonly.attached
+                and not self.cross.waiting and not any(s.pending is not None or s.recompute for s in self.labels.seqs.values()))
+
     def release(self, request_id: str) -> None:
         forgotten = self.labels.release(request_id)
         if self.leader is not None:  # its followers forget them with the next step
             self.leader.forgotten.extend(forgotten)
         self.readonly.release(request_id)
         self.intake.release(request_id)
+        self.cross.release(request_id)
 
     def active_requests(self) -> set[str]:
-        return {k[0] for k in self.labels.seqs} | self.intake.request_ids() | self.readonly.request_ids()
+        return ({k[0] for k in self.labels.seqs} | self.intake.request_ids() | self.readonly.request_ids()
+                | {k[0] for k in self.cross.labels} | self.cross.request_ids())
 
     def stats(self) -> dict[str, float]:
         pending = [s for s in self.labels.seqs.values() if s.pending is not None]
@@ -272,8 +323,10 @@ class KVCacheEngine(Engine):
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_used": self.pool.num_used,
             "kv_pages_cached": self.pool.num_cached,
+            "kv_cross_pages": self.cross.num_pages,
             "kv_page_copies": self.pool.copies,
             "kv_prefix_hit_pages": self.pool.hits,
+            "kv_prefix_partial_hits": self.pool.partial_hits,
             "tokens_forwarded": self.tokens_forwarded,
             "num_preemptions": self.num_preemptions,
             "largest_batch": self.largest_batch,
@@ -284,6 +337,8 @@ class KVCacheEngine(Engine):
             "num_waiting": sum(1 for s in pending if not s.pages) + len(self.readonly.waiting),
             **({"compile_seconds": self.forward.forward_fn.compile_seconds} if self.settings.compile else {}),
             **(self.offload.stats() if self.offload is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.adapters.stats() if self.adapters is not None else {}),
             # this process's share of the KV pool (a split node's pool holds only its rank's heads)
             "kv_heads": self.kv_shape[1],
             "kv_pool_bytes": self.pool.kv.numel() * self.pool.kv.element_size(),
@@ -294,11 +349,44 @@ class KVCacheEngine(Engine):
     def close(self) -> None:
         self.labels.close()
         self.readonly.close()
+        self.cross.close()
+
+    # -- LoRA adapters (lora.py; the runtime calls these on the device thread, between steps) --------
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Hold up to `max_loras` adapters of rank up to `max_rank` (calls then name one with input `lora`)."""
+        if self.adapters is not None:
+            if (self.adapters.max_loras, self.adapters.max_rank) != (max_loras, max_rank):
+                raise ConfigError(f"node '{self.node.name}': LoRA already enabled with max_loras "
+                                  f"{self.adapters.max_loras}, max_lora_rank {self.adapters.max_rank}")
+            return
+        if self.ranks is not None:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters on a node split across ranks "
+                              "(tensor_parallel) are not supported; serve it on one device")
+        if self.quantized_linears:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters over quantized linears are not supported; "
+                              "drop the node's 'quantize' setting")
+        seqs = lambda: [*self.labels.seqs.values(), *self.readonly.attached]  # noqa: E731
+        self.adapters = NodeAdapters(self.node.name, self.module, max_loras, max_rank, seqs)
+        self.intake.adapters = self.forward.adapters = self.adapters
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` as `name` (`enable_lora` first)."""
+        if self.adapters is None:
+            raise ConfigError(f"node '{self.node.name}': LoRA adapters are not enabled (set max_loras)")
+        self.adapters.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter `name` (refused while a sequence runs under it)."""
+        if self.adapters is None:
+            raise RequestError(f"node '{self.node.name}': no LoRA adapter named '{name}' is loaded", status=404)
+        self.adapters.unload(name)
 
     # -- cache labels and moved caches (walks' label operations, per-walk placement) ---------------
 
     def fork(self, request_id: str, src_label: str, dst_label: str) -> None:
         """Share `src_label`'s cache under `dst_label` copy-on-write (see `Labels.fork`)."""
+        self._settle(request_id)
         self.labels.fork(request_id, src_label, dst_label)
 
     def drop_label(self, request_id: str, label: str) -> None:
@@ -307,15 +395,24 @@ class KVCacheEngine(Engine):
 
     def snapshot_label(self, request_id: str, src_label: str, dst_label: str) -> None:
         """Make `dst_label` a copy-on-write copy of `src_label` as it stands (replacing `dst_label`)."""
+        self._settle(request_id)
         self.labels.snapshot_label(request_id, src_label, dst_label)
 
     def export_cache(self, request_id: str, label: str = "main") -> CacheSnapshot:
         """A copy of one label's cache and sampling state, for `import_cache` in another engine."""
+        self._settle(request_id)
         return self.transfer.export_cache(request_id, label)
 
     def import_cache(self, request_id: str, snapshot: CacheSnapshot) -> None:
         """Make `snapshot` this request's cache label, as if its tokens had been computed here."""
         self.transfer.import_cache(request_id, snapshot)
+
+    def _settle(self, request_id: str) -> None:
+        """Before a label operation: drop the request's verified tokens no call has taken (speculative.py)."""
+        if self.speculator is not None:
+            for key, seq in self.labels.seqs.items():
+                if key[0] == request_id:
+                    self.speculator.settle(seq)
 
     def follow(self, msg: RankMessage) -> None:
         """A split node's follower rank: run what rank 0 sent (on the device thread, in the order it came)."""
@@ -333,6 +430,8 @@ class KVCacheEngine(Engine):
             if self.ranks is not None:  # a broken rank group ends this process (the server replaces the group)
                 exit_if_broken(exc, self.node.name, self.ranks)
             if len(work) == 1:
+                if self.speculator is not None:
+                    self.speculator.drop_drafts(work[0][0])
                 if work[0][0].pending is None:  # a recompute for readers: they keep waiting
                     work[0][0].recompute = False
                     return []
@@ -341,9 +440,14 @@ class KVCacheEngine(Engine):
             # fails. Nothing advanced, so a retry just rewrites the same positions' KV.
             return [r for item in work for r in self._run([item])]
         done: list[tuple[Sequence, int]] = []
+        guessed: list[tuple[Sequence, int, int]] = []  # sequences that ran guesses: verified below
         row = 0
         self.tokens_forwarded += sum(n for _, n in work)
         for seq, n in work:
+            if seq.speculation is not None and seq.speculation.drafts:
+                guessed.append((seq, row, n))
+                row += n
+                continue
             # rows before the call's first token are a recompute (after preemption), not the call's output
             lo = row + max(0, seq.pending_start - seq.num_computed)
             row += n
@@ -358,6 +462,7 @@ class KVCacheEngine(Engine):
                     done.append((seq, row - 1))
                 else:
                     seq.recompute = False
+        verified = self.speculator.verify(guessed, hidden) if guessed else []
         if not done:
-            return []
-        return self.answers.finish(done, hidden) if self.samples else self.answers.finish_rows(done)
+            return verified
+        return verified + (self.answers.finish(done, hidden) if self.samples else self.answers.finish_rows(done))

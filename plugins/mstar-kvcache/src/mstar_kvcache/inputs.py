@@ -21,6 +21,7 @@ import torch
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation
 from mstar_core.sampling import SamplingParams, choice_seed
+from mstar_kvcache.cross import parse_cross
 
 #: Per-call options (and node-static ones) the engine understands; anything else fails the model's load.
 OPTIONS = (
@@ -40,13 +41,14 @@ OPTIONS = (
     "decode_steps",  # a sampling call samples this many tokens, each fed back as the next input; next_token is their list
     "transfer",  # "export" / "import": move the request's caches between engines
     "share_cache_with",  # node-static: read-only calls read that node's labels (its pages, same pool)
+    "cross_label",  # the request's cross-attention label this call's sequence attends to (cross.py)
 )
 
 _OPTION_NAMES = frozenset(OPTIONS)
 
 #: Inputs the engine itself reads; any other input of a node must be declared by its module.
 BUILTIN_INPUTS = ("input_ids", "input_embeds", "embeds_at", "positions", "routing", "output_index", "sampling",
-                  "state")
+                  "state", "cross_states", "lora")
 
 
 @attrs.define
@@ -74,6 +76,9 @@ class ParsedInvocation:
     seed_offset: int | None = None
     blocks: tuple[int, ...] | None = None
     decode_steps: int | None = None
+    cross_label: str | None = None  # (cross.py) the cross label attended; with `cross_states`, the one they fill
+    cross_states: torch.Tensor | None = None
+    lora: str | None = None  # the LoRA adapter the call runs under (input `lora`, see lora.py); None: as its label does
 
 
 def _token_ids(value: Any, node: str) -> list[int]:
@@ -254,6 +259,7 @@ def parse_invocation(
         if sampling is None or not write or rows is not None or output_index is not None:
             raise RequestError(f"node '{node}': option decode_steps needs a sampling call that writes its cache "
                                "and asks for no per-token outputs")
+    cross_label, cross_states = parse_cross(inputs, opts, node, hidden_size)
     return ParsedInvocation(
         ids=ids,
         label=label,
@@ -276,7 +282,21 @@ def parse_invocation(
         seed_offset=offset,
         blocks=blocks,
         decode_steps=steps,
+        cross_label=cross_label,
+        cross_states=cross_states,
+        lora=_adapter_name(inputs.get("lora"), write, node),
     )
+
+
+def _adapter_name(value: Any, write: bool, node: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"node '{node}': input lora must be an adapter's name, got {type(value).__name__}")
+    if not write:
+        raise RequestError(f"node '{node}': LoRA adapters apply to calls that write their cache label, not to "
+                           "read-only calls (write_cache: False)")
+    return value
 
 
 def mask_limits(start: int, count: int, bidirectional: bool, frame_size: int | None,

@@ -8,8 +8,10 @@ import torch
 
 from mstar_core.errors import RequestError
 from mstar_core.runtime.engine import Invocation, Result
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.inputs import ParsedInvocation, mask_limits, parse_invocation
 from mstar_kvcache.labels import Labels
+from mstar_kvcache.lora import NodeAdapters
 from mstar_kvcache.rows import CallRows
 from mstar_kvcache.sequence import Sequence
 
@@ -23,12 +25,14 @@ class CallIntake:
 
     def __init__(self, node: str, vocab_size: int | None, hidden_size: int | None, axes: int,
                  call_inputs: dict[str, str], max_model_len: int | None, device: torch.device, labels: Labels,
-                 rows: CallRows):
+                 rows: CallRows, cross: CrossLabels | None = None):
+        self.cross = cross  # the node's cross-attention labels, which a call may name (cross.py)
         self.node, self.vocab_size, self.hidden_size, self.axes = node, vocab_size, hidden_size, axes
         self.call_inputs, self.max_model_len, self.device = call_inputs, max_model_len, device
         self.labels, self.rows = labels, rows
         self.backlog: deque[Invocation] = deque()  # calls for a label that already has one in flight
         self.answered: list[Result] = []  # answered without a forward pass: rejections and state transfers
+        self.adapters: NodeAdapters | None = None  # the node's LoRA adapters, once enabled (lora.py)
 
     def parse(self, inv: Invocation) -> ParsedInvocation:
         return parse_invocation(inv, self.vocab_size, self.hidden_size, self.axes, self.call_inputs)
@@ -41,6 +45,10 @@ class CallIntake:
         """Make `inv` the sequence's pending call. Everything that can fail runs before the sequence changes."""
         start = 0 if parsed.reset else len(seq.tokens)
         n = len(parsed.ids)
+        if parsed.cross_label is not None and (self.cross is None or self.cross.labels.get(
+                (seq.request_id, parsed.cross_label)) is None):
+            raise RequestError(f"node '{self.node}': request {seq.request_id} has no cross label "
+                               f"'{parsed.cross_label}'; send cross_states with the call that first names it")
         if self.max_model_len is not None and start + n > self.max_model_len:
             raise RequestError(
                 f"node '{self.node}': sequence would reach {start + n} tokens, "
@@ -52,6 +60,11 @@ class CallIntake:
         if parsed.reset and (seq.tokens or seq.pages):  # the label starts over: a fresh sequence, same name
             self.labels.drop_label(seq.request_id, seq.label)
             seq = self.labels.create(inv.request_id, parsed.label, inv.arrival)
+        if self.adapters is not None:
+            self.adapters.bind(seq, parsed.lora)
+        elif parsed.lora is not None:
+            raise RequestError(f"node '{self.node}': LoRA adapter '{parsed.lora}' asked for, but this node serves no "
+                               "adapters", status=404, param="model")
         for name in parsed.snapshot_before:
             self.labels.snapshot_label(seq.request_id, seq.label, name)
         limits = None
@@ -66,6 +79,8 @@ class CallIntake:
                 or seq.positions is not None or seq.routing is not None):  # (a plain token call records nothing)
             self.append_inputs(seq, parsed, start)
         seq.chunkable = limits is None
+        if self.cross is not None:
+            self.cross.bind(seq, parsed, start)
         seq.tokens.extend(parsed.ids)
         seq.pending, seq.pending_start, seq.call = inv, start, parsed
         # each call's: the request's arrival, or its submission on a node with call_order "fifo" (a fork, a snapshot

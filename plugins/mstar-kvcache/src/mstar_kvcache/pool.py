@@ -45,6 +45,7 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}
         self.copies = 0  # copy-on-write page copies, for stats and tests
         self.hits = 0  # pages reused from the prefix cache
+        self.partial_hits = 0  # partly written pages reused (a finished sequence's last page: BlockManager.keep_partial)
         #: Called with `(page, digest)` as a cached page is evicted, before it is reused (a host tier's spill).
         self.spill: Callable[[int, bytes], None] | None = None
 
@@ -103,11 +104,23 @@ class PagePool:
         return self._by_hash.get(key)
 
     def register(self, page: int, key: bytes) -> None:
-        """Index a full page under its chained hash (a page already cached under it wins)."""
-        if key in self._by_hash or page in self._hash_of:
+        """Index a page under its chained hash (a page already cached under it wins). A page keyed as a partial page
+        (`BlockManager.keep_partial`) that has since been filled takes its full key instead."""
+        if key in self._by_hash:
             return
+        if page in self._hash_of:
+            self.unregister(page)
         self._by_hash[key] = page
         self._hash_of[page] = key
+
+    def unregister(self, page: int) -> None:
+        """Drop a page from the prefix-cache index (its content is about to change)."""
+        key = self._hash_of.pop(page, None)
+        if key is not None:
+            del self._by_hash[key]
+            if self.refcount[page] == 0 and page in self._evictable:  # (not expected: callers hold the page)
+                del self._evictable[page]
+                heapq.heappush(self._free, page)
 
     def copy(self, src: int) -> int:
         """Copy-on-write: a new page with `src`'s keys and values in every layer."""

@@ -80,7 +80,9 @@ def pool_class(group: RankGroup | None) -> type[PagePool]:
 
 
 def split_shape(module: Any, group: RankGroup, node: str, kv_heads: int) -> int:
-    """This rank's KV heads; a ConfigError naming the node unless its module was split over this group."""
+    """This rank's KV heads; a ConfigError naming the node unless its module was split over this group.
+
+    (A module with its own `kv_cache_spec` gives this rank's heads: its snapshots count every rank's copy.)"""
     split = getattr(module, "tensor_parallel", None)
     if split is None or getattr(split, "world_size", 1) != group.world_size:
         raise ConfigError(f"node '{node}': module {type(module).__name__} was not split across the group's "
@@ -88,9 +90,11 @@ def split_shape(module: Any, group: RankGroup, node: str, kv_heads: int) -> int:
                           "modules); place it on a worker without tensor_parallel")
     if hasattr(module, "kv_cache_spec"):
         return kv_heads  # a module's own spec gives this rank's shape
-    if kv_heads % group.world_size:
-        raise ConfigError(f"node '{node}': {kv_heads} KV heads do not split over {group.world_size} ranks")
-    return kv_heads // group.world_size  # `config` gives the whole model's
+    try:  # `config` gives the whole model's: a rank holds its share, or the one head its query heads read
+        return split.local_kv_heads(kv_heads)
+    except ValueError:
+        raise ConfigError(f"node '{node}': {kv_heads} KV heads neither split over nor replicate on "
+                          f"{group.world_size} ranks") from None
 
 
 def exit_if_broken(exc: BaseException, node: str, group: RankGroup) -> None:
@@ -104,8 +108,11 @@ def exit_if_broken(exc: BaseException, node: str, group: RankGroup) -> None:
 class StepLeader:
     """Rank 0 of a split node: sends the followers every step and every module call they must run with it."""
 
-    def __init__(self, group: RankGroup, pool: PagePool, node: str):
+    def __init__(self, group: RankGroup, pool: PagePool, node: str, kv_replicas: int = 1):
         self.group, self.pool, self.node = group, pool, node
+        #: ranks holding each KV head (more than 1 where the ranks outnumber the model's KV heads): a snapshot
+        #: takes one copy of each, and hands it back to every rank that holds it
+        self.kv_replicas = kv_replicas
         self.forgotten: list[int] = []  # sequences whose backend state was dropped since the last message
 
     def module_view(self, module: Any) -> Any:
@@ -131,13 +138,14 @@ class StepLeader:
     def gather_heads(self, pages: list[int], rows: int, local: torch.Tensor) -> torch.Tensor:
         """`local` (rank 0's rows of `pages`) with every other rank's heads of them, in rank order."""
         header = kv_message(self.group.key, self.pending_ops(), GATHER, pages, rows)
-        return self._with_followers(header, None, lambda: gather_heads(local, self.group))
+        return self._with_followers(header, None, lambda: gather_heads(local, self.group, self.kv_replicas))
 
     def scatter_heads(self, pages: list[int], rows: int, kv: torch.Tensor) -> torch.Tensor:
         """Hand each rank its heads of `kv` (every head, `rows` rows for `pages`); returns rank 0's."""
         header = kv_message(self.group.key, self.pending_ops(), SCATTER, pages, rows)
         kv = kv.to(self.pool.kv.device, self.pool.kv.dtype)
-        return self._with_followers(header, None, lambda: scatter_heads(kv, self.pool.empty_rows(rows), self.group))
+        return self._with_followers(header, None, lambda: scatter_heads(kv, self.pool.empty_rows(rows), self.group,
+                                                                        self.kv_replicas))
 
     def _with_followers(self, header: dict[str, Any], tensors: dict[str, torch.Tensor] | None, run: Any) -> Any:
         """Send the followers `header`, then run rank 0's own side of what they do (a broken group exits)."""
@@ -178,16 +186,19 @@ class StepFollower:
                 raise ValueError(f"unknown step message kind {header['kind']!r}")
 
 
-def gather_heads(local: torch.Tensor, group: RankGroup) -> torch.Tensor:
-    """Every rank's `local` (`[layers, 2, rows, heads, dim]`) concatenated along the heads, on rank 0 (others: `local`)."""
+def gather_heads(local: torch.Tensor, group: RankGroup, replicas: int = 1) -> torch.Tensor:
+    """Every rank's `local` (`[layers, 2, rows, heads, dim]`) concatenated along the heads, on rank 0 (others: `local`);
+    each replicated head once (the first of every `replicas` ranks holds it)."""
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(group.world_size)] if group.leader else None
     dist.gather(local, parts, dst=0, group=group.channel.process_group)
-    return torch.cat(parts, dim=3) if parts is not None else local
+    return torch.cat(parts[::replicas], dim=3) if parts is not None else local
 
 
-def scatter_heads(kv: torch.Tensor | None, out: torch.Tensor, group: RankGroup) -> torch.Tensor:
-    """Rank 0 splits `kv` along the heads into rank-order blocks; every rank gets its own into `out`."""
-    parts = [part.contiguous() for part in kv.chunk(group.world_size, dim=3)] if group.leader else None
+def scatter_heads(kv: torch.Tensor | None, out: torch.Tensor, group: RankGroup, replicas: int = 1) -> torch.Tensor:
+    """Rank 0 splits `kv` along the heads into rank-order blocks; every rank gets its own into `out` (a replicated
+    head goes to each of its `replicas` ranks)."""
+    blocks = [part.contiguous() for part in kv.chunk(group.world_size // replicas, dim=3)] if group.leader else None
+    parts = [blocks[rank // replicas] for rank in range(group.world_size)] if blocks is not None else None
     dist.scatter(out, parts, src=0, group=group.channel.process_group)
     return out

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from mstar_core.runtime.engine import is_background
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.sequence import Sequence
 
@@ -37,12 +38,17 @@ class Scheduler:
     nothing at all can run, idle holders are preempted so the engine never deadlocks.
     """
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 background_step_tokens: int = 8):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or background_step_tokens < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and background_step_tokens must be >= 1")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: tokens background sequences (`runtime.engine.BACKGROUND_PRIORITY`: Batch API lines) may add to a step
+        #: that live ones have work in: a background prefill then goes in small chunks instead of stretching the
+        #: live rows' step (their inter-token latency); with no live work they take the whole budget
+        self.background_step_tokens = background_step_tokens
 
     def schedule(self, pending: Iterable[Sequence], holders: Callable[[], Iterable[Sequence]]) -> Schedule:
         """Plan a step over sequences with work (`pending`); `holders()` lists every sequence holding pages."""
@@ -50,6 +56,16 @@ class Scheduler:
         chosen: set[int] = set()
         budget = self.max_num_batched_tokens
         ordered = sorted(pending, key=_rank)
+        live = any(not is_background(s.priority) for s in ordered)
+        background_left = [self.background_step_tokens if live else budget]
+
+        def room(seq: Sequence) -> int:  # the tokens `seq` may take now
+            return min(budget, background_left[0]) if is_background(seq.priority) else budget
+
+        def took(seq: Sequence, n: int) -> None:
+            if is_background(seq.priority):
+                background_left[0] -= n
+
         running = [s for s in ordered if s.pages]
         waiting = [s for s in ordered if not s.pages]
         for seq in running:
@@ -57,7 +73,7 @@ class Scheduler:
                 break
             if not seq.pages:  # preempted earlier in this step to make room
                 continue
-            n = self._chunk(seq, budget, bool(out.work))
+            n = self._chunk(seq, room(seq), bool(out.work))
             if n == 0:
                 continue
             while not self.blocks.reserve(seq, n):
@@ -70,21 +86,23 @@ class Scheduler:
                 out.work.append((seq, n))
                 chosen.add(id(seq))
                 budget -= n
+                took(seq, n)
         for seq in waiting:
             if out.preempted or len(out.work) >= self.max_num_seqs or budget <= 0:
                 break
             if seq.readonly:  # a read-only call takes no pages: it only needs room in the token budget
-                n = self._chunk(seq, budget, bool(out.work))
+                n = self._chunk(seq, room(seq), bool(out.work))
                 if n == 0:
                     break
                 out.work.append((seq, n))
                 budget -= n
+                took(seq, n)
                 continue
             if self.blocks.total_pages(seq) > self.blocks.pool.num_pages:
                 out.too_large.append(seq)
                 continue
             self.blocks.match_prefix(seq)
-            n = self._chunk(seq, budget, bool(out.work))
+            n = self._chunk(seq, room(seq), bool(out.work))
             if n == 0:
                 self.blocks.free(seq)
                 break
@@ -101,6 +119,7 @@ class Scheduler:
             out.work.append((seq, n))
             chosen.add(id(seq))
             budget -= n
+            took(seq, n)
         return out
 
     def _chunk(self, seq: Sequence, budget: int, batch_nonempty: bool) -> int:

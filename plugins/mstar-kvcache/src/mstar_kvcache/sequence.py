@@ -75,6 +75,12 @@ class Sequence:
     token_ids: Any = None
     #: While preempted with setting `kv_offload`: the host copy of its pages (`offload.HostCopy`), restored on admission.
     host: Any = None
+    #: Speculative decoding's guesses and verified tokens not handed out yet (`speculative.SpeculationState`).
+    speculation: Any = None
+    #: The request's cross-attention label its calls named (`cross.py`): every step of it attends to that label too.
+    cross_label: str | None = None
+    #: The LoRA adapter its keys and values were computed under (`lora.NodeAdapters` key `name#load`); None: the base.
+    lora: str | None = None
 
     @property
     def next_position(self) -> int:

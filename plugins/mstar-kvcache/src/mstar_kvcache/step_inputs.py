@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mstar_kvcache.batch import build_batch, rope_positions
+from mstar_kvcache.cross import CrossLabels
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
+    from mstar_kvcache.lora import NodeAdapters
     from mstar_kvcache.replay import StepReplay
 
 
@@ -32,31 +34,46 @@ class StepForward:
 
     def __init__(self, module: Any, forward_fn: Any, backend: Any, replay: StepReplay | None, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, axes: int, routed: bool, call_inputs: dict[str, str],
-                 compiled: bool, leader: StepBroadcast | None):
+                 compiled: bool, leader: StepBroadcast | None, cross: CrossLabels | None = None):
         self.module, self.forward_fn, self.backend, self.replay = module, forward_fn, backend, replay
         self.pool, self.device, self.dtype, self.axes = pool, device, dtype, axes
         self.routed = routed  # the module takes per-token `routing` ids
         self.call_inputs = call_inputs  # module-declared call tensors: {name: "token" | "sequence"}
         self.compiled = compiled  # a compiled forward keeps its embeddings graph (see `splice_embeds`)
         self.leader = leader  # rank 0 of a split node: every rank runs each step (ranks.py)
+        self.cross = cross  # cross-attention labels the step's sequences may attend to (cross.py)
+        self.adapters: NodeAdapters | None = None  # the node's LoRA adapters, once enabled (lora.py)
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order."""
+        if self.adapters is None:
+            return self._run(work, False)
+        try:  # rows under LoRA adapters: a compiled step, or a replay where the deltas are torch ops, would drop them
+            eager = self.adapters.begin(work) or (self.compiled and self.adapters.has_rows)
+            return self._run(work, eager)
+        finally:
+            self.adapters.end()
+
+    def _run(self, work: list[tuple[Sequence, int]], adapted: bool) -> torch.Tensor:
+        """`run`; with `adapted`, eagerly (the module itself, never a replay or the compiled forward)."""
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
         kwargs = self.module_inputs(work, batch)
         embeds = self.splice_embeds(work, ids)
         context = self.backend.begin(batch, self.pool.kv)
+        if self.cross is not None:
+            context = self.cross.context(work, context)
         if self.leader is not None:
             self.leader.send_step(None if embeds is not None else ids, positions, batch, embeds, kwargs)
+        forward_fn = self.module if adapted else self.forward_fn
         with torch.inference_mode():
             if embeds is None:
-                if self.replay is not None and not kwargs:
+                if self.replay is not None and not kwargs and not adapted:
                     hidden = self.replay.forward(ids, positions, context)
                     if hidden is not None:  # (a decode step replayed, or recorded as it ran)
                         return hidden
-                return self.forward_fn(ids, positions, context, **kwargs)
-            return self.forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
+                return forward_fn(ids, positions, context, **kwargs)
+            return forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
 
     def run_followed(self, ids: torch.Tensor | None, positions: torch.Tensor, batch: Any, embeds: torch.Tensor | None,
                      kwargs: dict[str, torch.Tensor]) -> None:

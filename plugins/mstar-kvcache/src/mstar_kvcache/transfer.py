@@ -63,7 +63,8 @@ class CacheTransfer:
         if key in self.labels.seqs:
             raise RequestError(f"node '{self.node}': cache label '{snapshot.label}' already exists for {request_id}")
         layers, _, _, _, heads, dim = self.pool.kv.shape
-        split = 1 if self.leader is None else self.leader.group.world_size  # a snapshot holds every KV head of the model
+        # a snapshot holds every KV head of the model (each replicated head once)
+        split = 1 if self.leader is None else self.leader.group.world_size // self.leader.kv_replicas
         want = (layers, 2, len(snapshot.tokens), heads * split, dim)
         if tuple(snapshot.kv.shape) != want:
             raise RequestError(f"node '{self.node}': cache snapshot has KV shape {tuple(snapshot.kv.shape)}, "

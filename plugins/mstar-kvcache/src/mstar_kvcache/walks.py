@@ -35,6 +35,11 @@ def decode_iterations(sampling: str = "sampling", default_max_tokens: int | None
     return max_iters
 
 
+#: The env name (and node input) of the LoRA adapter a request runs under: a node that declares it as an optional
+#: input takes it in these walks (the runtime sets it when a request names an adapter as its model)
+LORA_INPUT = "lora"
+
+
 def _finished(env: Mapping[str, Any]) -> bool:
     return env.get("finish_reason") is not None
 
@@ -53,7 +58,8 @@ def ar_walks(
     """`prefill` runs the prompt (env `prompt`) and samples a first token; `decode` feeds each token back.
 
     Both emit `token` as it is produced and leave `finish_reason` in the env. The node must be a
-    `kvcache` node with input `input_ids` and outputs `next_token`, `finish_reason`.
+    `kvcache` node with input `input_ids` and outputs `next_token`, `finish_reason`; one that also declares the
+    optional input `lora` runs under the request's LoRA adapter, when it names one.
     """
     options = {} if cache_label is None else {"cache_label": cache_label}
     outputs = {"next_token": token}
@@ -61,7 +67,7 @@ def ar_walks(
         name=prefill_name,
         body=NodeCall(node, inputs={"input_ids": prompt, "sampling": sampling}, outputs=outputs, options=options),
         inputs=(prompt,),
-        optional_inputs=(sampling,),
+        optional_inputs=(sampling, LORA_INPUT),
         outputs=(token, "finish_reason"),
         emit=(token,),
         description=f"run the prompt through '{node}' and sample the first token",
@@ -74,7 +80,7 @@ def ar_walks(
             max_iters=decode_iterations(sampling, default_max_tokens),
         ),
         inputs=(token,),
-        optional_inputs=(sampling,),
+        optional_inputs=(sampling, LORA_INPUT),
         outputs=(token, "finish_reason"),
         emit=(token,),
         description=f"feed each sampled token back into '{node}' until a finish reason",

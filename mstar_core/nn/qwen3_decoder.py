@@ -1,10 +1,14 @@
-"""The Qwen3-MoE decoder stack shared by the Thinker's text model and the Talker (packed tokens, M-RoPE).
+"""The Qwen3 decoder stack (q/k-norm, GQA, interleaved M-RoPE; MoE or dense MLP per layer) over packed tokens.
 
+Shared by Qwen3-Omni's Thinker text model and Talker (MoE) and Qwen3-TTS's Talker (dense: `num_experts` 0).
 Parameter names are the checkpoint's (`layers.N.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`,
-`mlp.gate`, `mlp.experts.E.*` fused at load, `mlp.shared_expert*` for the Talker, `norm`).
+`mlp.gate`, `mlp.experts.E.*` fused at load, `mlp.shared_expert*` for Omni's Talker, `mlp.{gate,up,down}_proj`
+for a dense layer, `norm`).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -15,13 +19,35 @@ from mstar_core.nn.moe import TopKMoE
 from mstar_core.nn.mrope import MultimodalRotaryEmbedding
 from mstar_core.nn.norm import RMSNorm
 from mstar_core.nn.self_attention import GroupedQueryAttention
-from mstar_qwen_omni.config import TextConfig
 
 
-class MoeDecoderLayer(nn.Module):
+class Qwen3DecoderConfig(Protocol):
+    """The sizes the stack reads (an attrs config of the model package)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    attention_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+
+    def is_moe_layer(self, i: int) -> bool: ...
+
+
+class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)) with q/k-norm, then x + moe(norm(x)) (or a dense MLP)."""
 
-    def __init__(self, cfg: TextConfig, layer_idx: int):
+    def __init__(self, cfg: Qwen3DecoderConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = GroupedQueryAttention(
@@ -41,12 +67,12 @@ class MoeDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MoeDecoder(nn.Module):
+class Qwen3Decoder(nn.Module):
     """Decoder layers + final norm over packed tokens; optionally adds deepstack rows and keeps one layer's output."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: Qwen3DecoderConfig):
         super().__init__()
-        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MultimodalRotaryEmbedding(cfg.head_dim, cfg.mrope_section, cfg.rope_theta, interleaved=True)
 

@@ -1,0 +1,241 @@
+"""Qwen3-TTS: M* (Talker, code predictor and speech decoder streaming on the shared engines) vs the `qwen-tts` package.
+
+Baseline: the package's `Qwen3TTSForConditionalGeneration.generate` (the transformers-5 build `qwen-tts-compat`
+0.1.1.post1) then its tokenizer decoder's `chunked_decode`, request by request, as its wrapper runs them; it returns
+audio when everything is done. Same random weights (a CPU-sized model in the published layout, loaded by both), same
+run, fixed lengths (`--frames` frames of 80 ms; end of speech ruled out on both sides), the published sampling
+defaults on both sides.
+
+- `ttfa_ratio_c1`: M*'s time to its first audio chunk (the first 25-frame window) over the baseline's time to its
+  audio. Target <= 0.3.
+- `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M* over the baseline's
+  request-by-request rate. Target >= 3.
+- `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
+  audio before it has played out, playback starting at the first chunk). The TTS walk has no stream priority yet:
+  this is FIFO (`priority: false` in the JSON).
+- `clone_cached_speedup`: a cloned voice's request time with the stored x-vector (what `/v1/audio/voices` keeps)
+  over the time with the speaker encoder run per request on the reference audio (what an uncached server does).
+- `stream_first_audio_ms`: text arriving word by word (as from an LLM), cut by `TextChunker`: milliseconds from the
+  word that completes the first sentence to that sentence's first audio.
+
+`--quick` (< 60 s) runs smaller lengths and counts (c=1 x2, c=4 for throughput, c=8 for viability; the keys keep
+their names, `concurrency` says what ran). Timings on a
+small shared CPU box are noisy; the ratios are what to read.
+
+    python benchmarks/qwen_tts.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# this file is `qwen_tts.py`: its own folder off the path, so `import qwen_tts` finds the package, not this script
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+
+SIZE = {"talker": 256, "talker_layers": 4, "groups": 16, "decoder": 64}
+
+
+def write_checkpoint(directory: Path) -> Path:
+    """The tiny Base preset widened (Talker 256 x 4, 16 code groups, the published decoder rates), seeded weights."""
+    from mstar_qwen_tts.checkpoint import QwenTTS
+    from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
+    from mstar_qwen_tts.preset import build_tokenizer, randomize, tiny_config, tiny_speech_tokenizer_config
+    from mstar_qwen_tts.speech_decoder import SpeechDecoder
+
+    from mstar_core.checkpoint import save_hf_checkpoint
+
+    tok = build_tokenizer()
+    cfg = tiny_config(tok, "base")
+    tk, groups = SIZE["talker"], SIZE["groups"]
+    cfg["talker_config"].update(hidden_size=tk, intermediate_size=2 * tk, num_hidden_layers=SIZE["talker_layers"],
+                                num_attention_heads=tk // 64, num_key_value_heads=2, head_dim=64,
+                                num_code_groups=groups,
+                                rope_scaling={"rope_type": "default", "mrope_section": [12, 10, 10],
+                                              "interleaved": True})
+    cfg["talker_config"]["code_predictor_config"].update(hidden_size=tk, intermediate_size=2 * tk,
+                                                         num_hidden_layers=2, num_attention_heads=tk // 64,
+                                                         num_key_value_heads=2, head_dim=64, num_code_groups=groups)
+    cfg["speaker_encoder_config"]["enc_dim"] = tk
+    model = QwenTTS(TTSConfig.from_hf(cfg))
+    randomize(model, 0)
+    save_hf_checkpoint(model.state_dict(), directory, cfg, extra_files={"tokenizer.json": tok.to_str()})
+    speech = tiny_speech_tokenizer_config()
+    dec = SIZE["decoder"]
+    speech["decoder_config"].update(codebook_dim=dec, hidden_size=dec, latent_dim=dec, num_attention_heads=4,
+                                    num_key_value_heads=4, intermediate_size=2 * dec, num_hidden_layers=2,
+                                    num_quantizers=groups, sliding_window=72, upsample_rates=[8, 5, 4, 3],
+                                    upsampling_ratios=[2, 2], decoder_dim=dec)
+    speech.update(decode_upsample_rate=1920, encode_downsample_rate=1920, encoder_valid_num_quantizers=groups)
+    decoder = SpeechDecoder(SpeechDecoderConfig.from_hf(speech))
+    randomize(decoder, 1)
+    save_hf_checkpoint({f"decoder.{k}": v for k, v in decoder.state_dict().items()}, directory / "speech_tokenizer",
+                       speech)
+    return directory
+
+
+def log(*what) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *what, file=sys.stderr, flush=True)
+
+
+def reference_voice(seconds: float = 3.0) -> torch.Tensor:
+    t = torch.arange(int(seconds * 24000)) / 24000
+    return (0.3 * torch.sin(2 * torch.pi * 160 * t) * (1 + 0.3 * torch.sin(2 * torch.pi * 3 * t))).clamp(-1, 1)
+
+
+SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
+TEXT = "Hello there, this is a benchmark of streaming speech."
+
+
+def baseline(ref, decoder, ids: list[int], embedding: torch.Tensor, frames: int) -> tuple[float, float]:
+    """(seconds to the audio, audio seconds) of one upstream generate + decode, end of speech ruled out."""
+    start = time.perf_counter()
+    vocab = ref.config.talker_config.vocab_size
+    with torch.no_grad():
+        codes, _ = ref.generate(
+            input_ids=[torch.tensor([ids])], languages=["auto"], speakers=[None], non_streaming_mode=False,
+            voice_clone_prompt={"ref_spk_embedding": [embedding], "x_vector_only_mode": [True], "icl_mode": [False],
+                                "ref_code": None},
+            max_new_tokens=frames + 1, eos_token_id=vocab - 1,  # a suppressed id: never sampled, so no early end
+            subtalker_temperature=0.9, subtalker_top_k=50, subtalker_top_p=1.0, **SAMPLING)
+        wav = decoder.chunked_decode(codes[0].t()[None], chunk_size=300, left_context_size=25)
+    return time.perf_counter() - start, wav.shape[-1] / 24000
+
+
+async def mstar_one(engine, embedding: list[float], frames: int, seed: int) -> dict:
+    start = time.perf_counter()
+    handle = engine.submit("qwen3-tts", {"input": TEXT, "speaker_embedding": embedding, "max_frames": frames + 1,
+                                         "ignore_eos": True, "seed": seed, **SAMPLING})
+    arrivals, samples = [], 0
+    async for out in handle:
+        if out.name == "audio":
+            samples += out.value.numel()
+            arrivals.append((time.perf_counter() - start, samples / 24000))
+    await handle.result()
+    return {"ttfa": arrivals[0][0], "total": time.perf_counter() - start, "audio": samples / 24000,
+            "arrivals": arrivals}
+
+
+def viable(arrivals: list[tuple[float, float]]) -> bool:
+    """Playback starts at the first chunk; chunk i must arrive before the audio of the chunks before it played."""
+    t0, played = arrivals[0][0], 0.0
+    for at, total in arrivals:
+        if at - t0 > played + 1e-3:
+            return False
+        played = total
+    return True
+
+
+async def stream_first_audio(engine, embedding: list[float], frames: int) -> float:
+    """Words arrive every 50 ms; ms from the word that ends the first sentence to that sentence's first audio."""
+    from mstar_core.api.requests.text_chunks import TextChunker
+
+    chunker, words = TextChunker(), "Hello there friend. And then more words follow here".split(" ")
+    for i, word in enumerate(words):
+        segments = chunker.push(word + " ")
+        if segments:
+            said = time.perf_counter()
+            handle = engine.submit("qwen3-tts", {"input": segments[0].strip(), "speaker_embedding": embedding,
+                                                 "max_frames": frames + 1, "ignore_eos": True, "seed": i})
+            async for out in handle:
+                if out.name == "audio":
+                    first = time.perf_counter() - said
+                    handle.cancel()
+                    return 1000 * first
+        await asyncio.sleep(0.05)
+    raise RuntimeError("no sentence ended")
+
+
+async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
+    from mstar_core.model import LoadOptions
+    from mstar_core.plugins import discover
+    from mstar_core.runtime import AsyncEngine
+
+    out: dict = {}
+    async with AsyncEngine(discover()) as engine:
+        loaded = await engine.load_model("qwen3-tts", LoadOptions(checkpoint=str(directory)))
+        encoder = loaded.extras["model"].speaker_encoder
+        out["embedding"] = encoder.embed(voice)  # the voice as `/v1/audio/voices` stores it
+        emb = out["embedding"].tolist()
+        await mstar_one(engine, emb, 4, 0)  # warm-up
+        log("loaded and warm")
+        c1 = [await mstar_one(engine, emb, args.frames, i) for i in range(args.c1)]
+        out["ttfa_c1"] = statistics.median(r["ttfa"] for r in c1)
+        log("c1", c1[0]["ttfa"], c1[0]["total"])
+        start = time.perf_counter()
+        wave = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 100 + i) for i in range(args.cthroughput)))
+        out["audio_per_s"] = sum(r["audio"] for r in wave) / (time.perf_counter() - start)
+        log("throughput wave", time.perf_counter() - start)
+        crowd = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 200 + i) for i in range(args.cviable)))
+        out["viability"] = sum(viable(r["arrivals"]) for r in crowd) / len(crowd)
+        log("viability wave")
+        cached, uncached = [], []
+        for i in range(args.c1):
+            cached.append((await mstar_one(engine, emb, args.clone_frames, 300 + i))["total"])
+            start = time.perf_counter()
+            fresh = encoder.embed(voice).tolist()  # an uncached server: the encoder on every request
+            r = await mstar_one(engine, fresh, args.clone_frames, 300 + i)
+            assert r["audio"] > 0
+            uncached.append(time.perf_counter() - start)
+        out["clone_cached_speedup"] = statistics.median(uncached) / statistics.median(cached)
+        out["stream_first_audio_ms"] = await stream_first_audio(engine, emb, args.clone_frames)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--frames", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    args.c1, args.cthroughput, args.cviable, args.clone_frames = 3, 16, 32, 25
+    if args.quick:
+        args.frames, args.c1, args.cthroughput, args.cviable, args.clone_frames = 27, 1, 4, 4, 4
+    torch.set_num_threads(args.threads)
+    from mstar_qwen_tts.prepare import assistant_text
+
+    from mstar_core.checkpoint import load_tokenizer
+    from tests.qwen_tts.oracle import load_reference, load_reference_decoder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = write_checkpoint(Path(tmp) / "qwen3-tts-bench")
+        voice = reference_voice()
+        mstar = asyncio.run(run_mstar(directory, args, voice))
+        embedding = mstar["embedding"]
+        ref, ref_decoder = load_reference(directory), load_reference_decoder(directory)
+        ids = load_tokenizer(directory).encode(assistant_text(TEXT), add_special_tokens=False).ids
+        log("baseline loaded")
+        runs = [baseline(ref, ref_decoder, ids, embedding, args.frames) for _ in range(1 if args.quick else 2)]
+        log("baseline", runs)
+    base_ttfa = statistics.median(t for t, _ in runs)
+    base_rate = sum(a for _, a in runs) / sum(t for t, _ in runs)
+    result = {
+        "ttfa_ratio_c1": round(mstar["ttfa_c1"] / base_ttfa, 3),
+        # (the keys keep their names under --quick, which runs fewer concurrent requests: see "concurrency")
+        "throughput_ratio_c16": round(mstar["audio_per_s"] / base_rate, 3),
+        "viability_c32": round(mstar["viability"], 3),
+        "concurrency": {"throughput": args.cthroughput, "viability": args.cviable},
+        "priority": False,
+        "clone_cached_speedup": round(mstar["clone_cached_speedup"], 3),
+        "stream_first_audio_ms": round(mstar["stream_first_audio_ms"], 1),
+        "mstar_ttfa_c1_s": round(mstar["ttfa_c1"], 3), "baseline_audio_s": round(base_ttfa, 3),
+        "frames": args.frames, "quick": args.quick, "baseline": "qwen-tts-compat 0.1.1.post1",
+        "loadavg": os.getloadavg()[0],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Whisper in M* against faster-whisper (CTranslate2), one checkpoint, the same clips, in one run.
+
+The checkpoint: random weights at whisper-base size (d_model 512, 6 + 6 layers, 8 heads, 51865 tokens, 80 mels),
+written by `mstar_whisper.preset.write_random` in Hugging Face's layout with its positions leaning toward
+end-of-text, so both sides write replies of similar length that end (`CACHE/whisper-base-random`). faster-whisper is
+never a dependency of M*: it lives in its own venv (`CACHE/faster-whisper-venv`, `pip install faster-whisper==1.2.1`,
+created the first time), and CTranslate2's converter runs offline on the same directory (`CACHE/whisper-base-ct2-*`;
+the converter runs under this interpreter, which has transformers and torch, with the venv's ctranslate2 on its path).
+
+Both sides decode greedily (faster-whisper's `beam_size=1, best_of=1`, `temperature=0`, no fallback, no VAD,
+`without_timestamps=True`, `condition_on_previous_text=False`: its documented knobs set to what M* runs; listed in
+the output), with the same `max_new_tokens`. faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
+concurrency (its documented way to run parallel `transcribe` calls). Clips are synthetic speech-like signals
+(espeak-ng when installed). Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, the ratios
+(M* over faster-whisper: throughput higher is better for M*, latency lower is better for M*), and the fraction of
+clips whose text both sides wrote identically. Timings on a shared, loaded CPU box are noisy.
+
+faster-whisper's default `suppress_tokens=[-1]` means openai-whisper's non-speech symbols as its tokenizer spells
+them, which real checkpoints also list in `generation_config.suppress_tokens`; the random checkpoints' tokenizer
+spells them elsewhere, so faster-whisper is given the checkpoint's own list (`suppress_tokens`, its documented
+parameter). The sides still write different text for clips under 30 s (agreement 0.0 here, measured): faster-whisper
+computes the log-mel of the clip as it is and pads the window with zeros *in log-mel space* (`pad_or_trim` of the
+features), where transformers' `WhisperFeatureExtractor` (and M*, within 1e-4 of it) pads the *audio* to 30 s first,
+so the padded frames read as silence; CTranslate2's own `generate` on M*'s features writes M*'s tokens (checked by
+hand: the converted model's encoder is within 1.3e-4 of M*'s, its greedy ids equal). The agreement so measures that
+input difference, not the decoders.
+
+    python benchmarks/whisper.py [--quick] [--compute-type float32|int8]
+
+Final line: JSON with `throughput_ratio_c8`, `latency_p50_ratio_c1`, `text_agreement`, `cpu_flags`, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_side import cache_dir
+from vs_vllm import cpu_flags
+
+FASTER_WHISPER = "faster-whisper==1.2.1"
+SIZES = {
+    "base": {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
+             "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048},
+    "tiny": {"d_model": 384, "encoder_layers": 4, "decoder_layers": 4, "encoder_attention_heads": 6,
+             "decoder_attention_heads": 6, "encoder_ffn_dim": 1536, "decoder_ffn_dim": 1536},
+}
+#: what real checkpoints suppress beside their text list: the task and start tokens and <|nospeech|> (faster-whisper,
+#: like openai-whisper, suppresses them whatever the config says; the random checkpoints say it too, so both agree)
+SPECIAL_SUPPRESS = [50358, 50359, 50360, 50361, 50362]
+
+FW_SCRIPT = r"""
+import json, sys, time, numpy as np
+from concurrent.futures import ThreadPoolExecutor
+from faster_whisper import WhisperModel
+args = json.loads(sys.argv[1])
+clips = [np.load(p) for p in args["clips"]]
+out = {}
+for conc in args["concurrency"]:
+    model = WhisperModel(args["model"], device="cpu", compute_type=args["compute_type"], cpu_threads=args["threads"],
+                         num_workers=conc)
+    def one(audio):
+        t0 = time.perf_counter()
+        segments, _ = model.transcribe(audio, language="en", task="transcribe", beam_size=1, best_of=1, temperature=0.0,
+                                       without_timestamps=True, condition_on_previous_text=False, vad_filter=False,
+                                       max_new_tokens=args["max_new_tokens"], suppress_blank=True, log_progress=False,
+                                       suppress_tokens=args["suppress_tokens"])
+        segs = list(segments)
+        return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
+    one(clips[0])  # warm-up
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as pool:
+        res = list(pool.map(one, clips))
+    out[str(conc)] = {"wall": time.perf_counter() - t0, "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+print(json.dumps(out))
+"""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_faster_whisper() -> Path:
+    venv = cache_dir() / "faster-whisper-venv"
+    python = venv / "bin" / "python"
+    marker = venv / ".mstar-bench-installed"
+    if python.exists() and marker.exists():
+        return python
+    log(f"installing {FASTER_WHISPER} into {venv} (once)")
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", FASTER_WHISPER], check=True)
+    marker.write_text(FASTER_WHISPER + "\n")
+    return python
+
+
+def ensure_checkpoint(size: str) -> Path:
+    from mstar_whisper.preset import TINY_CONFIG, write_random
+
+    directory = cache_dir() / f"whisper-{size}-random-v2"
+    if not (directory / "config.json").is_file():
+        log(f"writing the whisper-{size}-size random checkpoint to {directory}")
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
+        write_random(tmp, {**TINY_CONFIG, **SIZES[size], "suppress_tokens": SPECIAL_SUPPRESS}, seed=0, ramp=0.3)
+        gen = json.loads((tmp / "generation_config.json").read_text())
+        (tmp / "generation_config.json").write_text(json.dumps({**gen, "suppress_tokens": SPECIAL_SUPPRESS}))
+        tmp.rename(directory)
+    return directory
+
+
+def ensure_ct2(fw_python: Path, checkpoint: Path, compute_type: str) -> Path:
+    out = cache_dir() / f"{checkpoint.name}-ct2-{compute_type}"
+    if (out / "model.bin").is_file():
+        return out
+    site = subprocess.run([str(fw_python), "-c", "import ctranslate2, os; print(os.path.dirname(os.path.dirname("
+                           "ctranslate2.__file__)))"], capture_output=True, text=True, check=True).stdout.strip()
+    log(f"converting {checkpoint} with CTranslate2 ({compute_type}), offline")
+    env = {**os.environ, "PYTHONPATH": site, "HF_HUB_OFFLINE": "1"}
+    quant = {"float32": "float32", "int8": "int8_float32"}[compute_type]
+    code = ("from ctranslate2.converters.transformers import main; main()")
+    subprocess.run([sys.executable, "-c", code, "--model", str(checkpoint), "--output_dir", str(out), "--quantization",
+                    quant, "--copy_files", "tokenizer.json", "preprocessor_config.json", "--force"], check=True, env=env)
+    return out
+
+
+def clips(n: int, seconds: float) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        t = np.arange(int(seconds * 16000)) / 16000
+        f0 = 100 + 60 * rng.random()
+        wave = sum(np.sin(2 * np.pi * f0 * k * t + rng.random()) / k for k in range(1, 6))
+        env = 0.5 + 0.5 * np.sin(2 * np.pi * (2 + i % 3) * t)
+        out.append((0.3 * wave * env + 0.01 * rng.standard_normal(t.shape)).astype(np.float32))
+    return out
+
+
+async def mstar_side(checkpoint: Path, audio: list[np.ndarray], concurrency: list[int], max_tokens: int,
+                     quantize: str | None) -> dict:
+    from mstar_core.model import LoadOptions
+    from mstar_core.runtime import AsyncEngine
+
+    engine = AsyncEngine()
+    settings = {"decoder": {"num_pages": 1024, **({"quantize": quantize} if quantize else {})}}
+    await engine.load_model("whisper", LoadOptions(checkpoint=str(checkpoint)), settings=settings)
+
+    async def one(a: np.ndarray) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        handle = engine.submit("whisper", {"audio": torch.from_numpy(a), "language": "en", "max_tokens": max_tokens})
+        tokens = [int(o.value) for o in [o async for o in handle] if o.name == "next_token"]
+        await handle.result()
+        return time.perf_counter() - t0, [t for t in tokens if t < 50257]
+
+    await one(audio[0])  # warm-up
+    out = {}
+    try:
+        for conc in concurrency:
+            sem = asyncio.Semaphore(conc)
+
+            async def limited(a, sem=sem):
+                async with sem:
+                    return await one(a)
+
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(limited(a) for a in audio))
+            out[str(conc)] = {"wall": time.perf_counter() - t0, "latency": [r[0] for r in res],
+                              "tokens": [r[1] for r in res]}
+    finally:
+        await engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="whisper-tiny size, 4 clips of 4 s, 16 tokens (under a minute once installed)")
+    parser.add_argument("--compute-type", default="float32", choices=("float32", "int8"))
+    args = parser.parse_args()
+    n, seconds, max_tokens, size = (4, 4.0, 16, "tiny") if args.quick else (16, 30.0, 96, "base")
+    threads = os.cpu_count() or 2
+    torch.set_num_threads(threads)
+    fw_python = ensure_faster_whisper()
+    checkpoint = ensure_checkpoint(size)
+    ct2 = ensure_ct2(fw_python, checkpoint, args.compute_type)
+    audio = clips(n, seconds)
+    total_seconds = n * seconds
+    concurrency = [1, 8]
+
+    t0 = time.perf_counter()
+    ours = asyncio.run(mstar_side(checkpoint, audio, concurrency, max_tokens,
+                                  "int8" if args.compute_type == "int8" else None))
+    log(f"M* done in {time.perf_counter() - t0:.1f} s")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, a in enumerate(audio):
+            paths.append(str(Path(tmp) / f"clip{i}.npy"))
+            np.save(paths[-1], a)
+        spec = {"model": str(ct2), "clips": paths, "concurrency": concurrency, "compute_type": args.compute_type,
+                "threads": threads, "max_new_tokens": max_tokens, "suppress_tokens": SPECIAL_SUPPRESS}
+        t0 = time.perf_counter()
+        run = subprocess.run([str(fw_python), "-c", FW_SCRIPT, json.dumps(spec)], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if run.returncode:
+            raise SystemExit(f"faster-whisper failed:\n{run.stderr[-3000:]}")
+        theirs = json.loads(run.stdout.strip().splitlines()[-1])
+        log(f"faster-whisper done in {time.perf_counter() - t0:.1f} s")
+
+    def figures(side: dict) -> dict:
+        c1, c8 = side["1"], side["8"]
+        return {"audio_s_per_wall_s_c8": total_seconds / c8["wall"], "latency_p50_c1": float(np.median(c1["latency"])),
+                "latency_p99_c1": float(np.percentile(c1["latency"], 99))}
+
+    m, f = figures(ours), figures(theirs)
+    same = sum(a == b for a, b in zip(ours["1"]["tokens"], theirs["1"]["tokens"], strict=True))
+    result = {
+        "benchmark": "whisper", "quick": args.quick, "size": size, "compute_type": args.compute_type, "clips": n,
+        "clip_seconds": seconds, "max_new_tokens": max_tokens, "threads": threads,
+        "audio": "espeak-ng" if shutil.which("espeak-ng") else "synthetic harmonics (espeak-ng not installed)",
+        "mstar": m, "faster_whisper": f,
+        "faster_whisper_settings": {"beam_size": 1, "best_of": 1, "temperature": 0.0, "without_timestamps": True,
+                                    "suppress_tokens": SPECIAL_SUPPRESS,
+                                    "condition_on_previous_text": False, "vad_filter": False, "cpu_threads": threads,
+                                    "num_workers": "= concurrency", "compute_type": args.compute_type},
+        "throughput_ratio_c8": m["audio_s_per_wall_s_c8"] / f["audio_s_per_wall_s_c8"],
+        "latency_p50_ratio_c1": m["latency_p50_c1"] / f["latency_p50_c1"],
+        "text_agreement": same / n,
+        "cpu_flags": cpu_flags(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""M* model package: Qwen3-TTS (`mstar serve qwen3-tts`)."""

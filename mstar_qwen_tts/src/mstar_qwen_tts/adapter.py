@@ -1,0 +1,57 @@
+"""The speech adapter for `qwen3-tts`: `input`, `voice` (a preset speaker, any case; or a cloned voice, which the
+speech route resolves to its prompt) and `instructions` (voice design, or a style hint) become the model's request
+fields; the schema checks them. A Base checkpoint clones voices: `clone_voice` runs the speaker encoder once, when
+`POST /v1/audio/voices` creates the voice, and speech with that voice reuses the stored x-vector."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar_core.api.media import resample
+from mstar_core.api.requests.adapters import ApiAdapter
+from mstar_core.errors import RequestError
+
+_FORWARD = ("seed", "temperature", "top_p", "top_k", "repetition_penalty", "language", "max_frames",
+            "non_streaming_mode", "do_sample", "subtalker_dosample")
+#: The shortest reference audio taken (seconds): the x-vector of less is mostly noise.
+MIN_REFERENCE_SECONDS = 0.5
+
+
+class QwenTTSAdapter(ApiAdapter):
+    model = "qwen3-tts"
+    routes = {"speech"}
+    sample_rate = 24000
+    audio_output = "audio"
+
+    def bind(self, loaded: Any) -> None:
+        super().bind(loaded)
+        self.sample_rate = int(loaded.extras.get("sample_rate", self.sample_rate))
+        self.speaker_encoder = loaded.extras["model"].speaker_encoder
+        self.clones_voices = self.speaker_encoder is not None
+
+    def speech_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        inputs: dict[str, Any] = {"input": body.get("input")}
+        cloned = body.get("cloned_voice")
+        if cloned is not None:
+            inputs["speaker_embedding"] = list(cloned["speaker_embedding"])
+        elif body.get("voice"):
+            inputs["voice"] = str(body["voice"]).lower()
+        if body.get("instructions"):
+            inputs["instructions"] = body["instructions"]
+        inputs.update({k: body[k] for k in _FORWARD if body.get(k) is not None})
+        return inputs
+
+    def clone_voice(self, samples: np.ndarray, sample_rate: int, transcript: str) -> Mapping[str, Any]:
+        if not self.clones_voices:
+            raise RequestError(f"model '{self.model}' is not a Base checkpoint: it does not clone voices", param="model")
+        rate = self.speaker_encoder.config.sample_rate
+        wav = resample(samples, sample_rate, rate) if sample_rate != rate else np.asarray(samples, np.float32)
+        if wav.size < MIN_REFERENCE_SECONDS * rate:
+            raise RequestError(f"'file' holds {wav.size / rate:.2f} s of audio; a voice needs at least "
+                               f"{MIN_REFERENCE_SECONDS:g} s", param="file")
+        embedding = self.speaker_encoder.embed(torch.from_numpy(np.clip(wav, -1.0, 1.0)))
+        return {"speaker_embedding": embedding.float().tolist(), "transcript": transcript}

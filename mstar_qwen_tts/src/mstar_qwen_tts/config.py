@@ -1,0 +1,234 @@
+"""`TTSConfig`: a Qwen3-TTS `config.json` (+ `speech_tokenizer/config.json`) read into the sizes M* builds.
+
+Defaults are the published 12 Hz 0.6B values. Each section keeps the keys it uses and checks their types,
+naming the offending key (`talker_config.code_predictor_config.num_code_groups`). The Talker's section is flat
+(its decoder sizes sit beside the codec ids); `head_dim` and `text_vocab_size` are read although the upstream
+config class does not declare them. RoPE: `rope_theta` + `rope_scaling` or `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from mstar_core.config.hf import check, config_field, read_fields, section
+from mstar_core.errors import ConfigError
+from mstar_core.nn.code_predictor import CodePredictorConfig
+
+MODEL_TYPES = ("custom_voice", "voice_design", "base")
+
+
+def _rope(cfg: Mapping[str, Any], where: str, default_theta: float) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": cfg.get("rope_theta", default_theta)}
+    for key in ("rope_scaling", "rope_parameters"):
+        extra = cfg.get(key)
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"config.json: '{where}.{key}' must be an object or null")
+        params.update(extra)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: ['default'])")
+    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
+    return params
+
+
+def _head_dim(values: dict[str, Any]) -> int:
+    return values["hidden_size"] // values["num_attention_heads"]
+
+
+def _ids(value: Any, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config.json: '{key}' must be an object")
+    return {str(k).lower(): v for k, v in value.items()}
+
+
+@attrs.frozen(kw_only=True)
+class TalkerTextConfig:
+    """The Talker's dense Qwen3 decoder (the `mstar_core.nn.qwen3_decoder` sizes; no experts)."""
+
+    vocab_size: int = 3072
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = config_field(16, minimum=1)
+    num_key_value_heads: int = config_field(8, minimum=1)
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1000000.0
+    mrope_section: tuple[int, ...] = (24, 20, 20)
+    # a dense stack: what `Qwen3DecoderLayer` reads to choose its MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def is_moe_layer(self, i: int) -> bool:
+        return False
+
+
+@attrs.frozen(kw_only=True)
+class TalkerConfig:
+    text: TalkerTextConfig
+    predictor: CodePredictorConfig
+    num_code_groups: int = 16
+    text_vocab_size: int = 151936
+    text_hidden_size: int = 2048
+    codec_eos_token_id: int = 2150
+    codec_think_id: int = 2154
+    codec_nothink_id: int = 2155
+    codec_think_bos_id: int = 2156
+    codec_think_eos_id: int = 2157
+    codec_pad_id: int = 2148
+    codec_bos_id: int = 2149
+    spk_id: dict = attrs.field(factory=dict)
+    spk_is_dialect: dict = attrs.field(factory=dict)
+    codec_language_id: dict = attrs.field(factory=dict)
+
+    @property
+    def suppress_from(self) -> int:
+        """Code 0 never takes an id at or above this but EOS (the published rule: the top 1024 ids)."""
+        return max(0, self.text.vocab_size - 1024)
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> TalkerConfig:
+        where = "talker_config"
+        cfg = section(cfg, where)
+        rope = _rope(cfg, where, 10000.0)
+        text = read_fields(TalkerTextConfig, cfg, where, defaults={"head_dim": _head_dim},
+                           rope_theta=rope["rope_theta"],
+                           mrope_section=check(rope.get("mrope_section", (24, 20, 20)), tuple[int, ...],
+                                               f"{where}.rope_scaling.mrope_section", example=(24, 20, 20)))
+        if 2 * sum(text.mrope_section) != text.head_dim:
+            raise ConfigError(f"config.json: '{where}' mrope_section {list(text.mrope_section)} must add up to "
+                              f"head_dim / 2 = {text.head_dim // 2}")
+        if text.num_attention_heads % text.num_key_value_heads:
+            raise ConfigError(f"config.json: '{where}.num_attention_heads' must be a multiple of num_key_value_heads")
+        pwhere = f"{where}.code_predictor_config"
+        pcfg = section(cfg.get("code_predictor_config"), pwhere)
+        predictor = read_fields(CodePredictorConfig, pcfg, pwhere, defaults={"head_dim": _head_dim},
+                                rope_theta=_rope(pcfg, pwhere, 10000.0)["rope_theta"])
+        talker = read_fields(cls, cfg, where, text=text, predictor=predictor,
+                             spk_id=_ids(cfg.get("spk_id"), f"{where}.spk_id"),
+                             spk_is_dialect=_ids(cfg.get("spk_is_dialect"), f"{where}.spk_is_dialect"),
+                             codec_language_id=_ids(cfg.get("codec_language_id"), f"{where}.codec_language_id"))
+        talker.check_ids()
+        if predictor.num_code_groups != talker.num_code_groups:
+            raise ConfigError(f"config.json: '{pwhere}.num_code_groups' must equal talker_config.num_code_groups")
+        return talker
+
+    def check_ids(self) -> None:
+        vocab = self.text.vocab_size
+        ids = {k: getattr(self, k) for k in ("codec_eos_token_id", "codec_think_id", "codec_nothink_id",
+                                              "codec_think_bos_id", "codec_think_eos_id", "codec_pad_id",
+                                              "codec_bos_id")}
+        ids.update({f"spk_id.{k}": v for k, v in self.spk_id.items()})
+        ids.update({f"codec_language_id.{k}": v for k, v in self.codec_language_id.items()})
+        bad = [f"{k}={v}" for k, v in ids.items() if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab]
+        if bad:
+            raise ConfigError(f"config.json: talker_config codec ids {bad} must be integers below the talker vocab "
+                              f"({vocab})")
+        missing = [s for s in self.spk_id if s not in self.spk_is_dialect]
+        if missing:
+            raise ConfigError(f"config.json: 'talker_config.spk_is_dialect' needs an entry for every speaker; "
+                              f"missing {missing}")
+        for speaker, dialect in self.spk_is_dialect.items():
+            if dialect is not False and dialect not in self.codec_language_id:
+                raise ConfigError(f"config.json: 'talker_config.spk_is_dialect.{speaker}' names {dialect!r}, which "
+                                  f"is not in codec_language_id")
+
+
+@attrs.frozen(kw_only=True)
+class TTSConfig:
+    talker: TalkerConfig
+    tts_model_type: str = "custom_voice"
+    tts_model_size: str = "0b6"
+    tokenizer_type: str = "qwen3_tts_tokenizer_12hz"
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
+    tts_pad_token_id: int = 151671
+    tts_bos_token_id: int = 151672
+    tts_eos_token_id: int = 151673
+    speaker_encoder: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+    @property
+    def keeps_instruct(self) -> bool:
+        """The 0.6B checkpoints drop the instruct turn (the upstream rule)."""
+        return self.tts_model_size != "0b6"
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> TTSConfig:
+        if not isinstance(cfg, Mapping):
+            raise ConfigError("config.json must hold an object")
+        talker = TalkerConfig.from_hf(cfg.get("talker_config"))
+        out = read_fields(cls, cfg, talker=talker,
+                          speaker_encoder=dict(section(cfg.get("speaker_encoder_config"), "speaker_encoder_config")))
+        if out.tts_model_type not in MODEL_TYPES:
+            raise ConfigError(f"config.json: 'tts_model_type' must be one of {list(MODEL_TYPES)}, "
+                              f"got {out.tts_model_type!r}")
+        if out.tokenizer_type != "qwen3_tts_tokenizer_12hz":
+            raise ConfigError(f"config.json: 'tokenizer_type' {out.tokenizer_type!r} is not supported (here: the "
+                              f"12 Hz tokenizer, 'qwen3_tts_tokenizer_12hz')")
+        text_vocab = talker.text_vocab_size
+        bad = [k for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id", "tts_bos_token_id",
+                           "tts_eos_token_id") if not 0 <= getattr(out, k) < text_vocab]
+        if bad:
+            raise ConfigError(f"config.json: {bad} must be below talker_config.text_vocab_size ({text_vocab})")
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class SpeechDecoderConfig:
+    """`speech_tokenizer/config.json` `decoder_config`: split RVQ, causal conv, sliding transformer, vocoder."""
+
+    codebook_size: int = 2048
+    codebook_dim: int = 512
+    hidden_size: int = 512
+    latent_dim: int = 1024
+    num_attention_heads: int = config_field(16, minimum=1)
+    num_key_value_heads: int = config_field(16, minimum=1)
+    head_dim: int = 64
+    attention_bias: bool = False
+    sliding_window: int = 72
+    intermediate_size: int = 1024
+    hidden_act: str = "silu"
+    layer_scale_initial_scale: float = 0.01
+    rms_norm_eps: float = 1e-5
+    num_hidden_layers: int = 8
+    num_quantizers: int = 16
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    decoder_dim: int = 1536
+    rope_theta: float = 10000.0
+
+    @property
+    def samples_per_frame(self) -> int:
+        total = 1
+        for r in (*self.upsample_rates, *self.upsampling_ratios):
+            total *= r
+        return total
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> SpeechDecoderConfig:
+        file = "speech_tokenizer/config.json"
+        top = section(cfg, "", file=file)
+        where = "decoder_config"
+        dec = section(top.get(where), where, file=file)
+        out = read_fields(cls, dec, where, file=file, defaults={"head_dim": _head_dim},
+                          rope_theta=check(dec.get("rope_theta", 10000.0), float, f"{where}.rope_theta", file=file))
+        rate = top.get("decode_upsample_rate")
+        if rate is not None and rate != out.samples_per_frame:
+            raise ConfigError(f"{file}: 'decode_upsample_rate' ({rate}) must equal the product of "
+                              f"decoder_config.upsample_rates and upsampling_ratios ({out.samples_per_frame})")
+        if out.codebook_dim % 2:
+            raise ConfigError(f"{file}: 'decoder_config.codebook_dim' must be even (the RVQ works at half of it)")
+        return out

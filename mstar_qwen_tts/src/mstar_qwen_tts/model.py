@@ -1,0 +1,41 @@
+"""`ModelSpec("qwen3-tts")`: a Qwen3-TTS 12 Hz checkpoint directory or the `tiny` preset -> `LoadedModel`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_qwen_tts.prepare import EXAMPLE
+
+PRESETS = ("tiny", "tiny-design", "tiny-base")
+
+
+def load(options: LoadOptions) -> LoadedModel:
+    # the loading stack is imported when a model loads: discovery imports this module (for SPEC) in every process
+    from mstar_core.checkpoint import load_tokenizer
+    from mstar_qwen_tts.checkpoint import load_speech_decoder, load_tts, read_generation_config
+    from mstar_qwen_tts.graph import build_graph
+    from mstar_qwen_tts.prepare import Preparer
+    from mstar_qwen_tts.preset import ensure_tiny
+
+    preset = options.preset_or_checkpoint("qwen3-tts", PRESETS)
+    directory = Path(ensure_tiny(preset) if preset else options.checkpoint)
+    model = load_tts(directory, device=options.device, dtype=options.torch_dtype("qwen3-tts"))
+    decoder = load_speech_decoder(directory, device=options.device)
+    prepare = Preparer(model.config, load_tokenizer(directory), read_generation_config(directory))
+    pages = {"num_pages": 512, "page_size": 16}
+    return LoadedModel(
+        name="qwen3-tts",
+        graph=build_graph(model, decoder),
+        random_weights=preset is not None,
+        prepare=prepare,
+        request_schema=prepare.schema,
+        engine_settings={"talker": dict(pages), "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
+        extras={"model": model, "config": model.config, "decoder": decoder, "tokenizer": prepare.tokenizer,
+                "checkpoint": str(directory), "sample_rate": 24000, "voices": prepare.speakers},
+    )
+
+
+SPEC = ModelSpec(name="qwen3-tts", load=load, presets=PRESETS, example=EXAMPLE,
+                 description="Qwen3-TTS 12 Hz: preset speakers and voice design; Talker, code predictor and the "
+                             "speech decoder stream audio while the Talker speaks")

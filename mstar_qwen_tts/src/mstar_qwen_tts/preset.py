@@ -1,0 +1,150 @@
+"""The `tiny` preset: seeded random weights in the published Qwen3-TTS layout, loaded like a real checkpoint.
+
+The directory holds what a published `Qwen3-TTS-12Hz-*-CustomVoice` one does: `config.json` (talker_config with
+its code predictor, speaker_encoder_config, the `im_*` / `tts_*` ids), `model.safetensors` (`talker.*`),
+`generation_config.json`, `tokenizer.json` + `tokenizer_config.json` (a byte-level BPE trained here with Qwen's
+special tokens: no download), and `speech_tokenizer/` (its config, `decoder.*` weights and preprocessor config).
+Sizes are those of MODELS.md's tiny config; `tts_model_size` "1b7" keeps the instruct turn. `tiny-design` is
+the same weights as a VoiceDesign checkpoint (no preset speakers), `tiny-base` as a Base one (cloning: plus the
+speaker encoder's `speaker_encoder.*`). The speech is noise,
+and `generation_config.json` caps a reply at 48 frames (3.8 s) so it ends within a few dozen frames.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_core.checkpoint import save_hf_checkpoint
+from mstar_core.checkpoint.presets import ensure_preset
+from mstar_qwen_tts.checkpoint import SPEECH_TOKENIZER, QwenTTS
+from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
+from mstar_qwen_tts.speech_decoder import SpeechDecoder
+
+PRESET_VERSION = 1
+MAX_FRAMES = 48
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
+ROLES = ["user", "assistant"]
+SPEAKERS = {"ryan": 3061, "eric": 3062}
+DIALECTS = {"ryan": False, "eric": "sichuan_dialect"}
+LANGUAGES = {"english": 2050, "chinese": 2055, "sichuan_dialect": 2062}
+_CORPUS = [
+    "Hello there! The quick brown fox jumps over the lazy dog, and then it sings a short song.",
+    "A warm, low voice that speaks slowly and clearly. Streaming speech keeps the first sound early.",
+    "Voice design describes a speaker; a preset speaker needs no description at all.",
+]
+
+
+def build_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE with Qwen's special tokens; the role names are whole tokens, as in Qwen's vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS) - len(ROLES),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.add_tokens([AddedToken(r, single_word=True) for r in ROLES])
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def tiny_config(tok: Any, kind: str = "custom_voice") -> dict[str, Any]:
+    """`config.json` in the published form at tiny sizes, token ids from `tok`; kinds "voice_design" and "base"
+    have no preset speakers (as the published checkpoints)."""
+    ids = {t: tok.token_to_id(t) for t in SPECIALS}
+    predictor = {"vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu",
+                 "rms_norm_eps": 1e-6, "num_code_groups": 4, "max_position_embeddings": 64, "rope_theta": 10000}
+    talker = {"model_type": "qwen3_tts_talker", "code_predictor_config": predictor, "vocab_size": 3072,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 4096, "rope_theta": 1000000,
+              "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True},
+              "num_code_groups": 4, "text_vocab_size": tok.get_vocab_size(), "text_hidden_size": 32,
+              "codec_eos_token_id": 2150, "codec_think_id": 2154, "codec_nothink_id": 2155,
+              "codec_think_bos_id": 2156, "codec_think_eos_id": 2157, "codec_pad_id": 2148, "codec_bos_id": 2149,
+              "spk_id": SPEAKERS if kind == "custom_voice" else {},
+              "spk_is_dialect": DIALECTS if kind == "custom_voice" else {}, "codec_language_id": LANGUAGES}
+    speaker_encoder = {"mel_dim": 128, "enc_dim": 64, "enc_channels": [32, 32, 32, 32, 96],
+                       "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
+                       "enc_attention_channels": 16, "enc_res2net_scale": 4, "enc_se_channels": 16,
+                       "sample_rate": 24000}
+    return {"architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
+            "tts_model_type": kind, "tts_model_size": "1b7", "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+            "talker_config": talker, "speaker_encoder_config": speaker_encoder,
+            "im_start_token_id": ids["<|im_start|>"], "im_end_token_id": ids["<|im_end|>"],
+            "tts_pad_token_id": ids["<tts_pad>"], "tts_bos_token_id": ids["<tts_text_bos>"],
+            "tts_eos_token_id": ids["<tts_text_eod>"], "torch_dtype": "float32"}
+
+
+def tiny_speech_tokenizer_config() -> dict[str, Any]:
+    decoder = {"codebook_size": 2048, "codebook_dim": 16, "hidden_size": 16, "latent_dim": 16,
+               "max_position_embeddings": 8000, "rope_theta": 10000, "num_attention_heads": 2,
+               "num_key_value_heads": 2, "attention_bias": False, "sliding_window": 8, "intermediate_size": 32,
+               "hidden_act": "silu", "layer_scale_initial_scale": 0.01, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
+               "num_quantizers": 4, "upsample_rates": [2, 2], "upsampling_ratios": [2], "decoder_dim": 16}
+    return {"model_type": "qwen3_tts_tokenizer_12hz", "decoder_config": decoder, "encoder_valid_num_quantizers": 4,
+            "input_sample_rate": 24000, "output_sample_rate": 24000, "decode_upsample_rate": 8,
+            "encode_downsample_rate": 8}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Seeded init with unit-ish activations: weights ~ N(0, 1/fan_in), norms near 1, SnakeBeta and scales small,
+    codebook usage counts positive."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("cluster_usage"):
+                p.copy_(1.0 + torch.rand(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p[0].numel() ** -0.5)
+            elif name.endswith(("alpha", "beta")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def write_tiny(directory: Path, seed: int = 0, kind: str = "custom_voice") -> Path:
+    tok = build_tokenizer()
+    config = tiny_config(tok, kind)
+    model = QwenTTS(TTSConfig.from_hf(config))
+    randomize(model, seed)
+    with torch.no_grad():  # random weights make EOS as likely as any code: zeroed, greedy replies run to the cap
+        model.talker.codec_head.weight[config["talker_config"]["codec_eos_token_id"]] = 0.0
+    tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                        "model_max_length": 4096}
+    save_hf_checkpoint(model.state_dict(), directory, config, extra_files={
+        "tokenizer.json": tok.to_str(), "tokenizer_config.json": tokenizer_config,
+        "generation_config.json": {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9,
+                                   "repetition_penalty": 1.05, "subtalker_dosample": True, "subtalker_top_k": 50,
+                                   "subtalker_top_p": 1.0, "subtalker_temperature": 0.9,
+                                   "max_new_tokens": MAX_FRAMES},
+    })
+    speech = tiny_speech_tokenizer_config()
+    decoder = SpeechDecoder(SpeechDecoderConfig.from_hf(speech))
+    randomize(decoder, seed + 1)
+    save_hf_checkpoint({f"decoder.{k}": v for k, v in decoder.state_dict().items()}, directory / SPEECH_TOKENIZER,
+                       speech, extra_files={"preprocessor_config.json": {
+                           "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1,
+                           "sampling_rate": 24000, "padding_side": "right", "padding_value": 0.0,
+                           "return_attention_mask": True}})
+    (directory / "mstar_preset.json").write_text(json.dumps({"version": PRESET_VERSION, "seed": seed}))
+    return directory
+
+
+#: preset name -> `tts_model_type`: the same seeded weights as a CustomVoice and as a VoiceDesign checkpoint
+PRESETS = {"tiny": "custom_voice", "tiny-design": "voice_design", "tiny-base": "base"}
+
+
+def ensure_tiny(preset: str = "tiny") -> Path:
+    """The preset's directory, written once (atomically) under `$MSTAR_CACHE/presets`."""
+    kind = PRESETS[preset]
+    return ensure_preset(f"qwen3-tts-{preset}-v{PRESET_VERSION}", "mstar_preset.json",
+                         lambda directory: write_tiny(directory, kind=kind))

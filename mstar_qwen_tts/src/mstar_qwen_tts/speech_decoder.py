@@ -1,0 +1,139 @@
+"""The 12 Hz speech tokenizer's decoder: 16 codes per 80 ms frame -> 1920 samples at 24 kHz (fp32, causal).
+
+Codes are embedded by a split residual VQ (one semantic codebook, 15 acoustic ones, each with its own output
+projection, summed), a causal conv lifts them to the latent width, a sliding-window transformer with input and
+output projections refines them, and Qwen3-Omni's vocoder stack (`mstar_core.nn.codec_vocoder`) makes the waveform;
+the transposed convolutions here trim their excess at the end only. Streaming decodes windows of new frames with
+left context and drops the context's samples (`decode_window`), as the upstream `chunked_decode` does offline.
+Names are the checkpoint's (`speech_tokenizer/model.safetensors`, `decoder.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn.codec_vocoder import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    ConvNeXtBlock,
+    DecoderBlock,
+    PreTransformer,
+    SnakeBeta,
+)
+from mstar_qwen_tts.config import SpeechDecoderConfig
+
+
+class Codebook(nn.Module):
+    """A k-means codebook kept as running sums: entry = `embedding_sum / cluster_usage`."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        table = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        return F.embedding(codes, table)
+
+
+class CodebookLayer(nn.Module):
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self._codebook = Codebook(size, dim)
+
+
+class ResidualVQ(nn.Module):
+    """Codebooks summed, then a 1x1 conv to the output width (`input_proj` is the encoder's side, kept for loading)."""
+
+    def __init__(self, quantizers: int, size: int, dim: int, io_dim: int):
+        super().__init__()
+        self.input_proj = nn.Conv1d(io_dim, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
+        self.vq = nn.Module()
+        self.vq.layers = nn.ModuleList(CodebookLayer(size, dim) for _ in range(quantizers))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """`[B, Q, T]` -> `[B, io_dim, T]`."""
+        total = sum(layer._codebook.decode(codes[:, q]) for q, layer in enumerate(self.vq.layers))
+        return self.output_proj(total.transpose(1, 2))
+
+
+class SplitResidualVQ(nn.Module):
+    def __init__(self, cfg: SpeechDecoderConfig):
+        super().__init__()
+        dim = cfg.codebook_dim // 2
+        self.rvq_first = ResidualVQ(1, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = ResidualVQ(cfg.num_quantizers - 1, cfg.codebook_size, dim, cfg.codebook_dim)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
+
+
+class ProjectedTransformer(PreTransformer):
+    """The shared sliding-window transformer between a latent -> hidden and a hidden -> latent projection."""
+
+    def __init__(self, cfg: SpeechDecoderConfig):
+        super().__init__(cfg)
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_proj(super().forward(self.input_proj(x)))
+
+
+class SpeechDecoder(nn.Module):
+    """`forward(codes [B, Q, T])` -> waveform `[B, 1, T * samples_per_frame]` in [-1, 1]."""
+
+    def __init__(self, cfg: SpeechDecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.samples_per_frame = cfg.samples_per_frame
+        self.quantizer = SplitResidualVQ(cfg)
+        self.pre_conv = CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3)
+        self.pre_transformer = ProjectedTransformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(cfg.latent_dim, cfg.latent_dim, f, f, trim_start=False),
+                           ConvNeXtBlock(cfg.latent_dim)])
+            for f in cfg.upsampling_ratios
+        )
+        out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
+        self.decoder = nn.ModuleList([
+            CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7),
+            *(DecoderBlock(cfg.decoder_dim, cfg.upsample_rates, i, trim_start=False)
+              for i in range(len(cfg.upsample_rates))),
+            SnakeBeta(out_dim),
+            CausalConv1d(out_dim, 1, 7),
+        ])
+
+    @property
+    def device(self) -> torch.device:
+        return self.pre_conv.conv.weight.device
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if codes.dim() != 3 or codes.shape[1] != cfg.num_quantizers:
+            raise ValueError(f"codes must be [batch, {cfg.num_quantizers}, frames], got {list(codes.shape)}")
+        hidden = self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)  # [B, T, latent]
+        hidden = torch.stack([self.pre_transformer(h) for h in hidden]).transpose(1, 2)
+        for stage in self.upsample:
+            for layer in stage:
+                hidden = layer(hidden)
+        for layer in self.decoder:
+            hidden = layer(hidden)
+        return hidden.clamp(-1, 1)
+
+    def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
+        """Decode `[B, Q, context + new]` frames and keep only the new frames' samples `[B, 1, new * spf]`."""
+        return self(codes)[..., context * self.samples_per_frame :]
+
+    def chunked_decode(self, codes: torch.Tensor, chunk: int = 300, left: int = 25) -> torch.Tensor:
+        """Offline decode in windows of `chunk` new frames with up to `left` frames of context (upstream: 300, 25)."""
+        out, start, total = [], 0, codes.shape[-1]
+        while start < total:
+            end = min(start + chunk, total)
+            context = min(left, start)
+            out.append(self.decode_window(codes[..., start - context : end], context))
+            start = end
+        return torch.cat(out, dim=-1)

@@ -1,0 +1,38 @@
+"""`ModelSpec("whisper")`: a Hugging Face Whisper directory (or the tiny preset) as a served `LoadedModel`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mstar_core.checkpoint import load_tokenizer
+from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_whisper.checkpoint import load_whisper
+from mstar_whisper.graph import build_graph
+from mstar_whisper.preset import ensure_tiny
+from mstar_whisper.request import EXAMPLE, WhisperRequest
+
+#: KV pages per decoder: a 30-second window's 1500 encoder frames take 94 pages of 16 per request.
+DECODER_SETTINGS = {"page_size": 16, "num_pages": 2048}
+
+
+def load(options: LoadOptions, *, progress: bool = True) -> LoadedModel:
+    preset = options.preset_or_checkpoint("whisper", ("tiny",))
+    directory = Path(options.checkpoint) if preset is None else ensure_tiny()
+    model, config, tokens, features = load_whisper(directory, dtype=options.torch_dtype("whisper", "float32"),
+                                                   device=options.device_for("encoder", "decoder"), progress=progress)
+    graph = build_graph(model.model.encoder, model.model.decoder, tokens)
+    request = WhisperRequest(tokens, features, config.vocab_size)
+    return LoadedModel(
+        name="whisper",
+        graph=graph,
+        random_weights=preset is not None,
+        prepare=request,
+        request_schema=request.schema,
+        engine_settings={"decoder": dict(DECODER_SETTINGS), "encoder": {"max_batch_size": 8}},
+        extras={"tokenizer": load_tokenizer(directory), "tokens": tokens, "features": features,
+                "sample_rate": features.sampling_rate, "checkpoint": str(directory)},
+    )
+
+
+SPEC = ModelSpec(name="whisper", load=load, presets=("tiny",), example=EXAMPLE,
+                 description="Whisper speech recognition: encoder (stateless) + cross-attending decoder (paged KV)")

@@ -1,0 +1,148 @@
+"""Whisper's encoder (a stateless node) and decoder (a kvcache node whose layers cross-attend the encoder's output).
+
+State-dict names follow Hugging Face's `WhisperForConditionalGeneration` (`model.encoder.*`, `model.decoder.*`); the
+output projection is tied to the token embedding and never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_core.nn.cross_attention import CrossAttention
+from mstar_whisper.config import WhisperConfig, WhisperTokens
+from mstar_whisper.rules import WhisperLogitsRules
+
+
+class _Projections(nn.Module):
+    """q, k (no bias), v and out projections, HF names; the encoder's attention and the decoder's self-attention."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d, bias=False)
+        self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class EncoderLayer(_MLP):
+    def __init__(self, d: int, heads: int, ffn: int):
+        super().__init__(d, ffn)
+        self.self_attn = _Projections(d, heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, (b, t, d) = self.self_attn, x.shape
+        h = self.self_attn_layer_norm(x)
+        q, k, v = (p(h).view(b, t, a.heads, a.head_dim).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        return self.mlp(x + a.out_proj(out))
+
+
+class WhisperEncoder(nn.Module):
+    """Log-mel `[B, n_mels, 2 * max_source_positions]` -> encoder states `[B, max_source_positions, d_model]`."""
+
+    def __init__(self, config: WhisperConfig):
+        super().__init__()
+        d = config.d_model
+        self.frames = 2 * config.max_source_positions
+        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(config.max_source_positions, d)
+        self.layers = nn.ModuleList(EncoderLayer(d, config.encoder_attention_heads, config.encoder_ffn_dim)
+                                    for _ in range(config.encoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        if input_features.shape[-1] != self.frames:
+            raise ValueError(f"whisper's encoder takes {self.frames} mel frames (30 s), got {input_features.shape[-1]}")
+        x = F.gelu(self.conv2(F.gelu(self.conv1(input_features.to(self.conv1.weight.dtype)))))
+        x = x.transpose(1, 2) + self.embed_positions.weight
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class DecoderLayer(_MLP):
+    def __init__(self, d: int, heads: int, ffn: int, index: int):
+        super().__init__(d, ffn)
+        self.index = index
+        self.self_attn = _Projections(d, heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = CrossAttention(d, heads, index)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+        a, t = self.self_attn, x.shape[0]
+        h = self.self_attn_layer_norm(x)
+        q, k, v = (p(h).view(t, a.heads, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
+        x = x + a.out_proj(context.attend(self.index, q, k, v, a.head_dim**-0.5).reshape(t, -1))
+        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), context)
+        return self.mlp(x)
+
+
+class WhisperDecoder(nn.Module):
+    """The kvcache node: packed token ids at positions -> hidden rows; cross keys from `cross_kv`; tied logits.
+
+    `process_logits` applies Whisper's decoding rules to the rows it samples (see `rules.py`), from each row's
+    tokens so far; `compute_no_speech` is P(<|nospeech|>) from a row's raw logits (read at start-of-transcript).
+    """
+
+    def __init__(self, config: WhisperConfig, tokens: WhisperTokens | None = None):
+        super().__init__()
+        d = config.d_model
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_positions = nn.Embedding(config.max_target_positions, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, i)
+                                    for i in range(config.decoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+        self.rules = WhisperLogitsRules(tokens) if tokens is not None else None
+
+    def kv_cache_spec(self) -> tuple[int, int, int, int, int]:
+        c = self.config
+        return (c.decoder_layers, c.decoder_attention_heads, c.head_dim, c.vocab_size, c.d_model)
+
+    def cross_kv(self, states: torch.Tensor) -> torch.Tensor:
+        """Encoder states `[B, F, d]` -> `[B, layers, 2, F, heads, head_dim]`, once per request and window."""
+        states = states.to(self.embed_tokens.weight.dtype)
+        return torch.stack([layer.encoder_attn.project_kv(states) for layer in self.layers], dim=1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        for layer in self.layers:
+            x = layer(x, context)
+        return self.layer_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.embed_tokens.weight.t()
+
+    def compute_no_speech(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.rules is None:
+            raise ValueError("this decoder was built without its generation config: it knows no <|nospeech|> id")
+        return self.compute_logits(hidden).float().softmax(-1)[:, self.rules.tokens.no_speech]
+
+    def process_logits(self, logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
+        return logits if self.rules is None else self.rules(logits, histories)
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """The checkpoint's container: `model.encoder`, `model.decoder` (the names the safetensors file uses)."""
+
+    def __init__(self, config: WhisperConfig, tokens: WhisperTokens | None = None):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.encoder = WhisperEncoder(config)
+        self.model.decoder = WhisperDecoder(config, tokens)

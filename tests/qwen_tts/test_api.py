@@ -1,0 +1,53 @@
+"""`mstar serve qwen3-tts` (tiny preset, no options): the official openai client gets speech for a preset speaker,
+streamed and not, with a style hint; unknown voices and bad bodies are 4xx naming the field."""
+
+import io
+
+import httpx
+import pytest
+import soundfile
+from openai import OpenAI
+
+from tests.server.helpers import Server
+
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def server(preset_cache):
+    srv = Server(["qwen3-tts"], api_key=None)
+    yield srv
+    srv.stop()
+
+
+def _client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def test_speech_for_a_preset_speaker_is_wav_at_24k(server):
+    speech = _client(server).audio.speech.create(model="qwen3-tts", voice="Ryan", input="Hello there.",
+                                                 response_format="wav", extra_body={"seed": SEED})
+    samples, rate = soundfile.read(io.BytesIO(speech.read()), dtype="int16")
+    # the preset caps a reply at 48 frames of 8 samples (its tiny decoder's rate); EOS may come earlier
+    assert rate == 24000 and 0 < samples.size <= 48 * 8
+
+
+def test_streamed_speech_arrives_in_pieces_and_honours_instructions(server):
+    client = _client(server)
+    body = {"model": "qwen3-tts", "voice": "eric", "input": "Hello there, a longer sentence to speak.",
+            "response_format": "pcm", "extra_body": {"seed": SEED, "do_sample": False, "subtalker_dosample": False}}
+    with client.audio.speech.with_streaming_response.create(**body) as response:
+        pieces = [piece for piece in response.iter_bytes() if piece]
+    plain = b"".join(pieces)
+    assert len(plain) == 47 * 8 * 2  # greedy never ends early on the preset: 47 frames, s16le
+    styled = client.audio.speech.create(**body, instructions="Speak slowly.").read()
+    assert len(styled) == len(plain) and styled != plain  # the instruct turn reaches the Talker
+
+
+def test_bad_voice_and_fields_are_4xx_naming_the_field(server):
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={"model": "qwen3-tts", "input": "hi", "voice": "alloy"},
+                   timeout=30)
+    assert r.status_code == 400 and "alloy" in r.text
+    r = httpx.post(f"{server.url}/v1/audio/speech", timeout=30,
+                   json={"model": "qwen3-tts", "input": "hi", "voice": "ryan", "language": "klingon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "language"

@@ -1,0 +1,92 @@
+"""The video job store alone: per-key bounds and isolation, retention sweep, cancellation on delete."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mstar_core.api.http.errors import ApiError
+from mstar_core.api.requests.video_jobs import VideoJobStore, owner_of
+
+FIELDS = {"model": "wan", "prompt": "p", "size": "720x1280", "seconds": "4"}
+
+
+def test_owner_is_a_digest_of_the_bearer_key_never_the_key():
+    assert owner_of("Bearer secret") == owner_of("Bearer secret") != owner_of("Bearer other")
+    assert "secret" not in owner_of("Bearer secret") and owner_of(None) == "anonymous"
+
+
+def test_bounded_per_key_and_invisible_to_other_keys():
+    store = VideoJobStore(max_active=2, retention_s=60)
+    a = [store.admit("a", **FIELDS) for _ in range(2)]
+    with pytest.raises(ApiError) as info:
+        store.admit("a", **FIELDS)
+    assert info.value.status == 429
+    store.admit("b", **FIELDS)  # another key has its own bound
+    with pytest.raises(ApiError) as info:
+        store.get("b", a[0].id)
+    assert info.value.status == 404
+    store.complete(a[0], b"mp4")  # a finished job no longer counts
+    store.admit("a", **FIELDS)
+
+
+def test_finished_jobs_are_swept_after_the_retention_time():
+    store = VideoJobStore(max_active=4, retention_s=30)
+    job = store.admit("a", **FIELDS)
+    store.complete(job, b"mp4")
+    assert job.expires_at == job.completed_at + 30
+    store.sweep(now=job.expires_at - 1)
+    assert store.get("a", job.id) is job
+    store.sweep(now=job.expires_at)
+    with pytest.raises(ApiError):
+        store.get("a", job.id)
+
+
+def test_delete_cancels_the_running_task_and_its_request():
+    async def go():
+        store = VideoJobStore(max_active=4, retention_s=30)
+        job = store.admit("a", **FIELDS)
+        cancelled = []
+
+        class Handle:
+            def cancel(self):
+                cancelled.append(True)
+
+        async def run(j):
+            j.handle, j.status = Handle(), "in_progress"
+            await asyncio.sleep(3600)
+
+        store.launch(job, run)
+        await asyncio.sleep(0.01)
+        assert store.delete("a", job.id)["deleted"]
+        await asyncio.sleep(0.01)
+        return job, cancelled
+
+    job, cancelled = asyncio.run(go())
+    assert cancelled == [True] and job.task.done()
+
+
+def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
+    import io
+
+    import av
+    import numpy as np
+
+    from mstar_core.api.media.mp4 import Mp4Writer, encode_mp4
+
+    frames = np.random.default_rng(0).integers(0, 256, (13, 32, 48, 3), dtype=np.uint8)
+    writer = Mp4Writer(8)
+    for a, b in ((0, 5), (5, 9), (9, 13)):
+        writer.add(frames[a:b])
+    chunked = writer.close()
+    assert chunked == encode_mp4(frames, 8)
+    with av.open(io.BytesIO(chunked)) as container:
+        stream = container.streams.video[0]
+        assert sum(1 for _ in container.decode(stream)) == 13 and stream.average_rate == 8
+    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
+        Mp4Writer(8).add(frames[:, :, :, :2])
+    mixed = Mp4Writer(8)
+    mixed.add(frames[:2])
+    with pytest.raises(ValueError, match="chunk"):  # every chunk of one video has its size
+        mixed.add(frames[:2, :16])
