@@ -1,4 +1,4 @@
-"""The `mstar` command: serve, run, worker, plugins, graph, bench serve."""
+"""The `mstar` command: serve, run, pull, worker, plugins, graph, bench serve."""
 
 from __future__ import annotations
 
@@ -47,8 +47,15 @@ def _graph(args: argparse.Namespace) -> int:
     except KeyError as exc:
         print(f"mstar graph: {exc}", file=sys.stderr)
         return 2
+    from mstar_core.checkpoint.errors import CheckpointError
+    from mstar_core.checkpoint.hub import resolve_options
+
     options = LoadOptions(checkpoint=args.checkpoint) if args.checkpoint else LoadOptions(preset=args.preset)
-    graph = spec.load(options).graph
+    try:
+        graph = spec.load(resolve_options(options)).graph
+    except CheckpointError as exc:
+        print(f"mstar graph: {exc}", file=sys.stderr)
+        return 2
     walks = [args.walk] if args.walk else list(graph.walks)
     unknown = [w for w in walks if w not in graph.walks]
     if unknown:
@@ -58,6 +65,26 @@ def _graph(args: argparse.Namespace) -> int:
     render = to_mermaid if args.format == "mermaid" else to_dot
     print("\n".join(render(graph, w) for w in walks), end="")
     return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    """Fetch Hub checkpoints into the Hugging Face cache ahead of `mstar serve`, printing where each landed."""
+    from mstar_core.checkpoint.errors import CheckpointError
+    from mstar_core.checkpoint.hub import HubId, hub_cache_dir, pull
+
+    status = 0
+    for value in args.ids:
+        if HubId.parse(value) is None:
+            print(f"mstar pull: {value!r} is not a Hugging Face Hub id (write ORG/NAME or ORG/NAME@REVISION)",
+                  file=sys.stderr)
+            status = 2
+            continue
+        try:
+            print(f"{value}: {pull(value, cache_dir=args.cache_dir or hub_cache_dir())}", flush=True)
+        except CheckpointError as exc:
+            print(f"mstar pull: {exc}", file=sys.stderr)
+            status = 1
+    return status
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -85,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     offline.add_arguments(p)
     p.set_defaults(func=offline.run)
+
+    p = sub.add_parser("pull", help="download Hugging Face Hub checkpoints into the HF cache ahead of serving")
+    p.add_argument("ids", nargs="+", metavar="ORG/NAME[@REVISION]")
+    p.add_argument("--cache-dir", default=None, help="the cache to fill (default: HF_HUB_CACHE, else HF_HOME/hub, "
+                                                      "else ~/.cache/huggingface/hub)")
+    p.set_defaults(func=_pull)
 
     p = sub.add_parser("plugins", help="list discovered plugins, their versions and failures")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE", help="also register this module")

@@ -10,12 +10,15 @@ import torch
 
 from mstar_core.errors import ConfigError
 from mstar_core.graph.graph import Graph
-from mstar_core.schema import RequestSchema
+from mstar_core.sampling import SamplingDefaults, SamplingParams
+from mstar_core.schema import UNSET, RequestSchema
 
 
 @attrs.frozen
 class LoadOptions:
-    """How to load a model: a checkpoint directory, or a named preset built from seeded random weights."""
+    """How to load a model: a checkpoint (a directory, or a Hugging Face Hub id `ORG/NAME[@REVISION]` that the
+    runtime resolves to a directory in the Hub cache before the model sees it), or a named preset built from seeded
+    random weights."""
 
     checkpoint: str | None = None
     preset: str | None = None
@@ -30,6 +33,17 @@ class LoadOptions:
     #: this process's rank group (`mstar_core.nn.parallel.TensorParallelGroup`) when its nodes are split across
     #: processes; a model loads only this rank's slices of the split nodes' weights. None: unsplit.
     tensor_parallel: Any = attrs.field(default=None, eq=False)
+    #: checkpoints of a model's separately published parts (part name -> directory or Hub id, e.g. Orpheus's
+    #: `snac` codec), over where the model looks by default; the model names its parts in `ModelSpec.parts`
+    parts: Mapping[str, str] = attrs.field(factory=dict, converter=dict, eq=False)
+    #: where a model's default sampling comes from: "auto" (the checkpoint's `generation_config.json`, as vLLM
+    #: does), "none" (or vLLM's word for it, "vllm": `SamplingParams`' own defaults, greedy), or a directory
+    #: holding a `generation_config.json`
+    generation_config: str = "auto"
+
+    def part(self, name: str) -> str | None:
+        """The checkpoint given for part `name` (a local path once the runtime resolved it), or None."""
+        return self.parts.get(name)
 
     def device_for(self, *nodes: str) -> str:
         """The device for a module that `nodes` use: `device` if this process hosts any of them, else meta."""
@@ -86,6 +100,25 @@ class LoadedModel:
     engine_settings: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     extras: dict[str, Any] = attrs.field(factory=dict)
     request_schema: RequestSchema | None = None
+    #: the sampling its `prepare` gives fields a request leaves unset (its checkpoint's `generation_config.json`,
+    #: or the model's own recommendation), reported by `GET /v1/models`; `prepare` applies them
+    sampling_defaults: SamplingDefaults = attrs.field(factory=SamplingDefaults)
+
+    def request_defaults(self) -> dict[str, Any]:
+        """What each declared request field takes when a request leaves it unset: the schema's default, else for a
+        sampling field the model's `sampling_defaults`, else `SamplingParams`' own (unset lists and seeds omitted)."""
+        if self.request_schema is None:
+            return dict(self.sampling_defaults.values)
+        params = {f.name: f.default for f in attrs.fields(SamplingParams)}
+        out: dict[str, Any] = {}
+        for field in self.request_schema.fields:
+            if field.default is not UNSET and field.default is not None:
+                out[field.name] = field.default
+            elif field.name in self.sampling_defaults.values:
+                out[field.name] = self.sampling_defaults.values[field.name]
+            elif field.name in params and params[field.name] not in (None, ()):
+                out[field.name] = params[field.name]
+        return out
 
     def prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The env a request starts with: `inputs` checked against the schema, then through `prepare`."""
@@ -110,3 +143,5 @@ class ModelSpec:
     #: A request's inputs in JSON form (what `POST /v1/walks/{name}` takes), shown by `mstar run --help`
     #: before any model loads; the loaded model's `request_schema.example` is usually the same dict.
     example: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
+    #: the separately published parts whose checkpoints a deploy file may name (`LoadOptions.parts`)
+    parts: tuple[str, ...] = ()

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint-directory metadata: `config.json`, `tokenizer.json`, chat template, EOS ids."""
+"""Hugging Face checkpoint-directory metadata: `config.json`, `tokenizer.json`, chat template, EOS ids, and the default
+sampling of `generation_config.json`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from mstar_core.checkpoint.errors import CheckpointError
+from mstar_core.errors import RequestError
+from mstar_core.sampling import SamplingDefaults
+
+GENERATION_CONFIG = "generation_config.json"
+#: `LoadOptions.generation_config` values that keep `SamplingParams`' own defaults (vLLM calls that choice "vllm")
+NO_GENERATION_CONFIG = ("none", "vllm")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -67,3 +74,32 @@ def read_eos_token_ids(directory: str | Path, config: dict[str, Any] | None = No
         if eos is not None:
             return list(eos) if isinstance(eos, list) else [int(eos)]
     return []
+
+
+def read_sampling_defaults(directory: str | Path | None, source: str = "auto",
+                           fields: tuple[str, ...] | None = None) -> SamplingDefaults:
+    """A model's default sampling from a `generation_config.json` (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens as max_tokens; `do_sample: false` as greedy), as vLLM applies it.
+
+    `source` (`LoadOptions.generation_config`): "auto" reads the checkpoint `directory`'s file if it has one (none:
+    no defaults); "none"/"vllm" reads nothing; anything else is a directory that must hold the file. `fields` keeps
+    only the sampling fields the model forwards. A value out of its field's bounds is a `CheckpointError` naming the
+    file and the field.
+    """
+    if source in NO_GENERATION_CONFIG:
+        return SamplingDefaults()
+    if source == "auto":
+        if directory is None or not (Path(directory) / GENERATION_CONFIG).is_file():
+            return SamplingDefaults()
+        path = Path(directory) / GENERATION_CONFIG
+    else:
+        path = Path(source).expanduser() / GENERATION_CONFIG
+        if not path.is_file():
+            raise CheckpointError(f"generation_config {source!r}: no {GENERATION_CONFIG} there")
+    try:
+        defaults = SamplingDefaults.from_generation_config(_read_json(path))
+    except (RequestError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    if fields is not None:
+        defaults = SamplingDefaults({k: v for k, v in defaults.values.items() if k in fields})
+    return defaults

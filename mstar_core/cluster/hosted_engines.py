@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.checkpoint.hub import resolve_options
 from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
 from mstar_core.cluster.loop_host import LoopHostConductor
 from mstar_core.cluster.rank_follower import RankFollower, join_rank_group
@@ -54,7 +55,8 @@ class HostedEngines:
                 self.follower = RankFollower(self.name, self.rank_group[1])
         split = self.rank_group[0] if msg.tensor_parallel and self.rank_group else None
         options = LoadOptions(checkpoint=msg.checkpoint, preset=msg.preset, device=msg.device, dtype=msg.dtype,
-                              nodes=tuple(msg.nodes), tensor_parallel=split)
+                              nodes=tuple(msg.nodes), tensor_parallel=split, parts=msg.parts)
+        options = await loop.run_in_executor(self.executor, resolve_options, options)  # a Hub id: this host's cache
         loaded = await loop.run_in_executor(self.executor, spec.load, options)
         await loop.run_in_executor(self.executor, release_unhosted, loaded.graph, msg.nodes)
         self.graphs[msg.model] = loaded.graph

@@ -80,7 +80,7 @@ class WorkerPlacement:
                 spec = attrs.evolve(spec, threads=share)
             replicas = spec.replica_names()
             msg = LoadModel(model=family, device=spec.device, nodes=nodes, preset=options.preset,
-                            checkpoint=options.checkpoint, dtype=options.dtype,
+                            checkpoint=options.checkpoint, parts=dict(options.parts), dtype=options.dtype,
                             settings={n: dict(settings.get(n, {})) for n in nodes})
             if spec.group_size > 1:
                 starts += [start_and_load_group(cluster.rank_groups.register(spec.rank_names(r), spec.expert_parallel > 1), spec, msg)

@@ -32,6 +32,32 @@ function clearError() { $("error").hidden = true; $("error").textContent = ""; }
 const model = () => $("model").value;
 const card = () => view.cards.get(model()) || {};
 
+// Which models each tab offers: those serving its route (the policy tab: models with no OpenAI route, run through
+// their walks; the walks tab: every model). A tab opens on a model that can serve it.
+const TABS = {
+  speak: (c) => (c.routes || []).includes("speech"),
+  images: (c) => (c.routes || []).includes("images"),
+  chat: (c) => (c.routes || []).includes("chat"),
+  policy: (c) => !(c.routes || []).length,
+  walks: () => true,
+};
+const TAB_WORDS = { speak: "speech (/v1/audio/speech)", images: "images", chat: "chat", policy: "native walks only",
+  walks: "walks" };
+const currentTab = () => document.querySelector("#tabs button.active")?.dataset.tab || "speak";
+const servingModels = (tab) => [...view.cards.values()].filter(TABS[tab]).map((c) => c.id);
+
+// A field shows only for a model that takes it (`data-needs`): "speed" (the model honours it), "voices" (it has
+// some), or "field:NAME" (its declared request fields include NAME). A field every model refuses never shows.
+function showFields() {
+  const c = card(), fields = c.fields || [];
+  document.querySelectorAll("[data-needs]").forEach((el) => {
+    const need = el.dataset.needs;
+    const ok = need === "speed" ? c.speed === true : need === "voices" ? (c.voices || []).length > 0
+      : need.startsWith("field:") ? fields.includes(need.slice(6)) : true;
+    el.hidden = !ok;
+  });
+}
+
 async function busy(button, status, work) {
   clearError(); button.disabled = true;
   const t0 = performance.now();
@@ -62,9 +88,8 @@ async function loadModels() {
   try {
     const list = (await (await api("/v1/models")).json()).data;
     view.cards = new Map(list.map((c) => [c.id, c]));
-    const keep = model();
-    fill($("model"), list.map((c) => c.id), keep);
-    pickModel();
+    const first = Object.keys(TABS).find((tab) => servingModels(tab).length);  // the first tab a model serves
+    showTab(servingModels(currentTab()).length ? currentTab() : first || "walks");
   } catch (err) { showError(err); }
 }
 
@@ -74,12 +99,12 @@ function pickModel() {
   $("model-info").textContent = c.id ? `routes: ${routes.join(", ") || "native only"}; walks: ${(c.walks || []).join(", ")}`
     + (c.random_weights ? " (random weights: output is noise)" : "") : "";
   fill($("speech-voice"), c.voices || [], (c.voices || [])[0]);
-  fill($("speech-format"), c.audio_formats || ["wav"], "wav");
-  $("speech-speed").disabled = c.speed === false;
+  fill($("speech-format"), c.audio_formats || ["mp3"], (c.audio_formats || []).includes("wav") ? "wav" : undefined);
+  showFields();
   const sizes = [...(c.image_sizes || [])];
   if (c.default_image_size && !sizes.includes(c.default_image_size)) sizes.unshift(c.default_image_size);
   fill($("image-size"), sizes, c.default_image_size);
-  if (document.querySelector("#tabs button.active")?.dataset.tab === "walks") loadWalks();
+  if (currentTab() === "walks") loadWalks().catch(showError);
 }
 
 // --- speech: PCM plays as it arrives (Web Audio), then the whole reply sits in the audio element -------------
@@ -320,9 +345,18 @@ async function generateVideo() {
 // --- wiring -------------------------------------------------------------------------------------------------
 
 function showTab(name) {
-  document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
-  document.querySelectorAll(".tab").forEach((s) => s.classList.toggle("active", s.id === `tab-${name}`));
-  if (name === "walks") loadWalks().catch(showError);
+  document.querySelectorAll("#tabs button").forEach((b) => {
+    b.classList.toggle("active", b.dataset.tab === name);
+    b.disabled = view.cards.size > 0 && !servingModels(b.dataset.tab).length;  // no model here serves it
+  });
+  // the model list offers the models that serve this tab; it keeps the chosen one if it can, else the first
+  const serving = servingModels(name), keep = serving.includes(model()) ? model() : serving[0];
+  fill($("model"), serving, keep);
+  const empty = view.cards.size > 0 && !serving.length;
+  $("tab-empty").hidden = !empty;
+  $("tab-empty").textContent = empty ? `no model served here takes ${TAB_WORDS[name]}` : "";
+  document.querySelectorAll(".tab").forEach((s) => s.classList.toggle("active", !empty && s.id === `tab-${name}`));
+  pickModel();
 }
 
 window.addEventListener("DOMContentLoaded", () => {

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 
+from mstar_core.checkpoint.hub import resolve_options
 from mstar_core.checkpoint.partial import release_unhosted
 from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import LOCAL, Placement
@@ -115,10 +116,13 @@ class AsyncEngine:
                               "mstar_core.cluster.strategy.WorkerPlacement() (or build it with placed_engine())")
         options = options or LoadOptions(device=str(self.device))
         loop = asyncio.get_running_loop()
+        # a Hub id becomes a directory in the Hub cache (downloaded if need be) before the model sees it; workers
+        # are sent the id as given and resolve it in their own environment (their host's cache)
+        local = await loop.run_in_executor(self._executor, resolve_options, options)
         if placement is not None and placement.remote:
-            loaded = await loop.run_in_executor(self._executor, self._load_local_part, spec, options, placement)
+            loaded = await loop.run_in_executor(self._executor, self._load_local_part, spec, local, placement)
         else:
-            loaded = await loop.run_in_executor(self._executor, spec.load, options)
+            loaded = await loop.run_in_executor(self._executor, spec.load, local)
         if placement is None or not placement.remote:
             if placement is not None:
                 placement.check_nodes(name, loaded.graph.nodes)

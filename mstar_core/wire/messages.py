@@ -144,6 +144,8 @@ class LoadModel:
     checkpoint: str | None = None
     dtype: str | None = None
     settings: dict[str, Any] = attrs.field(factory=dict)
+    #: checkpoints of the model's separately published parts (`LoadOptions.parts`): part name -> path or Hub id
+    parts: dict[str, Any] = attrs.field(factory=dict)
     #: this worker's place in a tensor-parallel group: {rank, size, store (host:port), prefix, backend}; empty: none
     tensor_parallel: dict[str, Any] = attrs.field(factory=dict)
 

@@ -67,9 +67,12 @@ def test_t2i_label_forks_and_read_only_steps_equal_dense_baseline():
 def test_edit_three_branches_batched_equal_three_separate_dense_forwards():
     req = {"task": "edit", "prompt": "make it blue", "image": _image(), "num_steps": 4, "seed": 7}
     loaded, engines, (env,), _ = _serve([req])
-    _, want = dense_latents(loaded, loaded.prepare_inputs(req), req["seed"])
+    prepared = loaded.prepare_inputs(req)
+    _, want = dense_latents(loaded, prepared, req["seed"])
     assert (env["latents"][0] - want).abs().max() < TOL
-    assert env["image"][0].shape == (512, 656, 3)  # the input's size after BAGEL's VAE resize (short side 512)
+    down = loaded.extras["config"].latent_downsample
+    assert [v * down for v in prepared["latent_grid"]] == [512, 656]  # drawn after BAGEL's VAE resize (short side 512)
+    assert env["image"][0].shape == (40, 52, 3)  # answered at the input's size
     gen = engines["llm_gen"]
     assert gen.largest_batch == 3 and gen.num_steps == 4  # main, cfg_text, cfg_img: one forward per step
 

@@ -31,7 +31,23 @@ def test_images_generate_and_edit_give_pngs(client):
     assert again.data[0].b64_json == r.data[0].b64_json  # same seed, same image
     r = client.images.edit(model="bagel", prompt="make it blue", image=("in.png", _png(), "image/png"),
                            extra_body={"num_steps": 2, "seed": 1})
-    assert _image(r.data[0]).size == (672, 512)  # the 40x30 input at BAGEL's VAE grid (short side 512)
+    # drawn at BAGEL's VAE grid (672x512 for this input), answered at the input's size as OpenAI's edits answer
+    assert _image(r.data[0]).size == (40, 30)
+
+
+def test_an_edit_answers_at_the_input_size_unless_a_size_is_asked(client):
+    """A 256x256 input: its edit is 256x256 (absent size, or `auto`); an asked size is the answer's size."""
+    square = _png(256, 256)
+    for size in ({}, {"size": "auto"}):
+        r = client.images.edit(model="bagel", prompt="make it blue", image=("in.png", square, "image/png"),
+                               extra_body={"num_steps": 1, "seed": 1, **size})
+        assert _image(r.data[0]).size == (256, 256)
+    r = client.images.edit(model="bagel", prompt="make it blue", image=("in.png", square, "image/png"),
+                           size="96x64", extra_body={"num_steps": 1, "seed": 1})
+    assert _image(r.data[0]).size == (96, 64)
+    auto = client.images.generate(model="bagel", prompt="a red fox", size="auto", extra_body={"seed": 3, "num_steps": 1})
+    default = client.images.generate(model="bagel", prompt="a red fox", extra_body={"seed": 3, "num_steps": 1})
+    assert auto.data[0].b64_json == default.data[0].b64_json  # auto: the model's default size
 
 
 def test_n_images_in_one_request_equal_single_requests_seeded_apart(client):

@@ -150,4 +150,6 @@ def test_think_with_an_image_edits_after_the_thought():
                                  rows, cols, num_steps=2, shift=prep["shift"], seed=2, text_scale=4.0, img_scale=2.0,
                                  interval=(0.0, 1.0), renorm="text_channel")
     assert (env["latents"][0] - latents).abs().max() < 1e-5
-    assert env["image"][0].shape[:2] == (rows * loaded.extras["config"].latent_downsample, cols * loaded.extras["config"].latent_downsample)
+    down = loaded.extras["config"].latent_downsample
+    assert tuple(prep["vae_pixels"].shape[1:]) == (rows * down, cols * down)  # drawn on the VAE grid
+    assert env["image"][0].shape[:2] == (36, 52)  # answered at the input's size

@@ -13,7 +13,7 @@ from mstar_orpheus.snac import SNACCheckpointError
 from safetensors.torch import load_file, save_file
 
 from mstar_core.checkpoint import CheckpointError
-from mstar_core.errors import RequestError
+from mstar_core.errors import ConfigError, RequestError
 from mstar_core.model import LoadOptions
 from mstar_core.runtime import AsyncEngine
 from tests.orpheus.helpers import collect
@@ -178,3 +178,24 @@ def test_preset_lm_is_a_real_hf_llama_checkpoint(tmp_path):
     lm = loaded.graph.nodes["lm"].module()
     got = lm.compute_logits(lm(ids, torch.arange(len(ids)), DenseAttention()))
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_the_snac_part_loads_from_its_own_checkpoint(tmp_path, monkeypatch):
+    """A deploy file's `checkpoint: {model: ..., snac: ...}`: SNAC from the `snac` part's directory (here a Hub id
+    resolved through a Hub cache the test writes), not `<checkpoint>/snac/`."""
+    import shutil
+
+    from mstar_core.checkpoint.hub import resolve_options
+    from tests.checkpoint.hub_cache import cache_repo
+
+    write_tiny(tmp_path / "ckpt", seed=5)
+    snac = tmp_path / "ckpt" / "snac"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache_repo(tmp_path / "hub", "hubertsiuzdak/snac_24khz", snac)
+    shutil.rmtree(snac)
+    with pytest.raises(ConfigError, match="no SNAC codec"):
+        load_orpheus(LoadOptions(checkpoint=str(tmp_path / "ckpt")), progress=False)
+    options = resolve_options(LoadOptions(checkpoint=str(tmp_path / "ckpt"), parts={"snac": "hubertsiuzdak/snac_24khz"}))
+    loaded = load_orpheus(options, progress=False)
+    assert loaded.extras["sample_rate"] == 24000 and "snac" in loaded.graph.nodes

@@ -108,6 +108,24 @@ def test_speech_pcm_and_flac(client):
     np.testing.assert_array_equal(decoded, expected_audio(text, 330.0))
 
 
+def test_speech_without_a_format_is_mp3_as_openai(client):
+    """OpenAI's route answers mp3 when response_format is left out; the audio decodes to the model's samples'
+    length (MP3's priming and padding aside)."""
+    import av
+
+    text = "mp3 by default"
+    with client.audio.speech.with_streaming_response.create(model="toy-tts", voice="alpha", input=text) as resp:
+        assert resp.headers["content-type"] == "audio/mpeg"
+        data = b"".join(resp.iter_bytes())
+    assert data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0)  # a tag, or an MPEG frame sync
+    with av.open(io.BytesIO(data), format="mp3") as container:
+        stream = container.streams.audio[0]
+        decoded = sum(f.samples for f in container.decode(stream))
+        rate = stream.codec_context.sample_rate
+    want = expected_audio(text, 220.0).size
+    assert rate == SAMPLE_RATE and abs(decoded - want) < 0.1 * SAMPLE_RATE
+
+
 def test_speech_sse_deltas_and_usage(server):
     body = {"model": "toy-tts", "input": "sse!", "voice": "alpha", "response_format": "pcm", "stream_format": "sse"}
     events = []

@@ -37,7 +37,9 @@ class BagelImagesAdapter(ApiAdapter):
         if body.get("seed") is not None:
             inputs["seed"] = body["seed"]
         if edit:
-            inputs["image"] = bytes(body["image"])  # BAGEL edits at the input's size; 'size' is not used
+            inputs["image"] = bytes(body["image"])
+            if body.get("size") is not None:  # without one (or with "auto"), the answer has the input's size
+                inputs["edit_size"] = [int(v) for v in str(body["size"]).split("x")]
         elif body.get("size") is not None:  # without one, the schema's default size
             width, height = (int(v) for v in str(body["size"]).split("x"))
             inputs.update(width=width, height=height)
@@ -45,7 +47,7 @@ class BagelImagesAdapter(ApiAdapter):
         return inputs
 
     def api_param(self, route: str, param: str | None) -> str | None:
-        return "size" if route == "images" and param in ("width", "height") else param
+        return "size" if route == "images" and param in ("width", "height", "edit_size") else param
 
     def prompt_tokens(self, env: Mapping[str, Any], inputs: Mapping[str, Any]) -> int:
         """Every token the reply attends to: text blocks and image blocks (their placeholders and delimiters)."""

@@ -62,7 +62,7 @@ MAX_STEPS = 200
 GUIDANCE = ("guidance_scale", "image_guidance_scale", "cfg_interval", "cfg_renorm", "cfg_renorm_min")
 FLOW_INPUTS = ("n", "num_steps", "latent_shape", "latent_ids", "latent_grid", "gen_block_ids", "gen_block_at",
                "gen_block_routing", "gen_rows", "gen_position_table")
-FLOW_OPTIONAL = ("seed", "shift", *GUIDANCE)
+FLOW_OPTIONAL = ("seed", "shift", "output_size", *GUIDANCE)
 LLM_OPTIONAL = ("input_embeds", "embeds_at", "routing", "positions", "sampling")
 
 
@@ -130,7 +130,8 @@ def build_graph(bagel: Bagel, vae: FluxAutoEncoder, tokenizer, eos: int, boi: in
         GraphNode("euler", inputs=("latents", "step", "num_steps", "velocity"),
                   optional_inputs=("velocity_uncond", "velocity_uncond_image", "shift", *GUIDANCE),
                   outputs=("latents", "timestep", "sigma"), engine="diffusion", options=diffusion),
-        GraphNode("vae_decode", inputs=("latents", "latent_grid"), outputs=("image",), engine="stateless",
+        GraphNode("vae_decode", inputs=("latents", "latent_grid"), optional_inputs=("output_size",), outputs=("image",),
+                  engine="stateless",
                   module=lambda: VAEDecodeNode(vae, cfg.latent_patch_size)),
         GraphNode("pick_part", inputs=("parts", "index"),
                   outputs=("part_is_image", "part_is_text", "vit_pixels", "vit_block_ids", "vit_block_at",

@@ -59,15 +59,22 @@ class VAEEncodeNode(nn.Module):
 
 
 class VAEDecodeNode(nn.Module):
-    """Final latents `[rows*cols, p*p*z]` and `latent_grid` `[rows, cols]` -> the image `[H, W, 3]` uint8."""
+    """Final latents `[rows*cols, p*p*z]` and `latent_grid` `[rows, cols]` -> the image `[H, W, 3]` uint8; resized
+    to `output_size` `[H, W]` when given (an edit answers at its input's size, drawn on BAGEL's VAE grid)."""
 
     def __init__(self, vae: FluxAutoEncoder, patch: int):
         super().__init__()
         self.vae, self.patch = vae, patch
 
-    def forward(self, latents: torch.Tensor, latent_grid: Any) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, latent_grid: Any, output_size: Any = None) -> torch.Tensor:
         rows, cols = (int(v) for v in latent_grid)
-        return tokens_to_image(self.vae, latents.float(), rows, cols, self.patch)
+        image = tokens_to_image(self.vae, latents.float(), rows, cols, self.patch)
+        if output_size is None or tuple(int(v) for v in output_size) == tuple(image.shape[:2]):
+            return image
+        size = tuple(int(v) for v in output_size)
+        chw = image.permute(2, 0, 1)[None].float()
+        resized = torch.nn.functional.interpolate(chw, size=size, mode="bicubic", antialias=True, align_corners=False)
+        return resized[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8)
 
 
 class UnderstandLLM(nn.Module):

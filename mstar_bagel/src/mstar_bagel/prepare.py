@@ -48,6 +48,16 @@ def _interval(value: Any, name: str) -> tuple[float, float]:
     return lo, hi
 
 
+#: The largest side an edit's answer may be resized to.
+MAX_EDIT_SIDE = 4096
+
+
+def _edit_size(value: Any, name: str) -> list[int]:
+    if not all(1 <= v <= MAX_EDIT_SIDE for v in value):
+        raise RequestError(f"'{name}' must be [width, height], each in [1, {MAX_EDIT_SIDE}], got {value}", param=name)
+    return [int(v) for v in value]
+
+
 def decode_image(value: Any, name: str) -> torch.Tensor:
     """An image as `[H, W, 3]` uint8: a tensor (uint8, or float in [0, 1]) or PNG/JPEG bytes."""
     if isinstance(value, bytes | bytearray):
@@ -123,6 +133,9 @@ class Preparer:
                 RequestField("content", "array", "understand: text and images in order (strings; [H, W, 3] tensors "
                              "or PNG/JPEG bytes), before 'images' and 'prompt'", items="any", max_length=4 * MAX_IMAGES),
                 RequestField("image", "any", "edit: the input image ([H, W, 3] tensor, or PNG/JPEG bytes)"),
+                RequestField("edit_size", "array", "edit: [width, height] of the answer (default: the input image's "
+                             "size; the edit is drawn on the VAE grid at the input's aspect, then resized)",
+                             items="integer", min_length=2, max_length=2, check=_edit_size),
                 RequestField("images", "array", "understand: images before the prompt", items="any",
                              max_length=MAX_IMAGES),
                 RequestField("width", "integer", f"t2i: output width, a multiple of {down}", default=default,
@@ -229,6 +242,9 @@ class Preparer:
         n_vae = (h // self.cfg.latent_downsample) * (w // self.cfg.latent_downsample)
         n_vit = (vh // self.cfg.vit.patch_size) * (vw // self.cfg.vit.patch_size)
         env.update({"vae_pixels": to_pixels(image, (h, w)), "vit_pixels": to_pixels(image, (vh, vw))})
+        # the answer's size: asked for, else the input's (as OpenAI's edits answer); drawn at (h, w), then resized
+        wanted = inputs.get("edit_size")
+        env["output_size"] = [wanted[1], wanted[0]] if wanted is not None else [image.shape[0], image.shape[1]]
         env.update({f"vae_{k}": v for k, v in _block(n_vae, self.ids, position, gen=True).items()})
         env.update({f"vit_{k}": v for k, v in _block(n_vit, self.ids, position + 1, gen=False).items()})
         return h, w

@@ -71,6 +71,12 @@ class ModelCard(BaseModel):
     image_size_rule: str | None = Field(None, description="which sizes it draws, in words")
     default_image_size: str | None = Field(None, description="the size drawn when a request gives none")
     speed: bool | None = Field(None, description="whether /v1/audio/speech honours 'speed'")
+    fields: list[str] | None = Field(None, description="the request fields the model's own schema declares (what "
+                                                      "/v1/walks takes; the OpenAI routes map onto them)")
+    defaults: dict[str, Any] | None = Field(None, description="the value each request field of the model's own "
+                                            "schema (/v1/walks) takes when a request leaves it unset: sampling from "
+                                            "the checkpoint's generation_config.json unless the server was started "
+                                            "with --generation-config none; the OpenAI routes map onto these")
     parent: str | None = Field(None, description="a LoRA adapter's base model (requests naming the adapter run there)")
     root: str | None = Field(None, description="a LoRA adapter's directory")
 
@@ -96,8 +102,8 @@ class SpeechRequest(_Body):
     voice: str | None = Field(None, min_length=1, description="one of the model's voices (GET /v1/models lists "
                                                               "them); absent: the model's default voice")
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = Field(
-        "wav", description="wav (streamed with an open-ended header), pcm (raw s16le mono), flac, mp3, opus (Ogg) "
-                           "or aac (ADTS); every format streams"
+        "mp3", description="mp3 (the default, as OpenAI's), wav (streamed with an open-ended header), pcm (raw s16le "
+                           "mono), flac, opus (Ogg) or aac (ADTS); every format streams"
     )
     speed: float = _real(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
@@ -288,9 +294,9 @@ class ImageRequest(_Body):
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1, max_length=32000)
     n: int = _count(1, 1, 10)
-    size: str | None = Field(None, pattern=r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$",
-                             description="WIDTHxHEIGHT; absent: the model's default (GET /v1/models says which sizes "
-                                         "each model draws)")
+    size: str | None = Field(None, pattern=r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$",
+                             description="WIDTHxHEIGHT; absent or auto: the model's default (GET /v1/models says which "
+                                         "sizes each model draws), for an edit the input image's size")
     seed: int | None = _sampling("seed", description="image i draws with seed + i")
     response_format: Literal["b64_json"] = "b64_json"
 

@@ -89,6 +89,8 @@ async def _run(body: ImageRequest, request: Request, *, edit: bool) -> dict[str,
     request.state.model = body.model
     adapter = state.adapter(body.model, "images")
     payload = body.model_dump()
+    if payload.get("size") == "auto":  # OpenAI's word for what an absent size means
+        payload["size"] = None
     if payload.get("size") is None and not edit:
         # the model's default size (its declared width and height); a model that declares none draws at 512x512
         w, h = adapter.field_default("images", "width"), adapter.field_default("images", "height")

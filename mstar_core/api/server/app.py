@@ -22,7 +22,7 @@ from mstar_core.api.http.errors import ApiError, install_error_handlers, retry_a
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
-from mstar_core.api.requests.schemas import Health, ModelList
+from mstar_core.api.requests.schemas import ErrorResponse, Health, ModelCard, ModelList
 from mstar_core.api.requests.video_jobs import VideoJobStore
 from mstar_core.api.requests.voices import VoiceStore
 from mstar_core.api.routes import (
@@ -295,17 +295,20 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
         request.state.model = "-"
         if not state.ready:
             return {"object": "list", "data": []}
-        data = []
-        for name, loaded in sorted(state.engine.models.items()):
-            data.append({"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
-                         "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
-                         "random_weights": bool(loaded.random_weights),
-                         **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})})
-        for name, served in sorted(state.engine.lora.adapters.items()):  # as vLLM lists them: parent, root
-            data.append({"id": name, "object": "model", "created": served.created, "owned_by": "mstar",
-                         "parent": served.base, "root": served.path, "routes": state.routes_of(served.base),
-                         "walks": sorted(state.engine.models[served.base].graph.walks), "random_weights": False})
+        data = [_model_card(state, name, loaded) for name, loaded in sorted(state.engine.models.items())]
+        data += [_adapter_card(state, name, served) for name, served in sorted(state.engine.lora.adapters.items())]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def retrieve_model(model: str, request: Request):
+        request.state.model = model
+        if state.ready and model in state.engine.lora.adapters:
+            return _adapter_card(state, model, state.engine.lora.adapters[model])
+        loaded = state.engine.models.get(model) if state.ready else None
+        if loaded is None:
+            raise ApiError(404, f"model '{model}' is not served here; GET /v1/models lists what is", param="model",
+                           code="model_not_found")
+        return _model_card(state, model, loaded)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics():
@@ -331,6 +334,29 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
 
     app.openapi = openapi
     return app
+
+
+def _model_card(state: ServerState, name: str, loaded: Any) -> dict[str, Any]:
+    """What GET /v1/models says of one model: its routes and walks, what its routes take (voices, sizes), and the
+    values its request fields take when a request leaves them unset (sampling from its checkpoint's
+    generation_config.json included)."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "mstar",
+            "routes": state.routes_of(name), "walks": sorted(loaded.graph.walks),
+            "random_weights": bool(loaded.random_weights), "defaults": _jsonable(loaded.request_defaults()),
+            "fields": [f.name for f in loaded.request_schema.fields] if loaded.request_schema is not None else [],
+            **describe_routes({r: a for (m, r), a in state.adapters.items() if m == name})}
+
+
+def _adapter_card(state: ServerState, name: str, served: Any) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists it: `parent` its base model, `root` its directory; it serves its base's routes."""
+    return {"id": name, "object": "model", "created": served.created, "owned_by": "mstar", "parent": served.base,
+            "root": served.path, "routes": state.routes_of(served.base),
+            "walks": sorted(state.engine.models[served.base].graph.walks), "random_weights": False}
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    """Defaults that JSON can say (a tensor-valued default is left out rather than failing the listing)."""
+    return {k: v for k, v in values.items() if isinstance(v, str | int | float | bool | list | tuple | dict)}
 
 
 def _pin_models(schema: dict[str, Any], state: ServerState) -> None:

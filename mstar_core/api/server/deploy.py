@@ -20,7 +20,10 @@ from mstar_core.strict import reject_unknown
 _OPTION_KEYS = ("api_key", "max_body_bytes", "max_running", "max_queued", "request_timeout", "max_n", "torch_threads",
                 "state_dir", "batch_max_file_bytes", "batch_max_lines", "batch_concurrency")
 _SERVER_KEYS = {"host", "port", *_OPTION_KEYS}
-_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media", *LORA_KEYS}
+_MODEL_KEYS = {"checkpoint", "preset", "device", "dtype", "engines", "placement", "media", "generation_config",
+               *LORA_KEYS}
+#: in a per-part `checkpoint:` mapping, the key of the model's own checkpoint (the others name its parts)
+MAIN_PART = "model"
 
 
 def _check(section: str, data: Any, allowed: set[str]) -> dict[str, Any]:
@@ -41,9 +44,14 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
         models:
           orpheus: {checkpoint: /ckpt/orpheus, device: cuda:0, engines: {lm: {num_pages: 4096}},
                     placement: placement/orpheus-disaggregated.yaml}   # a file (relative to this one) or inline
-          qwen3-omni: {checkpoint: /ckpt/qwen3-omni,
+          qwen3-omni: {checkpoint: Qwen/Qwen3-Omni-30B-A3B-Instruct,   # a Hub id: fetched into the HF cache
+                       generation_config: none,    # greedy unless asked (default auto: generation_config.json's)
                        media: {max_image_pixels: 4000000, url_prefixes: ["https://cdn.example.com/img/"]}}
+          # a checkpoint per part: the model's own under `model`, a part's under its name (`ModelSpec.parts`)
+          orpheus-hub: {checkpoint: {model: canopylabs/orpheus-3b-0.1-ft, snac: hubertsiuzdak/snac_24khz}}
           llama: {checkpoint: /ckpt/llama, lora_adapters: {sql: /adapters/sql}, max_loras: 4, max_lora_rank: 16}
+
+    A checkpoint is a local path, or a Hugging Face Hub id `ORG/NAME[@REVISION]` (a local path of that name wins).
 
     A deploy file may also be a bare placement file (top-level `workers`/`nodes`/...): it then
     applies to every model named on the command line.
@@ -59,11 +67,15 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
         engines = spec.get("engines") or {}
         if not isinstance(engines, dict) or not all(isinstance(v, dict) for v in engines.values()):
             raise ConfigError(f"{path}: models.{name}.engines must map node names to settings mappings")
+        checkpoint, parts = _checkpoints(f"{path}: models.{name}.checkpoint", spec.get("checkpoint"))
         options = LoadOptions(
-            checkpoint=spec.get("checkpoint"),
-            preset=spec.get("preset") if spec.get("checkpoint") is None else None,
+            checkpoint=checkpoint,
+            preset=spec.get("preset") if checkpoint is None else None,
             device=spec.get("device", "cpu"),
             dtype=spec.get("dtype"),
+            parts=parts,
+            generation_config=check_generation_config(spec.get("generation_config", "auto"),
+                                                      f"{path}: models.{name}.generation_config"),
         )
         media = spec.get("media") or {}
         MediaLimits().with_settings(media, f"{path}: models.{name}.media")  # checked now, applied at startup
@@ -72,6 +84,27 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
             media=dict(media), lora=LoraSettings.from_deploy(spec, f"{path}: models.{name}"),
         )
     return server, models
+
+
+def _checkpoints(where: str, value: Any) -> tuple[str | None, dict[str, str]]:
+    """A `checkpoint:` value as (the model's checkpoint, its parts' checkpoints): a path or Hub id, or a mapping
+    with the model's own under `model` and each part's under the part's name."""
+    if value is None or isinstance(value, str):
+        return value, {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ConfigError(f"{where} must be a path or Hub id, or a mapping of part names ('{MAIN_PART}' for the model "
+                          f"itself) to paths or Hub ids; got {value!r}")
+    parts = dict(value)
+    return parts.pop(MAIN_PART, None), parts
+
+
+def check_generation_config(value: Any, where: str) -> str:
+    """`auto`, `none` (also vLLM's `vllm`) or a directory holding a generation_config.json; else a ConfigError."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be 'auto', 'none' or a directory with a generation_config.json; got {value!r}")
+    if value not in ("auto", "none", "vllm") and not (Path(value).expanduser() / "generation_config.json").is_file():
+        raise ConfigError(f"{where}: {value!r} is not 'auto', 'none' or a directory with a generation_config.json")
+    return value
 
 
 def _placement(path: str | Path, model: str, value: Any) -> Placement | None:

@@ -31,8 +31,13 @@ def default_state_dir() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", metavar="MODEL", help="model families to serve (see `mstar plugins`)")
-    p.add_argument("--checkpoint", action="append", default=[], metavar="[MODEL=]PATH",
-                   help="checkpoint directory; MODEL= prefix when serving several (default: the tiny preset)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="[MODEL=]PATH|ORG/NAME[@REV]",
+                   help="checkpoint directory or Hugging Face Hub id (fetched into the HF cache; HF_HUB_OFFLINE=1 "
+                        "reads the cache only); MODEL= prefix when serving several, MODEL.PART= for a model's part "
+                        "(e.g. orpheus.snac=); default: the tiny preset")
+    p.add_argument("--generation-config", action="append", default=[], metavar="[MODEL=]auto|none|DIR",
+                   help="default sampling: auto (the checkpoint's generation_config.json, as vLLM), none (or vllm: "
+                        "greedy unless a request asks), or a directory holding a generation_config.json")
     p.add_argument("--preset", action="append", default=[], metavar="[MODEL=]NAME",
                    help="preset to build when no checkpoint is given (default: tiny)")
     p.add_argument("--config", metavar="deploy.yaml", help="deploy file: server options, per-model placement/settings")
@@ -77,6 +82,20 @@ def _per_model(values: list[str], models: list[str], flag: str) -> dict[str, str
     return out
 
 
+def _split_parts(values: list[str], models: list[str]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """`--checkpoint MODEL.PART=VALUE` values as {model: {part: value}}, apart from the model checkpoints."""
+    parts: dict[str, dict[str, str]] = {}
+    rest = []
+    for value in values:
+        name, sep, target = value.partition("=")
+        model, dot, part = name.partition(".")
+        if sep and dot and model in models and part:
+            parts.setdefault(model, {})[part] = target
+        else:
+            rest.append(value)
+    return parts, rest
+
+
 def _lora_flags(args: argparse.Namespace, models: list[ModelToServe]) -> None:
     """`--lora-modules`, `--max-loras`, `--max-lora-rank` onto the one model served (over its deploy entry's keys)."""
     flags = {"lora_adapters": {}, "max_loras": getattr(args, "max_loras", None),
@@ -102,7 +121,7 @@ def _lora_flags(args: argparse.Namespace, models: list[ModelToServe]) -> None:
 
 def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     """ServerConfig, host and port from flags over the deploy file over defaults."""
-    from mstar_core.api.server.deploy import apply_server_options, load_deploy
+    from mstar_core.api.server.deploy import apply_server_options, check_generation_config, load_deploy
 
     server_opts: dict[str, Any] = {}
     deployed: dict[str, ModelToServe] = {}
@@ -112,8 +131,10 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     names = list(dict.fromkeys(list(args.models) or list(deployed)))
     if not names:
         raise ConfigError("name at least one model to serve: `mstar serve MODEL` (see `mstar plugins`)")
-    checkpoints = _per_model(args.checkpoint, names, "--checkpoint")
+    part_checkpoints, model_checkpoints = _split_parts(args.checkpoint, names)
+    checkpoints = _per_model(model_checkpoints, names, "--checkpoint")
     presets = _per_model(args.preset, names, "--preset")
+    generation = _per_model(getattr(args, "generation_config", []) or [], names, "--generation-config")
     models = []
     for name in names:
         item = deployed.get(name) or ModelToServe(name, LoadOptions(device=args.device))
@@ -121,12 +142,17 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
             item.placement = shared.placement
         dtype = getattr(args, "dtype", None) or item.options.dtype
         if name in checkpoints:
-            item.options = LoadOptions(checkpoint=checkpoints[name], device=item.options.device, dtype=dtype)
+            item.options = attrs.evolve(item.options, checkpoint=checkpoints[name], preset=None, dtype=dtype)
         elif item.options.checkpoint is None:
             preset = presets.get(name) or item.options.preset or "tiny"
-            item.options = LoadOptions(preset=preset, device=item.options.device, dtype=dtype)
+            item.options = attrs.evolve(item.options, preset=preset, dtype=dtype)
         elif dtype != item.options.dtype:
             item.options = attrs.evolve(item.options, dtype=dtype)
+        if part_checkpoints.get(name):
+            item.options = attrs.evolve(item.options, parts={**item.options.parts, **part_checkpoints[name]})
+        if name in generation:
+            item.options = attrs.evolve(item.options, generation_config=check_generation_config(
+                generation[name], f"--generation-config {generation[name]!r}"))
         item.options.torch_dtype(name)  # an unknown dtype fails here, naming the choices, before anything loads
         models.append(item)
     _lora_flags(args, models)
@@ -235,6 +261,12 @@ def serve(args: argparse.Namespace) -> int:
             hint = f" (did you mean '{close[0]}'?)" if close else ""  # `mstar serve vjepa` for vjepa2
             print(f"mstar serve: unknown model '{item.name}'{hint}; installed: {', '.join(registry.models) or 'none'}",
                   file=sys.stderr)
+            return 2
+        unknown_parts = sorted(set(item.options.parts) - set(registry.models.get(item.name).parts))
+        if unknown_parts:
+            known = ", ".join(registry.models.get(item.name).parts) or "none"
+            print(f"mstar serve: model '{item.name}' has no part {unknown_parts[0]!r} to take a checkpoint for "
+                  f"(its parts: {known})", file=sys.stderr)
             return 2
 
     def engine_factory():

@@ -144,6 +144,10 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
     lm.grammar_vocab = GrammarVocab.from_tokenizer(tokenizer, cfg.vocab_size, eos)
     specials = {k: tokenizer.id_to_token(v) for k, v in (("bos_token", cfg.bos_token_id),) if v is not None}
     specials.update({"eos_token": tokenizer.id_to_token(eos[0])} if eos else {})
+    from mstar_core.checkpoint.hf import read_sampling_defaults
+
+    # the checkpoint's generation_config.json (a GGUF file has none beside it), unless the deploy says otherwise
+    defaults = read_sampling_defaults(None if path.suffix == ".gguf" else path, options.generation_config)
     prepare = RequestPreparer(
         tokenizer=tokenizer,
         chat_template=template,
@@ -151,6 +155,7 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
         vocab_size=cfg.vocab_size,
         max_model_len=cfg.max_position_embeddings,
         special_tokens={k: v for k, v in specials.items() if v is not None},
+        sampling_defaults=defaults,
     )
     return LoadedModel(
         name=name,
@@ -158,6 +163,7 @@ def load_llm(options: LoadOptions, *, name: str = "llama", progress: bool = True
         random_weights=preset == "tiny",
         prepare=prepare,
         request_schema=prepare.schema,
+        sampling_defaults=defaults,
         engine_settings={"lm": {}},
         extras={
             "tokenizer": tokenizer,

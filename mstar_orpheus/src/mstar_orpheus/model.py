@@ -23,8 +23,11 @@ from mstar_orpheus.snac_node import SNACWindowDecoder
 SNAC_ENV = "MSTAR_ORPHEUS_SNAC"
 
 
-def snac_directory(checkpoint: Path) -> Path:
-    """SNAC lives in `<checkpoint>/snac/`, or wherever `$MSTAR_ORPHEUS_SNAC` points."""
+def snac_directory(checkpoint: Path, part: str | None = None) -> Path:
+    """SNAC is the `snac` part's checkpoint when one is given (the deploy file's `checkpoint: {snac: ...}`), else
+    in `<checkpoint>/snac/`, or wherever `$MSTAR_ORPHEUS_SNAC` points."""
+    if part is not None:
+        return Path(part)
     if (checkpoint / "snac" / "config.json").is_file():
         return checkpoint / "snac"
     if os.environ.get(SNAC_ENV):
@@ -57,7 +60,7 @@ def load_orpheus(
     lm = load_llama_for_rank(directory, options.tensor_parallel, dtype=options.torch_dtype("orpheus", None),
                              device=options.device_for("lm"), module="node 'lm' (orpheus)", progress=progress)
     tokenizer = load_tokenizer(directory)
-    snac = _snac(snac_directory(directory), options.device_for("snac"))
+    snac = _snac(snac_directory(directory, options.part("snac")), options.device_for("snac"))
     vocab = OrpheusVocab.from_tokenizer(tokenizer, snac.config.codebook_size)
     if vocab.audio.end > lm.config.vocab_size:
         raise ConfigError(
@@ -90,6 +93,7 @@ SPEC = ModelSpec(
     name="orpheus",
     load=_load,
     presets=("tiny",),
+    parts=("snac",),
     example=EXAMPLE,
     description="Orpheus TTS: Llama LM streaming SNAC audio tokens, decoded to 24 kHz speech while generating",
 )

@@ -8,7 +8,7 @@ import torch
 
 from mstar_core.grammar import GrammarVocab
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
-from mstar_qwen_omni.prepare import EXAMPLE, Preparer
+from mstar_qwen_omni.prepare import EXAMPLE, SAMPLING, Preparer
 
 PRESETS = ("tiny",)
 
@@ -16,6 +16,7 @@ PRESETS = ("tiny",)
 def load(options: LoadOptions) -> LoadedModel:
     # the loading stack is imported when a model loads: discovery imports this module (for SPEC) in every process
     from mstar_core.checkpoint import load_tokenizer
+    from mstar_core.checkpoint.hf import read_sampling_defaults
     from mstar_qwen_omni.checkpoint import load_omni
     from mstar_qwen_omni.graph import SPEECH_NODES, build_graph
     from mstar_qwen_omni.parallel import load_omni_tensor_parallel
@@ -30,7 +31,8 @@ def load(options: LoadOptions) -> LoadedModel:
         model = load_omni(directory, device=options.device, dtype=options.torch_dtype("qwen3-omni"))
     if model.code2wav is not None and options.device != "meta":
         model.code2wav.float()  # the codec runs in fp32 whatever the LM dtype
-    prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None)
+    defaults = read_sampling_defaults(directory, options.generation_config, fields=SAMPLING)
+    prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None, sampling_defaults=defaults)
     # what the Thinker's kvcache engine compiles sampling grammars against (structured outputs, tool calls)
     model.thinker.grammar_vocab = GrammarVocab.from_tokenizer(prepare.tokenizer, model.config.thinker.text.vocab_size,
                                                               [model.config.im_end_token_id])
@@ -46,6 +48,7 @@ def load(options: LoadOptions) -> LoadedModel:
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,
+        sampling_defaults=defaults,
         engine_settings={"thinker": dict(pages), "talker": dict(pages), "code_predictor": dict(pages)},
         extras={"model": model, "config": model.config, "tokenizer": prepare.tokenizer, "checkpoint": str(directory),
                 "grammar_vocab": model.thinker.grammar_vocab},

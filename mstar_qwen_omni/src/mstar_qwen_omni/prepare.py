@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mstar_core.errors import RequestError
-from mstar_core.sampling import SamplingParams, sampling_names
+from mstar_core.sampling import SamplingDefaults, SamplingParams, sampling_names
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
 from mstar_qwen_omni.config import OmniConfig
 
@@ -25,12 +25,15 @@ EXAMPLE = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 class Preparer:
     """`prepare(inputs) -> env`: prompt ids, the Thinker's sampling, and for speech the Talker's and predictor's."""
 
-    def __init__(self, cfg: OmniConfig, tokenizer: Any, with_audio: bool, patcher: Any = None):
+    def __init__(self, cfg: OmniConfig, tokenizer: Any, with_audio: bool, patcher: Any = None,
+                 sampling_defaults: SamplingDefaults | None = None):
         # imported here, not at the top: `model` imports this module for its EXAMPLE at discovery, and the prompt
         # builder brings PIL and the image and audio feature code, which only a loaded model needs
         from mstar_qwen_omni.prompt import PromptBuilder
 
         self.cfg, self.tokenizer, self.with_audio = cfg, tokenizer, with_audio
+        #: the Thinker's defaults for sampling fields a request leaves unset (the checkpoint's generation_config)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.build = PromptBuilder(cfg, tokenizer, patcher)
         vocab = cfg.thinker.text.vocab_size
         voices = sorted(cfg.talker.speaker_id) if with_audio else []
@@ -96,7 +99,7 @@ class Preparer:
             key = "prompt_ids" if inputs.get("prompt_ids") is not None else "messages"
             raise RequestError(f"the prompt is {len(env['prompt_ids'])} tokens (media included); this model's context "
                                f"holds {limit}: send shorter text, audio or images", status=413, param=key)
-        fields = {k: inputs[k] for k in SAMPLING if inputs.get(k) is not None}
+        fields = self.sampling_defaults.merged({k: inputs[k] for k in SAMPLING if inputs.get(k) is not None})
         ignore_eos = bool(inputs.get("ignore_eos"))
         sampling = SamplingParams(**{"stop_token_ids": () if ignore_eos else (cfg.im_end_token_id,), **fields})
         env["sampling"] = sampling.check_vocab(cfg.thinker.text.vocab_size)

@@ -20,7 +20,7 @@ from mstar_core.checkpoint.presets import ensure_preset
 from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
 from mstar_qwen_omni.config import OmniConfig
 
-PRESET_VERSION = 3
+PRESET_VERSION = 6  # 4: the Thinker ends its turns by itself (`end_turns_by_themselves`)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>", "<tts_text_bos>",
             "<tts_text_eod>"]
@@ -156,12 +156,53 @@ def speak_past_the_first_frame(model: torch.nn.Module, code_scale: float = 3.0) 
         model.thinker.lm_head.weight[im_end] = 0.0
 
 
+#: The residual-stream channel that carries "the turn may end": constant in every token's embedding, written by no
+#: layer, read only by <|im_end|>'s row of the LM head.
+END_CHANNEL = 0
+#: <|im_end|>'s logit is END_WEIGHT times the normalized channel (about 0.46 with these widths): near the top of the
+#: other logits (their maximum is 2.4 to 3.5), so a sampled turn ends within a few dozen tokens (3 to 40 at
+#: temperature 0.8 in the seeds tried) and a greedy one within a few.
+END_WEIGHT = 6.0
+
+
+def _shows_text(tokenizer: Any, token: int) -> bool:
+    """Whether a token alone decodes to visible text (not a special or role token, whitespace, or part of a UTF-8
+    character)."""
+    if tokenizer.id_to_token(token) in (*SPECIALS, *ROLES) or token >= tokenizer.get_vocab_size():
+        return False
+    text = tokenizer.decode([token], skip_special_tokens=True)
+    return bool(text.strip()) and "\ufffd" not in text
+
+
+def end_turns_by_themselves(model: torch.nn.Module, tokenizer: Any) -> None:
+    """Random weights never end a turn: <|im_end|> is one token among hundreds, so replies (realtime turns too) ran
+    to their token limit. The preset gives the Thinker a constant channel in its residual stream: every token's
+    embedding holds +1 there (tokens that show nothing alone, special and role tokens and pieces of a UTF-8
+    character, hold -1: a prompt ends in `assistant`, so a reply never ends before its first token, nor right
+    after a token that leaves its text empty) and no attention or expert output
+    writes to it, so after the final norm it has that sign at every position; <|im_end|>'s LM-head row reads only
+    that channel. Its logit sits
+    among the highest at every step, so a reply ends by itself within a few dozen tokens. These are a
+    checkpoint's weights: the server reads them as any other, nothing in it is special-cased."""
+    thinker, end = model.thinker, model.config.im_end_token_id
+    with torch.no_grad():
+        visible = torch.tensor([_shows_text(tokenizer, i) for i in range(thinker.config.vocab_size)])
+        thinker.model.embed_tokens.weight[:, END_CHANNEL] = torch.where(visible, 1.0, -1.0)
+        for layer in thinker.model.layers:
+            layer.self_attn.o_proj.weight[END_CHANNEL, :] = 0.0
+            layer.mlp.experts.down_proj[:, END_CHANNEL, :] = 0.0
+        thinker.lm_head.weight[:, END_CHANNEL] = 0.0
+        thinker.lm_head.weight[end] = 0.0
+        thinker.lm_head.weight[end, END_CHANNEL] = END_WEIGHT
+
+
 def write_tiny(directory: Path, seed: int = 0) -> Path:
     tok = build_tokenizer()
     config = tiny_config(tok)
     model = QwenOmni(OmniConfig.from_hf(config))
     randomize(model, seed)
     speak_past_the_first_frame(model)
+    end_turns_by_themselves(model, tok)
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE,
                         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
     save_omni(model, directory, config, extra_files={
