@@ -33,6 +33,13 @@ _pool: CompilePool | None = None
 compile_times_ms: list[float] = []
 #: Milliseconds of the last round trips (queue wait excluded: sent, compiled, received and rebuilt here).
 round_trip_ms: list[float] = []
+#: Requests of this process waiting for a compile now (the server's drain counts them as in flight).
+_waiting = 0
+
+
+def waiting() -> int:
+    """Requests waiting for a compile now: each is in flight though the engine has not seen it yet."""
+    return _waiting
 
 
 def pool() -> CompilePool:
@@ -158,6 +165,8 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
         job = _submit(vocab, spec, timeout, param)
     except RequestError as exc:
         raise _named(exc, param) from None
+    global _waiting
+    _waiting += 1  # (the event loop's thread only)
     t0 = time.perf_counter()
     try:
         await asyncio.wrap_future(_unshared(job))
@@ -165,6 +174,7 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
     except RequestError as exc:
         raise _named(exc, param) from None
     finally:
+        _waiting -= 1
         pool().release(job)
     round_trip_ms.append((time.perf_counter() - t0) * 1e3)
     del round_trip_ms[:-1000]

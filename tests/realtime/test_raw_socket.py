@@ -162,3 +162,40 @@ def test_a_dropped_connection_frees_its_response(rt_server):
 
     busy, after = asyncio.run(go())
     assert busy > 0 and after == 0
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_is_dropped_and_its_place_freed(rt_server):
+    """A client that sends events whose answers it never reads: once its events have waited `send_timeout` (10 s)
+    the server drops it without waiting for the socket to take a close frame, and its place is free again (the
+    fixture holds 4 sessions: 3 others plus this one fill it)."""
+    import time
+
+    async def go():
+        held = [await _connect(rt_server) for _ in range(3)]
+        for ws in held:
+            await _next(ws, "session.created")
+        # max_queue=1: this client's library stops reading the socket after one frame, as a stuck client does
+        silent = await connect(_url(rt_server), additional_headers={"Authorization": f"Bearer {API_KEY}"},
+                               max_size=None, max_queue=1)
+        text = "z" * 200_000  # each item comes back twice (added, done): ~400 KB of events a send
+        for _ in range(40):
+            await silent.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+        t0 = time.monotonic()
+        freed = None
+        while time.monotonic() - t0 < 40:
+            await asyncio.sleep(1.0)
+            probe = await _connect(rt_server)
+            ev = await _next(probe)
+            await probe.close()
+            if ev["type"] == "session.created":
+                freed = time.monotonic() - t0
+                break
+        silent.transport.abort()
+        for ws in held:
+            await ws.close()
+        return freed
+
+    freed = asyncio.run(go())
+    assert freed is not None and freed <= 30, freed

@@ -146,7 +146,10 @@ class RealtimeSession:
         self.buffer = np.concatenate([self.buffer, pcm])
         self.stream_samples += pcm.size
         if self.vad is not None:
-            for vad_event in self.vad.feed(pcm):
+            # the detector scores every 32 ms frame (minutes of audio in one append: seconds): off the loop. The
+            # session's events are handled one at a time, so nothing else touches the detector meanwhile.
+            vad_events = self.vad.feed(pcm) if pcm.size <= RATE else await asyncio.to_thread(self.vad.feed, pcm)
+            for vad_event in vad_events:
                 await self._on_vad(vad_event)
 
     async def _on_vad(self, vad_event: VadEvent) -> None:
@@ -219,7 +222,8 @@ class RealtimeSession:
     # -- conversation items -------------------------------------------------------------------------------
 
     async def on_item_create(self, ev: Mapping[str, Any]) -> None:
-        item = item_from_client(ev.get("item"), "item", self.limits.max_event_bytes)
+        # images and video decode (seconds for a large one): off the loop
+        item = await asyncio.to_thread(item_from_client, ev.get("item"), "item", self.limits.max_event_bytes)
         previous = self.conversation.add(item, ev.get("previous_item_id"))
         await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
         await self.emit(event("conversation.item.done", previous_item_id=previous, item=item.to_json()))
@@ -262,8 +266,9 @@ class RealtimeSession:
         options = cfg.response_options(self.config, data, speaks=self.bridge.speaks, voices=self.bridge.voices)
         items = self.conversation.items
         if options.input is not None:
-            items = [item_from_client(i, f"response.input[{n}]", self.limits.max_event_bytes)
-                     for n, i in enumerate(options.input)]
+            items = await asyncio.to_thread(lambda: [item_from_client(i, f"response.input[{n}]",
+                                                                      self.limits.max_event_bytes)
+                                                     for n, i in enumerate(options.input)])
         run = ResponseRun(self, options, items)
         self.response = run
         run.start()

@@ -107,18 +107,43 @@ async def realtime_socket(ws: WebSocket) -> None:
         await _receive_loop(ws, session, sender, limits)
     except ClientTooSlow as exc:
         log.info("realtime session %s: %s; closing", session.id, exc)
-        with contextlib.suppress(Exception):
-            await ws.close(code=1008, reason=str(exc)[:120])
+        too_slow = str(exc)
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass  # the client went away: everything is freed below
+    else:
+        too_slow = None
     finally:
+        # the session's slot, queue and media are freed before the close: a client that never reads cannot take
+        # the close frame either, and waiting for it to drain would keep them for ever
         await session.close()
         sender.cancel()
         sessions.discard(session)
         if place is not None:
             place.release()
-        with contextlib.suppress(Exception):
-            await ws.close()
+    await _close(ws, 1008 if too_slow else 1000, (too_slow or "")[:120])
+
+
+#: Seconds a close may wait for the socket to take the close frame (a client that reads nothing never does).
+CLOSE_TIMEOUT_S = 2.0
+
+
+async def _close(ws: WebSocket, code: int, reason: str = "") -> None:
+    """Close the socket, giving up after CLOSE_TIMEOUT_S; the connection is then dropped under the client."""
+    try:
+        await asyncio.wait_for(ws.close(code=code, reason=reason), CLOSE_TIMEOUT_S)
+    except TimeoutError:
+        _abort(ws)
+    except Exception:  # already closed, or the client went away meanwhile
+        pass
+
+
+def _abort(ws: WebSocket) -> None:
+    """Drop the connection: the ASGI server's transport, reached through its bound send (uvicorn's websockets and
+    wsproto protocols both keep it as `transport`)."""
+    protocol = getattr(getattr(ws, "_send", None), "__self__", None)
+    transport = getattr(protocol, "transport", None)
+    if transport is not None:
+        transport.abort()
 
 
 async def _receive_loop(ws: WebSocket, session: RealtimeSession, sender: asyncio.Task, limits: RealtimeLimits) -> None:
@@ -179,4 +204,4 @@ async def _end(ws: WebSocket, session: RealtimeSession, message: str, code: str)
     with contextlib.suppress(Exception):
         await session.emit(error_event(EventError(message, code=code), None))
         await asyncio.sleep(0.05)  # let the sender write it
-        await ws.close(code=1000, reason=message[:120])
+    await _close(ws, 1000, message[:120])

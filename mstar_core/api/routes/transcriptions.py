@@ -10,6 +10,7 @@ before it is decoded. `srt` and `vtt` need timestamps the model does not give: a
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Form, Request, UploadFile
@@ -58,7 +59,7 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
     limits = state.media_limits.get((model, "chat")) or MediaLimits().with_env()
     raw = await file.read(limits.max_audio_bytes + 1)
-    samples, rate = decode_upload(raw, limits)
+    samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # seconds for minutes of FLAC: off the loop
     seconds = samples.size / rate
     instruction = INSTRUCTION + (f" The language is {language}." if language else "")
     if prompt:

@@ -36,10 +36,15 @@ class DrainingServer(uvicorn.Server):
         log.info("draining: new requests get 503; %d in flight get up to %.0f s", self.in_flight(), self.drain_timeout)
 
     def in_flight(self) -> int:
+        """Requests the engine runs or queues, handles not yet done, and requests still waiting for their grammar
+        to compile (the engine has not seen them yet)."""
+        from mstar_core.grammar import compile as grammar_compile
+
         engine = self.state.engine
         if engine is None:
             return 0
-        return int(engine.running + engine.waiting) + sum(1 for h in self.state._inflight if not h.done)
+        return (int(engine.running + engine.waiting) + sum(1 for h in self.state._inflight if not h.done)
+                + grammar_compile.waiting())
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
