@@ -155,7 +155,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = _sampling("presence_penalty")
     frequency_penalty: float | None = _sampling("frequency_penalty")
     logit_bias: dict[str, Any] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
-    user: str | None = None
+    user: str | None = Field(None, max_length=256, description="an end-user id (at most 256 characters)")
     # vLLM's extensions
     top_k: int | None = _sampling("top_k", description="keep the k most likely tokens; 0 or -1 disables")
     min_p: float | None = _sampling("min_p")

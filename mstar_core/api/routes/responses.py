@@ -27,6 +27,7 @@ from mstar_core.api.requests.formats import response_format_grammar
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
 from mstar_core.api.requests.response_items import (
     ResponseBuilder,
+    check_stored_fields,
     event_stream,
     input_messages,
     text_format,
@@ -58,6 +59,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     request.state.model = body.model
     adapter = state.adapter(body.model, "chat")
     _check_unsupported(body)
+    check_stored_fields(body.metadata, body.user)
     store = store_of(request.app.state)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
