@@ -66,3 +66,27 @@ def test_text_format_objects_still_read():
     assert text_format({"format": {"type": "text"}}) == {"type": "text"}
     assert text_format({"format": {"type": "json_schema", "name": "x", "schema": {}}}) == {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+
+
+def test_grammar_and_media_limits_read_numbers_by_one_rule(monkeypatch):
+    """`mstar_core.strict.positive_number` is the one rule: a bad MSTAR_GRAMMAR_* value is a ConfigError naming the
+    variable, as a bad MSTAR_MEDIA_* one is."""
+    from mstar_core.api.media.limits import MediaLimits
+    from mstar_core.errors import ConfigError
+    from mstar_core.grammar import limits
+
+    monkeypatch.setenv("MSTAR_GRAMMAR_WORKERS", "0")
+    with pytest.raises(ConfigError, match="MSTAR_GRAMMAR_WORKERS must be positive"):
+        limits.compile_workers()
+    monkeypatch.setenv("MSTAR_GRAMMAR_WORKERS", "two")
+    with pytest.raises(ConfigError, match="MSTAR_GRAMMAR_WORKERS must be a number"):
+        limits.compile_workers()
+    monkeypatch.setenv("MSTAR_GRAMMAR_WORKERS", "3")
+    assert limits.compile_workers() == 3
+    monkeypatch.delenv("MSTAR_GRAMMAR_WORKERS")
+    assert limits.compile_workers() == 2
+    from mstar_core.api.realtime.limits import RealtimeLimits
+
+    with pytest.raises(ConfigError, match="MSTAR_REALTIME_MAX_SESSIONS must be positive"):
+        RealtimeLimits.from_env({"MSTAR_REALTIME_MAX_SESSIONS": "-1"})
+    assert MediaLimits().with_env({"MSTAR_MEDIA_MAX_PARTS": "3"}).max_parts == 3

@@ -50,7 +50,7 @@ def test_images_are_refused_before_decoding_for_models_that_take_none(monkeypatc
     monkeypatch.setattr(decode, "decode_image", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(EventError) as err:
         item_from_client(_image_item(64), "item", 1 << 20, takes_visual=False)
-    assert err.value.param == "item.content[0].type" and "does not take images" in err.value.message
+    assert err.value.param == "item.content[0].image_url" and "does not take images" in err.value.message
 
 
 def test_queued_events_are_bounded_in_bytes():
@@ -116,3 +116,27 @@ def test_realtime_tools_are_checked_as_chats_are():
         tools([{"type": "function", "name": "bad name!"}], "session.tools")
     ok = tools([{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}], "t")
     assert ok[0]["name"] == "f"
+
+
+def test_one_write_the_socket_never_takes_ends_the_session_though_the_queue_has_room():
+    """A client that reads nothing, with little output queued: the write stuck on the full socket ends the session
+    after send_timeout (before, only a full queue did, and a quiet session could hold its slot for ever)."""
+    from mstar_core.api.realtime.session import RealtimeSession
+
+    class Bridge:
+        model, speaks, voices, default_modalities, takes_audio, takes_visual = "m", False, (), ("text",), False, False
+
+    async def never(_payload):
+        await asyncio.Event().wait()
+
+    async def go():
+        session = RealtimeSession(None, Bridge(), RealtimeLimits(send_timeout=0.3), never)
+        sender = asyncio.ensure_future(session.sender())
+        await session.emit(event("x"))
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ClientTooSlow):
+            await asyncio.wait_for(sender, 5)
+        return session, asyncio.get_running_loop().time() - t0
+
+    session, took = asyncio.run(go())
+    assert session.stopped.is_set() and took < 2 and session.queued_bytes == 0

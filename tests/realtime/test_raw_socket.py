@@ -166,18 +166,24 @@ def test_a_dropped_connection_frees_its_response(rt_server):
 
 @pytest.mark.slow
 def test_a_client_that_never_reads_is_dropped_and_its_place_freed(rt_server):
-    """A client that sends events whose answers it never reads: once its events have waited `send_timeout` (10 s)
-    the server drops it without waiting for the socket to take a close frame, and its place is free again (the
-    fixture holds 4 sessions: 3 others plus this one fill it)."""
+    """A client that sends events whose answers it never reads is dropped and its place is free again within 30 s
+    (the fixture holds 4 sessions: 3 others plus this one fill it): it answers no keepalive ping (10 s apart, 10 s
+    for the pong), or a write waits `send_timeout` (10 s) on its full socket; either way the session is freed
+    without waiting for the socket to take a close frame."""
+    import socket
     import time
 
     async def go():
         held = [await _connect(rt_server) for _ in range(3)]
         for ws in held:
             await _next(ws, "session.created")
-        # max_queue=1: this client's library stops reading the socket after one frame, as a stuck client does
+        # a client that stops reading: its library reads no frame past the first (max_queue=1) and its socket's
+        # receive buffer is small (a loopback socket's grows to 32 MB, which would take all the server writes)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)  # before connecting: no autotuning
+        sock.connect(("127.0.0.1", rt_server.port))
         silent = await connect(_url(rt_server), additional_headers={"Authorization": f"Bearer {API_KEY}"},
-                               max_size=None, max_queue=1)
+                               max_size=None, max_queue=1, sock=sock)
         text = "z" * 200_000  # each item comes back twice (added, done): ~400 KB of events a send
         for _ in range(40):
             await silent.send(json.dumps({"type": "conversation.item.create", "item": {

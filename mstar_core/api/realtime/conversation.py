@@ -141,8 +141,9 @@ def item_from_client(data: Any, where: str, max_audio_bytes: int, *, takes_visua
                              param=f"{at}.type")
         if ptype in ("input_image", "input_video"):
             if not takes_visual:
+                key = "image_url" if ptype == "input_image" else "video_url"
                 raise EventError(f"'{at}' is {ptype}, but this model does not take images or video; send text "
-                                 "items", param=f"{at}.type", code="invalid_value")
+                                 "items", param=f"{at}.{key}", code="invalid_media")
             media.append(_visual(part, ptype, at))
             continue
         if ptype == "input_audio":

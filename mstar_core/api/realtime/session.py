@@ -80,14 +80,20 @@ class RealtimeSession:
         self.queued_bytes += size
 
     async def sender(self) -> None:
-        """Write queued events to the socket in order; audio of a cancelled response is dropped unsent."""
+        """Write queued events to the socket in order; audio of a cancelled response is dropped unsent. One write
+        that the socket has not taken within send_timeout (a client that reads nothing: the kernel's buffers are
+        full) ends the session: ClientTooSlow, whatever the queue holds."""
         while True:
             out = await self.queue.get()
             resp = out.response
             try:
                 if out.droppable and resp is not None and resp.status == "cancelled":
                     continue
-                await self._send(out.payload)
+                try:
+                    await asyncio.wait_for(self._send(out.payload), self.limits.send_timeout)
+                except TimeoutError:
+                    self.stopped.set()
+                    raise ClientTooSlow(f"the client read no events for {self.limits.send_timeout:g} s") from None
             finally:
                 self.queued_bytes -= out.size
                 self._sent.set()

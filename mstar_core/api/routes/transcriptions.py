@@ -30,6 +30,7 @@ from mstar_core.api.requests.submit import (
     submit,
 )
 from mstar_core.api.requests.text import TextAssembler
+from mstar_core.api.requests.transcription import audio_limits, output_budget
 from mstar_core.sampling import check_openai
 
 router = APIRouter()
@@ -57,7 +58,7 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
     check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
     if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
-    limits = state.media_limits.get((model, "chat")) or MediaLimits().with_env()
+    limits = audio_limits(adapter, state.media_limits.get((model, "chat")) or MediaLimits().with_env())
     raw = await file.read(limits.max_audio_bytes + 1)
     samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # seconds for minutes of FLAC: off the loop
     seconds = samples.size / rate
@@ -65,8 +66,7 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
     if prompt:
         instruction += f" Context: {prompt}"
     turns = [ChatTurn("user", (AudioPart(samples, rate, "file"), TextPart(instruction)))]
-    # a bound on the text: speech runs at about 3 words a second, a few tokens each
-    max_tokens = int(min(4096, 32 + 12 * seconds))
+    max_tokens = output_budget(seconds)
     body = {"model": model, "messages": [{"role": "user", "content": instruction}], "max_tokens": max_tokens,
             "temperature": temperature}
     inputs = await chat_request(state, adapter, model, body, turns=turns)
