@@ -24,6 +24,7 @@ import base64
 import io
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -35,15 +36,21 @@ ASK = [{"role": "user", "content": "Hi"}]
 BIG = "word " * (12_000_000 // 5)
 
 
-async def _health(client: httpx.AsyncClient, stop: asyncio.Event, worst: list[float]) -> None:
+async def _health(client: httpx.AsyncClient, stop: asyncio.Event, worst: list[tuple[float, float]]) -> None:
+    """(when it was asked, seconds to the answer) of each /health, every 50 ms."""
     while not stop.is_set():
         t0 = time.monotonic()
         try:
             await client.get("/health")
         except httpx.HTTPError:
             pass
-        worst.append(time.monotonic() - t0)
+        worst.append((t0, time.monotonic() - t0))
         await asyncio.sleep(0.05)
+
+
+def _worst_between(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
+    during = [s for at, s in samples if t0 <= at + s and at <= t1]
+    return round(max(during), 3) if during else None
 
 
 async def _healthy(client: httpx.AsyncClient, stop: asyncio.Event, codes: list[int]) -> None:
@@ -134,9 +141,22 @@ async def _post(client: httpx.AsyncClient, route: str, body: dict[str, Any]) -> 
         return 0
 
 
-async def realtime_stresses(url: str) -> dict[str, Any]:
-    """One qwen3-omni session at a time, each stress's events, then every event read until the reply ends; an
-    `error` event is a clean refusal, a close without one a failure (counted as a 5xx)."""
+async def _session(connect: Any, ws_url: str, limit: float = 30.0) -> Any:
+    """A connection whose session was created (the one slot may still be held by the last stress's session for a
+    moment after its socket closed: a 1013 is retried)."""
+    deadline = time.monotonic() + limit
+    while True:
+        ws = await connect(ws_url, max_size=None)
+        first = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        if first["type"] == "session.created" or time.monotonic() > deadline:
+            return ws
+        await ws.close()
+        await asyncio.sleep(0.5)
+
+
+async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: int) -> dict[str, Any]:
+    """One qwen3-omni session at a time, each stress's events, then every event read until the reply ends (or 5 s
+    pass without one); an `error` event is a clean refusal, a close without one a failure (counted as a 5xx)."""
     from websockets.asyncio.client import connect
 
     ws_url = url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
@@ -156,14 +176,15 @@ async def realtime_stresses(url: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, events in plans.items():
         seen: list[str] = []
+        t = time.monotonic()
         try:
-            async with connect(ws_url, max_size=None) as ws:
+            async with await _session(connect, ws_url) as ws:
                 for ev in events:
                     await ws.send(json.dumps(ev))
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     try:
-                        msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                        msg = json.loads(await asyncio.wait_for(ws.recv(), 15))
                     except TimeoutError:
                         break
                     seen.append(msg["type"])
@@ -172,23 +193,58 @@ async def realtime_stresses(url: str) -> dict[str, Any]:
             closed_cleanly = True
         except Exception as exc:  # the server closed the session under the client
             closed_cleanly = "error" in seen
-            seen.append(f"closed: {type(exc).__name__}")
-        out[name] = {"errors": seen.count("error"), "events": len(seen), "clean": closed_cleanly}
+            seen.append(f"closed: {type(exc).__name__}: {str(exc)[:200]}")
+        out[name] = {"errors": seen.count("error"), "events": seen[-6:], "clean": closed_cleanly,
+                     "done": "response.done" in seen, "health_max_s": _worst_between(health, t, time.monotonic()), "rss_mb": rss_mb(pid)}
     return out
 
 
-async def silent_client(url: str) -> float | None:
-    """A client that sends events whose answers it never reads holds the one slot: seconds from its last send until
-    a new session gets in (None if none did within 60 s)."""
+def _silent_socket(host: str, port: int, path: str, headers: dict[str, str]) -> socket.socket:
+    """A WebSocket client that never reads: a raw socket after the upgrade request (its answer is left unread too),
+    with a small receive buffer, so what the server writes backs up into the server as it does over a network.
+    (A client library keeps reading into its own memory, and a loopback socket's buffer grows to 32 MB.)"""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)  # before connecting: no autotuning
+    sock.connect((host, port))
+    sock.settimeout(30)  # a server that stops reading it (it dropped the session) ends the sending with an error
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return sock
+
+
+def _send_all(sock: socket.socket, frames: list[bytes]) -> None:
+    """Send until done or the server stops taking them (it dropped the session meanwhile)."""
+    try:
+        for frame in frames:
+            sock.sendall(frame)
+    except OSError:
+        pass
+
+
+def _text_frame(text: str) -> bytes:
+    """A client's text frame, masked with a zero key (legal, and the payload then goes as it is)."""
+    data = text.encode()
+    n = len(data)
+    head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+                             if n < 65536 else bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+    return head + b"\0\0\0\0" + data
+
+
+async def silent_client(url: str, host: str, port: int) -> float | None:
+    """A client that sends events whose answers it never reads holds the one slot: seconds from its first event
+    until a new session gets in (None if none did within 60 s)."""
     from websockets.asyncio.client import connect
 
     ws_url = url.replace("http", "ws") + "/v1/realtime?model=llama"
-    silent = await connect(ws_url, max_size=None, max_queue=1)
+    await (await _session(connect, ws_url)).close()  # the slot is free
+    silent = _silent_socket(host, port, "/v1/realtime?model=llama", {})
     text = "z" * 1_000_000
-    for _ in range(40):  # each item comes back twice: ~80 MB the client never reads
-        await silent.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
-    t0 = time.monotonic()
+    frame = _text_frame(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+    t0 = time.monotonic()  # from its first event (its sends end when the server stops reading them)
+    sending = asyncio.ensure_future(asyncio.to_thread(_send_all, silent, [frame] * 40))  # 80 MB come back unread
     freed = None
     try:
         while time.monotonic() - t0 < 60:
@@ -202,7 +258,8 @@ async def silent_client(url: str) -> float | None:
                 freed = round(time.monotonic() - t0, 2)
                 break
     finally:
-        silent.transport.abort()
+        silent.close()
+        await sending
     return freed
 
 
@@ -229,20 +286,24 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
             stop, worst, healthy = asyncio.Event(), [], []
             background = [asyncio.ensure_future(_health(client, stop, worst)),
                           asyncio.ensure_future(_healthy(client, stop, healthy))]
+            await asyncio.sleep(3)  # the healthy loop alone first: what /health takes on this box without the stress
+            out["baseline_health_max_s"] = _worst_between(worst, 0, time.monotonic())
             t0 = time.monotonic()
             replies = {}
-            for name, route, body in stresses:
+            for name, route, body in stresses:  # [status, seconds, slowest /health meanwhile]
                 t = time.monotonic()
                 replies[name] = [await _post(client, route, body), round(time.monotonic() - t, 2)]
-            realtime = await realtime_stresses(server.url)
+                replies[name].append(_worst_between(worst, t, time.monotonic()))
+                replies[name].append(rss_mb(server.proc.pid))
+            realtime = await realtime_stresses(server.url, worst, server.proc.pid)
             await asyncio.sleep(2)  # healthy traffic after the stress too
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             await asyncio.sleep(3)
             rss_after = rss_mb(server.proc.pid)
             out.update(
-                media_stress_health_max_s=round(max(worst), 3) if worst else None,
-                media_stress_5xx=sum(1 for code, _ in replies.values() if code >= 500 or code == 0)
+                media_stress_health_max_s=round(max(s for _, s in worst), 3) if worst else None,
+                media_stress_5xx=sum(1 for code, *_ in replies.values() if code >= 500 or code == 0)
                 + sum(1 for code in healthy if code >= 500) + sum(1 for r in realtime.values() if not r["clean"]),
                 media_healthy_failed=sum(1 for code in healthy if code != 200),
                 media_healthy_total=len(healthy),
@@ -250,7 +311,7 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
                 media_stress_s=round(time.monotonic() - t0, 1),
                 stresses=replies, realtime=realtime,
             )
-        out["silent_client_freed_s"] = await silent_client(server.url)
+        out["silent_client_freed_s"] = await silent_client(server.url, "127.0.0.1", server.port)
     except Exception as exc:  # reported, not fatal
         out["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
     finally:

@@ -70,10 +70,13 @@ class RealtimeSession:
         size = len(json_bytes(payload))
         try:
             async with asyncio.timeout(self.limits.send_timeout):
-                while self.queued_bytes and self.queued_bytes + size > self.limits.max_queued_bytes:
+                while self.queue.full() or (self.queued_bytes and
+                                            self.queued_bytes + size > self.limits.max_queued_bytes):
+                    if self.stopped.is_set():  # the sender gave up on the socket: no use waiting out our own time
+                        raise TimeoutError
                     self._sent.clear()
                     await self._sent.wait()
-                await self.queue.put(Outgoing(payload, response, audio_samples, droppable, size))
+                self.queue.put_nowait(Outgoing(payload, response, audio_samples, droppable, size))
         except TimeoutError:
             self.stopped.set()
             raise ClientTooSlow(f"the client read no events for {self.limits.send_timeout:g} s") from None

@@ -138,12 +138,20 @@ async def _close(ws: WebSocket, code: int, reason: str = "") -> None:
 
 
 def _abort(ws: WebSocket) -> None:
-    """Drop the connection: the ASGI server's transport, reached through its bound send (uvicorn's websockets and
-    wsproto protocols both keep it as `transport`)."""
-    protocol = getattr(getattr(ws, "_send", None), "__self__", None)
-    transport = getattr(protocol, "transport", None)
-    if transport is not None:
-        transport.abort()
+    """Drop the connection (its unsent bytes with it): the ASGI server's transport, reached through its bound send
+    (uvicorn's protocols keep it as `transport`) under the wrappers Starlette puts around that send. Nothing is done
+    where none is found: the session is already freed, and the server closes the socket when it can."""
+    seen, todo = set(), [getattr(ws, "_send", None)]
+    while todo and len(seen) < 16:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        transport = getattr(getattr(fn, "__self__", None), "transport", None)
+        if transport is not None and hasattr(transport, "abort"):
+            transport.abort()
+            return
+        todo += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
 
 
 async def _receive_loop(ws: WebSocket, session: RealtimeSession, sender: asyncio.Task, limits: RealtimeLimits) -> None:

@@ -19,11 +19,6 @@ from mstar_core.model import LoadOptions
 API_KEY_ENV = "MSTAR_API_KEY"
 
 
-#: Seconds between a WebSocket's keepalive pings, and for its pong. A client that stops reading (a realtime client
-#: whose socket buffers still take what the server writes, so no write blocks) answers no ping: it is dropped, and
-#: its session freed, within twice this (uvicorn's default, 20 + 20 s, held a silent client's slot for 40 s).
-WS_PING_S = 10.0
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="*", metavar="MODEL", help="model families to serve (see `mstar plugins`)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="[MODEL=]PATH",
@@ -233,8 +228,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         uv_config = uvicorn.Config(app, host=host, port=port, loop=loop, log_level=args.log_level,
                                    access_log=args.log_level == "debug",
-                                   timeout_graceful_shutdown=args.drain_timeout, server_header=False,
-                                   ws_ping_interval=WS_PING_S, ws_ping_timeout=WS_PING_S)
+                                   timeout_graceful_shutdown=args.drain_timeout, server_header=False)
         DrainingServer(uv_config, app.state.mstar, args.drain_timeout).run()  # SIGTERM: 503s, in-flight finish
     except _Stopped:
         pass
