@@ -21,6 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from mstar_core.api.http.errors import ApiError
 from mstar_core.api.realtime.bridge import ModelBridge
+from mstar_core.api.realtime.closing import close_bounded
 from mstar_core.api.realtime.limits import RealtimeLimits
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, error_event
 from mstar_core.api.realtime.session import RealtimeSession
@@ -120,38 +121,7 @@ async def realtime_socket(ws: WebSocket) -> None:
         sessions.discard(session)
         if place is not None:
             place.release()
-    await _close(ws, 1008 if too_slow else 1000, (too_slow or "")[:120])
-
-
-#: Seconds a close may wait for the socket to take the close frame (a client that reads nothing never does).
-CLOSE_TIMEOUT_S = 2.0
-
-
-async def _close(ws: WebSocket, code: int, reason: str = "") -> None:
-    """Close the socket, giving up after CLOSE_TIMEOUT_S; the connection is then dropped under the client."""
-    try:
-        await asyncio.wait_for(ws.close(code=code, reason=reason), CLOSE_TIMEOUT_S)
-    except TimeoutError:
-        _abort(ws)
-    except Exception:  # already closed, or the client went away meanwhile
-        pass
-
-
-def _abort(ws: WebSocket) -> None:
-    """Drop the connection (its unsent bytes with it): the ASGI server's transport, reached through its bound send
-    (uvicorn's protocols keep it as `transport`) under the wrappers Starlette puts around that send. Nothing is done
-    where none is found: the session is already freed, and the server closes the socket when it can."""
-    seen, todo = set(), [getattr(ws, "_send", None)]
-    while todo and len(seen) < 16:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        transport = getattr(getattr(fn, "__self__", None), "transport", None)
-        if transport is not None and hasattr(transport, "abort"):
-            transport.abort()
-            return
-        todo += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
+    await close_bounded(ws, 1008 if too_slow else 1000, (too_slow or "")[:120])
 
 
 async def _receive_loop(ws: WebSocket, session: RealtimeSession, sender: asyncio.Task, limits: RealtimeLimits) -> None:
@@ -212,4 +182,4 @@ async def _end(ws: WebSocket, session: RealtimeSession, message: str, code: str)
     with contextlib.suppress(Exception):
         await session.emit(error_event(EventError(message, code=code), None))
         await asyncio.sleep(0.05)  # let the sender write it
-    await _close(ws, 1000, message[:120])
+    await close_bounded(ws, 1000, message[:120])
