@@ -42,6 +42,22 @@ def waiting() -> int:
     return _waiting
 
 
+#: Set when the server's drain ran out of time: compiles still waited for are given up (a 503 each).
+_shutting_down = False
+
+
+def give_up_waiting() -> None:
+    """The server stops: every request still waiting for a compile gets a 503 at once (its compile is cancelled,
+    its process killed) instead of holding the shutdown for another graceful timeout."""
+    global _shutting_down
+    _shutting_down = True
+
+
+async def _until_shutdown() -> None:
+    while not _shutting_down:
+        await asyncio.sleep(0.1)
+
+
 def pool() -> CompilePool:
     """The process's compile pool, made on first use with the operator's limits."""
     global _pool
@@ -169,7 +185,16 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
     _waiting += 1  # (the event loop's thread only)
     t0 = time.perf_counter()
     try:
-        await asyncio.wrap_future(_unshared(job))
+        compiled, shutdown = asyncio.wrap_future(_unshared(job)), asyncio.ensure_future(_until_shutdown())
+        try:
+            await asyncio.wait({compiled, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutdown.cancel()
+        if not compiled.done():
+            compiled.cancel()
+            raise RequestError("the server is shutting down before this request's grammar compiled; retry it",
+                               status=503, param=param)
+        compiled.result()
         grammar = await asyncio.to_thread(_finish, vocab, job)  # rebuilding a large grammar takes milliseconds
     except RequestError as exc:
         raise _named(exc, param) from None

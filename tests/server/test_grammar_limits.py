@@ -189,3 +189,35 @@ def test_drain_counts_requests_waiting_for_their_compile(monkeypatch):
     assert server.in_flight() == 0
     monkeypatch.setattr(grammar_compile, "_waiting", 2)
     assert server.in_flight() == 2
+
+
+def test_when_the_drain_runs_out_requests_waiting_for_compiles_get_503s_at_once(monkeypatch):
+    """At the drain's deadline the server gives up on compiles still waited for: each waiter gets a 503 naming its
+    field at once (its compile cancelled), so the shutdown does not wait out another graceful timeout for them."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from mstar_core.errors import RequestError
+    from mstar_core.grammar import compile as grammar_compile
+
+    released = []
+    job = SimpleNamespace(future=Future())  # a compile that would run for minutes
+    monkeypatch.setattr(grammar_compile, "cached", lambda vocab, spec: None)
+    monkeypatch.setattr(grammar_compile, "_submit", lambda vocab, spec, timeout, param: job)
+    monkeypatch.setattr(grammar_compile, "pool", lambda: SimpleNamespace(release=released.append))
+    monkeypatch.setattr(grammar_compile, "_shutting_down", False)
+
+    async def go():
+        waiter = asyncio.ensure_future(grammar_compile.compile_bounded(None, None, param="response_format"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done() and grammar_compile.waiting() == 1
+        t0 = time.monotonic()
+        grammar_compile.give_up_waiting()
+        with pytest.raises(RequestError) as err:
+            await waiter
+        return err.value, time.monotonic() - t0
+
+    err, took = asyncio.run(go())
+    assert err.status == 503 and err.param == "response_format" and "shutting down" in str(err)
+    assert took < 1 and released == [job] and grammar_compile.waiting() == 0

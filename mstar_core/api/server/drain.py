@@ -52,5 +52,8 @@ class DrainingServer(uvicorn.Server):
             if left == 0 or time.monotonic() >= self.drain_deadline:
                 if left:
                     log.warning("drain timeout: %d request(s) still in flight are cancelled", left)
+                    from mstar_core.grammar import compile as grammar_compile
+
+                    grammar_compile.give_up_waiting()  # their 503s go out now, not after uvicorn's own timeout
                 self.should_exit = True
         return await super().on_tick(counter)
