@@ -11,8 +11,12 @@ reads holds the one realtime slot. Figures:
   * `media_stress_5xx`: answers >= 500 to the stress or the healthy loop (target 0); realtime: sessions closed
     without an error event count too;
   * `media_healthy_failed`: healthy requests that did not get a 200;
-  * `media_rss_growth_mb`: the serving process' RSS 3 s after the stress ended, over its RSS after a warm-up;
-  * `silent_client_freed_s`: from a silent client's last send to a new session taking the one slot (target <= 30).
+  * `media_rss_growth_mb`: the serving process' RSS 3 s after the stress ended, over its RSS after a warm-up
+    (`stresses` holds each HTTP stress's status, seconds, slowest /health meanwhile and RSS after it);
+  * `silent_client_freed_s`: from a silent client's first event to a new session taking the one slot (target <= 30);
+    the client is a raw socket that never reads (a client library keeps reading into its own memory).
+  * `baseline_health_max_s`: the slowest /health over 3 s of the healthy loop alone, before the stress (this box's
+    load: the figures above are noisy beside it).
 
     python benchmarks/chaos_media.py        (chaos.py runs it among its stresses)
 """
