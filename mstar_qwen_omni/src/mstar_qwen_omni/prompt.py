@@ -56,8 +56,10 @@ class PromptBuilder:
                                                merge_size=v.spatial_merge_size)
 
     def _text(self, text: str) -> list[int]:
-        # the GIL released while a long text (7 MB of realtime instructions) is tokenized
-        return encode_ids(self.tokenizer, text, add_special_tokens=False)
+        # the GIL released while a long text (7 MB of realtime instructions) is tokenized; one past the whole
+        # context refused by its head alone
+        return encode_ids(self.tokenizer, text, add_special_tokens=False,
+                          most=self.cfg.thinker.text.max_position_embeddings, what="a text of the prompt")
 
     def _tokens(self, ids: Any, where: str) -> list[int]:
         t = self.cfg.thinker
