@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -143,6 +144,23 @@ async def _post(client: httpx.AsyncClient, route: str, body: dict[str, Any]) -> 
         return r.status_code
     except httpx.HTTPError:
         return 0
+
+
+async def warm_realtime(url: str) -> None:
+    """A short realtime turn on qwen3-omni: 2 s of audio under server VAD with a response, and a small image."""
+    from websockets.asyncio.client import connect
+
+    pcm = (np.sin(np.arange(2 * 24_000) / 24_000 * 2 * np.pi * 220) * 8000).astype(np.int16).tobytes()
+    async with await _session(connect, url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni") as ws:
+        for ev in ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                        {"type": "input_image", "image_url": _png(256)}]}},
+                   {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()},
+                   {"type": "input_audio_buffer.commit"},
+                   {"type": "response.create", "response": {"output_modalities": ["text"]}}):
+            await ws.send(json.dumps(ev))
+        with contextlib.suppress(TimeoutError):
+            while json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] != "response.done":
+                pass
 
 
 async def _session(connect: Any, ws_url: str, limit: float = 30.0) -> Any:
@@ -286,6 +304,14 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
                 await client.post("/v1/chat/completions", json={"model": "llama", "messages": ASK, "max_tokens": 4})
                 await client.post("/v1/chat/completions", json={"model": "qwen3-omni", "messages": ASK,
                                                                 "max_tokens": 4})
+            # and each media path once at a small size (the audio encoder, the vision tower, the VAD model load and
+            # size their buffers on first use: that is warm-up, not what the stress holds)
+            await _post(client, "/v1/audio/transcriptions", {"files": {"file": ("w.wav", _audio(2, 16_000, "WAV"),
+                                                                                "audio/wav")},
+                                                             "data": {"model": "qwen3-omni"}})
+            small = np.random.default_rng(1).integers(0, 256, (6, 64, 96, 3), dtype=np.uint8)
+            await _post(client, "/v1/chat/completions", _video_chat(await asyncio.to_thread(_mp4, small)))
+            await warm_realtime(server.url)
             rss_before = rss_mb(server.proc.pid)
             stop, worst, healthy = asyncio.Event(), [], []
             background = [asyncio.ensure_future(_health(client, stop, worst)),
