@@ -51,6 +51,11 @@ Stresses (issue 31), each on its own colocated server started beside the others 
     for 15 s, then hung up; the serving process' peak RSS over its RSS after a warm-up (`stress.slow_reader`).
   * `grammar_stress_health_max_s` (<= 0.1), `sigterm_exit_s` (<= drain timeout + 5): abusive grammars beside healthy
     traffic, then SIGTERM during a compile (chaos_grammar.py; details under `stress.grammar`).
+  * `media_stress_health_max_s` (<= 0.1), `silent_client_freed_s` (<= 30): 12 MB texts, Responses metadata, long
+    transcriptions, damaged and sparse videos, realtime instructions / appends / 4096x4096 images / 20k tools beside
+    healthy traffic, then a realtime client that never reads holding the one slot (chaos_media.py; `stress.media`).
+    `stress_5xx` (0): answers >= 500 (other than a full compile queue's 503) to both stresses and their healthy
+    loops; `stress_rss_growth_mb` (<= 300): the media server's RSS 3 s after its stress ended over its warm RSS.
   * `partition_recovery_s`: the SNAC codec on a worker in its own network namespace (tests/cluster/link_faults.py,
     the scenario the network-fault test runs, here in this process): a request in flight, then a 3 s partition of
     the veth link (netem loss 100 %, or pfifo with no room where the kernel has no netem), then the heal; seconds
@@ -103,6 +108,7 @@ from chaos_faults import (
     slow_reader,
 )
 from chaos_grammar import grammar_stress
+from chaos_media import media_stress
 from chaos_report import (
     _count,
     classify,
@@ -263,6 +269,7 @@ async def run_stresses(args) -> dict[str, Any]:
                 out[label]["server_log"] = log_summary(srv.output())
             srv.close(args.keep_logs)
     out["grammar"] = await grammar_stress(args.start_timeout)  # issue 50: abusive grammars beside healthy traffic
+    out["media"] = await media_stress(args.start_timeout)  # issue 50: large inputs, media, realtime, a silent client
     if not args.no_partition:  # after the stress servers stopped: its heartbeats need a less busy box
         try:
             log = (f"{os.environ.get('TMPDIR', '/tmp')}/mstar-chaos-partition-worker.log" if args.keep_logs else None)

@@ -141,6 +141,12 @@ def fault_figures(reports: list[dict]) -> dict[str, Any]:
     }
 
 
+def _stress_5xx(stress: dict[str, Any]) -> int | None:
+    """5xx answers of issue 50's stresses (grammar and media) together; None if either did not report."""
+    counts = [stress.get("grammar", {}).get("grammar_stress_5xx"), stress.get("media", {}).get("media_stress_5xx")]
+    return None if any(c is None for c in counts) else sum(counts)
+
+
 def summarize(scenarios: dict[str, dict], wall: float, quick: bool, stress: dict[str, Any] | None = None) -> dict[str, Any]:
     ran = [s for s in scenarios.values() if "error" not in s]
     errors = {k: s["error"] for k, s in scenarios.items() if "error" in s}
@@ -180,6 +186,11 @@ def summarize(scenarios: dict[str, dict], wall: float, quick: bool, stress: dict
         # issue 50: grammars (chaos_grammar.py)
         "grammar_stress_health_max_s": (stress or {}).get("grammar", {}).get("grammar_stress_health_max_s"),
         "sigterm_exit_s": (stress or {}).get("grammar", {}).get("sigterm_exit_s"),
+        # issue 50: large inputs and media (chaos_media.py), and both stresses together
+        "media_stress_health_max_s": (stress or {}).get("media", {}).get("media_stress_health_max_s"),
+        "stress_5xx": _stress_5xx(stress or {}),
+        "stress_rss_growth_mb": (stress or {}).get("media", {}).get("media_rss_growth_mb"),
+        "silent_client_freed_s": (stress or {}).get("media", {}).get("silent_client_freed_s"),
         "stress": stress or {},
         "scenario_errors": errors,
         "server_start_failures": sum(len(s.get("start_failures", [])) for s in scenarios.values()),

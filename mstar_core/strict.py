@@ -1,4 +1,5 @@
-"""The one strict-keys check of every config file, settings mapping and request dict: an unknown key names itself."""
+"""The one strict-keys check of every config file, settings mapping and request dict (an unknown key names itself),
+and the one reading of an operator's positive number (an environment variable's value)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def reject_unknown(given: Iterable[Any], known: Iterable[Any], where: str, *, wh
     names = [shown(k) for k in unknown] if shown else unknown
     prefix = f"{where}: " if where else ""
     raise error(f"{prefix}unknown {what}(s) {names}; known: {sorted(allowed, key=str)}", **error_kw)
+
+
+def positive_number(raw: str, where: str, kind: type = float) -> int | float:
+    """`raw` (an environment variable's value, say) as a positive `kind` (int or float); a ConfigError naming
+    `where` otherwise."""
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{where} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{where} must be positive, got {raw!r}")
+    return value

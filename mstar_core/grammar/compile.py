@@ -33,6 +33,29 @@ _pool: CompilePool | None = None
 compile_times_ms: list[float] = []
 #: Milliseconds of the last round trips (queue wait excluded: sent, compiled, received and rebuilt here).
 round_trip_ms: list[float] = []
+#: Requests of this process waiting for a compile now (the server's drain counts them as in flight).
+_waiting = 0
+
+
+def waiting() -> int:
+    """Requests waiting for a compile now: each is in flight though the engine has not seen it yet."""
+    return _waiting
+
+
+#: Set when the server's drain ran out of time: compiles still waited for are given up (a 503 each).
+_shutting_down = False
+
+
+def give_up_waiting() -> None:
+    """The server stops: every request still waiting for a compile gets a 503 at once (its compile is cancelled,
+    its process killed) instead of holding the shutdown for another graceful timeout."""
+    global _shutting_down
+    _shutting_down = True
+
+
+async def _until_shutdown() -> None:
+    while not _shutting_down:
+        await asyncio.sleep(0.1)
 
 
 def pool() -> CompilePool:
@@ -158,13 +181,25 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
         job = _submit(vocab, spec, timeout, param)
     except RequestError as exc:
         raise _named(exc, param) from None
+    global _waiting
+    _waiting += 1  # (the event loop's thread only)
     t0 = time.perf_counter()
     try:
-        await asyncio.wrap_future(_unshared(job))
+        compiled, shutdown = asyncio.wrap_future(_unshared(job)), asyncio.ensure_future(_until_shutdown())
+        try:
+            await asyncio.wait({compiled, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutdown.cancel()
+        if not compiled.done():
+            compiled.cancel()
+            raise RequestError("the server is shutting down before this request's grammar compiled; retry it",
+                               status=503, param=param)
+        compiled.result()
         grammar = await asyncio.to_thread(_finish, vocab, job)  # rebuilding a large grammar takes milliseconds
     except RequestError as exc:
         raise _named(exc, param) from None
     finally:
+        _waiting -= 1
         pool().release(job)
     round_trip_ms.append((time.perf_counter() - t0) * 1e3)
     del round_trip_ms[:-1000]

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import os
 
+from mstar_core.strict import positive_number
+
 
 def _number(name: str, default: float) -> float:
+    """The environment variable `name` as a positive number (`mstar_core.strict`'s rule: a ConfigError naming it),
+    or `default` when unset or blank."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
+    return float(positive_number(raw, f"environment variable {name}"))
 
 
 def max_schema_bytes() -> int:

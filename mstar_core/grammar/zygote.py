@@ -23,10 +23,17 @@ from multiprocessing.connection import Connection
 PID = struct.Struct("<i")
 
 
+#: Added to the compile processes' niceness (0 is the server's).
+COMPILE_NICENESS = 10
+
+
 def main(fd: int) -> None:
     from mstar_core.grammar import worker  # xgrammar imported here, once, before any fork
 
     worker.die_with_parent()
+    # compiles (and so every fork) run below the server's priority: on a busy machine the serving process (its
+    # event loop, the engine) gets the cores first, and a compile that then runs past its budget is the one refused
+    os.nice(COMPILE_NICENESS)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks that end are reaped by the kernel
     ctrl = socket.socket(fileno=fd)
     ctrl.sendall(b"R")  # ready

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 
 import pytest
 
@@ -162,3 +163,73 @@ def test_a_dropped_connection_frees_its_response(rt_server):
 
     busy, after = asyncio.run(go())
     assert busy > 0 and after == 0
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_is_dropped_and_its_place_freed(rt_server):
+    """A client that sends events whose answers it never reads: once a write has waited `send_timeout` (10 s) on
+    its full socket the server drops it without waiting for the socket to take a close frame, and its place is
+    free again within 30 s (the fixture holds 4 sessions: 3 others plus this one fill it)."""
+    import time
+
+    async def go():
+        held = [await _connect(rt_server) for _ in range(3)]
+        for ws in held:
+            await _next(ws, "session.created")
+        silent = _silent_socket("127.0.0.1", rt_server.port, "/v1/realtime?model=toy-chat",
+                                {"Authorization": f"Bearer {API_KEY}"})
+        text = "z" * 200_000  # each item comes back twice (added, done): ~400 KB of events a send
+        frame = _text_frame(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+        t0 = time.monotonic()  # from its first event (its sends end when the server stops reading them)
+        sending = asyncio.ensure_future(asyncio.to_thread(_send_all, silent, [frame] * 40))
+        freed = None
+        while time.monotonic() - t0 < 40:
+            await asyncio.sleep(1.0)
+            probe = await _connect(rt_server)
+            ev = await _next(probe)
+            await probe.close()
+            if ev["type"] == "session.created":
+                freed = time.monotonic() - t0
+                break
+        silent.close()
+        await sending
+        for ws in held:
+            await ws.close()
+        return freed
+
+    freed = asyncio.run(go())
+    assert freed is not None and freed <= 30, freed
+
+
+def _silent_socket(host: str, port: int, path: str, headers: dict[str, str]) -> socket.socket:
+    """A WebSocket client that never reads: a raw socket after the upgrade request (its answer is left unread too),
+    with a small receive buffer, so what the server writes backs up into the server as it does over a network.
+    (A client library keeps reading into its own memory, and a loopback socket's buffer grows to 32 MB.)"""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)  # before connecting: no autotuning
+    sock.connect((host, port))
+    sock.settimeout(30)  # a server that stops reading it (it dropped the session) ends the sending with an error
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return sock
+
+
+def _send_all(sock: socket.socket, frames: list[bytes]) -> None:
+    """Send until done or the server stops taking them (it dropped the session meanwhile)."""
+    try:
+        for frame in frames:
+            sock.sendall(frame)
+    except OSError:
+        pass
+
+
+def _text_frame(text: str) -> bytes:
+    """A client's text frame, masked with a zero key (legal, and the payload then goes as it is)."""
+    data = text.encode()
+    n = len(data)
+    head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+                             if n < 65536 else bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+    return head + b"\0\0\0\0" + data

@@ -57,3 +57,19 @@ def test_bad_uploads_name_the_field(rt_server):
     with pytest.raises(openai.BadRequestError) as err:
         c.audio.transcriptions.create(model="toy-chat", file=("x.wav", _wav(), "audio/wav"))
     assert err.value.body["param"] == "model"
+
+
+def test_audio_too_long_for_its_answer_is_a_413_from_its_header(rt_server):
+    """300 s of 48 kHz FLAC (40 KB): under chat's audio bound for the tiny model (310 s), but its prompt and the
+    transcription's output budget together pass the context; refused before decoding, naming the file."""
+    import httpx
+
+    from tests.server.helpers import API_KEY
+
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(300 * 48_000, np.float32), 48_000, format="FLAC", subtype="PCM_16")
+    r = httpx.post(rt_server.url + "/v1/audio/transcriptions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   files={"file": ("long.flac", buf.getvalue(), "audio/flac")}, data={"model": "qwen3-omni"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
+    assert "300.0 s long" in r.json()["error"]["message"]

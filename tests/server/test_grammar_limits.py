@@ -156,3 +156,68 @@ def _zygotes_of(pid: int) -> list[int]:
         if int(fields[1]) == pid and b"mstar_core.grammar.zygote" in cmd:
             out.append(int(stat.parent.name))
     return out
+
+
+def test_a_client_gone_during_its_compile_stops_it_and_the_next_compiles_at_once():
+    """One compile process and a budget of minutes: a client that gives up on a slow compile (its socket closed)
+    frees the process, so the next request's small grammar compiles at once instead of queueing behind minutes."""
+    srv = Server(["llama"], MSTAR_GRAMMAR_WORKERS="1", MSTAR_GRAMMAR_QUEUE="1", MSTAR_GRAMMAR_COMPILE_TIMEOUT="600")
+    try:
+        route, body, _ = _bodies(_slow(2000, 7))[0]  # minutes to compile
+        with pytest.raises(httpx.ReadTimeout):
+            _post(srv, route, body, timeout=2)
+        small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False}
+        route, body, _ = _bodies(small)[0]
+        r = _post(srv, route, {**body, "max_tokens": 8}, timeout=90)  # minutes behind the slow one, were it kept
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.serving_output(), srv.serving_output()[-3000:]
+
+
+def test_drain_counts_requests_waiting_for_their_compile(monkeypatch):
+    """A request whose grammar compiles has not reached the engine yet, but it is in flight: the drain waits for
+    it (within the drain timeout) rather than stopping the server under it."""
+    from types import SimpleNamespace
+
+    from mstar_core.api.server.drain import DrainingServer
+    from mstar_core.grammar import compile as grammar_compile
+
+    server = DrainingServer.__new__(DrainingServer)
+    server.state = SimpleNamespace(engine=SimpleNamespace(running=0, waiting=0), _inflight=set())
+    assert server.in_flight() == 0
+    monkeypatch.setattr(grammar_compile, "_waiting", 2)
+    assert server.in_flight() == 2
+
+
+def test_when_the_drain_runs_out_requests_waiting_for_compiles_get_503s_at_once(monkeypatch):
+    """At the drain's deadline the server gives up on compiles still waited for: each waiter gets a 503 naming its
+    field at once (its compile cancelled), so the shutdown does not wait out another graceful timeout for them."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from mstar_core.errors import RequestError
+    from mstar_core.grammar import compile as grammar_compile
+
+    released = []
+    job = SimpleNamespace(future=Future())  # a compile that would run for minutes
+    monkeypatch.setattr(grammar_compile, "cached", lambda vocab, spec: None)
+    monkeypatch.setattr(grammar_compile, "_submit", lambda vocab, spec, timeout, param: job)
+    monkeypatch.setattr(grammar_compile, "pool", lambda: SimpleNamespace(release=released.append))
+    monkeypatch.setattr(grammar_compile, "_shutting_down", False)
+
+    async def go():
+        waiter = asyncio.ensure_future(grammar_compile.compile_bounded(None, None, param="response_format"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done() and grammar_compile.waiting() == 1
+        t0 = time.monotonic()
+        grammar_compile.give_up_waiting()
+        with pytest.raises(RequestError) as err:
+            await waiter
+        return err.value, time.monotonic() - t0
+
+    err, took = asyncio.run(go())
+    assert err.status == 503 and err.param == "response_format" and "shutting down" in str(err)
+    assert took < 1 and released == [job] and grammar_compile.waiting() == 0

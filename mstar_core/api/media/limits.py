@@ -10,19 +10,13 @@ from typing import Any
 
 import attrs
 
+from mstar_core import strict
 from mstar_core.errors import ConfigError
 
 
 def positive_number(field: attrs.Attribute, raw: str, where: str) -> int | float:
-    """An environment value for an int or float field: a number, and positive."""
-    kind = int if field.type in (int, "int") else float
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ConfigError(f"{where} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{where} must be positive, got {raw!r}")
-    return value
+    """An environment value for an int or float field: a number, and positive (`mstar_core.strict`'s rule)."""
+    return strict.positive_number(raw, where, int if field.type in (int, "int") else float)
 
 
 def env_overrides(limits_class: type, prefix: str, environ: Mapping[str, str] | None = None,

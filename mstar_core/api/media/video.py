@@ -3,8 +3,11 @@
 the video's audio track.
 
 Bounds (`VideoLimits`, each overridable by `MSTAR_MEDIA_MAX_VIDEO_<NAME>`): bytes before decoding; the
-container's duration, each frame's pixels and the sampled frame count before any frame is converted. Frames
-are sampled at `fps` (Qwen3-Omni's published 2 per second): the frame shown at each sample time.
+container's duration, each frame's pixels, the sampled frame count and the pixels of all sampled frames together
+(count x pixels: what becomes tensors downstream) before any frame is converted, the count from the duration and
+again as frames are sampled. Frames are sampled at `fps` (Qwen3-Omni's published 2 per second): the frame shown at
+each sample time, converted once however many sample times it covers. A file FFmpeg cannot read to the end (a
+truncated MP4) is a 400 naming the part.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class VideoLimits:
     max_video_seconds: float = 120.0
     max_video_frames: int = 256
     max_video_pixels: int = 1920 * 1088
+    #: pixels of all sampled frames together: 24 Mi is ~72 MB of RGB (80 frames at 640x480, 12 at 1920x1088),
+    #: a few hundred MB once a model turns them into float patches
+    max_video_total_pixels: int = 24 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VideoLimits:
@@ -81,25 +87,50 @@ def decode_video(raw: bytes, field: str, limits: VideoLimits, fps: float = 2.0, 
         container = av.open(io.BytesIO(raw), mode="r")
     except Exception as exc:  # FFmpeg's error for bytes that are no container it reads
         raise RequestError(f"'{field}' is not a video this server decodes ({type(exc).__name__})", param=field) from None
-    with container:
-        if not container.streams.video:
-            raise RequestError(f"'{field}' has no video stream", param=field)
-        stream = container.streams.video[0]
-        seconds = _duration(container, stream)
-        if seconds is not None and seconds > limits.max_video_seconds:
-            raise RequestError(f"'{field}' is {seconds:.1f} s long; this server takes at most "
-                               f"{limits.max_video_seconds:g} s per video", status=413, param=field)
-        width, height = stream.codec_context.width, stream.codec_context.height
-        if width * height > limits.max_video_pixels:
-            raise RequestError(f"'{field}' is {width}x{height}; this server takes at most {limits.max_video_pixels} "
-                               "pixels per frame", status=413, param=field)
-        frames = _sample_frames(container, stream, fps, limits, field)
-        audio, rate = (None, 0)
-        if want_audio:
-            audio, rate = _audio_track(raw, field, limits)
+    try:
+        with container:
+            frames = _frames(container, field, limits, fps)
+            audio, rate = _audio_track(raw, field, limits) if want_audio else (None, 0)
+    except RequestError:
+        raise
+    except Exception as exc:  # FFmpeg (or PyAV on what it half read) failing mid-file: the file's fault
+        raise RequestError(f"'{field}' could not be decoded to its end (a truncated or damaged file?): "
+                           f"{type(exc).__name__}: {str(exc)[:200]}", param=field) from None
     if not frames:
         raise RequestError(f"'{field}' holds no decodable frames", param=field)
     return VideoPart(np.stack(frames), fps, field, audio, rate)
+
+
+def _frames(container: Any, field: str, limits: VideoLimits, fps: float) -> list[np.ndarray]:
+    if not container.streams.video:
+        raise RequestError(f"'{field}' has no video stream", param=field)
+    stream = container.streams.video[0]
+    seconds = _duration(container, stream)
+    if seconds is not None and seconds > limits.max_video_seconds:
+        raise RequestError(f"'{field}' is {seconds:.1f} s long; this server takes at most "
+                           f"{limits.max_video_seconds:g} s per video", status=413, param=field)
+    codec = stream.codec_context
+    width, height = (codec.width, codec.height) if codec is not None else (0, 0)
+    if not width or not height:
+        raise RequestError(f"'{field}' has a video stream without frame dimensions (a truncated or damaged file?)",
+                           param=field)
+    if width * height > limits.max_video_pixels:
+        raise RequestError(f"'{field}' is {width}x{height}; this server takes at most {limits.max_video_pixels} "
+                           "pixels per frame", status=413, param=field)
+    if seconds is not None:
+        _check_total(int(seconds * fps), width * height, fps, limits, field)  # (sampling may add one)
+    return _sample_frames(container, stream, fps, limits, field)
+
+
+def _check_total(count: int, pixels: int, fps: float, limits: VideoLimits, field: str) -> None:
+    """`count` sampled frames of `pixels` each within the frame-count and total-pixel bounds (before converting)."""
+    if count > limits.max_video_frames:
+        raise RequestError(f"'{field}' samples to more than {limits.max_video_frames} frames at {fps:g} per "
+                           "second; send a shorter video", status=413, param=field)
+    if count * pixels > limits.max_video_total_pixels:
+        raise RequestError(f"'{field}' samples to {count} frames of {pixels} pixels at {fps:g} per second, more "
+                           f"than the {limits.max_video_total_pixels} pixels this server takes per video; send a "
+                           "shorter or smaller video", status=413, param=field)
 
 
 def _duration(container: Any, stream: Any) -> float | None:
@@ -114,12 +145,14 @@ def _sample_frames(container: Any, stream: Any, fps: float, limits: VideoLimits,
     """The frame on screen at t = 0, 1/fps, 2/fps, ... (decoded in order; only sampled frames are converted)."""
     out: list[np.ndarray] = []
     held, held_t = None, 0.0
+    converted: tuple[Any, np.ndarray] | None = None  # a frame shown at several sample times is converted once
 
     def take(frame: Any) -> None:
-        out.append(frame.to_ndarray(format="rgb24"))
-        if len(out) > limits.max_video_frames:
-            raise RequestError(f"'{field}' samples to more than {limits.max_video_frames} frames at {fps:g} per "
-                               "second; send a shorter video", status=413, param=field)
+        nonlocal converted
+        _check_total(len(out) + 1, frame.width * frame.height, fps, limits, field)
+        if converted is None or converted[0] is not frame:
+            converted = (frame, frame.to_ndarray(format="rgb24"))
+        out.append(converted[1])
 
     for frame in container.decode(stream):
         t = float(frame.pts * frame.time_base) if frame.pts is not None else held_t + 1.0 / 30

@@ -120,8 +120,15 @@ def temperature(value: Any, where: str) -> float | None:
 
 
 def tools(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    """Function tools, checked as chat's are (at most `MAX_TOOLS`, names, each parameters schema's size and
+    nesting); an EventError naming the tool's path."""
+    from mstar_core.api.http.errors import ApiError
+    from mstar_core.api.requests.tools import MAX_TOOLS, check_tools
+
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise EventError(f"'{where}' must be a list of function tools", param=where)
+    if len(value) > MAX_TOOLS:
+        raise EventError(f"'{where}' has {len(value)} tools; at most {MAX_TOOLS} are accepted", param=where)
     out = []
     for i, tool in enumerate(value):
         tool = _mapping(tool, f"{where}[{i}]")
@@ -135,6 +142,10 @@ def tools(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
         _mapping(params, f"{where}[{i}].parameters")
         out.append({"type": "function", "name": tool["name"], "description": tool.get("description") or "",
                     "parameters": dict(params)})
+    try:
+        check_tools(out, where, flat=True)
+    except ApiError as exc:
+        raise EventError(exc.message, param=exc.param) from None
     return tuple(out)
 
 

@@ -1,8 +1,9 @@
 """A realtime session's conversation: items (messages, function calls and their outputs) in order, bounded,
 and rendered into a model's chat inputs.
 
-History rule: at most `max_items` items and `max_audio_seconds` of user audio are kept; when an item would
-pass either bound the oldest items are dropped first (a dropped function call takes its output with it), so
+History rule: at most `max_items` items, `max_audio_seconds` of user audio and `max_bytes` of everything held
+(decoded images and video frames, audio, text) are kept; when an item would pass a bound the oldest items are
+dropped first (an item larger than `max_bytes` on its own is refused) (a dropped function call takes its output with it), so
 the next prompt starts later and its first pages are computed again (the prefix cache keys on content).
 An assistant message keeps the token ids the model generated for it, so the next turn's prompt holds exactly
 the tokens the KV cache holds and only the new turn is prefilled.
@@ -70,6 +71,18 @@ class Item:
     def audio_seconds(self) -> float:
         return 0.0 if self.audio is None else self.audio.size / RATE
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the item holds: audio, decoded media (RGB images, video frames and track) and text."""
+        held = 0 if self.audio is None else self.audio.nbytes
+        for part in self.media:
+            frames, audio = getattr(part, "frames", None), getattr(part, "audio", None)
+            if frames is not None:
+                held += frames.nbytes + (audio.nbytes if audio is not None else 0)
+            else:
+                held += 3 * part.width * part.height
+        return held + len(self.text) + len(self.output) + len(self.arguments) + sum(8 for _ in self.ids or ())
+
     def truncate_audio(self, samples: int) -> None:
         """Keep what the listener got of a spoken reply: the transcript and ids up to that much audio."""
         keep = [m for m in self.marks if m[0] <= samples]
@@ -93,8 +106,9 @@ def _content_parts(item: Mapping[str, Any], where: str) -> list[Mapping[str, Any
     return parts
 
 
-def item_from_client(data: Any, where: str, max_audio_bytes: int) -> Item:
-    """A `conversation.item.create` item checked: user/system/assistant messages, function calls and outputs."""
+def item_from_client(data: Any, where: str, max_audio_bytes: int, *, takes_visual: bool = True) -> Item:
+    """A `conversation.item.create` item checked: user/system/assistant messages, function calls and outputs.
+    Images and video are refused before they decode when the model takes neither (`takes_visual`)."""
     if not isinstance(data, Mapping):
         raise EventError(f"'{where}' must be an object", param=where)
     kind = data.get("type", "message")
@@ -126,6 +140,10 @@ def item_from_client(data: Any, where: str, max_audio_bytes: int) -> Item:
             raise EventError(f"'{at}.type' is {ptype!r}; a {role} message takes {', '.join(allowed[role])}",
                              param=f"{at}.type")
         if ptype in ("input_image", "input_video"):
+            if not takes_visual:
+                key = "image_url" if ptype == "input_image" else "video_url"
+                raise EventError(f"'{at}' is {ptype}, but this model does not take images or video; send text "
+                                 "items", param=f"{at}.{key}", code="invalid_media")
             media.append(_visual(part, ptype, at))
             continue
         if ptype == "input_audio":
@@ -176,6 +194,7 @@ class Conversation:
 
     max_items: int = 100
     max_audio_seconds: float = 600.0
+    max_bytes: int = 128 * 1024 * 1024
     items: list[Item] = attrs.field(factory=list)
 
     def find(self, item_id: Any, where: str = "item_id") -> Item:
@@ -188,6 +207,9 @@ class Conversation:
         """Insert after `previous_item_id` (None: at the end; "root": first); returns the id before it."""
         if any(i.id == item.id for i in self.items):
             raise EventError(f"an item with id {item.id!r} already exists", param="item.id", code="duplicate_item_id")
+        if item.nbytes > self.max_bytes:
+            raise EventError(f"the item holds {item.nbytes} bytes decoded; a session's conversation holds at most "
+                             f"{self.max_bytes}", param="item", code="item_too_large")
         at = len(self.items)
         if previous_item_id == "root":
             at = 0
@@ -203,8 +225,13 @@ class Conversation:
     def delete(self, item_id: Any) -> None:
         self.items.remove(self.find(item_id))
 
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
     def _bound(self) -> None:
-        while len(self.items) > self.max_items or sum(i.audio_seconds for i in self.items) > self.max_audio_seconds:
+        while (len(self.items) > self.max_items or sum(i.audio_seconds for i in self.items) > self.max_audio_seconds
+               or self.nbytes > self.max_bytes):
             dropped = self.items.pop(0)
             if dropped.type == "function_call":
                 self.items = [i for i in self.items if not (i.type == "function_call_output"

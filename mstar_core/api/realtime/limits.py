@@ -22,12 +22,17 @@ class RealtimeLimits:
     #: conversation items kept, and seconds of user audio in them (oldest dropped first)
     max_items: int = 100
     max_history_audio_seconds: float = 600.0
+    #: bytes of a session's conversation as held (decoded images and video frames, audio, text); oldest dropped
+    #: first, and one item larger than this is refused
+    max_history_bytes: int = 128 * 1024 * 1024
     #: a session's whole life, and how long it may go without a client event
     max_session_seconds: float = 3600.0
     idle_seconds: float = 600.0
     #: server events waiting for the socket; a client that reads none for `send_timeout` seconds is dropped
     send_queue: int = 256
     send_timeout: float = 10.0
+    #: bytes of server events waiting for the socket (their JSON); past it an event waits as for a full queue
+    max_queued_bytes: int = 16 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RealtimeLimits:

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mstar_core.api.http.bodies import json_bytes
 from mstar_core.api.realtime import config as cfg
 from mstar_core.api.realtime.bridge import ModelBridge
 from mstar_core.api.realtime.conversation import Conversation, Item, item_from_client
@@ -29,6 +30,7 @@ class Outgoing:
     response: ResponseRun | None = None
     audio_samples: int = 0
     droppable: bool = False
+    size: int = 0  # bytes of its JSON, counted against max_queued_bytes while it waits
 
 
 class RealtimeSession:
@@ -40,7 +42,8 @@ class RealtimeSession:
         self.id, self.conversation_id = new_id("sess"), new_id("conv")
         self.config = cfg.SessionConfig(bridge.model, output_modalities=bridge.default_modalities,
                                         voice=bridge.voices[0] if bridge.voices else None)
-        self.conversation = Conversation(limits.max_items, limits.max_history_audio_seconds)
+        self.conversation = Conversation(limits.max_items, limits.max_history_audio_seconds,
+                                         limits.max_history_bytes)
         self.buffer = np.zeros(0, dtype=np.int16)
         self.buffer_start = 0  # stream sample index of buffer[0]
         self.stream_samples = 0  # samples appended in this session
@@ -50,6 +53,8 @@ class RealtimeSession:
         self.response: ResponseRun | None = None
         self.voice_locked = False
         self.queue: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=limits.send_queue)
+        self.queued_bytes = 0  # JSON bytes of the events queued or being written
+        self._sent = asyncio.Event()  # set each time the sender has written an event
         self.tasks: set[asyncio.Task] = set()
         self.responses_done = 0
         self.last_response: ResponseRun | None = None
@@ -60,22 +65,41 @@ class RealtimeSession:
 
     async def emit(self, payload: dict[str, Any], *, response: ResponseRun | None = None, audio_samples: int = 0,
                    droppable: bool = False) -> None:
-        """Queue a server event; waits while the queue is full (back-pressure), gives up after send_timeout."""
+        """Queue a server event; waits while the queue is full in events or bytes (back-pressure; one event larger
+        than the byte bound goes alone), gives up after send_timeout."""
+        size = len(json_bytes(payload))
         try:
-            await asyncio.wait_for(self.queue.put(Outgoing(payload, response, audio_samples, droppable)),
-                                   self.limits.send_timeout)
+            async with asyncio.timeout(self.limits.send_timeout):
+                while self.queue.full() or (self.queued_bytes and
+                                            self.queued_bytes + size > self.limits.max_queued_bytes):
+                    if self.stopped.is_set():  # the sender gave up on the socket: no use waiting out our own time
+                        raise TimeoutError
+                    self._sent.clear()
+                    await self._sent.wait()
+                self.queue.put_nowait(Outgoing(payload, response, audio_samples, droppable, size))
         except TimeoutError:
             self.stopped.set()
             raise ClientTooSlow(f"the client read no events for {self.limits.send_timeout:g} s") from None
+        self.queued_bytes += size
 
     async def sender(self) -> None:
-        """Write queued events to the socket in order; audio of a cancelled response is dropped unsent."""
+        """Write queued events to the socket in order; audio of a cancelled response is dropped unsent. One write
+        that the socket has not taken within send_timeout (a client that reads nothing: the kernel's buffers are
+        full) ends the session: ClientTooSlow, whatever the queue holds."""
         while True:
             out = await self.queue.get()
             resp = out.response
-            if out.droppable and resp is not None and resp.status == "cancelled":
-                continue
-            await self._send(out.payload)
+            try:
+                if out.droppable and resp is not None and resp.status == "cancelled":
+                    continue
+                try:
+                    await asyncio.wait_for(self._send(out.payload), self.limits.send_timeout)
+                except TimeoutError:
+                    self.stopped.set()
+                    raise ClientTooSlow(f"the client read no events for {self.limits.send_timeout:g} s") from None
+            finally:
+                self.queued_bytes -= out.size
+                self._sent.set()
             if out.audio_samples and resp is not None:
                 resp.sent_samples += out.audio_samples
 
@@ -117,8 +141,10 @@ class RealtimeSession:
     async def on_session_update(self, ev: Mapping[str, Any]) -> None:
         if "session" not in ev:
             raise EventError("'session' is required", param="session")
-        self.config = cfg.update_session(self.config, ev["session"], speaks=self.bridge.speaks,
-                                         voices=self.bridge.voices, voice_locked=self.voice_locked)
+        # tools' schemas are checked (up to 128 of 64 KB): off the loop
+        self.config = await asyncio.to_thread(cfg.update_session, self.config, ev["session"],
+                                              speaks=self.bridge.speaks, voices=self.bridge.voices,
+                                              voice_locked=self.voice_locked)
         self._reset_vad()
         await self.emit(event("session.updated", session=self.session_json()))
 
@@ -146,7 +172,10 @@ class RealtimeSession:
         self.buffer = np.concatenate([self.buffer, pcm])
         self.stream_samples += pcm.size
         if self.vad is not None:
-            for vad_event in self.vad.feed(pcm):
+            # the detector scores every 32 ms frame (minutes of audio in one append: seconds): off the loop. The
+            # session's events are handled one at a time, so nothing else touches the detector meanwhile.
+            vad_events = self.vad.feed(pcm) if pcm.size <= RATE else await asyncio.to_thread(self.vad.feed, pcm)
+            for vad_event in vad_events:
                 await self._on_vad(vad_event)
 
     async def _on_vad(self, vad_event: VadEvent) -> None:
@@ -219,7 +248,9 @@ class RealtimeSession:
     # -- conversation items -------------------------------------------------------------------------------
 
     async def on_item_create(self, ev: Mapping[str, Any]) -> None:
-        item = item_from_client(ev.get("item"), "item", self.limits.max_event_bytes)
+        # images and video decode (seconds for a large one): off the loop
+        item = await asyncio.to_thread(item_from_client, ev.get("item"), "item", self.limits.max_event_bytes,
+                                       takes_visual=self.bridge.takes_visual)
         previous = self.conversation.add(item, ev.get("previous_item_id"))
         await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
         await self.emit(event("conversation.item.done", previous_item_id=previous, item=item.to_json()))
@@ -259,11 +290,14 @@ class RealtimeSession:
         if self.response is not None:
             raise EventError(f"the conversation already has an active response ({self.response.id}); cancel it or "
                              "wait for response.done", code="conversation_already_has_active_response")
-        options = cfg.response_options(self.config, data, speaks=self.bridge.speaks, voices=self.bridge.voices)
+        options = await asyncio.to_thread(cfg.response_options, self.config, data, speaks=self.bridge.speaks,
+                                          voices=self.bridge.voices)
         items = self.conversation.items
         if options.input is not None:
-            items = [item_from_client(i, f"response.input[{n}]", self.limits.max_event_bytes)
-                     for n, i in enumerate(options.input)]
+            items = await asyncio.to_thread(lambda: [item_from_client(i, f"response.input[{n}]",
+                                                                      self.limits.max_event_bytes,
+                                                                      takes_visual=self.bridge.takes_visual)
+                                                     for n, i in enumerate(options.input)])
         run = ResponseRun(self, options, items)
         self.response = run
         run.start()

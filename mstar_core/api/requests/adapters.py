@@ -177,6 +177,11 @@ class ApiAdapter:
     #: Emitted output carrying the spoken reply's text as str pieces (or the final env's str / list of str under
     #: that name); None: the transcript is the reply's text (`token_output`, detokenized).
     chat_transcript_output: str | None = None
+    #: Prompt tokens one second of input audio becomes, and the model's context in tokens (None: not declared). A
+    #: route that asks for output in proportion to the audio (transcriptions) bounds the audio by both, so audio
+    #: whose answer cannot fit is a 413 from its header rather than a failure after decoding it.
+    audio_tokens_per_second: float | None = None
+    context_tokens: int | None = None
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text for a sequence of generated token ids (special tokens dropped)."""

@@ -74,19 +74,13 @@ def with_choice(adapter: Any, inputs: Mapping[str, Any], seed: int | None, i: in
     return out
 
 
-async def run_now(fn: Any, *args: Any, **kw: Any) -> Any:
-    return fn(*args, **kw)
-
-
 async def decode_messages(adapter: Any, model: str, messages: list[dict[str, Any]],
                           limits: media.MediaLimits) -> list[media.ChatTurn]:
     """The messages as typed parts for the adapter: media checked against what the model takes, fetched where
-    allowed, decoded off the event loop when there is any."""
+    allowed, decoded off the event loop (thousands of text messages take seconds too)."""
     accepts = frozenset(getattr(adapter, "chat_media", ()) or ())
     try:
-        if not media.has_media(messages):
-            return media.decode_messages(messages, accepts, model, limits)
-        fetched = await media.fetch_remote(messages, accepts, model, limits)
+        fetched = await media.fetch_remote(messages, accepts, model, limits) if media.has_media(messages) else None
         return await asyncio.to_thread(media.decode_messages, messages, accepts, model, limits, fetched)
     except RequestError as exc:
         raise from_request_error(exc) from None
@@ -109,16 +103,16 @@ async def chat_request(state: Any, adapter: Any, model: str, payload: dict[str, 
 
     The grammar of the response format or the tools is set, the tools written into the messages, the messages'
     media decoded (unless the route decoded its `turns` itself), then the adapter's `chat_message_inputs` builds
-    the inputs, off the event loop when there are media (an adapter may resample or convert them). `call` runs the
-    hook (default `adapter_call`: a rejection is a 400 naming the adapter)."""
+    the inputs, off the event loop (an adapter may resample or convert media, or render a long conversation).
+    `call` runs the hook (default `adapter_call`: a rejection is a 400 naming the adapter)."""
     payload["grammar"] = await request_grammar(adapter, model, response_format, format_param, tools)
     if tools is not None:
         payload["messages"] = tools.messages(payload["messages"])
     if turns is None:
-        turns = await decode_messages(adapter, model, payload["messages"], state.media_limits[(state.base_model(model), "chat")])
-    run = asyncio.to_thread if any(t.media for t in turns) else run_now
+        turns = await decode_messages(adapter, model, payload["messages"],
+                                      state.media_limits[(state.base_model(model), "chat")])
     call = call or (lambda fn, *args: adapter_call(fn, *args, what=f"the chat adapter of '{model}'"))
-    return await run(call, adapter.chat_message_inputs, payload, list(turns))
+    return await asyncio.to_thread(call, adapter.chat_message_inputs, payload, list(turns))
 
 
 async def completion_requests(adapter: Any, model: str, payload: dict[str, Any], prompts: Sequence[Any],

@@ -75,11 +75,38 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def text_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` (flat: {type, name, schema, strict}) in chat's `response_format` shape."""
+    """`text.format` (flat: {type, name, schema, strict}) in chat's `response_format` shape; anything but an object
+    (a bare "json_schema", say) is a 400 rather than silently plain text."""
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
-        return fmt if isinstance(fmt, Mapping) else None
+    if fmt is not None and not isinstance(fmt, Mapping):
+        raise ApiError(400, "'text.format' must be an object such as {\"type\": \"json_schema\", \"name\": ..., "
+                            f"\"schema\": {{...}}}}, got {type(fmt).__name__}", param="text.format")
+    if fmt is None or fmt.get("type") != "json_schema":
+        return fmt
     return {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict") if k in fmt}}
+
+
+#: OpenAI's bounds on `metadata`: pairs, and characters of each key and value.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+#: Characters of `user` (an end-user id, stored with the response).
+USER_CHARS = 256
+
+
+def check_stored_fields(metadata: Any, user: Any) -> None:
+    """`metadata` within OpenAI's bounds (string keys and values) and `user` bounded: they are stored as sent, so
+    unbounded they would let one client fill the response store. A 400 naming the field."""
+    if metadata is not None:
+        if not isinstance(metadata, Mapping) or len(metadata) > METADATA_PAIRS:
+            raise ApiError(400, f"'metadata' takes at most {METADATA_PAIRS} key-value pairs", param="metadata")
+        for key, value in metadata.items():
+            if not isinstance(key, str) or len(key) > METADATA_KEY_CHARS:
+                raise ApiError(400, f"'metadata' keys are strings of at most {METADATA_KEY_CHARS} characters; "
+                                    f"{str(key)[:80]!r} is not", param="metadata")
+            if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+                raise ApiError(400, f"'metadata.{key}' must be a string of at most {METADATA_VALUE_CHARS} "
+                                    "characters", param=f"metadata.{key}")
+    if user is not None and (not isinstance(user, str) or len(user) > USER_CHARS):
+        raise ApiError(400, f"'user' must be a string of at most {USER_CHARS} characters", param="user")
 
 
 class ResponseBuilder:

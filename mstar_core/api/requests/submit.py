@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -15,6 +15,7 @@ from mstar_core.api.http.errors import ApiError, error_body, from_request_error,
 from mstar_core.errors import MStarError, RequestCancelled, RequestError
 
 log = logging.getLogger("mstar.api")
+T = TypeVar("T")
 
 
 def sse(payload: Any) -> bytes:
@@ -84,6 +85,28 @@ async def watch_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or a 499 if the client goes away first: `work` is then cancelled, and with it what it was
+    waiting for (a grammar compile no other request waits for is stopped, its process killed)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ApiError(499, "client disconnected")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def result_or_disconnect(request: Request, handle: Any) -> dict[str, Any]:

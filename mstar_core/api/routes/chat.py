@@ -3,6 +3,7 @@ streaming); `n` choices; a spoken reply (`message.audio`, `delta.audio`) from mo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -21,7 +22,7 @@ from mstar_core.api.requests.formats import response_format_grammar
 from mstar_core.api.requests.logprobs import chat_logprobs
 from mstar_core.api.requests.pipeline import chat_request, check_stops, sampling_payload, with_choice
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
-from mstar_core.api.requests.submit import sse
+from mstar_core.api.requests.submit import sse, unless_disconnected
 
 router = APIRouter()
 
@@ -38,7 +39,9 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     request.state.model = body.model
     adapter = state.adapter(body.model, "chat")
     audio = check_audio_request(adapter, body.model, body)
-    grammar = response_format_grammar(None if body.response_format is None else body.response_format.model_dump())
+    # schema and tool checks walk what the client sent (a few hundred KB): off the loop, as everything that scales
+    grammar = await asyncio.to_thread(response_format_grammar,
+                                      None if body.response_format is None else body.response_format.model_dump())
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     ch.check_n(state, body.n)
@@ -47,8 +50,10 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
-    calling = ChatTools.from_body(body, adapter, grammar)
-    inputs = await chat_request(state, adapter, body.model, payload, tools=calling, response_format=grammar)
+    calling = await asyncio.to_thread(ChatTools.from_body, body, adapter, grammar)
+    # a client gone while its grammar compiles (or its media decode) stops that work
+    inputs = await unless_disconnected(request, chat_request(state, adapter, body.model, payload, tools=calling,
+                                                             response_format=grammar))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     started = time.perf_counter()
     make_audio = None

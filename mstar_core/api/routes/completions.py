@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -17,7 +18,7 @@ from mstar_core.api.requests.formats import response_format_grammar
 from mstar_core.api.requests.logprobs import completion_logprobs
 from mstar_core.api.requests.pipeline import check_stops, completion_requests, sampling_payload, with_choice
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, Completion, CompletionRequest
-from mstar_core.api.requests.submit import sse
+from mstar_core.api.requests.submit import sse, unless_disconnected
 
 router = APIRouter()
 
@@ -68,8 +69,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     stops = check_stops(body.stop)
     prompts = split_prompts(body.prompt)
     payload = sampling_payload(body, ROUTE_FIELDS["completions"])
-    grammar = response_format_grammar(None if body.response_format is None else body.response_format.model_dump())
-    inputs = await completion_requests(adapter, body.model, payload, prompts, grammar)
+    grammar = await asyncio.to_thread(response_format_grammar,  # the schema's walk: off the loop
+                                      None if body.response_format is None else body.response_format.model_dump())
+    inputs = await unless_disconnected(request, completion_requests(adapter, body.model, payload, prompts, grammar))
     started = time.perf_counter()
     try:
         choices = await ch.start_choices(

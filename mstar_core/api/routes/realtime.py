@@ -21,6 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from mstar_core.api.http.errors import ApiError
 from mstar_core.api.realtime.bridge import ModelBridge
+from mstar_core.api.realtime.closing import close_bounded
 from mstar_core.api.realtime.limits import RealtimeLimits
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, error_event
 from mstar_core.api.realtime.session import RealtimeSession
@@ -107,18 +108,20 @@ async def realtime_socket(ws: WebSocket) -> None:
         await _receive_loop(ws, session, sender, limits)
     except ClientTooSlow as exc:
         log.info("realtime session %s: %s; closing", session.id, exc)
-        with contextlib.suppress(Exception):
-            await ws.close(code=1008, reason=str(exc)[:120])
+        too_slow = str(exc)
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass  # the client went away: everything is freed below
+    else:
+        too_slow = None
     finally:
+        # the session's slot, queue and media are freed before the close: a client that never reads cannot take
+        # the close frame either, and waiting for it to drain would keep them for ever
         await session.close()
         sender.cancel()
         sessions.discard(session)
         if place is not None:
             place.release()
-        with contextlib.suppress(Exception):
-            await ws.close()
+    await close_bounded(ws, 1008 if too_slow else 1000, (too_slow or "")[:120])
 
 
 async def _receive_loop(ws: WebSocket, session: RealtimeSession, sender: asyncio.Task, limits: RealtimeLimits) -> None:
@@ -179,4 +182,4 @@ async def _end(ws: WebSocket, session: RealtimeSession, message: str, code: str)
     with contextlib.suppress(Exception):
         await session.emit(error_event(EventError(message, code=code), None))
         await asyncio.sleep(0.05)  # let the sender write it
-        await ws.close(code=1000, reason=message[:120])
+    await close_bounded(ws, 1000, message[:120])

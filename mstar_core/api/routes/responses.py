@@ -11,6 +11,7 @@ holds those pages and prefills only what follows them. Stored responses live in 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from mstar_core.api.requests.formats import response_format_grammar
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
 from mstar_core.api.requests.response_items import (
     ResponseBuilder,
+    check_stored_fields,
     event_stream,
     input_messages,
     text_format,
@@ -33,6 +35,7 @@ from mstar_core.api.requests.response_items import (
 )
 from mstar_core.api.requests.response_store import store_of
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, ResponsesRequest
+from mstar_core.api.requests.submit import unless_disconnected
 
 router = APIRouter()
 #: Fields the route takes; others a client may send are refused by name when set (not silently ignored).
@@ -56,6 +59,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     request.state.model = body.model
     adapter = state.adapter(body.model, "chat")
     _check_unsupported(body)
+    check_stored_fields(body.metadata, body.user)
     store = store_of(request.app.state)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -66,13 +70,14 @@ async def create_response(body: ResponsesRequest, request: Request):
         history = copy.deepcopy(prev.messages)
     conversation = history + input_messages(body.input)
     prompt = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-    grammar = response_format_grammar(text_format(body.text), where="text.format")
-    tools = ChatTools.from_body(body, adapter, grammar, flat=True)
+    # schema and tool checks walk what the client sent (a few hundred KB): off the loop
+    grammar = await asyncio.to_thread(response_format_grammar, text_format(body.text), where="text.format")
+    tools = await asyncio.to_thread(ChatTools.from_body, body, adapter, grammar, flat=True)
     sampling = sampling_fields({"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                                 "max_output_tokens": body.max_output_tokens}, {"max_output_tokens": "max_tokens"})
     payload: dict[str, Any] = {"model": body.model, "messages": prompt, **sampling}
-    inputs = await chat_request(state, adapter, body.model, payload, tools=tools, response_format=grammar,
-                                format_param="text.format")
+    inputs = await unless_disconnected(request, chat_request(state, adapter, body.model, payload, tools=tools,
+                                                             response_format=grammar, format_param="text.format"))
     started = time.perf_counter()
     choices = await ch.start_choices(request, state, body.model, adapter, [inputs], 1, lambda p, _i: dict(p), [],
                                      body.max_output_tokens, started)

@@ -14,6 +14,7 @@ before it is decoded. `srt` and `vtt` need timestamps the model does not give: a
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Form, Request, UploadFile
@@ -34,6 +35,7 @@ from mstar_core.api.requests.submit import (
 )
 from mstar_core.api.requests.text import TextAssembler
 from mstar_core.api.requests.transcribe import transcribe
+from mstar_core.api.requests.transcription import audio_limits, output_budget
 from mstar_core.sampling import check_openai
 
 router = APIRouter()
@@ -57,7 +59,8 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
             raise ApiError(400, "'timestamp_granularities' can be ['segment'] (word timestamps are not served)",
                            param="timestamp_granularities")
         limits = state.media_limits.get((model, "transcriptions")) or MediaLimits().with_env()
-        samples, rate = decode_upload(await file.read(limits.max_audio_bytes + 1), limits)
+        raw = await file.read(limits.max_audio_bytes + 1)
+        samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # (off the loop, as below)
         return await transcribe(request, state, state.adapter(model, "transcriptions"), model, samples, rate,
                                 task="transcribe", language=language, prompt=prompt, response_format=response_format,
                                 temperature=temperature, stream=stream, timestamps=bool(timestamp_granularities))
@@ -72,16 +75,15 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
     check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
     if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
-    limits = state.media_limits.get((model, "chat")) or MediaLimits().with_env()
+    limits = audio_limits(adapter, state.media_limits.get((model, "chat")) or MediaLimits().with_env())
     raw = await file.read(limits.max_audio_bytes + 1)
-    samples, rate = decode_upload(raw, limits)
+    samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # seconds for minutes of FLAC: off the loop
     seconds = samples.size / rate
     instruction = INSTRUCTION + (f" The language is {language}." if language else "")
     if prompt:
         instruction += f" Context: {prompt}"
     turns = [ChatTurn("user", (AudioPart(samples, rate, "file"), TextPart(instruction)))]
-    # a bound on the text: speech runs at about 3 words a second, a few tokens each
-    max_tokens = int(min(4096, 32 + 12 * seconds))
+    max_tokens = output_budget(seconds)
     body = {"model": model, "messages": [{"role": "user", "content": instruction}], "max_tokens": max_tokens,
             "temperature": temperature}
     inputs = await chat_request(state, adapter, model, body, turns=turns)

@@ -4,6 +4,8 @@ route's (`requests.transcribe`)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Form, Request, UploadFile
 
 from mstar_core.api.media import MediaLimits
@@ -26,7 +28,8 @@ async def create_translation(request: Request, file: UploadFile, model: str = Fo
     adapter = state.adapter(model, "transcriptions")  # a 404 naming the models that translate, for any other
     check_openai("temperature", temperature)
     limits = state.media_limits.get((model, "transcriptions")) or MediaLimits().with_env()
-    samples, rate = decode_upload(await file.read(limits.max_audio_bytes + 1), limits)
+    raw = await file.read(limits.max_audio_bytes + 1)
+    samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # decoding and resampling: off the loop
     return await transcribe(request, state, adapter, model, samples, rate, task="translate", language=None,
                             prompt=prompt, response_format=response_format, temperature=temperature, stream=stream,
                             timestamps=False)

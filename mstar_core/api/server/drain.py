@@ -36,10 +36,15 @@ class DrainingServer(uvicorn.Server):
         log.info("draining: new requests get 503; %d in flight get up to %.0f s", self.in_flight(), self.drain_timeout)
 
     def in_flight(self) -> int:
+        """Requests the engine runs or queues, handles not yet done, and requests still waiting for their grammar
+        to compile (the engine has not seen them yet)."""
+        from mstar_core.grammar import compile as grammar_compile
+
         engine = self.state.engine
         if engine is None:
             return 0
-        return int(engine.running + engine.waiting) + sum(1 for h in self.state._inflight if not h.done)
+        return (int(engine.running + engine.waiting) + sum(1 for h in self.state._inflight if not h.done)
+                + grammar_compile.waiting())
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
@@ -47,5 +52,8 @@ class DrainingServer(uvicorn.Server):
             if left == 0 or time.monotonic() >= self.drain_deadline:
                 if left:
                     log.warning("drain timeout: %d request(s) still in flight are cancelled", left)
+                    from mstar_core.grammar import compile as grammar_compile
+
+                    grammar_compile.give_up_waiting()  # their 503s go out now, not after uvicorn's own timeout
                 self.should_exit = True
         return await super().on_tick(counter)

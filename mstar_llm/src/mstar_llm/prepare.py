@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from mstar_core.checkpoint.tokens import encode_ids
 from mstar_core.errors import RequestError
 from mstar_core.sampling import SamplingDefaults, SamplingParams, fit_max_tokens
 from mstar_core.schema import RequestField, RequestSchema, sampling_field
@@ -101,10 +102,15 @@ class RequestPreparer:
         if key == "input_ids":
             return list(value)
         if key == "prompt":
-            return self.tokenizer.encode(value, add_special_tokens=True).ids
+            return self._encode(value, True, key)
         if self.chat_template is None:
             raise RequestError("this model has no chat template; send 'prompt' or 'input_ids' instead of 'messages'",
                                param="messages")
         text = render_chat(self.chat_template, check_messages(value), **self.special_tokens)
         # the template already wrote every special token; adding BOS again would double it
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, False, key)
+
+    def _encode(self, text: str, add_special_tokens: bool, key: str) -> list[int]:
+        # the GIL released while a long text is tokenized; one past the context refused before its ids are built
+        return encode_ids(self.tokenizer, text, add_special_tokens=add_special_tokens, most=self.max_model_len - 1,
+                          param=key)

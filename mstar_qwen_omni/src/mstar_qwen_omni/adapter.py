@@ -79,6 +79,8 @@ class QwenOmniAdapter(ApiAdapter):
         self.tokenizer = loaded.extras["tokenizer"]
         cfg = loaded.extras["config"]
         self.media_limits = MediaLimits(max_audio_seconds=audio_seconds_that_fit(cfg))
+        self.audio_tokens_per_second = float(audio_token_count(100, cfg.thinker.audio.n_window))
+        self.context_tokens = int(cfg.thinker.text.max_position_embeddings)
         self.stop_id = cfg.im_end_token_id
         self.special = {cfg.im_start_token_id, cfg.im_end_token_id}
         if loaded.extras["model"].talker is None:

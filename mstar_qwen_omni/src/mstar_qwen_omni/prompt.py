@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mstar_core.checkpoint.tokens import encode_ids
 from mstar_core.errors import RequestError
 from mstar_core.nn.vision_patch import ImagePatcher, patchify
 from mstar_core.nn.whisper_features import LogMelFeatures
@@ -55,7 +56,10 @@ class PromptBuilder:
                                                merge_size=v.spatial_merge_size)
 
     def _text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # the GIL released while a long text (7 MB of realtime instructions) is tokenized; one past the whole
+        # context refused by its head alone
+        return encode_ids(self.tokenizer, text, add_special_tokens=False,
+                          most=self.cfg.thinker.text.max_position_embeddings, what="a text of the prompt")
 
     def _tokens(self, ids: Any, where: str) -> list[int]:
         t = self.cfg.thinker
