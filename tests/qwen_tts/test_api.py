@@ -28,8 +28,8 @@ def test_speech_for_a_preset_speaker_is_wav_at_24k(server):
     speech = _client(server).audio.speech.create(model="qwen3-tts", voice="Ryan", input="Hello there.",
                                                  response_format="wav", extra_body={"seed": SEED})
     samples, rate = soundfile.read(io.BytesIO(speech.read()), dtype="int16")
-    # the preset caps a reply at 48 frames of 8 samples (its tiny decoder's rate); EOS may come earlier
-    assert rate == 24000 and 0 < samples.size <= 48 * 8
+    # the preset caps a reply at 48 frames of 1,920 samples (the real rate); EOS may come earlier
+    assert rate == 24000 and 0 < samples.size <= 48 * 1920
 
 
 def test_streamed_speech_arrives_in_pieces_and_honours_instructions(server):
@@ -39,7 +39,7 @@ def test_streamed_speech_arrives_in_pieces_and_honours_instructions(server):
     with client.audio.speech.with_streaming_response.create(**body) as response:
         pieces = [piece for piece in response.iter_bytes() if piece]
     plain = b"".join(pieces)
-    assert len(plain) == 47 * 8 * 2  # greedy never ends early on the preset: 47 frames, s16le
+    assert len(plain) == 47 * 1920 * 2  # greedy never ends early on the preset: 47 frames, s16le
     styled = client.audio.speech.create(**body, instructions="Speak slowly.").read()
     assert len(styled) == len(plain) and styled != plain  # the instruct turn reaches the Talker
 

@@ -46,9 +46,9 @@ def test_bad_config_names_the_key(tiny_dir, path, value, key):
 
 def test_speech_tokenizer_rate_must_match_its_upsampling(tiny_dir):
     cfg = json.loads((tiny_dir / "speech_tokenizer" / "config.json").read_text())
-    assert SpeechDecoderConfig.from_hf(cfg).samples_per_frame == 8
+    assert SpeechDecoderConfig.from_hf(cfg).samples_per_frame == 1920
     with pytest.raises(ConfigError, match="decode_upsample_rate"):
-        SpeechDecoderConfig.from_hf({**cfg, "decode_upsample_rate": 1920})
+        SpeechDecoderConfig.from_hf({**cfg, "decode_upsample_rate": 8})
 
 
 def test_prompt_rows_follow_the_upstream_layout(tts, tokenizer):

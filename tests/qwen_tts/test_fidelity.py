@@ -1,9 +1,11 @@
 """Served Qwen3-TTS (tiny preset, the shared kvcache and stateless engines) against the `qwen-tts` package's own
 greedy `generate(do_sample=False, subtalker_dosample=False)` on the same files: identical codes for a preset speaker
 (both text-feeding modes, a language and a dialect speaker) and for voice design; the speech decoder equals the
-upstream decoder's offline `chunked_decode` (300 / 25) to 1e-4 (the tiny random vocoder amplifies float rounding to
-about 4e-5 on samples clamped to +-1), and the streamed 25/25 windows equal M*'s own `chunked_decode(25, 25)` to 1e-4
-(windows of concurrent requests are decoded as one batch: batched convolutions round differently, ~6e-5 here). (Streamed audio differs from the upstream offline decode by design: each 25-frame
+upstream decoder's offline `chunked_decode` (300 / 25) to 2e-3, and the streamed 25/25 windows equal M*'s own
+`chunked_decode(25, 25)` to 2e-3 (windows of concurrent requests are decoded as one batch: batched convolutions round
+differently). The tolerance is the tiny random vocoder's: its four random SnakeBeta upsampling blocks at the real
+1,920 samples a frame amplify float rounding to ~9e-4 on samples clamped to +-1 (4e-5 with the 8-sample decoder
+preset 1 had). (Streamed audio differs from the upstream offline decode by design: each 25-frame
 window sees 25 frames of context, not 300; that difference is measured, not hidden, in the last test.)
 """
 
@@ -34,6 +36,9 @@ CASES = {
 #: voice design: the same weights as a VoiceDesign checkpoint (preset `tiny-design`), no speaker slot
 DESIGN = ({"input": "Hello there!", "instructions": "A warm, low voice that speaks slowly."},
           {"instruct": "A warm, low voice that speaks slowly."})
+
+#: the waveform tolerance stated above (the codes are compared exactly)
+WAVE_TOL = 2e-3
 
 
 async def _run(engine, inputs):
@@ -107,7 +112,7 @@ def test_streamed_audio_is_the_decoders_25_frame_windows(served, tiny_dir):
             want = decoder.chunked_decode(codes, 25, 25)[0, 0]
         wav = torch.cat(out["audio"])
         assert len(out["audio"]) == -(-codes.shape[-1] // 25)  # one chunk per 25 frames, the tail flushed
-        assert wav.shape == want.shape and (wav - want).abs().max() < 1e-4
+        assert wav.shape == want.shape and (wav - want).abs().max() < WAVE_TOL
 
 
 def test_speech_decoder_equals_upstream_decode(tiny_dir):
@@ -120,11 +125,11 @@ def test_speech_decoder_equals_upstream_decode(tiny_dir):
     with torch.inference_mode():
         want = ref.chunked_decode(codes, chunk_size=300, left_context_size=25)
         got = ours.chunked_decode(codes, 300, 25)
-        assert got.shape == want.shape == (2, 1, 40 * 8)
-        assert (got - want).abs().max() < 1e-4
+        assert got.shape == want.shape == (2, 1, 40 * 1920)
+        assert (got - want).abs().max() < WAVE_TOL
         # the 25/25 windows M* streams, against the upstream decoder run the same way: same numbers
         want25 = ref.chunked_decode(codes, chunk_size=25, left_context_size=25)
-        assert (ours.chunked_decode(codes, 25, 25) - want25).abs().max() < 1e-4
+        assert (ours.chunked_decode(codes, 25, 25) - want25).abs().max() < WAVE_TOL
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from mstar_qwen_tts.checkpoint import SPEECH_TOKENIZER, QwenTTS
 from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2  # 2: the real 1,920 samples a frame (8·5·4·3 and 2·2), so a reply of 48 frames is 3.8 s
 MAX_FRAMES = 48
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
 ROLES = ["user", "assistant"]
@@ -87,9 +87,10 @@ def tiny_speech_tokenizer_config() -> dict[str, Any]:
                "max_position_embeddings": 8000, "rope_theta": 10000, "num_attention_heads": 2,
                "num_key_value_heads": 2, "attention_bias": False, "sliding_window": 8, "intermediate_size": 32,
                "hidden_act": "silu", "layer_scale_initial_scale": 0.01, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
-               "num_quantizers": 4, "upsample_rates": [2, 2], "upsampling_ratios": [2], "decoder_dim": 16}
+               "num_quantizers": 4, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+               "decoder_dim": 32}
     return {"model_type": "qwen3_tts_tokenizer_12hz", "decoder_config": decoder, "encoder_valid_num_quantizers": 4,
-            "input_sample_rate": 24000, "output_sample_rate": 24000, "decode_upsample_rate": 8,
+            "input_sample_rate": 24000, "output_sample_rate": 24000, "decode_upsample_rate": 1920,
             "encode_downsample_rate": 8}
 
 
