@@ -37,12 +37,13 @@ const card = () => view.cards.get(model()) || {};
 const TABS = {
   speak: (c) => (c.routes || []).includes("speech"),
   images: (c) => (c.routes || []).includes("images"),
+  video: (c) => (c.routes || []).includes("videos"),
   chat: (c) => (c.routes || []).includes("chat"),
   policy: (c) => !(c.routes || []).length,
   walks: () => true,
 };
-const TAB_WORDS = { speak: "speech (/v1/audio/speech)", images: "images", chat: "chat", policy: "native walks only",
-  walks: "walks" };
+const TAB_WORDS = { speak: "speech (/v1/audio/speech)", images: "images", video: "videos (/v1/videos)", chat: "chat",
+  policy: "native walks only", walks: "walks" };
 const currentTab = () => document.querySelector("#tabs button.active")?.dataset.tab || "speak";
 const servingModels = (tab) => [...view.cards.values()].filter(TABS[tab]).map((c) => c.id);
 

@@ -59,7 +59,7 @@ def test_opens_on_speak_with_the_model_that_speaks(page):
 
 def test_each_tab_offers_the_models_that_serve_it(page):
     disabled = page.eval_on_selector_all("#tabs button", "bs => Object.fromEntries(bs.map(b => [b.dataset.tab, b.disabled]))")
-    assert disabled == {"speak": False, "images": True, "chat": False, "policy": True, "walks": False}
+    assert disabled == {"speak": False, "images": True, "video": True, "chat": False, "policy": True, "walks": False}
     page.click("#tabs button[data-tab=chat]")
     assert _options(page, "#model") == ["llama"] and page.input_value("#model") == "llama"
     assert not _visible(page, "#chat-spoken")  # llama has no voices
