@@ -184,6 +184,7 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
     global _waiting
     _waiting += 1  # (the event loop's thread only)
     t0 = time.perf_counter()
+    compiled = None
     try:
         compiled, shutdown = asyncio.wrap_future(_unshared(job)), asyncio.ensure_future(_until_shutdown())
         try:
@@ -199,6 +200,10 @@ async def compile_bounded(vocab: GrammarVocab, spec: GrammarSpec, timeout: float
     except RequestError as exc:
         raise _named(exc, param) from None
     finally:
+        if compiled is not None and not compiled.done():
+            # this request went away mid-compile: its own future is dropped before `release` cancels the job, so
+            # the cancelled compile's error has no future left to land in unread
+            compiled.cancel()
         _waiting -= 1
         pool().release(job)
     round_trip_ms.append((time.perf_counter() - t0) * 1e3)
