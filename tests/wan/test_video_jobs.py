@@ -75,11 +75,13 @@ def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
 
     from mstar_core.api.media.mp4 import Mp4Writer, encode_mp4
 
-    frames = np.random.default_rng(0).integers(0, 256, (13, 32, 48, 3), dtype=np.uint8)
+    # smooth moving patterns (random noise does not survive 4:2:0 chroma: ~13 dB whatever the writer does)
+    t, y, x = np.arange(13)[:, None, None], np.arange(32)[None, :, None], np.arange(48)[None, None, :]
+    frames = np.stack([128 + 100 * np.sin(0.2 * x + 0.3 * t + c) * np.cos(0.15 * y - 0.2 * t) for c in (0, 1, 2)],
+                      -1).clip(0, 255).astype(np.uint8)
     writer = Mp4Writer(8)
     for a, b in ((0, 5), (5, 9), (9, 13)):
         writer.add(frames[a:b])
-    chunked = writer.close()
 
     def decoded(data: bytes) -> list:
         with av.open(io.BytesIO(data)) as container:
@@ -87,10 +89,15 @@ def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
             assert stream.average_rate == 8
             return [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
 
-    # (the pictures, not the bytes: x264's threads may order its output differently from one encode to the next)
-    pieces, whole = decoded(chunked), decoded(encode_mp4(frames, 8))
+    def psnr(a, b) -> float:
+        return float(10 * np.log10(255**2 / np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)))
+
+    # every frame, in order, as faithful as the whole video encoded at once (~33 dB at CRF 18 here). Not the same
+    # bytes: x264's output for the same frames differed between two encodes in one CI process under load.
+    pieces, whole = decoded(writer.close()), decoded(encode_mp4(frames, 8))
     assert len(pieces) == len(whole) == 13
-    assert all(np.array_equal(a, b) for a, b in zip(pieces, whole, strict=True))
+    assert all(psnr(p, f) > 30 for p, f in zip(pieces, frames, strict=True))
+    assert all(abs(psnr(p, f) - psnr(w, f)) < 1.5 for p, w, f in zip(pieces, whole, frames, strict=True))
     with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
         Mp4Writer(8).add(frames[:, :, :, :2])
     mixed = Mp4Writer(8)
