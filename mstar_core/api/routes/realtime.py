@@ -103,6 +103,9 @@ async def realtime_socket(ws: WebSocket) -> None:
     session = RealtimeSession(state, bridge, limits, send)
     sessions.add(session)
     sender = asyncio.ensure_future(session.sender())
+    # its failure is read by the receive loop when it ends the session; one that comes after (a write cut short
+    # as the client leaves, even once cancelled) is not news: read here, so asyncio does not log it as unretrieved
+    sender.add_done_callback(lambda task: task.cancelled() or task.exception())
     try:
         await session.start()
         await _receive_loop(ws, session, sender, limits)
