@@ -417,11 +417,10 @@ class AsyncEngine:
         return hosts
 
     async def _on_device(self, scheduler: Any, fn: Callable[[], Any]) -> Any:
-        """Run `fn` where the node's steps run, between two of them (its executor is one thread)."""
-        executor = getattr(scheduler, "executor", None)
-        if executor is None or getattr(scheduler, "inline", False):
+        """Run `fn` where the node's steps run, between two of them, after the releases already asked for."""
+        if scheduler is None:
             return fn()
-        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+        return await scheduler.between_steps(fn)
 
     async def enable_lora(self, model: str, settings: LoraSettings | None = None) -> None:
         """Let `model`'s adapter-taking nodes hold adapters within `settings`' bounds, and load its named adapters."""

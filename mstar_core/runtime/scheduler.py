@@ -27,7 +27,9 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
 
 import attrs
 
@@ -55,6 +57,7 @@ class NodeScheduler:
         self._pending: deque[tuple[Invocation, asyncio.Future]] = deque()
         self._inflight: dict[int, tuple[Invocation, asyncio.Future]] = {}
         self._releases: set[str] = set()
+        self._chores: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()  # see `between_steps`
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -121,6 +124,31 @@ class NodeScheduler:
         elif self._task is None:
             self._apply_releases()
 
+    async def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine's device thread between two steps, after every release asked for before it (so a
+        chore such as unloading an adapter sees the engine without the requests just cancelled)."""
+        if self._task is None or self._task.done():  # no loop: nothing steps, apply the releases here
+            self._apply_releases()
+            if self.inline:
+                return fn()
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        future = asyncio.get_running_loop().create_future()
+        self._chores.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    async def _run_chores(self) -> None:
+        while self._chores:
+            fn, future = self._chores.popleft()
+            try:
+                result = fn() if self.inline else await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            except Exception as exc:
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(result)
+
     def _apply_releases(self) -> None:
         releases, self._releases = self._releases, set()
         for rid in releases:
@@ -161,6 +189,8 @@ class NodeScheduler:
         while not self._closed:
             if self._releases:
                 self._apply_releases()
+            if self._chores:
+                await self._run_chores()
             if turn is not None and (self._pending or self.engine.has_work()):
                 # wait for the shared device thread here, not in its queue: calls that reach this node while
                 # another node's step runs join this node's next batch instead of making a batch of their own
@@ -195,7 +225,7 @@ class NodeScheduler:
         not admitted, wait for a release)."""
         self._wakeup.clear()
         full = len(self._inflight) >= self.engine.max_batch_size
-        if (held == len(self._pending) or full) and not self._releases:
+        if (held == len(self._pending) or full) and not self._releases and not self._chores:
             await self._wakeup.wait()
 
     async def _pass(self) -> tuple[str, int]:
@@ -276,8 +306,9 @@ class NodeScheduler:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        for _, fut in list(self._pending) + list(self._inflight.values()):
+        for _, fut in list(self._pending) + list(self._inflight.values()) + list(self._chores):
             if not fut.done():
                 fut.cancel()
         self._pending.clear()
+        self._chores.clear()
         self._inflight.clear()

@@ -129,3 +129,21 @@ async def test_the_scheduler_holds_at_most_max_batch_size_in_the_engine_most_urg
     assert engine.most == 3  # never more in the engine than it says it can hold
     assert engine.order[:3] == ["r3", "r7", "r2"]  # the most urgent first, first come first served among equals
     await sched.close()
+
+
+async def test_a_chore_between_steps_sees_the_releases_asked_for_before_it():
+    """Unloading an adapter right after cancelling its request must find the request gone, not a 409 race."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = PlusOne()
+    engine.inline = False
+    with ThreadPoolExecutor(1) as executor:
+        sched = NodeScheduler(engine, executor)
+        assert await _settle([_submit(sched, "a", 1)]) == [{"y": 2}]  # the loop runs
+        sched.release("gone")
+        seen = await sched.between_steps(lambda: list(engine.released))
+        assert "gone" in seen
+        boom = sched.between_steps(lambda: 1 / 0)
+        assert isinstance((await _settle([boom]))[0], ZeroDivisionError)  # a failing chore fails its caller alone
+        assert await _settle([_submit(sched, "b", 2)]) == [{"y": 3}]
+        await sched.close()
