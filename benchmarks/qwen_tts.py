@@ -11,8 +11,8 @@ defaults on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M* over the baseline's
   request-by-request rate. Target >= 3.
 - `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
-  audio before it has played out, playback starting at the first chunk). The TTS walk has no stream priority yet:
-  this is FIFO (`priority: false` in the JSON).
+  audio before it has played out, playback starting at the first chunk), with the walk's stream priority: every call
+  of a request's frame loop ranked by how close its listener is to running dry (`priority: true` in the JSON).
 - `clone_cached_speedup`: a cloned voice's request time with the stored x-vector (what `/v1/audio/voices` keeps)
   over the time with the speaker encoder run per request on the reference audio (what an uncached server does).
 - `stream_first_audio_ms`: text arriving word by word (as from an LLM), cut by `TextChunker`: milliseconds from the
@@ -227,7 +227,7 @@ def main() -> None:
         "throughput_ratio_c16": round(mstar["audio_per_s"] / base_rate, 3),
         "viability_c32": round(mstar["viability"], 3),
         "concurrency": {"throughput": args.cthroughput, "viability": args.cviable},
-        "priority": False,
+        "priority": True,
         "clone_cached_speedup": round(mstar["clone_cached_speedup"], 3),
         "stream_first_audio_ms": round(mstar["stream_first_audio_ms"], 1),
         "mstar_ttfa_c1_s": round(mstar["ttfa_c1"], 3), "baseline_audio_s": round(base_ttfa, 3),

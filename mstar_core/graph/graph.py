@@ -439,6 +439,9 @@ class _WalkChecker:
         if edge.src_output not in src.outputs:
             self.fail(f"streaming edge source '{edge.src}': node outputs are {list(src.outputs)}", src.name)
         per_chunk = {e.dst_node for e in self.walk.streams if e.dst is not None}
+        for name in edge.fed_by:
+            if not any(c.node == name for c in self.calls):
+                self.fail(f"streaming edge {edge.name}: fed_by names node '{name}', which this walk never calls", name)
         if not any(c.node == src.name for c in self.calls) and src.name not in per_chunk:
             self.fail(f"streaming edge source node '{src.name}' is not called in this walk", src.name)
         if (edge.dst is None) == (edge.consumer is None):

@@ -255,7 +255,9 @@ class StreamingGraphEdge:
     Items may be anything (token ids, a hidden-state row per token, a codec frame per step); items
     for which `keep(value)` is false are not part of the stream. `priority`, a function of the
     request's `StreamProgress`, gives the producer's calls a priority (larger runs first in engines
-    that order by `Invocation.priority`); see `stream_priority` for the usual one.
+    that order by `Invocation.priority`); see `stream_priority` for the usual one. `fed_by` names the other
+    nodes whose calls make the producer's items (a loop of engine calls ending in a function node that emits
+    them): they take the stream's priority too, since ranking only the cheap last call would not speed it up.
     """
 
     src: str
@@ -266,6 +268,11 @@ class StreamingGraphEdge:
     into: str | None = None
     consumer: Step | None = attrs.field(default=None, converter=_optional_step)
     priority: Callable[[StreamProgress], float] | None = attrs.field(default=None, eq=False)
+    fed_by: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+
+    def ranks(self, node: str) -> bool:
+        """Whether `node`'s calls take this stream's priority."""
+        return self.priority is not None and (node == self.src_node or node in self.fed_by)
 
     @property
     def src_node(self) -> str:

@@ -337,10 +337,10 @@ class Conductor:
         if site.dynamic:
             options = {**options, **{key: _option_value(site, key, ref.resolve(env)) for key, ref in site.dynamic}}
         priority = state.priority
-        producing = frame.streams.get(site.node) if site.prioritised else None
-        if producing:
+        if site.prioritised and frame.streams:
             now = time.monotonic()
-            ranks = [s.edge.priority(s.progress(now)) for s in producing if s.edge.priority is not None]
+            ranks = [s.edge.priority(s.progress(now)) for fed in frame.streams.values() for s in fed
+                     if s.edge.ranks(site.node)]
             priority += float(max(ranks)) if ranks else 0.0
         scheduler = site.scheduler
         if state.holders.get(site.node) is not scheduler:  # first call, or a per-walk node changing workers

@@ -50,7 +50,7 @@ class CallSite:
         self.options = MappingProxyType({**node.options, **static}) if call.options else node.options
         self.dynamic = tuple((k, v) for k, v in call.options.items() if isinstance(v, FromEnv))
         self.scheduler = scheduler
-        self.prioritised = any(e.src_node == call.node and e.priority is not None for e in walk.streams)
+        self.prioritised = any(e.ranks(call.node) for e in walk.streams)
 
 
 class AssignSite:

@@ -22,7 +22,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mstar_core.graph import DynamicLoop, Graph, GraphNode, NodeCall, Sequential, StreamingGraphEdge, Walk
+from mstar_core.graph import (
+    DynamicLoop,
+    Graph,
+    GraphNode,
+    NodeCall,
+    Sequential,
+    StreamingGraphEdge,
+    Walk,
+    stream_priority,
+)
 from mstar_core.nn.code_predictor import FrameSeed
 from mstar_core.nn.codec_vocoder import WindowDecoder
 from mstar_core.streaming import LeftContextChunkPolicy
@@ -31,6 +40,10 @@ from mstar_qwen_tts.nodes import FrameStep, TalkerPrompt
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
+SAMPLE_RATE = 24000
+#: Seconds of audio a stream not yet started counts as having (`stream_priority(start_lead=...)`), as Orpheus's: a new
+#: request starts once the playing ones are that far ahead of their listeners, or after waiting that long.
+START_LEAD = 2.0
 PROMPT_INPUTS = ("text_ids", "instruct_ids", "speaker", "language", "non_streaming")
 
 
@@ -43,7 +56,10 @@ def _frames_left(env: Mapping[str, Any]) -> int:
     return 0 if env.get("talker_finish") is not None else int(env["talker_max_tokens"]) - 1
 
 
-def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts") -> Graph:
+def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts", *, priority: bool = True,
+                start_lead: float = START_LEAD) -> Graph:
+    """With `priority`, every call of the frame loop (the Talker, the code predictor, the frame's own nodes) is
+    ranked by how close the request's listener is to running out of audio (see `stream_priority`)."""
     talker, cfg = model.talker, model.config
     groups = cfg.talker.num_code_groups
     talker_outputs = {"next_token": "code0", "hidden": "talker_hidden", "finish_reason": "talker_finish"}
@@ -92,7 +108,11 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts")
         emit=("codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
         streams=(
             StreamingGraphEdge("frame_step.codes", "code2wav.codes", LeftContextChunkPolicy(CHUNK_FRAMES, LEFT_FRAMES),
-                               keep=lambda codes: codes is not None),
+                               keep=lambda codes: codes is not None,
+                               priority=stream_priority(per_chunk=CHUNK_FRAMES * decoder.samples_per_frame / SAMPLE_RATE,
+                                                         start_lead=start_lead)
+                               if priority else None,
+                               fed_by=("talker", "code_predictor", "frame_seed")),
         ),
         description="the Talker speaks frame by frame (code 0, then the predictor's 15 codes); the speech decoder "
                     "turns each 25-frame window into audio while it goes on",
