@@ -28,7 +28,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import llamacpp_side
@@ -37,6 +36,7 @@ from vs_vllm import (
     C1_REQUESTS,
     OUTPUT_TOKENS,
     PROMPT_TOKENS,
+    SHORT_DTYPE,
     Server,
     cpu_flags,
     export_smollm2,
@@ -46,13 +46,12 @@ from vs_vllm import (
     med,
     mstar_server,
     ratio,
-    report,
     run_side,
+    summarize_sides,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 #: Each llama.cpp slot's context: the longest prompt, the output and a margin
 CTX_PER_SLOT = 512
 
@@ -114,8 +113,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for d in dtypes:
         floor[d] = bytes_by_dtype[d] / (gb_s * 1e9) * 1e3
     print(f"read bandwidth (every core, best of 9 reads of {max(bytes_by_dtype.values()) / 1e6:.0f} MB): "
-          f"{gb_s:.1f} GB/s; weights {({SHORT[d]: round(b / 1e6) for d, b in bytes_by_dtype.items()})} MB; "
-          f"floor inter-token {({SHORT[d]: round(v, 2) for d, v in floor.items()})} ms")
+          f"{gb_s:.1f} GB/s; weights {({SHORT_DTYPE[d]: round(b / 1e6) for d, b in bytes_by_dtype.items()})} MB; "
+          f"floor inter-token {({SHORT_DTYPE[d]: round(v, 2) for d, v in floor.items()})} ms")
 
     waves = 1 if args.quick else args.waves
     prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
@@ -148,26 +147,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                           f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
     out: dict[str, Any] = {"benchmark": "vs_llamacpp", "quick": args.quick, "llamacpp_source": version,
                            "llamacpp_settings": llamacpp_server(binary, Path("MODEL.gguf"), 0, slots, Path(".")).cmd[1:]}
-    for dtype in dtypes:
-        out.update(report(dtype, runs[dtype], levels, peer="llamacpp"))
-        for c in levels:
-            out[f"tok_s_ratio_c{c}_{SHORT[dtype]}"] = out.pop(f"tok_s_ratio_c{c}_{dtype}")
-    ttft = [v for k, v in out.items() if k.startswith("ttft_p50_ratio_") and v is not None]
-    out["ttft_p50_ratio_max"] = max(ttft) if ttft else None
+    summarize_sides(out, runs, dtypes, levels, "llamacpp")
     out["read_gb_s"] = round(gb_s, 1)
     for dtype in dtypes:
         itl = med(runs[dtype]["mstar"], 1, "itl_p50_ms") if 1 in levels else None
         peer_itl = med(runs[dtype]["llamacpp"], 1, "itl_p50_ms") if 1 in levels else None
-        out[f"floor_itl_ms_{SHORT[dtype]}"] = round(floor[dtype], 2)
-        out[f"itl_c1_ms_{SHORT[dtype]}"] = {"mstar": itl, "llamacpp": peer_itl}
-        out[f"itl_floor_ratio_{SHORT[dtype]}"] = ratio(itl, floor[dtype])
-        out[f"llamacpp_itl_floor_ratio_{SHORT[dtype]}"] = ratio(peer_itl, floor[dtype])
+        out[f"floor_itl_ms_{SHORT_DTYPE[dtype]}"] = round(floor[dtype], 2)
+        out[f"itl_c1_ms_{SHORT_DTYPE[dtype]}"] = {"mstar": itl, "llamacpp": peer_itl}
+        out[f"itl_floor_ratio_{SHORT_DTYPE[dtype]}"] = ratio(itl, floor[dtype])
+        out[f"llamacpp_itl_floor_ratio_{SHORT_DTYPE[dtype]}"] = ratio(peer_itl, floor[dtype])
         print(f"{dtype}: inter-token p50 at c=1: M* {itl} ms, llama.cpp {peer_itl} ms, floor {floor[dtype]:.2f} ms "
-              f"(M*/floor {out[f'itl_floor_ratio_{SHORT[dtype]}']})")
-    starts = [out.get(f"startup_s_{d}", {}) for d in dtypes]
-    m = [s["mstar"] for s in starts if s.get("mstar")]
-    p = [s["llamacpp"] for s in starts if s.get("llamacpp")]
-    out["startup_ratio"] = ratio(median(m), median(p)) if m and p else None
+              f"(M*/floor {out[f'itl_floor_ratio_{SHORT_DTYPE[dtype]}']})")
     out["cpu_flags"] = flags
     out["bf16_claimable"] = flags["bf16_units"]
     out["build_s"] = round(build_s, 1)

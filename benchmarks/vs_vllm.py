@@ -257,6 +257,24 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def summarize_sides(out: dict[str, Any], runs: dict[str, dict], dtypes: list[str], levels: list[int], peer: str) -> None:
+    """Every dtype's table and ratios into `out` under the issues' key names (`tok_s_ratio_c8_fp32`), the largest
+    TTFT ratio and the start-up ratio (medians over the dtypes)."""
+    for dtype in dtypes:
+        out.update(report(dtype, runs[dtype], levels, peer=peer))
+        for c in levels:
+            out[f"tok_s_ratio_c{c}_{SHORT_DTYPE.get(dtype, dtype)}"] = out.pop(f"tok_s_ratio_c{c}_{dtype}")
+    ttft = [v for k, v in out.items() if k.startswith("ttft_p50_ratio_") and v is not None]
+    out["ttft_p50_ratio_max"] = max(ttft) if ttft else None
+    starts = [out.get(f"startup_s_{d}", {}) for d in dtypes]
+    ours = [s["mstar"] for s in starts if s.get("mstar")]
+    theirs = [s[peer] for s in starts if s.get(peer)]
+    out["startup_ratio"] = ratio(median(ours), median(theirs)) if ours and theirs else None
+
+
 def report(dtype: str, runs: dict[str, list[dict]], levels: list[int], peer: str = "vllm") -> dict[str, Any]:
     """Print one dtype's table (M* against `peer`, the other key of `runs`); its ratios and text agreement as JSON
     fields."""
@@ -352,17 +370,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                           f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
     out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version,
                            "vllm_threads": None if cuda else threads, "vllm_thread_probe_tok_s": probe}
-    for dtype in dtypes:
-        out.update(report(dtype, runs[dtype], levels))
-    short = {"float32": "fp32", "bfloat16": "bf16"}
-    for dtype in dtypes:  # the issue's key names
-        for c in levels:
-            out[f"tok_s_ratio_c{c}_{short.get(dtype, dtype)}"] = out.pop(f"tok_s_ratio_c{c}_{dtype}")
-    ttft = [v for k, v in out.items() if k.startswith("ttft_p50_ratio_") and v is not None]
-    out["ttft_p50_ratio_max"] = max(ttft) if ttft else None
-    m = [out[f"startup_s_{d}"]["mstar"] for d in dtypes if out[f"startup_s_{d}"]["mstar"]]
-    v = [out[f"startup_s_{d}"]["vllm"] for d in dtypes if out[f"startup_s_{d}"]["vllm"]]
-    out["startup_ratio"] = ratio(median(m), median(v)) if m and v else None
+    summarize_sides(out, runs, dtypes, levels, "vllm")
     out["cpu_flags"] = flags
     out["bf16_claimable"] = flags["bf16_units"]
     out["install_s"] = round(install_s, 1)
