@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from mstar_core.api.server.launch import BANNER_EXAMPLE_CHARS
 from mstar_core.plugins.manager import discover
 from tests.server.helpers import Server
 
@@ -61,8 +62,15 @@ def test_banner_prints_each_models_example_and_it_works(examples_server):
         line = next(ln for ln in banner.splitlines() if f"/v1/walks/{name} " in ln)
         assert '"inputs": {}' not in line
         argv = shlex.split(line.strip())
-        body = json.loads(argv[argv.index("-d") + 1])
-        assert body["inputs"] == _models()[name].example
+        data, example = argv[argv.index("-d") + 1], _models()[name].example
+        if data == "@request.json":  # too long to paste (a waveform): the banner points at the graphs route's copy
+            assert len(json.dumps({"inputs": example, "stream": False})) > BANNER_EXAMPLE_CHARS, name
+            assert f"/v1/graphs/{name}" in banner
+            shown = httpx.get(f"{srv.url}/v1/graphs/{name}", headers=srv.headers, timeout=30).json()["example"]
+            body = {"inputs": shown, "stream": False}
+        else:
+            body = json.loads(data)
+            assert body["inputs"] == example
         resp = httpx.post(argv[1], json=body, headers=srv.headers, timeout=120)
         assert resp.status_code == 200, (name, resp.text)
 
@@ -105,3 +113,20 @@ def test_run_help_lists_each_models_example():
     for name, spec in _models().items():
         if spec.example is not None:
             assert f"mstar run {name} --inputs '{json.dumps(spec.example)}'" in out.stdout
+
+
+def test_banner_shows_each_routes_client_call_and_keeps_long_examples_out():
+    """A newcomer's first call for every route family a model serves, and no wall of numbers for a waveform input."""
+    from types import SimpleNamespace
+
+    from mstar_core.api.server.app import ModelToServe, ServerConfig
+    from mstar_core.api.server.launch import banner
+
+    models = {name: SimpleNamespace(random_weights=True, example=example) for name, example in
+              (("whisper", {"audio": [0.0] * 4000}), ("wan", None), ("bagel", None))}
+    config = ServerConfig(models=[ModelToServe(n) for n in models])
+    text = banner(config, "127.0.0.1", 8000, models,
+                  {"whisper": ["transcriptions"], "wan": ["videos"], "bagel": ["images"]})
+    assert "audio.transcriptions.create(model='whisper'" in text and "-F file=@speech.wav" in text
+    assert "videos.create_and_poll(model='wan'" in text and "images.generate(model='bagel'" in text
+    assert "0.0, 0.0" not in text and "-d @request.json" in text and len(text) < 4000

@@ -210,9 +210,28 @@ def banner(config: ServerConfig, host: str, port: int, models: dict[str, Any], r
                       f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
                       f"    print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
                       ".choices[0].message.content)"]
+        if "transcriptions" in r:
+            lines += ["", "  curl (any audio file: wav, mp3, flac, ogg...):",
+                      f"    curl {url}/v1/audio/transcriptions{auth} -F model={name} -F file=@speech.wav",
+                      "  openai:",
+                      f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
+                      f"    print(c.audio.transcriptions.create(model='{name}', file=open('speech.wav', 'rb')).text)"]
+        if "images" in r:
+            lines += ["", "  openai:",
+                      f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
+                      f"    c.images.generate(model='{name}', prompt='a red fox in the snow').data[0].b64_json"]
+        if "videos" in r:
+            lines += ["", "  openai:",
+                      f"    from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key})",
+                      f"    job = c.videos.create_and_poll(model='{name}', prompt='waves on a beach')",
+                      "    c.videos.download_content(job.id).write_to_file('video.mp4')"]
         if not r or models[name].example is not None:
             lines += ["", *native_example(url, name, models[name], auth)]
     return "\n".join(lines)
+
+
+#: A native example request longer than this (a waveform, an image as numbers) is not pasted into the banner.
+BANNER_EXAMPLE_CHARS = 600
 
 
 def native_example(url: str, name: str, loaded: Any, auth: str = "") -> list[str]:
@@ -224,6 +243,10 @@ def native_example(url: str, name: str, loaded: Any, auth: str = "") -> list[str
         return [f"  native ({name} declares no example request; its inputs: {url}/docs):",
                 f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{{\"inputs\": {{...}}}}'"]
     body = json.dumps({"inputs": example, "stream": False}).replace("'", "'\\''")
+    if len(body) > BANNER_EXAMPLE_CHARS:
+        return [f"  native ({name}'s example request is {len(body):,} characters: GET {url}/v1/graphs/{name} "
+                f"has it as 'example'; {url}/docs lists the inputs):",
+                f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d @request.json"]
     return [f"  native ({url}/docs lists {name}'s inputs):",
             f"    curl {url}/v1/walks/{name}{auth} -H 'Content-Type: application/json' -d '{body}'"]
 
