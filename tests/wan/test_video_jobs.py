@@ -104,3 +104,28 @@ def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
     mixed.add(frames[:2])
     with pytest.raises(ValueError, match="chunk"):  # every chunk of one video has its size
         mixed.add(frames[:2, :16])
+
+
+def test_the_mp4_is_scaled_to_the_size_the_client_asked_for():
+    """A model drawing on its own grid (a multiple of 32; the tiny preset's 1/20 scale) still answers at `size`."""
+    import io
+
+    import av
+    import numpy as np
+
+    from mstar_core.api.media.mp4 import Mp4Writer
+
+    y, x = np.arange(32)[:, None], np.arange(64)[None, :]
+    frame = np.stack(np.broadcast_arrays((4 * x).clip(0, 255), (8 * y).clip(0, 255), 128 + 0 * x * y), -1).astype(np.uint8)
+    writer = Mp4Writer(8, size=(1280, 640))
+    writer.add(np.stack([frame] * 3))
+    with av.open(io.BytesIO(writer.close())) as container:
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == 3 and decoded[0].shape == (640, 1280, 3)
+    # the picture is the frame scaled, not padded or cropped: a coarse grid of it matches the source
+    small = decoded[0].reshape(32, 20, 64, 20, 3).mean(axis=(1, 3))
+    assert np.abs(small - frame).mean() < 6
+    odd = Mp4Writer(8, size=(33, 17))  # 4:2:0 needs even sides: rounded up
+    odd.add(frame[None])
+    with av.open(io.BytesIO(odd.close())) as container:
+        assert (container.streams.video[0].width, container.streams.video[0].height) == (34, 18)

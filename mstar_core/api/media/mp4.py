@@ -12,11 +12,15 @@ import numpy as np
 class Mp4Writer:
     """An MP4 written chunk by chunk as a video is decoded (`add` per chunk of frames, then `close` for the bytes).
 
-    The encoder's work overlaps the rest of the decode, so the file is ready right after the last chunk.
+    The encoder's work overlaps the rest of the decode, so the file is ready right after the last chunk. With
+    `size` (width, height) the frames are scaled to it as they are encoded: the size a client asked for, where the
+    model draws on its own grid (multiples of 32, or a tiny preset's scaled-down one).
     """
 
-    def __init__(self, fps: int, *, crf: int = 18):
+    def __init__(self, fps: int, *, crf: int = 18, size: tuple[int, int] | None = None):
         self.fps, self.crf = int(fps), crf
+        # 4:2:0 chroma needs even sides: an odd one asked for is rounded up
+        self.size = None if size is None else (int(size[0]) + int(size[0]) % 2, int(size[1]) + int(size[1]) % 2)
         self.frames = 0
         self._out = io.BytesIO()
         self._container: Any = None
@@ -30,11 +34,16 @@ class Mp4Writer:
         if self._container is None:
             self._shape = array.shape[1:3]
             self._container = av.open(self._out, mode="w", format="mp4")
-            self._stream = _video_stream(self._container, array, self.fps, self.crf)
+            width, height = self.size or (array.shape[2], array.shape[1])
+            self._stream = _video_stream(self._container, width, height, self.fps, self.crf)
         elif array.shape[1:3] != self._shape:
             raise ValueError(f"a chunk of {list(array.shape[1:3])} frames in a {list(self._shape)} video")
+        scale = self.size is not None and self.size != (array.shape[2], array.shape[1])
         for frame in array:
-            for packet in self._stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            if scale:  # (swscale's bicubic, in the encoder's own pixel format)
+                picture = picture.reformat(width=self.size[0], height=self.size[1], format="yuv420p")
+            for packet in self._stream.encode(picture):
                 self._container.mux(packet)
         self.frames += len(array)
 
@@ -57,9 +66,9 @@ def _checked(frames: Any) -> np.ndarray:
     return array
 
 
-def _video_stream(container: Any, array: np.ndarray, fps: int, crf: int) -> Any:
+def _video_stream(container: Any, width: int, height: int, fps: int, crf: int) -> Any:
     stream = container.add_stream("libx264", rate=Fraction(int(fps), 1))
-    stream.width, stream.height = array.shape[2], array.shape[1]
+    stream.width, stream.height = width, height
     stream.pix_fmt = "yuv420p"
     stream.options = {"crf": str(crf), "preset": "veryfast"}
     return stream

@@ -180,7 +180,8 @@ async def follow_video_job(job: VideoJob, *, store: VideoJobStore, handle: Any, 
     adapter names them) go into the MP4 as they arrive; the encoder runs off the event loop."""
     job.handle, job.status = handle, "in_progress"
     prepared = getattr(handle, "prepared", None) or {}
-    writer = Mp4Writer(adapter.video_fps(prepared))
+    width, height = (int(v) for v in job.size.lower().split("x"))  # (checked by the route: WIDTHxHEIGHT)
+    writer = Mp4Writer(adapter.video_fps(prepared), size=(width, height))
     chunks = adapter.video_frames_output
     emitted: Counter = Counter()
     async for out in handle:
