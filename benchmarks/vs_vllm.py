@@ -188,6 +188,20 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, port: int, workdir: P
                   workdir / "vllm.log")
 
 
+async def step_seconds(client: Any, node: str = "lm") -> float | None:
+    """Seconds M*'s node `node` has spent inside engine steps (`mstar_node_step_seconds_total` on its /metrics;
+    None for a server that does not count them): over a level's wall time, the share of it in forwards (and the
+    sampling inside the step); the rest is the runtime, HTTP and the client around them."""
+    try:
+        text = (await client.get("/metrics")).text
+    except Exception:
+        return None
+    for line in text.splitlines():
+        if line.startswith("mstar_node_step_seconds_total{") and f'node="{node}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 async def run_side(server: Server, levels: list[int], prompts: dict[int, list[list[int]]], warm: list[list[int]],
                    start_timeout: float) -> dict[str, Any]:
     """Start one server, warm it up, run every load level, stop it. Figures per level plus the c=1 texts."""
@@ -200,10 +214,13 @@ async def run_side(server: Server, levels: list[int], prompts: dict[int, list[li
             await closed_loop(client, warm, len(warm), 16)  # the first batches' one-off costs, on both sides
             out: dict[str, Any] = {"startup_s": startup, "levels": {}}
             for c in levels:
-                cpu0 = server.cpu_s()
+                cpu0, busy0 = server.cpu_s(), await step_seconds(client)
                 results, wall = await closed_loop(client, prompts[c], c, OUTPUT_TOKENS)
                 figures = summarize(results, wall)
                 figures["cpu_s_per_1k_tok"] = (server.cpu_s() - cpu0) / figures["tokens"] * 1e3
+                busy1 = await step_seconds(client)
+                if busy0 is not None and busy1 is not None:  # (M* only: its /metrics counts the LM's step time)
+                    figures["outside_step_share"] = round(max(0.0, 1.0 - (busy1 - busy0) / wall), 3)
                 out["levels"][c] = figures
                 if c == 1:
                     out["texts"] = [r.text for r in results[:TEXT_PROMPTS]]
@@ -242,7 +259,7 @@ async def probe_vllm_threads(python: Path, model_dir: Path, dtype: str, workdir:
 
 
 def med(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
-    values = [r["levels"][c][key] for r in runs if c in r.get("levels", {})]
+    values = [r["levels"][c][key] for r in runs if key in r.get("levels", {}).get(c, {})]
     return median(values) if values else None
 
 
@@ -292,6 +309,10 @@ def report(dtype: str, runs: dict[str, list[dict]], levels: list[int], peer: str
             if k in ("tok_s", "ttft_p50_ms"):
                 out[f"{k.replace('_ms', '')}_ratio_c{c}_{dtype}"] = r
         print(f"{c:>3} " + " ".join(f"{x:>26}" for x in cells))
+        outside = med(runs["mstar"], c, "outside_step_share")
+        if outside is not None:  # issue 53 item 1: the inter-token time spent outside M*'s forward
+            out[f"outside_step_share_c{c}_{dtype}"] = outside
+            print(f"    M*: {outside:.1%} of the wall time at c={c} was outside the LM's steps")
     starts = {side: [r["startup_s"] for r in rs if "startup_s" in r] for side, rs in runs.items()}
     start = {side: median(v) if v else None for side, v in starts.items()}
     out[f"startup_s_{dtype}"] = start

@@ -74,6 +74,7 @@ class NodeScheduler:
         self.invocations = 0
         self.last_batch_size = 0
         self.last_step_seconds = 0.0
+        self.step_seconds_total = 0.0  # wall time inside steps (over a run's wall time: the share of it in forwards)
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -270,6 +271,7 @@ class NodeScheduler:
         self.steps += 1
         self.last_batch_size = len(results)
         self.last_step_seconds = elapsed
+        self.step_seconds_total += elapsed
         self.invocations += len(results)
         for inv, out in results:
             entry = self._inflight.pop(id(inv), None)

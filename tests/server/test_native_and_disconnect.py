@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 
 import httpx
 import numpy as np
@@ -49,6 +50,8 @@ async def test_64_streams_half_disconnected_free_all_pages(server):
         return got
 
     calls_before = metric(server, "mstar_node_invocations", model="toy-tts", node="gen")
+    busy_before = metric(server, "mstar_node_step_seconds_total", model="toy-tts", node="gen")
+    started = time.monotonic()
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60, limits=limits) as client:
         results = await asyncio.gather(*(one(client, i % 2 == 1) for i in range(64)))
@@ -68,3 +71,6 @@ async def test_64_streams_half_disconnected_free_all_pages(server):
     calls = metric(server, "mstar_node_invocations", model="toy-tts", node="gen") - calls_before
     print(f"gen invocations: {calls:.0f} of {64 * len(text)} if nobody disconnected")
     assert 32 * len(text) <= calls < 0.85 * 64 * len(text), calls
+    # the node's time inside steps counts up, and never past the wall time the streams took
+    busy = metric(server, "mstar_node_step_seconds_total", model="toy-tts", node="gen") - busy_before
+    assert 0 < busy <= time.monotonic() - started, busy

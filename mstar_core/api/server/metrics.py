@@ -82,6 +82,8 @@ class _EngineCollector:
         batch = GaugeMetricFamily("mstar_node_batch_size", "invocations in the node's last step", labels=["model", "node"])
         step = GaugeMetricFamily("mstar_node_step_latency_seconds", "duration of the node's last step", labels=["model", "node"])
         steps = GaugeMetricFamily("mstar_node_steps", "steps the node has run", labels=["model", "node"])
+        busy = CounterMetricFamily("mstar_node_step_seconds", "wall time the node's steps took (its rate: the share "
+                                   "of time the node computes)", labels=["model", "node"])
         calls = GaugeMetricFamily("mstar_node_invocations", "invocations the node has run", labels=["model", "node"])
         for model in list(getattr(engine, "models", {}) or {}):
             try:
@@ -100,6 +102,7 @@ class _EngineCollector:
                 batch.add_metric([model, node], float(getattr(sched, "last_batch_size", 0)))
                 step.add_metric([model, node], float(getattr(sched, "last_step_seconds", 0.0)))
                 steps.add_metric([model, node], float(getattr(sched, "steps", 0)))
+                busy.add_metric([model, node], float(getattr(sched, "step_seconds_total", 0.0)))
                 calls.add_metric([model, node], float(getattr(sched, "invocations", 0)))
         yield from named.values()
         yield every
@@ -109,6 +112,7 @@ class _EngineCollector:
         yield batch
         yield step
         yield steps
+        yield busy
         yield calls
         yield _native_kernel_metric()
 
