@@ -8,13 +8,6 @@ from tests.qwen_tts.oracle import load_reference_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(preset_cache):
-    from mstar_qwen_tts.preset import ensure_tiny
-
-    return ensure_tiny("tiny")
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_dir):
     return load_reference_tokenizer(tiny_dir)
 

@@ -1,0 +1,90 @@
+"""Cloning with the reference audio's transcript (Base, in-context mode): the served speech for a voice with
+reference codes and transcript has the codes of the `qwen-tts` package's greedy `generate` with the same voice
+clone prompt (`icl_mode`, `ref_code`, `ref_ids`), streaming text (its default for clones) and not, with the
+transcript + text shorter and longer than the reference codes."""
+
+import asyncio
+
+import pytest
+import torch
+from mstar_qwen_tts.prepare import assistant_text, reference_text
+
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from tests.qwen_tts.oracle import load_reference
+
+FRAMES = 12
+
+
+@pytest.fixture(scope="module")
+def base_dir(preset_cache):
+    from mstar_qwen_tts.preset import ensure_tiny
+
+    return ensure_tiny("tiny-base")
+
+
+@pytest.fixture(scope="module")
+def reference(base_dir):
+    return load_reference(base_dir)
+
+
+def _voice(samples: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(samples)
+    t = torch.arange(samples) / 24000
+    return (0.3 * torch.sin(2 * torch.pi * 180 * t) + 0.05 * torch.randn(samples, generator=g)).clamp(-1, 1)
+
+
+def _served(requests: list[dict]) -> list[torch.Tensor]:
+    async def one(engine, inputs):
+        handle = engine.submit("qwen3-tts", {**inputs, "do_sample": False, "subtalker_dosample": False,
+                                             "max_frames": FRAMES})
+        codes = [out.value for out in [o async for o in handle] if out.name == "codes" and out.value is not None]
+        await handle.result()
+        return torch.stack(codes)
+
+    async def main():
+        async with AsyncEngine(discover()) as engine:
+            await engine.load_model("qwen3-tts", LoadOptions(preset="tiny-base"))
+            return await asyncio.gather(*(one(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+# (reference samples, transcript, text, non-streaming): 19 reference frames outnumber the short texts' tokens; 4
+# frames are fewer than the long ones' (their text rows trail into the decode steps)
+CASES = [
+    (36000, "Hi.", "Hello there!", False),
+    (8000, "The quick brown fox jumps over the lazy dog.", "A warm, low voice that speaks slowly and clearly.", False),
+    (8000, "The quick brown fox.", "Hello there, the lazy dog sings!", True),
+]
+
+
+@pytest.mark.slow
+def test_served_icl_codes_equal_qwen_tts_generate(base_dir, reference, tokenizer):
+    from mstar_qwen_tts.checkpoint import load_speech_encoder, load_tts
+
+    model = load_tts(base_dir, progress=False)
+    encoder = load_speech_encoder(base_dir, progress=False)
+    prompts = []
+    for samples, transcript, text, non_streaming in CASES:
+        wav = _voice(samples)
+        prompts.append((model.speaker_encoder.embed(wav), encoder.encode(wav), transcript, text, non_streaming))
+    got = _served([{"input": text, "speaker_embedding": emb.tolist(), "ref_codes": codes.flatten().tolist(),
+                    "ref_text": transcript, "non_streaming_mode": non_streaming}
+                   for emb, codes, transcript, text, non_streaming in prompts])
+    for (emb, codes, transcript, text, non_streaming), ours in zip(prompts, got, strict=True):
+        ids = tokenizer.encode(assistant_text(text), add_special_tokens=False).ids
+        ref_ids = tokenizer.encode(reference_text(transcript), add_special_tokens=False).ids
+        with torch.no_grad():
+            want, _ = reference.generate(
+                input_ids=[torch.tensor([ids])], ref_ids=[torch.tensor([ref_ids])], languages=["auto"],
+                speakers=[None], non_streaming_mode=non_streaming,
+                voice_clone_prompt={"ref_spk_embedding": [emb], "x_vector_only_mode": [False], "icl_mode": [True],
+                                    "ref_code": [codes]},
+                max_new_tokens=FRAMES, do_sample=False, subtalker_dosample=False)
+        assert ours.shape == (FRAMES - 1, 4) and torch.equal(ours, want[0]), (transcript, text, non_streaming)
+    # the in-context prompt shapes the speech: the same voice without it (x-vector only) speaks other codes
+    emb, codes, transcript, text, non_streaming = prompts[0]
+    (x_vector_only,) = _served([{"input": text, "speaker_embedding": emb.tolist(), "non_streaming_mode": False}])
+    assert not torch.equal(x_vector_only, got[0])
