@@ -88,3 +88,47 @@ def test_served_icl_codes_equal_qwen_tts_generate(base_dir, reference, tokenizer
     emb, codes, transcript, text, non_streaming = prompts[0]
     (x_vector_only,) = _served([{"input": text, "speaker_embedding": emb.tolist(), "non_streaming_mode": False}])
     assert not torch.equal(x_vector_only, got[0])
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_icl_prompt_rows_equal_qwen_tts(base_dir, reference, tokenizer, case):
+    """The Talker's prefill rows and the decode steps' text rows equal those the package's `generate` hands its
+    Talker (captured at `talker.generate`, before any step runs)."""
+    from mstar_qwen_tts.checkpoint import load_speech_encoder, load_tts
+    from mstar_qwen_tts.prompt import talker_rows
+
+    samples, transcript, text, non_streaming = CASES[case]
+    model = load_tts(base_dir, progress=False)
+    wav = _voice(samples)
+    emb, codes = model.speaker_encoder.embed(wav), load_speech_encoder(base_dir, progress=False).encode(wav)
+    ids = tokenizer.encode(assistant_text(text), add_special_tokens=False).ids
+    ref_ids = tokenizer.encode(reference_text(transcript), add_special_tokens=False).ids
+    seen = {}
+
+    def capture(**kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    reference.talker.generate = capture
+    try:
+        with pytest.raises(_Captured), torch.no_grad():
+            reference.generate(
+                input_ids=[torch.tensor([ids])], ref_ids=[torch.tensor([ref_ids])], languages=["auto"],
+                speakers=[None], non_streaming_mode=non_streaming,
+                voice_clone_prompt={"ref_spk_embedding": [emb], "x_vector_only_mode": [False], "icl_mode": [True],
+                                    "ref_code": [codes]}, max_new_tokens=4, do_sample=False)
+    finally:
+        del reference.talker.generate
+    prefill, trailing = talker_rows(model.talker, model.config, ids, [], "", "auto", non_streaming, emb,
+                                    ref_ids[3:-2], codes)
+    assert torch.equal(prefill, seen["inputs_embeds"][0])
+    want = seen["trailing_text_hidden"][0]
+    # upstream feeds `tts_pad` once its trailing rows run out (or has that one row when there are none); ours end
+    # with the `tts_pad` row that repeats
+    assert torch.equal(trailing[-1], seen["tts_pad_embed"].view(-1))
+    assert torch.equal(trailing[:-1] if trailing.shape[0] > 1 else trailing, want)
+    assert (trailing.shape[0] > 1) == (case == 1)  # only the long text outgrows the reference codes, streaming
