@@ -1,7 +1,9 @@
 """Cloning with the reference audio's transcript (Base, in-context mode): the served speech for a voice with
 reference codes and transcript has the codes of the `qwen-tts` package's greedy `generate` with the same voice
 clone prompt (`icl_mode`, `ref_code`, `ref_ids`), streaming text (its default for clones) and not, with the
-transcript + text shorter and longer than the reference codes."""
+transcript + text shorter and longer than the reference codes; and its audio is the package's (the reference codes
+and the new ones decoded together, the reference's share cut off) to `WAVE_TOL`: the random decoder saturates, and
+float rounding moves a few samples by up to ~7e-4 (mean ~2e-6)."""
 
 import asyncio
 
@@ -15,6 +17,8 @@ from mstar_core.runtime import AsyncEngine
 from tests.qwen_tts.oracle import load_reference
 
 FRAMES = 12
+#: the waveform tolerance of the package comparisons (`test_fidelity.WAVE_TOL`)
+WAVE_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +39,15 @@ def _voice(samples: int) -> torch.Tensor:
     return (0.3 * torch.sin(2 * torch.pi * 180 * t) + 0.05 * torch.randn(samples, generator=g)).clamp(-1, 1)
 
 
-def _served(requests: list[dict]) -> list[torch.Tensor]:
+def _served(requests: list[dict], audio: list | None = None) -> list[torch.Tensor]:
     async def one(engine, inputs):
         handle = engine.submit("qwen3-tts", {**inputs, "do_sample": False, "subtalker_dosample": False,
                                              "max_frames": FRAMES})
-        codes = [out.value for out in [o async for o in handle] if out.name == "codes" and out.value is not None]
+        outs = [o async for o in handle]
         await handle.result()
-        return torch.stack(codes)
+        if audio is not None:
+            audio.append(torch.cat([o.value for o in outs if o.name == "audio"]))
+        return torch.stack([o.value for o in outs if o.name == "codes" and o.value is not None])
 
     async def main():
         async with AsyncEngine(discover()) as engine:
@@ -64,16 +70,20 @@ CASES = [
 def test_served_icl_codes_equal_qwen_tts_generate(base_dir, reference, tokenizer):
     from mstar_qwen_tts.checkpoint import load_speech_encoder, load_tts
 
+    from tests.qwen_tts.oracle import load_reference_decoder
+
     model = load_tts(base_dir, progress=False)
     encoder = load_speech_encoder(base_dir, progress=False)
     prompts = []
     for samples, transcript, text, non_streaming in CASES:
         wav = _voice(samples)
         prompts.append((model.speaker_encoder.embed(wav), encoder.encode(wav), transcript, text, non_streaming))
+    audio: list[torch.Tensor] = []
     got = _served([{"input": text, "speaker_embedding": emb.tolist(), "ref_codes": codes.flatten().tolist(),
                     "ref_text": transcript, "non_streaming_mode": non_streaming}
-                   for emb, codes, transcript, text, non_streaming in prompts])
-    for (emb, codes, transcript, text, non_streaming), ours in zip(prompts, got, strict=True):
+                   for emb, codes, transcript, text, non_streaming in prompts], audio)
+    decoder = load_reference_decoder(base_dir)
+    for (emb, codes, transcript, text, non_streaming), ours, wav in zip(prompts, got, audio, strict=True):
         ids = tokenizer.encode(assistant_text(text), add_special_tokens=False).ids
         ref_ids = tokenizer.encode(reference_text(transcript), add_special_tokens=False).ids
         with torch.no_grad():
@@ -84,6 +94,14 @@ def test_served_icl_codes_equal_qwen_tts_generate(base_dir, reference, tokenizer
                                     "ref_code": [codes]},
                 max_new_tokens=FRAMES, do_sample=False, subtalker_dosample=False)
         assert ours.shape == (FRAMES - 1, 4) and torch.equal(ours, want[0]), (transcript, text, non_streaming)
+        # the package's audio: reference and new codes decoded together, the reference's share cut off
+        with torch.no_grad():
+            full = decoder.chunked_decode(torch.cat([codes, want[0]]).t()[None]).clamp(-1, 1)[0, 0]
+        expected = full[codes.shape[0] * 1920:]
+        assert wav.shape == expected.shape and (wav - expected).abs().max() < WAVE_TOL
+        # (decoded without the reference before them, the same codes sound different: the context matters)
+        alone = decoder.chunked_decode(want[0].t()[None]).clamp(-1, 1)[0, 0]
+        assert (alone - expected).abs().max() > 0.1
     # the in-context prompt shapes the speech: the same voice without it (x-vector only) speaks other codes
     emb, codes, transcript, text, non_streaming = prompts[0]
     (x_vector_only,) = _served([{"input": text, "speaker_embedding": emb.tolist(), "non_streaming_mode": False}])

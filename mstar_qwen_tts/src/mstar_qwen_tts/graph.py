@@ -33,11 +33,10 @@ from mstar_core.graph import (
     stream_priority,
 )
 from mstar_core.nn.code_predictor import FrameSeed
-from mstar_core.nn.codec_vocoder import WindowDecoder
 from mstar_core.streaming import LeftContextChunkPolicy
 from mstar_qwen_tts.checkpoint import QwenTTS
 from mstar_qwen_tts.nodes import FrameStep, TalkerPrompt
-from mstar_qwen_tts.speech_decoder import SpeechDecoder
+from mstar_qwen_tts.speech_decoder import ClonedWindowDecoder, SpeechDecoder
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
 SAMPLE_RATE = 24000
@@ -80,8 +79,9 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts",
                                          "talker_sampling", "talker_opening_sampling"),
                   outputs=("codes", "step_embeds", "text_step", "step_sampling"), engine="function",
                   module=lambda: FrameStep(talker)),
-        GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
-                  module=lambda: WindowDecoder(decoder)),
+        # a voice cloned in context: its reference codes are the first windows' left context
+        GraphNode("code2wav", inputs=("codes",), optional_inputs=("ref_codes",), outputs=("audio",),
+                  engine="stateless", module=lambda: ClonedWindowDecoder(decoder, LEFT_FRAMES)),
     ]
     frame = Sequential(
         NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
