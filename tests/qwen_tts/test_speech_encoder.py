@@ -33,3 +33,26 @@ def test_codes_equal_qwen_tts_tokenizer_encode(tiny_dir, reference, samples):
     if samples == 36000:  # the random codebooks are used: many different entries, not one
         assert len(set(got[:, 0].tolist())) > 3 and len(set(got[:, 3].tolist())) > 3
     assert ours.encodes == 1
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"encode_downsample_rate": 960}, "encode_downsample_rate"),
+    ({"encoder_valid_num_quantizers": 9}, "encoder_valid_num_quantizers"),
+    ({"encoder_config": {"pad_mode": "reflect"}}, "encoder_config.pad_mode"),
+    ({"encoder_config": {"num_filters": "4"}}, "encoder_config.num_filters"),
+    ({"encoder_config": None}, "encoder_config"),
+])
+def test_bad_encoder_config_names_the_key(change, key):
+    from mstar_qwen_tts.config import SpeechEncoderConfig
+    from mstar_qwen_tts.preset import tiny_speech_tokenizer_config
+
+    from mstar_core.errors import ConfigError
+
+    cfg = tiny_speech_tokenizer_config()
+    for name, value in change.items():
+        if isinstance(value, dict):
+            cfg[name].update(value)
+        else:
+            cfg[name] = value
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        SpeechEncoderConfig.from_hf(cfg)
