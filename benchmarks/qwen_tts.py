@@ -13,13 +13,18 @@ defaults on both sides.
 - `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
   audio before it has played out, playback starting at the first chunk), with the walk's stream priority: every call
   of a request's frame loop ranked by how close its listener is to running dry (`priority: true` in the JSON).
+- `viability_c32_fifo`: the same crowd on the same weights served FIFO: the graph built with `priority=False` and
+  the frame loop's kvcache nodes (Talker, code predictor) taking calls in submission order (`call_order: "fifo"`,
+  as Orpheus's benchmark defines FIFO). The two crowds alternate (priority first).
 - `clone_cached_speedup`: a cloned voice's request time with the stored x-vector (what `/v1/audio/voices` keeps)
   over the time with the speaker encoder run per request on the reference audio (what an uncached server does).
+- `clone_icl_cached_speedup`: the same for a voice created with its transcript (in-context cloning): the stored
+  x-vector and reference codes, against running the speaker encoder and the tokenizer's encoder per request.
 - `stream_first_audio_ms`: text arriving word by word (as from an LLM), cut by `TextChunker`: milliseconds from the
   word that completes the first sentence to that sentence's first audio.
 
-`--quick` (< 60 s) runs smaller lengths and counts (c=1 x2, c=4 for throughput, c=8 for viability; the keys keep
-their names, `concurrency` says what ran). Timings on a
+`--quick` (< 60 s on an idle box) runs smaller lengths and counts (27 frames; c=1 once, c=4 for throughput, c=4 for
+each viability crowd; the keys keep their names, `concurrency` says what ran). Timings on a
 small shared CPU box are noisy; the ratios are what to read.
 
     python benchmarks/qwen_tts.py --quick
@@ -45,14 +50,21 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 
-SIZE = {"talker": 256, "talker_layers": 4, "groups": 16, "decoder": 64}
+SIZE = {"talker": 256, "talker_layers": 4, "groups": 16, "decoder": 64, "encoder": 32}
 
 
 def write_checkpoint(directory: Path) -> Path:
-    """The tiny Base preset widened (Talker 256 x 4, 16 code groups, the published decoder rates), seeded weights."""
+    """The tiny Base preset widened (Talker 256 x 4, 16 code groups, the published decoder and encoder rates; the
+    encoder's 32 quantizers of which 16 are kept, as published), seeded weights."""
     from mstar_qwen_tts.checkpoint import QwenTTS
-    from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
-    from mstar_qwen_tts.preset import build_tokenizer, randomize, tiny_config, tiny_speech_tokenizer_config
+    from mstar_qwen_tts.config import SpeechDecoderConfig, SpeechEncoderConfig, TTSConfig
+    from mstar_qwen_tts.preset import (
+        build_tokenizer,
+        random_speech_encoder,
+        randomize,
+        tiny_config,
+        tiny_speech_tokenizer_config,
+    )
     from mstar_qwen_tts.speech_decoder import SpeechDecoder
 
     from mstar_core.checkpoint import save_hf_checkpoint
@@ -78,11 +90,18 @@ def write_checkpoint(directory: Path) -> Path:
                                     num_key_value_heads=4, intermediate_size=2 * dec, num_hidden_layers=2,
                                     num_quantizers=groups, sliding_window=72, upsample_rates=[8, 5, 4, 3],
                                     upsampling_ratios=[2, 2], decoder_dim=dec)
+    enc = SIZE["encoder"]
+    speech["encoder_config"].update(hidden_size=enc, num_filters=enc // 16, codebook_dim=enc // 2,
+                                    vector_quantization_hidden_dimension=enc // 2, num_quantizers=2 * groups,
+                                    upsample_groups=enc, intermediate_size=4 * enc, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=2, head_dim=enc // 2,
+                                    sliding_window=250)
     speech.update(decode_upsample_rate=1920, encode_downsample_rate=1920, encoder_valid_num_quantizers=groups)
     decoder = SpeechDecoder(SpeechDecoderConfig.from_hf(speech))
     randomize(decoder, 1)
-    save_hf_checkpoint({f"decoder.{k}": v for k, v in decoder.state_dict().items()}, directory / "speech_tokenizer",
-                       speech)
+    encoder = random_speech_encoder(SpeechEncoderConfig.from_hf(speech), 2)
+    save_hf_checkpoint({**{f"decoder.{k}": v for k, v in decoder.state_dict().items()}, **encoder.state_dict()},
+                       directory / "speech_tokenizer", speech)
     return directory
 
 
@@ -114,10 +133,12 @@ def baseline(ref, decoder, ids: list[int], embedding: torch.Tensor, frames: int)
     return time.perf_counter() - start, wav.shape[-1] / 24000
 
 
-async def mstar_one(engine, embedding: list[float], frames: int, seed: int) -> dict:
+async def mstar_one(engine, embedding: list[float], frames: int, seed: int, model: str = "qwen3-tts",
+                    icl: dict | None = None) -> dict:
+    """One request; `icl`: the in-context prompt (`ref_text`, `ref_codes`) of a voice created with its transcript."""
     start = time.perf_counter()
-    handle = engine.submit("qwen3-tts", {"input": TEXT, "speaker_embedding": embedding, "max_frames": frames + 1,
-                                         "ignore_eos": True, "seed": seed, **SAMPLING})
+    handle = engine.submit(model, {"input": TEXT, "speaker_embedding": embedding, "max_frames": frames + 1,
+                                   "ignore_eos": True, "seed": seed, **(icl or {}), **SAMPLING})
     arrivals, samples = [], 0
     async for out in handle:
         if out.name == "audio":
@@ -158,7 +179,15 @@ async def stream_first_audio(engine, embedding: list[float], frames: int) -> flo
     raise RuntimeError("no sentence ended")
 
 
+async def crowd_viability(engine, model: str, emb: list[float], frames: int, count: int, seed: int) -> float:
+    crowd = await asyncio.gather(*(mstar_one(engine, emb, frames, seed + i, model) for i in range(count)))
+    return sum(viable(r["arrivals"]) for r in crowd) / len(crowd)
+
+
 async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
+    import attrs
+    from mstar_qwen_tts.graph import build_graph
+
     from mstar_core.model import LoadOptions
     from mstar_core.plugins import discover
     from mstar_core.runtime import AsyncEngine
@@ -166,10 +195,17 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
     out: dict = {}
     async with AsyncEngine(discover()) as engine:
         loaded = await engine.load_model("qwen3-tts", LoadOptions(checkpoint=str(directory)))
-        encoder = loaded.extras["model"].speaker_encoder
+        # the same weights served FIFO: no stream priority, the frame loop's calls taken in submission order
+        fifo_graph = build_graph(loaded.extras["model"], loaded.extras["decoder"], priority=False)
+        await engine.add_model(attrs.evolve(loaded, graph=fifo_graph), alias="qwen3-tts-fifo",
+                               settings={node: {"call_order": "fifo"} for node in ("talker", "code_predictor")})
+        encoder, codec_encoder = loaded.extras["model"].speaker_encoder, loaded.extras["speech_encoder"]
         out["embedding"] = encoder.embed(voice)  # the voice as `/v1/audio/voices` stores it
         emb = out["embedding"].tolist()
+        # a voice created with its transcript also keeps its reference codes
+        icl = {"ref_text": "A warm voice.", "ref_codes": codec_encoder.encode(voice).flatten().tolist()}
         await mstar_one(engine, emb, 4, 0)  # warm-up
+        await mstar_one(engine, emb, 4, 0, "qwen3-tts-fifo")
         log("loaded and warm")
         c1 = [await mstar_one(engine, emb, args.frames, i) for i in range(args.c1)]
         out["ttfa_c1"] = statistics.median(r["ttfa"] for r in c1)
@@ -178,9 +214,10 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
         wave = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 100 + i) for i in range(args.cthroughput)))
         out["audio_per_s"] = sum(r["audio"] for r in wave) / (time.perf_counter() - start)
         log("throughput wave", time.perf_counter() - start)
-        crowd = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 200 + i) for i in range(args.cviable)))
-        out["viability"] = sum(viable(r["arrivals"]) for r in crowd) / len(crowd)
-        log("viability wave")
+        out["viability"] = await crowd_viability(engine, "qwen3-tts", emb, args.frames, args.cviable, 200)
+        log("viability wave (priority)", out["viability"])
+        out["viability_fifo"] = await crowd_viability(engine, "qwen3-tts-fifo", emb, args.frames, args.cviable, 200)
+        log("viability wave (fifo)", out["viability_fifo"])
         cached, uncached = [], []
         for i in range(args.c1):
             cached.append((await mstar_one(engine, emb, args.clone_frames, 300 + i))["total"])
@@ -190,6 +227,16 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
             assert r["audio"] > 0
             uncached.append(time.perf_counter() - start)
         out["clone_cached_speedup"] = statistics.median(uncached) / statistics.median(cached)
+        cached, uncached = [], []
+        for i in range(args.c1):
+            cached.append((await mstar_one(engine, emb, args.clone_frames, 400 + i, icl=icl))["total"])
+            start = time.perf_counter()
+            fresh = encoder.embed(voice).tolist()  # uncached: both encoders on every request
+            fresh_icl = {**icl, "ref_codes": codec_encoder.encode(voice).flatten().tolist()}
+            r = await mstar_one(engine, fresh, args.clone_frames, 400 + i, icl=fresh_icl)
+            assert r["audio"] > 0
+            uncached.append(time.perf_counter() - start)
+        out["clone_icl_cached_speedup"] = statistics.median(uncached) / statistics.median(cached)
         out["stream_first_audio_ms"] = await stream_first_audio(engine, emb, args.clone_frames)
     return out
 
@@ -226,9 +273,11 @@ def main() -> None:
         # (the keys keep their names under --quick, which runs fewer concurrent requests: see "concurrency")
         "throughput_ratio_c16": round(mstar["audio_per_s"] / base_rate, 3),
         "viability_c32": round(mstar["viability"], 3),
+        "viability_c32_fifo": round(mstar["viability_fifo"], 3),
         "concurrency": {"throughput": args.cthroughput, "viability": args.cviable},
         "priority": True,
         "clone_cached_speedup": round(mstar["clone_cached_speedup"], 3),
+        "clone_icl_cached_speedup": round(mstar["clone_icl_cached_speedup"], 3),
         "stream_first_audio_ms": round(mstar["stream_first_audio_ms"], 1),
         "mstar_ttfa_c1_s": round(mstar["ttfa_c1"], 3), "baseline_audio_s": round(base_ttfa, 3),
         "frames": args.frames, "quick": args.quick, "baseline": "qwen-tts-compat 0.1.1.post1",

@@ -103,3 +103,54 @@ def reference_codes(model, text_ids, *, speaker=None, instruct_ids=None, languag
         languages=[language], speakers=[speaker], non_streaming_mode=non_streaming, max_new_tokens=max_frames,
         do_sample=False, subtalker_dosample=False, repetition_penalty=repetition_penalty)
     return codes[0]
+
+
+def load_reference_tokenizer(directory: Path):
+    """The upstream 12 Hz tokenizer (`Qwen3TTSTokenizerV2Model`, its `encode` is the oracle) with the checkpoint's
+    `speech_tokenizer/` weights (fp32).
+
+    Its encoder subclasses transformers' `MimiModel` and clears the decoder half by assigning `None` to names that
+    transformers 5.25's `MimiModel` made read-only properties (the halves are now `MimiModel.encoder` and
+    `.decoder`); the stand-in constructor builds the same Mimi without its decoder the 5.25 way
+    (`decoder_config = None`). The flat checkpoint names are mapped as transformers' own conversion for `MimiModel`
+    maps them (`encoder.layers` -> `encoder.encoder_seanet.layers`, `encoder_transformer.` and `downsample.` under
+    `encoder.`).
+    """
+    import copy
+    import re
+
+    from safetensors.torch import load_file
+
+    import_qwen_tts()
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as modeling
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+    from transformers import MimiModel
+
+    def without_decoder(self, config):
+        config = copy.deepcopy(config)
+        config.decoder_config = None
+        MimiModel.__init__(self, config)
+
+    modeling.Qwen3TTSTokenizerV2Encoder.__init__ = without_decoder
+    where = directory / "speech_tokenizer"
+    raw = json.loads((where / "config.json").read_text())
+    cfg = Qwen3TTSTokenizerV2Config(**raw)
+    cfg.encoder_config._attn_implementation = "eager"
+    cfg.decoder_config._attn_implementation = "eager"
+    # the upstream decoder concatenates the two ratio lists: give it lists, as its JSON would
+    cfg.decoder_config.upsample_rates = list(cfg.decoder_config.upsample_rates)
+    cfg.decoder_config.upsampling_ratios = list(cfg.decoder_config.upsampling_ratios)
+    model = modeling.Qwen3TTSTokenizerV2Model(cfg).eval()
+    renames = ((r"^encoder\.encoder\.layers", "encoder.encoder.encoder_seanet.layers"),
+               (r"^encoder\.encoder_transformer\.", "encoder.encoder.encoder_transformer."),
+               (r"^encoder\.downsample\.", "encoder.encoder.downsample."))
+    state = {}
+    for name, tensor in load_file(where / "model.safetensors").items():
+        for pattern, repl in renames:
+            name = re.sub(pattern, repl, name)
+        state[name] = tensor
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # the tiny preset writes what encoding reads: not the quantizers' decoding projections or training flags
+    assert not unexpected and all(re.search(r"inv_freq|output_proj|initialized", k) for k in missing), (
+        missing, unexpected)
+    return model

@@ -140,9 +140,10 @@ class ApiAdapter:
     clones_voices: bool = False
 
     def clone_voice(self, samples: np.ndarray, sample_rate: int, transcript: str) -> Mapping[str, Any]:
-        """Reference audio (mono float) and its transcript -> the voice's prompt (what the speech route hands back to
-        `speech_inputs` as `cloned_voice`): computed once when the voice is created, so speaking with it runs no
-        encoder. Its values are JSON-like (lists of numbers, strings): the store keeps them as they are."""
+        """Reference audio (mono float) and its transcript ("" when none was sent) -> the voice's prompt (what the
+        speech route hands back to
+`speech_inputs` as `cloned_voice`): computed once when the voice is created, so speaking with it runs
+        no encoder. Its values are JSON-like (lists of numbers, strings): the store keeps them as they are."""
         raise RequestError(f"model '{self.model}' does not clone voices", param="model")
 
     # --- chat (/v1/chat/completions) ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Cloned voices (`/v1/audio/voices`): each caller's voices, bounded in count and bytes, scoped to its API key.
 
 A voice is created once from reference audio: the model's adapter turns it into a prompt (`clone_voice`: a speaker
-embedding, reference codes) that the store keeps, so a speech request naming the voice runs no encoder. The scope is
+embedding, and with a transcript the reference codes) that the store keeps, so a speech request naming the voice
+runs no encoder. A caller's bytes are its reference uploads plus the prompts kept (`prompt_bytes`). The scope is
 the bearer token the request carried (a server without `--api-key` still separates callers by the token they send;
 none is a scope of its own): a voice is invisible to, and unusable by, any other token. Voices live in the server's
 memory; a restart forgets them.
@@ -36,6 +37,18 @@ def caller_scope(headers: Mapping[str, str]) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def prompt_bytes(value: Any) -> int:
+    """The bytes a prompt holds, counted as packed data: 4 a number (an fp32 embedding value, an int32 code), a
+    string's UTF-8 length; containers add nothing."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, Mapping):
+        return sum(prompt_bytes(k) + prompt_bytes(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(prompt_bytes(v) for v in value)
+    return 4 if isinstance(value, int | float) else 0
+
+
 @attrs.frozen
 class Voice:
     id: str
@@ -45,10 +58,16 @@ class Voice:
     transcript: str
     audio_bytes: int
     prompt: Mapping[str, Any] = attrs.field(repr=False)
+    prompt_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.audio_bytes + self.prompt_bytes
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "object": "audio.voice", "name": self.name, "model": self.model,
-                "created_at": self.created_at, "transcript": self.transcript, "audio_bytes": self.audio_bytes}
+                "created_at": self.created_at, "transcript": self.transcript or None, "audio_bytes": self.audio_bytes,
+                "prompt_bytes": self.prompt_bytes}
 
 
 @attrs.define
@@ -60,21 +79,22 @@ class VoiceStore:
     _voices: dict[str, dict[str, Voice]] = attrs.field(factory=dict)
 
     def room_for(self, scope: str, audio_bytes: int) -> None:
-        """Raise the 4xx that `add` would, before any encoder runs."""
+        """Raise the 4xx that `add` would for the upload alone, before any encoder runs (`add` counts the prompt too)."""
         mine = self._voices.get(scope, {})
         if len(mine) >= self.max_voices:
             raise ApiError(409, f"this API key already has {len(mine)} voices, the most this server keeps; delete "
                                 f"one (DELETE /v1/audio/voices/{{id}})", param="file", code="voice_limit")
-        used = sum(v.audio_bytes for v in mine.values())
+        used = sum(v.bytes for v in mine.values())
         if used + audio_bytes > self.max_bytes:
-            raise ApiError(413, f"this API key's voices would hold {used + audio_bytes} bytes of reference audio; "
-                                f"the limit is {self.max_bytes}", param="file", code="voice_limit")
+            raise ApiError(413, f"this API key's voices would hold {used + audio_bytes} bytes of reference audio and "
+                                f"prompts; the limit is {self.max_bytes}", param="file", code="voice_limit")
 
     def add(self, scope: str, *, name: str, model: str, transcript: str, audio_bytes: int,
             prompt: Mapping[str, Any]) -> Voice:
-        self.room_for(scope, audio_bytes)
+        held = prompt_bytes(prompt)
+        self.room_for(scope, audio_bytes + held)
         voice = Voice(id=ID_PREFIX + secrets.token_hex(12), name=name, model=model, created_at=int(time.time()),
-                      transcript=transcript, audio_bytes=audio_bytes, prompt=prompt)
+                      transcript=transcript, audio_bytes=audio_bytes, prompt=prompt, prompt_bytes=held)
         self._voices.setdefault(scope, {})[voice.id] = voice
         return voice
 

@@ -1,9 +1,10 @@
 """`POST/GET/DELETE /v1/audio/voices`: cloned voices, created from reference audio, kept per API key.
 
 `POST` (multipart): `model` (a model whose adapter clones voices), `file` (WAV, FLAC, OGG or MP3; at most 30 s and
-8 MiB), `transcript` (what the audio says), `consent` (true: the speaker agreed to be cloned), optional `name`.
-The model turns the audio into the voice's prompt once, here; `/v1/audio/speech` with `voice` = the voice's id then
-runs no encoder. Each API key sees and uses only its own voices (`mstar_core.api.requests.voices`).
+8 MiB), `consent` (true: the speaker agreed to be cloned), optional `transcript` (what the audio says) and `name`.
+The model turns the audio into the voice's prompt once, here: with a transcript, the reference audio's codes too
+(Qwen3-TTS's in-context cloning), without one a speaker embedding only. `/v1/audio/speech` with `voice` = the
+voice's id then runs no encoder. Each API key sees and uses only its own voices (`mstar_core.api.requests.voices`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ async def create_voice(request: Request, model: str = Form(...), file: UploadFil
     if (consent or "").strip().lower() not in _YES:
         raise ApiError(400, "'consent' must be true: the speaker of the reference audio agreed to have their voice "
                             "cloned", param="consent")
-    if not transcript or not transcript.strip():
-        raise ApiError(400, "'transcript' is required: the text the reference audio speaks", param="transcript")
+    if transcript is not None and not transcript.strip():
+        raise ApiError(400, "'transcript' is blank: send the text the reference audio speaks, or leave it out (the "
+                            "voice then clones from a speaker embedding alone)", param="transcript")
+    transcript = (transcript or "").strip()
     if len(transcript) > 4096:
         raise ApiError(400, "'transcript' is longer than 4096 characters", param="transcript")
     if name is not None and len(name) > 128:
@@ -55,8 +58,8 @@ async def create_voice(request: Request, model: str = Form(...), file: UploadFil
     samples, rate = decode_upload(raw, MediaLimits(max_audio_bytes=MAX_REFERENCE_BYTES,
                                                    max_audio_seconds=MAX_REFERENCE_SECONDS))
     # the encoder runs once, off the event loop; its result is the voice
-    prompt = await asyncio.to_thread(adapter.clone_voice, samples, rate, transcript.strip())
-    voice = store.add(scope, name=name or file.filename or "voice", model=model, transcript=transcript.strip(),
+    prompt = await asyncio.to_thread(adapter.clone_voice, samples, rate, transcript)
+    voice = store.add(scope, name=name or file.filename or "voice", model=model, transcript=transcript,
                       audio_bytes=len(raw), prompt=prompt)
     return OrjsonResponse(voice.public())
 

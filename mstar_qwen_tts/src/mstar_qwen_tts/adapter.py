@@ -1,7 +1,9 @@
 """The speech adapter for `qwen3-tts`: `input`, `voice` (a preset speaker, any case; or a cloned voice, which the
 speech route resolves to its prompt) and `instructions` (voice design, or a style hint) become the model's request
 fields; the schema checks them. A Base checkpoint clones voices: `clone_voice` runs the speaker encoder once, when
-`POST /v1/audio/voices` creates the voice, and speech with that voice reuses the stored x-vector."""
+`POST /v1/audio/voices` creates the voice, and, when the voice comes with its transcript, the speech tokenizer's
+encoder too (the reference codes of the in-context prompt, as upstream's default `x_vector_only_mode=False`); speech
+with that voice reuses the stored x-vector, transcript and codes, and runs neither encoder."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class QwenTTSAdapter(ApiAdapter):
         super().bind(loaded)
         self.sample_rate = int(loaded.extras.get("sample_rate", self.sample_rate))
         self.speaker_encoder = loaded.extras["model"].speaker_encoder
+        self.speech_encoder = loaded.extras.get("speech_encoder")
         self.clones_voices = self.speaker_encoder is not None
 
     def speech_inputs(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,6 +41,8 @@ class QwenTTSAdapter(ApiAdapter):
         cloned = body.get("cloned_voice")
         if cloned is not None:
             inputs["speaker_embedding"] = list(cloned["speaker_embedding"])
+            if cloned.get("ref_codes") is not None:  # created with its transcript: the in-context prompt
+                inputs["ref_codes"], inputs["ref_text"] = list(cloned["ref_codes"]), cloned["ref_text"]
         elif body.get("voice"):
             inputs["voice"] = str(body["voice"]).lower()
         if body.get("instructions"):
@@ -53,5 +58,13 @@ class QwenTTSAdapter(ApiAdapter):
         if wav.size < MIN_REFERENCE_SECONDS * rate:
             raise RequestError(f"'file' holds {wav.size / rate:.2f} s of audio; a voice needs at least "
                                f"{MIN_REFERENCE_SECONDS:g} s", param="file")
-        embedding = self.speaker_encoder.embed(torch.from_numpy(np.clip(wav, -1.0, 1.0)))
-        return {"speaker_embedding": embedding.float().tolist(), "transcript": transcript}
+        audio = torch.from_numpy(np.clip(wav, -1.0, 1.0))
+        prompt: dict[str, Any] = {"speaker_embedding": self.speaker_encoder.embed(audio).float().tolist()}
+        if transcript and self.speech_encoder is not None:
+            # the tokenizer's encoder takes its own rate (24 kHz, as the speaker encoder's in the published files)
+            codec_rate = self.speech_encoder.sample_rate
+            if codec_rate != rate:
+                audio = torch.from_numpy(np.clip(resample(samples, sample_rate, codec_rate), -1.0, 1.0))
+            prompt["ref_codes"] = self.speech_encoder.encode(audio).flatten().tolist()
+            prompt["ref_text"] = transcript
+        return prompt

@@ -2,8 +2,8 @@
 Base, `speaker_encoder.*`, `generation_config.json`, the Qwen2 tokenizer files, `speech_tokenizer/`) read into
 `QwenTTS` and `SpeechDecoder`, and written back in that layout (the tiny preset).
 
-Cloning reads the Base speaker encoder (built and loaded for `tts_model_type` "base": x-vector cloning). The speech
-tokenizer's `encoder.*` (Mimi, for the in-context clone prompt) is not built yet: its tensors are skipped by name.
+Cloning reads the Base speaker encoder (built and loaded for `tts_model_type` "base": the x-vector) and the speech
+tokenizer's `encoder.*` (Mimi: the reference audio's codes for the in-context clone prompt, `load_speech_encoder`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from torch import nn
 
 from mstar_core.checkpoint import RuleMapping, build_and_load, open_checkpoint, read_config
 from mstar_core.errors import ConfigError
-from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
+from mstar_qwen_tts.config import SpeechDecoderConfig, SpeechEncoderConfig, TTSConfig
 from mstar_qwen_tts.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
+from mstar_qwen_tts.speech_encoder import SpeechEncoder
 from mstar_qwen_tts.talker import Talker
 
 SPEECH_TOKENIZER = "speech_tokenizer"
@@ -74,4 +75,16 @@ def load_speech_decoder(directory: str | Path, *, device: str = "cpu", progress:
     cfg = SpeechDecoderConfig.from_hf(json.loads((where / "config.json").read_text()))
     mapping = RuleMapping(skip=(r"^encoder\.", _DERIVED), rename=((r"^decoder\.", ""),))
     return build_and_load(lambda: SpeechDecoder(cfg), open_checkpoint(where), mapping, dtype=torch.float32,
+                          device=device, progress=progress)
+
+
+def load_speech_encoder(directory: str | Path, *, device: str = "cpu", progress: bool = True) -> SpeechEncoder:
+    """`<checkpoint>/speech_tokenizer/`: its encoder (Mimi's, first half), in fp32. The quantizers' `output_proj`
+    and `initialized` tensors (the decoding side, and a training flag) are not needed to encode."""
+    where = Path(directory) / SPEECH_TOKENIZER
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"{where}: no speech tokenizer (config.json + model.safetensors) beside the checkpoint")
+    cfg = SpeechEncoderConfig.from_hf(json.loads((where / "config.json").read_text()))
+    mapping = RuleMapping(skip=(r"^decoder\.", r"\.output_proj\.", r"\.codebook\.initialized$", _DERIVED))
+    return build_and_load(lambda: SpeechEncoder(cfg), open_checkpoint(where), mapping, dtype=torch.float32,
                           device=device, progress=progress)

@@ -232,3 +232,87 @@ class SpeechDecoderConfig:
         if out.codebook_dim % 2:
             raise ConfigError(f"{file}: 'decoder_config.codebook_dim' must be even (the RVQ works at half of it)")
         return out
+
+
+@attrs.frozen(kw_only=True)
+class SpeechEncoderConfig:
+    """`speech_tokenizer/config.json` `encoder_config` (a transformers `MimiConfig`) and the tokenizer's own
+    `encoder_valid_num_quantizers` / `encode_downsample_rate`: the sizes `mstar_core.nn.mimi_encoder` builds.
+    Defaults are Mimi's (the published tokenizer keeps them, with 32 quantizers of which the first 16 are used)."""
+
+    sampling_rate: int = 24000
+    audio_channels: int = 1
+    hidden_size: int = 512
+    num_filters: int = 64
+    num_residual_layers: int = config_field(1, minimum=0)
+    upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_growth_rate: int = 2
+    use_causal_conv: bool = True
+    pad_mode: str = "constant"
+    compress: int = config_field(2, minimum=1)
+    use_conv_shortcut: bool = False
+    codebook_size: int = 2048
+    codebook_dim: int = 256
+    vector_quantization_hidden_dimension: int = 256
+    num_quantizers: int = 32
+    num_semantic_quantizers: int = config_field(1, minimum=1)
+    num_hidden_layers: int = 8
+    num_attention_heads: int = config_field(8, minimum=1)
+    num_key_value_heads: int = config_field(8, minimum=1)
+    head_dim: int = 64
+    intermediate_size: int = 2048
+    hidden_act: str = "gelu"
+    norm_eps: float = 1e-5
+    sliding_window: int = config_field(250, minimum=1)
+    layer_scale_initial_scale: float = 0.01
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    frame_rate: float = 12.5
+    valid_quantizers: int = 16  # `encoder_valid_num_quantizers`: the codes the Talker speaks
+    samples_per_frame: int = 1920  # `encode_downsample_rate`
+
+    @property
+    def latent_stride(self) -> int:
+        """The last conv's stride: the SEANet's frame rate over the codec's."""
+        hop = 1
+        for r in self.upsampling_ratios:
+            hop *= r
+        return round(self.sampling_rate / hop / self.frame_rate)
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> SpeechEncoderConfig:
+        file = "speech_tokenizer/config.json"
+        top = section(cfg, "", file=file)
+        where = "encoder_config"
+        enc = section(top.get(where), where, file=file)
+        if not enc:
+            raise ConfigError(f"{file}: no '{where}': this speech tokenizer has no encoder (cloning with a "
+                              f"transcript needs it)")
+        rope = enc.get("rope_parameters") or {}
+        theta = enc.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, Mapping) else 10000.0)
+        out = read_fields(cls, enc, where, file=file, defaults={"head_dim": _head_dim},
+                          rope_theta=check(theta, float, f"{where}.rope_theta", file=file),
+                          valid_quantizers=check(top.get("encoder_valid_num_quantizers", 16), int,
+                                                 "encoder_valid_num_quantizers", file=file, minimum=1),
+                          samples_per_frame=check(top.get("encode_downsample_rate", 1920), int,
+                                                  "encode_downsample_rate", file=file, minimum=1))
+        if not out.use_causal_conv or out.audio_channels != 1:
+            raise ConfigError(f"{file}: '{where}' must be causal and mono (use_causal_conv true, audio_channels 1)")
+        if out.pad_mode not in ("constant", "replicate"):
+            raise ConfigError(f"{file}: '{where}.pad_mode' must be 'constant' or 'replicate', got {out.pad_mode!r}")
+        if not out.num_semantic_quantizers <= out.valid_quantizers <= out.num_quantizers:
+            raise ConfigError(f"{file}: 'encoder_valid_num_quantizers' ({out.valid_quantizers}) must be between "
+                              f"{where}.num_semantic_quantizers and num_quantizers ({out.num_quantizers})")
+        hop = 1
+        for r in out.upsampling_ratios:
+            hop *= r
+        if hop * out.latent_stride != out.samples_per_frame or out.latent_stride < 1:
+            raise ConfigError(f"{file}: 'encode_downsample_rate' ({out.samples_per_frame}) must equal the product of "
+                              f"{where}.upsampling_ratios ({hop}) times the frame-rate stride (sampling_rate / "
+                              f"that product / frame_rate = {out.latent_stride})")
+        if out.num_attention_heads % out.num_key_value_heads:
+            raise ConfigError(f"{file}: '{where}.num_attention_heads' must be a multiple of num_key_value_heads")
+        return out

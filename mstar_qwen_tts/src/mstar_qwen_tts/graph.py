@@ -10,7 +10,7 @@ speak:  talker_prompt -> talker (prefill) -> code 0
 ```
 
 The same walk serves a preset speaker (CustomVoice: the speaker's codec embedding in the prefix), a cloned voice
-(Base: its cached x-vector in that slot) and voice design (the instruction's projected turn first, no speaker
+(Base: its cached x-vector in that slot, and with a transcript its cached reference codes in context) and voice design (the instruction's projected turn first, no speaker
 slot); the request's prepared inputs choose. A frame's G - 1
 code-predictor steps are one call on a scratch label the kvcache engine resets per frame, feeding each sampled code
 back itself. The speech decoder decodes each 25-frame window (with 25 frames of context) as soon as it exists,
@@ -33,11 +33,10 @@ from mstar_core.graph import (
     stream_priority,
 )
 from mstar_core.nn.code_predictor import FrameSeed
-from mstar_core.nn.codec_vocoder import WindowDecoder
 from mstar_core.streaming import LeftContextChunkPolicy
 from mstar_qwen_tts.checkpoint import QwenTTS
 from mstar_qwen_tts.nodes import FrameStep, TalkerPrompt
-from mstar_qwen_tts.speech_decoder import SpeechDecoder
+from mstar_qwen_tts.speech_decoder import ClonedWindowDecoder, SpeechDecoder
 
 CHUNK_FRAMES, LEFT_FRAMES = 25, 25
 SAMPLE_RATE = 24000
@@ -45,6 +44,9 @@ SAMPLE_RATE = 24000
 #: request starts once the playing ones are that far ahead of their listeners, or after waiting that long.
 START_LEAD = 2.0
 PROMPT_INPUTS = ("text_ids", "instruct_ids", "speaker", "language", "non_streaming")
+#: A cloned voice (Base checkpoints): its x-vector and, when it was created with a transcript, the transcript's tokens
+#: and the reference audio's codes (the in-context prompt)
+CLONE_INPUTS = ("speaker_embedding", "ref_ids", "ref_codes")
 
 
 def _talker_done(env: Mapping[str, Any]) -> bool:
@@ -68,7 +70,7 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts",
                   outputs=("next_token", "finish_reason", "hidden"), engine="kvcache", module=lambda: talker),
         GraphNode("code_predictor", inputs=(), optional_inputs=("input_ids", "input_embeds", "sampling"),
                   outputs=("next_token",), engine="kvcache", module=lambda: talker.code_predictor),
-        GraphNode("talker_prompt", inputs=PROMPT_INPUTS, optional_inputs=("speaker_embedding",),
+        GraphNode("talker_prompt", inputs=PROMPT_INPUTS, optional_inputs=CLONE_INPUTS,
                   outputs=("talker_in", "talker_ids", "trailing", "text_step"),
                   engine="function", module=lambda: TalkerPrompt(talker, cfg)),
         GraphNode("frame_seed", inputs=("hidden", "code0"), outputs=("cp_seed",), engine="function",
@@ -77,8 +79,9 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts",
                                          "talker_sampling", "talker_opening_sampling"),
                   outputs=("codes", "step_embeds", "text_step", "step_sampling"), engine="function",
                   module=lambda: FrameStep(talker)),
-        GraphNode("code2wav", inputs=("codes",), outputs=("audio",), engine="stateless",
-                  module=lambda: WindowDecoder(decoder)),
+        # a voice cloned in context: its reference codes are the first windows' left context
+        GraphNode("code2wav", inputs=("codes",), optional_inputs=("ref_codes",), outputs=("audio",),
+                  engine="stateless", module=lambda: ClonedWindowDecoder(decoder, LEFT_FRAMES)),
     ]
     frame = Sequential(
         NodeCall("frame_seed", inputs={"hidden": "talker_hidden"}),
@@ -103,7 +106,7 @@ def build_graph(model: QwenTTS, decoder: SpeechDecoder, name: str = "qwen3-tts",
         ),
         inputs=(*PROMPT_INPUTS, "talker_sampling", "talker_opening_sampling", "predictor_sampling",
                 "talker_max_tokens"),
-        optional_inputs=("speaker_embedding",),  # a cloned voice's x-vector (Base checkpoints)
+        optional_inputs=CLONE_INPUTS,
         outputs=("audio",),
         emit=("codes", "audio"),  # codes: each frame's G codes (None for the last code 0)
         streams=(

@@ -13,7 +13,12 @@ PRESETS = ("tiny", "tiny-design", "tiny-base")
 def load(options: LoadOptions) -> LoadedModel:
     # the loading stack is imported when a model loads: discovery imports this module (for SPEC) in every process
     from mstar_core.checkpoint import load_tokenizer
-    from mstar_qwen_tts.checkpoint import load_speech_decoder, load_tts, read_generation_config
+    from mstar_qwen_tts.checkpoint import (
+        load_speech_decoder,
+        load_speech_encoder,
+        load_tts,
+        read_generation_config,
+    )
     from mstar_qwen_tts.graph import build_graph
     from mstar_qwen_tts.prepare import Preparer
     from mstar_qwen_tts.preset import ensure_tiny
@@ -22,6 +27,10 @@ def load(options: LoadOptions) -> LoadedModel:
     directory = Path(ensure_tiny(preset) if preset else options.checkpoint)
     model = load_tts(directory, device=options.device, dtype=options.torch_dtype("qwen3-tts"))
     decoder = load_speech_decoder(directory, device=options.device)
+    # Base checkpoints clone voices: with a transcript, the reference audio's codes come from the tokenizer's encoder
+    # (run once per created voice, by the speech adapter)
+    encoder = (load_speech_encoder(directory, device=options.device)
+               if model.config.tts_model_type == "base" else None)
     prepare = Preparer(model.config, load_tokenizer(directory), read_generation_config(directory))
     pages = {"num_pages": 512, "page_size": 16}
     return LoadedModel(
@@ -31,7 +40,7 @@ def load(options: LoadOptions) -> LoadedModel:
         prepare=prepare,
         request_schema=prepare.schema,
         engine_settings={"talker": dict(pages), "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
-        extras={"model": model, "config": model.config, "decoder": decoder, "tokenizer": prepare.tokenizer,
+        extras={"model": model, "config": model.config, "decoder": decoder, "speech_encoder": encoder, "tokenizer": prepare.tokenizer,
                 "checkpoint": str(directory), "sample_rate": 24000, "voices": prepare.speakers},
     )
 

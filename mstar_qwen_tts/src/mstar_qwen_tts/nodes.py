@@ -1,6 +1,7 @@
 """The `function` glue between the Talker, its code predictor and the speech decoder (cheap, per request).
 
-- `TalkerPrompt`: the Talker's prefill rows and the text rows of its later steps (`prompt.talker_rows`).
+- `TalkerPrompt`: the Talker's prefill rows and the text rows of its later steps (`prompt.talker_rows`; a cloned
+  voice with its transcript adds the in-context block of its reference codes).
 - `FrameStep`: frame k's codes and the Talker's next input: the sum of its 16 codec embeddings plus text row k.
 (`FrameSeed` and the speech decoder's window node are Qwen3-Omni's, shared through `mstar_core.nn`.)
 """
@@ -23,9 +24,10 @@ class TalkerPrompt(nn.Module):
         self.talker, self.cfg = talker, cfg
 
     def forward(self, text_ids: list[int], instruct_ids: list[int], speaker: str, language: str,
-                non_streaming: bool, speaker_embedding: torch.Tensor | None = None) -> dict[str, Any]:
+                non_streaming: bool, speaker_embedding: torch.Tensor | None = None,
+                ref_ids: list[int] | None = None, ref_codes: torch.Tensor | None = None) -> dict[str, Any]:
         prefill, trailing = talker_rows(self.talker, self.cfg, text_ids, instruct_ids, speaker, language,
-                                        bool(non_streaming), speaker_embedding)
+                                        bool(non_streaming), speaker_embedding, ref_ids, ref_codes)
         # ids under the prefill rows: codec pad, never sampled (suppressed), so the repetition penalty counts only
         # the codes the Talker speaks, as the upstream generate does
         return {"talker_in": prefill, "talker_ids": [self.cfg.talker.codec_pad_id] * prefill.shape[0],

@@ -30,6 +30,11 @@ def assistant_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def reference_text(text: str) -> str:
+    """A cloned voice's transcript, wrapped as upstream's `ref_text` (its tokens [3:-2] are the text)."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
 def instruct_text(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
 
@@ -81,12 +86,27 @@ class Preparer:
                              f"({cfg.talker.text.hidden_size} numbers, what the voices route computed)",
                              items="number", min_length=cfg.talker.text.hidden_size,
                              max_length=cfg.talker.text.hidden_size),
+                RequestField("ref_text", "string", "Base checkpoints: a cloned voice's transcript, for the in-context "
+                             "clone prompt (with 'ref_codes')", min_length=1, blank=False),
+                RequestField("ref_codes", "array", "Base checkpoints: the reference audio's codes (what the voices "
+                             f"route computed), frame by frame: {cfg.talker.num_code_groups} codes a frame, each below "
+                             f"{cfg.talker.predictor.vocab_size}", items="integer",
+                             min_length=cfg.talker.num_code_groups, check=self._check_ref_codes),
                 RequestField("seed", "integer", "sampling seed", minimum=0),
                 RequestField("ignore_eos", "boolean", "speak exactly max_frames frames (benchmarks)", default=False),
             ),
             example=EXAMPLE,
             description="Qwen3-TTS: text in, 24 kHz speech out (streams codes and audio)",
         )
+
+    def _check_ref_codes(self, value: Any, name: str) -> Any:
+        groups, size = self.cfg.talker.num_code_groups, self.cfg.talker.predictor.vocab_size
+        if len(value) % groups:
+            raise RequestError(f"'{name}' holds {len(value)} codes: a whole number of frames of {groups} codes",
+                               param=name)
+        if any(not 0 <= int(c) < size for c in value):
+            raise RequestError(f"'{name}': every code must be in [0, {size})", param=name)
+        return value
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -112,6 +132,25 @@ class Preparer:
         ids = self._ids(instruct_text(instruct)) if instruct and cfg.keeps_instruct else []
         return (str(voice).lower() if voice else ""), ids
 
+    def _clone(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """A cloned voice's x-vector and, with its transcript, the in-context prompt: tokens and codes `[T, G]`."""
+        clone: dict[str, Any] = {}
+        if speaker_embedding := inputs.get("speaker_embedding"):
+            if self.cfg.tts_model_type != "base":
+                raise RequestError("'speaker_embedding' (a cloned voice) needs a Base checkpoint", param="voice")
+            clone["speaker_embedding"] = torch.tensor([float(v) for v in speaker_embedding])
+        ref_text, ref_codes = inputs.get("ref_text"), inputs.get("ref_codes")
+        if (ref_text is None) != (ref_codes is None):
+            missing = "ref_codes" if ref_codes is None else "ref_text"
+            raise RequestError("the in-context clone prompt needs both 'ref_text' and 'ref_codes'", param=missing)
+        if ref_codes is not None:
+            if not clone:
+                raise RequestError("'ref_codes' belong to a cloned voice: send its 'speaker_embedding' too",
+                                   param="speaker_embedding")
+            clone["ref_ids"] = self._ids(reference_text(ref_text))[3:-2]
+            clone["ref_codes"] = torch.tensor([int(c) for c in ref_codes]).view(-1, self.cfg.talker.num_code_groups)
+        return clone
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         speaker, instruct_ids = self._voice(inputs)
         text_ids = self._ids(assistant_text(inputs["input"]))
@@ -119,7 +158,9 @@ class Preparer:
             raise RequestError("'input' has no text to speak", param="input")
         limit = self.cfg.talker.text.max_position_embeddings
         frames = int(inputs["max_frames"])
-        if len(text_ids) + len(instruct_ids) + frames + 16 > limit:
+        clone = self._clone(inputs)
+        reference = len(clone.get("ref_ids", ())) + len(clone.get("ref_codes", ()))
+        if len(text_ids) + len(instruct_ids) + reference + frames + 16 > limit:
             raise RequestError(f"the text and max_frames need more than this Talker's {limit} positions: send shorter "
                                f"text or fewer frames", status=413, param="input")
         tc = self.cfg.talker
@@ -127,11 +168,6 @@ class Preparer:
         greedy = not inputs["do_sample"] or inputs["temperature"] == 0
         sub_greedy = not inputs["subtalker_dosample"] or inputs["subtalker_temperature"] == 0
         seed = inputs.get("seed")
-        clone = {}
-        if speaker_embedding := inputs.get("speaker_embedding"):
-            if self.cfg.tts_model_type != "base":
-                raise RequestError("'speaker_embedding' (a cloned voice) needs a Base checkpoint", param="voice")
-            clone["speaker_embedding"] = torch.tensor([float(v) for v in speaker_embedding])
         talker = SamplingParams(
             temperature=0.0 if greedy else inputs["temperature"], top_k=0 if greedy else inputs["top_k"],
             top_p=1.0 if greedy else inputs["top_p"], repetition_penalty=inputs["repetition_penalty"],

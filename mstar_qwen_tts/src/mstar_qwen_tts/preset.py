@@ -6,7 +6,8 @@ its code predictor, speaker_encoder_config, the `im_*` / `tts_*` ids), `model.sa
 special tokens: no download), and `speech_tokenizer/` (its config, `decoder.*` weights and preprocessor config).
 Sizes are those of MODELS.md's tiny config; `tts_model_size` "1b7" keeps the instruct turn. `tiny-design` is
 the same weights as a VoiceDesign checkpoint (no preset speakers), `tiny-base` as a Base one (cloning: plus the
-speaker encoder's `speaker_encoder.*`). The speech is noise,
+speaker encoder's `speaker_encoder.*`). Every preset's `speech_tokenizer/` also holds the encoder (`encoder.*`, Mimi
+at tiny widths), as the published tokenizer does. The speech is noise,
 and `generation_config.json` caps a reply at 48 frames (3.8 s) so it ends within a few dozen frames.
 """
 
@@ -21,10 +22,13 @@ import torch
 from mstar_core.checkpoint import save_hf_checkpoint
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_qwen_tts.checkpoint import SPEECH_TOKENIZER, QwenTTS
-from mstar_qwen_tts.config import SpeechDecoderConfig, TTSConfig
+from mstar_qwen_tts.config import SpeechDecoderConfig, SpeechEncoderConfig, TTSConfig
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
+from mstar_qwen_tts.speech_encoder import SpeechEncoder
 
-PRESET_VERSION = 2  # 2: the real 1,920 samples a frame (8·5·4·3 and 2·2), so a reply of 48 frames is 3.8 s
+# 2: the real 1,920 samples a frame (8·5·4·3 and 2·2), so a reply of 48 frames is 3.8 s; 3: the speech
+# tokenizer's encoder (Mimi, `encoder.*`) for cloning with a transcript
+PRESET_VERSION = 3
 MAX_FRAMES = 48
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
 ROLES = ["user", "assistant"]
@@ -89,9 +93,37 @@ def tiny_speech_tokenizer_config() -> dict[str, Any]:
                "hidden_act": "silu", "layer_scale_initial_scale": 0.01, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
                "num_quantizers": 4, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
                "decoder_dim": 32}
-    return {"model_type": "qwen3_tts_tokenizer_12hz", "decoder_config": decoder, "encoder_valid_num_quantizers": 4,
-            "input_sample_rate": 24000, "output_sample_rate": 24000, "decode_upsample_rate": 1920,
-            "encode_downsample_rate": 8}
+    # Mimi at tiny widths with its real strides (8·6·5·4, then 2: 1920 samples a frame) and more quantizers than
+    # the 4 kept, as the published 32 of which 16 are kept; the VQ width differs from the hidden one (input_proj)
+    encoder = {"sampling_rate": 24000, "audio_channels": 1, "hidden_size": 16, "num_filters": 4,
+               "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
+               "residual_kernel_size": 3, "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant",
+               "compress": 2, "trim_right_ratio": 1.0, "codebook_size": 2048, "codebook_dim": 8,
+               "num_quantizers": 8, "use_conv_shortcut": False, "vector_quantization_hidden_dimension": 8,
+               "num_semantic_quantizers": 1, "upsample_groups": 16, "num_hidden_layers": 1,
+               "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+               "hidden_act": "gelu", "max_position_embeddings": 8000, "norm_eps": 1e-5, "use_cache": False,
+               "use_streaming": False, "rope_theta": 10000.0, "sliding_window": 8, "attention_dropout": 0.0,
+               "layer_scale_initial_scale": 0.01, "attention_bias": False, "frame_rate": 12.5}
+    return {"model_type": "qwen3_tts_tokenizer_12hz", "encoder_config": encoder, "decoder_config": decoder,
+            "encoder_valid_num_quantizers": 4, "input_sample_rate": 24000, "output_sample_rate": 24000,
+            "decode_upsample_rate": 1920, "encode_downsample_rate": 1920}
+
+
+def random_speech_encoder(cfg: SpeechEncoderConfig, seed: int) -> SpeechEncoder:
+    """Seeded weights as `randomize`'s, and codebooks (buffers) whose entries are unit-ish and whose usage counts
+    differ, so the nearest entry varies from frame to frame."""
+    encoder = SpeechEncoder(cfg)
+    randomize(encoder, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in encoder.named_buffers():
+            if name.endswith("cluster_usage"):
+                buf.copy_(1.0 + torch.rand(buf.shape, generator=g))
+            elif name.endswith("embed_sum"):
+                usage = encoder.get_buffer(name.replace("embed_sum", "cluster_usage"))
+                buf.copy_(0.5 * torch.randn(buf.shape, generator=g) * usage[:, None])
+    return encoder
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -131,7 +163,9 @@ def write_tiny(directory: Path, seed: int = 0, kind: str = "custom_voice") -> Pa
     speech = tiny_speech_tokenizer_config()
     decoder = SpeechDecoder(SpeechDecoderConfig.from_hf(speech))
     randomize(decoder, seed + 1)
-    save_hf_checkpoint({f"decoder.{k}": v for k, v in decoder.state_dict().items()}, directory / SPEECH_TOKENIZER,
+    encoder = random_speech_encoder(SpeechEncoderConfig.from_hf(speech), seed + 2)
+    save_hf_checkpoint({**{f"decoder.{k}": v for k, v in decoder.state_dict().items()},
+                        **encoder.state_dict()}, directory / SPEECH_TOKENIZER,
                        speech, extra_files={"preprocessor_config.json": {
                            "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1,
                            "sampling_rate": 24000, "padding_side": "right", "padding_value": 0.0,

@@ -11,6 +11,14 @@ none for voice design), then
   then `tts_eos`, then `tts_pad`.
 - non-streaming (the upstream default for preset speakers and voice design): every text token + `tts_eos` over
   codec pad, then `tts_pad` + codec bos; every decode step adds `tts_pad`.
+
+A cloned voice with its transcript (Base, in-context: the upstream default when the voice has `ref_text`) replaces
+both with one block after the prefix, whose text side is the reference text's tokens (its turn's [3:-2]), then the
+target text's, then `tts_eos`, and whose codec side is codec bos, then each reference frame's summed G embeddings
+(the voice's `ref_codes`):
+- streaming: the two sides added position by position; text beyond the codec side is fed one row per step, then
+  `tts_pad` (a shorter text side is padded with `tts_pad`);
+- non-streaming: the text side over codec pad, then the codec side over `tts_pad`; every step adds `tts_pad`.
 """
 
 from __future__ import annotations
@@ -37,10 +45,12 @@ def language_id(cfg: TTSConfig, language: str, speaker: str) -> int | None:
 @torch.no_grad()
 def talker_rows(talker: Talker, cfg: TTSConfig, text_ids: Sequence[int], instruct_ids: Sequence[int],
                 speaker: str, language: str, non_streaming: bool,
-                speaker_embedding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                speaker_embedding: torch.Tensor | None = None, ref_ids: Sequence[int] | None = None,
+                ref_codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(prefill rows `[P, H]`, text rows of decode steps `[N, H]` whose last row, `tts_pad`, repeats forever).
 
-    `speaker_embedding` `[H]`: a cloned voice's x-vector, which fills the speaker slot in place of a preset speaker.
+    `speaker_embedding` `[H]`: a cloned voice's x-vector, which fills the speaker slot in place of a preset speaker;
+    `ref_ids` (the reference transcript's tokens) with `ref_codes` `[T, G]`: the in-context clone prompt.
     """
     tc = cfg.talker
     device = talker.codec_head.weight.device
@@ -63,6 +73,10 @@ def talker_rows(talker: Talker, cfg: TTSConfig, text_ids: Sequence[int], instruc
     rows = [talker.text_rows(ids(instruct_ids))] if instruct_ids else []
     rows += [talker.text_rows(ids(text_ids[:3])), text_side + codec_rows[:-1]]
     body = list(text_ids[3:-5])
+    if ref_codes is not None:
+        block, trailing = _in_context(talker, cfg, ids([*(ref_ids or ()), *body]), ref_codes.to(device), non_streaming,
+                                      eos, pad)
+        return torch.cat([*(r.view(-1, r.shape[-1]) for r in rows), block]), trailing
     if non_streaming:
         spoken = torch.cat([talker.text_rows(ids(body)), eos[None]])
         rows += [spoken + talker.embed(ids([tc.codec_pad_id] * spoken.shape[0])),
@@ -72,3 +86,24 @@ def talker_rows(talker: Talker, cfg: TTSConfig, text_ids: Sequence[int], instruc
         rows.append(talker.text_rows(ids(body[:1])) + codec_rows[-1:])
         trailing = torch.cat([talker.text_rows(ids(body[1:])), eos[None], pad[None]])
     return torch.cat([r.view(-1, r.shape[-1]) for r in rows]), trailing
+
+
+def _in_context(talker: Talker, cfg: TTSConfig, text: torch.Tensor, ref_codes: torch.Tensor, non_streaming: bool,
+                eos: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-context block after the prefix and the decode steps' text rows (see the module docstring)."""
+    tc = cfg.talker
+    text_side = torch.cat([talker.text_rows(text), eos[None]])
+    # each reference frame's G embeddings stacked, then summed over G (as upstream sums them: the same order)
+    frame = torch.stack([talker.embed(ref_codes[:, 0]),
+                         *(table(ref_codes[:, g + 1]) for g, table in enumerate(talker.code_predictor.model.codec_embedding))],
+                        dim=1).sum(1)
+    bos = talker.embed(torch.tensor([tc.codec_bos_id], device=frame.device))
+    codec_side = torch.cat([bos, frame])
+    if non_streaming:
+        over_pad = talker.embed(torch.full((text_side.shape[0],), tc.codec_pad_id, device=frame.device))
+        return torch.cat([text_side + over_pad, codec_side + pad[None]]), pad[None]
+    n = codec_side.shape[0]
+    if text_side.shape[0] > n:
+        return text_side[:n] + codec_side, torch.cat([text_side[n:], pad[None]])
+    padded = torch.cat([text_side, pad[None].expand(n - text_side.shape[0], -1)])
+    return padded + codec_side, pad[None]

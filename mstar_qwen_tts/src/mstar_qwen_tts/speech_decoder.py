@@ -4,12 +4,16 @@ Codes are embedded by a split residual VQ (one semantic codebook, 15 acoustic on
 projection, summed), a causal conv lifts them to the latent width, a sliding-window transformer with input and
 output projections refines them, and Qwen3-Omni's vocoder stack (`mstar_core.nn.codec_vocoder`) makes the waveform;
 the transposed convolutions here trim their excess at the end only. Streaming decodes windows of new frames with
-left context and drops the context's samples (`decode_window`), as the upstream `chunked_decode` does offline.
+left context and drops the context's samples (`decode_window`), as the upstream `chunked_decode` does offline; a voice
+cloned in context lends its reference codes as the first windows' left context (`ClonedWindowDecoder`).
 Names are the checkpoint's (`speech_tokenizer/model.safetensors`, `decoder.*`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +25,9 @@ from mstar_core.nn.codec_vocoder import (
     DecoderBlock,
     PreTransformer,
     SnakeBeta,
+    WindowDecoder,
 )
+from mstar_core.streaming import Chunk
 from mstar_qwen_tts.config import SpeechDecoderConfig
 
 
@@ -137,3 +143,30 @@ class SpeechDecoder(nn.Module):
             out.append(self.decode_window(codes[..., start - context : end], context))
             start = end
         return torch.cat(out, dim=-1)
+
+
+class ClonedWindowDecoder(WindowDecoder):
+    """`WindowDecoder` for the speech of a voice cloned in context (`ref_codes` `[T, G]` in the request): the upstream
+    package decodes the reference codes followed by the new ones and cuts the reference's share of the waveform, so
+    the first frames are decoded after the reference's. Here a window short of `left` frames of context (the
+    stream's start) takes the reference's last frames as the context it lacks; without `ref_codes` it is
+    `WindowDecoder`."""
+
+    def __init__(self, codec: nn.Module, left: int):
+        super().__init__(codec)
+        self.left = left
+
+    def forward(self, codes: Chunk, ref_codes: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_batch([{"codes": codes, "ref_codes": ref_codes}])[0]["audio"]
+
+    def forward_batch(self, calls: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        return super().forward_batch([{"codes": self._after_reference(call["codes"], call.get("ref_codes"))}
+                                      for call in calls])
+
+    def _after_reference(self, chunk: Chunk, ref_codes: torch.Tensor | None) -> Chunk:
+        lacking = self.left - chunk.num_context
+        if ref_codes is None or lacking <= 0 or len(ref_codes) == 0:
+            return chunk
+        tail = tuple(ref_codes[-lacking:])  # frames [G], as the stream's items
+        return attrs.evolve(chunk, items=(*tail, *chunk.items), start=chunk.start - len(tail),
+                            num_context=chunk.num_context + len(tail))
