@@ -130,6 +130,7 @@ class DiffusionEngine(Engine):
                                  "drop module= (a DiT step node has a module and no 'velocity' input)")
         self.queue: deque[_Call] = deque()
         self.answered: list[Result] = []
+        self.stepping: list[_Call] = []  # the calls of the step in progress
         # gauges
         self.num_steps = 0
         self.num_forwards = 0
@@ -162,6 +163,14 @@ class DiffusionEngine(Engine):
         if take < len(self.queue):  # only some fit: the most urgent, then the oldest requests (stable: FIFO after)
             self.queue = deque(sorted(self.queue, key=lambda c: c.inv.urgency))
         batch = [self.queue.popleft() for _ in range(take)]
+        self.stepping = batch  # still held (for stats()) until their results are out
+        try:
+            return results + self._step(batch)
+        finally:
+            self.stepping = []
+
+    def _step(self, batch: list[_Call]) -> list[Result]:
+        results: list[Result] = []
         self.num_steps += 1
         requests = {c.inv.request_id for c in batch}
         self.max_requests_per_step = max(self.max_requests_per_step, len(requests))
@@ -193,6 +202,10 @@ class DiffusionEngine(Engine):
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
             "diffusion_queued": len(self.queue),
+            # what this engine holds right now: the calls queued or in the step under way (nothing once a step's
+            # results are out: the state travels with each call), so a cancelled job's latents are seen to go
+            "diffusion_held_requests": len(self.active_requests() | {c.inv.request_id for c in self.stepping}),
+            "diffusion_held_bytes": sum(_call_bytes(c) for c in (*self.queue, *self.stepping)),
             "diffusion_cache_reused_rows": self.cache_reused_rows,
             "diffusion_cache_computed_rows": self.cache_computed_rows,
         }
@@ -393,6 +406,21 @@ def _cache_threshold(node: Any, value: Any) -> float | None:
                              f">= 0 (the relative change of the first block's residual below which the other blocks "
                              f"are skipped), got {value!r}")
     return float(value)
+
+
+def _call_bytes(call: _Call) -> int:
+    """Bytes of the tensors a queued call holds: its latents, solver history, cached residuals, conditioning."""
+    return _nbytes((call.latents, call.history, call.velocities, call.conds, call.step_cache))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
