@@ -61,8 +61,8 @@ class _Call:
     sigmas: torch.Tensor | None = None  # the request's float32 schedule (multistep solvers read earlier sigmas)
     history: torch.Tensor | None = None  # the multistep solver's state from the previous step (solver_history)
     next_timestep: torch.Tensor | None = None
-    step_cache: dict = attrs.field(factory=dict)  # branch -> (first-block residual, other blocks' residual), in
-    new_step_cache: dict = attrs.field(factory=dict)  # and out (the step cache's state of this request)
+    step_cache: dict = attrs.field(factory=dict)  # branch -> the step cache's state of this request (residual,
+    new_step_cache: dict = attrs.field(factory=dict)  # indicator, running sum), in and out
     guidance: Guidance = attrs.field(factory=Guidance)
     velocities: dict[str, torch.Tensor] = attrs.field(factory=dict)  # branch -> velocity (velocity nodes)
     conds: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # branch -> module conditioning (DiT)
@@ -118,7 +118,7 @@ class DiffusionEngine(Engine):
                 self.module_dtype = declared
             if self.cache_threshold is not None and not supports_step_cache(module):
                 raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold needs a "
-                                     "module with cache_embed / cache_first_block / cache_other_blocks / cache_head "
+                                     "module with cache_embed / cache_indicator / cache_blocks / cache_head "
                                      "(mstar_diffusion.step_cache.StepCacheableDenoiser)")
             if self.cache_threshold is not None and not {"step_cache"} <= set(node.all_inputs) & set(node.outputs):
                 raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold carries "
@@ -361,7 +361,11 @@ class DiffusionEngine(Engine):
             v = self.module(x, t, **cond)
         else:
             states = [c.step_cache.get(b) for c, b in rows]
-            v, new_states, reused = cached_forward(self.module, x, t, cond, states, self.cache_threshold)
+            # one decision per request (its rows share it); its last step always computes (it is the output)
+            requests = [id(c) for c, _ in rows]
+            last = [c.index == len(c.sigmas) - 2 for c, _ in rows]
+            v, new_states, reused = cached_forward(self.module, x, t, cond, states, self.cache_threshold, requests,
+                                                   last)
             for (c, b), state in zip(rows, new_states, strict=True):
                 c.new_step_cache[b] = state
             self.cache_reused_rows += reused
@@ -403,8 +407,8 @@ def _cache_threshold(node: Any, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold must be a number "
-                             f">= 0 (the relative change of the first block's residual below which the other blocks "
-                             f"are skipped), got {value!r}")
+                             f">= 0 (the summed relative change of the first block's input below which every block "
+                             f"is skipped), got {value!r}")
     return float(value)
 
 
