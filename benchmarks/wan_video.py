@@ -215,3 +215,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Nothing is left to write: skip the interpreter's teardown, which took 5-6 s here (freeing both sides'
+    # modules and tensors one object at a time) after the figures were out
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
