@@ -193,6 +193,10 @@ class DiffusionEngine(Engine):
         return {c.inv.request_id for c in self.queue} | {r[0].request_id for r in self.answered}
 
     def stats(self) -> dict[str, float]:
+        # (read from the event loop while the device thread steps: tuple() copies each container in one go under
+        # the GIL, where iterating it in Python could meet it mid-change)
+        queued, stepping, answered = tuple(self.queue), tuple(self.stepping), tuple(self.answered)
+        held = {c.inv.request_id for c in (*queued, *stepping)} | {r[0].request_id for r in answered}
         return {
             "diffusion_steps": self.num_steps,
             "diffusion_forwards": self.num_forwards,
@@ -201,11 +205,11 @@ class DiffusionEngine(Engine):
             "diffusion_max_rows": self.max_rows_seen,
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
-            "diffusion_queued": len(self.queue),
+            "diffusion_queued": len(queued),
             # what this engine holds right now: the calls queued or in the step under way (nothing once a step's
             # results are out: the state travels with each call), so a cancelled job's latents are seen to go
-            "diffusion_held_requests": len(self.active_requests() | {c.inv.request_id for c in self.stepping}),
-            "diffusion_held_bytes": sum(_call_bytes(c) for c in (*self.queue, *self.stepping)),
+            "diffusion_held_requests": len(held),
+            "diffusion_held_bytes": sum(_call_bytes(c) for c in (*queued, *stepping)),
             "diffusion_cache_reused_rows": self.cache_reused_rows,
             "diffusion_cache_computed_rows": self.cache_computed_rows,
         }
