@@ -67,6 +67,47 @@ def test_delete_cancels_the_running_task_and_its_request():
     assert cancelled == [True] and job.task.done()
 
 
+def test_metrics_count_jobs_by_status_and_a_deleted_running_job_once():
+    from mstar_core.api.server.metrics import Metrics
+
+    class Engine:  # an AsyncEngine with no model loaded, as the collector reads it
+        models: dict = {}
+        waiting = running = 0
+        cluster = None
+
+    async def go():
+        store = VideoJobStore(max_active=4, retention_s=30)
+        done, failed, running = (store.admit("a", **FIELDS) for _ in range(3))
+        store.complete(done, b"x" * 1000)
+        store._fail(failed, "server_error", "boom")
+
+        async def run(j):
+            j.status = "in_progress"
+            await asyncio.sleep(3600)
+
+        store.launch(running, run)
+        await asyncio.sleep(0.01)
+        mid = Metrics(Engine(), store).render().decode()
+        store.delete("a", running.id)
+        await asyncio.sleep(0.01)  # its cancelled task ends: it must not count again as failed
+        return mid, Metrics(Engine(), store).render().decode()
+
+    mid, after = asyncio.run(go())
+
+    def sample(text: str, name: str, **labels: str) -> float:
+        want = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + want)))
+
+    assert sample(mid, "mstar_video_jobs", model="wan", status="in_progress") == 1
+    assert sample(mid, "mstar_video_jobs", model="wan", status="completed") == 1
+    assert sample(mid, "mstar_video_jobs", model="wan", status="failed") == 1
+    assert sample(mid, "mstar_video_job_bytes", model="wan") == 1000
+    assert sample(after, "mstar_video_jobs", model="wan", status="in_progress") == 0  # a 0, not a vanished gauge
+    assert sample(after, "mstar_video_jobs_finished_total", model="wan", ending="deleted") == 1
+    assert sample(after, "mstar_video_jobs_finished_total", model="wan", ending="failed") == 1
+    assert sample(after, "mstar_video_jobs_finished_total", model="wan", ending="completed") == 1
+
+
 def test_the_mp4_written_chunk_by_chunk_is_the_whole_one():
     import io
 

@@ -87,26 +87,46 @@ def test_list_pages_with_after_limit_and_order(client):
     assert [v.id for v in page.data] == [ids[1]] and page.has_more
 
 
-def test_a_job_survives_its_creator_disconnecting(server):
+def _jobs(server, status: str) -> float:
+    return metric(server, "mstar_video_jobs", model="wan", status=status)
+
+
+def test_a_job_survives_its_creator_disconnecting_mid_job(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as first:
-        video_id = first.videos.create(model="wan", prompt="a boat", extra_body={"num_steps": 20}).id
-    # the first client is gone; a new one finds the job running or done, and its video
+        video_id = first.videos.create(model="wan", prompt="a boat", extra_body={"num_steps": 40}).id
+        deadline = time.monotonic() + 60
+        while (seen := first.videos.retrieve(video_id)).progress == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen.status == "in_progress" and seen.progress < 100  # the client leaves with the job half done
+    # the first client is gone; a new one finds the job running or done, and its whole video
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as second:
         done, _ = _wait(second, video_id)
-        assert done.status == "completed"
-        assert second.videos.download_content(video_id).read()[4:8] == b"ftyp"
+        assert done.status == "completed" and done.progress == 100
+        frames, _ = _mp4_frames(second.videos.download_content(video_id).read())
+        assert len(frames) == 33  # the default 4 s at the tiny preset's 8 fps: nothing lost
+    assert metric(server, "mstar_video_job_bytes", model="wan") > 0  # kept for download until its retention
 
 
 def _running_requests(server) -> float:
     return metric(server, "mstar_running_requests")
 
 
+def _denoise(server, stat: str) -> float:
+    return metric(server, "mstar_node_stat", model="wan", node="denoise", stat=stat)
+
+
 def test_delete_cancels_a_running_job_and_frees_the_engine(client, server):
+    deleted_before = metric(server, "mstar_video_jobs_finished_total", model="wan", ending="deleted")
     video = client.videos.create(model="wan", prompt="a long one", extra_body={"num_steps": 200})
     deadline = time.monotonic() + 60
-    while client.videos.retrieve(video.id).status != "in_progress" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _running_requests(server) >= 1
+    while client.videos.retrieve(video.id).progress == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # mid-loop: the job is counted running and the diffusion engine holds its latents between steps
+    assert _running_requests(server) >= 1 and _jobs(server, "in_progress") == 1
+    held = []
+    while not held and time.monotonic() < deadline:
+        held = [b for b in (_denoise(server, "diffusion_held_bytes") for _ in range(20)) if b > 0]
+    assert held and min(held) >= 48 * 9 * 4 * 2 * 4  # at least its latents (float32 [48, 9, 4, 2])
     deleted = client.videos.delete(video.id)
     assert deleted.deleted and deleted.id == video.id and deleted.object == "video.deleted"
     with pytest.raises(openai.NotFoundError):
@@ -114,9 +134,12 @@ def test_delete_cancels_a_running_job_and_frees_the_engine(client, server):
     deadline = time.monotonic() + 10
     while _running_requests(server) > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+    # every counter is back to zero: no job held, no request running, nothing queued or held by the engine
     assert _running_requests(server) == 0
-    # and the engines hold nothing of it: no queued diffusion step, no queued decode
-    assert metric(server, "mstar_node_stat", model="wan", node="denoise", stat="diffusion_queued") == 0
+    assert _jobs(server, "in_progress") == _jobs(server, "queued") == 0
+    assert metric(server, "mstar_video_jobs_finished_total", model="wan", ending="deleted") == deleted_before + 1
+    assert _denoise(server, "diffusion_queued") == 0
+    assert _denoise(server, "diffusion_held_requests") == _denoise(server, "diffusion_held_bytes") == 0
 
 
 def test_jobs_are_bounded_per_api_key(client):

@@ -29,6 +29,8 @@ from mstar_core.errors import RequestCancelled, RequestError
 log = logging.getLogger("mstar.api.videos")
 
 ACTIVE = ("queued", "in_progress")
+STATUSES = (*ACTIVE, "completed", "failed")
+ENDINGS = ("completed", "failed", "deleted")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -78,6 +80,8 @@ class VideoJobStore:
         self.retention_s = retention_s or _env_int("MSTAR_VIDEO_RETENTION_S", 3600)
         self.jobs: dict[str, VideoJob] = {}
         self._created = itertools.count()
+        self._models: set[str] = set()  # every model that had a job (its gauges stay, at 0 when it has none)
+        self.finished: Counter = Counter()  # (model, completed | failed | deleted) -> jobs since start
 
     def sweep(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -94,6 +98,7 @@ class VideoJobStore:
                            code="too_many_video_jobs")
         job = VideoJob(id=f"video_{secrets.token_hex(12)}", owner=owner, order=next(self._created), **fields)
         self.jobs[job.id] = job
+        self._models.add(job.model)
         return job
 
     def discard(self, job: VideoJob) -> None:
@@ -125,6 +130,8 @@ class VideoJobStore:
         self._finish(job)
 
     def _finish(self, job: VideoJob) -> None:
+        if self.jobs.get(job.id) is job:  # (a deleted job's cancelled task ends here too: counted as deleted)
+            self.finished[(job.model, job.status)] += 1
         job.completed_at = int(time.time())
         job.expires_at = job.completed_at + self.retention_s
 
@@ -160,10 +167,24 @@ class VideoJobStore:
         if job.task is not None and not job.task.done():
             job.task.cancel()
         del self.jobs[job.id]
+        self.finished[(job.model, "deleted")] += 1
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
     def counts(self) -> Counter:
         return Counter(j.status for j in self.jobs.values())
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """What `/metrics` shows, per model: jobs held by status (every status of a model that ever had a job,
+        zeros included, so a gauge drops to 0 rather than vanishing), jobs finished since start by how they
+        ended (completed, failed, deleted), and the bytes of finished MP4s kept for download."""
+        out = {model: {**{f"jobs_{s}": 0.0 for s in STATUSES}, **{f"finished_{s}": 0.0 for s in ENDINGS},
+                       "mp4_bytes": 0.0} for model in self._models}
+        for job in self.jobs.values():
+            out[job.model][f"jobs_{job.status}"] += 1
+            out[job.model]["mp4_bytes"] += len(job.mp4 or b"")
+        for (model, ending), n in self.finished.items():
+            out[model][f"finished_{ending}"] = float(n)
+        return out
 
     async def close(self) -> None:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]

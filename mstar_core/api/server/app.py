@@ -202,7 +202,7 @@ class ServerState:
         """Create the engine, load every model, bind the adapters; `ready` flips when all are in."""
         MediaLimits().with_env()  # a bad MSTAR_MEDIA_* stops the server before minutes of loading
         self.engine = self.engine_factory()
-        self.metrics = Metrics(self.engine)
+        self.metrics = Metrics(self.engine, self.video_jobs)
         for item in self.config.models:
             what = item.options.checkpoint or f"preset '{item.options.preset}' (random weights)"
             log.info("loading model %s from %s", item.name, what)

@@ -20,7 +20,7 @@ _NAMED_STATS = {
 class Metrics:
     """All metrics of one server, in their own registry (so several servers can live in one process)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, video_jobs: Any = None):
         self.engine = engine
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -44,6 +44,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        if video_jobs is not None:
+            self.registry.register(_VideoJobCollector(video_jobs))
 
     def observe_request(self, model: str, route: str, status: int, seconds: float | None = None) -> None:
         # a label per client-chosen name would let any client grow the metrics without bound
@@ -60,7 +62,7 @@ class Metrics:
 class _EngineCollector:
     """Reads `AsyncEngine` state when Prometheus scrapes: queue, running, per-node engine and scheduler gauges."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, video_jobs: Any = None):
         self.engine = engine
 
     def describe(self):
@@ -115,6 +117,36 @@ class _EngineCollector:
         yield busy
         yield calls
         yield _native_kernel_metric()
+
+
+class _VideoJobCollector:
+    """The `/v1/videos` job store at scrape time: jobs by status, jobs finished by how they ended, MP4 bytes kept.
+    (What the engines hold for a running job is on `mstar_node_stat`, e.g. the diffusion engine's
+    `diffusion_held_bytes`.)"""
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        jobs = GaugeMetricFamily("mstar_video_jobs", "video jobs the server holds, by status (queued, in_progress, "
+                                 "completed, failed; deleted jobs are gone)", labels=["model", "status"])
+        finished = CounterMetricFamily("mstar_video_jobs_finished", "video jobs ended since start, by how "
+                                       "(completed, failed, deleted)", labels=["model", "ending"])
+        held = GaugeMetricFamily("mstar_video_job_bytes", "bytes of finished MP4s kept for download until their "
+                                 "retention time", labels=["model"])
+        for model, stats in sorted(self.store.stats().items()):
+            for key, value in stats.items():
+                if key.startswith("jobs_"):
+                    jobs.add_metric([model, key.removeprefix("jobs_")], value)
+                elif key.startswith("finished_"):
+                    finished.add_metric([model, key.removeprefix("finished_")], value)
+            held.add_metric([model], stats["mp4_bytes"])
+        yield jobs
+        yield finished
+        yield held
 
 
 def _native_kernel_metric():

@@ -8,8 +8,8 @@ The timestep is per token: every token of a row sees the row's `t`, except the f
 image condition (TI2V), which sees `t = 0`. Modulation is therefore computed once per distinct timestep (two at
 most) and gathered per frame, not once per token.
 
-The blocks are split from the embedding and the head (`embed`, `blocks`, `head`) so a step cache can run the
-first block, decide, and skip the rest (`mstar_diffusion.step_cache`).
+The blocks are split from the embedding and the head (`embed`, `blocks`, `head`) so a step cache can compare
+the first block's modulated input from step to step and skip every block (`mstar_diffusion.step_cache`).
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ class Block(nn.Module):
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.ffn = FeedForward(dim, cfg.ffn_dim)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))
+
+    def modulated_input(self, h: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        """What self-attention sees: `h` normed, then scaled and shifted by the timestep (as in forward)."""
+        shift, scale = (self.scale_shift_table[:, :2] + mod[:, :, :2]).unbind(2)
+        return self.norm1(h) * (1 + scale) + shift
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, mod: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -210,11 +215,12 @@ class WanTransformer(nn.Module):
                     condition: torch.Tensor | None = None) -> tuple[torch.Tensor, Tokens]:
         return self.embed(x, t, context, condition)
 
-    def cache_first_block(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
-        return self.blocks[0](h, tokens.context, tokens.mod, tokens.rope)
+    def cache_indicator(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
+        """The first block's modulated input (what TeaCache compares from step to step): cheap, no attention."""
+        return self.blocks[0].modulated_input(h, tokens.mod)
 
-    def cache_other_blocks(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
-        for block in self.blocks[1:]:
+    def cache_blocks(self, h: torch.Tensor, tokens: Tokens, /) -> torch.Tensor:
+        for block in self.blocks:
             h = block(h, tokens.context, tokens.mod, tokens.rope)
         return h
 

@@ -61,8 +61,8 @@ class _Call:
     sigmas: torch.Tensor | None = None  # the request's float32 schedule (multistep solvers read earlier sigmas)
     history: torch.Tensor | None = None  # the multistep solver's state from the previous step (solver_history)
     next_timestep: torch.Tensor | None = None
-    step_cache: dict = attrs.field(factory=dict)  # branch -> (first-block residual, other blocks' residual), in
-    new_step_cache: dict = attrs.field(factory=dict)  # and out (the step cache's state of this request)
+    step_cache: dict = attrs.field(factory=dict)  # branch -> the step cache's state of this request (residual,
+    new_step_cache: dict = attrs.field(factory=dict)  # indicator, running sum), in and out
     guidance: Guidance = attrs.field(factory=Guidance)
     velocities: dict[str, torch.Tensor] = attrs.field(factory=dict)  # branch -> velocity (velocity nodes)
     conds: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # branch -> module conditioning (DiT)
@@ -118,7 +118,7 @@ class DiffusionEngine(Engine):
                 self.module_dtype = declared
             if self.cache_threshold is not None and not supports_step_cache(module):
                 raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold needs a "
-                                     "module with cache_embed / cache_first_block / cache_other_blocks / cache_head "
+                                     "module with cache_embed / cache_indicator / cache_blocks / cache_head "
                                      "(mstar_diffusion.step_cache.StepCacheableDenoiser)")
             if self.cache_threshold is not None and not {"step_cache"} <= set(node.all_inputs) & set(node.outputs):
                 raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold carries "
@@ -130,6 +130,7 @@ class DiffusionEngine(Engine):
                                  "drop module= (a DiT step node has a module and no 'velocity' input)")
         self.queue: deque[_Call] = deque()
         self.answered: list[Result] = []
+        self.stepping: list[_Call] = []  # the calls of the step in progress
         # gauges
         self.num_steps = 0
         self.num_forwards = 0
@@ -162,6 +163,14 @@ class DiffusionEngine(Engine):
         if take < len(self.queue):  # only some fit: the most urgent, then the oldest requests (stable: FIFO after)
             self.queue = deque(sorted(self.queue, key=lambda c: c.inv.urgency))
         batch = [self.queue.popleft() for _ in range(take)]
+        self.stepping = batch  # still held (for stats()) until their results are out
+        try:
+            return results + self._step(batch)
+        finally:
+            self.stepping = []
+
+    def _step(self, batch: list[_Call]) -> list[Result]:
+        results: list[Result] = []
         self.num_steps += 1
         requests = {c.inv.request_id for c in batch}
         self.max_requests_per_step = max(self.max_requests_per_step, len(requests))
@@ -184,6 +193,10 @@ class DiffusionEngine(Engine):
         return {c.inv.request_id for c in self.queue} | {r[0].request_id for r in self.answered}
 
     def stats(self) -> dict[str, float]:
+        # (read from the event loop while the device thread steps: tuple() copies each container in one go under
+        # the GIL, where iterating it in Python could meet it mid-change)
+        queued, stepping, answered = tuple(self.queue), tuple(self.stepping), tuple(self.answered)
+        held = {c.inv.request_id for c in (*queued, *stepping)} | {r[0].request_id for r in answered}
         return {
             "diffusion_steps": self.num_steps,
             "diffusion_forwards": self.num_forwards,
@@ -192,7 +205,11 @@ class DiffusionEngine(Engine):
             "diffusion_max_rows": self.max_rows_seen,
             "diffusion_max_requests_per_step": self.max_requests_per_step,
             "diffusion_mixed_sigma_steps": self.mixed_sigma_steps,
-            "diffusion_queued": len(self.queue),
+            "diffusion_queued": len(queued),
+            # what this engine holds right now: the calls queued or in the step under way (nothing once a step's
+            # results are out: the state travels with each call), so a cancelled job's latents are seen to go
+            "diffusion_held_requests": len(held),
+            "diffusion_held_bytes": sum(_call_bytes(c) for c in (*queued, *stepping)),
             "diffusion_cache_reused_rows": self.cache_reused_rows,
             "diffusion_cache_computed_rows": self.cache_computed_rows,
         }
@@ -348,7 +365,11 @@ class DiffusionEngine(Engine):
             v = self.module(x, t, **cond)
         else:
             states = [c.step_cache.get(b) for c, b in rows]
-            v, new_states, reused = cached_forward(self.module, x, t, cond, states, self.cache_threshold)
+            # one decision per request (its rows share it); its last step always computes (it is the output)
+            requests = [id(c) for c, _ in rows]
+            last = [c.index == len(c.sigmas) - 2 for c, _ in rows]
+            v, new_states, reused = cached_forward(self.module, x, t, cond, states, self.cache_threshold, requests,
+                                                   last)
             for (c, b), state in zip(rows, new_states, strict=True):
                 c.new_step_cache[b] = state
             self.cache_reused_rows += reused
@@ -390,9 +411,24 @@ def _cache_threshold(node: Any, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ModelLoadError(f"node '{node.name}' (engine 'diffusion'): setting step_cache_threshold must be a number "
-                             f">= 0 (the relative change of the first block's residual below which the other blocks "
-                             f"are skipped), got {value!r}")
+                             f">= 0 (the summed relative change of the first block's input below which every block "
+                             f"is skipped), got {value!r}")
     return float(value)
+
+
+def _call_bytes(call: _Call) -> int:
+    """Bytes of the tensors a queued call holds: its latents, solver history, cached residuals, conditioning."""
+    return _nbytes((call.latents, call.history, call.velocities, call.conds, call.step_cache))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def _to(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
