@@ -59,8 +59,9 @@ def test_create_retrieve_download_with_the_official_client(client):
     assert done.expires_at > done.completed_at
     assert progress == sorted(progress)  # progress only moves forward
     frames, rate = _mp4_frames(client.videos.download_content(video.id).read())
-    # the tiny preset: 720x1280 at 1/20 -> 36x64 -> floored to multiples of 32 -> 32 wide, 64 high; 4 s x 8 fps + 1
-    assert len(frames) == 33 and frames[0].shape == (64, 32, 3) and rate == 8
+    # the tiny preset draws 720x1280 at 1/20 (36x64, floored to multiples of 32: 32 wide, 64 high); the file is
+    # scaled to the size asked for; 4 s x 8 fps + 1 frames
+    assert len(frames) == 33 and frames[0].shape == (1280, 720, 3) and rate == 8
 
 
 def test_image_to_video_with_an_input_reference_file(client):
@@ -74,7 +75,7 @@ def test_image_to_video_with_an_input_reference_file(client):
     done, _ = _wait(client, video.id)
     assert done.status == "completed", done.error
     frames, _ = _mp4_frames(client.videos.download_content(video.id).read())
-    assert frames[0].shape == (32, 64, 3)
+    assert frames[0].shape == (720, 1280, 3)
 
 
 def test_list_pages_with_after_limit_and_order(client):
