@@ -49,7 +49,7 @@ ROLES = ("asr", "llm", "tts")
 GLUE = "agent"
 #: what the composed model emits, by meaning (the realtime route reads these names from `extras["outputs"]`)
 OUTPUTS = {"transcript": "agent:transcript", "prompt_ids": "agent:prompt_ids", "token": "llm:next_token",
-           "audio": "tts:audio"}
+           "audio": "tts:audio", "spoken_text": "agent:spoken_text"}
 #: the request fields the chat model's part takes from a turn (checked by its own schema)
 LLM_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 
@@ -295,7 +295,7 @@ def build(name: str, parts: Mapping[str, LoadedModel]) -> LoadedModel:
     respond = Walk(
         name="respond", body=think, inputs=(*turn_inputs, env("tts_fields"), env("max_chunks")),
         optional_inputs=(*heard, *llm_optional, *sorted(tts.env(n) for n in speak.optional_inputs)),
-        emit=(OUTPUTS["transcript"], OUTPUTS["prompt_ids"], OUTPUTS["token"], OUTPUTS["audio"]),
+        emit=(OUTPUTS["transcript"], OUTPUTS["prompt_ids"], OUTPUTS["token"], OUTPUTS["spoken_text"], OUTPUTS["audio"]),
         streams=(to_speech, *(tts.stream(e, speak.name, k) for k, e in enumerate(speak.streams))),
         description="the chat model answers the turn; each sentence of its reply is spoken as it is written",
     )
