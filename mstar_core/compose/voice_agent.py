@@ -161,8 +161,10 @@ def _decoder(tokenizer: Any):
 class AgentRequest:
     """`prepare(inputs)`: a turn's fields -> the env of the composed walks (each part's own preparation, prefixed)."""
 
-    def __init__(self, parts: Mapping[str, LoadedModel], asr: PartNames, max_chunks: int):
+    def __init__(self, parts: Mapping[str, LoadedModel], asr: PartNames, max_chunks: int,
+                 speech_defaults: Mapping[str, Any] | None = None, transcript_max_tokens: int | None = None):
         self.parts, self.asr, self.max_chunks = parts, asr, max_chunks
+        self.speech_defaults, self.transcript_max_tokens = dict(speech_defaults or {}), transcript_max_tokens
         rate = int(parts["asr"].extras.get("sample_rate", 16000))
         self.schema = RequestSchema(
             fields=(
@@ -191,7 +193,8 @@ class AgentRequest:
         out: dict[str, Any] = {env("speak"): bool(inputs["speak"]), env("max_chunks"): self.max_chunks}
         messages = list(inputs.get("messages") or [])
         if inputs.get("audio") is not None:
-            asr_inputs = {"audio": inputs["audio"]}
+            asr_inputs = {"audio": inputs["audio"], **({"max_tokens": self.transcript_max_tokens}
+                                                       if self.transcript_max_tokens else {})}
             for field, into in (("language", "language"), ("transcript_max_tokens", "max_tokens")):
                 if inputs.get(field) is not None:
                     asr_inputs[into] = inputs[field]
@@ -204,7 +207,8 @@ class AgentRequest:
         llm_fields = {k: inputs[k] for k in LLM_FIELDS if inputs.get(k) is not None}
         # the chat model's own checks now, on the conversation as it stands: a bad field is this request's 4xx
         self.parts["llm"].prepare_inputs({"messages": messages or [{"role": "user", "content": "."}], **llm_fields})
-        tts_fields = {**inputs["speech_options"], **({"voice": inputs["voice"]} if inputs.get("voice") else {})}
+        tts_fields = {**self.speech_defaults, **inputs["speech_options"],
+                      **({"voice": inputs["voice"]} if inputs.get("voice") else {})}
         if "input" in tts_fields:
             raise RequestError("'speech_options' may not set 'input': the TTS speaks the reply", param="speech_options")
         if out[env("speak")]:
@@ -227,7 +231,34 @@ def asr_plan(asr_graph: Graph, composed_env: Mapping[str, Any]) -> list[str]:
 # -- the graph ------------------------------------------------------------------------------------------------
 
 
-def build(name: str, parts: Mapping[str, LoadedModel]) -> LoadedModel:
+#: the options a deploy file may set (`options:` of the composed entry)
+OPTIONS = {
+    "min_clause_words": "a clause boundary ends a spoken piece once it holds this many words (default 6)",
+    "max_words": "a piece with no boundary is cut after this many words (default 24)",
+    "speech_options": "fields of the TTS's own request for every piece, under what a turn's speech_options sets",
+    "transcript_max_tokens": "the most tokens of a turn's transcript, unless the turn says",
+}
+
+
+def _options(options: Mapping[str, Any], where: str = "options") -> dict[str, Any]:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: voice_agent has no such option; its options: {', '.join(OPTIONS)}")
+    out = {"min_clause_words": 6, "max_words": 24, "speech_options": {}, "transcript_max_tokens": None, **options}
+    for key in ("min_clause_words", "max_words", "transcript_max_tokens"):
+        value = out[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{where}.{key} must be an integer >= 1, got {value!r}")
+    if out["max_words"] < out["min_clause_words"]:
+        raise ConfigError(f"{where}.max_words ({out['max_words']}) must be at least min_clause_words "
+                          f"({out['min_clause_words']})")
+    if not isinstance(out["speech_options"], Mapping) or "input" in out["speech_options"]:
+        raise ConfigError(f"{where}.speech_options must be a mapping of the TTS's request fields (not 'input')")
+    return out
+
+
+def build(name: str, parts: Mapping[str, LoadedModel], options: Mapping[str, Any] | None = None) -> LoadedModel:
+    opts = _options(options or {})
     asr_part, llm_part, tts_part = (parts[r] for r in ROLES)
     asr, llm, tts = (PartNames(r, parts[r].graph) for r in ROLES)
     asr_prefill, asr_decode = _ar_walks("asr", asr_part)
@@ -236,6 +267,11 @@ def build(name: str, parts: Mapping[str, LoadedModel]) -> LoadedModel:
     _field("llm", llm_part, "messages")
     _field("tts", tts_part, "input")
     asr_tokenizer, llm_tokenizer = _tokenizer("asr", asr_part), _tokenizer("llm", llm_part)
+    speech_defaults = dict(opts["speech_options"])
+    try:
+        tts_part.prepare_inputs({"input": "Hello.", **speech_defaults})
+    except Exception as exc:
+        raise ConfigError(f"options.speech_options: model '{tts_part.name}' refuses {speech_defaults}: {exc}") from None
     tts_plan = tts_part.graph.plan(_probe("tts", tts_part, {"input": "Hello."}))
     if len(tts_plan) != 1:
         _fail("tts", tts_part, f"must speak a text in one walk; it plans {tts_plan}")
@@ -284,7 +320,8 @@ def build(name: str, parts: Mapping[str, LoadedModel]) -> LoadedModel:
                           count=env("speak_count"), index_name=env("speak_index"), collect=())
     reply_chunk = env("reply_chunk")
     to_speech = StreamingGraphEdge(
-        f"{llm.node(lm_node)}.next_token", policy=TextChunkPolicy(decode_reply),
+        f"{llm.node(lm_node)}.next_token",
+        policy=TextChunkPolicy(decode_reply, min_clause_words=opts["min_clause_words"], max_words=opts["max_words"]),
         keep=lambda token: int(token) not in eos, into=reply_chunk,
         consumer=DynamicLoop(body=Sequential(speech_input, speak_once), until=lambda e: e[reply_chunk].final,
                              max_iters=env("max_chunks"), index_name=env("chunk_index")),
@@ -319,7 +356,7 @@ def build(name: str, parts: Mapping[str, LoadedModel]) -> LoadedModel:
     graph = Graph.build(name, [*asr.nodes(), *llm.nodes(), *tts.nodes(), *glue],
                         [*asr_walks, transcribe, respond, respond_text], plan=plan)
     max_chunks = int(llm_part.extras.get("max_model_len") or 32768) + 1
-    request = AgentRequest(parts, asr, max_chunks)
+    request = AgentRequest(parts, asr, max_chunks, speech_defaults, opts["transcript_max_tokens"])
     return LoadedModel(
         name=name, graph=graph, random_weights=any(p.random_weights for p in parts.values()), prepare=request,
         request_schema=request.schema,
@@ -352,4 +389,5 @@ SPEC = CompositionSpec(
                 "sentence by sentence while it is written; one request per turn",
     role_help={"asr": "a speech recognizer, e.g. whisper", "llm": "a chat model, e.g. llama",
                "tts": "a text-to-speech model, e.g. qwen3-tts"},
+    options=OPTIONS,
 )

@@ -220,24 +220,26 @@ class AsyncEngine:
         return loaded
 
     async def compose(self, name: str, composition: str, parts: Mapping[str, str],
-                      settings: Mapping[str, Mapping[str, Any]] | None = None) -> LoadedModel:
+                      settings: Mapping[str, Mapping[str, Any]] | None = None,
+                      options: Mapping[str, Any] | None = None) -> LoadedModel:
         """Serve a model built from loaded models' nodes: `composition` (a registered `CompositionSpec`) with each of
         its roles filled by a loaded model's name, e.g. `compose("agent", "voice_agent", {"asr": "whisper", "llm":
         "llama", "tts": "qwen3-tts"})`.
 
         The parts' nodes run on the parts' own engines and schedulers: no second copy of any weight or KV pool, and a
         composed request's calls batch with the standalone models' requests. Only the composition's own (glue) nodes
-        get engines of their own; `settings` may tune those.
+        get engines of their own; `settings` may tune those. `options`: the composition's own
+        (`CompositionSpec.options`, e.g. the voice agent's text chunk policy).
         """
         from mstar_core.compose.spec import check_roles
         from mstar_core.graph.compose import NODE_SEP
 
         spec = self.registry.compositions.get(composition)
-        check_roles(spec, parts, f"models.{name}")
+        check_roles(spec, parts, f"models.{name}", options)
         if name in self._models:
             raise ConfigError(f"a model named '{name}' is already loaded; name the composition otherwise")
         runtimes = {role: self._part_runtime(name, role, model) for role, model in parts.items()}
-        loaded = spec.build(name, {role: rt.loaded for role, rt in runtimes.items()})
+        loaded = spec.build(name, {role: rt.loaded for role, rt in runtimes.items()}, dict(options or {}))
         loaded.extras["parts"] = dict(parts)
         engines: dict[str, Engine] = {}
         schedulers: dict[str, Any] = {}

@@ -110,7 +110,7 @@ def test_hook_register_api_adapters():
 def test_hook_register_compositions():
     from mstar_core.compose import CompositionSpec
 
-    spec = CompositionSpec("duet", ("left", "right"), build=lambda name, parts: None)
+    spec = CompositionSpec("duet", ("left", "right"), build=lambda name, parts, options: None)
     registry = discover(extra_modules=[_plugin(mstar_register_compositions=lambda register: register(spec))])
     assert registry.compositions.get("duet") is spec
     assert "voice_agent" in registry.compositions  # the core's own, registered like any plugin's

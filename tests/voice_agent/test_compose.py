@@ -34,7 +34,7 @@ def counter(name: str) -> LoadedModel:
     return LoadedModel(name=name, graph=graph)
 
 
-def build_duo(name, parts):
+def build_duo(name, parts, options):
     first, second = (PartNames(r, parts[r].graph) for r in ("first", "second"))
     count = parts["first"].graph.walks["count"]
     walk = Walk(name="both", body=Sequential(first.step(count.body, "count"), Copy({"second:x": "first:x"}),
@@ -45,7 +45,7 @@ def build_duo(name, parts):
                                                                   "second:limit": r["limits"][1]})
 
 
-DUO = CompositionSpec("duo", ("first", "second"), build_duo)
+DUO = CompositionSpec("duo", ("first", "second"), build_duo, options={"tempo": "how fast"})
 
 
 def registry():
@@ -102,6 +102,8 @@ def test_composing_names_the_offending_role_or_model():
 def test_check_roles_names_the_key():
     with pytest.raises(ConfigError, match=r"models\.agent\.speaker: .*roles: first, second"):
         check_roles(DUO, {"first": "a", "second": "b", "speaker": "c"}, "models.agent")
+    with pytest.raises(ConfigError, match=r"models\.agent\.options\.speed: .* has no option 'speed'; its options: tempo"):
+        check_roles(DUO, {"first": "a", "second": "b"}, "models.agent", {"speed": 2})
 
 
 def test_deploy_file_compose_entries_are_strict(tmp_path):
@@ -124,5 +126,9 @@ def test_deploy_file_compose_entries_are_strict(tmp_path):
         deploy(base + "  agent: {compose: voice_agent, asr: whisper, llm: [llama]}\n")
     with pytest.raises(ConfigError, match=r"models\.two\.asr: model 'agent' is composed itself"):
         deploy(base + "  agent: {compose: voice_agent, asr: whisper}\n  two: {compose: voice_agent, asr: agent}\n")
+    _, models = deploy(base + "  agent: {compose: voice_agent, asr: whisper, options: {max_words: 9}}\n")
+    assert models["agent"].compose.options == {"max_words": 9}
+    with pytest.raises(ConfigError, match=r"models\.agent\.options must be a mapping"):
+        deploy(base + "  agent: {compose: voice_agent, asr: whisper, options: 3}\n")
     with pytest.raises(ConfigError, match=r"models\.agent\.engines must map"):
         deploy(base + "  agent: {compose: voice_agent, asr: whisper, engines: [1]}\n")

@@ -224,7 +224,8 @@ class ServerState:
             composed = item.compose
             log.info("composing model %s (%s) from %s", item.name, composed.composition,
                      ", ".join(f"{role}={model}" for role, model in composed.parts.items()))
-            loaded = await self.engine.compose(item.name, composed.composition, composed.parts, item.settings)
+            loaded = await self.engine.compose(item.name, composed.composition, composed.parts, item.settings,
+                                               composed.options)
             self.bind_adapters(item.name, loaded, item.media)
         self.ready = True
 

@@ -265,7 +265,7 @@ def serve(args: argparse.Namespace) -> int:
 
             try:
                 check_roles(registry.compositions.get(item.compose.composition), item.compose.parts,
-                            f"models.{item.name}")
+                            f"models.{item.name}", item.compose.options)
             except (ConfigError, LookupError) as exc:
                 print(f"mstar serve: {exc}", file=sys.stderr)
                 return 2
