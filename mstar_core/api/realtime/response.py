@@ -175,7 +175,8 @@ class ResponseRun:
             async for out in self.handle:
                 if out.name == bridge.audio_output and self.audio:
                     await self._audio(bridge.pcm(out.value))
-                elif bridge.agent is not None and out.name in bridge.agent.values():
+                elif bridge.agent is not None and out.name in (bridge.agent["transcript"], bridge.agent["prompt_ids"],
+                                                               bridge.agent["spoken_text"]):
                     await self._agent_output(out.name, out.value)
                 elif out.name == "codes" and out.value is not None:
                     self.audio_frames += 1
