@@ -165,6 +165,8 @@ class AgentRequest:
                  speech_defaults: Mapping[str, Any] | None = None, transcript_max_tokens: int | None = None):
         self.parts, self.asr, self.max_chunks = parts, asr, max_chunks
         self.speech_defaults, self.transcript_max_tokens = dict(speech_defaults or {}), transcript_max_tokens
+        asr_schema = parts["asr"].request_schema
+        self.asr_temperature = asr_schema is not None and any(f.name == "temperature" for f in asr_schema.fields)
         rate = int(parts["asr"].extras.get("sample_rate", 16000))
         self.schema = RequestSchema(
             fields=(
@@ -195,6 +197,8 @@ class AgentRequest:
         if inputs.get("audio") is not None:
             asr_inputs = {"audio": inputs["audio"], **({"max_tokens": self.transcript_max_tokens}
                                                        if self.transcript_max_tokens else {})}
+            if self.asr_temperature:  # a transcript is decoded greedily (Whisper's first pass; no fallback here)
+                asr_inputs["temperature"] = 0.0
             for field, into in (("language", "language"), ("transcript_max_tokens", "max_tokens")):
                 if inputs.get(field) is not None:
                     asr_inputs[into] = inputs[field]
@@ -333,7 +337,10 @@ def build(name: str, parts: Mapping[str, LoadedModel], options: Mapping[str, Any
         name="respond", body=think, inputs=(*turn_inputs, env("tts_fields"), env("max_chunks")),
         optional_inputs=(*heard, *llm_optional, *sorted(tts.env(n) for n in speak.optional_inputs)),
         emit=(OUTPUTS["transcript"], OUTPUTS["prompt_ids"], OUTPUTS["token"], OUTPUTS["spoken_text"], OUTPUTS["audio"]),
-        streams=(to_speech, *(tts.stream(e, speak.name, k) for k, e in enumerate(speak.streams))),
+        # the TTS's own streams (frames -> codec windows) end a segment with each piece: its last window is decoded
+        # as the piece ends, not held for the next piece's frames, and no window reaches back into the last piece
+        streams=(to_speech, *(attrs.evolve(tts.stream(e, speak.name, k), segment_by=env("chunk_index"))
+                              for k, e in enumerate(speak.streams))),
         description="the chat model answers the turn; each sentence of its reply is spoken as it is written",
     )
     respond_text = Walk(

@@ -157,7 +157,7 @@ class PartNames:
             self.port(edge.src), None if edge.dst is None else self.port(edge.dst), edge.policy, keep=edge.keep,
             outputs=outputs, into=None if edge.into is None else
             self.env(edge.into), consumer=consumer,
-            priority=edge.priority)
+            priority=edge.priority, segment_by=None if edge.segment_by is None else self.env(edge.segment_by))
 
     def walk_spec(self, walk: Walk, name: str | None = None) -> Walk:
         """One of the part's walks, renamed whole (its name becomes `<part>.<walk>` unless `name` is given)."""

@@ -256,6 +256,10 @@ class StreamingGraphEdge:
     for which `keep(value)` is false are not part of the stream. `priority`, a function of the
     request's `StreamProgress`, gives the producer's calls a priority (larger runs first in engines
     that order by `Invocation.priority`); see `stream_priority` for the usual one.
+
+    `segment_by`: the `index_name` of a loop of the walk that the producer runs in, one segment of the stream per
+    iteration (one utterance per sentence a TTS speaks): at the end of each iteration the policy releases the
+    segment's tail as at the producer's end and starts the next afresh (`ChunkStream.end_segment`).
     """
 
     src: str
@@ -266,6 +270,7 @@ class StreamingGraphEdge:
     into: str | None = None
     consumer: Step | None = attrs.field(default=None, converter=_optional_step)
     priority: Callable[[StreamProgress], float] | None = attrs.field(default=None, eq=False)
+    segment_by: str | None = None
 
     @property
     def src_node(self) -> str:

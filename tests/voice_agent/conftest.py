@@ -27,6 +27,11 @@ class Served:
         for model in PARTS.values():
             await engine.load_model(model, LoadOptions(preset="tiny"))
         await engine.compose("agent", "voice_agent", PARTS)
+        # one short spoken turn: every node's first call (allocations, kernels) is paid here, not by a test
+        import torch
+
+        await engine.generate("agent", {"audio": torch.randn(8000) * 0.1, "max_tokens": 4, "transcript_max_tokens": 2,
+                                        "speech_options": {"max_frames": 4}})
         return engine
 
     def run(self, coro, timeout: float = 120):

@@ -6,6 +6,7 @@ reply's tokens, its TTS's adapter the audio). No model code here: what a model t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,8 +80,8 @@ class ModelBridge:
         turn goes through the text routes' pipeline (`requests.pipeline.chat_request`)."""
         speak = options.output_modalities == ("audio",)
         sampling = sampling_fields({"max_tokens": options.max_output_tokens, "temperature": options.temperature})
-        if self.kind == "agent":
-            return self._agent_inputs(items, options, previous, speak, sampling)
+        if self.kind == "agent":  # (off the loop: resampling the turn's audio takes a CPU's while)
+            return await asyncio.to_thread(self._agent_inputs, items, options, previous, speak, sampling)
         if self.kind == "speech":
             text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
             if not text.strip():
