@@ -138,17 +138,42 @@ class AgentPrompt:
 
 class SpeechInput:
     """One chunk of the reply's tokens as the TTS's request (its own preparation); `speak_count` 0 for a chunk with
-    nothing to say (the whitespace a reply ends with), so the TTS's walk does not run for it."""
+    nothing to say (the whitespace a reply ends with, or only a tool call), so the TTS's walk does not run for it.
+
+    `unspoken`: (open, close) markers of spans the TTS skips (a tool call the chat model writes); `span` is the index
+    of the span open at the chunk's start (-1: none), carried from chunk to chunk by the loop."""
 
     def __init__(self, decode: Any, tts: LoadedModel, tts_keys: Sequence[str]):
         self.decode, self.tts, self.tts_keys = decode, tts, tuple(tts_keys)
 
-    def __call__(self, chunk: Any, tts_fields: dict) -> dict[str, Any]:
-        text = self.decode(list(chunk.new_items)).strip()
+    def __call__(self, chunk: Any, tts_fields: dict, unspoken: Sequence[Sequence[str]] = (), span: int = -1
+                 ) -> dict[str, Any]:
+        text, span = spoken_part(self.decode(list(chunk.new_items)), unspoken, span)
+        text = text.strip()
         if not text:
-            return {"speak_count": 0, "text": "", **dict.fromkeys(self.tts_keys)}
+            return {"speak_count": 0, "text": "", "span": span, **dict.fromkeys(self.tts_keys)}
         prepared = self.tts.prepare_inputs({"input": text, **tts_fields})
-        return {"speak_count": 1, "text": text, **{k: prepared.get(k) for k in self.tts_keys}}
+        return {"speak_count": 1, "text": text, "span": span, **{k: prepared.get(k) for k in self.tts_keys}}
+
+
+def spoken_part(text: str, unspoken: Sequence[Sequence[str]], span: int) -> tuple[str, int]:
+    """`text` without what lies inside the `unspoken` spans, and the span still open at its end (-1: none)."""
+    out, at = [], 0
+    while at < len(text):
+        if span >= 0:
+            end = text.find(unspoken[span][1], at)
+            if end < 0:
+                return "".join(out), span
+            at, span = end + len(unspoken[span][1]), -1
+            continue
+        opens = [(i, k) for k, (first, _) in enumerate(unspoken) if (i := text.find(first, at)) >= 0]
+        if not opens:
+            out.append(text[at:])
+            break
+        i, span = min(opens)
+        out.append(text[at:i])
+        at = i + len(unspoken[span][0])
+    return "".join(out), span
 
 
 def _decoder(tokenizer: Any):
@@ -183,6 +208,8 @@ class AgentRequest:
                 RequestField("temperature", "number", "the chat model's temperature", minimum=0),
                 RequestField("top_p", "number", "the chat model's top-p", minimum=0, maximum=1, exclusive_minimum=True),
                 RequestField("seed", "integer", "the chat model's seed"),
+                RequestField("unspoken", "array", "(open, close) marker pairs of reply spans not to speak: the chat "
+                             "model's tool calls", items="array", default=[], check=_marker_pairs),
                 RequestField("previous_prompt_ids", "array", "the last turn's prompt ids (as emitted)", items="integer"),
                 RequestField("previous_reply_ids", "array", "the last turn's reply ids (as emitted, no stop token)",
                              items="integer"),
@@ -218,9 +245,16 @@ class AgentRequest:
         if out[env("speak")]:
             self.parts["tts"].prepare_inputs({"input": ".", **tts_fields})
         prompt, reply = inputs.get("previous_prompt_ids"), inputs.get("previous_reply_ids")
+        out.update({env("unspoken"): [tuple(p) for p in inputs["unspoken"]], env("span"): -1})
         out.update({env("messages"): messages, env("llm_fields"): llm_fields, env("tts_fields"): tts_fields,
                     env("previous"): (list(prompt), list(reply)) if prompt and reply is not None else None})
         return out
+
+
+def _marker_pairs(value: list, name: str) -> list:
+    if not all(isinstance(p, list | tuple) and len(p) == 2 and all(isinstance(m, str) and m for m in p) for p in value):
+        raise RequestError(f"'{name}' must be a list of [open, close] pairs of non-empty strings", param=name)
+    return value
 
 
 def asr_plan(asr_graph: Graph, composed_env: Mapping[str, Any]) -> list[str]:
@@ -316,9 +350,10 @@ def build(name: str, parts: Mapping[str, LoadedModel], options: Mapping[str, Any
                            outputs={"transcript": env("transcript"), "prompt_ids": env("prompt_ids"),
                                     **{k: llm.env(k) for k in llm_keys}})
     think = Sequential(prompt_call, llm.step(llm_prefill.body, "prefill"), llm.step(llm_decode.body, "decode"))
-    speech_input = NodeCall(node("speech_input"), inputs={"chunk": env("reply_chunk"), "tts_fields": env("tts_fields")},
+    speech_input = NodeCall(node("speech_input"), inputs={"chunk": env("reply_chunk"), "tts_fields": env("tts_fields"),
+                                                          "unspoken": env("unspoken"), "span": env("span")},
                             outputs={"speak_count": env("speak_count"), "text": env("spoken_text"),
-                                     **{k: tts.env(k) for k in tts_keys}})
+                                     "span": env("span_after"), **{k: tts.env(k) for k in tts_keys}})
     # each chunk runs the TTS's walk afresh: its KV labels start empty (the first call of each kvcache node resets)
     speak_once = Parallel(_fresh_labels(tts.step(speak.body, speak.name), tts_part.graph, tts),
                           count=env("speak_count"), index_name=env("speak_index"), collect=())
@@ -328,13 +363,15 @@ def build(name: str, parts: Mapping[str, LoadedModel], options: Mapping[str, Any
         policy=TextChunkPolicy(decode_reply, min_clause_words=opts["min_clause_words"], max_words=opts["max_words"]),
         keep=lambda token: int(token) not in eos, into=reply_chunk,
         consumer=DynamicLoop(body=Sequential(speech_input, speak_once), until=lambda e: e[reply_chunk].final,
-                             max_iters=env("max_chunks"), index_name=env("chunk_index")),
+                             max_iters=env("max_chunks"), index_name=env("chunk_index"),
+                             carry={env("span_after"): env("span")}),
     )
     llm_optional = sorted({llm.env(n) for n in (*llm_prefill.optional_inputs, *llm_decode.optional_inputs)})
     turn_inputs = (env("messages"), env("llm_fields"), env("previous"))
     heard = (env("first_token"), env("asr_tokens"))
     respond = Walk(
-        name="respond", body=think, inputs=(*turn_inputs, env("tts_fields"), env("max_chunks")),
+        name="respond", body=think, inputs=(*turn_inputs, env("tts_fields"), env("max_chunks"), env("unspoken"),
+                                            env("span")),
         optional_inputs=(*heard, *llm_optional, *sorted(tts.env(n) for n in speak.optional_inputs)),
         emit=(OUTPUTS["transcript"], OUTPUTS["prompt_ids"], OUTPUTS["token"], OUTPUTS["spoken_text"], OUTPUTS["audio"]),
         # the TTS's own streams (frames -> codec windows) end a segment with each piece: its last window is decoded
@@ -352,7 +389,8 @@ def build(name: str, parts: Mapping[str, LoadedModel], options: Mapping[str, Any
         GraphNode(node("prompt"), inputs=("messages", "llm_fields", "previous"),
                   optional_inputs=("first_token", "asr_tokens"), outputs=("transcript", "prompt_ids", *llm_keys),
                   engine="function", module=lambda: AgentPrompt(asr_tokenizer, llm_part, llm_keys)),
-        GraphNode(node("speech_input"), inputs=("chunk", "tts_fields"), outputs=("speak_count", "text", *tts_keys),
+        GraphNode(node("speech_input"), inputs=("chunk", "tts_fields"), optional_inputs=("unspoken", "span"),
+                  outputs=("speak_count", "text", "span", *tts_keys),
                   engine="function", module=lambda: SpeechInput(decode_reply, tts_part, tts_keys)),
     ]
 

@@ -131,3 +131,26 @@ def test_a_bad_turn_is_refused_naming_the_field(served):
         served.run(prepare({"messages": [{"role": "user", "content": "hi"}], "volume": 3}))
     with pytest.raises(RequestError, match="voice"):
         served.run(prepare({"messages": [{"role": "user", "content": "hi"}], "voice": "nobody-at-all"}))
+
+
+def test_a_tool_call_in_the_reply_is_not_spoken_even_across_pieces():
+    from mstar_core.compose.voice_agent import spoken_part
+
+    marks = [("<tool_call>", "</tool_call>")]
+    assert spoken_part("Let me look. <tool_call>\n{\"name\": \"w\"}\n</tool_call> Done.", marks, -1) == \
+        ("Let me look.  Done.", -1)
+    # a call that opens in one piece and closes in a later one: the span is carried between them
+    assert spoken_part("Sure. <tool_call>\n{\"name\":", marks, -1) == ("Sure. ", 0)
+    assert spoken_part(" \"w\", \"arguments\": {}}", marks, 0) == ("", 0)
+    assert spoken_part("}\n</tool_call> It is sunny.", marks, 0) == (" It is sunny.", -1)
+    assert spoken_part("no markers at all", [], -1) == ("no markers at all", -1)
+
+
+def test_unspoken_spans_reach_the_turn_and_are_checked(served):
+    outs, _ = turn(served, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+                            "speech_options": SPEECH, "unspoken": [["<tool_call>", "</tool_call>"]]})
+    assert any(n == "llm:next_token" for n, _, _ in outs)
+    with pytest.raises(RequestError, match="pairs") as err:
+        served.run(served.engine.prepare("agent", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "unspoken": [["<x>"]]}))
+    assert err.value.param == "unspoken"

@@ -19,6 +19,7 @@ from mstar_core.api.realtime.protocol import EventError
 from mstar_core.api.requests import tools as tl
 from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
+from mstar_core.api.requests.tool_parser import CLOSE, OPEN
 
 
 class ModelBridge:
@@ -125,6 +126,8 @@ class ModelBridge:
             raise EventError("the conversation has nothing for the model to answer; add a user item first",
                              param="response", code="nothing_to_answer")
         body: dict[str, Any] = {"messages": plain, "speak": speak, **sampling}
+        if self.tools(options) and self.tool_format == "hermes":  # a tool call is an item, not something to say
+            body["unspoken"] = [[OPEN, CLOSE]]
         if audio is not None:
             samples = audio.astype(np.float32) / 32768.0
             body["audio"] = torch.from_numpy(np.ascontiguousarray(resample(samples, RATE, self.asr_rate)))
