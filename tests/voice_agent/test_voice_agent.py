@@ -5,6 +5,7 @@ second turn prefilling only its new tokens."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -154,3 +155,17 @@ def test_unspoken_spans_reach_the_turn_and_are_checked(served):
         served.run(served.engine.prepare("agent", {"messages": [{"role": "user", "content": "hi"}],
                                                    "unspoken": [["<x>"]]}))
     assert err.value.param == "unspoken"
+
+
+def test_every_walk_of_the_composed_model_draws(served):
+    from mstar_core.graph import to_dot, to_mermaid
+
+    graph = served.engine.models["agent"].graph
+    for walk in graph.walks:
+        mermaid, dot = to_mermaid(graph, walk), to_dot(graph, walk)
+        ids = re.findall(r"^\s*([^\s\[(\"]+)[\[(]", mermaid, re.M)  # each box's id, before its label
+        assert ids and all(re.fullmatch(r"\w+", i) for i in ids), ids
+        assert dot
+    respond = to_mermaid(graph, "respond")
+    for box in ("agent/prompt", "llm/lm", "agent/speech_input", "tts/talker", "tts/code2wav"):
+        assert box in respond
