@@ -132,3 +132,20 @@ def test_deploy_file_compose_entries_are_strict(tmp_path):
         deploy(base + "  agent: {compose: voice_agent, asr: whisper, options: 3}\n")
     with pytest.raises(ConfigError, match=r"models\.agent\.engines must map"):
         deploy(base + "  agent: {compose: voice_agent, asr: whisper, engines: [1]}\n")
+
+
+def test_serve_config_loads_the_parts_and_refuses_a_composition_without_them(tmp_path):
+    import argparse
+
+    from mstar_core.api.server.launch import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("models:\n  whisper: {preset: tiny}\n  llama: {preset: tiny}\n  qwen3-tts: {preset: tiny}\n"
+                      "  agent: {compose: voice_agent, asr: whisper, llm: llama, tts: qwen3-tts}\n")
+    config, _, _ = build_config(parser.parse_args(["--config", str(deploy)]))
+    assert [m.name for m in config.models] == ["whisper", "llama", "qwen3-tts", "agent"]
+    assert config.models[-1].compose.parts["tts"] == "qwen3-tts"
+    with pytest.raises(ConfigError, match=r"models\.agent\.asr: model 'whisper' is not served"):
+        build_config(parser.parse_args(["agent", "--config", str(deploy)]))
