@@ -24,7 +24,9 @@ from mstar_core.graph.walk import (
     children,
     iter_calls,
     iter_leaves,
+    iter_loops,
     iter_walk_calls,
+    walk_steps,
 )
 
 Plan = Callable[[Mapping[str, Any]], Sequence[str]]
@@ -435,6 +437,11 @@ class _WalkChecker:
         where = edge.dst_node or edge.src_node
         if edge.policy is None:
             self.fail(f"streaming edge {edge.name} has no chunk policy", where)
+        if edge.segment_by is not None:
+            loops = {loop.index_name for step in walk_steps(self.walk) for loop in iter_loops(step)}
+            if edge.segment_by not in loops:
+                self.fail(f"streaming edge {edge.name}: segment_by={edge.segment_by!r} names no loop of the walk; "
+                          f"its loops' index names: {sorted(loops)}", where)
         src = self.node(edge.src_node)
         if edge.src_output not in src.outputs:
             self.fail(f"streaming edge source '{edge.src}': node outputs are {list(src.outputs)}", src.name)

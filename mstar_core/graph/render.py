@@ -57,6 +57,11 @@ def _option_text(value) -> str:
     return "".join(parts)
 
 
+def input_id(name: str) -> str:
+    """A walk input's box id: Mermaid and DOT ids take word characters only (a composed model's `asr:audio`)."""
+    return "in_" + "".join(ch if ch.isalnum() or ch == "_" else f"_{ord(ch):x}_" for ch in name)
+
+
 def _policy_label(policy) -> str:
     if policy is None:
         return "NO POLICY"
@@ -72,7 +77,7 @@ class _Layout:
         calls = list(iter_walk_calls(walk))
         self.ids = {id(c): f"c{i}" for i, c in enumerate(calls)}
         self.edges: list[tuple[str, str, str, bool]] = []  # (src, dst, env name, back edge)
-        writer = {name: f"in_{name}" for name in walk.inputs}
+        writer = {name: input_id(name) for name in walk.inputs}
         assigns = [a for a in iter_walk_leaves(walk) if isinstance(a, Assign)]
         self.ids.update({id(a): f"a{i}" for i, a in enumerate(assigns)})
         for call in iter_walk_leaves(walk):
@@ -160,7 +165,7 @@ class _Writer:
     def render(self) -> str:
         walk = self.layout.walk
         for name in walk.inputs:
-            self.box(f"in_{name}", name, rounded=True)
+            self.box(input_id(name), name, rounded=True)
         self.tree(walk.body)
         for _src, sid, edge, _policy in self.layout.streams:
             if edge.consumer is None:

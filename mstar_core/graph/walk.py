@@ -258,6 +258,10 @@ class StreamingGraphEdge:
     that order by `Invocation.priority`); see `stream_priority` for the usual one. `fed_by` names the other
     nodes whose calls make the producer's items (a loop of engine calls ending in a function node that emits
     them): they take the stream's priority too, since ranking only the cheap last call would not speed it up.
+
+    `segment_by`: the `index_name` of a loop of the walk that the producer runs in, one segment of the stream per
+    iteration (one utterance per sentence a TTS speaks): at the end of each iteration the policy releases the
+    segment's tail as at the producer's end and starts the next afresh (`ChunkStream.end_segment`).
     """
 
     src: str
@@ -269,6 +273,7 @@ class StreamingGraphEdge:
     consumer: Step | None = attrs.field(default=None, converter=_optional_step)
     priority: Callable[[StreamProgress], float] | None = attrs.field(default=None, eq=False)
     fed_by: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    segment_by: str | None = None
 
     def ranks(self, node: str) -> bool:
         """Whether `node`'s calls take this stream's priority."""

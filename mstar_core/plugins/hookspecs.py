@@ -39,3 +39,8 @@ def mstar_register_api_adapters(register: Callable[[Any], None]) -> None:
 @hookspec
 def mstar_register_routes(register: Callable[[Any], None]) -> None:
     """Add a package's own HTTP/WebSocket routes: `register(make_router)`, a no-argument callable returning a fastapi.APIRouter."""
+
+
+@hookspec
+def mstar_register_compositions(register: Callable[[Any], None]) -> None:
+    """Register kinds of composed model (built from loaded models' nodes): `register(spec)`, a `mstar_core.compose.CompositionSpec`."""

@@ -22,7 +22,8 @@ ENTRY_POINT_GROUP = "mstar"
 PLUGINS_ENV = "MSTAR_PLUGINS"
 #: The registration hooks, in the order they run.
 HOOKS = ("mstar_register_models", "mstar_register_engines", "mstar_register_transports",
-         "mstar_register_attention_backends", "mstar_register_api_adapters", "mstar_register_routes")
+         "mstar_register_attention_backends", "mstar_register_api_adapters", "mstar_register_routes",
+         "mstar_register_compositions")
 
 
 @attrs.define
@@ -75,7 +76,8 @@ class NamedRegistry:
 
 
 class Registry:
-    """What the loaded plugins provide: models, engines, transports, attention backends, API adapters, routes."""
+    """What the loaded plugins provide: models, engines, transports, attention backends, API adapters, routes,
+    compositions."""
 
     def __init__(self, pm: pluggy.PluginManager, plugins: list[PluginInfo]):
         self.pm = pm
@@ -84,6 +86,7 @@ class Registry:
         self.engines = NamedRegistry("engine")
         self.transports = NamedRegistry("transport")
         self.attention_backends = NamedRegistry("attention backend")
+        self.compositions = NamedRegistry("composition")
         self.api_adapters: list[Any] = []
         self.routers: list[tuple[str, Any]] = []  # (plugin, its router factory): the server includes each router
         self._collect()
@@ -115,6 +118,8 @@ class Registry:
         """The `register` a plugin's hook is given: it records each registration for `_collect` to apply."""
         if hook_name == "mstar_register_models":
             return lambda spec: staged.append((origin, self.models.add, (spec.name, spec, origin)))
+        if hook_name == "mstar_register_compositions":
+            return lambda spec: staged.append((origin, self.compositions.add, (spec.name, spec, origin)))
         if hook_name == "mstar_register_api_adapters":
             return lambda adapter: staged.append((origin, self.api_adapters.append, (adapter,)))
         if hook_name == "mstar_register_routes":

@@ -42,10 +42,12 @@ RUNTIME_SETTINGS = ("own_thread", "max_active_requests", "call_order")
 
 class _ModelRuntime:
     def __init__(self, loaded: LoadedModel, engines: dict[str, Engine], schedulers: dict[str, Any],
-                 walk_schedulers: dict[tuple[str, str], Any] | None = None):
+                 walk_schedulers: dict[tuple[str, str], Any] | None = None, borrowed: set[str] | None = None):
         self.loaded = loaded
         self.engines = engines
         self.schedulers = schedulers
+        #: nodes served by another model's engines and schedulers (a composed model's parts): that model owns them
+        self.borrowed = set(borrowed or ())
         self.walk_schedulers = dict(walk_schedulers or {})
         self.conductor = Conductor(loaded.graph, schedulers, walk_schedulers)
 
@@ -216,6 +218,60 @@ class AsyncEngine:
         schedulers = {n: self.local_scheduler(e) for n, e in engines.items()}
         self._models[name] = _ModelRuntime(loaded, engines, schedulers)
         return loaded
+
+    async def compose(self, name: str, composition: str, parts: Mapping[str, str],
+                      settings: Mapping[str, Mapping[str, Any]] | None = None,
+                      options: Mapping[str, Any] | None = None) -> LoadedModel:
+        """Serve a model built from loaded models' nodes: `composition` (a registered `CompositionSpec`) with each of
+        its roles filled by a loaded model's name, e.g. `compose("agent", "voice_agent", {"asr": "whisper", "llm":
+        "llama", "tts": "qwen3-tts"})`.
+
+        The parts' nodes run on the parts' own engines and schedulers: no second copy of any weight or KV pool, and a
+        composed request's calls batch with the standalone models' requests. Only the composition's own (glue) nodes
+        get engines of their own; `settings` may tune those. `options`: the composition's own
+        (`CompositionSpec.options`, e.g. the voice agent's text chunk policy).
+        """
+        from mstar_core.compose.spec import check_roles
+        from mstar_core.graph.compose import NODE_SEP
+
+        spec = self.registry.compositions.get(composition)
+        check_roles(spec, parts, f"models.{name}", options)
+        if name in self._models:
+            raise ConfigError(f"a model named '{name}' is already loaded; name the composition otherwise")
+        runtimes = {role: self._part_runtime(name, role, model) for role, model in parts.items()}
+        loaded = spec.build(name, {role: rt.loaded for role, rt in runtimes.items()}, dict(options or {}))
+        loaded.extras["parts"] = dict(parts)
+        engines: dict[str, Engine] = {}
+        schedulers: dict[str, Any] = {}
+        for node in loaded.graph.nodes:
+            role, sep, inner = node.partition(NODE_SEP)
+            if sep and role in runtimes:
+                engines[node] = runtimes[role].engines[inner]
+                schedulers[node] = runtimes[role].schedulers[inner]
+        own = set(loaded.graph.nodes) - set(engines)
+        unknown = set(settings or {}) - own
+        if unknown:
+            raise ConfigError(f"engine settings of composed model '{name}' name {sorted(unknown)}; only its own nodes "
+                              f"take settings ({sorted(own)}): tune a part's nodes on the part's model")
+        built = await self.build_local(loaded, settings or {}, own)
+        engines.update(built)
+        schedulers.update({n: self.local_scheduler(e) for n, e in built.items()})
+        self._models[name] = _ModelRuntime(loaded, engines, schedulers, borrowed=set(engines) - own)
+        return loaded
+
+    def _part_runtime(self, name: str, role: str, model: str) -> _ModelRuntime:
+        runtime = self._models.get(model)
+        if runtime is None:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise ConfigError(f"models.{name}.{role}: model '{model}' is not loaded (load it first, in the same deploy "
+                              f"file); loaded: {known}")
+        if runtime.walk_schedulers or runtime.conductor.remote_loops or runtime.conductor.direct_streams or \
+                any(not isinstance(s, NodeScheduler) for s in runtime.schedulers.values()):
+            raise ConfigError(f"models.{name}.{role}: model '{model}' runs nodes in worker processes; a composition's "
+                              "parts run in this process for now (drop the part's placement)")
+        if runtime.loaded.name in self.registry.compositions or "composition" in (runtime.loaded.extras or {}):
+            raise ConfigError(f"models.{name}.{role}: model '{model}' is itself composed; compose loaded models")
+        return runtime
 
     def _build_engines(
         self, loaded: LoadedModel, settings: Mapping[str, Mapping[str, Any]], only: set[str] | None = None
@@ -465,7 +521,7 @@ class AsyncEngine:
         """(node, worker, gauges) for every engine of a model: local ones, and those in workers (last heartbeat)."""
         runtime = self._runtime(model)
         out = [(node, self.worker, _safe_stats(eng))
-               for node, eng in runtime.engines.items()]
+               for node, eng in runtime.engines.items() if node not in runtime.borrowed]  # (reported by their owner)
         seen = set()
         for sched in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
             if not hasattr(sched, "replicas") or id(sched) in seen:
@@ -481,7 +537,8 @@ class AsyncEngine:
             "running": self.running,
             "waiting": self.waiting,
             "models": {
-                name: {node: eng.stats() for node, eng in rt.engines.items()} for name, rt in self._models.items()
+                name: {node: eng.stats() for node, eng in rt.engines.items() if node not in rt.borrowed}
+                for name, rt in self._models.items()
             },
         }
 
@@ -495,10 +552,12 @@ class AsyncEngine:
             except (RequestCancelled, Exception):
                 pass
         for rt in self._models.values():
-            for sched in rt.schedulers.values():
-                await sched.close()
-            for eng in rt.engines.values():
-                eng.close()
+            for node, sched in rt.schedulers.items():
+                if node not in rt.borrowed:  # (a composed model's parts close with the models that own them)
+                    await sched.close()
+            for node, eng in rt.engines.items():
+                if node not in rt.borrowed:
+                    eng.close()
         self._models.clear()
         if self.placement_strategy is not None:
             await self.placement_strategy.close()

@@ -267,9 +267,13 @@ class Conductor:
         loop: Loop | DynamicLoop = site.spec
         accumulated = {name: [] for name in loop.accumulate}
         fed_by = [frame.takes[name] for name in site.reads if name in frame.takes]
+        segmented = [s for streams in frame.streams.values() for s in streams
+                     if s.edge.segment_by == loop.index_name] if frame.streams else []
         for i in range(limit):
             env[loop.index_name] = i
             await self._step(state, frame, site.body, env)
+            for stream in segmented:  # one segment per iteration (e.g. one utterance): its tail goes out now
+                stream.end_segment()
             for name, values in accumulated.items():
                 values.append(env[name])
             for out, into in loop.carry.items():

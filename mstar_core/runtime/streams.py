@@ -59,6 +59,11 @@ class RequestStream:
         self.closed = True
         self._wakeup.set()
 
+    def end_segment(self) -> None:
+        """The producer ended one segment (its loop's iteration, `StreamingGraphEdge.segment_by`) and goes on."""
+        if not self.closed:
+            self._release(self.state.end_segment())
+
     def _release(self, chunks: list[Chunk]) -> None:
         if not chunks:
             return

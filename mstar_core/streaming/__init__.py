@@ -8,6 +8,7 @@ from mstar_core.streaming.policies import (
     LeftContextChunkPolicy,
     SlidingWindowChunkPolicy,
 )
+from mstar_core.streaming.text import TextChunkPolicy
 
 __all__ = [
     "Chunk",
@@ -16,4 +17,5 @@ __all__ = [
     "FixedChunkPolicy",
     "LeftContextChunkPolicy",
     "SlidingWindowChunkPolicy",
+    "TextChunkPolicy",
 ]

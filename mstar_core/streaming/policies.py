@@ -55,6 +55,19 @@ class ChunkStream(abc.ABC):
         self.closed = True
         return self._close()
 
+    def end_segment(self) -> list[Chunk]:
+        """The producer finished one segment of the stream (one utterance of several) and goes on: its tail is
+        released (or dropped) as at the producer's end, in chunks not marked final, and the next segment starts
+        afresh (no window or left context reaches back across the boundary)."""
+        if self.closed:
+            return []
+        chunks = [attrs.evolve(c, final=False) for c in self._close()]
+        self._reset()
+        return chunks
+
+    def _reset(self) -> None:  # noqa: B027 (a policy that keeps nothing past its tail has nothing to forget)
+        """Forget what the segment left behind (`_close` already released or dropped its tail)."""
+
     @abc.abstractmethod
     def _push(self, item: Any) -> list[Chunk]: ...
 
@@ -155,6 +168,7 @@ class _SlidingStream(ChunkStream):
         self.policy = policy
         self.buffer: deque[Any] = deque(maxlen=policy.window)
         self.covered = 0  # items [0, covered) have been delivered
+        self.segment_start = 0  # the stream index where the current segment began
 
     def _emit(self, final: bool) -> Chunk:
         items = tuple(self.buffer)
@@ -163,10 +177,16 @@ class _SlidingStream(ChunkStream):
         self.covered = self.total
         return chunk
 
+    def _reset(self) -> None:
+        self.buffer.clear()
+        self.covered = self.total
+        self.segment_start = self.total
+
     def _push(self, item: Any) -> list[Chunk]:
         self.buffer.append(item)
         w, s = self.policy.window, self.policy.stride
-        if self.total >= w and (self.total - w) % s == 0:
+        seen = self.total - self.segment_start  # (windows count from the segment's start)
+        if seen >= w and (seen - w) % s == 0:
             return [self._emit(final=False)]
         return []
 
@@ -210,6 +230,9 @@ class _LeftContextStream(ChunkStream):
         self.policy = policy
         self.context: deque[Any] = deque(maxlen=policy.left) if policy.left else deque(maxlen=0)
         self.fresh: list[Any] = []
+
+    def _reset(self) -> None:
+        self.context.clear()
 
     def _emit(self, final: bool) -> Chunk:
         items = tuple(self.context) + tuple(self.fresh)

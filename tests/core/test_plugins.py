@@ -107,6 +107,15 @@ def test_hook_register_api_adapters():
     assert adapter in registry.api_adapters
 
 
+def test_hook_register_compositions():
+    from mstar_core.compose import CompositionSpec
+
+    spec = CompositionSpec("duet", ("left", "right"), build=lambda name, parts, options: None)
+    registry = discover(extra_modules=[_plugin(mstar_register_compositions=lambda register: register(spec))])
+    assert registry.compositions.get("duet") is spec
+    assert "voice_agent" in registry.compositions  # the core's own, registered like any plugin's
+
+
 def test_conflicting_registrations_name_both_plugins():
     a = _plugin(mstar_register_engines=lambda register: register("function", object()))
     with pytest.raises(ValueError, match="engine 'function' registered twice"):

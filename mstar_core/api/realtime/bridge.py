@@ -1,9 +1,12 @@
 """How a realtime session drives a served model through its API adapter: chat models (text in, text out, and
-speech when the adapter speaks in chat: `qwen3-omni`, `llama`) or speech-only models (`orpheus`: the latest
-user text is spoken). No model code here: what a model takes and emits is the adapter's."""
+speech when the adapter speaks in chat: `qwen3-omni`, `llama`), speech-only models (`orpheus`: the latest
+user text is spoken), or a composed voice agent (`mstar_core.compose.voice_agent`: the turn's audio in, its
+transcript, the chat model's reply and the TTS's speech out of one request; its chat model's adapter reads the
+reply's tokens, its TTS's adapter the audio). No model code here: what a model takes and emits is the adapter's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +19,7 @@ from mstar_core.api.realtime.protocol import EventError
 from mstar_core.api.requests import tools as tl
 from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
+from mstar_core.api.requests.tool_parser import CLOSE, OPEN
 
 
 class ModelBridge:
@@ -24,6 +28,13 @@ class ModelBridge:
     def __init__(self, state: Any, model: str):
         self.state, self.model = state, model
         routes = state.routes_of(model)
+        #: the composed model's output names by meaning (a voice agent), None for a model served on its own
+        self.agent: dict[str, str] | None = None
+        loaded = state.engine.models.get(model) if state.engine is not None else None
+        extras = getattr(loaded, "extras", None) or {}
+        if extras.get("composition") == "voice_agent":
+            self._agent(extras)
+            return
         if "chat" in routes:
             self.kind, self.adapter = "chat", state.adapter(model, "chat")
         elif "speech" in routes:
@@ -42,6 +53,22 @@ class ModelBridge:
         self.sample_rate = int(getattr(a, "sample_rate", RATE) or RATE)
         #: how tools, calls and their outputs are written for this model (chat's rule: `tools.tool_format`)
         self.tool_format = tl.tool_format(a)
+        self.token_output = a.token_output
+        self.audio_adapter = a
+
+    def _agent(self, extras: Mapping[str, Any]) -> None:
+        """A voice agent: its chat model's chat adapter reads the reply's tokens (and writes tools as that model
+        does), its TTS's speech adapter turns the audio into samples."""
+        parts = extras["parts"]
+        self.kind, self.agent = "agent", dict(extras["outputs"])
+        self.adapter = self.state.adapter(parts["llm"], "chat")
+        self.audio_adapter = self.state.adapter(parts["tts"], "speech")
+        self.speaks, self.takes_audio, self.takes_tokens, self.takes_visual = True, True, False, False
+        self.audio_output, self.token_output = self.agent["audio"], self.agent["token"]
+        self.voices = tuple(str(v).lower() for v in (extras.get("voices") or ()))
+        self.sample_rate = int(extras.get("sample_rate") or RATE)
+        self.asr_rate = int(extras.get("asr_sample_rate") or 16000)
+        self.tool_format = tl.tool_format(self.adapter)
 
     @property
     def default_modalities(self) -> tuple[str, ...]:
@@ -54,6 +81,8 @@ class ModelBridge:
         turn goes through the text routes' pipeline (`requests.pipeline.chat_request`)."""
         speak = options.output_modalities == ("audio",)
         sampling = sampling_fields({"max_tokens": options.max_output_tokens, "temperature": options.temperature})
+        if self.kind == "agent":  # (off the loop: resampling the turn's audio takes a CPU's while)
+            return await asyncio.to_thread(self._agent_inputs, items, options, previous, speak, sampling)
         if self.kind == "speech":
             text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
             if not text.strip():
@@ -76,6 +105,37 @@ class ModelBridge:
         if previous is not None and not self.takes_tokens and options.input is None:
             inputs = self._exact_history(inputs, previous)
         return inputs
+
+    def _agent_inputs(self, items: Sequence[Item], options: ResponseOptions, previous: tuple[list[int], Item] | None,
+                      speak: bool, sampling: Mapping[str, Any]) -> dict[str, Any]:
+        """A voice agent's turn: the last user item's audio (when it has no transcript yet) is the turn, the items
+        before it the conversation in text (a spoken item as its transcript)."""
+        import attrs
+        import torch
+
+        items = list(items)
+        last = items[-1] if items else None
+        audio = None
+        if last is not None and last.type == "message" and last.role == "user" and last.audio is not None \
+                and not last.text:
+            audio, items = last.audio, items[:-1]
+        texts = [attrs.evolve(i, audio=None) if i.audio is not None else i for i in items]
+        _, plain = render(texts, options.instructions, self.tools(options), self.tool_format, takes_audio=False,
+                          takes_tokens=False)
+        if audio is None and (not plain or plain[-1]["role"] != "user"):
+            raise EventError("the conversation has nothing for the model to answer; add a user item first",
+                             param="response", code="nothing_to_answer")
+        body: dict[str, Any] = {"messages": plain, "speak": speak, **sampling}
+        if self.tools(options) and self.tool_format == "hermes":  # a tool call is an item, not something to say
+            body["unspoken"] = [[OPEN, CLOSE]]
+        if audio is not None:
+            samples = audio.astype(np.float32) / 32768.0
+            body["audio"] = torch.from_numpy(np.ascontiguousarray(resample(samples, RATE, self.asr_rate)))
+        if speak and (options.voice or self.voices):
+            body["voice"] = options.voice or self.voices[0]
+        if previous is not None and previous[1].ids and options.input is None:
+            body["previous_prompt_ids"], body["previous_reply_ids"] = list(previous[0]), list(previous[1].ids)
+        return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod
     def tools(options: ResponseOptions) -> list[tl.Tool]:
@@ -124,13 +184,15 @@ class ModelBridge:
 
     def pcm(self, value: Any) -> np.ndarray:
         """One emitted audio value as int16 samples at 24 kHz."""
-        samples = self.adapter.audio_chunk(value)
+        samples = self.audio_adapter.audio_chunk(value)
         if self.sample_rate != RATE and samples.size:
             samples = np.clip(resample(samples.astype(np.float32) / 32768.0, self.sample_rate, RATE) * 32767.0,
                               -32768, 32767).astype(np.int16)
         return samples
 
     def prompt_tokens(self, prepared: Mapping[str, Any]) -> int:
+        if self.kind == "agent":
+            return 0  # its prompt is written mid-request (after the transcript): counted when it is emitted
         return int(self.adapter.prompt_tokens({}, prepared))
 
     def prompt_ids(self, prepared: Mapping[str, Any]) -> list[int] | None:

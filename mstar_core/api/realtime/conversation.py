@@ -62,7 +62,8 @@ class Item:
         key = "transcript" if self.content_type.endswith("audio") else "text"
         part: dict[str, Any] = {"type": self.content_type, key: self.text}
         if self.content_type == "input_audio":
-            part["transcript"] = None  # the model hears the audio; no transcription runs
+            # a model that hears the audio runs no transcription; a voice agent's ASR writes the item's text
+            part["transcript"] = self.text or None
         visuals = [{"type": "input_video" if hasattr(m, "frames") else "input_image"} for m in self.media]
         return {**base, "role": self.role, "content": visuals + ([part] if self.text or self.audio is not None
                                                                   or self.content_type == "output_audio" else [])}

@@ -49,6 +49,8 @@ class ResponseRun:
         self.tools = session.bridge.tool_calls(options)  # chat's parser, in the model's tool format
         self.first_audio_at: float | None = None
         self.ended = asyncio.Event()
+        #: a voice agent's reply: where in the message's text the piece the TTS speaks now ends
+        self.spoken_chars: int | None = None
 
     # -- wire forms ---------------------------------------------------------------------------------------
 
@@ -173,23 +175,26 @@ class ResponseRun:
             async for out in self.handle:
                 if out.name == bridge.audio_output and self.audio:
                     await self._audio(bridge.pcm(out.value))
+                elif bridge.agent is not None and out.name in (bridge.agent["transcript"], bridge.agent["prompt_ids"],
+                                                               bridge.agent["spoken_text"]):
+                    await self._agent_output(out.name, out.value)
                 elif out.name == "codes" and out.value is not None:
                     self.audio_frames += 1
-                elif out.name == adapter.token_output and bridge.kind == "chat":
+                elif out.name == bridge.token_output and bridge.kind in ("chat", "agent"):
                     await self._reply_text(self.assembler.feed(int(out.value)))
                     if self.message is not None and self.message.ids is not None:
                         self.message.ids = list(self.assembler.ids)
                     if self.assembler.finish_reason is not None and not self.audio:
                         break  # text over (EOS, or max tokens): nothing else is wanted
             env = await self.handle.result() if self.assembler.finish_reason is None else {}
-            if bridge.kind == "chat":
+            if bridge.kind in ("chat", "agent"):
                 await self._reply_text(self.assembler.close(env))
             if self.tools is not None:
                 for ev in self.tools.finish():
                     await self._tool_event(ev)
             if self.message is not None and self.message.ids is not None:
                 self.message.ids = list(self.assembler.ids)
-            length = bridge.kind == "chat" and self.assembler.finish_reason == "length"
+            length = bridge.kind in ("chat", "agent") and self.assembler.finish_reason == "length"
             await self.finish("incomplete" if length else "completed", "max_output_tokens" if length else None)
         except (asyncio.CancelledError, ClientTooSlow):
             raise
@@ -205,6 +210,25 @@ class ResponseRun:
             if self.handle is not None:
                 self.handle.cancel()
 
+    async def _agent_output(self, name: str, value: Any) -> None:
+        """A voice agent's own outputs: the turn's transcript (the user item's, as the event OpenAI sends when
+        input transcription runs), the prompt it wrote (its ids: the next turn's KV reuse), the piece spoken now."""
+        outputs = self.session.bridge.agent
+        if name == outputs["transcript"]:
+            item = next((i for i in reversed(self.items) if i.type == "message" and i.role == "user"
+                         and i.audio is not None and not i.text), None)
+            if item is not None:
+                item.text = str(value)
+                await self._emit("conversation.item.input_audio_transcription.completed", item_id=item.id,
+                                 content_index=0, transcript=item.text)
+        elif name == outputs["prompt_ids"]:
+            self.prompt_ids = [int(t) for t in value]
+            self.input_tokens = len(self.prompt_ids)
+        elif name == outputs["spoken_text"] and self.message is not None:
+            start = self.spoken_chars or 0
+            at = self.message.text.find(str(value), start)
+            self.spoken_chars = at + len(str(value)) if at >= 0 else len(self.message.text)
+
     async def _audio(self, pcm: Any) -> None:
         if not pcm.size:
             return
@@ -214,7 +238,12 @@ class ResponseRun:
 
             self.first_audio_at = time.perf_counter()
         self.samples += pcm.size
-        item.marks.append((self.samples, len(item.text), len(item.ids or ())))
+        chars, ids = len(item.text), len(item.ids or ())
+        if self.spoken_chars is not None and item.ids:  # a TTS behind the text: what is heard ends with its piece
+            chars = min(chars, self.spoken_chars)
+            detokenize = self.session.bridge.adapter.detokenize
+            ids = next((k for k in range(1, len(item.ids) + 1) if len(detokenize(item.ids[:k])) >= chars), ids)
+        item.marks.append((self.samples, chars, ids))
         await self._emit("response.output_audio.delta", **self._where(item), content_index=0,
                          delta=encode_pcm16(pcm), audio_samples=pcm.size, droppable=True)
 

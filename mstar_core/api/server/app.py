@@ -46,6 +46,7 @@ from mstar_core.api.server import playground
 from mstar_core.api.server.metrics import Metrics
 from mstar_core.api.server.middleware import GuardMiddleware
 from mstar_core.api.server.plugin_routes import include_plugin_routes
+from mstar_core.config.compose import ComposeSettings
 from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import Placement
 from mstar_core.errors import ConfigError
@@ -78,6 +79,8 @@ class ModelToServe:
     media: dict[str, Any] = attrs.field(factory=dict)
     #: the deploy file's LoRA keys (`lora_adapters`, `max_loras`, `max_lora_rank`); None: no adapters
     lora: LoraSettings | None = None
+    #: a composed model (`compose:` and its roles): built from the other models' nodes once they are loaded
+    compose: ComposeSettings | None = None
 
 
 def _positive_or_none(name: str, value: Any) -> None:
@@ -203,7 +206,7 @@ class ServerState:
         MediaLimits().with_env()  # a bad MSTAR_MEDIA_* stops the server before minutes of loading
         self.engine = self.engine_factory()
         self.metrics = Metrics(self.engine, self.video_jobs)
-        for item in self.config.models:
+        for item in [m for m in self.config.models if m.compose is None]:
             what = item.options.checkpoint or f"preset '{item.options.preset}' (random weights)"
             log.info("loading model %s from %s", item.name, what)
             t0 = time.perf_counter()
@@ -217,6 +220,13 @@ class ServerState:
             self.bind_adapters(item.name, loaded, item.media)
             if item.lora is not None:  # the nodes that take adapters get their slots, the named adapters load
                 await self.engine.enable_lora(item.name, item.lora)
+        for item in [m for m in self.config.models if m.compose is not None]:  # once their parts are in
+            composed = item.compose
+            log.info("composing model %s (%s) from %s", item.name, composed.composition,
+                     ", ".join(f"{role}={model}" for role, model in composed.parts.items()))
+            loaded = await self.engine.compose(item.name, composed.composition, composed.parts, item.settings,
+                                               composed.options)
+            self.bind_adapters(item.name, loaded, item.media)
         self.ready = True
 
     def bind_adapters(self, name: str, loaded: Any, media: dict[str, Any] | None = None) -> None:

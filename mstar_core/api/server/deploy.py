@@ -9,6 +9,7 @@ import yaml
 
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.server.app import ModelToServe, ServerConfig
+from mstar_core.config.compose import COMPOSE_KEY, ComposeSettings
 from mstar_core.config.lora import DEPLOY_KEYS as LORA_KEYS
 from mstar_core.config.lora import LoraSettings
 from mstar_core.config.placement import PLACEMENT_KEYS, Placement, load_placement
@@ -50,6 +51,8 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
           # a checkpoint per part: the model's own under `model`, a part's under its name (`ModelSpec.parts`)
           orpheus-hub: {checkpoint: {model: canopylabs/orpheus-3b-0.1-ft, snac: hubertsiuzdak/snac_24khz}}
           llama: {checkpoint: /ckpt/llama, lora_adapters: {sql: /adapters/sql}, max_loras: 4, max_lora_rank: 16}
+          # a model built from the others' nodes (their weights and engines shared): `compose` and one model per role
+          agent: {compose: voice_agent, asr: whisper, llm: llama, tts: qwen3-tts}
 
     A checkpoint is a local path, or a Hugging Face Hub id `ORG/NAME[@REVISION]` (a local path of that name wins).
 
@@ -62,7 +65,12 @@ def load_deploy(path: str | Path) -> tuple[dict[str, Any], dict[str, ModelToServ
     top = _check(f"{path}", raw, {"server", "models"})
     server = _check(f"{path}: server", top.get("server"), _SERVER_KEYS)
     models: dict[str, ModelToServe] = {}
-    for name, spec in _check(f"{path}: models", top.get("models"), set(top.get("models") or {})).items():
+    entries = _check(f"{path}: models", top.get("models"), set(top.get("models") or {}))
+    for name, spec in entries.items():
+        if isinstance(spec, dict) and COMPOSE_KEY in spec:  # built from the other models' nodes, not loaded itself
+            compose = ComposeSettings.from_deploy(spec, f"{path}: models.{name}", entries)
+            models[name] = ModelToServe(name, LoadOptions(), dict(compose.engines), compose=compose)
+            continue
         spec = _check(f"{path}: models.{name}", spec, _MODEL_KEYS)
         engines = spec.get("engines") or {}
         if not isinstance(engines, dict) or not all(isinstance(v, dict) for v in engines.values()):

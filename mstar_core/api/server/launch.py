@@ -138,6 +138,10 @@ def build_config(args: argparse.Namespace) -> tuple[ServerConfig, str, int]:
     models = []
     for name in names:
         item = deployed.get(name) or ModelToServe(name, LoadOptions(device=args.device))
+        if item.compose is not None:  # loads nothing itself: its parts must be served
+            item.compose.check_served(names, f"{args.config}: models.{name}")
+            models.append(item)
+            continue
         if shared is not None and item.placement is None:
             item.placement = shared.placement
         dtype = getattr(args, "dtype", None) or item.options.dtype
@@ -279,6 +283,16 @@ def serve(args: argparse.Namespace) -> int:
     for info in registry.failed():
         print(f"warning: plugin {info.name} ({info.distribution}) failed to load: {info.error}", file=sys.stderr)
     for item in config.models:
+        if item.compose is not None:
+            from mstar_core.compose import check_roles
+
+            try:
+                check_roles(registry.compositions.get(item.compose.composition), item.compose.parts,
+                            f"models.{item.name}", item.compose.options)
+            except (ConfigError, LookupError) as exc:
+                print(f"mstar serve: {exc}", file=sys.stderr)
+                return 2
+            continue
         if item.name not in registry.models:
             close = difflib.get_close_matches(item.name, list(registry.models), n=1, cutoff=0.75)
             hint = f" (did you mean '{close[0]}'?)" if close else ""  # `mstar serve vjepa` for vjepa2

@@ -1,0 +1,153 @@
+"""The official `openai` client's realtime connection against `mstar serve --config examples/voice-agent.yaml`:
+speech in (espeak-ng when installed), its transcript, the reply's text and audio out; a second turn that prefills
+only its new tokens; barge-in cancelling the whole chain at once and truncating the reply at the audio sent."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.realtime.helpers import b64, client, node_stat, types, until
+from tests.voice_agent.speech import silence, speech
+
+pytest.importorskip("openai")
+pytest.importorskip("websockets")
+pytest.importorskip("mstar_whisper")
+pytest.importorskip("mstar_qwen_tts")
+
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "voice-agent.yaml"
+VAD = {"type": "server_vad", "threshold": 0.5, "silence_duration_ms": 400, "prefix_padding_ms": 200,
+       "create_response": True, "interrupt_response": True}
+
+
+async def _open(conn, **session):
+    assert (await conn.recv()).type == "session.created"
+    await conn.session.update(session={"type": "realtime", **session})
+    ev = await conn.recv()
+    assert ev.type == "session.updated", ev
+    return ev.session
+
+
+async def _spoken_turn(conn, seen: list) -> object:
+    for chunk in (silence(0.3), speech(), silence(0.8)):
+        await conn.input_audio_buffer.append(audio=b64(chunk))
+    return await until(conn, "response.done", seen)
+
+
+@pytest.fixture(scope="module")
+def agent_server():
+    from tests.server.helpers import Server
+
+    srv = Server([], "--config", str(CONFIG), MSTAR_REALTIME_VAD="energy")
+
+    async def warm_up():  # every node's first call (allocations, kernels) here, not in a test's time
+        async with client(srv).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["audio"], max_output_tokens=8,
+                        audio={"input": {"turn_detection": VAD}})
+            await _spoken_turn(conn, [])
+
+    asyncio.run(warm_up())
+    yield srv
+    assert srv.stop() == 0, srv.output()[-3000:]
+    assert "Traceback" not in srv.serving_output(), srv.serving_output()[-3000:]
+
+
+def test_a_spoken_turn_is_transcribed_answered_and_spoken(agent_server):
+    async def go():
+        async with client(agent_server).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["audio"], max_output_tokens=16,
+                        audio={"input": {"turn_detection": VAD}})
+            seen: list = []
+            done = await _spoken_turn(conn, seen)
+            return done, seen
+
+    done, seen = asyncio.run(asyncio.wait_for(go(), 60))
+    order = types(seen)
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "response.created",
+                 "conversation.item.input_audio_transcription.completed", "response.output_audio.delta",
+                 "response.output_audio_transcript.delta", "response.done"):
+        assert kind in order, (kind, order)
+    assert order.index("conversation.item.input_audio_transcription.completed") < \
+        order.index("response.output_audio_transcript.delta")
+    transcribed = next(e for e in seen if e.type == "conversation.item.input_audio_transcription.completed")
+    committed = next(e for e in seen if e.type == "input_audio_buffer.committed")
+    assert transcribed.item_id == committed.item_id and isinstance(transcribed.transcript, str)
+    assert done.response.status in ("completed", "incomplete") and done.response.usage.input_tokens > 0
+    assert sum(len(base64.b64decode(e.delta)) for e in seen if e.type == "response.output_audio.delta") > 0
+    reply = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+    assert done.response.output[0].content[0].transcript == reply
+
+
+def test_a_second_turn_prefills_only_its_new_tokens(agent_server):
+    async def go():
+        async with client(agent_server).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["text"], max_output_tokens=24, audio={"input": {"turn_detection": None}})
+            dones, forwarded = [], []
+            for text in ("Tell me about the sea.", "And tomorrow?"):
+                before = node_stat(agent_server, "llama", "lm", "tokens_forwarded")
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": text}]})
+                await until(conn, "conversation.item.done")
+                await conn.response.create()
+                dones.append((await until(conn, "response.done")).response)
+                forwarded.append(node_stat(agent_server, "llama", "lm", "tokens_forwarded") - before)
+            return dones, forwarded
+
+    (first, second), (_, forwarded) = asyncio.run(asyncio.wait_for(go(), 60))
+    assert first.status in ("completed", "incomplete") and second.status in ("completed", "incomplete")
+    reply = len(first.output[0].content[0].text) and first.usage.output_tokens
+    new_prompt = second.usage.input_tokens - first.usage.input_tokens - reply
+    prefilled = forwarded - (second.usage.output_tokens - 1)
+    # only the new user turn (and the template's joins, at most a partly filled page) is computed again
+    assert 0 < prefilled <= new_prompt + 2 + 16, (prefilled, new_prompt, forwarded)
+    assert prefilled < second.usage.input_tokens // 2
+
+
+def test_barge_in_cancels_every_part_at_once_and_truncates_at_the_audio_sent(agent_server):
+    async def attempt(conn):
+        """One reply, spoken over as soon as its audio starts: (response.done, barge-in ms, events)."""
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Tell me a long story."}]})
+        await until(conn, "conversation.item.done")
+        await conn.response.create()
+        seen: list = []
+        t0 = None
+        async for ev in conn:
+            seen.append(ev)
+            assert ev.type != "error", ev.error
+            if ev.type == "response.output_audio.delta" and types(seen).count("response.output_audio.delta") == 1:
+                await conn.input_audio_buffer.append(audio=b64(speech("Wait, stop.")))
+            elif ev.type == "input_audio_buffer.speech_started":
+                t0 = time.perf_counter()
+            elif ev.type == "response.done":
+                return ev, None if t0 is None else (time.perf_counter() - t0) * 1000, seen
+
+    async def go():
+        async with client(agent_server).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["audio"], max_output_tokens=400,
+                        audio={"input": {"turn_detection": {**VAD, "create_response": False}}})
+            for _ in range(3):  # random weights: a reply may end (EOS) before the user's speech reaches the server
+                done, barge_ms, seen = await attempt(conn)
+                if done.response.status == "cancelled":
+                    break
+                await conn.input_audio_buffer.clear()
+                await until(conn, "input_audio_buffer.cleared")
+        await asyncio.sleep(0.3)
+        pages = {(m, n): node_stat(agent_server, m, n, "kv_pages_used")
+                 for m, n in (("llama", "lm"), ("qwen3-tts", "talker"), ("whisper", "decoder"))}
+        return done, barge_ms, seen, pages
+
+    done, barge_ms, seen, pages = asyncio.run(asyncio.wait_for(go(), 90))
+    assert "response.output_audio.delta" in types(seen)  # (the reply spoke before it was cut)
+    assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected", \
+        [t for t in types(seen) if "delta" not in t]
+    assert barge_ms is not None and barge_ms < 1000, barge_ms
+    sent = sum(len(base64.b64decode(e.delta)) // 2 for e in seen if e.type == "response.output_audio.delta")
+    truncated = next((e for e in seen if e.type == "conversation.item.truncated"), None)
+    assert truncated is not None and truncated.audio_end_ms <= sent * 1000 // 24000 + 1
+    assert all(v == 0 for v in pages.values()), pages  # every part's pages are back
