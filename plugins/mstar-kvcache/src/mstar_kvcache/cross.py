@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_core.errors import ModuleContractError, RequestError
+from mstar_core.nn.cross_attention import KERNEL_MAX_ROWS, PagedCrossKernel
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
@@ -195,18 +196,30 @@ class CrossLabels:
         for seq, n in work:
             label = None if seq.cross_label is None else self.labels.get((seq.request_id, seq.cross_label))
             if label is not None:
-                spans.append((row, n, label.slots))
+                spans.append((row, n, label))
             row += n
-        return CrossAttentionContext(inner, self.pool.kv, spans, row)
+        return CrossAttentionContext(inner, self.pool, spans, row)
 
 
 class CrossAttentionContext:
-    """A step's attention context plus `cross_attend`: each sequence's rows over its cross label's keys."""
+    """A step's attention context plus `cross_attend`: each sequence's rows over its cross label's keys.
 
-    def __init__(self, inner: Any, kv: torch.Tensor, spans: list[tuple[int, int, slice | torch.Tensor]], rows: int):
-        self.inner, self.spans, self.rows = inner, spans, rows
+    Sequences with few rows (decode steps, short prompts) attend through the CPU kernel (`PagedCrossKernel`), which
+    reads their keys in place from the pages; the others (and every sequence where the kernel is not built or the
+    pool is not fp32 on the CPU) through torch's attention over a view (or gather) of their slots.
+    """
+
+    def __init__(self, inner: Any, pool: PagePool, spans: list[tuple[int, int, CrossLabel]], rows: int):
+        kv = pool.kv
+        self.inner, self.rows = inner, rows
+        self.covered = sum(n for _, n, _ in spans)
         flat = kv.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
         self.keys, self.values = flat[:, 0], flat[:, 1]  # [layers, slots, kv heads, head dim]
+        few = [s for s in spans if s[1] <= KERNEL_MAX_ROWS] if kv.dtype == torch.float32 and kv.is_cpu else []
+        self.kernel = PagedCrossKernel.for_spans([(r, n, label.length, label.pages) for r, n, label in few],
+                                                 pool.page_size)
+        self.every_span = [(r, n, label.slots) for r, n, label in spans]
+        self.spans = self.every_span if self.kernel is None else [s for s in self.every_span if s[1] > KERNEL_MAX_ROWS]
 
     def __getattr__(self, name: str) -> Any:  # what else the backend's context offers (replay layouts, ...)
         return getattr(self.inner, name)
@@ -216,8 +229,13 @@ class CrossAttentionContext:
 
     def cross_attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q `[T, Hq, D]` -> `[T, Hq, D]`: every row over all of its sequence's cross keys (rows without a label: 0)."""
-        out = q.new_zeros(q.shape) if sum(n for _, n, _ in self.spans) != q.shape[0] else q.new_empty(q.shape)
+        out = q.new_zeros(q.shape) if self.covered != q.shape[0] else q.new_empty(q.shape)
         keys, values = self.keys[layer], self.values[layer]
+        kernel = self.kernel
+        if kernel is not None and not kernel.fits(q, keys, values):  # (q in another dtype than the pool's): torch's
+            self.kernel, self.spans, kernel = None, self.every_span, None
+        if kernel is not None:
+            kernel(q, keys, values, out, scale)
         for start, n, slots in self.spans:
             k, v = keys[slots].transpose(0, 1), values[slots].transpose(0, 1)  # [kv heads, frames, head dim]
             qh = q[start : start + n].transpose(0, 1).to(k.dtype)
