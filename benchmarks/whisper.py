@@ -10,20 +10,33 @@ the converter runs under this interpreter, which has transformers and torch, wit
 Both sides decode greedily (faster-whisper's `beam_size=1, best_of=1`, `temperature=0`, no fallback, no VAD,
 `without_timestamps=True`, `condition_on_previous_text=False`: its documented knobs set to what M* runs; listed in
 the output), with the same `max_new_tokens`. faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
-concurrency (its documented way to run parallel `transcribe` calls). Clips are synthetic speech-like signals
-(espeak-ng when installed). Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, the ratios
-(M* over faster-whisper: throughput higher is better for M*, latency lower is better for M*), and the fraction of
-clips whose text both sides wrote identically. Timings on a shared, loaded CPU box are noisy.
+concurrency (its documented way to run parallel `transcribe` calls). Clips are 30 s of espeak-ng speech (sentences,
+voices and speeds varied by clip; speech-like harmonics where espeak-ng is missing) ending in 0.1 s of silence.
+Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, CPU seconds per audio minute (each side's
+process, all its threads), the ratios (M* over faster-whisper for throughput and latency; faster-whisper's CPU seconds
+over M*'s for `cpu_time_ratio_c8`, higher is better for M*), and the fraction of clips whose text both sides wrote
+identically. Timings on a shared, loaded CPU box are noisy, wall times most: the CPU-time ratio is the steadier one.
 
 faster-whisper's default `suppress_tokens=[-1]` means openai-whisper's non-speech symbols as its tokenizer spells
 them, which real checkpoints also list in `generation_config.suppress_tokens`; the random checkpoints' tokenizer
 spells them elsewhere, so faster-whisper is given the checkpoint's own list (`suppress_tokens`, its documented
-parameter). The sides still write different text for clips under 30 s (agreement 0.0 here, measured): faster-whisper
-computes the log-mel of the clip as it is and pads the window with zeros *in log-mel space* (`pad_or_trim` of the
-features), where transformers' `WhisperFeatureExtractor` (and M*, within 1e-4 of it) pads the *audio* to 30 s first,
-so the padded frames read as silence; CTranslate2's own `generate` on M*'s features writes M*'s tokens (checked by
-hand: the converted model's encoder is within 1.3e-4 of M*'s, its greedy ids equal). The agreement so measures that
-input difference, not the decoders.
+parameter).
+
+Why `text_agreement` is 0 (measured, and printed beside it):
+- The audio: both sides now compute the log-mel of the same samples. Clips are exactly 30 s (faster-whisper takes
+  the log-mel of the clip as it is and pads the window with zeros *in log-mel space*, where transformers'
+  `WhisperFeatureExtractor`, and M* within 1e-4 of it, pads the *audio* to 30 s first) and end in silence (the last
+  frame's STFT window reaches past the samples, where faster-whisper pads zeros and transformers reflects them).
+  The two feature sets then agree within 3e-5 (measured on the benchmark's clips).
+- The prompt: faster-whisper runs the converted random checkpoint as English-only (CTranslate2 4.8.5 reports
+  `is_multilingual` False: it counts the vocabulary one entry short of the 51865 that marks a multilingual one), so
+  it ignores `language="en"` and prompts `[SOT, <|notimestamps|>]` (`faster_whisper_prompt`), where M* and
+  transformers prompt `[SOT, <|en|>, <|transcribe|>, <|notimestamps|>]`. From random weights different prompts give
+  different text from the first token on.
+- With M*'s prompt, CTranslate2's own greedy `generate` on faster-whisper's features (`text_agreement_ct2_same_prompt`,
+  `token_prefix_agreement_ct2_same_prompt`) writes M*'s tokens until a near-tie (random weights have many) flips
+  under the fp32 rounding differences between the two encoders (~1e-4): about half of the tokens before the first
+  difference at base size, 0.63 at tiny size.
 
     python benchmarks/whisper.py [--quick] [--compute-type float32|int8]
 
