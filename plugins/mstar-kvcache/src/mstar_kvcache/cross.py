@@ -14,8 +14,12 @@ digest of the states, so two requests with the same decoder prompt over differen
 
 The attention itself: the step's attention context is wrapped (`CrossAttentionContext`) so that each decoder layer,
 besides `attend` (self-attention, the backend's), calls `cross_attend(layer, q, scale)`: every row attends to all of
-its sequence's cross keys (no mask), one sequence at a time, over a view of the pages when they are consecutive. A
-row's result depends only on its own sequence: batched equals alone, bit for bit.
+its sequence's cross keys (no mask). Sequences of up to `KERNEL_MAX_ROWS` rows (decode steps, short prompts) in an
+fp32 CPU pool go through one call of `mstar_core.nn.cross_attention.PagedCrossKernel` per layer, which reads their
+keys and values in place, page by page (torch's attention over the pages' slot-major view copied them head-major
+first: most of a Whisper decode row's cross-attention time); longer ones (and other pools) through torch's attention
+one sequence at a time, over a view of the pages when they are consecutive. A row's result depends only on its own
+sequence: batched equals alone, bit for bit, on either path.
 """
 
 from __future__ import annotations
