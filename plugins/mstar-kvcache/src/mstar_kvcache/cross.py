@@ -219,11 +219,12 @@ class CrossAttentionContext:
         self.covered = sum(n for _, n, _ in spans)
         flat = kv.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
         self.keys, self.values = flat[:, 0], flat[:, 1]  # [layers, slots, kv heads, head dim]
-        few = [s for s in spans if s[1] <= KERNEL_MAX_ROWS] if kv.dtype == torch.float32 and kv.is_cpu else []
+        few = [s for s in spans if 1 <= s[1] <= KERNEL_MAX_ROWS] if kv.dtype == torch.float32 and kv.is_cpu else []
         self.kernel = PagedCrossKernel.for_spans([(r, n, label.length, label.pages) for r, n, label in few],
                                                  pool.page_size)
         self.every_span = [(r, n, label.slots) for r, n, label in spans]
-        self.spans = self.every_span if self.kernel is None else [s for s in self.every_span if s[1] > KERNEL_MAX_ROWS]
+        self.spans = self.every_span if self.kernel is None else [s for s in self.every_span
+                                                                  if not 1 <= s[1] <= KERNEL_MAX_ROWS]
 
     def __getattr__(self, name: str) -> Any:  # what else the backend's context offers (replay layouts, ...)
         return getattr(self.inner, name)
