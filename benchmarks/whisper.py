@@ -10,20 +10,33 @@ the converter runs under this interpreter, which has transformers and torch, wit
 Both sides decode greedily (faster-whisper's `beam_size=1, best_of=1`, `temperature=0`, no fallback, no VAD,
 `without_timestamps=True`, `condition_on_previous_text=False`: its documented knobs set to what M* runs; listed in
 the output), with the same `max_new_tokens`. faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
-concurrency (its documented way to run parallel `transcribe` calls). Clips are synthetic speech-like signals
-(espeak-ng when installed). Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, the ratios
-(M* over faster-whisper: throughput higher is better for M*, latency lower is better for M*), and the fraction of
-clips whose text both sides wrote identically. Timings on a shared, loaded CPU box are noisy.
+concurrency (its documented way to run parallel `transcribe` calls). Clips are 30 s of espeak-ng speech (sentences,
+voices and speeds varied by clip; speech-like harmonics where espeak-ng is missing) ending in 0.1 s of silence.
+Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, CPU seconds per audio minute (each side's
+process, all its threads), the ratios (M* over faster-whisper for throughput and latency; faster-whisper's CPU seconds
+over M*'s for `cpu_time_ratio_c8`, higher is better for M*), and the fraction of clips whose text both sides wrote
+identically. Timings on a shared, loaded CPU box are noisy, wall times most: the CPU-time ratio is the steadier one.
 
 faster-whisper's default `suppress_tokens=[-1]` means openai-whisper's non-speech symbols as its tokenizer spells
 them, which real checkpoints also list in `generation_config.suppress_tokens`; the random checkpoints' tokenizer
 spells them elsewhere, so faster-whisper is given the checkpoint's own list (`suppress_tokens`, its documented
-parameter). The sides still write different text for clips under 30 s (agreement 0.0 here, measured): faster-whisper
-computes the log-mel of the clip as it is and pads the window with zeros *in log-mel space* (`pad_or_trim` of the
-features), where transformers' `WhisperFeatureExtractor` (and M*, within 1e-4 of it) pads the *audio* to 30 s first,
-so the padded frames read as silence; CTranslate2's own `generate` on M*'s features writes M*'s tokens (checked by
-hand: the converted model's encoder is within 1.3e-4 of M*'s, its greedy ids equal). The agreement so measures that
-input difference, not the decoders.
+parameter).
+
+Why `text_agreement` is 0 (measured, and printed beside it):
+- The audio: both sides now compute the log-mel of the same samples. Clips are exactly 30 s (faster-whisper takes
+  the log-mel of the clip as it is and pads the window with zeros *in log-mel space*, where transformers'
+  `WhisperFeatureExtractor`, and M* within 1e-4 of it, pads the *audio* to 30 s first) and end in silence (the last
+  frame's STFT window reaches past the samples, where faster-whisper pads zeros and transformers reflects them).
+  The two feature sets then agree within 3e-5 (measured on the benchmark's clips).
+- The prompt: faster-whisper runs the converted random checkpoint as English-only (CTranslate2 4.8.5 reports
+  `is_multilingual` False: it counts the vocabulary one entry short of the 51865 that marks a multilingual one), so
+  it ignores `language="en"` and prompts `[SOT, <|notimestamps|>]` (`faster_whisper_prompt`), where M* and
+  transformers prompt `[SOT, <|en|>, <|transcribe|>, <|notimestamps|>]`. From random weights different prompts give
+  different text from the first token on.
+- With M*'s prompt, CTranslate2's own greedy `generate` on faster-whisper's features (`text_agreement_ct2_same_prompt`,
+  `token_prefix_agreement_ct2_same_prompt`) writes M*'s tokens until a near-tie (random weights have many) flips
+  under the fp32 rounding differences between the two encoders (~1e-4): about half of the tokens before the first
+  difference at base size, 0.63 at tiny size.
 
     python benchmarks/whisper.py [--quick] [--compute-type float32|int8]
 
@@ -60,6 +73,8 @@ SIZES = {
 #: what real checkpoints suppress beside their text list: the task and start tokens and <|nospeech|> (faster-whisper,
 #: like openai-whisper, suppresses them whatever the config says; the random checkpoints say it too, so both agree)
 SPECIAL_SUPPRESS = [50358, 50359, 50360, 50361, 50362]
+#: the prompt M* (and transformers) write for language "en", task transcribe, no timestamps
+MSTAR_PROMPT = [50258, 50259, 50359, 50363]
 
 FW_SCRIPT = r"""
 import json, sys, time, numpy as np
@@ -80,10 +95,26 @@ for conc in args["concurrency"]:
         segs = list(segments)
         return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
     one(clips[0])  # warm-up
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     with ThreadPoolExecutor(conc) as pool:
         res = list(pool.map(one, clips))
-    out[str(conc)] = {"wall": time.perf_counter() - t0, "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+    out[str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                      "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+# the diagnostic: CTranslate2's own greedy generate on faster-whisper's features of each clip, with M*'s prompt
+from faster_whisper.transcribe import get_suppressed_tokens
+from faster_whisper.tokenizer import Tokenizer
+tokenizer = Tokenizer(model.hf_tokenizer, model.model.is_multilingual, task="transcribe", language="en")
+suppress = list(get_suppressed_tokens(tokenizer, list(args["suppress_tokens"])))
+same_prompt = []
+for audio in clips:
+    features = model.feature_extractor(audio)[:, :3000]
+    encoded = model.encode(features)
+    res = model.model.generate(encoded, [args["prompt"]], beam_size=1, max_length=len(args["prompt"]) + args["max_new_tokens"],
+                               suppress_blank=True, suppress_tokens=suppress)
+    same_prompt.append([t for t in res[0].sequences_ids[0] if t < tokenizer.eot])
+out["same_prompt_tokens"] = same_prompt
+out["multilingual"] = bool(model.model.is_multilingual)
+out["prompt"] = model.get_prompt(tokenizer, [], without_timestamps=True)
 print(json.dumps(out))
 """
 
@@ -135,15 +166,57 @@ def ensure_ct2(fw_python: Path, checkpoint: Path, compute_type: str) -> Path:
     return out
 
 
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Speech recognition turns spoken words into written text for everyone.",
+    "A composite model serves its encoder and decoder on shared engines.",
+    "Every morning the train leaves the station at a quarter past seven.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "Numbers like three hundred and twelve are read aloud one word at a time.",
+)
+#: the clips end in this much silence: both sides' log-mel then agree in the window's last frame too (its STFT
+#: window reaches past the audio, where faster-whisper pads with zeros and transformers reflects the samples)
+TAIL_SILENCE_S = 0.1
+
+
+def _espeak(text: str, speed: int, voice: str) -> np.ndarray:
+    """espeak-ng's 22.05 kHz speech of `text`, at 16 kHz (linear interpolation)."""
+    import wave
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "s.wav"
+        subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(path), text], check=True,
+                       capture_output=True)
+        with wave.open(str(path)) as w:
+            rate = w.getframerate()
+            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0
+    t = np.arange(int(len(pcm) * 16000 / rate)) / 16000
+    return np.interp(t, np.arange(len(pcm)) / rate, pcm).astype(np.float32)
+
+
 def clips(n: int, seconds: float) -> list[np.ndarray]:
+    """`n` clips of `seconds`: espeak-ng's speech (sentences, voices and speeds varied by clip) where it is installed,
+    else speech-like harmonics; each ends in `TAIL_SILENCE_S` of silence."""
     rng = np.random.default_rng(0)
+    size, tail = int(seconds * 16000), int(TAIL_SILENCE_S * 16000)
     out = []
     for i in range(n):
-        t = np.arange(int(seconds * 16000)) / 16000
-        f0 = 100 + 60 * rng.random()
-        wave = sum(np.sin(2 * np.pi * f0 * k * t + rng.random()) / k for k in range(1, 6))
-        env = 0.5 + 0.5 * np.sin(2 * np.pi * (2 + i % 3) * t)
-        out.append((0.3 * wave * env + 0.01 * rng.standard_normal(t.shape)).astype(np.float32))
+        if shutil.which("espeak-ng"):
+            parts, have, k = [], 0, i
+            while have < size - tail:
+                text = SENTENCES[k % len(SENTENCES)]
+                parts.append(_espeak(text, 140 + 10 * (i % 5), ("en", "en-us", "en-gb-x-rp")[i % 3]))
+                parts.append(np.zeros(int(0.3 * 16000), np.float32))
+                have += len(parts[-2]) + len(parts[-1])
+                k += 1
+            wave = 0.8 * np.concatenate(parts)[: size - tail]
+        else:
+            t = np.arange(size - tail) / 16000
+            f0 = 100 + 60 * rng.random()
+            harmonics = sum(np.sin(2 * np.pi * f0 * k * t + rng.random()) / k for k in range(1, 6))
+            envelope = 0.5 + 0.5 * np.sin(2 * np.pi * (2 + i % 3) * t)
+            wave = 0.3 * harmonics * envelope + 0.01 * rng.standard_normal(t.shape)
+        out.append(np.concatenate([wave, np.zeros(size - len(wave))]).astype(np.float32))
     return out
 
 
@@ -173,22 +246,34 @@ async def mstar_side(checkpoint: Path, audio: list[np.ndarray], concurrency: lis
                 async with sem:
                     return await one(a)
 
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             res = await asyncio.gather(*(limited(a) for a in audio))
-            out[str(conc)] = {"wall": time.perf_counter() - t0, "latency": [r[0] for r in res],
-                              "tokens": [r[1] for r in res]}
+            out[str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                              "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
     finally:
         await engine.close()
     return out
 
 
+def _prefix_agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """The tokens both sides wrote before they first differ, over the longer side's tokens, summed over clips."""
+    common = longest = 0
+    for a, b in zip(ours, theirs, strict=True):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        common, longest = common + k, longest + max(len(a), len(b))
+    return common / max(longest, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="whisper-tiny size, 4 clips of 4 s, 16 tokens (under a minute once installed)")
+                        help="whisper-tiny size, 4 clips of 30 s, 16 tokens (under a minute once installed)")
     parser.add_argument("--compute-type", default="float32", choices=("float32", "int8"))
     args = parser.parse_args()
-    n, seconds, max_tokens, size = (4, 4.0, 16, "tiny") if args.quick else (16, 30.0, 96, "base")
+    # clips of exactly 30 s: both sides then compute the log-mel of the same samples (see the docstring)
+    n, seconds, max_tokens, size = (4, 30.0, 16, "tiny") if args.quick else (16, 30.0, 96, "base")
     threads = os.cpu_count() or 2
     torch.set_num_threads(threads)
     fw_python = ensure_faster_whisper()
@@ -208,7 +293,8 @@ def main() -> None:
             paths.append(str(Path(tmp) / f"clip{i}.npy"))
             np.save(paths[-1], a)
         spec = {"model": str(ct2), "clips": paths, "concurrency": concurrency, "compute_type": args.compute_type,
-                "threads": threads, "max_new_tokens": max_tokens, "suppress_tokens": SPECIAL_SUPPRESS}
+                "threads": threads, "max_new_tokens": max_tokens, "suppress_tokens": SPECIAL_SUPPRESS,
+                "prompt": MSTAR_PROMPT}
         t0 = time.perf_counter()
         run = subprocess.run([str(fw_python), "-c", FW_SCRIPT, json.dumps(spec)], capture_output=True, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -220,7 +306,9 @@ def main() -> None:
     def figures(side: dict) -> dict:
         c1, c8 = side["1"], side["8"]
         return {"audio_s_per_wall_s_c8": total_seconds / c8["wall"], "latency_p50_c1": float(np.median(c1["latency"])),
-                "latency_p99_c1": float(np.percentile(c1["latency"], 99))}
+                "latency_p99_c1": float(np.percentile(c1["latency"], 99)),
+                "cpu_s_per_audio_min_c8": c8["cpu"] / (total_seconds / 60),
+                "cpu_s_per_audio_min_c1": c1["cpu"] / (total_seconds / 60)}
 
     m, f = figures(ours), figures(theirs)
     same = sum(a == b for a, b in zip(ours["1"]["tokens"], theirs["1"]["tokens"], strict=True))
@@ -235,7 +323,20 @@ def main() -> None:
                                     "num_workers": "= concurrency", "compute_type": args.compute_type},
         "throughput_ratio_c8": m["audio_s_per_wall_s_c8"] / f["audio_s_per_wall_s_c8"],
         "latency_p50_ratio_c1": m["latency_p50_c1"] / f["latency_p50_c1"],
+        # the CPU seconds each side's process spent on the c=8 run, faster-whisper's over M*'s (higher: M* cheaper):
+        # less swayed than wall time by other jobs on a shared box, which both runs share unevenly
+        "cpu_time_ratio_c8": f["cpu_s_per_audio_min_c8"] / m["cpu_s_per_audio_min_c8"],
         "text_agreement": same / n,
+        # why it is what it is: faster-whisper's prompt for this checkpoint (CTranslate2 counts the converted
+        # vocabulary one short of a multilingual one's, so it runs it as English-only: no language or task token),
+        # and the agreement when CTranslate2's own greedy generate gets M*'s prompt on faster-whisper's features
+        "faster_whisper_prompt": theirs["prompt"], "mstar_prompt": MSTAR_PROMPT,
+        "faster_whisper_multilingual": theirs["multilingual"],
+        "text_agreement_ct2_same_prompt": sum(a == b for a, b in zip(ours["1"]["tokens"], theirs["same_prompt_tokens"],
+                                                                     strict=True)) / n,
+        # tokens the two agree on before they first differ, over all clips' tokens (random weights leave near-ties
+        # that fp32 rounding differences between the two encoders flip)
+        "token_prefix_agreement_ct2_same_prompt": _prefix_agreement(ours["1"]["tokens"], theirs["same_prompt_tokens"]),
         "cpu_flags": cpu_flags(),
     }
     print(json.dumps(result))

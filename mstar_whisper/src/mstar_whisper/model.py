@@ -6,6 +6,7 @@ from pathlib import Path
 
 from mstar_core.checkpoint import load_tokenizer
 from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
+from mstar_core.nn.packed import pack_linears
 from mstar_whisper.checkpoint import load_whisper
 from mstar_whisper.graph import build_graph
 from mstar_whisper.preset import ensure_tiny
@@ -20,6 +21,9 @@ def load(options: LoadOptions, *, progress: bool = True) -> LoadedModel:
     directory = Path(options.checkpoint) if preset is None else ensure_tiny()
     model, config, tokens, features = load_whisper(directory, dtype=options.torch_dtype("whisper", "float32"),
                                                    device=options.device_for("encoder", "decoder"), progress=progress)
+    # the encoder's linears run prepacked (M*'s fp32 panels, oneDNN for bf16), as the kvcache engine packs the
+    # decoder's: ~10% less CPU per 30-second window than MKL repacking each weight per call (whisper-tiny, 2 threads)
+    pack_linears(model.model.encoder)
     graph = build_graph(model.model.encoder, model.model.decoder, tokens)
     request = WhisperRequest(tokens, features, config.vocab_size)
     return LoadedModel(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.cross_attention import CrossAttention
+from mstar_core.nn.tied_head import TiedLMHead
 from mstar_whisper.config import WhisperConfig, WhisperTokens
 from mstar_whisper.rules import WhisperLogitsRules
 
@@ -109,6 +110,9 @@ class WhisperDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, i)
                                     for i in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(d)
+        # the logits read the token embedding (tied, never stored twice); the engine packs (or quantizes) the head like
+        # any wide linear: unpacked, a decode step's 51865-row GEMM repacked its whole weight every call
+        self.lm_head = TiedLMHead(self.embed_tokens)
         self.rules = WhisperLogitsRules(tokens) if tokens is not None else None
 
     def kv_cache_spec(self) -> tuple[int, int, int, int, int]:
@@ -127,7 +131,7 @@ class WhisperDecoder(nn.Module):
         return self.layer_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.embed_tokens.weight.t()
+        return self.lm_head(hidden)
 
     def compute_no_speech(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rules is None:

@@ -14,8 +14,12 @@ digest of the states, so two requests with the same decoder prompt over differen
 
 The attention itself: the step's attention context is wrapped (`CrossAttentionContext`) so that each decoder layer,
 besides `attend` (self-attention, the backend's), calls `cross_attend(layer, q, scale)`: every row attends to all of
-its sequence's cross keys (no mask), one sequence at a time, over a view of the pages when they are consecutive. A
-row's result depends only on its own sequence: batched equals alone, bit for bit.
+its sequence's cross keys (no mask). Sequences of up to `KERNEL_MAX_ROWS` rows (decode steps, short prompts) in an
+fp32 CPU pool go through one call of `mstar_core.nn.cross_attention.PagedCrossKernel` per layer, which reads their
+keys and values in place, page by page (torch's attention over the pages' slot-major view copied them head-major
+first: most of a Whisper decode row's cross-attention time); longer ones (and other pools) through torch's attention
+one sequence at a time, over a view of the pages when they are consecutive. A row's result depends only on its own
+sequence: batched equals alone, bit for bit, on either path.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_core.errors import ModuleContractError, RequestError
+from mstar_core.nn.cross_attention import KERNEL_MAX_ROWS, PagedCrossKernel
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.sequence import Sequence
 
@@ -195,18 +200,31 @@ class CrossLabels:
         for seq, n in work:
             label = None if seq.cross_label is None else self.labels.get((seq.request_id, seq.cross_label))
             if label is not None:
-                spans.append((row, n, label.slots))
+                spans.append((row, n, label))
             row += n
-        return CrossAttentionContext(inner, self.pool.kv, spans, row)
+        return CrossAttentionContext(inner, self.pool, spans, row)
 
 
 class CrossAttentionContext:
-    """A step's attention context plus `cross_attend`: each sequence's rows over its cross label's keys."""
+    """A step's attention context plus `cross_attend`: each sequence's rows over its cross label's keys.
 
-    def __init__(self, inner: Any, kv: torch.Tensor, spans: list[tuple[int, int, slice | torch.Tensor]], rows: int):
-        self.inner, self.spans, self.rows = inner, spans, rows
+    Sequences with few rows (decode steps, short prompts) attend through the CPU kernel (`PagedCrossKernel`), which
+    reads their keys in place from the pages; the others (and every sequence where the kernel is not built or the
+    pool is not fp32 on the CPU) through torch's attention over a view (or gather) of their slots.
+    """
+
+    def __init__(self, inner: Any, pool: PagePool, spans: list[tuple[int, int, CrossLabel]], rows: int):
+        kv = pool.kv
+        self.inner, self.rows = inner, rows
+        self.covered = sum(n for _, n, _ in spans)
         flat = kv.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
         self.keys, self.values = flat[:, 0], flat[:, 1]  # [layers, slots, kv heads, head dim]
+        few = [s for s in spans if 1 <= s[1] <= KERNEL_MAX_ROWS] if kv.dtype == torch.float32 and kv.is_cpu else []
+        self.kernel = PagedCrossKernel.for_spans([(r, n, label.length, label.pages) for r, n, label in few],
+                                                 pool.page_size)
+        self.every_span = [(r, n, label.slots) for r, n, label in spans]
+        self.spans = self.every_span if self.kernel is None else [s for s in self.every_span
+                                                                  if not 1 <= s[1] <= KERNEL_MAX_ROWS]
 
     def __getattr__(self, name: str) -> Any:  # what else the backend's context offers (replay layouts, ...)
         return getattr(self.inner, name)
@@ -216,8 +234,13 @@ class CrossAttentionContext:
 
     def cross_attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q `[T, Hq, D]` -> `[T, Hq, D]`: every row over all of its sequence's cross keys (rows without a label: 0)."""
-        out = q.new_zeros(q.shape) if sum(n for _, n, _ in self.spans) != q.shape[0] else q.new_empty(q.shape)
+        out = q.new_zeros(q.shape) if self.covered != q.shape[0] else q.new_empty(q.shape)
         keys, values = self.keys[layer], self.values[layer]
+        kernel = self.kernel
+        if kernel is not None and not kernel.fits(q, keys, values):  # (q in another dtype than the pool's): torch's
+            self.kernel, self.spans, kernel = None, self.every_span, None
+        if kernel is not None:
+            kernel(q, keys, values, out, scale)
         for start, n, slots in self.spans:
             k, v = keys[slots].transpose(0, 1), values[slots].transpose(0, 1)  # [kv heads, frames, head dim]
             qh = q[start : start + n].transpose(0, 1).to(k.dtype)
