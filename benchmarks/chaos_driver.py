@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER_MODULE = "mstar_core.cluster.worker"
 WORKER_INFO = "mstar_worker_info"  # on /metrics: one sample per live worker, its pid a label
 _SERVERS: list[Server] = []  # stopped at exit whatever happened
+_STALL = re.compile(r"event loop held (\d+) ms \(([\w-]+)\); where \(samples\): (.*)")  # loop_watch.py's line
 
 
 def free_port() -> int:
@@ -98,13 +100,14 @@ class StartError(RuntimeError):
 class Server:
     """One `mstar serve MODELS` subprocess (orpheus unless told) and the worker processes it spawns."""
 
-    def __init__(self, label: str, extra: list[str], models: tuple[str, ...] = ("orpheus",)):
+    def __init__(self, label: str, extra: list[str], models: tuple[str, ...] = ("orpheus",),
+                 env: dict[str, str] | None = None):
         self.label = label
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"mstar-chaos-{label}-", suffix=".log", delete=False)
         # workers start as users' do (forks of the worker zygote): they are found by the pid /metrics gives them
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", *models, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", *extra]
@@ -159,6 +162,21 @@ class Server:
         self.log.flush()
         with open(self.log.name, errors="replace") as f:
             return f.read()
+
+    def loop_stalls(self, since: int = 0) -> list[tuple[int, str, str]]:
+        """(milliseconds, cause, where) of each event-loop stall the server logged after character `since` of its
+        log (started with MSTAR_LOOP_WATCH_MS: mstar_core/api/server/loop_watch.py; cause: computing, gil, no-cpu)."""
+        return [(int(m.group(1)), m.group(2), m.group(3)) for m in _STALL.finditer(self.output()[since:])]
+
+
+def stall_figures(stalls: list[tuple[int, str, str]], prefix: str) -> dict[str, Any]:
+    """The slowest loop stall of each cause (0: none over the watch's threshold). `computing` and `gil` are the
+    server's own (its loop thread ran, or its other threads held the interpreter); `no-cpu` is the machine's load."""
+    out = {f"{prefix}_loop_stall_max_ms": max((ms for ms, _, _ in stalls), default=0)}
+    for cause in ("computing", "gil", "no-cpu"):
+        out[f"{prefix}_loop_{cause.replace('-', '_')}_max_ms"] = max((ms for ms, c, _ in stalls if c == cause),
+                                                                     default=0)
+    return out
 
     def tail(self, lines: int = 12) -> str:
         return "\n".join(self.output().splitlines()[-lines:])

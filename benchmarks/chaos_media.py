@@ -12,17 +12,26 @@ reads holds the one realtime slot. Figures:
     without an error event count too;
   * `media_healthy_failed`: healthy requests that did not get a 200;
   * `media_rss_growth_mb`: the serving process' RSS 3 s after the stress ended, over its RSS after a warm-up
-    (`stresses` holds each HTTP stress's status, seconds, slowest /health meanwhile and RSS after it);
+    (`stresses` holds each HTTP stress's status, seconds, slowest /health meanwhile, RSS after it and loop stalls);
   * `silent_client_freed_s`: from a silent client's first event to a new session taking the one slot (target <= 30);
     the client is a raw socket that never reads (a client library keeps reading into its own memory).
   * `baseline_health_max_s`: the slowest /health over 3 s of the healthy loop alone, before the stress (this box's
-    load: the figures above are noisy beside it).
+    load: the figures above are noisy beside it);
+  * `media_loop_*_max_ms` and each stress's `loop_stalls`: every stall of the server's event loop past 50 ms, its
+    cause and where the loop was (the server runs with MSTAR_LOOP_WATCH_MS=50, mstar_core/api/server/loop_watch.py):
+    `computing` (the loop thread ran: its frames are the culprit) and `gil` (the server's other threads held the
+    interpreter) are the server's own; `no-cpu` (the process got little of a core) is the machine's load. On a
+    loaded box that split is the honest evidence where /health's wall time is noise.
 
-    python benchmarks/chaos_media.py        (chaos.py runs it among its stresses)
+    python benchmarks/chaos_media.py --quick     (the grammar stress of chaos_grammar.py first, then this one; a
+                                                  summary of every stress's /health max and loop stalls at the end)
+    python benchmarks/chaos_media.py --quick --media-only
+(chaos.py runs both among its stresses.)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -35,7 +44,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-from chaos_driver import Server, rss_mb
+from chaos_driver import Server, rss_mb, stall_figures
+from chaos_grammar import grammar_stress
 
 ASK = [{"role": "user", "content": "Hi"}]
 BIG = "word " * (12_000_000 // 5)
@@ -51,6 +61,15 @@ async def _health(client: httpx.AsyncClient, stop: asyncio.Event, worst: list[tu
             pass
         worst.append((t0, time.monotonic() - t0))
         await asyncio.sleep(0.05)
+
+
+#: The server's loop watch (mstar_core/api/server/loop_watch.py): each stall of its event loop past this is logged.
+LOOP_WATCH, STALL_MS = "MSTAR_LOOP_WATCH_MS", "50"
+
+
+def stalls_since(server: Server, logged: int) -> list[str]:
+    """Each loop stall the server logged since its log was `logged` characters long: 'N ms: where'."""
+    return [f"{ms} ms {cause}: {where[:500]}" for ms, cause, where in server.loop_stalls(logged)]
 
 
 def _worst_between(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
@@ -176,12 +195,12 @@ async def _session(connect: Any, ws_url: str, limit: float = 30.0) -> Any:
         await asyncio.sleep(0.5)
 
 
-async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: int) -> dict[str, Any]:
+async def realtime_stresses(server: Server, health: list[tuple[float, float]]) -> dict[str, Any]:
     """One qwen3-omni session at a time, each stress's events, then every event read until the reply ends (or 5 s
     pass without one); an `error` event is a clean refusal, a close without one a failure (counted as a 5xx)."""
     from websockets.asyncio.client import connect
 
-    ws_url = url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
     pcm = (np.sin(np.arange(119 * 24_000) / 24_000 * 2 * np.pi * 220) * 8000).astype(np.int16).tobytes()
     image = _png(4096)
     plans = {
@@ -198,7 +217,7 @@ async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: in
     out: dict[str, Any] = {}
     for name, events in plans.items():
         seen: list[str] = []
-        t = time.monotonic()
+        t, logged = time.monotonic(), len(server.output())
         try:
             async with await _session(connect, ws_url) as ws:
                 for ev in events:
@@ -217,7 +236,8 @@ async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: in
             closed_cleanly = "error" in seen
             seen.append(f"closed: {type(exc).__name__}: {str(exc)[:200]}")
         out[name] = {"errors": seen.count("error"), "events": seen[-6:], "clean": closed_cleanly,
-                     "done": "response.done" in seen, "health_max_s": _worst_between(health, t, time.monotonic()), "rss_mb": rss_mb(pid)}
+                     "done": "response.done" in seen, "health_max_s": _worst_between(health, t, time.monotonic()),
+                     "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
     return out
 
 
@@ -286,15 +306,9 @@ async def silent_client(url: str, host: str, port: int) -> float | None:
 
 
 async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
-    held = os.environ.get("MSTAR_REALTIME_MAX_SESSIONS")
-    os.environ["MSTAR_REALTIME_MAX_SESSIONS"] = "1"  # one slot: a silent client holding it shows at once
-    try:
-        server = Server("stress-media", [], models=("llama", "qwen3-omni"))
-    finally:
-        if held is None:
-            os.environ.pop("MSTAR_REALTIME_MAX_SESSIONS")
-        else:
-            os.environ["MSTAR_REALTIME_MAX_SESSIONS"] = held
+    # one slot: a silent client holding it shows at once; the server logs each stall of its loop past 50 ms
+    server = Server("stress-media", [], models=("llama", "qwen3-omni"),
+                    env={"MSTAR_REALTIME_MAX_SESSIONS": "1", LOOP_WATCH: STALL_MS})
     out: dict[str, Any] = {}
     try:
         await server.wait_ready(start_timeout)
@@ -318,22 +332,25 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
                           asyncio.ensure_future(_healthy(client, stop, healthy))]
             await asyncio.sleep(3)  # the healthy loop alone first: what /health takes on this box without the stress
             out["baseline_health_max_s"] = _worst_between(worst, 0, time.monotonic())
-            t0 = time.monotonic()
+            t0, logged0 = time.monotonic(), len(server.output())
             replies = {}
-            for name, route, body in stresses:  # [status, seconds, slowest /health meanwhile]
-                t = time.monotonic()
-                replies[name] = [await _post(client, route, body), round(time.monotonic() - t, 2)]
-                replies[name].append(_worst_between(worst, t, time.monotonic()))
-                replies[name].append(rss_mb(server.proc.pid))
-            realtime = await realtime_stresses(server.url, worst, server.proc.pid)
+            for name, route, body in stresses:
+                t, logged = time.monotonic(), len(server.output())
+                status = await _post(client, route, body)
+                replies[name] = {"status": status, "s": round(time.monotonic() - t, 2),
+                                 "health_max_s": _worst_between(worst, t, time.monotonic()),
+                                 "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
+            realtime = await realtime_stresses(server, worst)
             await asyncio.sleep(2)  # healthy traffic after the stress too
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             await asyncio.sleep(3)
             rss_after = rss_mb(server.proc.pid)
+            stalls = server.loop_stalls(logged0)
             out.update(
+                **stall_figures(stalls, "media"),
                 media_stress_health_max_s=round(max(s for _, s in worst), 3) if worst else None,
-                media_stress_5xx=sum(1 for code, *_ in replies.values() if code >= 500 or code == 0)
+                media_stress_5xx=sum(1 for r in replies.values() if r["status"] >= 500 or r["status"] == 0)
                 + sum(1 for code in healthy if code >= 500) + sum(1 for r in realtime.values() if not r["clean"]),
                 media_healthy_failed=sum(1 for code in healthy if code != 200),
                 media_healthy_total=len(healthy),
@@ -350,5 +367,23 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
     return out
 
 
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    if not args.media_only:
+        out["grammar"] = await grammar_stress(args.start_timeout)
+    out["media"] = await media_stress(args.start_timeout)
+    out["load_after"] = os.getloadavg()[0]
+    summary = {key: value for part in ("grammar", "media") for key, value in out.get(part, {}).items()
+               if key.endswith(("health_max_s", "_max_ms", "_5xx", "freed_s", "exit_s", "growth_mb"))}
+    for part, stresses in (("media", out.get("media", {}).get("stresses", {})),
+                           ("realtime", out.get("media", {}).get("realtime", {}))):
+        summary[f"{part}_health_max_s_by_stress"] = {name: r.get("health_max_s") for name, r in stresses.items()}
+    return {**out, "summary": summary}
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(media_stress()), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the stresses as they are (they are sized for ~3 min)")
+    parser.add_argument("--media-only", action="store_true", help="skip the grammar stress (chaos_grammar.py)")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    print(json.dumps(asyncio.run(_main(parser.parse_args())), indent=1))

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from mstar_core.api.http.bodies import json_bytes
+from mstar_core.api.http.off_loop import LARGE_BYTES
 from mstar_core.api.realtime import config as cfg
 from mstar_core.api.realtime.bridge import ModelBridge
 from mstar_core.api.realtime.conversation import Conversation, Item, item_from_client
@@ -145,7 +146,7 @@ class RealtimeSession:
         self.config = await asyncio.to_thread(cfg.update_session, self.config, ev["session"],
                                               speaks=self.bridge.speaks, voices=self.bridge.voices,
                                               voice_locked=self.voice_locked)
-        self._reset_vad()
+        await asyncio.to_thread(self._reset_vad)  # a new detector copies its model (tens of ms): off the loop
         await self.emit(event("session.updated", session=self.session_json()))
 
     def _reset_vad(self) -> None:
@@ -164,7 +165,11 @@ class RealtimeSession:
 
     async def on_append(self, ev: Mapping[str, Any]) -> None:
         max_bytes = int(self.limits.max_buffer_seconds * RATE * 2)
-        pcm = decode_pcm16(ev.get("audio"), "audio", self.limits.max_event_bytes)
+        audio = ev.get("audio")
+        # megabytes of base64 (minutes of audio) are decoded in the off-loop pool, piece by piece
+        pcm = (await asyncio.to_thread(decode_pcm16, audio, "audio", self.limits.max_event_bytes)
+               if isinstance(audio, str) and len(audio) >= LARGE_BYTES
+               else decode_pcm16(audio, "audio", self.limits.max_event_bytes))
         if (self.buffer.size + pcm.size) > self.limits.max_buffer_seconds * RATE:
             raise EventError(f"the input audio buffer would hold more than {self.limits.max_buffer_seconds:g} s "
                              f"({max_bytes} bytes); commit or clear it first", param="audio",

@@ -25,6 +25,7 @@ from mstar_core.api.realtime.closing import close_bounded
 from mstar_core.api.realtime.limits import RealtimeLimits
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, error_event
 from mstar_core.api.realtime.session import RealtimeSession
+from mstar_core.api.realtime.vad import silero_model, silero_pending
 from mstar_core.errors import RequestError
 
 log = logging.getLogger("mstar.api.realtime")
@@ -100,7 +101,11 @@ async def realtime_socket(ws: WebSocket) -> None:
     async def send(payload: dict[str, Any]) -> None:
         await ws.send_text(orjson.dumps(payload).decode())
 
-    session = RealtimeSession(state, bridge, limits, send)
+    if silero_pending():  # the first session's turn detector: its model loads off the loop
+        await asyncio.to_thread(silero_model)
+    # made off the loop: its turn detector copies the model (tens of ms); asyncio's queues and events bind to the
+    # loop on first use, not when made
+    session = await asyncio.to_thread(RealtimeSession, state, bridge, limits, send)
     sessions.add(session)
     sender = asyncio.ensure_future(session.sender())
     # its failure is read by the receive loop when it ends the session; one that comes after (a write cut short
