@@ -169,15 +169,6 @@ class Server:
         return [(int(m.group(1)), m.group(2), m.group(3)) for m in _STALL.finditer(self.output()[since:])]
 
 
-def stall_figures(stalls: list[tuple[int, str, str]], prefix: str) -> dict[str, Any]:
-    """The slowest loop stall of each cause (0: none over the watch's threshold). `computing` and `gil` are the
-    server's own (its loop thread ran, or its other threads held the interpreter); `no-cpu` is the machine's load."""
-    out = {f"{prefix}_loop_stall_max_ms": max((ms for ms, _, _ in stalls), default=0)}
-    for cause in ("computing", "gil", "no-cpu"):
-        out[f"{prefix}_loop_{cause.replace('-', '_')}_max_ms"] = max((ms for ms, c, _ in stalls if c == cause),
-                                                                     default=0)
-    return out
-
     def tail(self, lines: int = 12) -> str:
         return "\n".join(self.output().splitlines()[-lines:])
 
@@ -410,3 +401,13 @@ def _stop_all() -> None:
     for server in _SERVERS:
         with contextlib.suppress(Exception):
             server.stop(grace=5.0)
+
+
+def stall_figures(stalls: list[tuple[int, str, str]], prefix: str) -> dict[str, Any]:
+    """The slowest loop stall of each cause (0: none over the watch's threshold). `computing` and `gil` are the
+    server's own (its loop thread ran, or its other threads held the interpreter); `no-cpu` is the machine's load."""
+    out = {f"{prefix}_loop_stall_max_ms": max((ms for ms, _, _ in stalls), default=0)}
+    for cause in ("computing", "gil", "no-cpu"):
+        out[f"{prefix}_loop_{cause.replace('-', '_')}_max_ms"] = max((ms for ms, c, _ in stalls if c == cause),
+                                                                     default=0)
+    return out
