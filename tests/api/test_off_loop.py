@@ -168,3 +168,17 @@ def test_a_large_realtime_append_is_decoded_in_the_pool(monkeypatch):
     buffer, loop_thread = asyncio.run(go())
     assert threads[0] != loop_thread and threads[1] == loop_thread
     assert np.array_equal(buffer, np.concatenate([pcm, pcm[:1500]]))
+
+
+def test_arenas_are_shared_unless_the_operator_set_malloc(monkeypatch):
+    import platform
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert off_loop.share_arenas() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("MSTAR_MALLOC_TUNING", "0")
+    assert off_loop.share_arenas() is False
+    monkeypatch.delenv("MSTAR_MALLOC_TUNING")
+    if platform.libc_ver()[0] == "glibc":
+        assert off_loop.share_arenas() is True
+    off_loop.release_freed_memory()  # harmless anywhere

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 
 from mstar_core.api.http.bodies import json_bytes
-from mstar_core.api.http.off_loop import LARGE_BYTES
+from mstar_core.api.http.off_loop import LARGE_BYTES, release_freed_memory
 from mstar_core.api.realtime import config as cfg
 from mstar_core.api.realtime.bridge import ModelBridge
 from mstar_core.api.realtime.conversation import Conversation, Item, item_from_client
@@ -32,6 +32,10 @@ class Outgoing:
     audio_samples: int = 0
     droppable: bool = False
     size: int = 0  # bytes of its JSON, counted against max_queued_bytes while it waits
+
+
+#: A closing session whose conversation held this much (decoded media, audio) has malloc hand it back.
+TRIM_AFTER_BYTES = 16 << 20
 
 
 class RealtimeSession:
@@ -126,6 +130,10 @@ class RealtimeSession:
         for task in list(self.tasks):
             task.cancel()
         self.buffer = np.zeros(0, dtype=np.int16)
+        held = self.conversation.nbytes
+        self.conversation.items.clear()
+        if held >= TRIM_AFTER_BYTES:  # decoded media freed at once: back to the kernel, not kept by malloc
+            asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
 
     # -- dispatch -----------------------------------------------------------------------------------------
 
