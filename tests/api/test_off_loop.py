@@ -83,13 +83,38 @@ def _app(seen: list[str], loop_thread: list[str]) -> FastAPI:
     return app
 
 
-@pytest.fixture
-def client(monkeypatch):
+class _Buffering:
+    """What the server's guard middleware does: the whole body read first, left in the scope and replayed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            chunks, more = [], True
+            while more:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            scope[off_loop.BODY_KEY] = body = b"".join(chunks)
+            sent = []
+
+            async def receive():  # the replay
+                if not sent:
+                    sent.append(1)
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.disconnect"}
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(params=["buffered", "streamed"])
+def client(monkeypatch, request):
     seen: list[str] = []  # the thread of each parse by `off_loop.loads`
     loop_thread: list[str] = []
     real = off_loop.loads
     monkeypatch.setattr(off_loop, "loads", lambda body: seen.append(threading.current_thread().name) or real(body))
-    with TestClient(_app(seen, loop_thread)) as c:
+    app = _app(seen, loop_thread)
+    with TestClient(_Buffering(app) if request.param == "buffered" else app) as c:
         yield c, seen, loop_thread
 
 

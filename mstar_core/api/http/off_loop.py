@@ -32,6 +32,8 @@ from fastapi.routing import APIRoute
 
 from mstar_core.strict import positive_number
 
+#: The scope key where the guard middleware (`mstar_core.api.server.middleware`) leaves the body it read.
+BODY_KEY = "mstar.body"
 #: Bodies and texts from this size go to the pool (a JSON parse of 256 KB takes ~1-2 ms here).
 LARGE_BYTES = 256 * 1024
 #: Base64 decoded this many characters at a time: each piece holds the GIL ~1 ms, so the loop gets its turns.
@@ -141,7 +143,11 @@ async def parse_large_json(request: Any) -> None:
     content_type = request.headers.get("content-type", "")
     if content_type and "json" not in content_type.split(";", 1)[0].lower():
         return  # a form or an upload: not parsed as JSON
-    body = await request.body()
+    body = request.scope.get(BODY_KEY)  # what the guard middleware read: Starlette's body() would copy it
+    if body is None:
+        body = await request.body()
+    else:
+        request._body = body  # (FastAPI reads it from here too)
     if len(body) < LARGE_BYTES:
         return
     try:
