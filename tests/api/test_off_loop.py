@@ -207,3 +207,13 @@ def test_arenas_are_shared_unless_the_operator_set_malloc(monkeypatch):
     if platform.libc_ver()[0] == "glibc":
         assert off_loop.share_arenas() is True
     off_loop.release_freed_memory()  # harmless anywhere
+
+
+@pytest.mark.parametrize("value", [
+    {"type": "function", "function": {"name": "f", "description": 'a "quoted" line\nnext\t\u00e9\u4e2d\ud800 \\ ' * 9,
+                                      "parameters": {"type": "object", "properties": {"x": {
+                                          "type": "integer", "minimum": 1.5, "enum": [1, None, True, "s", -0.0]}}}}},
+    [], {}, "x" * 40, 3, None, [float("nan"), float("inf"), 10**30]])
+def test_json_text_in_pieces_is_json_dumps(monkeypatch, value):
+    monkeypatch.setattr(off_loop, "JSON_PIECE", 7)  # every long string cut into many pieces
+    assert off_loop.json_text(value) == json.dumps(value, ensure_ascii=False)

@@ -42,7 +42,8 @@ class RealtimeSession:
     """State and event handlers; the route runs its receive loop and `sender`."""
 
     def __init__(self, state: Any, bridge: ModelBridge, limits: RealtimeLimits,
-                 send: Callable[[dict[str, Any]], Awaitable[None]]):
+                 send: Callable[[dict[str, Any]], Awaitable[None]], *, detector: bool = True):
+        """`detector=False` leaves the turn detector to `make_detector` (the route makes it off the loop)."""
         self.state, self.bridge, self.limits, self._send = state, bridge, limits, send
         self.id, self.conversation_id = new_id("sess"), new_id("conv")
         self.config = cfg.SessionConfig(bridge.model, output_modalities=bridge.default_modalities,
@@ -64,7 +65,12 @@ class RealtimeSession:
         self.responses_done = 0
         self.last_response: ResponseRun | None = None
         self.stopped = asyncio.Event()  # set when the client stopped reading
-        self._reset_vad()
+        if detector:
+            self._reset_vad()
+
+    async def make_detector(self) -> None:
+        """The session's turn detector, made in the off-loop pool: it copies the VAD model (tens of ms)."""
+        await asyncio.to_thread(self._reset_vad)
 
     # -- sending ------------------------------------------------------------------------------------------
 
@@ -154,7 +160,7 @@ class RealtimeSession:
         self.config = await asyncio.to_thread(cfg.update_session, self.config, ev["session"],
                                               speaks=self.bridge.speaks, voices=self.bridge.voices,
                                               voice_locked=self.voice_locked)
-        await asyncio.to_thread(self._reset_vad)  # a new detector copies its model (tens of ms): off the loop
+        await self.make_detector()
         await self.emit(event("session.updated", session=self.session_json()))
 
     def _reset_vad(self) -> None:
