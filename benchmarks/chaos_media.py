@@ -256,6 +256,26 @@ def _silent_socket(host: str, port: int, path: str, headers: dict[str, str]) -> 
     return sock
 
 
+def _silent_session(host: str, port: int, limit: float = 30.0) -> socket.socket | None:
+    """A silent client holding the slot: it reads its handshake's answer up to `session.created` (retrying while the
+    last session's slot is still being freed: a 1013), then never reads again."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        sock = _silent_socket(host, port, "/v1/realtime?model=llama", {})
+        seen = b""
+        with contextlib.suppress(OSError):
+            while b"session.created" not in seen and b"server_overloaded" not in seen:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                seen += chunk
+        if b"session.created" in seen:
+            return sock
+        sock.close()
+        time.sleep(0.5)
+    return None
+
+
 def _send_all(sock: socket.socket, frames: list[bytes]) -> None:
     """Send until done or the server stops taking them (it dropped the session meanwhile)."""
     try:
@@ -280,8 +300,10 @@ async def silent_client(url: str, host: str, port: int) -> float | None:
     from websockets.asyncio.client import connect
 
     ws_url = url.replace("http", "ws") + "/v1/realtime?model=llama"
-    await (await _session(connect, ws_url)).close()  # the slot is free
-    silent = _silent_socket(host, port, "/v1/realtime?model=llama", {})
+    await (await _session(connect, ws_url)).close()  # the slot is free (once the server has seen the close)
+    silent = await asyncio.to_thread(_silent_session, host, port)
+    if silent is None:
+        return None
     text = "z" * 1_000_000
     frame = _text_frame(json.dumps({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
