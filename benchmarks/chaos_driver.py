@@ -411,3 +411,42 @@ def stall_figures(stalls: list[tuple[int, str, str]], prefix: str) -> dict[str, 
         out[f"{prefix}_loop_{cause.replace('-', '_')}_max_ms"] = max((ms for ms, c, _ in stalls if c == cause),
                                                                      default=0)
     return out
+
+
+_PROBE = r"""
+import http.client, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conn = None
+while True:
+    t0 = time.monotonic()
+    try:
+        if conn is None:
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        conn = None
+    print(f"{t0:.6f} {time.monotonic() - t0:.6f}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+class HealthProbe:
+    """`GET /health` every 50 ms from a process of its own (keep-alive, stdlib client): its figures are the server's
+    and the machine's, not the benchmark's (whose own loop serializes megabytes of stress payloads meanwhile).
+    `samples()`: (when it was asked, seconds to the answer) in time.monotonic(), which processes share on Linux."""
+
+    def __init__(self, host: str, port: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE, host, str(port)], stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True)
+        atexit.register(self._end)  # whatever happens to the stress
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> list[tuple[float, float]]:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines() if line.count(" ") == 1)]

@@ -1,7 +1,8 @@
 """Media and large-input stress (issue 50, items 3-8) beside healthy traffic, on its own tiny `llama` + `qwen3-omni`
 server (one realtime session at most, so a slot held shows at once).
 
-While a healthy loop posts small llama chats and `GET /health` is polled every 50 ms, the stress sends, one after
+While a healthy loop posts small llama chats and `GET /health` is polled every 50 ms (from a process of its own,
+chaos_driver.HealthProbe: this script's loop serializes megabytes meanwhile), the stress sends, one after
 another: a 12 MB tool description, a 12 MB completions prompt, Responses with 7 MB of instructions and with
 oversized metadata, 60 s of 48 kHz WAV and 300 s of 48 kHz FLAC to transcriptions, a damaged MP4 and a 2-frame
 video 119 s long in chat `video_url` parts, and in a realtime session 7 MB of instructions with a response, a
@@ -44,23 +45,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from chaos_driver import Server, rss_mb, stall_figures
+from chaos_driver import HealthProbe, Server, rss_mb, stall_figures
 from chaos_grammar import grammar_stress
 
 ASK = [{"role": "user", "content": "Hi"}]
 BIG = "word " * (12_000_000 // 5)
-
-
-async def _health(client: httpx.AsyncClient, stop: asyncio.Event, worst: list[tuple[float, float]]) -> None:
-    """(when it was asked, seconds to the answer) of each /health, every 50 ms."""
-    while not stop.is_set():
-        t0 = time.monotonic()
-        try:
-            await client.get("/health")
-        except httpx.HTTPError:
-            pass
-        worst.append((t0, time.monotonic() - t0))
-        await asyncio.sleep(0.05)
 
 
 #: The server's loop watch (mstar_core/api/server/loop_watch.py): each stall of its event loop past this is logged.
@@ -68,7 +57,7 @@ LOOP_WATCH, STALL_MS = "MSTAR_LOOP_WATCH_MS", "50"
 
 
 def stalls_since(server: Server, logged: int) -> list[str]:
-    """Each loop stall the server logged since its log was `logged` characters long: 'N ms: where'."""
+    """Each loop stall the server logged since its log was `logged` characters long: 'N ms cause: where'."""
     return [f"{ms} ms {cause}: {where[:500]}" for ms, cause, where in server.loop_stalls(logged)]
 
 
@@ -158,8 +147,9 @@ async def _post(client: httpx.AsyncClient, route: str, body: dict[str, Any]) -> 
     try:
         if "files" in body:
             r = await client.post(route, files=body["files"], data=body["data"])
-        else:
-            r = await client.post(route, json=body)
+        else:  # serialized off this loop: the healthy loop's timings are not held by megabytes of json.dumps
+            content = await asyncio.to_thread(json.dumps, body)
+            r = await client.post(route, content=content, headers={"content-type": "application/json"})
         return r.status_code
     except httpx.HTTPError:
         return 0
@@ -195,7 +185,7 @@ async def _session(connect: Any, ws_url: str, limit: float = 30.0) -> Any:
         await asyncio.sleep(0.5)
 
 
-async def realtime_stresses(server: Server, health: list[tuple[float, float]]) -> dict[str, Any]:
+async def realtime_stresses(server: Server) -> dict[str, Any]:
     """One qwen3-omni session at a time, each stress's events, then every event read until the reply ends (or 5 s
     pass without one); an `error` event is a clean refusal, a close without one a failure (counted as a 5xx)."""
     from websockets.asyncio.client import connect
@@ -214,14 +204,15 @@ async def realtime_stresses(server: Server, health: list[tuple[float, float]]) -
         "tools_20000": [{"type": "session.update", "session": {"tools": [
             {"type": "function", "name": f"f{i}"} for i in range(20_000)]}}],
     }
+    texts = await asyncio.to_thread(lambda: {name: [json.dumps(ev) for ev in evs] for name, evs in plans.items()})
     out: dict[str, Any] = {}
-    for name, events in plans.items():
+    for name, events in texts.items():
         seen: list[str] = []
         t, logged = time.monotonic(), len(server.output())
         try:
             async with await _session(connect, ws_url) as ws:
                 for ev in events:
-                    await ws.send(json.dumps(ev))
+                    await ws.send(ev)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     try:
@@ -236,7 +227,7 @@ async def realtime_stresses(server: Server, health: list[tuple[float, float]]) -
             closed_cleanly = "error" in seen
             seen.append(f"closed: {type(exc).__name__}: {str(exc)[:200]}")
         out[name] = {"errors": seen.count("error"), "events": seen[-6:], "clean": closed_cleanly,
-                     "done": "response.done" in seen, "health_max_s": _worst_between(health, t, time.monotonic()),
+                     "done": "response.done" in seen, "window": (t, time.monotonic()),
                      "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
     return out
 
@@ -349,29 +340,34 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
             await _post(client, "/v1/chat/completions", _video_chat(await asyncio.to_thread(_mp4, small)))
             await warm_realtime(server.url)
             rss_before = rss_mb(server.proc.pid)
-            stop, worst, healthy = asyncio.Event(), [], []
-            background = [asyncio.ensure_future(_health(client, stop, worst)),
-                          asyncio.ensure_future(_healthy(client, stop, healthy))]
+            stop, healthy = asyncio.Event(), []
+            probe = HealthProbe("127.0.0.1", server.port)  # /health from a process of its own
+            background = [asyncio.ensure_future(_healthy(client, stop, healthy))]
+            base0 = time.monotonic()
             await asyncio.sleep(3)  # the healthy loop alone first: what /health takes on this box without the stress
-            out["baseline_health_max_s"] = _worst_between(worst, 0, time.monotonic())
-            t0, logged0 = time.monotonic(), len(server.output())
+            base1 = t0 = time.monotonic()
+            logged0 = len(server.output())
             replies = {}
             for name, route, body in stresses:
                 t, logged = time.monotonic(), len(server.output())
                 status = await _post(client, route, body)
-                replies[name] = {"status": status, "s": round(time.monotonic() - t, 2),
-                                 "health_max_s": _worst_between(worst, t, time.monotonic()),
+                replies[name] = {"status": status, "s": round(time.monotonic() - t, 2), "window": (t, time.monotonic()),
                                  "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
-            realtime = await realtime_stresses(server, worst)
+            realtime = await realtime_stresses(server)
             await asyncio.sleep(2)  # healthy traffic after the stress too
+            t1 = time.monotonic()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
+            worst = await asyncio.to_thread(probe.stop)
+            out["baseline_health_max_s"] = _worst_between(worst, base0, base1)
+            for r in (*replies.values(), *realtime.values()):
+                r["health_max_s"] = _worst_between(worst, *r.pop("window"))
             await asyncio.sleep(3)
             rss_after = rss_mb(server.proc.pid)
             stalls = server.loop_stalls(logged0)
             out.update(
                 **stall_figures(stalls, "media"),
-                media_stress_health_max_s=round(max(s for _, s in worst), 3) if worst else None,
+                media_stress_health_max_s=_worst_between(worst, t0, t1),
                 media_stress_5xx=sum(1 for r in replies.values() if r["status"] >= 500 or r["status"] == 0)
                 + sum(1 for code in healthy if code >= 500) + sum(1 for r in realtime.values() if not r["clean"]),
                 media_healthy_failed=sum(1 for code in healthy if code != 200),
