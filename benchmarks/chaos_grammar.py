@@ -134,7 +134,7 @@ async def grammar_stress(start_timeout: float = 300.0) -> dict[str, Any]:
             )
             stalls = server.loop_stalls(logged)
             out.update(**stall_figures(stalls, "grammar"),
-                       grammar_loop_stalls=[f"{ms} ms {cause}: {where[:500]}" for ms, cause, where in stalls])
+                       grammar_loop_stalls=[f"{ms} ms {cause}: {where[:1500]}" for ms, cause, where in stalls])
             # SIGTERM while a compile runs (one that would take minutes, were it let)
             pending = asyncio.ensure_future(one("slow", "/v1/chat/completions", {
                 "model": "llama", "messages": ASK, "response_format": {

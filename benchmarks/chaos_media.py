@@ -58,7 +58,7 @@ LOOP_WATCH, STALL_MS = "MSTAR_LOOP_WATCH_MS", "50"
 
 def stalls_since(server: Server, logged: int) -> list[str]:
     """Each loop stall the server logged since its log was `logged` characters long: 'N ms cause: where'."""
-    return [f"{ms} ms {cause}: {where[:500]}" for ms, cause, where in server.loop_stalls(logged)]
+    return [f"{ms} ms {cause}: {where[:1500]}" for ms, cause, where in server.loop_stalls(logged)]
 
 
 def _worst_between(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
