@@ -17,38 +17,38 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from mstar_core.api.http import off_loop
+from mstar_core.api.http import json_bodies, off_loop, pieces
 from mstar_core.api.http.errors import install_error_handlers
 from mstar_core.api.server.loop_watch import LoopWatch
 
 
-@pytest.mark.parametrize("size", [0, 5, off_loop.B64_PIECE // 4 * 3, off_loop.B64_PIECE // 4 * 3 + 1,
-                                  3 * off_loop.B64_PIECE + 7])
+@pytest.mark.parametrize("size", [0, 5, pieces.B64_PIECE // 4 * 3, pieces.B64_PIECE // 4 * 3 + 1,
+                                  3 * pieces.B64_PIECE + 7])
 def test_pieces_decode_to_the_same_bytes(size):
     raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
     text = base64.b64encode(raw).decode()
-    assert off_loop.b64decode_pieces(text) == raw == off_loop.b64decode_pieces(text.encode(), validate=True)
+    assert pieces.b64decode_pieces(text) == raw == pieces.b64decode_pieces(text.encode(), validate=True)
 
 
 def test_pieces_keep_b64decodes_leniency_and_errors():
     raw = bytes(range(256)) * 20_000  # 5 MB: several pieces
     text = base64.b64encode(raw).decode()
     wrapped = "\n".join(text[i:i + 76] for i in range(0, len(text), 76))  # MIME lines: lenient decode skips them
-    assert off_loop.b64decode_pieces(wrapped) == base64.b64decode(wrapped) == raw
+    assert pieces.b64decode_pieces(wrapped) == base64.b64decode(wrapped) == raw
     for bad in (wrapped, text[:-1], text[:1000] + "=" + text[1001:], text[:5000] + "*" + text[5001:]):
         with pytest.raises(binascii.Error):
             base64.b64decode(bad, validate=True)
         with pytest.raises(binascii.Error):
-            off_loop.b64decode_pieces(bad, validate=True)
+            pieces.b64decode_pieces(bad, validate=True)
     with pytest.raises(ValueError):
-        off_loop.b64decode_pieces("é" * 2_000_000)
+        pieces.b64decode_pieces("é" * 2_000_000)
 
 
 @pytest.mark.parametrize("doc", ['{"a": NaN, "b": -Infinity}', '{"big": 123456789012345678901234567890}',
                                  '{"s": "\\ud800"}', '{"x": [1, 2.5, "t", null, true], "x": {"k": "last"}}',
                                  '{"e": 1e400}', '{"n": [{"m": -9223372036854775809}, 1e20, 0.1, 18446744073709551615]}'])
 def test_loads_reads_what_pythons_parser_reads(doc):
-    got, want = off_loop.loads(doc.encode()), json.loads(doc)
+    got, want = json_bodies.loads(doc.encode()), json.loads(doc)
     assert repr(got) == repr(want)  # NaN != NaN: compared as written
 
 
@@ -72,7 +72,7 @@ def test_the_pool_starts_every_thread_before_requests():
 def _app(seen: list[str], loop_thread: list[str]) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
-    router = off_loop.json_router()
+    router = json_bodies.json_router()
 
     @router.post("/echo")
     async def echo(body: dict):
@@ -96,7 +96,7 @@ class _Buffering:
                 message = await receive()
                 chunks.append(message.get("body", b""))
                 more = message.get("more_body", False)
-            scope[off_loop.BODY_KEY] = body = b"".join(chunks)
+            scope[json_bodies.BODY_KEY] = body = b"".join(chunks)
             sent = []
 
             async def receive():  # the replay
@@ -109,10 +109,10 @@ class _Buffering:
 
 @pytest.fixture(params=["buffered", "streamed"])
 def client(monkeypatch, request):
-    seen: list[str] = []  # the thread of each parse by `off_loop.loads`
+    seen: list[str] = []  # the thread of each parse by `json_bodies.loads`
     loop_thread: list[str] = []
-    real = off_loop.loads
-    monkeypatch.setattr(off_loop, "loads", lambda body: seen.append(threading.current_thread().name) or real(body))
+    real = json_bodies.loads
+    monkeypatch.setattr(json_bodies, "loads", lambda body: seen.append(threading.current_thread().name) or real(body))
     app = _app(seen, loop_thread)
     with TestClient(_Buffering(app) if request.param == "buffered" else app) as c:
         yield c, seen, loop_thread
@@ -215,5 +215,5 @@ def test_arenas_are_shared_unless_the_operator_set_malloc(monkeypatch):
                                           "type": "integer", "minimum": 1.5, "enum": [1, None, True, "s", -0.0]}}}}},
     [], {}, "x" * 40, 3, None, [float("nan"), float("inf"), 10**30]])
 def test_json_text_in_pieces_is_json_dumps(monkeypatch, value):
-    monkeypatch.setattr(off_loop, "JSON_PIECE", 7)  # every long string cut into many pieces
-    assert off_loop.json_text(value) == json.dumps(value, ensure_ascii=False)
+    monkeypatch.setattr(pieces, "JSON_PIECE", 7)  # every long string cut into many pieces
+    assert pieces.json_text(value) == json.dumps(value, ensure_ascii=False)

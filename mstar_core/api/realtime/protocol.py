@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mstar_core.api.http.off_loop import b64decode_pieces
+from mstar_core.api.http.pieces import b64decode_pieces
 
 _counter = itertools.count()
 

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from mstar_core.api.http.errors import ApiError, from_request_error
-from mstar_core.api.http.off_loop import json_text
+from mstar_core.api.http.pieces import json_text
 from mstar_core.api.requests.tool_parser import ToolCallStream
 from mstar_core.errors import RequestError
 from mstar_core.grammar.check import check_json_schema

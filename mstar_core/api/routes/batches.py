@@ -22,7 +22,7 @@ from mstar_core.api.batch.jobs import COMPLETION_WINDOWS
 from mstar_core.api.batch.lines import BATCH_ENDPOINTS
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.requests.schemas import ERROR_RESPONSES
 
 router = json_router()  # large JSON bodies parsed off the event loop

@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.http.off_loop import json_router, off_loop_when
+from mstar_core.api.http.json_bodies import json_router
+from mstar_core.api.http.off_loop import off_loop_when
 from mstar_core.api.requests import choices as ch
 from mstar_core.api.requests.chat_adapter import ROUTE_FIELDS
 from mstar_core.api.requests.chat_audio import AudioReply, check_audio_request

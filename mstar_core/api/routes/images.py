@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from mstar_core.api.http.errors import ApiError, from_request_error
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import check_image_bytes
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.choices import forks_choices

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mstar_core.api.http.errors import ApiError, from_request_error
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.requests.schemas import ERROR_RESPONSES
 from mstar_core.errors import ConfigError, RequestError
 

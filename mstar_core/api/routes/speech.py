@@ -11,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from mstar_core.api.http.bodies import CutOnErrorStreamingResponse
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media.audio import MEDIA_TYPES, AudioEncoder
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, SpeechRequest

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mstar_core.api.http.errors import ApiError, from_request_error
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import check_image_bytes
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.submit import adapter_call, submit

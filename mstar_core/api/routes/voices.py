@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.media.upload import decode_upload
 from mstar_core.api.requests.schemas import ERROR_RESPONSES

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse, json_bytes
 from mstar_core.api.http.errors import ApiError
-from mstar_core.api.http.off_loop import json_router
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media.tensors import decode_inputs, encode_value
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, WalkRequest
 from mstar_core.api.requests.submit import (

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from mstar_core.api.http.errors import error_body
-from mstar_core.api.http.off_loop import BODY_KEY
+from mstar_core.api.http.json_bodies import BODY_KEY
 
 #: Routes that answer without the API key.
 #: Paths answered without the API key: health probes, and the playground's page and files (they hold no data;
