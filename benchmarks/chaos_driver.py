@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER_MODULE = "mstar_core.cluster.worker"
 WORKER_INFO = "mstar_worker_info"  # on /metrics: one sample per live worker, its pid a label
 _SERVERS: list[Server] = []  # stopped at exit whatever happened
+_STALL = re.compile(r"event loop held (\d+) ms \(([\w-]+)\); where \(samples\): (.*)")  # loop_watch.py's line
 
 
 def free_port() -> int:
@@ -98,13 +100,14 @@ class StartError(RuntimeError):
 class Server:
     """One `mstar serve MODELS` subprocess (orpheus unless told) and the worker processes it spawns."""
 
-    def __init__(self, label: str, extra: list[str], models: tuple[str, ...] = ("orpheus",)):
+    def __init__(self, label: str, extra: list[str], models: tuple[str, ...] = ("orpheus",),
+                 env: dict[str, str] | None = None):
         self.label = label
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"mstar-chaos-{label}-", suffix=".log", delete=False)
         # workers start as users' do (forks of the worker zygote): they are found by the pid /metrics gives them
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         env.pop("MSTAR_API_KEY", None)
         cmd = [sys.executable, "-m", "mstar_core.cli", "serve", *models, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", *extra]
@@ -159,6 +162,12 @@ class Server:
         self.log.flush()
         with open(self.log.name, errors="replace") as f:
             return f.read()
+
+    def loop_stalls(self, since: int = 0) -> list[tuple[int, str, str]]:
+        """(milliseconds, cause, where) of each event-loop stall the server logged after character `since` of its
+        log (started with MSTAR_LOOP_WATCH_MS: mstar_core/api/server/loop_watch.py; cause: computing, gil, no-cpu)."""
+        return [(int(m.group(1)), m.group(2), m.group(3)) for m in _STALL.finditer(self.output()[since:])]
+
 
     def tail(self, lines: int = 12) -> str:
         return "\n".join(self.output().splitlines()[-lines:])
@@ -392,3 +401,52 @@ def _stop_all() -> None:
     for server in _SERVERS:
         with contextlib.suppress(Exception):
             server.stop(grace=5.0)
+
+
+def stall_figures(stalls: list[tuple[int, str, str]], prefix: str) -> dict[str, Any]:
+    """The slowest loop stall of each cause (0: none over the watch's threshold). `computing` and `gil` are the
+    server's own (its loop thread ran, or its other threads held the interpreter); `no-cpu` is the machine's load."""
+    out = {f"{prefix}_loop_stall_max_ms": max((ms for ms, _, _ in stalls), default=0)}
+    for cause in ("computing", "gil", "no-cpu"):
+        out[f"{prefix}_loop_{cause.replace('-', '_')}_max_ms"] = max((ms for ms, c, _ in stalls if c == cause),
+                                                                     default=0)
+    return out
+
+
+_PROBE = r"""
+import http.client, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conn = None
+while True:
+    t0 = time.monotonic()
+    try:
+        if conn is None:
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        conn = None
+    print(f"{t0:.6f} {time.monotonic() - t0:.6f}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+class HealthProbe:
+    """`GET /health` every 50 ms from a process of its own (keep-alive, stdlib client): its figures are the server's
+    and the machine's, not the benchmark's (whose own loop serializes megabytes of stress payloads meanwhile).
+    `samples()`: (when it was asked, seconds to the answer) in time.monotonic(), which processes share on Linux."""
+
+    def __init__(self, host: str, port: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE, host, str(port)], stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True)
+        atexit.register(self._end)  # whatever happens to the stress
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> list[tuple[float, float]]:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines() if line.count(" ") == 1)]

@@ -1,7 +1,8 @@
 """Media and large-input stress (issue 50, items 3-8) beside healthy traffic, on its own tiny `llama` + `qwen3-omni`
 server (one realtime session at most, so a slot held shows at once).
 
-While a healthy loop posts small llama chats and `GET /health` is polled every 50 ms, the stress sends, one after
+While a healthy loop posts small llama chats and `GET /health` is polled every 50 ms (from a process of its own,
+chaos_driver.HealthProbe: this script's loop serializes megabytes meanwhile), the stress sends, one after
 another: a 12 MB tool description, a 12 MB completions prompt, Responses with 7 MB of instructions and with
 oversized metadata, 60 s of 48 kHz WAV and 300 s of 48 kHz FLAC to transcriptions, a damaged MP4 and a 2-frame
 video 119 s long in chat `video_url` parts, and in a realtime session 7 MB of instructions with a response, a
@@ -12,17 +13,26 @@ reads holds the one realtime slot. Figures:
     without an error event count too;
   * `media_healthy_failed`: healthy requests that did not get a 200;
   * `media_rss_growth_mb`: the serving process' RSS 3 s after the stress ended, over its RSS after a warm-up
-    (`stresses` holds each HTTP stress's status, seconds, slowest /health meanwhile and RSS after it);
+    (`stresses` holds each HTTP stress's status, seconds, slowest /health meanwhile, RSS after it and loop stalls);
   * `silent_client_freed_s`: from a silent client's first event to a new session taking the one slot (target <= 30);
     the client is a raw socket that never reads (a client library keeps reading into its own memory).
   * `baseline_health_max_s`: the slowest /health over 3 s of the healthy loop alone, before the stress (this box's
-    load: the figures above are noisy beside it).
+    load: the figures above are noisy beside it);
+  * `media_loop_*_max_ms` and each stress's `loop_stalls`: every stall of the server's event loop past 50 ms, its
+    cause and where the loop was (the server runs with MSTAR_LOOP_WATCH_MS=50, mstar_core/api/server/loop_watch.py):
+    `computing` (the loop thread ran: its frames are the culprit) and `gil` (the server's other threads held the
+    interpreter) are the server's own; `no-cpu` (the process got little of a core) is the machine's load. On a
+    loaded box that split is the honest evidence where /health's wall time is noise.
 
-    python benchmarks/chaos_media.py        (chaos.py runs it among its stresses)
+    python benchmarks/chaos_media.py --quick     (the grammar stress of chaos_grammar.py first, then this one; a
+                                                  summary of every stress's /health max and loop stalls at the end)
+    python benchmarks/chaos_media.py --quick --media-only
+(chaos.py runs both among its stresses.)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -35,22 +45,20 @@ from typing import Any
 
 import httpx
 import numpy as np
-from chaos_driver import Server, rss_mb
+from chaos_driver import HealthProbe, Server, rss_mb, stall_figures
+from chaos_grammar import grammar_stress
 
 ASK = [{"role": "user", "content": "Hi"}]
 BIG = "word " * (12_000_000 // 5)
 
 
-async def _health(client: httpx.AsyncClient, stop: asyncio.Event, worst: list[tuple[float, float]]) -> None:
-    """(when it was asked, seconds to the answer) of each /health, every 50 ms."""
-    while not stop.is_set():
-        t0 = time.monotonic()
-        try:
-            await client.get("/health")
-        except httpx.HTTPError:
-            pass
-        worst.append((t0, time.monotonic() - t0))
-        await asyncio.sleep(0.05)
+#: The server's loop watch (mstar_core/api/server/loop_watch.py): each stall of its event loop past this is logged.
+LOOP_WATCH, STALL_MS = "MSTAR_LOOP_WATCH_MS", "50"
+
+
+def stalls_since(server: Server, logged: int) -> list[str]:
+    """Each loop stall the server logged since its log was `logged` characters long: 'N ms cause: where'."""
+    return [f"{ms} ms {cause}: {where[:1500]}" for ms, cause, where in server.loop_stalls(logged)]
 
 
 def _worst_between(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
@@ -139,8 +147,9 @@ async def _post(client: httpx.AsyncClient, route: str, body: dict[str, Any]) -> 
     try:
         if "files" in body:
             r = await client.post(route, files=body["files"], data=body["data"])
-        else:
-            r = await client.post(route, json=body)
+        else:  # serialized off this loop: the healthy loop's timings are not held by megabytes of json.dumps
+            content = await asyncio.to_thread(json.dumps, body)
+            r = await client.post(route, content=content, headers={"content-type": "application/json"})
         return r.status_code
     except httpx.HTTPError:
         return 0
@@ -176,12 +185,12 @@ async def _session(connect: Any, ws_url: str, limit: float = 30.0) -> Any:
         await asyncio.sleep(0.5)
 
 
-async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: int) -> dict[str, Any]:
+async def realtime_stresses(server: Server) -> dict[str, Any]:
     """One qwen3-omni session at a time, each stress's events, then every event read until the reply ends (or 5 s
     pass without one); an `error` event is a clean refusal, a close without one a failure (counted as a 5xx)."""
     from websockets.asyncio.client import connect
 
-    ws_url = url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime?model=qwen3-omni"
     pcm = (np.sin(np.arange(119 * 24_000) / 24_000 * 2 * np.pi * 220) * 8000).astype(np.int16).tobytes()
     image = _png(4096)
     plans = {
@@ -195,14 +204,15 @@ async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: in
         "tools_20000": [{"type": "session.update", "session": {"tools": [
             {"type": "function", "name": f"f{i}"} for i in range(20_000)]}}],
     }
+    texts = await asyncio.to_thread(lambda: {name: [json.dumps(ev) for ev in evs] for name, evs in plans.items()})
     out: dict[str, Any] = {}
-    for name, events in plans.items():
+    for name, events in texts.items():
         seen: list[str] = []
-        t = time.monotonic()
+        t, logged = time.monotonic(), len(server.output())
         try:
             async with await _session(connect, ws_url) as ws:
                 for ev in events:
-                    await ws.send(json.dumps(ev))
+                    await ws.send(ev)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     try:
@@ -217,7 +227,8 @@ async def realtime_stresses(url: str, health: list[tuple[float, float]], pid: in
             closed_cleanly = "error" in seen
             seen.append(f"closed: {type(exc).__name__}: {str(exc)[:200]}")
         out[name] = {"errors": seen.count("error"), "events": seen[-6:], "clean": closed_cleanly,
-                     "done": "response.done" in seen, "health_max_s": _worst_between(health, t, time.monotonic()), "rss_mb": rss_mb(pid)}
+                     "done": "response.done" in seen, "window": (t, time.monotonic()),
+                     "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
     return out
 
 
@@ -234,6 +245,26 @@ def _silent_socket(host: str, port: int, path: str, headers: dict[str, str]) -> 
              *(f"{k}: {v}" for k, v in headers.items())]
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
     return sock
+
+
+def _silent_session(host: str, port: int, limit: float = 30.0) -> socket.socket | None:
+    """A silent client holding the slot: it reads its handshake's answer up to `session.created` (retrying while the
+    last session's slot is still being freed: a 1013), then never reads again."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        sock = _silent_socket(host, port, "/v1/realtime?model=llama", {})
+        seen = b""
+        with contextlib.suppress(OSError):
+            while b"session.created" not in seen and b"server_overloaded" not in seen:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                seen += chunk
+        if b"session.created" in seen:
+            return sock
+        sock.close()
+        time.sleep(0.5)
+    return None
 
 
 def _send_all(sock: socket.socket, frames: list[bytes]) -> None:
@@ -260,8 +291,10 @@ async def silent_client(url: str, host: str, port: int) -> float | None:
     from websockets.asyncio.client import connect
 
     ws_url = url.replace("http", "ws") + "/v1/realtime?model=llama"
-    await (await _session(connect, ws_url)).close()  # the slot is free
-    silent = _silent_socket(host, port, "/v1/realtime?model=llama", {})
+    await (await _session(connect, ws_url)).close()  # the slot is free (once the server has seen the close)
+    silent = await asyncio.to_thread(_silent_session, host, port)
+    if silent is None:
+        return None
     text = "z" * 1_000_000
     frame = _text_frame(json.dumps({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
@@ -286,15 +319,9 @@ async def silent_client(url: str, host: str, port: int) -> float | None:
 
 
 async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
-    held = os.environ.get("MSTAR_REALTIME_MAX_SESSIONS")
-    os.environ["MSTAR_REALTIME_MAX_SESSIONS"] = "1"  # one slot: a silent client holding it shows at once
-    try:
-        server = Server("stress-media", [], models=("llama", "qwen3-omni"))
-    finally:
-        if held is None:
-            os.environ.pop("MSTAR_REALTIME_MAX_SESSIONS")
-        else:
-            os.environ["MSTAR_REALTIME_MAX_SESSIONS"] = held
+    # one slot: a silent client holding it shows at once; the server logs each stall of its loop past 50 ms
+    server = Server("stress-media", [], models=("llama", "qwen3-omni"),
+                    env={"MSTAR_REALTIME_MAX_SESSIONS": "1", LOOP_WATCH: STALL_MS})
     out: dict[str, Any] = {}
     try:
         await server.wait_ready(start_timeout)
@@ -313,27 +340,35 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
             await _post(client, "/v1/chat/completions", _video_chat(await asyncio.to_thread(_mp4, small)))
             await warm_realtime(server.url)
             rss_before = rss_mb(server.proc.pid)
-            stop, worst, healthy = asyncio.Event(), [], []
-            background = [asyncio.ensure_future(_health(client, stop, worst)),
-                          asyncio.ensure_future(_healthy(client, stop, healthy))]
+            stop, healthy = asyncio.Event(), []
+            probe = HealthProbe("127.0.0.1", server.port)  # /health from a process of its own
+            background = [asyncio.ensure_future(_healthy(client, stop, healthy))]
+            base0 = time.monotonic()
             await asyncio.sleep(3)  # the healthy loop alone first: what /health takes on this box without the stress
-            out["baseline_health_max_s"] = _worst_between(worst, 0, time.monotonic())
-            t0 = time.monotonic()
+            base1 = t0 = time.monotonic()
+            logged0 = len(server.output())
             replies = {}
-            for name, route, body in stresses:  # [status, seconds, slowest /health meanwhile]
-                t = time.monotonic()
-                replies[name] = [await _post(client, route, body), round(time.monotonic() - t, 2)]
-                replies[name].append(_worst_between(worst, t, time.monotonic()))
-                replies[name].append(rss_mb(server.proc.pid))
-            realtime = await realtime_stresses(server.url, worst, server.proc.pid)
+            for name, route, body in stresses:
+                t, logged = time.monotonic(), len(server.output())
+                status = await _post(client, route, body)
+                replies[name] = {"status": status, "s": round(time.monotonic() - t, 2), "window": (t, time.monotonic()),
+                                 "rss_mb": rss_mb(server.proc.pid), "loop_stalls": stalls_since(server, logged)}
+            realtime = await realtime_stresses(server)
             await asyncio.sleep(2)  # healthy traffic after the stress too
+            t1 = time.monotonic()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
+            worst = await asyncio.to_thread(probe.stop)
+            out["baseline_health_max_s"] = _worst_between(worst, base0, base1)
+            for r in (*replies.values(), *realtime.values()):
+                r["health_max_s"] = _worst_between(worst, *r.pop("window"))
             await asyncio.sleep(3)
             rss_after = rss_mb(server.proc.pid)
+            stalls = server.loop_stalls(logged0)
             out.update(
-                media_stress_health_max_s=round(max(s for _, s in worst), 3) if worst else None,
-                media_stress_5xx=sum(1 for code, *_ in replies.values() if code >= 500 or code == 0)
+                **stall_figures(stalls, "media"),
+                media_stress_health_max_s=_worst_between(worst, t0, t1),
+                media_stress_5xx=sum(1 for r in replies.values() if r["status"] >= 500 or r["status"] == 0)
                 + sum(1 for code in healthy if code >= 500) + sum(1 for r in realtime.values() if not r["clean"]),
                 media_healthy_failed=sum(1 for code in healthy if code != 200),
                 media_healthy_total=len(healthy),
@@ -350,5 +385,23 @@ async def media_stress(start_timeout: float = 300.0) -> dict[str, Any]:
     return out
 
 
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    if not args.media_only:
+        out["grammar"] = await grammar_stress(args.start_timeout)
+    out["media"] = await media_stress(args.start_timeout)
+    out["load_after"] = os.getloadavg()[0]
+    summary = {key: value for part in ("grammar", "media") for key, value in out.get(part, {}).items()
+               if key.endswith(("health_max_s", "_max_ms", "_5xx", "freed_s", "exit_s", "growth_mb"))}
+    for part, stresses in (("media", out.get("media", {}).get("stresses", {})),
+                           ("realtime", out.get("media", {}).get("realtime", {}))):
+        summary[f"{part}_health_max_s_by_stress"] = {name: r.get("health_max_s") for name, r in stresses.items()}
+    return {**out, "summary": summary}
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(media_stress()), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the stresses as they are (they are sized for ~3 min)")
+    parser.add_argument("--media-only", action="store_true", help="skip the grammar stress (chaos_grammar.py)")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    print(json.dumps(asyncio.run(_main(parser.parse_args())), indent=1))

@@ -145,6 +145,21 @@ def test_a_full_server_refuses_with_try_again_later(rt_server):
     assert created["type"] == "session.created"
 
 
+def test_connections_at_once_never_pass_the_session_limit(rt_server):
+    """Twelve connections at once against a limit of 4: at most 4 sessions are created (nothing is awaited between
+    a connection's count check and its session taking the place; a thread hop there once let all of them in)."""
+    async def go():
+        conns = await asyncio.gather(*(_connect(rt_server) for _ in range(12)))
+        firsts = await asyncio.gather(*(_next(ws) for ws in conns))
+        for ws in conns:
+            await ws.close()
+        return [ev["type"] for ev in firsts], [ev.get("error", {}).get("code") for ev in firsts]
+
+    kinds, codes = asyncio.run(go())
+    assert 1 <= kinds.count("session.created") <= 4, kinds
+    assert codes.count("server_overloaded") == 12 - kinds.count("session.created"), codes
+
+
 def test_a_dropped_connection_frees_its_response(rt_server):
     async def go():
         ws = await _connect(rt_server)

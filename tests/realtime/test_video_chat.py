@@ -79,3 +79,44 @@ def test_realtime_items_with_an_image_and_a_video(rt_server):
     assert r1.status in ("completed", "incomplete") and r2.status in ("completed", "incomplete")
     assert r1.usage.input_tokens > r0.usage.input_tokens + 6 and r2.usage.input_tokens > r1.usage.input_tokens + 14
     assert bad.type == "error" and bad.error.param == "item.content[0]"
+
+
+def test_a_truncated_mp4_is_a_400_in_chat_and_an_error_event_in_realtime(rt_server):
+    """Issue 50, item 3: a cut-off MP4 (its header whole, its frames missing) was a 500 in chat (`'NoneType' object
+    has no attribute 'width'`) and closed a realtime session with 1000 and no error event."""
+    import asyncio
+
+    import openai
+
+    from tests.realtime.helpers import client, until
+    from tests.server.helpers import API_KEY
+
+    frames = np.random.default_rng(3).integers(0, 256, (20, 64, 96, 3), dtype=np.uint8)
+    whole = _mp4(frames)
+    cuts = ["data:video/mp4;base64," + base64.b64encode(whole[: int(len(whole) * keep)]).decode()
+            for keep in (0.3, 0.6, 0.9)]
+    c = openai.OpenAI(base_url=rt_server.url + "/v1", api_key=API_KEY)
+    for url in cuts:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="qwen3-omni", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}]}])
+        assert err.value.body["param"] == "messages[0].content[0].video_url", err.value.body
+
+    async def go():
+        errors = []
+        async with client(rt_server).realtime.connect(model="qwen3-omni") as conn:
+            await conn.recv()
+            for url in cuts:
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_video", "video_url": url}]})
+                errors.append(await conn.recv())
+            # the session goes on: the next item is taken
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "still here?"}]})
+            added = await until(conn, "conversation.item.added")
+        return errors, added
+
+    errors, added = asyncio.run(go())
+    assert [e.type for e in errors] == ["error"] * len(cuts), errors
+    assert all(e.error.param == "item.content[0]" for e in errors), errors
+    assert added.item.content[0].text == "still here?"

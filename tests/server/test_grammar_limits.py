@@ -84,6 +84,14 @@ def test_deep_schemas_and_patterns_are_400s_naming_the_field_on_every_route(llam
         assert field in error["message"] and ("nests" in error["message"]), (route, error)
 
 
+@pytest.mark.parametrize("fmt", ["json_schema", ["json_schema"]])
+def test_responses_text_format_that_is_not_an_object_is_a_400(llama, fmt):
+    """Issue 50: `text.format` given as a string was ignored with a 200."""
+    r = _post(llama, "/v1/responses", {"model": "llama", "input": "Hi", "max_output_tokens": 4,
+                                       "text": {"format": fmt}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
 def test_a_compile_past_its_budget_is_killed_and_the_next_is_prompt(llama):
     route, body, _ = _bodies(_slow(1200))[0]
     t0 = time.monotonic()

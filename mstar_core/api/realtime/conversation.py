@@ -218,9 +218,10 @@ class Conversation:
             at = self.items.index(self.find(previous_item_id, "previous_item_id")) + 1
         self.items.insert(at, item)
         self._bound()
-        if item not in self.items:
+        # found by identity: comparing items by value would compare their fields (decoded media included)
+        at = next((k for k, kept in enumerate(self.items) if kept is item), None)
+        if at is None:
             return None
-        at = self.items.index(item)
         return self.items[at - 1].id if at else None
 
     def delete(self, item_id: Any) -> None:

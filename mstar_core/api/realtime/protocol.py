@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from mstar_core.api.http.pieces import b64decode_pieces
+
 _counter = itertools.count()
 
 
@@ -50,7 +52,7 @@ def decode_pcm16(data: Any, where: str, max_bytes: int) -> np.ndarray:
         raise EventError(f"'{where}' carries about {len(data) * 3 // 4} bytes; one event takes at most {max_bytes}",
                          param=where, code="audio_too_large")
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = b64decode_pieces(data, validate=True)  # in pieces: a large append is decoded in a thread
     except (binascii.Error, ValueError):
         raise EventError(f"'{where}' is not valid base64", param=where, code="invalid_base64") from None
     if len(raw) % 2:

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from mstar_core.api.http.bodies import json_bytes
+from mstar_core.api.http.off_loop import LARGE_BYTES, release_freed_memory
 from mstar_core.api.realtime import config as cfg
 from mstar_core.api.realtime.bridge import ModelBridge
 from mstar_core.api.realtime.conversation import Conversation, Item, item_from_client
@@ -33,11 +34,16 @@ class Outgoing:
     size: int = 0  # bytes of its JSON, counted against max_queued_bytes while it waits
 
 
+#: A closing session whose conversation held this much (decoded media, audio) has malloc hand it back.
+TRIM_AFTER_BYTES = 16 << 20
+
+
 class RealtimeSession:
     """State and event handlers; the route runs its receive loop and `sender`."""
 
     def __init__(self, state: Any, bridge: ModelBridge, limits: RealtimeLimits,
-                 send: Callable[[dict[str, Any]], Awaitable[None]]):
+                 send: Callable[[dict[str, Any]], Awaitable[None]], *, detector: bool = True):
+        """`detector=False` leaves the turn detector to `make_detector` (the route makes it off the loop)."""
         self.state, self.bridge, self.limits, self._send = state, bridge, limits, send
         self.id, self.conversation_id = new_id("sess"), new_id("conv")
         self.config = cfg.SessionConfig(bridge.model, output_modalities=bridge.default_modalities,
@@ -59,7 +65,12 @@ class RealtimeSession:
         self.responses_done = 0
         self.last_response: ResponseRun | None = None
         self.stopped = asyncio.Event()  # set when the client stopped reading
-        self._reset_vad()
+        if detector:
+            self._reset_vad()
+
+    async def make_detector(self) -> None:
+        """The session's turn detector, made in the off-loop pool: it copies the VAD model (tens of ms)."""
+        await asyncio.to_thread(self._reset_vad)
 
     # -- sending ------------------------------------------------------------------------------------------
 
@@ -125,6 +136,10 @@ class RealtimeSession:
         for task in list(self.tasks):
             task.cancel()
         self.buffer = np.zeros(0, dtype=np.int16)
+        held = self.conversation.nbytes
+        self.conversation.items.clear()
+        if held >= TRIM_AFTER_BYTES:  # decoded media freed at once: back to the kernel, not kept by malloc
+            asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
 
     # -- dispatch -----------------------------------------------------------------------------------------
 
@@ -145,7 +160,7 @@ class RealtimeSession:
         self.config = await asyncio.to_thread(cfg.update_session, self.config, ev["session"],
                                               speaks=self.bridge.speaks, voices=self.bridge.voices,
                                               voice_locked=self.voice_locked)
-        self._reset_vad()
+        await self.make_detector()
         await self.emit(event("session.updated", session=self.session_json()))
 
     def _reset_vad(self) -> None:
@@ -164,7 +179,11 @@ class RealtimeSession:
 
     async def on_append(self, ev: Mapping[str, Any]) -> None:
         max_bytes = int(self.limits.max_buffer_seconds * RATE * 2)
-        pcm = decode_pcm16(ev.get("audio"), "audio", self.limits.max_event_bytes)
+        audio = ev.get("audio")
+        # megabytes of base64 (minutes of audio) are decoded in the off-loop pool, piece by piece
+        pcm = (await asyncio.to_thread(decode_pcm16, audio, "audio", self.limits.max_event_bytes)
+               if isinstance(audio, str) and len(audio) >= LARGE_BYTES
+               else decode_pcm16(audio, "audio", self.limits.max_event_bytes))
         if (self.buffer.size + pcm.size) > self.limits.max_buffer_seconds * RATE:
             raise EventError(f"the input audio buffer would hold more than {self.limits.max_buffer_seconds:g} s "
                              f"({max_bytes} bytes); commit or clear it first", param="audio",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import attrs
@@ -76,18 +77,29 @@ class SileroScorer:
 _silero_model: object | None = None
 
 
+_silero_lock = threading.Lock()
+
+
 def silero_model() -> object | None:
     """The packaged Silero model (loaded once, offline), or None when `silero-vad` is not installed or fails."""
     global _silero_model
     if _silero_model is None:
-        try:
-            from silero_vad import load_silero_vad
+        with _silero_lock:  # loaded in a thread (`silero_pending`) while another may ask for it
+            if _silero_model is None:
+                try:
+                    from silero_vad import load_silero_vad
 
-            _silero_model = load_silero_vad()
-        except Exception as exc:  # not installed, or a torch it cannot load under: the energy detector serves
-            log.info("silero-vad unavailable (%s: %s); using the energy detector", type(exc).__name__, exc)
-            _silero_model = False
+                    _silero_model = load_silero_vad()
+                except Exception as exc:  # not installed, or a torch it cannot load under: the energy detector
+                    log.info("silero-vad unavailable (%s: %s); using the energy detector", type(exc).__name__, exc)
+                    _silero_model = False
     return _silero_model or None
+
+
+def silero_pending() -> bool:
+    """Whether the Silero model is wanted and not loaded yet: its first load takes a second or more (importing and
+    scripting it), so a caller on the event loop loads it in a thread first (`asyncio.to_thread(silero_model)`)."""
+    return _silero_model is None and os.environ.get("MSTAR_REALTIME_VAD", "auto").strip().lower() != "energy"
 
 
 def make_scorer(threshold: float) -> EnergyScorer | SileroScorer:

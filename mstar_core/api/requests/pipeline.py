@@ -107,7 +107,10 @@ async def chat_request(state: Any, adapter: Any, model: str, payload: dict[str, 
     `call` runs the hook (default `adapter_call`: a rejection is a 400 naming the adapter)."""
     payload["grammar"] = await request_grammar(adapter, model, response_format, format_param, tools)
     if tools is not None:
-        payload["messages"] = tools.messages(payload["messages"])
+        # offered tools are written into the system prompt as JSON (megabytes for a large description): off the loop
+        offered = tools.active and bool(tools.tools)
+        payload["messages"] = (await asyncio.to_thread(tools.messages, payload["messages"]) if offered
+                               else tools.messages(payload["messages"]))
     if turns is None:
         turns = await decode_messages(adapter, model, payload["messages"],
                                       state.media_limits[(state.base_model(model), "chat")])

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from mstar_core.api.http.errors import ApiError, from_request_error
+from mstar_core.api.http.pieces import json_text
 from mstar_core.api.requests.tool_parser import ToolCallStream
 from mstar_core.errors import RequestError
 from mstar_core.grammar.check import check_json_schema
@@ -122,7 +123,8 @@ def tool_format(adapter: Any) -> str:
 
 def system_prompt(tools: list[Tool], fmt: str) -> str:
     """The tools as the family's system-prompt section (what Qwen's and Llama 3's own templates write)."""
-    specs = "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
+    # a description of megabytes is written a piece at a time (this runs in the off-loop pool: see json_text)
+    specs = "\n".join(json_text(t.openai()) for t in tools)
     if fmt == "llama3_json":
         return ("You have access to the following functions. To call a function, respond with JSON of the form "
                 '{"name": function name, "parameters": dictionary of argument name and its value}, and nothing '

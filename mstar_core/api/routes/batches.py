@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import Query, Request
 from pydantic import BaseModel, ConfigDict
 
 from mstar_core.api.batch import batch_service, owner_of
@@ -22,9 +22,10 @@ from mstar_core.api.batch.jobs import COMPLETION_WINDOWS
 from mstar_core.api.batch.lines import BATCH_ENDPOINTS
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.requests.schemas import ERROR_RESPONSES
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 #: OpenAI's bounds on a batch's metadata.
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 

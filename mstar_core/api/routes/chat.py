@@ -3,17 +3,18 @@ streaming); `n` choices; a spoken reply (`message.audio`, `delta.audio`) from mo
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
+from mstar_core.api.http.off_loop import off_loop_when
 from mstar_core.api.requests import choices as ch
 from mstar_core.api.requests.chat_adapter import ROUTE_FIELDS
 from mstar_core.api.requests.chat_audio import AudioReply, check_audio_request
@@ -24,7 +25,7 @@ from mstar_core.api.requests.pipeline import chat_request, check_stops, sampling
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, ChatCompletion, ChatRequest
 from mstar_core.api.requests.submit import sse, unless_disconnected
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 
 @router.post(
@@ -40,8 +41,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     adapter = state.adapter(body.model, "chat")
     audio = check_audio_request(adapter, body.model, body)
     # schema and tool checks walk what the client sent (a few hundred KB): off the loop, as everything that scales
-    grammar = await asyncio.to_thread(response_format_grammar,
-                                      None if body.response_format is None else body.response_format.model_dump())
+    grammar = await off_loop_when(body.response_format is not None, response_format_grammar,
+                                  None if body.response_format is None else body.response_format.model_dump())
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     ch.check_n(state, body.n)
@@ -50,7 +51,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     payload["max_tokens"] = max_tokens
     payload["audio"] = audio  # {voice, format} (the voice's custom-object form read) or None
-    calling = await asyncio.to_thread(ChatTools.from_body, body, adapter, grammar)
+    calling = await off_loop_when(getattr(body, "tools", None) is not None, ChatTools.from_body, body, adapter, grammar)
     # a client gone while its grammar compiles (or its media decode) stops that work
     inputs = await unless_disconnected(request, chat_request(state, adapter, body.model, payload, tools=calling,
                                                              response_format=grammar))

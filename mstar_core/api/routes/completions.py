@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
+from mstar_core.api.http.off_loop import off_loop_when
 from mstar_core.api.requests import choices as ch
 from mstar_core.api.requests.chat_adapter import ROUTE_FIELDS
 from mstar_core.api.requests.formats import response_format_grammar
@@ -20,7 +21,7 @@ from mstar_core.api.requests.pipeline import check_stops, completion_requests, s
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, Completion, CompletionRequest
 from mstar_core.api.requests.submit import sse, unless_disconnected
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 #: Prompts in one request (each gets its own `n` choices).
 MAX_PROMPTS = 64
@@ -69,8 +70,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     stops = check_stops(body.stop)
     prompts = split_prompts(body.prompt)
     payload = sampling_payload(body, ROUTE_FIELDS["completions"])
-    grammar = await asyncio.to_thread(response_format_grammar,  # the schema's walk: off the loop
-                                      None if body.response_format is None else body.response_format.model_dump())
+    grammar = await off_loop_when(body.response_format is not None, response_format_grammar,  # the schema's walk
+                                  None if body.response_format is None else body.response_format.model_dump())
     inputs = await unless_disconnected(request, completion_requests(adapter, body.model, payload, prompts, grammar))
     started = time.perf_counter()
     try:

@@ -11,11 +11,12 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from mstar_core.api.http.errors import ApiError, from_request_error
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import check_image_bytes
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.choices import forks_choices
@@ -29,7 +30,7 @@ from mstar_core.api.requests.submit import adapter_call, map_result, result_or_d
 from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields, choice_seed
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES,
              summary="Generate images (OpenAI-compatible)")

@@ -8,15 +8,16 @@ a request still runs under a 409.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mstar_core.api.http.errors import ApiError, from_request_error
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.requests.schemas import ERROR_RESPONSES
 from mstar_core.errors import ConfigError, RequestError
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 
 class LoadLoraAdapter(BaseModel):

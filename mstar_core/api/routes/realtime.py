@@ -25,6 +25,7 @@ from mstar_core.api.realtime.closing import close_bounded
 from mstar_core.api.realtime.limits import RealtimeLimits
 from mstar_core.api.realtime.protocol import ClientTooSlow, EventError, error_event
 from mstar_core.api.realtime.session import RealtimeSession
+from mstar_core.api.realtime.vad import silero_model, silero_pending
 from mstar_core.errors import RequestError
 
 log = logging.getLogger("mstar.api.realtime")
@@ -86,6 +87,8 @@ async def realtime_socket(ws: WebSocket) -> None:
     except EventError as exc:
         await _refuse(ws, 1008, exc.message, exc.code or "model_not_supported", "model")
         return
+    if silero_pending():  # the first session's turn detector: its model loads off the loop (before the checks
+        await asyncio.to_thread(silero_model)  # below: nothing is awaited between a place taken and its session)
     sessions = _sessions(state)
     if len(sessions) >= limits.max_sessions:
         await _refuse(ws, 1013, f"the server holds its limit of {limits.max_sessions} realtime sessions; retry later",
@@ -100,13 +103,14 @@ async def realtime_socket(ws: WebSocket) -> None:
     async def send(payload: dict[str, Any]) -> None:
         await ws.send_text(orjson.dumps(payload).decode())
 
-    session = RealtimeSession(state, bridge, limits, send)
+    session = RealtimeSession(state, bridge, limits, send, detector=False)  # its detector: below, off the loop
     sessions.add(session)
     sender = asyncio.ensure_future(session.sender())
     # its failure is read by the receive loop when it ends the session; one that comes after (a write cut short
     # as the client leaves, even once cancelled) is not news: read here, so asyncio does not log it as unretrieved
     sender.add_done_callback(lambda task: task.cancelled() or task.exception())
     try:
+        await session.make_detector()
         await session.start()
         await _receive_loop(ws, session, sender, limits)
     except ClientTooSlow as exc:

@@ -11,16 +11,17 @@ holds those pages and prefills only what follows them. Stored responses live in 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
+from mstar_core.api.http.off_loop import off_loop_when
 from mstar_core.api.requests import choices as ch
 from mstar_core.api.requests.chat_tools import ChatTools
 from mstar_core.api.requests.formats import response_format_grammar
@@ -37,7 +38,7 @@ from mstar_core.api.requests.response_store import store_of
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, ResponsesRequest
 from mstar_core.api.requests.submit import unless_disconnected
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 #: Fields the route takes; others a client may send are refused by name when set (not silently ignored).
 _UNSUPPORTED = ("background", "reasoning", "include", "prompt", "conversation", "service_tier")
 
@@ -71,8 +72,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     conversation = history + input_messages(body.input)
     prompt = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     # schema and tool checks walk what the client sent (a few hundred KB): off the loop
-    grammar = await asyncio.to_thread(response_format_grammar, text_format(body.text), where="text.format")
-    tools = await asyncio.to_thread(ChatTools.from_body, body, adapter, grammar, flat=True)
+    fmt = text_format(body.text)
+    grammar = await off_loop_when(fmt is not None, response_format_grammar, fmt, where="text.format")
+    tools = await off_loop_when(body.tools is not None, ChatTools.from_body, body, adapter, grammar, flat=True)
     sampling = sampling_fields({"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                                 "max_output_tokens": body.max_output_tokens}, {"max_output_tokens": "max_tokens"})
     payload: dict[str, Any] = {"model": body.model, "messages": prompt, **sampling}

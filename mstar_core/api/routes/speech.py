@@ -6,11 +6,12 @@ import base64
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from mstar_core.api.http.bodies import CutOnErrorStreamingResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media.audio import MEDIA_TYPES, AudioEncoder
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, SpeechRequest
@@ -25,7 +26,7 @@ from mstar_core.api.requests.submit import (
 from mstar_core.api.requests.voices import caller_scope, is_voice_id
 from mstar_core.sampling import check_fields
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 @router.post(
     "/v1/audio/speech",

@@ -13,17 +13,18 @@ import json
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from mstar_core.api.http.errors import ApiError, from_request_error
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import check_image_bytes
 from mstar_core.api.requests.adapters import api_named
 from mstar_core.api.requests.submit import adapter_call, submit
 from mstar_core.api.requests.video_jobs import follow_video_job, owner_of
 from mstar_core.errors import RequestError
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 
 SIZE = re.compile(r"^\s*(\d{1,5})\s*x\s*(\d{1,5})\s*$")
 MAX_SECONDS = 60

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi import Form, Request, UploadFile
 from fastapi.responses import Response
 
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.media.upload import decode_upload
 from mstar_core.api.requests.schemas import ERROR_RESPONSES
@@ -25,7 +26,7 @@ from mstar_core.api.requests.voices import (
     caller_scope,
 )
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 _YES = {"true", "yes", "1", "on"}
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mstar_core.api.http.bodies import OrjsonResponse, json_bytes
 from mstar_core.api.http.errors import ApiError
+from mstar_core.api.http.json_bodies import json_router
 from mstar_core.api.media.tensors import decode_inputs, encode_value
 from mstar_core.api.requests.schemas import ERROR_RESPONSES, WalkRequest
 from mstar_core.api.requests.submit import (
@@ -21,7 +22,7 @@ from mstar_core.api.requests.submit import (
 from mstar_core.errors import RequestError
 from mstar_core.sampling import check_fields
 
-router = APIRouter()
+router = json_router()  # large JSON bodies parsed off the event loop
 WALKS_PATH = "/v1/walks/{model}"
 
 def _line(obj: Any) -> bytes:

@@ -19,6 +19,7 @@ from mstar_core.api.batch import BatchLimits, BatchService
 from mstar_core.api.batch import service as batch_defaults
 from mstar_core.api.http.bodies import OrjsonResponse
 from mstar_core.api.http.errors import ApiError, install_error_handlers, retry_after
+from mstar_core.api.http.off_loop import install_pool
 from mstar_core.api.media import MediaLimits
 from mstar_core.api.requests.adapters import ApiAdapter, describe_routes, validate_adapter, with_defaults
 from mstar_core.api.requests.chat_adapter import TokenizerChatAdapter
@@ -43,6 +44,7 @@ from mstar_core.api.routes import (
     walks,
 )
 from mstar_core.api.server import playground
+from mstar_core.api.server.loop_watch import LoopWatch
 from mstar_core.api.server.metrics import Metrics
 from mstar_core.api.server.middleware import GuardMiddleware
 from mstar_core.api.server.plugin_routes import include_plugin_routes
@@ -276,13 +278,19 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any], *, on_re
                 log.exception("loading models failed")
                 if on_error is not None:
                     on_error(state.load_error)
+        # the off-loop pool, its threads started before any request (a thread started on demand holds the loop)
+        off_loop = install_pool(asyncio.get_running_loop())
         loader = asyncio.ensure_future(load())
+        watch = LoopWatch.from_env()  # what holds the loop, when the operator asks (MSTAR_LOOP_WATCH_MS)
         try:
             yield
         finally:
+            if watch is not None:
+                watch.stop()
             loader.cancel()
             await app.state.batch.runner.close()  # (before the engine: a running line stops as its client left)
             await state.close()
+            off_loop.shutdown(wait=False)  # its threads end once idle (uvicorn's asyncio.run joins them)
 
     app = FastAPI(title="M*", version=_version(), default_response_class=OrjsonResponse, lifespan=lifespan,
                   description="OpenAI-compatible serving of composite multimodal models (Walk Graphs).")

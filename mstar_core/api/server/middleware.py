@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from mstar_core.api.http.errors import error_body
+from mstar_core.api.http.json_bodies import BODY_KEY
 
 #: Routes that answer without the API key.
 #: Paths answered without the API key: health probes, and the playground's page and files (they hold no data;
@@ -55,6 +56,7 @@ class GuardMiddleware:
                                  {"connection": "close"})
                     return
                 receive = _replay(body, receive)
+                scope[BODY_KEY] = body  # read once: the route's parser takes it from here, without another copy
             await self.app(scope, receive, send_tracking)
         finally:
             metrics = self.state.metrics
