@@ -42,12 +42,13 @@ TEXT, EVERY, SHARE = 0, 1, 2
 #: TEXT and EVERY hold this on their rows (the embedding's own scale, so the norms barely change).
 LEVEL = 0.2
 #: The share head's value is TEXT - SHARE_COST * EVERY (image rows' EVERY is smaller after the norm: their other
-#: channels are wider): its mean over the sequence crosses zero some 25 characters after the default prompt.
-SHARE_COST = 0.875
+#: channels are wider): its mean over the sequence crosses zero some 12 characters after the default prompt.
+SHARE_COST = 0.82
 #: The share head's output is scaled up by this, so it stands out of the layers' output.
 SHARE_GAIN = 10.0
-#: <eos>'s row reads SHARE with this weight: about 2 logits a character near the crossing, so greedy and sampled
-#: captions end 25 to 35 characters in (its embedding is tied: a row as input only if a prompt held <eos>).
+#: <eos>'s row reads SHARE with this weight: a few logits a character near the crossing, so greedy and sampled
+#: captions end 12 to 16 characters in, under the default `max_tokens` of 32 (its embedding is tied: a row as
+#: input only if a prompt held <eos>).
 END_WEIGHT = 500.0
 
 
