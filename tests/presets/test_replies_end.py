@@ -92,3 +92,24 @@ def test_every_seed_ends_by_itself_within_a_few_dozen(name, preset_cache):
     bad = {seed: reply for seed, reply in zip(SEEDS, replies, strict=True)
            if reply[1] != "stop" or not case.least <= reply[0] <= case.most}
     assert not bad, f"{name}: (tokens, finish reason) by seed, want 'stop' within {case.least}..{case.most}: {bad}"
+
+
+#: `ignore_eos` still runs a reply to its limit: the end each preset's weights carry stays within the -100 bias that
+#: holds the end token off (llama, orpheus and qwen3-tts bias it; their end logits are bounded by the final norm)
+IGNORING = {
+    "llama": (Case("llama", "tiny", lambda s: {"messages": CHAT, "seed": s, "max_tokens": 40, "ignore_eos": True}, 40,
+                   least=40), "length"),
+    "orpheus": (Case("orpheus", "tiny", lambda s: {"text": "Hi.", "voice": "tara", "seed": s, "max_tokens": 350,
+                                                   "ignore_eos": True}, 350, least=350), "length"),
+    # 48 frames: the last code 0's slot has no frame of codes
+    "qwen3-tts": (Case("qwen3-tts", "tiny", lambda s: {"input": "Hello there.", "voice": "ryan", "seed": s,
+                                                      "max_frames": 48, "ignore_eos": True}, 47, least=47,
+                       counted="codes", finish="talker_finish"), "length"),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", *(pytest.param(n, marks=pytest.mark.slow) for n in ("orpheus", "qwen3-tts"))])
+def test_ignore_eos_runs_to_the_limit(name, preset_cache):
+    case, finish = IGNORING[name]
+    replies = asyncio.run(asyncio.wait_for(_replies(case), 300))
+    assert all(reply == (case.most, finish) for reply in replies), replies
