@@ -40,13 +40,15 @@ LAYER_STD = 0.15
 END_CHANNEL = 0
 #: Every token's embedding holds END_LEVEL in the channel (about the embedding's own scale, so the layers' norms barely
 #: notice it); <|im_end|>'s row holds END_WEIGHT there. After the final norm the channel is about END_LEVEL / 2.5 (the
-#: layers' output dominates the residual), so <|im_end|>'s logit gains END_WEIGHT * that * FINAL_NORM_SCALE, about
-#: 5: at the top of the others by about 2, so a greedy reply ends after one token and a sampled one (temperature 1)
-#: after 2 to 16, where random weights made <|im_end|> one token among 431 and replies ran to their limit.
+#: layers' output dominates the residual), so <|im_end|>'s logit gains about END_WEIGHT * that * FINAL_NORM_SCALE:
+#: at the top of the others, so a greedy reply ends after one token and a sampled one (temperature 1) after 2 to
+#: 36, where random weights made <|im_end|> one token among 431 and replies ran to their limit.
 END_LEVEL = 0.05
-END_WEIGHT = 130.0
+END_WEIGHT = 180.0
 #: The final norm's weight: logits twice as sharp as a unit norm gives, so temperature 1 samples near the top.
 FINAL_NORM_SCALE = 2.0
+#: The first layer's MLP unit that resets the channel after <|im_end|> (see `end_replies_by_themselves`).
+END_RESET_UNIT = 0
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello! How can I help you today? I am a tiny language model with random weights.",
@@ -92,6 +94,17 @@ def end_replies_by_themselves(model: LlamaForCausalLM, tokenizer: Any) -> None:
             layer.self_attn.o_proj.weight[END_CHANNEL, :] = 0.0
             layer.mlp.gate_up_proj.weight[:, END_CHANNEL] = 0.0
             layer.mlp.down_proj.weight[END_CHANNEL, :] = 0.0
+        # The tied row makes <|im_end|>'s own embedding END_WEIGHT in the channel, which would make it its own
+        # successor forever when a request ignores the end (`ignore_eos`). One unit of the first MLP reads only the
+        # channel (gate and up): silu(x) * x is tiny at the other tokens (the channel is about 0.1 after the norm)
+        # and about 64 at <|im_end|> (the channel is all of the norm: 8); it writes the channel back, turning it
+        # negative there (as "\n" holds it), so the next token is a token again.
+        mlp = model.model.layers[0].mlp
+        unit, width = END_RESET_UNIT, mlp.down_proj.weight.shape[1]
+        mlp.gate_up_proj.weight[[unit, width + unit]] = 0.0
+        mlp.gate_up_proj.weight[[unit, width + unit], END_CHANNEL] = 1.0
+        mlp.down_proj.weight[:, unit] = 0.0
+        mlp.down_proj.weight[END_CHANNEL, unit] = -END_WEIGHT / 32  # about -2 END_WEIGHT at <|im_end|>
         model.model.norm.weight.fill_(FINAL_NORM_SCALE)
 
 
