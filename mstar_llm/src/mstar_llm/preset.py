@@ -42,9 +42,9 @@ END_CHANNEL = 0
 #: notice it); <|im_end|>'s row holds END_WEIGHT there. After the final norm the channel is about END_LEVEL / 2.5 (the
 #: layers' output dominates the residual), so <|im_end|>'s logit gains about END_WEIGHT * that * FINAL_NORM_SCALE:
 #: at the top of the others, so a greedy reply ends after one token and a sampled one (temperature 1) after 2 to
-#: 36, where random weights made <|im_end|> one token among 431 and replies ran to their limit.
+#: about 25, where random weights made <|im_end|> one token among 431 and replies ran to their limit.
 END_LEVEL = 0.05
-END_WEIGHT = 180.0
+END_WEIGHT = 260.0
 #: The final norm's weight: logits twice as sharp as a unit norm gives, so temperature 1 samples near the top.
 FINAL_NORM_SCALE = 2.0
 #: The first layer's MLP unit that resets the channel after <|im_end|> (see `end_replies_by_themselves`).
