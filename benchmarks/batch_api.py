@@ -33,7 +33,6 @@ import time
 import numpy as np
 import orjson
 
-
 #: every reply runs to its max_tokens with a content chunk per token: the tiny preset ends its replies by itself,
 #: and under ignore_eos alone would write <|im_end|> (id 2: no content) between its tokens
 RUN_TO_LENGTH = {"ignore_eos": True, "logit_bias": {"2": -100}}
