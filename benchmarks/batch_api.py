@@ -1,7 +1,8 @@
 """A live stream's inter-token latency while a Batch API job runs beside it, against the same stream alone.
 
 One `mstar serve llama` (the tiny preset) runs in a thread of this process. A live client streams chat
-completions one after another (`--tokens` tokens each, greedy, the reply running to its length) and records the
+completions one after another (`--tokens` tokens each, greedy, `RUN_TO_LENGTH`: the preset's replies end by
+themselves, these run to their length) and records the
 gaps between its content chunks, in three phases: alone, while a batch job runs (`/v1/files` +
 `/v1/batches`, `--lines` chat lines of `--batch-tokens` tokens, the server's `batch_concurrency` lines in
 flight at background priority), and alone again (the two alone phases pooled, so drift on a shared box counts
@@ -31,6 +32,10 @@ import time
 
 import numpy as np
 import orjson
+
+#: every reply runs to its max_tokens with a content chunk per token: the tiny preset ends its replies by itself,
+#: and under ignore_eos alone would write <|im_end|> (id 2: no content) between its tokens
+RUN_TO_LENGTH = {"ignore_eos": True, "logit_bias": {"2": -100}}
 
 
 class InProcessServer:
@@ -69,7 +74,7 @@ class InProcessServer:
 async def stream_gaps(client, tokens: int, k: int) -> list[float]:
     """One streamed chat completion; the gaps (s) between its content chunks."""
     body = {"model": "llama", "messages": [{"role": "user", "content": f"Live question number {k}."}],
-            "max_tokens": tokens, "stream": True}
+            "max_tokens": tokens, "stream": True, **RUN_TO_LENGTH}
     stamps: list[float] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
@@ -91,7 +96,7 @@ async def live_phase(client, streams: int, tokens: int) -> list[float]:
 async def start_batch(client, lines: int, tokens: int) -> str:
     rows = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "llama", "messages": [{"role": "user", "content": f"Batch question {i}."}],
-                      "max_tokens": tokens}} for i in range(lines)]
+                      "max_tokens": tokens, **RUN_TO_LENGTH}} for i in range(lines)]
     data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
     up = await client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("b.jsonl", io.BytesIO(data))})
     up.raise_for_status()

@@ -34,7 +34,7 @@ async def one(engine: AsyncEngine, seed: int, max_tokens: int) -> tuple[float, i
     started = time.perf_counter()
     first, tokens = None, 0
     async for out in engine.submit("orpheus", {"text": "The quick brown fox.", "voice": "tara", "seed": seed,
-                                               "max_tokens": max_tokens}):
+                                               "max_tokens": max_tokens, "ignore_eos": True}):
         if out.name == "audio":
             first = first or time.perf_counter() - started
         elif out.name == "next_token":

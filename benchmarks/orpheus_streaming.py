@@ -119,7 +119,8 @@ async def run_mstar(engine, lengths: list[int], rate: int, model: str = "orpheus
     """Submit one request per entry of `lengths` at once; TTFA = first non-empty audio chunk."""
     t0, c0 = time.perf_counter(), time.process_time()
     handles = [
-        engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i})
+        engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i,
+                                    "ignore_eos": True})
         for i, n in enumerate(lengths)
     ]
 
@@ -172,7 +173,8 @@ async def run_viability(engine, model: str, lengths: list[int], gap: float, wind
     async def one(i: int, n: int) -> dict:
         await asyncio.sleep(i * gap)
         submitted = (time.perf_counter(), time.process_time())
-        handle = engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i})
+        handle = engine.submit(model, {"text": TEXTS[i % len(TEXTS)], "voice": "tara", "max_tokens": n, "seed": i,
+                                    "ignore_eos": True})
         arrivals = []  # (wall, cpu) when each chunk arrived
         async for out in handle:
             if out.name == "audio":

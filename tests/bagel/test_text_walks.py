@@ -3,9 +3,9 @@ decode) and `think` (a greedy thought into `main`; the image over the three labe
 with <|vision_start|>, else the text alone).
 
 With random weights the thought's choice is arbitrary, so each branch is forced by a `logit_bias` on <|vision_start|>
-(259) or <|im_end|> (258), the same bias added in the reference; the values were read off the tiny preset
-(a red fox, with +2 on token 112: +1.6 on 259 -> six tokens, then the image opens; +1.45 on 258 -> three tokens,
-then <|im_end|>). The reference never picks the ids past the tokenizer (the tiny vocabulary is padded to 1024
+(259) or <|im_end|> (258), the same bias added in the reference; the values were read off the tiny preset, whose
+text ends by itself (a red fox: <|im_end|> after one token; with -100 on 258, +0.4 on 259 -> three tokens, then the
+image opens; with -100 on 258 alone the thought runs on). The reference never picks the ids past the tokenizer (the tiny vocabulary is padded to 1024
 rows), as the engine never samples them.
 """
 
@@ -71,7 +71,7 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
     und = {"task": "understand", "max_tokens": 6,
            "content": ["first", _image(0, 30, 44), "then", _image(1, 60, 28), "what is in the pictures?"]}
     think = {"task": "think", "prompt": "a red fox", "max_tokens": 8, "num_steps": 3, "seed": 4,
-             "logit_bias": {"112": 2.0, "259": 1.6}}
+             "logit_bias": {"258": -100, "259": 0.4}}
     loaded, (env_u, env_t), pages_left = _serve([und, think])
     assert pages_left == 0
     bagel, ids = loaded.extras["bagel"], loaded.extras["special_ids"]
@@ -91,7 +91,7 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
     prep = loaded.prepare_inputs(think)
     labels = _think_labels(loaded, prep)
     thought = reference.decode_greedy(bagel, labels["main"], [ids.bos], 8, (ids.eos, ids.boi),
-                                      {**_never(loaded), 112: 2.0, ids.boi: 1.6})
+                                      {**_never(loaded), ids.eos: -100, ids.boi: 0.4})
     assert len(thought) > 1 and thought[-1] == ids.boi  # a real thought, then the model opens an image
     assert [env_t["first_token"], *env_t["decoded"]] == thought and env_t["finish_reason"] == "stop"
     reference.prefill_text(bagel, labels["main"], [ids.eos])  # the opening <|vision_start|> is never fed; <|im_end|> closes
@@ -105,8 +105,8 @@ def test_understand_and_think_equal_dense_greedy_reference(calls):
 
 
 @pytest.mark.parametrize(("extra", "bias", "finish"), [
-    ({"max_tokens": 8, "logit_bias": {"112": 2.0, "258": 1.45}}, {112: 2.0, 258: 1.45}, "stop"),  # ends on <|im_end|>
-    ({"max_tokens": 5}, None, "length"),  # runs out of tokens before opening an image
+    ({"max_tokens": 8}, None, "stop"),  # ends on <|im_end|> (by itself: the preset's text ends)
+    ({"max_tokens": 5, "logit_bias": {"258": -100}}, {258: -100}, "length"),  # runs out before opening an image
 ])
 def test_think_that_opens_no_image_ends_with_the_text(calls, extra, bias, finish):
     req = {"task": "think", "prompt": "a red fox", "num_steps": 3, "seed": 4, **extra}

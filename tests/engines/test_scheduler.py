@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from mstar_kvcache.blocks import BlockManager
 from mstar_kvcache.pool import PagePool
 from mstar_kvcache.scheduler import Scheduler
@@ -73,3 +74,31 @@ def test_background_sequences_go_after_live_ones_in_small_chunks():
     _run(plan)
     small = Scheduler(BlockManager(pool), max_num_seqs=4, max_num_batched_tokens=64)
     assert small._victim([batch, live], set(), exclude=live) is batch
+
+
+def test_background_rows_take_turns_beside_live_work():
+    """Beside live work at most `background_step_rows` background sequences join a step (the oldest first; each
+    more row is compute in the live rows' step); alone, every background sequence runs."""
+    from mstar_core.runtime.engine import BACKGROUND_PRIORITY
+
+    pool = PagePool(64, 4, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=64, background_step_tokens=8,
+                      background_step_rows=2)
+    lines = [_seq(f"line{i}", 2, i, priority=BACKGROUND_PRIORITY) for i in range(4)]
+    live = _seq("live", 3, 9)
+    everyone = [*lines, live]
+    plan = sched.schedule(everyone, lambda: everyone)
+    assert [(s.request_id, n) for s, n in plan.work] == [("live", 3), ("line0", 2), ("line1", 2)]
+    _run(plan)
+    for seq in lines[:2]:
+        seq.tokens.append(7)  # each sampled a token: one to decode now
+    live.tokens.append(7)
+    plan = sched.schedule(everyone, lambda: everyone)  # two decode rows already hold pages: still two
+    assert [(s.request_id, n) for s, n in plan.work] == [("live", 1), ("line0", 1), ("line1", 1)]
+    _run(plan)
+    for seq in lines[:2]:
+        seq.tokens.append(7)
+    plan = sched.schedule(lines, lambda: everyone)  # no live work this step: every background line runs
+    assert [(s.request_id, n) for s, n in plan.work] == [("line0", 1), ("line1", 1), ("line2", 2), ("line3", 2)]
+    with pytest.raises(ValueError, match="background_step_rows"):
+        Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=64, background_step_rows=0)

@@ -31,8 +31,9 @@ def client(server):
 
 
 def _complete(client, model):
+    # <|im_end|> (2) held off: the tiny preset ends its replies by itself and would write it at every other step
     out = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+                                    logit_bias={"2": -100}, extra_body={"ignore_eos": True})
     return out.choices[0].text, out.model
 
 

@@ -17,14 +17,14 @@ from safetensors.torch import save_file
 
 from mstar_bagel.config import BagelConfig
 from mstar_bagel.modeling import Bagel
-from mstar_bagel.tokenizer import tiny_tokenizer
+from mstar_bagel.tokenizer import BOS, EOS, tiny_tokenizer
 from mstar_core.checkpoint import RuleMapping, build_and_load, open_checkpoint
 from mstar_core.checkpoint.presets import ensure_preset
 from mstar_core.errors import ConfigError
 from mstar_core.nn.flux_vae import FluxAutoEncoder
 from mstar_core.nn.siglip_navit import conv_to_linear
 
-PRESET_VERSION = 3
+PRESET_VERSION = 4  # 4: text replies end by themselves (`end_text_by_itself`)
 EMA, AE = "ema.safetensors", "ae.safetensors"
 
 TINY_LLM = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -104,18 +104,51 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=generator))
 
 
+#: The residual channel that carries "the text may end" (see `end_text_by_itself`).
+END_CHANNEL = 0
+#: Every token's embedding holds END_LEVEL there (the embedding's own scale); <|im_end|>'s LM-head row reads it
+#: with END_WEIGHT, which puts its logit near the top of the others: a greedy reply (BAGEL's default) ends after
+#: one token, a sampled one (temperature 1) after 2 to 26.
+END_LEVEL = 0.1
+END_WEIGHT = 40.0
+
+
+def end_text_by_itself(bagel: Bagel) -> None:
+    """Random weights make <|im_end|> one token among a thousand, so text replies (understanding, thinking) ran to
+    `max_tokens`. As the tiny Qwen3-Omni and Llama presets do: a constant channel of the residual stream that no
+    layer of either expert reads or writes (zero columns of the q/k/v and gate/up projections, zero rows of the
+    output projections), held at END_LEVEL by every token's embedding and at -END_LEVEL by <|im_start|> (which
+    opens a reply, so a reply has a first token); only <|im_end|>'s row of the LM head reads it."""
+    lm, tok = bagel.language_model, tiny_tokenizer()
+    with torch.no_grad():
+        lm.model.embed_tokens.weight[:, END_CHANNEL] = END_LEVEL
+        lm.model.embed_tokens.weight[tok.token_to_id(BOS), END_CHANNEL] = -END_LEVEL
+        for name, p in lm.model.layers.named_parameters():
+            if name.endswith(("qkv_proj.weight", "qkv_proj_moe_gen.weight", "gate_up_proj.weight")):
+                p[:, END_CHANNEL] = 0.0
+            elif name.endswith(("o_proj.weight", "o_proj_moe_gen.weight", "down_proj.weight")):
+                p[END_CHANNEL] = 0.0
+        head = lm.lm_head.weight
+        head[:, END_CHANNEL] = 0.0
+        head[tok.token_to_id(EOS)] = 0.0
+        head[tok.token_to_id(EOS), END_CHANNEL] = END_WEIGHT
+
+
 def write_tiny(directory: Path, seed: int = 0) -> Path:
-    return write_preset(directory, TINY_TOP, TINY_LLM, TINY_VIT, seed)
+    return write_preset(directory, TINY_TOP, TINY_LLM, TINY_VIT, seed, end_text=True)
 
 
-def write_preset(directory: Path, top: dict, llm: dict, vit: dict, seed: int = 0) -> Path:
-    """Seeded random weights of the given sizes, written in the published layout (presets, benchmarks)."""
+def write_preset(directory: Path, top: dict, llm: dict, vit: dict, seed: int = 0, end_text: bool = False) -> Path:
+    """Seeded random weights of the given sizes, written in the published layout (presets, benchmarks); with
+    `end_text`, text replies end by themselves (`end_text_by_itself`)."""
     directory = Path(directory)
     cfg = BagelConfig.from_dicts(top, llm, vit)
     generator = torch.Generator().manual_seed(seed)
     bagel, vae = Bagel(cfg), FluxAutoEncoder(cfg.vae)
     _randomize(bagel, generator)
     _randomize(vae, generator)
+    if end_text:
+        end_text_by_itself(bagel)
     for module, name in ((bagel, EMA), (vae, AE)):
         state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
         save_file(state, str(directory / name), metadata={"format": "pt"})

@@ -14,7 +14,7 @@ from mstar_core.errors import ConfigError
 from mstar_core.nn import LlamaForCausalLM
 from mstar_llm.chat import CHATML
 
-PRESET_VERSION = 2  # 2: layer weights drawn wider than the embedding (see write_tiny)
+PRESET_VERSION = 3  # 2: layer weights drawn wider than the embedding (see write_tiny); 3: replies end by themselves
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CONFIG: dict[str, Any] = {
@@ -36,6 +36,19 @@ TINY_CONFIG: dict[str, Any] = {
 #: was mostly the last token's own row, so greedy decoding repeated it: chat replies (the prompt ends in specials
 #: and "\n") looped on <|im_start|> or "\n", 256 tokens that decode to nothing. Wider, the layers choose.
 LAYER_STD = 0.15
+#: The residual-stream channel that carries "the reply may end" (see `end_replies_by_themselves`).
+END_CHANNEL = 0
+#: Every token's embedding holds END_LEVEL in the channel (about the embedding's own scale, so the layers' norms barely
+#: notice it); <|im_end|>'s row holds END_WEIGHT there. After the final norm the channel is about END_LEVEL / 2.5 (the
+#: layers' output dominates the residual), so <|im_end|>'s logit gains about END_WEIGHT * that * FINAL_NORM_SCALE:
+#: at the top of the others, so a greedy reply ends after one token and a sampled one (temperature 1) after 2 to
+#: about 25, where random weights made <|im_end|> one token among 431 and replies ran to their limit.
+END_LEVEL = 0.05
+END_WEIGHT = 260.0
+#: The final norm's weight: logits twice as sharp as a unit norm gives, so temperature 1 samples near the top.
+FINAL_NORM_SCALE = 2.0
+#: The first layer's MLP unit that resets the channel after <|im_end|> (see `end_replies_by_themselves`).
+END_RESET_UNIT = 0
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello! How can I help you today? I am a tiny language model with random weights.",
@@ -62,6 +75,39 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     return tok
 
 
+def end_replies_by_themselves(model: LlamaForCausalLM, tokenizer: Any) -> None:
+    """Give the tiny model's weights an end to every reply (as `mstar_qwen_omni.preset.end_turns_by_themselves`).
+
+    A constant channel of the residual stream: every token's embedding holds END_LEVEL there and no layer reads or
+    writes it (its columns of the fused q/k/v and gate/up projections and its rows of the output projections are
+    zero), so after the final norm it is a positive number at every position. The embeddings are tied, so the LM
+    head reads the channel too: every token's logit gains the same END_LEVEL share (a shift softmax ignores) except
+    <|im_end|>'s, whose row holds END_WEIGHT there. "\n", the token that ends a chat prompt, holds -END_LEVEL, so a
+    reply never ends before its first token. Only the weights change: the server reads them as any checkpoint's."""
+    embed = model.model.embed_tokens.weight
+    with torch.no_grad():
+        embed[:, END_CHANNEL] = END_LEVEL
+        embed[tokenizer.token_to_id("\u010a"), END_CHANNEL] = -END_LEVEL  # byte-level BPE's "\n"
+        embed[tokenizer.token_to_id("<|im_end|>"), END_CHANNEL] = END_WEIGHT
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight[:, END_CHANNEL] = 0.0
+            layer.self_attn.o_proj.weight[END_CHANNEL, :] = 0.0
+            layer.mlp.gate_up_proj.weight[:, END_CHANNEL] = 0.0
+            layer.mlp.down_proj.weight[END_CHANNEL, :] = 0.0
+        # The tied row makes <|im_end|>'s own embedding END_WEIGHT in the channel, which would make it its own
+        # successor forever when a request ignores the end (`ignore_eos`). One unit of the first MLP reads only the
+        # channel (gate and up): silu(x) * x is tiny at the other tokens (the channel is about 0.1 after the norm)
+        # and about 64 at <|im_end|> (the channel is all of the norm: 8); it writes the channel back, turning it
+        # negative there (as "\n" holds it), so the next token is a token again.
+        mlp = model.model.layers[0].mlp
+        unit, width = END_RESET_UNIT, mlp.down_proj.weight.shape[1]
+        mlp.gate_up_proj.weight[[unit, width + unit]] = 0.0
+        mlp.gate_up_proj.weight[[unit, width + unit], END_CHANNEL] = 1.0
+        mlp.down_proj.weight[:, unit] = 0.0
+        mlp.down_proj.weight[END_CHANNEL, unit] = -END_WEIGHT / 32  # about -2 END_WEIGHT at <|im_end|>
+        model.model.norm.weight.fill_(FINAL_NORM_SCALE)
+
+
 def write_tiny(directory: Path, seed: int = 0) -> Path:
     """Write the tiny preset (config, safetensors, tokenizer, chat template) into `directory`."""
     tok = build_tokenizer()
@@ -74,6 +120,7 @@ def write_tiny(directory: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
                 p.normal_(0.0, 0.05 if name.startswith("model.embed_tokens") else LAYER_STD)
+    end_replies_by_themselves(model, tok)
     tok.save(str(directory / "tokenizer.json"))
     tokenizer_config = {
         "chat_template": CHATML,

@@ -5,7 +5,7 @@ Layout (the same as a real checkpoint dir): the LM in Hugging Face Llama layout 
 (`config.json` + weights). The output head leans towards audio tokens (a shared offset along one
 hidden direction that every embedding carries), and towards the next frame slot (a slot marker in
 the embedding), so that random weights still emit decodable audio frames rather than text tokens;
-everything else is plain seeded random init. The speech is noise.
+everything else is plain seeded random init. The speech is noise; it ends by itself (`end_speech_by_itself`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mstar_orpheus.codes import TOKENS_PER_FRAME, AudioTokenMap
 from mstar_orpheus.prompt import EMOTION_TAGS, VOICES
 from mstar_orpheus.snac import SNACConfig, SNACDecoder, save_snac
 
-PRESET_VERSION = 4
+PRESET_VERSION = 5  # 5: speech ends by itself (`end_speech_by_itself`)
 TINY_SNAC = SNACConfig(
     sampling_rate=24000, encoder_dim=8, encoder_rates=(2, 2), decoder_dim=16, decoder_rates=(2, 2),
     codebook_size=16, codebook_dim=4, vq_strides=(4, 2, 1), noise=True, depthwise=True,
@@ -103,7 +103,50 @@ def random_lm_state(cfg: dict[str, Any], audio: AudioTokenMap, seed: int) -> dic
             emb[rows, 1 + slot] = 6.0
             head[rows, 1 + (slot - 1) % TOKENS_PER_FRAME] = 3.0
         emb[audio.base + 1, TOKENS_PER_FRAME] = 6.0  # start-of-speech acts as the end of a frame
+    end_speech_by_itself(model, audio)
     return model.state_dict()
+
+
+#: The residual channel that says how far speech is past its share of the sequence (see `end_speech_by_itself`).
+SPEECH_SHARE_CHANNEL = 8
+#: What a token adds to the share: its frame-slot marker (6 on audio tokens, after the first layer's norm about 4.8)
+#: less SHARE_COST times the constant channel 0 (3 in every embedding, about 2.4 to 2.8 after the norm). The mean
+#: over the sequence crosses zero when audio tokens are about five sixths of it: about five per prompt token.
+SHARE_COST = 1.6
+#: End-of-speech's logit reads the share with this gain: a few logits a frame near the crossing.
+END_GAIN = 75.0
+
+
+def end_speech_by_itself(model: LlamaForCausalLM, audio: AudioTokenMap) -> None:
+    """Random weights never say end-of-speech, so every reply ran to `max_tokens` (1,200 by default). Here speech
+    ends after about five audio tokens for each prompt token, at a frame's end, as real speech grows with its text.
+
+    One attention head of the first layer has a zero query, so it attends evenly to every position so far; its
+    value reads the frame-slot markers (channels 1..7, set only on audio tokens and start-of-speech) less
+    SHARE_COST times the constant channel 0, and its output alone writes SPEECH_SHARE_CHANNEL (no other layer
+    output does; no embedding holds it). So that channel is negative while speech is under about five sixths of
+    the sequence and turns positive after, growing as speech goes on. End-of-speech's row of the head reads it
+    (END_GAIN) and, as the next frame's first slot does, the last slot's marker, so it competes at a frame's end
+    and wins there once the share is passed."""
+    attn = model.model.layers[0].self_attn
+    value_row = attn.q_size + attn.kv_size  # the first value dim of KV head 0, which query head 0 reads
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    end = audio.base + 2  # <custom_token_2>
+    with torch.no_grad():
+        attn.qkv_proj.weight[: attn.head_dim] = 0.0  # query head 0: even attention over the prefix
+        attn.qkv_proj.weight[value_row] = 0.0
+        attn.qkv_proj.weight[value_row, 1 : 1 + TOKENS_PER_FRAME] = 1.0
+        attn.qkv_proj.weight[value_row, 0] = -SHARE_COST
+        attn.o_proj.weight[SPEECH_SHARE_CHANNEL] = 0.0
+        attn.o_proj.weight[SPEECH_SHARE_CHANNEL, 0] = 1.0  # head 0's first dim
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight[SPEECH_SHARE_CHANNEL] = 0.0
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight[SPEECH_SHARE_CHANNEL] = 0.0
+        emb[:, SPEECH_SHARE_CHANNEL] = 0.0
+        head[end] = 0.0
+        head[end, SPEECH_SHARE_CHANNEL] = END_GAIN
+        head[end, TOKENS_PER_FRAME] = 3.0  # the last slot's marker, read as the first slot's rows read it
 
 
 def write_tiny(directory: Path, seed: int = 0, snac: SNACConfig = TINY_SNAC, **lm_overrides: Any) -> Path:

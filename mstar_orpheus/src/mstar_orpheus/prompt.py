@@ -30,6 +30,7 @@ def request_schema(voices: tuple[str, ...] = VOICES, max_tokens_limit: int = 409
             RequestField("max_tokens", "integer", "the most audio tokens to generate (7 per 85 ms frame)",
                          default=DEFAULT_MAX_TOKENS, minimum=1, maximum=max_tokens_limit),
             *sampling_fields(*_SAMPLING_FIELDS, defaults=DEFAULT_SAMPLING),
+            RequestField("ignore_eos", "boolean", "speak exactly max_tokens audio tokens (benchmarks)", default=False),
         ),
         example=EXAMPLE,
         description="text to speech: streams 24 kHz audio (`audio`) as the LM writes SNAC codes",
@@ -111,8 +112,12 @@ class PromptBuilder:
         text, voice, max_tokens = inputs["text"], inputs["voice"], inputs["max_tokens"]
         fields = {k: inputs[k] for k in _SAMPLING_FIELDS if inputs.get(k) is not None}
         # +1: the engine also counts prefill's sample, which decode discards (see the docstring)
+        end = self.vocab.end_of_speech
+        # ignoring the end: never sample end-of-speech (a model's own end would cut the benchmark's utterance short)
+        ending = ({"stop_token_ids": (), "logit_bias": {str(end): -100.0}} if inputs.get("ignore_eos")
+                  else {"stop_token_ids": (end,)})
         sampling = SamplingParams.from_mapping(
-            {**fields, "max_tokens": max_tokens + 1, "stop_token_ids": (self.vocab.end_of_speech,)}
+            {**fields, "max_tokens": max_tokens + 1, **ending}
         ).check_vocab(self.vocab_size or self.vocab.audio.end)
         ids = self.prompt_ids(text, voice)
         return {

@@ -7,8 +7,8 @@ special tokens: no download), and `speech_tokenizer/` (its config, `decoder.*` w
 Sizes are those of MODELS.md's tiny config; `tts_model_size` "1b7" keeps the instruct turn. `tiny-design` is
 the same weights as a VoiceDesign checkpoint (no preset speakers), `tiny-base` as a Base one (cloning: plus the
 speaker encoder's `speaker_encoder.*`). Every preset's `speech_tokenizer/` also holds the encoder (`encoder.*`, Mimi
-at tiny widths), as the published tokenizer does. The speech is noise,
-and `generation_config.json` caps a reply at 48 frames (3.8 s) so it ends within a few dozen frames.
+at tiny widths), as the published tokenizer does. The speech is noise; it ends by itself with EOS after a few dozen
+frames at most (`end_speech_by_itself`), and `generation_config.json` caps a reply at 48 frames (3.8 s).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from mstar_qwen_tts.speech_decoder import SpeechDecoder
 from mstar_qwen_tts.speech_encoder import SpeechEncoder
 
 # 2: the real 1,920 samples a frame (8·5·4·3 and 2·2), so a reply of 48 frames is 3.8 s; 3: the speech
-# tokenizer's encoder (Mimi, `encoder.*`) for cloning with a transcript
-PRESET_VERSION = 3
+# tokenizer's encoder (Mimi, `encoder.*`) for cloning with a transcript; 4: speech ends by itself
+# (`end_speech_by_itself`)
+PRESET_VERSION = 4
 MAX_FRAMES = 48
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
 ROLES = ["user", "assistant"]
@@ -144,13 +145,72 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+#: Talker residual channels: CODE is set on code rows only (the Talker's table for codes 0..2047, never a special
+#: row of the prefix), EVERY on every row (each holds a projected text row: the projection's bias), SHARE says how far
+#: speech is past its share of the sequence.
+CODE, EVERY, SHARE = 0, 1, 2
+#: CODE and EVERY hold this on their rows (about the tables' own scale).
+LEVEL = 0.15
+#: The share head's value is CODE - SHARE_COST * EVERY: its mean crosses zero when frames are a set share of the
+#: sequence, so speech grows with its text.
+SHARE_COST = 0.25  # "Hello there.": some ten frames; a sentence of ten words: some 25
+#: The share head's output is scaled up by this, so it stands out of the layers' output: past a few frames from
+#: the crossing it dominates the final norm, so the channel after the norm is bounded (at most 8, the root of the
+#: width) while it flips sign within a frame or two of the crossing.
+SHARE_GAIN = 200.0
+#: EOS's row of the codec head reads SHARE with this weight: its logit stays under 8 * 8 * the norm's weight (about
+#: 1.1), so `ignore_eos`'s bias of -100 still holds it off.
+END_WEIGHT = 8.0
+
+
+def end_speech_by_itself(model: torch.nn.Module, config: dict[str, Any]) -> None:
+    """Random weights make EOS one code among 2,048, so replies ran to the frame cap. Here speech ends once its
+    frames are a set share of the Talker's sequence (prompt included): longer text, longer speech.
+
+    One head of the Talker's first layer has a zero query, so it attends evenly to every position so far; its value
+    reads CODE less SHARE_COST times EVERY, and its output alone writes SHARE (no other layer output, table or
+    projection does, nor a cloned voice's x-vector). SHARE is negative while the prompt dominates and turns
+    positive as frames accumulate; only EOS's row of the codec head reads it. Only the weights change: the
+    server reads them as any checkpoint's."""
+    talker = model.talker
+    attn = talker.model.layers[0].self_attn
+    value_row = attn.q_size + attn.kv_size  # the first value dim of KV head 0, which query head 0 reads
+    channels = [CODE, EVERY, SHARE]
+    codes = config["talker_config"]["code_predictor_config"]["vocab_size"]
+    with torch.no_grad():
+        table = talker.model.codec_embedding.weight
+        table[:, channels] = 0.0
+        table[:codes, CODE] = LEVEL
+        for predictor_table in talker.code_predictor.model.codec_embedding:
+            predictor_table.weight[:, channels] = 0.0
+        projection = talker.text_projection.linear_fc2
+        projection.weight[channels] = 0.0
+        projection.bias[channels] = 0.0
+        projection.bias[EVERY] = LEVEL
+        if getattr(model, "speaker_encoder", None) is not None:  # Base: the x-vector fills the speaker's slot
+            model.speaker_encoder.fc.weight[channels] = 0.0
+            model.speaker_encoder.fc.bias[channels] = 0.0
+        attn.qkv_proj.weight[: attn.head_dim] = 0.0  # query head 0: even attention over the prefix
+        attn.qkv_proj.weight[value_row] = 0.0
+        attn.qkv_proj.weight[value_row, CODE] = 1.0
+        attn.qkv_proj.weight[value_row, EVERY] = -SHARE_COST
+        attn.o_proj.weight[SHARE] = 0.0
+        attn.o_proj.weight[SHARE, 0] = SHARE_GAIN  # head 0's first dim
+        for layer in talker.model.layers:
+            layer.mlp.down_proj.weight[SHARE] = 0.0
+        for layer in talker.model.layers[1:]:
+            layer.self_attn.o_proj.weight[SHARE] = 0.0
+        eos = config["talker_config"]["codec_eos_token_id"]
+        talker.codec_head.weight[eos] = 0.0
+        talker.codec_head.weight[eos, SHARE] = END_WEIGHT
+
+
 def write_tiny(directory: Path, seed: int = 0, kind: str = "custom_voice") -> Path:
     tok = build_tokenizer()
     config = tiny_config(tok, kind)
     model = QwenTTS(TTSConfig.from_hf(config))
     randomize(model, seed)
-    with torch.no_grad():  # random weights make EOS as likely as any code: zeroed, greedy replies run to the cap
-        model.talker.codec_head.weight[config["talker_config"]["codec_eos_token_id"]] = 0.0
+    end_speech_by_itself(model, config)
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                         "model_max_length": 4096}
     save_hf_checkpoint(model.state_dict(), directory, config, extra_files={

@@ -70,6 +70,8 @@ class KVCacheSettings:
     max_num_batched_tokens: int = 512
     # tokens background sequences (Batch API lines) may add to a step live sequences have work in (scheduler.py)
     background_step_tokens: int = 8
+    # background sequences that may share a step live sequences have work in (scheduler.py)
+    background_step_rows: int = 1
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_batch_size: int | None = None
@@ -92,7 +94,7 @@ class KVCacheSettings:
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
         reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting")
         for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                    "background_step_tokens"):
+                    "background_step_tokens", "background_step_rows"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")

@@ -39,9 +39,10 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 background_step_tokens: int = 8):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or background_step_tokens < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and background_step_tokens must be >= 1")
+                 background_step_tokens: int = 8, background_step_rows: int = 1):
+        if min(max_num_seqs, max_num_batched_tokens, background_step_tokens, background_step_rows) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, background_step_tokens and background_step_rows "
+                             "must be >= 1")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -49,6 +50,9 @@ class Scheduler:
         #: that live ones have work in: a background prefill then goes in small chunks instead of stretching the
         #: live rows' step (their inter-token latency); with no live work they take the whole budget
         self.background_step_tokens = background_step_tokens
+        #: background sequences that may share a step live ones have work in: each background decode row is one more
+        #: row of the live rows' step (on a busy CPU, what it computes), so beside live work they take turns
+        self.background_step_rows = background_step_rows
 
     def schedule(self, pending: Iterable[Sequence], holders: Callable[[], Iterable[Sequence]]) -> Schedule:
         """Plan a step over sequences with work (`pending`); `holders()` lists every sequence holding pages."""
@@ -57,14 +61,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         ordered = sorted(pending, key=_rank)
         live = any(not is_background(s.priority) for s in ordered)
-        background_left = [self.background_step_tokens if live else budget]
+        background_left = [self.background_step_tokens if live else budget]  # tokens
+        background_rows = [self.background_step_rows if live else self.max_num_seqs]
 
         def room(seq: Sequence) -> int:  # the tokens `seq` may take now
-            return min(budget, background_left[0]) if is_background(seq.priority) else budget
+            if not is_background(seq.priority):
+                return budget
+            return min(budget, background_left[0]) if background_rows[0] > 0 else 0
 
         def took(seq: Sequence, n: int) -> None:
             if is_background(seq.priority):
                 background_left[0] -= n
+                background_rows[0] -= 1
 
         running = [s for s in ordered if s.pages]
         waiting = [s for s in ordered if not s.pages]
