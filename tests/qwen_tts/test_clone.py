@@ -72,4 +72,4 @@ def test_served_clone_codes_equal_qwen_tts_generate(base_dir, reference, tokeniz
             voice_clone_prompt={"ref_spk_embedding": [embedding], "x_vector_only_mode": [True], "icl_mode": [False],
                                 "ref_code": None},
             max_new_tokens=FRAMES, do_sample=False, subtalker_dosample=False)
-    assert got.shape == (FRAMES - 1, 4) and torch.equal(got, want[0])
+    assert 1 <= got.shape[0] <= FRAMES - 1 and torch.equal(got, want[0])  # ended by EOS or at max_frames

@@ -93,7 +93,7 @@ def test_served_icl_codes_equal_qwen_tts_generate(base_dir, reference, tokenizer
                 voice_clone_prompt={"ref_spk_embedding": [emb], "x_vector_only_mode": [False], "icl_mode": [True],
                                     "ref_code": [codes]},
                 max_new_tokens=FRAMES, do_sample=False, subtalker_dosample=False)
-        assert ours.shape == (FRAMES - 1, 4) and torch.equal(ours, want[0]), (transcript, text, non_streaming)
+        assert 1 <= ours.shape[0] <= FRAMES - 1 and torch.equal(ours, want[0]), (transcript, text, non_streaming)
         # the package's audio: reference and new codes decoded together, the reference's share cut off
         with torch.no_grad():
             full = decoder.chunked_decode(torch.cat([codes, want[0]]).t()[None]).clamp(-1, 1)[0, 0]
