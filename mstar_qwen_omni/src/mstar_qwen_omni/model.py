@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import torch
 
 from mstar_core.grammar import GrammarVocab
@@ -34,8 +35,13 @@ def load(options: LoadOptions) -> LoadedModel:
     defaults = read_sampling_defaults(directory, options.generation_config, fields=SAMPLING)
     prepare = Preparer(model.config, load_tokenizer(directory), model.talker is not None, sampling_defaults=defaults)
     # what the Thinker's kvcache engine compiles sampling grammars against (structured outputs, tool calls)
-    model.thinker.grammar_vocab = GrammarVocab.from_tokenizer(prepare.tokenizer, model.config.thinker.text.vocab_size,
-                                                              [model.config.im_end_token_id])
+    vocab = GrammarVocab.from_tokenizer(prepare.tokenizer, model.config.thinker.text.vocab_size,
+                                        [model.config.im_end_token_id])
+    # the media placeholders stand for features, never for text: a reply that sampled one (random weights can) could
+    # not be sent back as the next turn's history, which refuses them, so the engine never samples them
+    t = model.config.thinker
+    media = {t.audio_token_id, t.image_token_id, t.video_token_id}
+    model.thinker.grammar_vocab = attrs.evolve(vocab, no_token_ids=tuple(sorted({*vocab.no_token_ids, *media})))
     text_embed = None
     hosted = set(options.nodes or ())
     if options.nodes is not None and hosted & set(SPEECH_NODES) and not hosted & {"thinker", "encode"}:
