@@ -39,10 +39,17 @@ async def _spoken_turn(conn, seen: list) -> object:
 
 
 @pytest.fixture(scope="module")
-def agent_server():
+def agent_server(tmp_path_factory):
     from tests.server.helpers import Server
 
-    srv = Server([], "--config", str(CONFIG), MSTAR_REALTIME_VAD="energy")
+    # the example as it ships, but every spoken piece runs to its frame bound: the tiny presets end a reply (1-2
+    # tokens greedy) and its speech (~10 frames) by themselves within a second, sooner than a barge-in's speech can
+    # reach the server's VAD
+    text = CONFIG.read_text()
+    assert "speech_options: {max_frames: 48}" in text
+    config = tmp_path_factory.mktemp("voice-agent") / "voice-agent.yaml"
+    config.write_text(text.replace("speech_options: {max_frames: 48}", "speech_options: {max_frames: 48, ignore_eos: true}"))
+    srv = Server([], "--config", str(config), MSTAR_REALTIME_VAD="energy")
 
     async def warm_up():  # every node's first call (allocations, kernels) here, not in a test's time
         async with client(srv).realtime.connect(model="agent") as conn:

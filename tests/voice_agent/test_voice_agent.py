@@ -135,7 +135,7 @@ def test_a_bad_turn_is_refused_naming_the_field(served):
 
 
 def test_a_tool_call_in_the_reply_is_not_spoken_even_across_pieces():
-    from mstar_core.compose.voice_agent import spoken_part
+    from mstar_core.compose.voice_turn import spoken_part
 
     marks = [("<tool_call>", "</tool_call>")]
     assert spoken_part("Let me look. <tool_call>\n{\"name\": \"w\"}\n</tool_call> Done.", marks, -1) == \
