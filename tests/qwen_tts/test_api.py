@@ -54,3 +54,14 @@ def test_bad_voice_and_fields_are_4xx_naming_the_field(server):
     r = httpx.post(f"{server.url}/v1/audio/speech", timeout=30,
                    json={"model": "qwen3-tts", "input": "hi", "voice": "ryan", "language": "klingon"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "language"
+
+
+def test_ignore_eos_speaks_exactly_max_frames(server):
+    """A field the model declares is never dropped on the way: `ignore_eos` reaches the Talker through the route."""
+    body = {"model": "qwen3-tts", "voice": "eric", "input": "Hi.", "response_format": "pcm",
+            "extra_body": {"seed": SEED, "do_sample": False, "subtalker_dosample": False, "max_frames": 12}}
+    client = _client(server)
+    ended = client.audio.speech.create(**body).read()
+    full = client.audio.speech.create(**{**body, "extra_body": {**body["extra_body"], "ignore_eos": True}}).read()
+    # max_frames codes 0, the last one unspoken: 11 frames of 1,920 s16le samples
+    assert len(full) == 11 * 1920 * 2 and len(ended) < len(full)

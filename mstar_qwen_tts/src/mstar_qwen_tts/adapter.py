@@ -18,7 +18,7 @@ from mstar_core.api.requests.adapters import ApiAdapter
 from mstar_core.errors import RequestError
 
 _FORWARD = ("seed", "temperature", "top_p", "top_k", "repetition_penalty", "language", "max_frames",
-            "non_streaming_mode", "do_sample", "subtalker_dosample")
+            "non_streaming_mode", "do_sample", "subtalker_dosample", "ignore_eos")
 #: The shortest reference audio taken (seconds): the x-vector of less is mostly noise.
 MIN_REFERENCE_SECONDS = 0.5
 
