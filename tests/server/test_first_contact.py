@@ -97,7 +97,10 @@ def test_chat_with_an_image_counts_its_block(client):
 def test_qwen3_omni_replies_in_text(client, seed):
     r = client.chat.completions.create(model="qwen3-omni", seed=seed, max_tokens=12, temperature=0.8,
                                        messages=[{"role": "user", "content": "Hello, who are you?"}])
-    assert r.choices[0].message.content and r.usage.completion_tokens >= 3
+    # text that ends: by itself (the preset ends its turns within a few dozen tokens) or at max_tokens
+    choice = r.choices[0]
+    assert choice.message.content and r.usage.completion_tokens >= 1
+    assert choice.finish_reason == "stop" or (choice.finish_reason == "length" and r.usage.completion_tokens == 12)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
