@@ -61,13 +61,14 @@ def test_vae_decode_and_encode_equal_diffusers_and_chunked_decode_equals_whole()
         want = ref.decode(z / inv_std + mean, return_dict=False)[0]
         whole = mine.decode(z)
         assert whole.shape == (1, 3, 13, 32, 32)
-        assert (whole - want).abs().max() < 1e-5
+        # The 3D VAE sums over ~30 convolutions: fp32 order differs between CPUs by a few 1e-5 (CI saw 1.8e-5)
+        assert (whole - want).abs().max() < 1e-4
         cache = FrameCache()
         chunks = [mine.decode_chunk(z[:, :, a:b], a == 0, cache) for a, b in ((0, 1), (1, 3), (3, 4))]
         assert torch.equal(torch.cat(chunks, 2), whole)  # the carried conv cache makes chunking exact
         video = torch.rand(1, 3, 9, 32, 32, generator=g) * 2 - 1
         want = (ref.encode(video).latent_dist.mode() - mean) * inv_std
-        assert (mine.encode_mode(video) - want).abs().max() < 1e-5
+        assert (mine.encode_mode(video) - want).abs().max() < 1e-4
 
 
 def test_umt5_encoder_equals_transformers_and_zeroes_past_the_prompt():
