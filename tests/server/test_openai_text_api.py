@@ -217,6 +217,25 @@ def test_raw_sse_ends_with_done(smollm2):
 # -- sampling fields ------------------------------------------------------------------------------------------
 
 
+def test_ignore_eos_counts_every_token_to_the_limit(client, metadata):
+    """With `ignore_eos` an end token the model writes is neither the reply's end nor left out of its usage: forced
+    to write nothing but its end token, the reply runs to `max_tokens` (finish `length`) and counts all of them."""
+    eos = str(metadata["tokenizer.ggml.eos_token_id"])
+    forced = client.completions.create(model="llama", prompt="Hello", max_tokens=5, temperature=0,
+                                       logit_bias={eos: 100}, extra_body={"ignore_eos": True})
+    assert (forced.choices[0].finish_reason, forced.usage.completion_tokens) == ("length", 5)
+    assert forced.choices[0].text == ""  # the end token is special: no text
+    ended = client.completions.create(model="llama", prompt="Hello", max_tokens=5, temperature=0,
+                                      logit_bias={eos: 100})
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    streamed = client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=4, temperature=0,
+                                              logit_bias={eos: 100}, extra_body={"ignore_eos": True}, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 def test_logit_bias_and_penalties_reach_the_sampler(client, tokenizer):
     paris = tokenizer.encode(" Paris", add_special_tokens=False).ids[0]
     forced = client.completions.create(model="llama", prompt="Hello", max_tokens=4, temperature=0,

@@ -48,12 +48,12 @@ class Choice:
     """One choice: its request, its text so far, and the log-probabilities of the tokens in that text."""
 
     def __init__(self, index: int, prompt: int, handle: Any, adapter: Any, stops: list[str], max_tokens: int | None,
-                 audio: Any = None):
+                 audio: Any = None, ignore_eos: bool = False):
         self.index = index
         self.prompt = prompt  # which prompt of the request this choice answers
         self.handle = handle
         self.adapter = adapter
-        self.text = TextAssembler(adapter, stops, max_tokens)
+        self.text = TextAssembler(adapter, stops, max_tokens, ignore_eos)
         self.first: Any = None
         self.rest: AsyncIterator[Any] | None = None
         self.logprobs: list[TokenLogprob] = []  # one per token of the text
@@ -248,17 +248,22 @@ async def start_choices(request: Request, state: Any, model: str, adapter: Any, 
     priority = request_priority(request)  # a Batch API line's is background: live requests go first
 
     async def add(p: int, i: int) -> Choice:
-        handle = await submit(state, model, inputs_for(prompts[p], i), priority=priority)
-        choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens, make_audio() if make_audio else None)
+        inputs = inputs_for(prompts[p], i)
+        handle = await submit(state, model, inputs, priority=priority)
+        choice = Choice(p * n + i, p, handle, adapter, stops, max_tokens, make_audio() if make_audio else None,
+                        ignore_eos=bool(inputs.get("ignore_eos")))
         choices.append(choice)
         return choice
 
     async def add_forks(p: int) -> list[Choice]:
         # one request: the seed it carries is choice 0's; the engine gives branch i seed + i
-        handle = await submit(state, model, {**inputs_for(prompts[p], 0), "n": n}, priority=priority)
+        inputs = {**inputs_for(prompts[p], 0), "n": n}
+        handle = await submit(state, model, inputs, priority=priority)
         request = SharedRequest(handle, n)
         shared.append(request)
-        own = [Choice(p * n + i, p, request.branch(i), adapter, stops, max_tokens) for i in range(n)]
+        ignore_eos = bool(inputs.get("ignore_eos"))
+        own = [Choice(p * n + i, p, request.branch(i), adapter, stops, max_tokens, ignore_eos=ignore_eos)
+               for i in range(n)]
         choices.extend(own)
         return own
 

@@ -14,12 +14,17 @@ class TextAssembler:
 
     Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could still grow
     into a stop string, so a client never sees a stop string or a broken character.
+
+    With `ignore_eos` (the request's field) the model's end token ends nothing here either: the engine keeps
+    generating past it, so it is counted like any token (its text is empty: it is special) and the reply runs on.
     """
 
-    def __init__(self, adapter: Any, stops: Sequence[str] = (), max_tokens: int | None = None):
+    def __init__(self, adapter: Any, stops: Sequence[str] = (), max_tokens: int | None = None,
+                 ignore_eos: bool = False):
         self.adapter = adapter
         self.stops = [s for s in stops if s]
         self.max_tokens = max_tokens
+        self.ignore_eos = ignore_eos
         self.ids: list[int] = []
         self.generated = 0
         self.sent = ""
@@ -31,7 +36,7 @@ class TextAssembler:
         if self.finish_reason is not None:
             return ""
         self.generated += 1
-        if self.adapter.is_stop_token(token_id):
+        if not self.ignore_eos and self.adapter.is_stop_token(token_id):
             self.finish_reason = "stop"
             return self._flush()
         self.ids.append(token_id)
