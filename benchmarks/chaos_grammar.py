@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -101,7 +102,7 @@ async def _healthy(client: httpx.AsyncClient, stop: asyncio.Event, codes: list[i
 async def grammar_stress(start_timeout: float = 300.0) -> dict[str, Any]:
     # the server logs each stall of its event loop past 50 ms, and where the loop was meanwhile
     server = Server("stress-grammar", ["--drain-timeout", str(DRAIN_S)], models=("llama",),
-                    env={"MSTAR_LOOP_WATCH_MS": "50"})
+                    env={"MSTAR_LOOP_WATCH_MS": os.environ.get("WATCHMS", "50")})
     out: dict[str, Any] = {}
     try:
         await server.wait_ready(start_timeout)

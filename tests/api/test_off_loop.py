@@ -127,17 +127,18 @@ def client(monkeypatch, request):
 
 def test_a_large_body_is_parsed_in_the_pool_and_a_small_one_inline(client):
     c, seen, loop_thread = client
-    big = {"text": "word " * (off_loop.LARGE_BYTES // 4), "n": 1}
+    big = {"text": "word " * (json_bodies.POOL_BYTES // 4), "n": 1}
     r = c.post("/echo", json=big)
     assert r.status_code == 200 and r.json() == {"keys": ["n", "text"], "size": len(big["text"])}
     assert len(seen) == 1 and seen[0] != loop_thread[0], (seen, loop_thread)
     r = c.post("/echo", json={"text": "hi"})
-    assert r.status_code == 200 and len(seen) == 1  # FastAPI's own parse, no thread hop
+    assert r.status_code == 200 and r.json() == {"keys": ["text"], "size": 2}
+    assert seen[1:] == [loop_thread[0]]  # orjson on the loop: no thread hop, and FastAPI does not parse it again
 
 
 def test_a_large_body_that_is_not_json_gets_the_400_a_small_one_gets(client):
     c, seen, _ = client
-    filler = "x" * off_loop.LARGE_BYTES
+    filler = "x" * json_bodies.POOL_BYTES
     answers = []
     for text in (filler, "x"):
         body = '{"text": "' + text + '", }'
@@ -147,7 +148,7 @@ def test_a_large_body_that_is_not_json_gets_the_400_a_small_one_gets(client):
     (big, big_at), (small, small_at) = answers
     assert big["message"] == small["message"] and "not valid JSON" in big["message"]
     assert big["param"] == str(big_at) and small["param"] == str(small_at)
-    assert len(seen) == 1  # the large one was parsed once, in the pool
+    assert len(seen) == 2  # each parsed once: the large one in the pool, the small one inline
 
 
 def test_the_loop_watch_names_what_held_the_loop(caplog):
