@@ -9,9 +9,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from mstar_whisper.alignment import dtw, median_filter, row_start_times
-from mstar_whisper.words import merge_punctuations, split_words, timed_words, Word
+from mstar_whisper.words import Word, merge_punctuations, split_words, timed_words
 
 
 def _cheapest(cost: np.ndarray) -> float:

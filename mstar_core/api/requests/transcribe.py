@@ -70,14 +70,14 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
         return _stream(state, adapter, model, windows, task, language, prompt, temperature, timestamps)
     if len(windows) > 1 and hasattr(adapter, "long_transcript"):
         fields = {"task": task, "language": language, "timestamps": True, "prompt_ids": adapter.prompt_ids(prompt),
-                  "word_timestamps": words}
+                  **_word_fields(words)}
         _, logprobs, env = await _decode(state, adapter, model, samples, temperature, **fields)
         return _respond(adapter.long_transcript(logprobs, env, len(samples) / adapter.sample_rate, temperature),
                         response_format, task)
     parts: list[Transcript] = []
     previous: list[int] = []
     for i, window in enumerate(windows):
-        fields = {"task": task, "language": language, "timestamps": timestamps, "word_timestamps": words,
+        fields = {"task": task, "language": language, "timestamps": timestamps, **_word_fields(words),
                   "prompt_ids": adapter.prompt_ids(prompt if i == 0 else None, previous)}
         for temp in temperatures:
             tokens, logprobs, env = await _decode(state, adapter, model, window, temp, **fields)
@@ -88,6 +88,11 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
         parts.append(part)
         previous = [] if part.temperature > 0.5 else tokens  # openai-whisper: hot text does not condition the next
     return _respond(_joined(parts, len(samples) / adapter.sample_rate), response_format, task)
+
+
+def _word_fields(words: bool) -> dict[str, Any]:
+    # (only when asked: an adapter without word timestamps need not know the keyword)
+    return {"word_timestamps": True} if words else {}
 
 
 def _respond(transcript: Transcript, response_format: str, task: str) -> Any:
