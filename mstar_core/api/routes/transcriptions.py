@@ -10,7 +10,7 @@ greedy unless `temperature` says otherwise, as follows.
 text, usage}`; `language` is the request's, or "unknown": no language detection runs). `stream=true` answers
 server-sent events `transcript.text.delta` as the text is written, then `transcript.text.done`. The file is
 WAV, FLAC, OGG or MP3 (what libsndfile reads), bounded by the model's chat media limits (bytes and seconds)
-before it is decoded. `srt` and `vtt` need timestamps the model does not give: a 400.
+before it is decoded. `srt`, `vtt` and word timestamps need timestamps the model does not give: a 400.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
                             "(srt and vtt need timestamps this model does not give)", param="response_format")
     if stream and response_format == "verbose_json":
         raise ApiError(400, "'stream' gives text deltas; use response_format json or text", param="stream")
+    if "word" in (timestamp_granularities or ()):
+        raise ApiError(400, f"model '{model}' gives no timestamps, so no word timestamps; "
+                            "'timestamp_granularities' must leave out 'word'", param="timestamp_granularities")
     check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
     if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")
