@@ -90,7 +90,8 @@ def row_start_times(weights: torch.Tensor, frames: int, median_width: int = MEDI
     audio; positions past `frames // 2` are padding and left out)."""
     w = weights[..., : max(1, frames // 2)].float()
     std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
-    w = median_filter((w - mean) / std, median_width)
+    # (a frame every row attends alike has std 0: it carries no alignment, 0 rather than NaN)
+    w = median_filter((w - mean) / std.clamp_min(1e-12), median_width)
     matrix = w.mean(dim=0)
     text, time = dtw(-matrix.double().cpu().numpy())
     jumps = np.pad(np.diff(text), (1, 0), constant_values=1).astype(bool)
@@ -99,9 +100,12 @@ def row_start_times(weights: torch.Tensor, frames: int, median_width: int = MEDI
 
 class _CaptureContext:
     """The dense pass's attention: causal self-attention over the one sequence, cross-attention over its encoder keys
-    and values with the alignment heads' probabilities kept (`weights[(layer, head)]`: `[rows, positions]`)."""
+    and values with the alignment heads' probabilities kept (`weights[(layer, head)]`: `[rows, positions]`).
 
-    def __init__(self, kv: dict[int, torch.Tensor], heads: Sequence[tuple[int, int]]):
+    `kv[layer]`: keys `[heads, dim, positions]` and values `[heads, positions, dim]`, strided views of the
+    projections (batched matmuls read them in place)."""
+
+    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], heads: Sequence[tuple[int, int]]):
         self.kv, self.heads = kv, heads
         self.weights: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -111,12 +115,18 @@ class _CaptureContext:
         return out.transpose(0, 1)
 
     def cross_attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        k, v = self.kv[layer][0].transpose(0, 1), self.kv[layer][1].transpose(0, 1)  # [heads, positions, dim]
-        probs = torch.softmax((q.transpose(0, 1).float() @ k.float().transpose(1, 2)) * scale, dim=-1)
+        keys, values = self.kv[layer]
+        probs = torch.softmax((q.transpose(0, 1).float() @ keys.float()) * scale, dim=-1)  # [heads, rows, positions]
         for lay, head in self.heads:
             if lay == layer:
                 self.weights[(lay, head)] = probs[head]
-        return (probs.to(v.dtype) @ v).transpose(0, 1)
+        return (probs.to(values.dtype) @ values).transpose(0, 1)
+
+
+def _keys_values(attention: Any, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `CrossAttention`'s keys `[heads, dim, positions]` and values `[heads, positions, dim]` over `states`."""
+    kv = attention.project_kv(states)  # [2, positions, heads, dim]
+    return kv[0].permute(1, 2, 0), kv[1].permute(1, 0, 2)
 
 
 def default_heads(layers: int, heads: int) -> tuple[tuple[int, int], ...]:
@@ -131,7 +141,7 @@ def alignment_weights(decoder: Any, states: torch.Tensor, ids: Sequence[int],
     last = max(layer for layer, _ in heads)
     with torch.inference_mode():
         states = states.to(decoder.embed_tokens.weight.dtype)
-        kv = {i: decoder.layers[i].encoder_attn.project_kv(states) for i in range(last + 1)}  # [2, F, heads, dim]
+        kv = {i: _keys_values(decoder.layers[i].encoder_attn, states) for i in range(last + 1)}
         context = _CaptureContext(kv, heads)
         input_ids = torch.tensor(list(ids), dtype=torch.long, device=states.device)
         x = decoder.embed_tokens(input_ids) + decoder.embed_positions(torch.arange(len(ids), device=states.device))
