@@ -96,8 +96,8 @@ class WhisperAudioAdapter(ApiAdapter):
         segments = tuple(Segment(i, a, b, self.text(w), tuple(w), avg, ratio, no_speech, temperature)
                          for i, (a, b, w) in enumerate(pieces) if w or len(pieces) == 1)
         code = self.code_of.get(language, "unknown")
-        words = self._words([(env["token_times"], offset)], code, end) if "token_times" in env else None
-        return Transcript(text, code, duration, segments, avg, no_speech, temperature, words)
+        timed = self._words([(env["token_times"], offset)], code, end) if "token_times" in env else None
+        return Transcript(text, code, duration, segments, avg, no_speech, temperature, timed)
 
     def long_transcript(self, logprobs: Sequence[float], env: dict[str, Any], duration: float,
                         temperature: float) -> Transcript:
