@@ -35,15 +35,16 @@ def test_long_form_segments_and_words_are_clamped_and_offset(adapter):
     hello, world = adapter.tokenizer.encode(" hello").ids, adapter.tokenizer.encode(" world").ids
     text = [*hello, *world]
     times = [(t, 0.1 * k, 0.1 * (k + 1)) for k, t in enumerate(text)]
-    late = [(t, 14.0 + 0.5 * k, 14.5 + 0.5 * k) for k, t in enumerate(text)]  # past the clip's 45 s at offset 30
+    times[-1] = (text[-1], times[-1][1], 29.6)  # aligned past the next window's seek (29.5 s): ends there
+    late = [(t, 14.5 + 0.5 * k, 15.0 + 0.5 * k) for k, t in enumerate(text)]  # past the clip's 45 s at 29.5 s in
     env = {"no_speech": torch.tensor([0.1]), "language_token": 50259, "word_timestamps": True,
            "windows": [{"offset": 0.0, "segments": ((0.0, 20.0, tuple(text)),)},
-                       {"offset": 30.0, "segments": ((44.0, 59.02, tuple(text)),)}],
+                       {"offset": 29.5, "segments": ((44.0, 59.02, tuple(text)),)}],
            "window_token_times": [times, late]}
     out = adapter.long_transcript([-0.2], env, 45.0, 0.0)
     assert [(s.start, s.end) for s in out.segments] == [(0.0, 20.0), (44.0, 45.0)]
     words = [(w.word, round(w.start, 2), round(w.end, 2)) for w in out.words]
     n = len(hello)
-    assert words == [("hello", 0.0, round(0.1 * n, 2)), ("world", round(0.1 * n, 2), round(0.1 * len(text), 2)),
+    assert words == [("hello", 0.0, round(0.1 * n, 2)), ("world", round(0.1 * n, 2), 29.5),
                      ("hello", 44.0, min(44.5 + 0.5 * (n - 1), 45.0)), ("world", min(44.0 + 0.5 * n, 45.0), 45.0)]
     assert n > 1 and out.words[-1].end == 45.0  # (the late window's last word would end at 44.5 + 0.5 * ...: clamped)

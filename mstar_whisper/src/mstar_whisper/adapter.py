@@ -59,11 +59,11 @@ class WhisperAudioAdapter(ApiAdapter):
         """The words of `tokens` (special and timestamp tokens left out)."""
         return self.tokenizer.decode([t for t in tokens if t < self.tokens.eot])
 
-    def _words(self, per_window: Sequence[tuple[Sequence[tuple[int, float, float]], float]], language: str,
-               limit: float) -> tuple[TimedWord, ...]:
-        """Each window's `(token, start, end)` (window-relative) and offset -> the transcript's words."""
+    def _words(self, per_window: Sequence[tuple[Sequence[tuple[int, float, float]], float, float]],
+               language: str) -> tuple[TimedWord, ...]:
+        """Each window's `(token, start, end)` (window-relative), offset and limit -> the transcript's words."""
         decode = self.tokenizer.decode
-        return tuple(TimedWord(w.word.strip(), w.start, w.end) for times, offset in per_window
+        return tuple(TimedWord(w.word.strip(), w.start, w.end) for times, offset, limit in per_window
                      for w in timed_words(times, decode, offset, limit, language))
 
     def transcript(self, tokens: Sequence[int], logprobs: Sequence[float], env: dict[str, Any], offset: float,
@@ -96,7 +96,7 @@ class WhisperAudioAdapter(ApiAdapter):
         segments = tuple(Segment(i, a, b, self.text(w), tuple(w), avg, ratio, no_speech, temperature)
                          for i, (a, b, w) in enumerate(pieces) if w or len(pieces) == 1)
         code = self.code_of.get(language, "unknown")
-        timed = self._words([(env["token_times"], offset)], code, end) if "token_times" in env else None
+        timed = self._words([(env["token_times"], offset, end)], code) if "token_times" in env else None
         return Transcript(text, code, duration, segments, avg, no_speech, temperature, timed)
 
     def long_transcript(self, logprobs: Sequence[float], env: dict[str, Any], duration: float,
@@ -116,6 +116,11 @@ class WhisperAudioAdapter(ApiAdapter):
         code = self.code_of.get(language, "unknown")
         words = None
         if env.get("word_timestamps"):
-            per_window = [(times, w["offset"]) for times, w in zip(env["window_token_times"], env["windows"], strict=True)]
-            words = self._words(per_window, code, duration)
+            # a window's words end where the next window starts (its seek: after the kept segments' last timestamp),
+            # so the words stay in order even where the alignment runs a kept word into the window's tail
+            windows = env["windows"]
+            limits = [min(w["offset"], duration) for w in windows[1:]] + [duration]
+            per_window = [(times, w["offset"], limit)
+                          for times, w, limit in zip(env["window_token_times"], windows, limits, strict=True)]
+            words = self._words(per_window, code)
         return Transcript(text, code, duration, segments, avg, no_speech, temperature, words)
