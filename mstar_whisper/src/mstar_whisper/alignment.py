@@ -4,8 +4,9 @@ A window's text tokens are teacher-forced through the decoder once more, as open
 `[SOT, language?, task?, <|notimestamps|>, text..., EOT]` over the window's encoder states. The cross-attention
 weights of the checkpoint's alignment heads (`alignment_heads` of the generation config; without them, every head
 of the later half of the layers, openai-whisper's default) are cut to the frames that hold audio, normalised over the
-tokens, median-filtered along time (width 7) and averaged over the heads; dynamic time warping then walks the
-cheapest monotone path through the negated matrix, and each token's start is the first audio frame its row reaches.
+tokens, median-filtered along time (config.json's `median_filter_width`, 7) and averaged over the heads; dynamic time
+warping then walks the cheapest monotone path through the negated matrix, and each token's start is the first audio
+frame its row reaches.
 
 The rows are those of `<|notimestamps|>` and the text (a row's attention says where the token it predicts begins),
 so text token k spans [start of row k, start of row k + 1): openai-whisper's reading. The normalisation runs over
@@ -158,9 +159,10 @@ class WordAligner:
     decoded again by the next window); a short request keeps all of its text.
     """
 
-    def __init__(self, decoder: Any, tokens: WhisperTokens, *, long_form: bool, median_width: int = MEDIAN_FILTER_WIDTH):
-        self.decoder, self.tokens, self.long_form, self.median_width = decoder, tokens, long_form, median_width
+    def __init__(self, decoder: Any, tokens: WhisperTokens, *, long_form: bool):
+        self.decoder, self.tokens, self.long_form = decoder, tokens, long_form
         c = decoder.config
+        self.median_width = getattr(c, "median_filter_width", MEDIAN_FILTER_WIDTH)
         self.heads = tokens.alignment_heads or default_heads(c.decoder_layers, c.decoder_attention_heads)
 
     def kept_text(self, tokens: list[int]) -> list[int]:
