@@ -81,3 +81,15 @@ def test_unspaced_languages_split_at_every_character():
 def test_merging_leaves_words_without_punctuation_alone():
     words = [Word(" a", 0, 1, [1]), Word(" b", 1, 2, [2])]
     assert [w.word for w in merge_punctuations(words)] == [" a", " b"]
+
+
+def test_median_filter_width_comes_from_config_json_and_must_be_odd():
+    from mstar_whisper.config import WhisperConfig
+
+    from mstar_core.errors import ConfigError
+    from tests.whisper.helpers import TINY
+
+    assert WhisperConfig.from_mapping(TINY).median_filter_width == 7
+    assert WhisperConfig.from_mapping({**TINY, "median_filter_width": 5}).median_filter_width == 5
+    with pytest.raises(ConfigError, match="median_filter_width"):
+        WhisperConfig.from_mapping({**TINY, "median_filter_width": 4})
