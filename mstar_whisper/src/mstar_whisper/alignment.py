@@ -125,9 +125,10 @@ class _CaptureContext:
 
 
 def _keys_values(attention: Any, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A `CrossAttention`'s keys `[heads, dim, positions]` and values `[heads, positions, dim]` over `states`."""
-    kv = attention.project_kv(states)  # [2, positions, heads, dim]
-    return kv[0].permute(1, 2, 0), kv[1].permute(1, 0, 2)
+    """A `CrossAttention`'s keys `[heads, dim, positions]` and values `[heads, positions, dim]` over `states`: its
+    projections read as strided views (`project_kv` stacks them into one tensor, a copy this pass does not need)."""
+    shape = (states.shape[0], attention.num_heads, attention.head_dim)
+    return attention.k_proj(states).view(shape).permute(1, 2, 0), attention.v_proj(states).view(shape).permute(1, 0, 2)
 
 
 def default_heads(layers: int, heads: int) -> tuple[tuple[int, int], ...]:
