@@ -59,6 +59,15 @@ def test_bad_uploads_name_the_field(rt_server):
     assert err.value.body["param"] == "model"
 
 
+def test_word_timestamps_from_a_chat_model_are_a_400_naming_the_field(rt_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(rt_server).audio.transcriptions.create(model="qwen3-omni", file=("x.wav", _wav(), "audio/wav"),
+                                                       response_format="verbose_json", timestamp_granularities=["word"])
+    assert err.value.body["param"] == "timestamp_granularities"
+
+
 def test_audio_too_long_for_its_answer_is_a_413_from_its_header(rt_server):
     """300 s of 48 kHz FLAC (40 KB): under chat's audio bound for the tiny model (310 s), but its prompt and the
     transcription's output budget together pass the context; refused before decoding, naming the file."""

@@ -101,3 +101,37 @@ def test_long_audio_runs_the_long_form_walk(whisper, tmp_path):
     starts = [s.start for s in out.segments]
     assert starts == sorted(starts) and all(s.start <= s.end for s in out.segments)
     assert out.segments[-1].end > 30  # the second window's segments, offset by its seek
+
+
+def test_word_timestamps(whisper, clip):
+    client = _client(whisper)
+    for granularities in (["word"], ["word", "segment"]):
+        with open(clip, "rb") as f:
+            out = client.audio.transcriptions.create(model="whisper", file=f, response_format="verbose_json",
+                                                     language="en", timestamp_granularities=granularities)
+        assert out.words and out.segments
+        starts = [w.start for w in out.words]
+        assert starts == sorted(starts) and all(0 <= w.start <= w.end <= out.duration for w in out.words)
+        assert all(w.word and w.word == w.word.strip() for w in out.words)
+    for fmt, granularity in (("text", "word"), ("json", "word"), ("srt", "word"), ("verbose_json", "character")):
+        # as OpenAI: timestamp granularities need verbose_json
+        with open(clip, "rb") as f, pytest.raises(openai.BadRequestError) as err:
+            client.audio.transcriptions.create(model="whisper", file=f, response_format=fmt,
+                                               timestamp_granularities=[granularity])
+        assert err.value.body["param"] == "timestamp_granularities", fmt
+
+
+def test_long_audio_words_are_offset_by_each_window(whisper, tmp_path):
+    import soundfile
+    import torch
+
+    from tests.whisper.helpers import speech
+
+    path = tmp_path / "long.wav"
+    soundfile.write(str(path), torch.cat([speech(25.0, seed=2), speech(20.0, seed=3)]).numpy(), 16000)
+    with open(path, "rb") as f:
+        out = _client(whisper).audio.transcriptions.create(model="whisper", file=f, response_format="verbose_json",
+                                                           language="en", timestamp_granularities=["word"])
+    starts = [w.start for w in out.words]
+    assert starts == sorted(starts) and all(0 <= w.start <= w.end <= 45.0 for w in out.words)
+    assert out.words[-1].start > 30  # the second window's words, offset by its seek

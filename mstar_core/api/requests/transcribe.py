@@ -7,6 +7,7 @@ the previous window's text, so the deltas are never taken back. A window decoded
 Whisper's thresholds (compression ratio > 2.4, average log-probability < -1, unless it is silence) is decoded again
 at the next temperature of (0.2, 0.4, ..., 1.0); a request that names a temperature above 0 decodes at that one only.
 `stream=true` sends the text as it is written (`transcript.text.delta`); a streamed request takes no fallback.
+`words=True` (verbose_json only) asks the model for each text token's times and adds the transcript's `words`.
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ async def _decode(state: Any, adapter: Any, model: str, window: np.ndarray, temp
 
 async def transcribe(request: Request, state: Any, adapter: Any, model: str, samples: np.ndarray, rate: int, *,
                      task: str, language: str | None, prompt: str | None, response_format: str, temperature: float,
-                     stream: bool, timestamps: bool) -> Any:
+                     stream: bool, timestamps: bool, words: bool = False) -> Any:
     if response_format not in FORMATS:
         raise ApiError(400, f"'response_format' {response_format!r} is not served; use one of {', '.join(FORMATS)}",
                        param="response_format")
     if stream and response_format not in ("json", "text"):
         raise ApiError(400, "'stream' gives text deltas; use response_format json or text", param="stream")
+    if words and response_format != "verbose_json":
+        raise ApiError(400, "word timestamps come in verbose_json: 'timestamp_granularities' with 'word' needs "
+                            "response_format verbose_json", param="timestamp_granularities")
     if rate != adapter.sample_rate:
         samples = resample(samples, rate, adapter.sample_rate)
     size = int(adapter.window_seconds * adapter.sample_rate)
@@ -65,14 +69,15 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
     if stream:
         return _stream(state, adapter, model, windows, task, language, prompt, temperature, timestamps)
     if len(windows) > 1 and hasattr(adapter, "long_transcript"):
-        fields = {"task": task, "language": language, "timestamps": True, "prompt_ids": adapter.prompt_ids(prompt)}
+        fields = {"task": task, "language": language, "timestamps": True, "prompt_ids": adapter.prompt_ids(prompt),
+                  **_word_fields(words)}
         _, logprobs, env = await _decode(state, adapter, model, samples, temperature, **fields)
         return _respond(adapter.long_transcript(logprobs, env, len(samples) / adapter.sample_rate, temperature),
                         response_format, task)
     parts: list[Transcript] = []
     previous: list[int] = []
     for i, window in enumerate(windows):
-        fields = {"task": task, "language": language, "timestamps": timestamps,
+        fields = {"task": task, "language": language, "timestamps": timestamps, **_word_fields(words),
                   "prompt_ids": adapter.prompt_ids(prompt if i == 0 else None, previous)}
         for temp in temperatures:
             tokens, logprobs, env = await _decode(state, adapter, model, window, temp, **fields)
@@ -83,6 +88,11 @@ async def transcribe(request: Request, state: Any, adapter: Any, model: str, sam
         parts.append(part)
         previous = [] if part.temperature > 0.5 else tokens  # openai-whisper: hot text does not condition the next
     return _respond(_joined(parts, len(samples) / adapter.sample_rate), response_format, task)
+
+
+def _word_fields(words: bool) -> dict[str, Any]:
+    # (only when asked: an adapter without word timestamps need not know the keyword)
+    return {"word_timestamps": True} if words else {}
 
 
 def _respond(transcript: Transcript, response_format: str, task: str) -> Any:
@@ -106,8 +116,9 @@ def _joined(parts: list[Transcript], duration: float) -> Transcript:
         text += part.text
     first = parts[0]
     avg = float(np.mean([p.avg_logprob for p in parts]))
+    words = None if first.words is None else tuple(w for p in parts for w in p.words or ())
     return Transcript(text.strip(), first.language, duration, tuple(segments), avg, first.no_speech_prob,
-                      first.temperature)
+                      first.temperature, words)
 
 
 def _stream(state: Any, adapter: Any, model: str, windows: list[np.ndarray], task: str, language: str | None,

@@ -2,7 +2,7 @@
 
 An adapter that serves route `transcriptions` turns an upload into its model's inputs (`transcription_inputs`) and the
 model's tokens into a `Transcript` (segments with times, average log-probability, compression ratio and no-speech
-probability); this module shapes it as `json`, `text`, `srt`, `vtt` or `verbose_json`, and decides Whisper's
+probability; words with times when asked); this module shapes it as `json`, `text`, `srt`, `vtt` or `verbose_json`, and decides Whisper's
 temperature fallback (openai-whisper's thresholds: a window is decoded again, hotter, when its text compresses too
 well or its tokens are too unlikely).
 """
@@ -48,6 +48,18 @@ class Segment:
 
 
 @attrs.frozen
+class TimedWord:
+    """A word of the transcript and when it is spoken (seconds into the audio), for verbose_json's `words`."""
+
+    word: str
+    start: float
+    end: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"word": self.word, "start": round(self.start, 2), "end": round(self.end, 2)}
+
+
+@attrs.frozen
 class Transcript:
     text: str
     language: str
@@ -56,6 +68,7 @@ class Transcript:
     avg_logprob: float
     no_speech_prob: float
     temperature: float = 0.0
+    words: tuple[TimedWord, ...] | None = None  # None: word timestamps were not asked for
 
     @property
     def compression_ratio(self) -> float:
@@ -88,6 +101,9 @@ def vtt(segments: Sequence[Segment]) -> str:
 
 
 def verbose_json(transcript: Transcript, task: str) -> dict[str, Any]:
-    return {"task": task, "language": transcript.language, "duration": transcript.duration, "text": transcript.text,
+    body = {"task": task, "language": transcript.language, "duration": transcript.duration, "text": transcript.text,
             "segments": [s.as_json() for s in transcript.segments],
             "usage": {"type": "duration", "seconds": transcript.duration}}
+    if transcript.words is not None:
+        body["words"] = [w.as_json() for w in transcript.words]
+    return body

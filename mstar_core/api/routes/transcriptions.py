@@ -1,7 +1,8 @@
 """POST /v1/audio/transcriptions: an audio file (multipart) in, its text out.
 
 A model with a `transcriptions` adapter (Whisper) is served by `requests.transcribe`: every response format (json,
-text, srt, vtt, verbose_json with segments), language detection, a text prompt, Whisper's temperature fallback and
+text, srt, vtt, verbose_json with segments, and words with their times when `timestamp_granularities` includes
+"word", which needs verbose_json), language detection, a text prompt, Whisper's temperature fallback and
 streamed text deltas. Otherwise any served model that hears audio in chat (`qwen3-omni`) is asked to transcribe,
 greedy unless `temperature` says otherwise, as follows.
 
@@ -9,7 +10,7 @@ greedy unless `temperature` says otherwise, as follows.
 text, usage}`; `language` is the request's, or "unknown": no language detection runs). `stream=true` answers
 server-sent events `transcript.text.delta` as the text is written, then `transcript.text.done`. The file is
 WAV, FLAC, OGG or MP3 (what libsndfile reads), bounded by the model's chat media limits (bytes and seconds)
-before it is decoded. `srt` and `vtt` need timestamps the model does not give: a 400.
+before it is decoded. `srt`, `vtt` and word timestamps need timestamps the model does not give: a 400.
 """
 
 from __future__ import annotations
@@ -55,15 +56,20 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
     request.state.model = model
     if (model, "transcriptions") in state.adapters:  # a speech-recognition model (Whisper)
         check_openai("temperature", temperature)
-        if timestamp_granularities and set(timestamp_granularities) - {"segment"}:
-            raise ApiError(400, "'timestamp_granularities' can be ['segment'] (word timestamps are not served)",
+        granularities = set(timestamp_granularities or ())
+        if granularities - {"segment", "word"}:
+            raise ApiError(400, f"'timestamp_granularities' takes 'segment' and 'word', not "
+                                f"{sorted(granularities - {'segment', 'word'})}", param="timestamp_granularities")
+        if "word" in granularities and response_format != "verbose_json":  # (OpenAI's rule: words need verbose_json)
+            raise ApiError(400, "'timestamp_granularities' with 'word' needs response_format verbose_json",
                            param="timestamp_granularities")
         limits = state.media_limits.get((model, "transcriptions")) or MediaLimits().with_env()
         raw = await file.read(limits.max_audio_bytes + 1)
         samples, rate = await asyncio.to_thread(decode_upload, raw, limits)  # (off the loop, as below)
         return await transcribe(request, state, state.adapter(model, "transcriptions"), model, samples, rate,
                                 task="transcribe", language=language, prompt=prompt, response_format=response_format,
-                                temperature=temperature, stream=stream, timestamps=bool(timestamp_granularities))
+                                temperature=temperature, stream=stream, timestamps=bool(timestamp_granularities),
+                                words="word" in granularities)
     adapter = state.adapter(model, "chat")
     if "audio" not in (getattr(adapter, "chat_media", ()) or ()):
         raise ApiError(400, f"model '{model}' does not take audio input, so it cannot transcribe", param="model")
@@ -72,6 +78,9 @@ async def create_transcription(request: Request, file: UploadFile, model: str = 
                             "(srt and vtt need timestamps this model does not give)", param="response_format")
     if stream and response_format == "verbose_json":
         raise ApiError(400, "'stream' gives text deltas; use response_format json or text", param="stream")
+    if "word" in (timestamp_granularities or ()):
+        raise ApiError(400, f"model '{model}' gives no timestamps, so no word timestamps; "
+                            "'timestamp_granularities' must leave out 'word'", param="timestamp_granularities")
     check_openai("temperature", temperature)  # a RequestError: a 400 naming the field
     if language is not None and (not language.isascii() or not 2 <= len(language) <= 8):
         raise ApiError(400, "'language' must be an ISO-639-1 code such as 'en'", param="language")

@@ -29,6 +29,7 @@ class WhisperConfig:
     max_source_positions: int
     max_target_positions: int
     activation_function: str = "gelu"
+    median_filter_width: int = 7  # word timestamps: the alignment weights' median filter along time
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> WhisperConfig:
@@ -44,7 +45,10 @@ class WhisperConfig:
         for side in ("encoder", "decoder"):
             if raw["d_model"] % raw[f"{side}_attention_heads"]:
                 raise ConfigError(f"whisper config.json: d_model must divide by {side}_attention_heads")
-        return cls(**{k: raw[k] for k in REQUIRED}, activation_function=act)
+        width = raw.get("median_filter_width", 7)
+        if type(width) is not int or width < 1 or width % 2 == 0:
+            raise ConfigError(f"whisper config.json: median_filter_width must be a positive odd integer, got {width!r}")
+        return cls(**{k: raw[k] for k in REQUIRED}, activation_function=act, median_filter_width=width)
 
     @property
     def head_dim(self) -> int:

@@ -8,12 +8,15 @@ detect:   decoder([SOT], cross_states) on label 'detect' (dropped after): the en
 prefill:  prompt -> [<|startofprev|> prev..., SOT, language, task, <|notimestamps|>?]
           decoder(prompt) on label 'main', cross-attending 'audio' -> first token
 decode:   loop: decoder(token) until end-of-text or max_tokens
+          (with word timestamps: the loop keeps its tokens, then align(encoder states, the window's text) -> per-token
+          times from the alignment heads' cross-attention, see alignment.py)
 longform: loop over 30-second windows of the whole clip's log-mel, from seek 0 until the clip's end:
             window(mel, seek) -> encoder -> decoder(prompt, new cross states; label 'main' reset)
-            -> loop decoder(token) -> seek: the window's segments, the next seek (after its last timestamp pair)
+            -> loop decoder(token) -> align (when word timestamps are asked) -> seek: the window's segments, the
+            next seek (after its last timestamp pair)
 ```
 
-A short request runs `encode, detect, prefill, decode`; a long one (over 30 s) `encode, detect, longform`, its first
+A short request runs `encode, detect, prefill, decode` (`decode_words` in place of `decode` for word timestamps); a long one (over 30 s) `encode, detect, longform`, its first
 window's features serving the language detection.
 
 Whisper's rules (suppressed tokens, timestamp pairs, language detection) are the decoder module's
@@ -28,6 +31,7 @@ from typing import Any
 from mstar_kvcache.walks import decode_iterations
 
 from mstar_core.graph import Copy, DynamicLoop, Graph, GraphNode, NodeCall, Sequential, Walk
+from mstar_whisper.alignment import WordAligner
 from mstar_whisper.config import WhisperTokens
 from mstar_whisper.longform import SeekNext, WindowFeatures
 
@@ -35,10 +39,16 @@ from mstar_whisper.longform import SeekNext, WindowFeatures
 AUDIO = "audio"
 WALKS = ("encode", "detect", "prefill", "decode")
 LONG_WALKS = ("encode", "detect", "longform")
+WORD_WALKS = ("encode", "detect", "prefill", "decode_words")
+#: what the alignment nodes read (the window's tokens arrive as `first_token` and the loop's `window_tokens`)
+ALIGN_INPUTS = ("encoder_states", "first_token", "window_tokens", "detected_language", "language_token", "task_token",
+                "content_frames", "word_timestamps")
 
 
 def _plan(env: Mapping[str, Any]) -> list[str]:
-    return list(LONG_WALKS if env.get("long_form") else WALKS)
+    if env.get("long_form"):
+        return list(LONG_WALKS)
+    return list(WORD_WALKS if env.get("word_timestamps") else WALKS)
 
 
 def _clip_done(env: Mapping[str, Any]) -> bool:
@@ -84,6 +94,10 @@ def build_graph(encoder: Any, decoder: Any, tokens: WhisperTokens, *, name: str 
         GraphNode("seek", inputs=("first_token", "window_tokens", "seek", "seek_frames", "time_offset"),
                   outputs=("next_seek", "window_result"), engine="function",
                   module=lambda: SeekNext(tokens.timestamp_begin, tokens.eot)),
+        GraphNode("align", inputs=ALIGN_INPUTS, outputs=("token_times",), engine="function",
+                  module=lambda: WordAligner(decoder, tokens, long_form=False)),
+        GraphNode("align_window", inputs=ALIGN_INPUTS, outputs=("token_times",), engine="function",
+                  module=lambda: WordAligner(decoder, tokens, long_form=True)),
     ]
     encode = Walk(name="encode", inputs=("input_features",), outputs=("encoder_states",),
                   body=NodeCall("encoder"), description="log-mel features of the 30-second window -> encoder states")
@@ -123,11 +137,26 @@ def build_graph(encoder: Any, decoder: Any, tokens: WhisperTokens, *, name: str 
     )
     step = NodeCall("decoder", inputs={"input_ids": "next_token", "sampling": "sampling"},
                     outputs={"next_token": "next_token", "finish_reason": "finish_reason", "logprob": "logprob"})
+    decode_words = Walk(
+        name="decode_words",
+        inputs=("next_token", "encoder_states", "detected_language", "language_token", "task_token", "content_frames",
+                "word_timestamps"),
+        optional_inputs=("sampling",), outputs=("next_token", "finish_reason", "token_times"),
+        emit=("next_token", "logprob"),
+        body=Sequential(
+            Copy(first_token="next_token"),
+            DynamicLoop(body=step, until=_finished, max_iters=decode_iterations("sampling"),
+                        accumulate={"next_token": "window_tokens"}),
+            NodeCall("align"),
+        ),
+        description="decode as `decode` does, keeping the tokens; then each text token's times from the alignment "
+                    "heads' cross-attention (word timestamps)",
+    )
     longform = Walk(
         name="longform",
         inputs=("mel", "max_frames", "seek", "detected_language", "language_token", "task_token", "timestamps",
-                "prev_ids"),
-        optional_inputs=("sampling",), outputs=("windows",), emit=("next_token", "logprob"),
+                "prev_ids", "word_timestamps"),
+        optional_inputs=("sampling",), outputs=("windows", "window_token_times"), emit=("next_token", "logprob"),
         body=DynamicLoop(
             body=Sequential(
                 NodeCall("window"),
@@ -140,11 +169,12 @@ def build_graph(encoder: Any, decoder: Any, tokens: WhisperTokens, *, name: str 
                 Copy(first_token="next_token", replace=True),
                 DynamicLoop(body=step, until=_finished, max_iters=decode_iterations("sampling"),
                             accumulate={"next_token": "window_tokens"}, index_name="token_index"),
+                NodeCall("align_window", inputs={"content_frames": "seek_frames"}),
                 NodeCall("seek"),
             ),
             until=_clip_done, max_iters=_max_windows, carry={"next_seek": "seek"},
-            accumulate={"window_result": "windows"}, index_name="window_index",
+            accumulate={"window_result": "windows", "token_times": "window_token_times"}, index_name="window_index",
         ),
         description="Whisper's sequential long-form: 30-second windows, each seeking after the last timestamp pair",
     )
-    return Graph.build(name, nodes, [encode, detect, prefill, decode, longform], plan=_plan)
+    return Graph.build(name, nodes, [encode, detect, prefill, decode, decode_words, longform], plan=_plan)

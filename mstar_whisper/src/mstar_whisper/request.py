@@ -30,6 +30,8 @@ def request_schema(tokens: WhisperTokens) -> RequestSchema:
             RequestField("task", "string", "transcribe, or translate into English", default="transcribe",
                          choices=("transcribe", "translate")),
             RequestField("timestamps", "boolean", "interleave timestamp tokens (segments)", default=False),
+            RequestField("word_timestamps", "boolean", "each text token's start and end (`token_times`) from the "
+                         "alignment heads' cross-attention", default=False),
             RequestField("prompt_ids", "array", "token ids of previous text to condition on", items="integer",
                          default=None, max_length=MAX_TOKENS - 1),
             RequestField("max_tokens", "integer", "the most tokens to write", default=MAX_TOKENS, minimum=1,
@@ -80,6 +82,9 @@ class WhisperRequest:
             "language_token": -1 if language is None else language,
             "task_token": task,
             "timestamps": bool(inputs["timestamps"]) or long_form,
+            "word_timestamps": bool(inputs["word_timestamps"]),
+            # mel frames that hold audio (the rest of the window is padding the alignment leaves out)
+            "content_frames": min(self.features.frames, audio.numel() // self.features.hop_length),
             "prev_ids": prev,
             "sampling": sampling,
             "audio_seconds": seconds,
