@@ -7,6 +7,8 @@ import zlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import attrs
+
 from mstar_core.cluster.worker_link import WorkerLink, WorkerLost
 from mstar_core.runtime.engine import Invocation
 
@@ -82,6 +84,8 @@ class RemoteNodeScheduler:
                              f"({', '.join(self.replicas)} restarting); retry the request shortly")
 
     def submit(self, invocation: Invocation) -> asyncio.Future:
+        if invocation.node != self.node:  # a composed model calls a part's node by its own name ('llm/lm')
+            invocation = attrs.evolve(invocation, node=self.node)
         return self.cluster.invoke(self.replica_for(invocation.request_id), self.model, invocation)
 
     def release(self, request_id: str) -> None:

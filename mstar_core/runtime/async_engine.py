@@ -246,9 +246,12 @@ class AsyncEngine:
         for node in loaded.graph.nodes:
             role, sep, inner = node.partition(NODE_SEP)
             if sep and role in runtimes:
-                engines[node] = runtimes[role].engines[inner]
+                # wherever the part's placement put the node (this process or a worker; a node placed per walk: its
+                # default scheduler), the composed model's calls go where the standalone model's go
                 schedulers[node] = runtimes[role].schedulers[inner]
-        own = set(loaded.graph.nodes) - set(engines)
+                if inner in runtimes[role].engines:  # (a node placed on a worker has its engine there)
+                    engines[node] = runtimes[role].engines[inner]
+        own = set(loaded.graph.nodes) - set(schedulers)
         unknown = set(settings or {}) - own
         if unknown:
             raise ConfigError(f"engine settings of composed model '{name}' name {sorted(unknown)}; only its own nodes "
@@ -256,8 +259,9 @@ class AsyncEngine:
         built = await self.build_local(loaded, settings or {}, own)
         engines.update(built)
         schedulers.update({n: self.local_scheduler(e) for n, e in built.items()})
-        self._models[name] = _ModelRuntime(loaded, engines, schedulers, borrowed=set(engines) - own)
+        self._models[name] = _ModelRuntime(loaded, engines, schedulers, borrowed=set(loaded.graph.nodes) - own)
         return loaded
+
 
     def _part_runtime(self, name: str, role: str, model: str) -> _ModelRuntime:
         runtime = self._models.get(model)
@@ -265,10 +269,6 @@ class AsyncEngine:
             known = ", ".join(sorted(self._models)) or "none"
             raise ConfigError(f"models.{name}.{role}: model '{model}' is not loaded (load it first, in the same deploy "
                               f"file); loaded: {known}")
-        if runtime.walk_schedulers or runtime.conductor.remote_loops or runtime.conductor.direct_streams or \
-                any(not isinstance(s, NodeScheduler) for s in runtime.schedulers.values()):
-            raise ConfigError(f"models.{name}.{role}: model '{model}' runs nodes in worker processes; a composition's "
-                              "parts run in this process for now (drop the part's placement)")
         if runtime.loaded.name in self.registry.compositions or "composition" in (runtime.loaded.extras or {}):
             raise ConfigError(f"models.{name}.{role}: model '{model}' is itself composed; compose loaded models")
         return runtime
@@ -523,7 +523,8 @@ class AsyncEngine:
         out = [(node, self.worker, _safe_stats(eng))
                for node, eng in runtime.engines.items() if node not in runtime.borrowed]  # (reported by their owner)
         seen = set()
-        for sched in [*runtime.schedulers.values(), *runtime.walk_schedulers.values()]:
+        own = [s for node, s in runtime.schedulers.items() if node not in runtime.borrowed]
+        for sched in [*own, *runtime.walk_schedulers.values()]:
             if not hasattr(sched, "replicas") or id(sched) in seen:
                 continue
             seen.add(id(sched))
