@@ -305,7 +305,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     ours = asyncio.run(mstar_side(checkpoint, phases, max_tokens, "int8" if args.compute_type == "int8" else None))
-    log(f"M* done in {time.perf_counter() - t0:.1f} s")
+    log(f"M* done in {time.perf_counter() - t0:.1f} s: " + ", ".join(
+        f"{k} wall {v['wall']:.1f} s cpu {v['cpu']:.1f} s" for k, v in ours.items()))  # (kept if the other side fails)
     with tempfile.TemporaryDirectory() as tmp:
         fw_phases = []
         for phase in phases:
