@@ -56,3 +56,14 @@ def test_packed_encoder_layer_matches_the_plain_one():
     x.requires_grad_(True)  # recording a backward: out-of-place ops, gradients flow
     packed(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_fused_qkv_is_dropped_when_the_layer_changes_dtype():
+    layer = _layer(3)
+    pack_linears(layer)
+    layer.to(torch.float64)  # new data under the same parameters: the fp32 copy no longer applies
+    h = torch.randn(1, 5, 64, dtype=torch.float64)
+    with torch.inference_mode():
+        got = layer.self_attn.qkv(h)
+    assert all(t.dtype == torch.float64 for t in got)
+    torch.testing.assert_close(got[1], h @ layer.self_attn.k_proj.weight.t())

@@ -72,14 +72,16 @@ class _EncoderProjections(_Projections):
             fused.bias.copy_(torch.cat([self.q_proj.bias, torch.zeros_like(self.q_proj.bias), self.v_proj.bias]))
         packed = pack_linears(fused, min_out)
         # a plain attribute, not a submodule: no second copy in `state_dict`, never loaded into
-        self.__dict__["fused_qkv"] = (fused, tuple((p.weight, p.weight._version) for p in parts))
+        self.__dict__["fused_qkv"] = (fused, tuple((p.weight, p.weight.data_ptr(), p.weight._version) for p in parts))
         return packed
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fused = self.__dict__.get("fused_qkv")
         parts = (self.q_proj, self.k_proj, self.v_proj)
+        # (the same parameters, unchanged in place and not given new data, as by `.to(dtype)`)
         if fused is not None and not torch.is_grad_enabled() and all(
-                p.weight is w and p.weight._version == v for p, (w, v) in zip(parts, fused[1], strict=True)):
+                p.weight is w and p.weight.data_ptr() == ptr and p.weight._version == v
+                for p, (w, ptr, v) in zip(parts, fused[1], strict=True)):
             return fused[0](h).chunk(3, dim=-1)
         return self.q_proj(h), self.k_proj(h), self.v_proj(h)
 
