@@ -12,6 +12,12 @@ Both sides decode greedily (faster-whisper's `beam_size=1, best_of=1`, `temperat
 the output), with the same `max_new_tokens`. faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
 concurrency (its documented way to run parallel `transcribe` calls). Clips are 30 s of espeak-ng speech (sentences,
 voices and speeds varied by clip; speech-like harmonics where espeak-ng is missing) ending in 0.1 s of silence.
+The full run adds 4 clips of 5 minutes (`--long-clips N` sets how many, in `--quick` too): Whisper's sequential long-form on both
+sides, timestamps on (M* seeks after each window's last timestamp pair; faster-whisper's `without_timestamps=False`,
+the rest as above), at c=1 and c=8, reported under `long` with the same figures. Random weights write timestamps
+where they like, so the two sides may cut a clip into different windows: `long.text_tokens_c1` gives each side's
+text tokens beside the timings.
+
 Figures: audio seconds per wall second at c=8, latency p50 / p99 at c=1, CPU seconds per audio minute (each side's
 process, all its threads), the ratios (M* over faster-whisper for throughput and latency; faster-whisper's CPU seconds
 over M*'s for `cpu_time_ratio_c8`, higher is better for M*), and the fraction of clips whose text both sides wrote
@@ -38,7 +44,7 @@ Why `text_agreement` is 0 (measured, and printed beside it):
   under the fp32 rounding differences between the two encoders (~1e-4): about half of the tokens before the first
   difference at base size, 0.63 at tiny size.
 
-    python benchmarks/whisper.py [--quick] [--compute-type float32|int8]
+    python benchmarks/whisper.py [--quick] [--compute-type float32|int8] [--long-clips N]
 
 Final line: JSON with `throughput_ratio_c8`, `latency_p50_ratio_c1`, `text_agreement`, `cpu_flags`, ...
 """
@@ -73,6 +79,8 @@ SIZES = {
 #: what real checkpoints suppress beside their text list: the task and start tokens and <|nospeech|> (faster-whisper,
 #: like openai-whisper, suppresses them whatever the config says; the random checkpoints say it too, so both agree)
 SPECIAL_SUPPRESS = [50358, 50359, 50360, 50361, 50362]
+#: the long clips' length: ten 30-second windows or more each (more where a window seeks back to its last timestamp)
+LONG_SECONDS = 300.0
 #: the prompt M* (and transformers) write for language "en", task transcribe, no timestamps
 MSTAR_PROMPT = [50258, 50259, 50359, 50363]
 
@@ -81,25 +89,28 @@ import json, sys, time, numpy as np
 from concurrent.futures import ThreadPoolExecutor
 from faster_whisper import WhisperModel
 args = json.loads(sys.argv[1])
-clips = [np.load(p) for p in args["clips"]]
 out = {}
-for conc in args["concurrency"]:
-    model = WhisperModel(args["model"], device="cpu", compute_type=args["compute_type"], cpu_threads=args["threads"],
-                         num_workers=conc)
-    def one(audio):
-        t0 = time.perf_counter()
-        segments, _ = model.transcribe(audio, language="en", task="transcribe", beam_size=1, best_of=1, temperature=0.0,
-                                       without_timestamps=True, condition_on_previous_text=False, vad_filter=False,
-                                       max_new_tokens=args["max_new_tokens"], suppress_blank=True, log_progress=False,
-                                       suppress_tokens=args["suppress_tokens"])
-        segs = list(segments)
-        return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
-    one(clips[0])  # warm-up
-    c0, t0 = time.process_time(), time.perf_counter()
-    with ThreadPoolExecutor(conc) as pool:
-        res = list(pool.map(one, clips))
-    out[str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                      "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+for phase in args["phases"]:
+    clips = [np.load(p) for p in phase["clips"]]
+    for conc in phase["concurrency"]:
+        model = WhisperModel(args["model"], device="cpu", compute_type=args["compute_type"], cpu_threads=args["threads"],
+                             num_workers=conc)
+        def one(audio):
+            t0 = time.perf_counter()
+            segments, _ = model.transcribe(audio, language="en", task="transcribe", beam_size=1, best_of=1,
+                                           temperature=0.0, without_timestamps=not phase["timestamps"],
+                                           condition_on_previous_text=False, vad_filter=False,
+                                           max_new_tokens=args["max_new_tokens"], suppress_blank=True,
+                                           log_progress=False, suppress_tokens=args["suppress_tokens"])
+            segs = list(segments)
+            return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
+        one(clips[0][:480000])  # warm-up (one window)
+        c0, t0 = time.process_time(), time.perf_counter()
+        with ThreadPoolExecutor(conc) as pool:
+            res = list(pool.map(one, clips))
+        out[phase["label"] + str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                                           "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+clips = [np.load(p) for p in args["phases"][0]["clips"]]
 # the diagnostic: CTranslate2's own greedy generate on faster-whisper's features of each clip, with M*'s prompt
 from faster_whisper.transcribe import get_suppressed_tokens
 from faster_whisper.tokenizer import Tokenizer
@@ -220,8 +231,8 @@ def clips(n: int, seconds: float) -> list[np.ndarray]:
     return out
 
 
-async def mstar_side(checkpoint: Path, audio: list[np.ndarray], concurrency: list[int], max_tokens: int,
-                     quantize: str | None) -> dict:
+async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quantize: str | None) -> dict:
+    """Each phase's clips at each of its concurrencies: wall, process CPU, latencies and text tokens, by label + c."""
     from mstar_core.model import LoadOptions
     from mstar_core.runtime import AsyncEngine
 
@@ -236,20 +247,21 @@ async def mstar_side(checkpoint: Path, audio: list[np.ndarray], concurrency: lis
         await handle.result()
         return time.perf_counter() - t0, [t for t in tokens if t < 50257]
 
-    await one(audio[0])  # warm-up
+    await one(phases[0]["audio"][0])  # warm-up
     out = {}
     try:
-        for conc in concurrency:
-            sem = asyncio.Semaphore(conc)
+        for phase in phases:
+            for conc in phase["concurrency"]:
+                sem = asyncio.Semaphore(conc)
 
-            async def limited(a, sem=sem):
-                async with sem:
-                    return await one(a)
+                async def limited(a, sem=sem):
+                    async with sem:
+                        return await one(a)
 
-            c0, t0 = time.process_time(), time.perf_counter()
-            res = await asyncio.gather(*(limited(a) for a in audio))
-            out[str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                              "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+                c0, t0 = time.process_time(), time.perf_counter()
+                res = await asyncio.gather(*(limited(a) for a in phase["audio"]))
+                out[phase["label"] + str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                                                   "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
     finally:
         await engine.close()
     return out
@@ -271,6 +283,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="whisper-tiny size, 4 clips of 30 s, 16 tokens (under a minute once installed)")
     parser.add_argument("--compute-type", default="float32", choices=("float32", "int8"))
+    parser.add_argument("--long-clips", type=int, default=None,
+                        help="clips of 5 minutes (Whisper's sequential long-form): 4 in the full run, none in --quick")
     args = parser.parse_args()
     # clips of exactly 30 s: both sides then compute the log-mel of the same samples (see the docstring)
     n, seconds, max_tokens, size = (4, 30.0, 16, "tiny") if args.quick else (16, 30.0, 96, "base")
@@ -279,20 +293,30 @@ def main() -> None:
     fw_python = ensure_faster_whisper()
     checkpoint = ensure_checkpoint(size)
     ct2 = ensure_ct2(fw_python, checkpoint, args.compute_type)
-    audio = clips(n, seconds)
-    total_seconds = n * seconds
     concurrency = [1, 8]
+    # short: one 30-second window per clip, no timestamps; long (full run only): Whisper's sequential long-form,
+    # timestamps on both sides (M* seeks by them; faster-whisper too, with its documented defaults otherwise)
+    phases = [{"label": "short", "audio": clips(n, seconds), "concurrency": concurrency, "timestamps": False}]
+    long_clips = (0 if args.quick else 4) if args.long_clips is None else args.long_clips
+    if long_clips:
+        phases.append({"label": "long", "audio": clips(long_clips, LONG_SECONDS), "concurrency": concurrency,
+                       "timestamps": True})
+    total_seconds = n * seconds
 
     t0 = time.perf_counter()
-    ours = asyncio.run(mstar_side(checkpoint, audio, concurrency, max_tokens,
-                                  "int8" if args.compute_type == "int8" else None))
-    log(f"M* done in {time.perf_counter() - t0:.1f} s")
+    ours = asyncio.run(mstar_side(checkpoint, phases, max_tokens, "int8" if args.compute_type == "int8" else None))
+    log(f"M* done in {time.perf_counter() - t0:.1f} s: " + ", ".join(
+        f"{k} wall {v['wall']:.1f} s cpu {v['cpu']:.1f} s" for k, v in ours.items()))  # (kept if the other side fails)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = []
-        for i, a in enumerate(audio):
-            paths.append(str(Path(tmp) / f"clip{i}.npy"))
-            np.save(paths[-1], a)
-        spec = {"model": str(ct2), "clips": paths, "concurrency": concurrency, "compute_type": args.compute_type,
+        fw_phases = []
+        for phase in phases:
+            paths = []
+            for i, a in enumerate(phase["audio"]):
+                paths.append(str(Path(tmp) / f"{phase['label']}{i}.npy"))
+                np.save(paths[-1], a)
+            fw_phases.append({"label": phase["label"], "clips": paths, "concurrency": phase["concurrency"],
+                              "timestamps": phase["timestamps"]})
+        spec = {"model": str(ct2), "phases": fw_phases, "compute_type": args.compute_type,
                 "threads": threads, "max_new_tokens": max_tokens, "suppress_tokens": SPECIAL_SUPPRESS,
                 "prompt": MSTAR_PROMPT}
         t0 = time.perf_counter()
@@ -303,15 +327,15 @@ def main() -> None:
         theirs = json.loads(run.stdout.strip().splitlines()[-1])
         log(f"faster-whisper done in {time.perf_counter() - t0:.1f} s")
 
-    def figures(side: dict) -> dict:
-        c1, c8 = side["1"], side["8"]
-        return {"audio_s_per_wall_s_c8": total_seconds / c8["wall"], "latency_p50_c1": float(np.median(c1["latency"])),
+    def figures(side: dict, label: str = "short", seconds: float = total_seconds) -> dict:
+        c1, c8 = side[label + "1"], side[label + "8"]
+        return {"audio_s_per_wall_s_c8": seconds / c8["wall"], "latency_p50_c1": float(np.median(c1["latency"])),
                 "latency_p99_c1": float(np.percentile(c1["latency"], 99)),
-                "cpu_s_per_audio_min_c8": c8["cpu"] / (total_seconds / 60),
-                "cpu_s_per_audio_min_c1": c1["cpu"] / (total_seconds / 60)}
+                "cpu_s_per_audio_min_c8": c8["cpu"] / (seconds / 60),
+                "cpu_s_per_audio_min_c1": c1["cpu"] / (seconds / 60)}
 
     m, f = figures(ours), figures(theirs)
-    same = sum(a == b for a, b in zip(ours["1"]["tokens"], theirs["1"]["tokens"], strict=True))
+    same = sum(a == b for a, b in zip(ours["short1"]["tokens"], theirs["short1"]["tokens"], strict=True))
     result = {
         "benchmark": "whisper", "quick": args.quick, "size": size, "compute_type": args.compute_type, "clips": n,
         "clip_seconds": seconds, "max_new_tokens": max_tokens, "threads": threads,
@@ -332,13 +356,24 @@ def main() -> None:
         # and the agreement when CTranslate2's own greedy generate gets M*'s prompt on faster-whisper's features
         "faster_whisper_prompt": theirs["prompt"], "mstar_prompt": MSTAR_PROMPT,
         "faster_whisper_multilingual": theirs["multilingual"],
-        "text_agreement_ct2_same_prompt": sum(a == b for a, b in zip(ours["1"]["tokens"], theirs["same_prompt_tokens"],
+        "text_agreement_ct2_same_prompt": sum(a == b for a, b in zip(ours["short1"]["tokens"], theirs["same_prompt_tokens"],
                                                                      strict=True)) / n,
         # tokens the two agree on before they first differ, over all clips' tokens (random weights leave near-ties
         # that fp32 rounding differences between the two encoders flip)
-        "token_prefix_agreement_ct2_same_prompt": _prefix_agreement(ours["1"]["tokens"], theirs["same_prompt_tokens"]),
+        "token_prefix_agreement_ct2_same_prompt": _prefix_agreement(ours["short1"]["tokens"], theirs["same_prompt_tokens"]),
         "cpu_flags": cpu_flags(),
     }
+    if len(phases) > 1:  # the long clips: the same figures, and the text tokens each side wrote (windows differ)
+        long_seconds = long_clips * LONG_SECONDS
+        ml, fl = figures(ours, "long", long_seconds), figures(theirs, "long", long_seconds)
+        result["long"] = {
+            "clips": long_clips, "clip_seconds": LONG_SECONDS, "mstar": ml, "faster_whisper": fl,
+            "faster_whisper_settings": {"without_timestamps": False, "condition_on_previous_text": False},
+            "throughput_ratio_c8": ml["audio_s_per_wall_s_c8"] / fl["audio_s_per_wall_s_c8"],
+            "latency_p50_ratio_c1": ml["latency_p50_c1"] / fl["latency_p50_c1"],
+            "cpu_time_ratio_c8": fl["cpu_s_per_audio_min_c8"] / ml["cpu_s_per_audio_min_c8"],
+            "text_tokens_c1": [sum(map(len, ours["long1"]["tokens"])), sum(map(len, theirs["long1"]["tokens"]))],
+        }
     print(json.dumps(result))
 
 

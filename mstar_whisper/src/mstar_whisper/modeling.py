@@ -13,9 +13,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_core.nn.cross_attention import CrossAttention
+from mstar_core.nn.packed import PackedLinear, pack_linears
 from mstar_core.nn.tied_head import TiedLMHead
 from mstar_whisper.config import WhisperConfig, WhisperTokens
 from mstar_whisper.rules import WhisperLogitsRules
+
+
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    """GELU of a fresh activation, in place when nothing records it for a backward pass (the encoder's [1500, ffn]
+    activations: one pass over memory instead of a read, a write and a new allocation's page faults)."""
+    return F.gelu(h) if torch.is_grad_enabled() else torch.ops.aten.gelu_(h)
+
+
+def _add_residual(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`x + delta`, written into `delta` (a linear's fresh output; the same sum, no new tensor) when not recording."""
+    return x + delta if torch.is_grad_enabled() else delta.add_(x)
 
 
 class _Projections(nn.Module):
@@ -35,21 +47,56 @@ class _MLP(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        return _add_residual(self.fc2(_gelu(self.fc1(self.final_layer_norm(x)))), x)
+
+
+class _EncoderProjections(_Projections):
+    """The encoder's projections, q, k and v run as one GEMM over a 30-second window's 1500 rows.
+
+    The checkpoint's three linears stay the module's parameters (names, loading, `state_dict`); `pack_own_linears`
+    (called by `pack_linears` at load) derives one `[3d, d]` linear from them, k's missing bias as zeros, so each
+    window's normed rows are read once instead of three times. Each output is the same FMA chain over its inputs as in
+    its own linear (M*'s fp32 panels sum an output in input order whatever the panel holds), and adding k's zero bias
+    changes no bit, so the fused outputs equal the three linears' exactly. The derived copy is used only while the
+    three weights are the ones it was made from.
+    """
+
+    def pack_own_linears(self, min_out: int) -> int:
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(p) not in (nn.Linear, PackedLinear) for p in parts):  # (wrapped, e.g. by an adapter: run them)
+            return 0
+        with torch.no_grad():
+            fused = nn.Linear(self.q_proj.in_features, 3 * self.q_proj.out_features, device=self.q_proj.weight.device,
+                              dtype=self.q_proj.weight.dtype).requires_grad_(False)
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            fused.bias.copy_(torch.cat([self.q_proj.bias, torch.zeros_like(self.q_proj.bias), self.v_proj.bias]))
+        packed = pack_linears(fused, min_out)
+        # a plain attribute, not a submodule: no second copy in `state_dict`, never loaded into
+        self.__dict__["fused_qkv"] = (fused, tuple((p.weight, p.weight.data_ptr(), p.weight._version) for p in parts))
+        return packed
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fused = self.__dict__.get("fused_qkv")
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        # (the same parameters, unchanged in place and not given new data, as by `.to(dtype)`)
+        if fused is not None and not torch.is_grad_enabled() and all(
+                p.weight is w and p.weight.data_ptr() == ptr and p.weight._version == v
+                for p, (w, ptr, v) in zip(parts, fused[1], strict=True)):
+            return fused[0](h).chunk(3, dim=-1)
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
 
 
 class EncoderLayer(_MLP):
     def __init__(self, d: int, heads: int, ffn: int):
         super().__init__(d, ffn)
-        self.self_attn = _Projections(d, heads)
+        self.self_attn = _EncoderProjections(d, heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, (b, t, d) = self.self_attn, x.shape
-        h = self.self_attn_layer_norm(x)
-        q, k, v = (p(h).view(b, t, a.heads, a.head_dim).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k, v = (p.view(b, t, a.heads, a.head_dim).transpose(1, 2) for p in a.qkv(self.self_attn_layer_norm(x)))
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
-        return self.mlp(x + a.out_proj(out))
+        return self.mlp(_add_residual(a.out_proj(out), x))
 
 
 class WhisperEncoder(nn.Module):
@@ -69,7 +116,7 @@ class WhisperEncoder(nn.Module):
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         if input_features.shape[-1] != self.frames:
             raise ValueError(f"whisper's encoder takes {self.frames} mel frames (30 s), got {input_features.shape[-1]}")
-        x = F.gelu(self.conv2(F.gelu(self.conv1(input_features.to(self.conv1.weight.dtype)))))
+        x = _gelu(self.conv2(_gelu(self.conv1(input_features.to(self.conv1.weight.dtype)))))
         x = x.transpose(1, 2) + self.embed_positions.weight
         for layer in self.layers:
             x = layer(x)
