@@ -156,8 +156,8 @@ async def composed_turn(srv: Server, turn: np.ndarray, max_tokens: int) -> dict:
         await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
                                            "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": VAD}}})
         await conn.recv()
-        for chunk in (silence(0.2), turn, silence(0.5)):
-            await conn.input_audio_buffer.append(audio=b64(chunk))
+        # the turn as a microphone sends it: in real time, 20 ms at a time, while the events are read
+        speaking = asyncio.ensure_future(send_live(conn, np.concatenate([silence(0.2), turn, silence(0.6)])))
         stop_at, arrivals = None, []
         async for ev in conn:
             now = time.perf_counter()
@@ -169,8 +169,17 @@ async def composed_turn(srv: Server, turn: np.ndarray, max_tokens: int) -> dict:
                 break
             elif ev.type == "error":
                 raise RuntimeError(ev.error)
+        await speaking
     return {"first": arrivals[0][0] - stop_at if arrivals and stop_at else None, "arrivals": arrivals, "end": now,
             "start": stop_at}
+
+
+async def send_live(conn, pcm: np.ndarray, step_s: float = 0.02) -> None:
+    """`pcm` appended in real time, `step_s` at a time (on schedule: a late append does not shift the rest)."""
+    step, t0 = int(step_s * RATE), time.perf_counter()
+    for k, at in enumerate(range(0, pcm.size, step)):
+        await conn.input_audio_buffer.append(audio=b64(pcm[at:at + step]))
+        await asyncio.sleep(max(0.0, t0 + (k + 1) * step_s - time.perf_counter()))
 
 
 async def barge_in(srv: Server, turn: np.ndarray) -> float:
@@ -260,9 +269,9 @@ async def chained_turn(asr: Server, llm: Server, tts: Server, turn: np.ndarray, 
 
 
 async def concurrent(make, n: int) -> dict:
-    t0 = time.perf_counter()
     turns = await asyncio.gather(*(make() for _ in range(n)))
-    wall = time.perf_counter() - t0
+    # from the first turn's end of speech to the last reply's end (a composed turn's speaking time is not counted)
+    wall = max(t["end"] for t in turns) - min(t["start"] for t in turns if t["start"] is not None)
     audio = sum(s for t in turns for _, s in t["arrivals"])
     spoken = [t for t in turns if t["arrivals"]]
     return {"audio_per_second": audio / wall, "viability": sum(stalls(t["arrivals"]) == 0 for t in spoken) /
