@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from pathlib import Path
 
@@ -300,3 +301,42 @@ def test_a_held_reply_is_not_seen_before_the_stop(agent_server):
     assert all(not k.startswith("response.") for k in kinds[:stop]), kinds[:stop]
     assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
     assert "response.output_audio.delta" in kinds
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_tool_call_round_trip_the_agent_calls_then_speaks_the_answer(agent_server):
+    """`tool_choice: required`: the chat model's reply is held to the tools' grammar, so even random weights write a
+    call; it comes out as a function-call item (not spoken); the client's output for it and `response.create` get a
+    spoken reply whose prompt holds the call and its result."""
+
+    async def go():
+        async with client(agent_server).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["audio"], max_output_tokens=200, temperature=0, tools=[WEATHER],
+                        tool_choice="required", audio={"input": {"turn_detection": VAD}})
+            called: list = []
+            await conn.input_audio_buffer.append(audio=b64(np.concatenate([silence(0.3), speech(), silence(0.8)])))
+            first = await until(conn, "response.done", called)
+            call = next(i for i in first.response.output if i.type == "function_call")
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": json.dumps({"sky": "clear", "celsius": 21})})
+            await until(conn, "conversation.item.done")
+            await conn.response.create(response={"tool_choice": "auto", "max_output_tokens": 12})
+            answered: list = []
+            second = await until(conn, "response.done", answered)
+            return first, called, second, answered
+
+    first, called, second, answered = asyncio.run(asyncio.wait_for(go(), 120))
+    assert first.response.status == "completed", first.response.status_details
+    call = next(i for i in first.response.output if i.type == "function_call")
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    kinds = types(called)
+    assert "response.function_call_arguments.done" in kinds
+    assert "response.output_audio.delta" not in kinds  # the call is an item, never spoken
+    assert second.response.status in ("completed", "incomplete"), second.response.status_details
+    assert "response.output_audio.delta" in types(answered)
+    # the second prompt is the first's, the call and its result: more than the call's arguments longer
+    assert second.response.usage.input_tokens > first.response.usage.input_tokens + len(call.arguments) // 4
