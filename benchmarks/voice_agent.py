@@ -6,10 +6,14 @@ run, the same bounds on both sides (reply `--max-tokens`, each spoken piece `--f
 sentence/clause/word-count chunking: `TextChunker` on the client, `TextChunkPolicy` in the graph).
 
 - `first_audio_ms_c1`: from the end of the user's speech (the composed side: the server VAD's
-  `input_audio_buffer.speech_stopped`, the response starts there; the chained side: the moment its client has the
-  whole turn, which is when it posts the transcription) to the first audio bytes of the reply; median over `--runs`
-  turns after one untimed turn each. `first_audio_ratio_c1`: composed over chained (target <= 0.6).
-- `audio_per_second_c8`: seconds of reply audio delivered per wall second with 8 turns at once (both sides).
+  `input_audio_buffer.speech_stopped`; the chained side: the moment its client has the whole turn, which is when it
+  posts the transcription) to the first audio bytes of the reply; median over `--runs` turns after one untimed turn
+  each. `first_audio_ratio_c1`: composed over chained (target <= 0.6). The composed client streams its turn as a
+  microphone does (in real time, 20 ms at a time); the server starts the reply preemptively at a pause (100 ms of
+  silence) and releases it at the stop, 400 ms later, when the stop commits the same samples (the chain, as
+  clients chain servers, starts at the turn's end).
+- `audio_per_second_c8`: seconds of reply audio delivered per wall second with 8 turns at once (both sides; wall
+  from the first turn's end of speech to the last reply's end).
 - `viability_c8`: the share of those 8 composed turns whose playback never runs dry once started (played in real time
   from the first chunk; a chunk arriving more than 1 ms after the audio before it ended is a stall). Target >= 0.95.
 - `barge_in_ms`: speech sent while the agent speaks: `input_audio_buffer.speech_started` to `response.done`
@@ -314,7 +318,7 @@ def main() -> None:
     turn = spoken_turn()
     with tempfile.TemporaryDirectory() as tmp:
         agent = Server(["--config", str(deploy_file(Path(tmp), args.frames))])
-        chain = [] if args.quick else [Server([m]) for m in ("whisper", "llama", "qwen3-tts")]
+        chain = [] if args.quick else [Server([m, "--preset", "tiny"]) for m in ("whisper", "llama", "qwen3-tts")]
         try:
             agent.wait()
             for srv in chain:
