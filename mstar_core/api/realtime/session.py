@@ -43,9 +43,9 @@ class Speculation:
     item: Item  # the user's turn as it would be committed (its audio: the same samples a stop at the pause takes)
     start: int  # stream samples of the turn's audio
     end: int
-    config: Any  # the session's settings, conversation items and last response it was started under
-    before: list[Item]
-    last: ResponseRun | None
+    config: Any  # the session's settings it was started under,
+    before: list[Item]  # the conversation's items before the turn,
+    last: ResponseRun | None  # and the last response (the next prompt splices its ids in)
 
 
 #: A closing session whose conversation held this much (decoded media, audio) has malloc hand it back.
@@ -327,7 +327,8 @@ class RealtimeSession:
                                   previous_item_id=self.conversation.last_id))
             raise EventError(f"model '{self.bridge.model}' does not take audio input; send text items "
                              "(conversation.item.create with input_text)", code="audio_not_supported")
-        item = item or Item(item_id, "message", role="user", content_type="input_audio", audio=segment.copy())
+        if item is None:
+            item = Item(item_id, "message", role="user", content_type="input_audio", audio=segment.copy())
         previous = self.conversation.add(item)
         await self.emit(event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
         await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
