@@ -186,7 +186,18 @@ async def send_live(conn, pcm: np.ndarray, step_s: float = 0.02) -> None:
         await asyncio.sleep(max(0.0, t0 + (k + 1) * step_s - time.perf_counter()))
 
 
-async def barge_in(srv: Server, turn: np.ndarray) -> float:
+async def barge_in(srv: Server, turn: np.ndarray, attempts: int = 3) -> tuple[float, float]:
+    """(speech_started -> response.done ms, interrupting audio sent -> response.done ms) of the first of `attempts`
+    turns whose reply is still going when the interruption is detected (random weights may end a reply within
+    milliseconds of its first audio; a reply started at a pause may be whole when the stop releases it)."""
+    for _ in range(attempts):
+        got = await barge_in_once(srv, turn)
+        if got[0] == got[0]:
+            return got
+    return float("nan"), float("nan")
+
+
+async def barge_in_once(srv: Server, turn: np.ndarray) -> tuple[float, float]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY)
@@ -308,12 +319,12 @@ def phase(name: str, t0: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=None, help="timed turns a side at c=1 (default 5, --quick 2)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--frames", type=int, default=48)
     args = parser.parse_args()
-    runs = 2 if args.quick else args.runs
+    runs = args.runs or (2 if args.quick else 5)
     clock = [time.perf_counter()]
     turn = spoken_turn()
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,8 +80,7 @@ class RealtimeSession:
         self.last_response: ResponseRun | None = None
         self.stopped = asyncio.Event()  # set when the client stopped reading
         #: start a turn's reply after this much silence, before the VAD's stop (a voice agent's; None: at the stop)
-        self.preemptive_ms = limits.preemptive_after_ms if getattr(bridge, "kind", None) == "agent" and \
-            limits.preemptive_after_ms >= 0 else None
+        self.preemptive_ms = limits.preemptive_after_ms if getattr(bridge, "kind", None) == "agent" else None
         self.speculation: Speculation | None = None
         self._vad_events = 0  # VAD events seen so far: a speculation started before one came is stale
         if detector:
