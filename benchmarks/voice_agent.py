@@ -2,8 +2,9 @@
 realtime socket) against the same three models served by M* servers and chained by a client over HTTP, the way
 voice agents are built today (transcriptions -> streamed chat completion -> speech per sentence, as Pipecat and
 LiveKit chain an ASR, an LLM and a TTS service). Tiny presets (random weights, the published structures), the same
-run, the same bounds on both sides (reply `--max-tokens`, each spoken piece `--frames` frames, the same
-sentence/clause/word-count chunking: `TextChunker` on the client, `TextChunkPolicy` in the graph).
+run, the same bounds on both sides (reply `--max-tokens`, each spoken piece `--frames` frames: `ignore_eos`, so a
+random Talker's early stop does not end a piece within a few frames, and a barge-in finds the agent still speaking;
+the same sentence/clause/word-count chunking: `TextChunker` on the client, `TextChunkPolicy` in the graph).
 
 - `first_audio_ms_c1`: from the end of the user's speech (the composed side: the server VAD's
   `input_audio_buffer.speech_stopped`; the chained side: the moment its client has the whole turn, which is when it
@@ -103,7 +104,7 @@ def deploy_file(directory: Path, frames: int) -> Path:
     path.write_text(
         "models:\n  whisper: {preset: tiny}\n  llama: {preset: tiny}\n  qwen3-tts: {preset: tiny}\n"
         "  agent: {compose: voice_agent, asr: whisper, llm: llama, tts: qwen3-tts,\n"
-        f"          options: {{speech_options: {{max_frames: {frames}}}}}}}\n")
+        f"          options: {{speech_options: {{max_frames: {frames}, ignore_eos: true}}}}}}\n")
     return path
 
 
@@ -250,7 +251,7 @@ async def chained_turn(asr: Server, llm: Server, tts: Server, turn: np.ndarray, 
         async def speak() -> None:
             while (piece := await pieces.get()) is not None:
                 body = {"model": "qwen3-tts", "input": piece, "voice": None, "response_format": "pcm",
-                        "max_frames": frames}
+                        "max_frames": frames, "ignore_eos": True}
                 body = {k: v for k, v in body.items() if v is not None}
                 async with http.stream("POST", tts.url + "/v1/audio/speech", json=body) as resp:
                     resp.raise_for_status()
@@ -294,8 +295,8 @@ async def concurrent(make, n: int) -> dict:
 
 
 def tts_step_ms(srv: Server, frames: int) -> float:
-    """The TTS's time to its first 25-frame window alone (a streamed /v1/audio/speech: first bytes; a random-weight
-    Talker may end sooner: then it is the whole piece)."""
+    """The TTS's time to its first 25-frame window alone (a streamed /v1/audio/speech: first bytes; 26 frames, EOS
+    ignored, so the window is whole)."""
     import httpx
 
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
@@ -303,7 +304,8 @@ def tts_step_ms(srv: Server, frames: int) -> float:
         for _ in range(2):
             t0 = time.perf_counter()
             with http.stream("POST", srv.url + "/v1/audio/speech", json={
-                    "model": "qwen3-tts", "input": "Hello there.", "response_format": "pcm", "max_frames": 26}) as resp:
+                    "model": "qwen3-tts", "input": "Hello there.", "response_format": "pcm", "max_frames": 26,
+                    "ignore_eos": True}) as resp:
                 for data in resp.iter_bytes():
                     if data:
                         times.append(time.perf_counter() - t0)
