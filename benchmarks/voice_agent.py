@@ -2,14 +2,19 @@
 realtime socket) against the same three models served by M* servers and chained by a client over HTTP, the way
 voice agents are built today (transcriptions -> streamed chat completion -> speech per sentence, as Pipecat and
 LiveKit chain an ASR, an LLM and a TTS service). Tiny presets (random weights, the published structures), the same
-run, the same bounds on both sides (reply `--max-tokens`, each spoken piece `--frames` frames, the same
-sentence/clause/word-count chunking: `TextChunker` on the client, `TextChunkPolicy` in the graph).
+run, the same bounds on both sides (reply `--max-tokens`, each spoken piece `--frames` frames: `ignore_eos`, so a
+random Talker's early stop does not end a piece within a few frames, and a barge-in finds the agent still speaking;
+the same sentence/clause/word-count chunking: `TextChunker` on the client, `TextChunkPolicy` in the graph).
 
 - `first_audio_ms_c1`: from the end of the user's speech (the composed side: the server VAD's
-  `input_audio_buffer.speech_stopped`, the response starts there; the chained side: the moment its client has the
-  whole turn, which is when it posts the transcription) to the first audio bytes of the reply; median over `--runs`
-  turns after one untimed turn each. `first_audio_ratio_c1`: composed over chained (target <= 0.6).
-- `audio_per_second_c8`: seconds of reply audio delivered per wall second with 8 turns at once (both sides).
+  `input_audio_buffer.speech_stopped`; the chained side: the moment its client has the whole turn, which is when it
+  posts the transcription) to the first audio bytes of the reply; median over `--runs` turns after one untimed turn
+  each. `first_audio_ratio_c1`: composed over chained (target <= 0.6). The composed client streams its turn as a
+  microphone does (in real time, 20 ms at a time); the server starts the reply preemptively at a pause (100 ms of
+  silence) and releases it at the stop, 400 ms later, when the stop commits the same samples (the chain, as
+  clients chain servers, starts at the turn's end).
+- `audio_per_second_c8`: seconds of reply audio delivered per wall second with 8 turns at once (both sides; wall
+  from the first turn's end of speech to the last reply's end).
 - `viability_c8`: the share of those 8 composed turns whose playback never runs dry once started (played in real time
   from the first chunk; a chunk arriving more than 1 ms after the audio before it ended is a stall). Target >= 0.95.
 - `barge_in_ms`: speech sent while the agent speaks: `input_audio_buffer.speech_started` to `response.done`
@@ -99,7 +104,7 @@ def deploy_file(directory: Path, frames: int) -> Path:
     path.write_text(
         "models:\n  whisper: {preset: tiny}\n  llama: {preset: tiny}\n  qwen3-tts: {preset: tiny}\n"
         "  agent: {compose: voice_agent, asr: whisper, llm: llama, tts: qwen3-tts,\n"
-        f"          options: {{speech_options: {{max_frames: {frames}}}}}}}\n")
+        f"          options: {{speech_options: {{max_frames: {frames}, ignore_eos: true}}}}}}\n")
     return path
 
 
@@ -156,8 +161,8 @@ async def composed_turn(srv: Server, turn: np.ndarray, max_tokens: int) -> dict:
         await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
                                            "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": VAD}}})
         await conn.recv()
-        for chunk in (silence(0.2), turn, silence(0.5)):
-            await conn.input_audio_buffer.append(audio=b64(chunk))
+        # the turn as a microphone sends it: in real time, 20 ms at a time, while the events are read
+        speaking = asyncio.ensure_future(send_live(conn, np.concatenate([silence(0.2), turn, silence(0.6)])))
         stop_at, arrivals = None, []
         async for ev in conn:
             now = time.perf_counter()
@@ -169,11 +174,31 @@ async def composed_turn(srv: Server, turn: np.ndarray, max_tokens: int) -> dict:
                 break
             elif ev.type == "error":
                 raise RuntimeError(ev.error)
+        await speaking
     return {"first": arrivals[0][0] - stop_at if arrivals and stop_at else None, "arrivals": arrivals, "end": now,
             "start": stop_at}
 
 
-async def barge_in(srv: Server, turn: np.ndarray) -> float:
+async def send_live(conn, pcm: np.ndarray, step_s: float = 0.02) -> None:
+    """`pcm` appended in real time, `step_s` at a time (on schedule: a late append does not shift the rest)."""
+    step, t0 = int(step_s * RATE), time.perf_counter()
+    for k, at in enumerate(range(0, pcm.size, step)):
+        await conn.input_audio_buffer.append(audio=b64(pcm[at:at + step]))
+        await asyncio.sleep(max(0.0, t0 + (k + 1) * step_s - time.perf_counter()))
+
+
+async def barge_in(srv: Server, turn: np.ndarray, attempts: int = 3) -> tuple[float, float]:
+    """(speech_started -> response.done ms, interrupting audio sent -> response.done ms) of the first of `attempts`
+    turns whose reply is still going when the interruption is detected (random weights may end a reply within
+    milliseconds of its first audio; a reply started at a pause may be whole when the stop releases it)."""
+    for _ in range(attempts):
+        got = await barge_in_once(srv, turn)
+        if got[0] == got[0]:
+            return got
+    return float("nan"), float("nan")
+
+
+async def barge_in_once(srv: Server, turn: np.ndarray) -> tuple[float, float]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY)
@@ -226,7 +251,7 @@ async def chained_turn(asr: Server, llm: Server, tts: Server, turn: np.ndarray, 
         async def speak() -> None:
             while (piece := await pieces.get()) is not None:
                 body = {"model": "qwen3-tts", "input": piece, "voice": None, "response_format": "pcm",
-                        "max_frames": frames}
+                        "max_frames": frames, "ignore_eos": True}
                 body = {k: v for k, v in body.items() if v is not None}
                 async with http.stream("POST", tts.url + "/v1/audio/speech", json=body) as resp:
                     resp.raise_for_status()
@@ -260,9 +285,9 @@ async def chained_turn(asr: Server, llm: Server, tts: Server, turn: np.ndarray, 
 
 
 async def concurrent(make, n: int) -> dict:
-    t0 = time.perf_counter()
     turns = await asyncio.gather(*(make() for _ in range(n)))
-    wall = time.perf_counter() - t0
+    # from the first turn's end of speech to the last reply's end (a composed turn's speaking time is not counted)
+    wall = max(t["end"] for t in turns) - min(t["start"] for t in turns if t["start"] is not None)
     audio = sum(s for t in turns for _, s in t["arrivals"])
     spoken = [t for t in turns if t["arrivals"]]
     return {"audio_per_second": audio / wall, "viability": sum(stalls(t["arrivals"]) == 0 for t in spoken) /
@@ -270,8 +295,8 @@ async def concurrent(make, n: int) -> dict:
 
 
 def tts_step_ms(srv: Server, frames: int) -> float:
-    """The TTS's time to its first 25-frame window alone (a streamed /v1/audio/speech: first bytes; a random-weight
-    Talker may end sooner: then it is the whole piece)."""
+    """The TTS's time to its first 25-frame window alone (a streamed /v1/audio/speech: first bytes; 26 frames, EOS
+    ignored, so the window is whole)."""
     import httpx
 
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
@@ -279,7 +304,8 @@ def tts_step_ms(srv: Server, frames: int) -> float:
         for _ in range(2):
             t0 = time.perf_counter()
             with http.stream("POST", srv.url + "/v1/audio/speech", json={
-                    "model": "qwen3-tts", "input": "Hello there.", "response_format": "pcm", "max_frames": 26}) as resp:
+                    "model": "qwen3-tts", "input": "Hello there.", "response_format": "pcm", "max_frames": 26,
+                    "ignore_eos": True}) as resp:
                 for data in resp.iter_bytes():
                     if data:
                         times.append(time.perf_counter() - t0)
@@ -295,17 +321,17 @@ def phase(name: str, t0: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=None, help="timed turns a side at c=1 (default 5, --quick 2)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--frames", type=int, default=48)
     args = parser.parse_args()
-    runs = 2 if args.quick else args.runs
+    runs = args.runs or (2 if args.quick else 5)
     clock = [time.perf_counter()]
     turn = spoken_turn()
     with tempfile.TemporaryDirectory() as tmp:
         agent = Server(["--config", str(deploy_file(Path(tmp), args.frames))])
-        chain = [] if args.quick else [Server([m]) for m in ("whisper", "llama", "qwen3-tts")]
+        chain = [] if args.quick else [Server([m, "--preset", "tiny"]) for m in ("whisper", "llama", "qwen3-tts")]
         try:
             agent.wait()
             for srv in chain:

@@ -9,7 +9,7 @@ GLUE = "agent"
 OUTPUTS = {"transcript": "agent:transcript", "prompt_ids": "agent:prompt_ids", "token": "llm:next_token",
            "audio": "tts:audio", "spoken_text": "agent:spoken_text"}
 #: the request fields the chat model's part takes from a turn (checked by its own schema)
-LLM_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
+LLM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "grammar")
 
 
 def env(name: str) -> str:

@@ -123,6 +123,9 @@ class AgentRequest:
                 RequestField("temperature", "number", "the chat model's temperature", minimum=0),
                 RequestField("top_p", "number", "the chat model's top-p", minimum=0, maximum=1, exclusive_minimum=True),
                 RequestField("seed", "integer", "the chat model's seed"),
+                RequestField("grammar", "array", "[kind, source]: the chat model's reply held to a grammar (a "
+                             "tool call that must be written: the realtime route's tool_choice `required`)",
+                             items="string"),
                 RequestField("unspoken", "array", "(open, close) marker pairs of reply spans not to speak: the chat "
                              "model's tool calls", items="array", default=[], check=_marker_pairs),
                 RequestField("previous_prompt_ids", "array", "the last turn's prompt ids (as emitted)", items="integer"),

@@ -18,6 +18,7 @@ from mstar_core.api.realtime.conversation import Item, render
 from mstar_core.api.realtime.protocol import EventError
 from mstar_core.api.requests import tools as tl
 from mstar_core.api.requests.adapters import ApiAdapter
+from mstar_core.api.requests.formats import prepared_grammar
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
 from mstar_core.api.requests.tool_parser import CLOSE, OPEN
 
@@ -82,7 +83,9 @@ class ModelBridge:
         speak = options.output_modalities == ("audio",)
         sampling = sampling_fields({"max_tokens": options.max_output_tokens, "temperature": options.temperature})
         if self.kind == "agent":  # (off the loop: resampling the turn's audio takes a CPU's while)
-            return await asyncio.to_thread(self._agent_inputs, items, options, previous, speak, sampling)
+            grammar = await self._tool_grammar(options)
+            return await asyncio.to_thread(self._agent_inputs, items, options, previous, speak,
+                                           {**sampling, **({"grammar": grammar} if grammar else {})})
         if self.kind == "speech":
             text = next((i.text for i in reversed(items) if i.type == "message" and i.role == "user" and i.text), "")
             if not text.strip():
@@ -136,6 +139,15 @@ class ModelBridge:
         if previous is not None and previous[1].ids and options.input is None:
             body["previous_prompt_ids"], body["previous_reply_ids"] = list(previous[0]), list(previous[1].ids)
         return {k: v for k, v in body.items() if v is not None}
+
+    async def _tool_grammar(self, options: ResponseOptions) -> list[str] | None:
+        """A voice agent's chat model held to the tools' grammar, as chat's is: `required` must write a call, `auto`
+        may, and a call it opens is well formed (one call a response: the client answers it, then asks again)."""
+        tools = self.tools(options)
+        if not tools:
+            return None
+        spec = tl.tool_grammar(tools, self.tool_format, options.tool_choice, None, parallel=False)
+        return await prepared_grammar(self.adapter, self.model, spec, "tool_choice")
 
     @staticmethod
     def tools(options: ResponseOptions) -> list[tl.Tool]:

@@ -33,6 +33,10 @@ class RealtimeLimits:
     send_timeout: float = 10.0
     #: bytes of server events waiting for the socket (their JSON); past it an event waits as for a full queue
     max_queued_bytes: int = 16 * 1024 * 1024
+    #: a voice agent's reply starts after this much silence in the user's speech, held until the VAD's stop
+    #: (`silence_duration_ms`) commits the same turn, dropped if the user speaks on (at or above a session's
+    #: silence_duration_ms: the reply starts at the stop)
+    preemptive_after_ms: int = 100
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RealtimeLimits:

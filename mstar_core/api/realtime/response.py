@@ -5,13 +5,18 @@ model writes it, its audio (`response.output_audio.delta`, pcm16 24 kHz) as the 
 Qwen-format `<tool_call>` as a function-call item whose arguments stream (`function_call_arguments.delta`).
 `cancel(reason)` ends it at once: the request is cancelled (its pages freed), every open part and item is
 closed and `response.done` goes out with status `cancelled`; audio not yet written to the socket is dropped.
+
+A held response (`held=True`: a turn started preemptively, at a pause in the user's speech) runs the same way
+but keeps what it would send, and what it would change in the conversation, until `release()` (the turn was
+committed as it was started: all of it goes out in order, then the rest as it comes) or `discard()` (the user
+spoke on: the request is cancelled, its pages freed, nothing of it was ever seen).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mstar_core.api.http.errors import ApiError
@@ -28,8 +33,10 @@ log = logging.getLogger("mstar.api.realtime")
 class ResponseRun:
     """A response in flight; `session` provides `emit`, `bridge`, `conversation` and `on_response_done`."""
 
-    def __init__(self, session: Any, options: ResponseOptions, items: Sequence[Item]):
+    def __init__(self, session: Any, options: ResponseOptions, items: Sequence[Item], *, held: bool = False):
         self.session, self.options, self.items = session, options, list(items)
+        #: while held: what the response would do to the session (send an event, add an item), in order
+        self._held: list[Callable[[], Awaitable[None]]] | None = [] if held else None
         self.id = new_id("resp")
         self.audio = options.output_modalities == ("audio",)
         self.in_conversation = options.conversation == "auto"
@@ -71,7 +78,35 @@ class ResponseRun:
                 "metadata": self.options.metadata}
 
     async def _emit(self, kind: str, *, audio_samples: int = 0, droppable: bool = False, **fields: Any) -> None:
-        await self.session.emit(event(kind, **fields), response=self, audio_samples=audio_samples, droppable=droppable)
+        payload = event(kind, **fields)
+        await self._effect(lambda: self.session.emit(payload, response=self, audio_samples=audio_samples,
+                                                     droppable=droppable))
+
+    async def _effect(self, act: Callable[[], Awaitable[None]]) -> None:
+        """Do `act` (something the session sees) now, or keep it for `release()` while held."""
+        if self._held is not None:
+            self._held.append(act)
+        else:
+            await act()
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    async def release(self) -> None:
+        """Do what the held response kept, in order; what it does meanwhile queues behind (held until the end)."""
+        while self._held:
+            await self._held.pop(0)()
+        self._held = None
+
+    def discard(self) -> None:
+        """Drop a held response unseen: its request is cancelled (pages freed), what it kept is forgotten."""
+        self._held = []
+        self.status = "cancelled"
+        if self.handle is not None:
+            self.handle.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
     def _where(self, item: Item) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": item.id, "output_index": self.output.index(item)}
@@ -81,8 +116,12 @@ class ResponseRun:
         await self._emit("response.output_item.added", response_id=self.id, output_index=len(self.output) - 1,
                          item=item.to_json())
         if self.in_conversation:
-            previous = self.session.conversation.add(item)
-            await self._emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
+            async def add() -> None:
+                previous = self.session.conversation.add(item)
+                await self.session.emit(event("conversation.item.added", previous_item_id=previous,
+                                              item=item.to_json()), response=self)
+
+            await self._effect(add)
 
     async def _done_item(self, item: Item) -> None:
         if item.status == "in_progress":
@@ -218,9 +257,13 @@ class ResponseRun:
             item = next((i for i in reversed(self.items) if i.type == "message" and i.role == "user"
                          and i.audio is not None and not i.text), None)
             if item is not None:
-                item.text = str(value)
-                await self._emit("conversation.item.input_audio_transcription.completed", item_id=item.id,
-                                 content_index=0, transcript=item.text)
+                async def transcribed() -> None:
+                    item.text = str(value)
+                    await self.session.emit(event("conversation.item.input_audio_transcription.completed",
+                                                  item_id=item.id, content_index=0, transcript=item.text),
+                                            response=self)
+
+                await self._effect(transcribed)
         elif name == outputs["prompt_ids"]:
             self.prompt_ids = [int(t) for t in value]
             self.input_tokens = len(self.prompt_ids)
@@ -275,4 +318,8 @@ class ResponseRun:
             self.call = None
         await self._close_message()
         await self._emit("response.done", response=self.to_json())
-        self.session.on_response_done(self)
+
+        async def done() -> None:
+            self.session.on_response_done(self)
+
+        await self._effect(done)

@@ -34,6 +34,20 @@ class Outgoing:
     size: int = 0  # bytes of its JSON, counted against max_queued_bytes while it waits
 
 
+@attrs.define
+class Speculation:
+    """A turn started at a pause in the user's speech (preemptive generation): its reply runs held, and is kept at
+    the stop only when the stop commits the same audio to the same conversation under the same settings."""
+
+    run: ResponseRun
+    item: Item  # the user's turn as it would be committed (its audio: the same samples a stop at the pause takes)
+    start: int  # stream samples of the turn's audio
+    end: int
+    config: Any  # the session's settings it was started under,
+    before: list[Item]  # the conversation's items before the turn,
+    last: ResponseRun | None  # and the last response (the next prompt splices its ids in)
+
+
 #: A closing session whose conversation held this much (decoded media, audio) has malloc hand it back.
 TRIM_AFTER_BYTES = 16 << 20
 
@@ -65,6 +79,10 @@ class RealtimeSession:
         self.responses_done = 0
         self.last_response: ResponseRun | None = None
         self.stopped = asyncio.Event()  # set when the client stopped reading
+        #: start a turn's reply after this much silence, before the VAD's stop (a voice agent's; None: at the stop)
+        self.preemptive_ms = limits.preemptive_after_ms if getattr(bridge, "kind", None) == "agent" else None
+        self.speculation: Speculation | None = None
+        self._vad_events = 0  # VAD events seen so far: a speculation started before one came is stale
         if detector:
             self._reset_vad()
 
@@ -127,6 +145,7 @@ class RealtimeSession:
 
     async def close(self) -> None:
         """Free everything: the response in flight is cancelled (its pages freed), tasks stop."""
+        self._drop_speculation()
         if self.response is not None and self.response.status == "in_progress":
             self.response.status = "cancelled"
             if self.response.handle is not None:
@@ -160,6 +179,7 @@ class RealtimeSession:
         self.config = await asyncio.to_thread(cfg.update_session, self.config, ev["session"],
                                               speaks=self.bridge.speaks, voices=self.bridge.voices,
                                               voice_locked=self.voice_locked)
+        self._drop_speculation()  # (a reply started under the old settings is not this session's any more)
         await self.make_detector()
         await self.emit(event("session.updated", session=self.session_json()))
 
@@ -172,7 +192,8 @@ class RealtimeSession:
         if old is not None and (old.threshold, old.silence_duration_ms, old.prefix_padding_ms) == (
                 td.threshold, td.silence_duration_ms, td.prefix_padding_ms):
             return
-        self.vad = TurnDetector(td.threshold, td.silence_duration_ms, td.prefix_padding_ms)
+        self.vad = TurnDetector(td.threshold, td.silence_duration_ms, td.prefix_padding_ms,
+                                pause_ms=self.preemptive_ms)
         self.vad.reset(self.stream_samples)
 
     # -- input audio buffer -------------------------------------------------------------------------------
@@ -199,7 +220,15 @@ class RealtimeSession:
 
     async def _on_vad(self, vad_event: VadEvent) -> None:
         td = self.config.turn_detection
+        self._vad_events += 1
+        if vad_event.kind == "paused":
+            await self._speculate(vad_event.ms)
+            return
+        if vad_event.kind == "resumed":
+            self._drop_speculation()
+            return
         if vad_event.kind == "started":
+            self._drop_speculation()
             self.speech_item = new_id("item")
             self.speech_start = vad_event.ms * RATE // 1000
             await self.emit(event("input_audio_buffer.speech_started", audio_start_ms=vad_event.ms,
@@ -209,17 +238,61 @@ class RealtimeSession:
             return
         item_id = self.speech_item or new_id("item")
         self.speech_item = None
+        spec, self.speculation = self.speculation, None
         await self.emit(event("input_audio_buffer.speech_stopped", audio_end_ms=vad_event.ms, item_id=item_id))
-        started = max(self.buffer_start, self.speech_start - (td.prefix_padding_ms if td else 0) * RATE // 1000)
-        end = vad_event.ms * RATE // 1000
+        started, end = self._turn_span(vad_event.ms)
         segment = self.buffer[started - self.buffer_start : max(0, end - self.buffer_start)]
         self.buffer = self.buffer[max(0, end - self.buffer_start):]
         self.buffer_start = max(self.buffer_start, end)
+        keep = spec is not None and (spec.start, spec.end, spec.item.id) == (started, end, item_id) and \
+            spec.config is self.config and spec.last is self.last_response and _same(spec.before,
+                                                                                     self.conversation.items)
         if segment.size < RATE // 10:
+            if spec is not None:
+                spec.run.discard()
             return  # a click, not a turn
-        await self._commit(segment, item_id)
-        if td is not None and td.create_response and self.response is None:
+        await self._commit(segment, item_id, spec.item if keep else None)
+        wanted = td is not None and td.create_response and self.response is None
+        if spec is not None and keep and wanted and _same(spec.run.items, self.conversation.items):
+            self.response = spec.run  # the reply started at the pause: what it made so far goes out now
+            await spec.run.release()
+            return
+        if spec is not None:
+            spec.run.discard()
+        if wanted:
             await self.start_response(None)
+
+    def _turn_span(self, end_ms: int) -> tuple[int, int]:
+        """Stream samples of the turn that ends (its last speech) at `end_ms`: from its start less the padding."""
+        td = self.config.turn_detection
+        started = max(self.buffer_start, self.speech_start - (td.prefix_padding_ms if td else 0) * RATE // 1000)
+        return started, end_ms * RATE // 1000
+
+    async def _speculate(self, end_ms: int) -> None:
+        """The user paused: start the reply to the turn as a stop now would commit it, held (see `Speculation`)."""
+        td = self.config.turn_detection
+        self._drop_speculation()
+        if td is None or not td.create_response or self.response is not None or self.speech_item is None \
+                or not self.bridge.takes_audio:
+            return
+        started, end = self._turn_span(end_ms)
+        segment = self.buffer[started - self.buffer_start : max(0, end - self.buffer_start)]
+        if segment.size < RATE // 10:
+            return
+        item = Item(self.speech_item, "message", role="user", content_type="input_audio", audio=segment.copy())
+        before, config, last, seen = list(self.conversation.items), self.config, self.last_response, self._vad_events
+        options = await asyncio.to_thread(cfg.response_options, config, None, speaks=self.bridge.speaks,
+                                          voices=self.bridge.voices)
+        if seen != self._vad_events or self.config is not config or self.response is not None:
+            return  # the speech went on (or the session changed) while its options were made
+        run = ResponseRun(self, options, [*before, item], held=True)
+        self.speculation = Speculation(run, item, started, end, config, before, last)
+        run.start()
+
+    def _drop_speculation(self) -> None:
+        spec, self.speculation = self.speculation, None
+        if spec is not None:
+            spec.run.discard()
 
     async def barge_in(self) -> None:
         """Speech while the model speaks: cancel the response now and cut its item at the audio sent."""
@@ -235,6 +308,7 @@ class RealtimeSession:
                                   audio_end_ms=sent * 1000 // RATE))
 
     async def on_commit(self, ev: Mapping[str, Any]) -> None:
+        self._drop_speculation()
         if self.buffer.size < RATE // 10:
             raise EventError(f"buffer too small: the input audio buffer holds {self.buffer.size * 1000 // RATE} ms; "
                              "commit at least 100 ms of audio", code="input_audio_buffer_commit_empty")
@@ -245,19 +319,22 @@ class RealtimeSession:
         await self._commit(segment, self.speech_item or new_id("item"))
         self.speech_item = None
 
-    async def _commit(self, segment: np.ndarray, item_id: str) -> None:
+    async def _commit(self, segment: np.ndarray, item_id: str, item: Item | None = None) -> None:
+        """Add the user's audio turn (`item`: the one a speculation made of the same samples) to the conversation."""
         if not self.bridge.takes_audio:
             await self.emit(event("input_audio_buffer.committed", item_id=item_id,
                                   previous_item_id=self.conversation.last_id))
             raise EventError(f"model '{self.bridge.model}' does not take audio input; send text items "
                              "(conversation.item.create with input_text)", code="audio_not_supported")
-        item = Item(item_id, "message", role="user", content_type="input_audio", audio=segment.copy())
+        if item is None:
+            item = Item(item_id, "message", role="user", content_type="input_audio", audio=segment.copy())
         previous = self.conversation.add(item)
         await self.emit(event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
         await self.emit(event("conversation.item.added", previous_item_id=previous, item=item.to_json()))
         await self.emit(event("conversation.item.done", previous_item_id=previous, item=item.to_json()))
 
     async def on_clear(self, ev: Mapping[str, Any]) -> None:
+        self._drop_speculation()
         self.buffer = np.zeros(0, dtype=np.int16)
         self.buffer_start = self.stream_samples
         if self.vad is not None:
@@ -344,6 +421,10 @@ class RealtimeSession:
         if run.samples:
             self.voice_locked = True
         self.last_response = run
+
+
+def _same(items: list[Item], now: list[Item]) -> bool:
+    return len(items) == len(now) and all(a is b for a, b in zip(items, now, strict=True))
 
 
 _HANDLERS: dict[str, Callable[[RealtimeSession, Mapping[str, Any]], Awaitable[None]]] = {

@@ -12,6 +12,10 @@ Two detectors share one turn-taking state machine (`TurnDetector`):
 Speech starts after `start_ms` (60 ms) of speech frames; `audio_start_ms` is where those began. It stops after
 `silence_duration_ms` of non-speech frames; `audio_end_ms` is the end of the last speech frame. The committed
 turn is the audio from `audio_start_ms - prefix_padding_ms` to `audio_end_ms` (OpenAI's server VAD semantics).
+
+With `pause_ms` set, the detector also reports a pause in the speech: `paused` after `pause_ms` of silence (its
+`ms` is the `audio_end_ms` a stop would have, should the silence last), `resumed` when speech comes back before
+the stop. A session starts its reply at the pause (preemptive generation) and keeps or drops it at the stop.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def make_scorer(threshold: float) -> EnergyScorer | SileroScorer:
 class VadEvent:
     """`kind` is "started" or "stopped"; times in ms from the start of the input audio stream."""
 
-    kind: str
+    kind: str  # started | stopped | paused | resumed (the last two only with `pause_ms`)
     ms: int
 
 
@@ -138,6 +142,8 @@ class TurnDetector:
     run_start: int | None = None  # first sample of the current run of speech frames
     last_speech_end: int = 0
     silence: int = 0  # samples of non-speech since the last speech frame
+    pause_ms: int | None = None  # report a pause after this much silence (None: never)
+    paused: bool = False  # a pause was reported and neither speech nor the stop has followed yet
 
     def __attrs_post_init__(self) -> None:
         if self.scorer is None:
@@ -154,6 +160,9 @@ class TurnDetector:
             self.position += n
             speech = self.scorer.score(frame) >= self.scorer.threshold()
             if speech:
+                if self.paused:
+                    self.paused = False
+                    events.append(VadEvent("resumed", at * 1000 // RATE))
                 self.silence = 0
                 self.last_speech_end = self.position
                 if self.run_start is None:
@@ -167,12 +176,16 @@ class TurnDetector:
                     continue
                 self.silence += n
                 if self.silence >= self.silence_duration_ms * RATE // 1000:
-                    self.speaking, self.run_start, self.silence = False, None, 0
+                    self.speaking, self.run_start, self.silence, self.paused = False, None, 0, False
                     events.append(VadEvent("stopped", self.last_speech_end * 1000 // RATE))
+                elif (self.pause_ms is not None and not self.paused
+                      and self.silence >= self.pause_ms * RATE // 1000):
+                    self.paused = True
+                    events.append(VadEvent("paused", self.last_speech_end * 1000 // RATE))
         self.pending = data[used:].copy()
         return events
 
     def reset(self, position: int = 0) -> None:
         """Forget any speech in progress (the buffer was cleared or committed by the client)."""
         self.pending = np.zeros(0, dtype=np.int16)
-        self.position, self.speaking, self.run_start, self.silence = position, False, None, 0
+        self.position, self.speaking, self.run_start, self.silence, self.paused = position, False, None, 0, False
