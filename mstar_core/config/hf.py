@@ -166,4 +166,32 @@ def read_fields(cls: type, cfg: Any, where: str = "", *, file: str = "config.jso
     return cls(**values)
 
 
-__all__ = ["check", "config_field", "describe", "dotted", "read_fields", "section"]
+def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float,
+                  kinds: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+    """`rope_theta` and `rope_scaling` / `rope_parameters` (either layout: the published JSON or transformers v5)
+    merged into one dict (theta, mrope_section, ...), its `rope_type` one of `kinds` and its theta checked."""
+    params: dict[str, Any] = {"rope_theta": default_theta}
+    if cfg.get("rope_theta") is not None:
+        params["rope_theta"] = cfg["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):
+        extra = cfg.get(key)
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"config.json: '{where}.{key}' must be an object or null")
+        params.update(extra)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in kinds:
+        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: {list(kinds)})")
+    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
+    return params
+
+
+def head_dim_from_heads(values: Mapping[str, Any]) -> int:
+    """A `read_fields` default for an absent `head_dim` (as in most published JSON): hidden_size / heads, from
+    the (checked) values read so far."""
+    return values["hidden_size"] // values["num_attention_heads"]
+
+
+__all__ = ["check", "config_field", "describe", "dotted", "head_dim_from_heads", "read_fields", "rope_settings",
+           "section"]

@@ -12,12 +12,14 @@ only the rows it samples, without their positions). Checkpoint names: `model.{la
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.config.hf import config_field
+from mstar_core.config.hf import config_field, head_dim_from_heads, read_fields, rope_settings, section
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.llama import LlamaDecoderLayer
 from mstar_core.nn.llama_config import LlamaConfig
@@ -43,6 +45,14 @@ class CodePredictorConfig:
     num_code_groups: int = 16
     max_position_embeddings: int = 32768
     rope_theta: float = 1000000.0
+
+    @classmethod
+    def from_hf(cls, cfg: Any, where: str) -> CodePredictorConfig:
+        """The section at dotted key `where` (`talker_config.code_predictor_config`); absent keys keep the defaults
+        but `head_dim` (hidden_size / heads) and `rope_theta` (10000, the published value both Talkers use)."""
+        cfg = section(cfg, where)
+        return read_fields(cls, cfg, where, defaults={"head_dim": head_dim_from_heads},
+                           rope_theta=rope_settings(cfg, where, 10000.0)["rope_theta"])
 
 
 class ResizeMLP(nn.Module):
