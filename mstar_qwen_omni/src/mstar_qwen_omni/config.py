@@ -14,6 +14,7 @@ import attrs
 
 from mstar_core.config.hf import read_fields, rope_settings, section
 from mstar_core.errors import ConfigError
+from mstar_core.nn.codec_vocoder import CodecDecoderConfig
 from mstar_core.nn.qwen3_talker import Qwen3TalkerConfig, Qwen3TextConfig
 
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
@@ -110,35 +111,16 @@ class TalkerConfig(Qwen3TalkerConfig):
 
 
 @attrs.frozen(kw_only=True)
-class Code2WavConfig:
-    codebook_size: int = 2048
+class Code2WavConfig(CodecDecoderConfig):
+    """`code2wav_config`: the shared codec sizes at Omni's widths; `head_dim` is derived (the key is not read)."""
+
     hidden_size: int = 1024
-    max_position_embeddings: int = 8000
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    attention_bias: bool = False
-    sliding_window: int = 72
     intermediate_size: int = 3072
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8000
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def samples_per_frame(self) -> int:
-        total = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            total *= r
-        return total
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ import attrs
 
 from mstar_core.config.hf import check, config_field, head_dim_from_heads, read_fields, section
 from mstar_core.errors import ConfigError
+from mstar_core.nn.codec_vocoder import CodecDecoderConfig
 from mstar_core.nn.qwen3_talker import Qwen3TalkerConfig, Qwen3TextConfig
 
 MODEL_TYPES = ("custom_voice", "voice_design", "base")
@@ -118,35 +119,15 @@ class TTSConfig:
 
 
 @attrs.frozen(kw_only=True)
-class SpeechDecoderConfig:
-    """`speech_tokenizer/config.json` `decoder_config`: split RVQ, causal conv, sliding transformer, vocoder."""
+class SpeechDecoderConfig(CodecDecoderConfig):
+    """`speech_tokenizer/config.json` `decoder_config`: the shared codec sizes at the tokenizer's widths, plus the
+    split RVQ's `codebook_dim` and the transformer's projection to and from `latent_dim` (Omni's has neither)."""
 
-    codebook_size: int = 2048
     codebook_dim: int = 512
     hidden_size: int = 512
     latent_dim: int = 1024
-    num_attention_heads: int = config_field(16, minimum=1)
-    num_key_value_heads: int = config_field(16, minimum=1)
     head_dim: int = 64
-    attention_bias: bool = False
-    sliding_window: int = 72
     intermediate_size: int = 1024
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    rope_theta: float = 10000.0
-
-    @property
-    def samples_per_frame(self) -> int:
-        total = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            total *= r
-        return total
 
     @classmethod
     def from_hf(cls, cfg: Any) -> SpeechDecoderConfig:
