@@ -17,28 +17,19 @@ import attrs
 import torch
 from torch import nn
 
-from mstar_core.config.hf import check, config_field, head_dim_from_heads, read_fields, rope_settings, section
+from mstar_core.config.hf import check, head_dim_from_heads, read_fields, rope_settings, section
 from mstar_core.errors import ConfigError
 from mstar_core.nn.attention import AttentionContext
-from mstar_core.nn.code_predictor import CodePredictor, CodePredictorConfig
+from mstar_core.nn.code_predictor import CodePredictor, CodePredictorConfig, Qwen3DecoderSizes
 from mstar_core.nn.qwen3_decoder import Qwen3Decoder
 
 
 @attrs.frozen(kw_only=True)
-class Qwen3TextConfig:
+class Qwen3TextConfig(Qwen3DecoderSizes):
     """A Qwen3 decoder's sizes (`mstar_core.nn.qwen3_decoder`): MoE (the Omni Thinker's text model, its Talker's
-    with a shared expert) or dense (`num_experts` 0: the TTS Talker's). Defaults: the Omni Thinker's."""
+    with a shared expert) or dense (`num_experts` 0: the TTS Talker's). The expert defaults are the Omni
+    Thinker's; each model passes its published widths to `from_hf` as `defaults`."""
 
-    vocab_size: int = 152064
-    hidden_size: int = 2048
-    intermediate_size: int = 768
-    num_hidden_layers: int = 48
-    num_attention_heads: int = config_field(32, minimum=1)  # divides hidden_size: 0 would fail deep in the build
-    num_key_value_heads: int = config_field(4, minimum=1)
-    head_dim: int = 128
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
@@ -46,18 +37,16 @@ class Qwen3TextConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    max_position_embeddings: int = 65536
-    rope_theta: float = 1000000.0
     mrope_section: tuple[int, ...] = (24, 20, 20)
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None, where: str, *, default_theta: float,
-                defaults: Mapping[str, Any] | None = None, **fixed: Any) -> Qwen3TextConfig:
+                defaults: Mapping[str, Any], **fixed: Any) -> Qwen3TextConfig:
         """The section at dotted key `where`: `defaults` replace the class's for absent keys (a model's published
         sizes), `fixed` fields are not read at all (what the model's architecture settles)."""
         cfg = section(cfg, where)
         rope = rope_settings(cfg, where, default_theta)
-        text = read_fields(cls, cfg, where, defaults={"head_dim": head_dim_from_heads, **(defaults or {})},
+        text = read_fields(cls, cfg, where, defaults={"head_dim": head_dim_from_heads, **defaults},
                            rope_theta=rope["rope_theta"],
                            mrope_section=check(rope.get("mrope_section", (24, 20, 20)), tuple[int, ...],
                                                f"{where}.rope_scaling.mrope_section", example=(24, 20, 20)),

@@ -26,6 +26,9 @@ def _is_int(value: Any) -> bool:
 
 # The Thinker's text model and the Talker's decoder: a Qwen3-MoE stack, the config TTS's dense Talker shares
 TextConfig = Qwen3TextConfig
+# its published sizes (the Thinker's), read where a key is absent; the Talker reads the same
+TEXT_DEFAULTS = {"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 65536}
 
 
 @attrs.frozen(kw_only=True)
@@ -78,7 +81,7 @@ class ThinkerConfig:
     def from_hf(cls, cfg: Mapping[str, Any] | None) -> ThinkerConfig:
         cfg = section(cfg, "thinker_config")
         text = Qwen3TextConfig.from_hf(cfg.get("text_config"), "thinker_config.text_config", default_theta=1000000.0,
-                                       shared_expert_intermediate_size=0)
+                                       defaults=TEXT_DEFAULTS, shared_expert_intermediate_size=0)
         audio = read_fields(AudioConfig, cfg.get("audio_config"), "thinker_config.audio_config")
         vcfg = section(cfg.get("vision_config"), "thinker_config.vision_config")
         vision = read_fields(VisionConfig, vcfg, "thinker_config.vision_config",
@@ -100,7 +103,7 @@ class TalkerConfig(Qwen3TalkerConfig):
         cfg = section(cfg, "talker_config")
         # MoE with a shared expert; unlike the Thinker's, its router weights are not renormalized by default
         text = Qwen3TextConfig.from_hf(cfg.get("text_config"), "talker_config.text_config", default_theta=10000.0,
-                                       defaults={"norm_topk_prob": False})
+                                       defaults={**TEXT_DEFAULTS, "norm_topk_prob": False})
         speakers = cfg.get("speaker_id") or dict(SPEAKERS)
         if not isinstance(speakers, Mapping) or not all(_is_int(v) for v in speakers.values()):
             raise ConfigError("config.json: 'talker_config.speaker_id' must map voice names to codec ids")
