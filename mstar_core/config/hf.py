@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -166,4 +166,43 @@ def read_fields(cls: type, cfg: Any, where: str = "", *, file: str = "config.jso
     return cls(**values)
 
 
-__all__ = ["check", "config_field", "describe", "dotted", "read_fields", "section"]
+def merged_rope_keys(cfg: Mapping[str, Any], invalid: Callable[[str], Exception]) -> dict[str, Any]:
+    """`rope_theta` (where the key is present) updated by `rope_scaling`, then `rope_parameters` (the published JSON's
+    layout and transformers v5's), with `rope_type` (or the older `type`, default "default") set; a section that
+    is neither an object nor null raises `invalid(key)`."""
+    params: dict[str, Any] = {}
+    if "rope_theta" in cfg:
+        params["rope_theta"] = cfg["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):
+        extra = cfg.get(key)
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping):
+            raise invalid(key)
+        params.update(extra)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float,
+                  kinds: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+    """The section's RoPE keys merged (`merged_rope_keys`: theta, mrope_section, ...), its `rope_type` one of `kinds`
+    and its theta (`default_theta` where unset or null) checked."""
+    params = merged_rope_keys(cfg, lambda key: ConfigError(f"config.json: '{where}.{key}' must be an object or null"))
+    kind = params["rope_type"]
+    if kind not in kinds:
+        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: {list(kinds)})")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = default_theta
+    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
+    return params
+
+
+def head_dim_from_heads(values: Mapping[str, Any]) -> int:
+    """A `read_fields` default for an absent `head_dim` (as in most published JSON): hidden_size / heads, from
+    the (checked) values read so far."""
+    return values["hidden_size"] // values["num_attention_heads"]
+
+
+__all__ = ["check", "config_field", "describe", "dotted", "head_dim_from_heads", "merged_rope_keys", "read_fields", "rope_settings",
+           "section"]

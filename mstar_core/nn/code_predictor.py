@@ -12,12 +12,14 @@ only the rows it samples, without their positions). Checkpoint names: `model.{la
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.config.hf import config_field
+from mstar_core.config.hf import config_field, head_dim_from_heads, read_fields, rope_settings, section
 from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.llama import LlamaDecoderLayer
 from mstar_core.nn.llama_config import LlamaConfig
@@ -27,22 +29,38 @@ from mstar_core.nn.rotary import RotaryEmbedding
 
 
 @attrs.frozen(kw_only=True)
-class CodePredictorConfig:
-    """`code_predictor_config` of a Qwen3-Omni or Qwen3-TTS Talker (defaults: the published 1024-wide, 5 layers)."""
+class Qwen3DecoderSizes:
+    """The sizes every Qwen3 decoder config has (attention, widths, RoPE), with the defaults of the published code
+    predictor (1024 wide, 5 layers); `Qwen3TextConfig` (`mstar_core.nn.qwen3_talker`) adds experts and M-RoPE, and
+    its models pass their own published sizes as read defaults."""
 
     vocab_size: int = 2048
     hidden_size: int = 1024
     intermediate_size: int = 3072
     num_hidden_layers: int = 5
-    num_attention_heads: int = config_field(16, minimum=1)
+    num_attention_heads: int = config_field(16, minimum=1)  # divides hidden_size: 0 would fail deep in the build
     num_key_value_heads: int = config_field(8, minimum=1)
     head_dim: int = 128
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
-    num_code_groups: int = 16
     max_position_embeddings: int = 32768
     rope_theta: float = 1000000.0
+
+
+@attrs.frozen(kw_only=True)
+class CodePredictorConfig(Qwen3DecoderSizes):
+    """`code_predictor_config` of a Qwen3-Omni or Qwen3-TTS Talker: a dense Qwen3 decoder and its group count."""
+
+    num_code_groups: int = 16
+
+    @classmethod
+    def from_hf(cls, cfg: Any, where: str) -> CodePredictorConfig:
+        """The section at dotted key `where` (`talker_config.code_predictor_config`); absent keys keep the defaults
+        but `head_dim` (hidden_size / heads) and `rope_theta` (10000, the published value both Talkers use)."""
+        cfg = section(cfg, where)
+        return read_fields(cls, cfg, where, defaults={"head_dim": head_dim_from_heads},
+                           rope_theta=rope_settings(cfg, where, 10000.0)["rope_theta"])
 
 
 class ResizeMLP(nn.Module):

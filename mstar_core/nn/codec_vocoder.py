@@ -8,13 +8,15 @@ are the checkpoints' (`pre_transformer.layers.N.*`, `upsample.N.{0,1}.*`, `decod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.config.hf import config_field
 from mstar_core.nn.attention import DenseAttention
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
@@ -178,6 +180,118 @@ class PreTransformer(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, context)
         return self.norm(x)
+
+
+@attrs.frozen(kw_only=True)
+class CodecDecoderConfig:
+    """The codec decoder sizes Qwen3-Omni's `code2wav_config` and the Qwen3-TTS tokenizer's `decoder_config` share,
+    with their common published defaults; each model's subclass adds its widths (they differ) and own keys."""
+
+    codebook_size: int = 2048
+    num_attention_heads: int = config_field(16, minimum=1)
+    num_key_value_heads: int = config_field(16, minimum=1)
+    attention_bias: bool = False
+    sliding_window: int = 72
+    hidden_act: str = "silu"
+    layer_scale_initial_scale: float = 0.01
+    rms_norm_eps: float = 1e-5
+    num_hidden_layers: int = 8
+    num_quantizers: int = 16
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    decoder_dim: int = 1536
+    rope_theta: float = 10000.0
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Waveform samples a frame of codes becomes: the product of every upsampling stage's factor."""
+        total = 1
+        for r in (*self.upsample_rates, *self.upsampling_ratios):
+            total *= r
+        return total
+
+
+class CodecWaveDecoderConfig(SlidingTransformerConfig, Protocol):
+    """What `CodecWaveDecoder` reads besides the transformer's sizes."""
+
+    num_quantizers: int
+    upsampling_ratios: Sequence[int]
+    upsample_rates: Sequence[int]
+    decoder_dim: int
+    samples_per_frame: int
+
+
+class CodecWaveDecoder(nn.Module):
+    """`forward(codes [B, Q, T])` -> waveform `[B, 1, T * samples_per_frame]` in [-1, 1] (Qwen3-Omni's Code2Wav, the
+    Qwen3-TTS tokenizer's decoder).
+
+    The subclass's `frames` turns codes into per-frame rows `[B, T, width]`; `pre_transformer` (one of `front`,
+    the subclass's modules, registered in order before the shared stages: their order is the checkpoint's and
+    the seeded presets') refines each sequence; ConvTranspose + ConvNeXt stages upsample and the SnakeBeta
+    vocoder makes the waveform. `trim_start`: see `CausalConvTranspose1d` (the one real difference of the two).
+    Streaming decodes windows with left context and drops the context's samples (`decode_window`), which is
+    what the upstream `chunked_decode` does offline.
+    """
+
+    pre_transformer: nn.Module
+    offline_chunk = 25  # `chunked_decode`'s default window of new frames (the upstream one)
+
+    def __init__(self, cfg: CodecWaveDecoderConfig, front: Mapping[str, nn.Module], width: int, trim_start: bool):
+        super().__init__()
+        if "pre_transformer" not in front:
+            raise TypeError("CodecWaveDecoder needs a 'pre_transformer' among its front modules")
+        self.config = cfg
+        self.samples_per_frame = cfg.samples_per_frame
+        for name, module in front.items():
+            self.add_module(name, module)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(width, width, f, f, trim_start=trim_start), ConvNeXtBlock(width)])
+            for f in cfg.upsampling_ratios
+        )
+        out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
+        self.decoder = nn.ModuleList([
+            CausalConv1d(width, cfg.decoder_dim, 7),
+            *(DecoderBlock(cfg.decoder_dim, cfg.upsample_rates, i, trim_start=trim_start)
+              for i in range(len(cfg.upsample_rates))),
+            SnakeBeta(out_dim),
+            CausalConv1d(out_dim, 1, 7),
+        ])
+
+    def frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes `[B, Q, T]` -> the transformer's input rows `[B, T, width]` (the model's own embedding)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder[-1].conv.weight.device
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if codes.dim() != 3 or codes.shape[1] != cfg.num_quantizers:
+            raise ValueError(f"codes must be [batch, {cfg.num_quantizers}, frames], got {list(codes.shape)}")
+        hidden = torch.stack([self.pre_transformer(h) for h in self.frames(codes)]).transpose(1, 2)
+        for stage in self.upsample:
+            for layer in stage:
+                hidden = layer(hidden)
+        for layer in self.decoder:
+            hidden = layer(hidden)
+        return hidden.clamp(-1, 1)
+
+    def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
+        """Decode `[B, Q, context + new]` frames and keep only the new frames' samples `[B, 1, new * spf]`."""
+        return self(codes)[..., context * self.samples_per_frame :]
+
+    def chunked_decode(self, codes: torch.Tensor, chunk: int | None = None, left: int = 25) -> torch.Tensor:
+        """Offline decode in windows of `chunk` (default `offline_chunk`) new frames with up to `left` frames of
+        context (the streamed result)."""
+        chunk = self.offline_chunk if chunk is None else chunk
+        out, start, total = [], 0, codes.shape[-1]
+        while start < total:
+            end = min(start + chunk, total)
+            context = min(left, start)
+            out.append(self.decode_window(codes[..., start - context : end], context))
+            start = end
+        return torch.cat(out, dim=-1)
 
 
 class WindowDecoder(nn.Module):

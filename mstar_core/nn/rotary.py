@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar_core.config.hf import merged_rope_keys
 from mstar_core.nn import cpu_elementwise
 
 RopeInit = Callable[[Mapping[str, Any], int], tuple[torch.Tensor, float]]
@@ -64,18 +65,9 @@ def _require(params: Mapping[str, Any], key: str) -> Any:
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     """Merge a HF config's `rope_theta` and `rope_scaling` / `rope_parameters` into one dict with `rope_type`."""
-    params: dict[str, Any] = {}
-    if "rope_theta" in config:
-        params["rope_theta"] = config["rope_theta"]
-    for key in ("rope_scaling", "rope_parameters"):
-        extra = config.get(key)
-        if extra is None:
-            continue
-        if not isinstance(extra, Mapping):
-            raise ValueError(f"config key '{key}' must be a mapping or null, got {type(extra).__name__}")
-        params.update(extra)
-    kind = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = kind
+    params = merged_rope_keys(config, lambda key: ValueError(
+        f"config key '{key}' must be a mapping or null, got {type(config[key]).__name__}"))
+    kind = params["rope_type"]
     if kind not in ROPE_INIT:
         raise ValueError(f"unsupported rope_type {kind!r} (config key 'rope_scaling'); known: {sorted(ROPE_INIT)}")
     ROPE_INIT[kind](params, 2)  # fail now, naming a missing scaling key, not when the model is built

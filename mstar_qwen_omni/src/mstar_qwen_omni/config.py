@@ -12,88 +12,23 @@ from typing import Any
 
 import attrs
 
-from mstar_core.config.hf import check, config_field, read_fields, section
+from mstar_core.config.hf import read_fields, rope_settings, section
 from mstar_core.errors import ConfigError
-from mstar_core.nn.code_predictor import CodePredictorConfig
+from mstar_core.nn.codec_vocoder import CodecDecoderConfig
+from mstar_core.nn.qwen3_talker import Qwen3TalkerConfig, Qwen3TextConfig
 
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
-
-
-def rope_settings(cfg: Mapping[str, Any], where: str, default_theta: float, kinds: tuple = ("default",)) -> dict[str, Any]:
-    """`rope_theta` and `rope_scaling` / `rope_parameters` merged into one dict (theta, mrope_section, ...)."""
-    params: dict[str, Any] = {"rope_theta": default_theta}
-    if cfg.get("rope_theta") is not None:
-        params["rope_theta"] = cfg["rope_theta"]
-    for key in ("rope_scaling", "rope_parameters"):
-        extra = cfg.get(key)
-        if extra is None:
-            continue
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"config.json: '{where}.{key}' must be an object or null")
-        params.update(extra)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in kinds:
-        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: {list(kinds)})")
-    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
-    return params
-
-
-def _head_dim(values: dict[str, Any]) -> int:
-    # absent in the published JSON: hidden_size / heads, from the (checked) values read so far
-    return values["hidden_size"] // values["num_attention_heads"]
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@attrs.frozen(kw_only=True)
-class TextConfig:
-    """A Qwen3-MoE decoder: the Thinker's text model, and (with a shared expert) the Talker's."""
-
-    vocab_size: int = 152064
-    hidden_size: int = 2048
-    intermediate_size: int = 768
-    num_hidden_layers: int = 48
-    num_attention_heads: int = config_field(32, minimum=1)  # divides hidden_size: 0 would fail deep in the build
-    num_key_value_heads: int = config_field(4, minimum=1)
-    head_dim: int = 128
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 768
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    max_position_embeddings: int = 65536
-    rope_theta: float = 1000000.0
-    mrope_section: tuple[int, ...] = (24, 20, 20)
-
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any] | None, where: str, *, shared_expert: bool = False) -> TextConfig:
-        cfg = section(cfg, where)
-        rope = rope_settings(cfg, where, 10000.0 if shared_expert else 1000000.0)
-        defaults: dict[str, Any] = {"head_dim": _head_dim}
-        extra = {"rope_theta": rope["rope_theta"],
-                 "mrope_section": check(rope.get("mrope_section", (24, 20, 20)), tuple[int, ...],
-                                        f"{where}.rope_scaling.mrope_section", example=(24, 20, 20))}
-        if not shared_expert:
-            extra["shared_expert_intermediate_size"] = 0
-        else:
-            defaults["norm_topk_prob"] = False  # the Talker's default, unlike the Thinker's
-        text = read_fields(cls, cfg, where, defaults=defaults, **extra)
-        if sum(text.mrope_section) != text.head_dim // 2:
-            raise ConfigError(f"config.json: '{where}' mrope_section {list(text.mrope_section)} must add up to "
-                              f"head_dim / 2 = {text.head_dim // 2}")
-        if text.num_attention_heads % text.num_key_value_heads:
-            raise ConfigError(f"config.json: '{where}.num_attention_heads' must be a multiple of num_key_value_heads")
-        return text
-
-    def is_moe_layer(self, i: int) -> bool:
-        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+# The Thinker's text model and the Talker's decoder: a Qwen3-MoE stack, the config TTS's dense Talker shares
+TextConfig = Qwen3TextConfig
+# its published sizes (the Thinker's), read where a key is absent; the Talker reads the same
+TEXT_DEFAULTS = {"vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 65536}
 
 
 @attrs.frozen(kw_only=True)
@@ -145,7 +80,8 @@ class ThinkerConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None) -> ThinkerConfig:
         cfg = section(cfg, "thinker_config")
-        text = TextConfig.from_hf(cfg.get("text_config"), "thinker_config.text_config")
+        text = Qwen3TextConfig.from_hf(cfg.get("text_config"), "thinker_config.text_config", default_theta=1000000.0,
+                                       defaults=TEXT_DEFAULTS, shared_expert_intermediate_size=0)
         audio = read_fields(AudioConfig, cfg.get("audio_config"), "thinker_config.audio_config")
         vcfg = section(cfg.get("vision_config"), "thinker_config.vision_config")
         vision = read_fields(VisionConfig, vcfg, "thinker_config.vision_config",
@@ -155,80 +91,39 @@ class ThinkerConfig:
 
 
 @attrs.frozen(kw_only=True)
-class TalkerConfig:
-    text: TextConfig
-    predictor: CodePredictorConfig
-    num_code_groups: int = 16
+class TalkerConfig(Qwen3TalkerConfig):
+    """Omni's `talker_config`: the shared Talker keys plus the Thinker layer it listens to and its voices."""
+
     thinker_hidden_size: int = 2048
     accept_hidden_layer: int = 24
-    codec_eos_token_id: int = 2150
-    codec_nothink_id: int = 2155
-    codec_think_bos_id: int = 2156
-    codec_think_eos_id: int = 2157
-    codec_pad_id: int = 2148
-    codec_bos_id: int = 2149
-    # ids at or above this are never sampled as code0 (but EOS); the published rule is vocab_size - 1024
-    suppress_from: int = -1
     speaker_id: dict = attrs.field(factory=lambda: dict(SPEAKERS))
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | None) -> TalkerConfig:
         cfg = section(cfg, "talker_config")
-        text = TextConfig.from_hf(cfg.get("text_config"), "talker_config.text_config", shared_expert=True)
-        pcfg = section(cfg.get("code_predictor_config"), "talker_config.code_predictor_config")
-        predictor = read_fields(CodePredictorConfig, pcfg, "talker_config.code_predictor_config",
-                                defaults={"head_dim": _head_dim},
-                                rope_theta=rope_settings(pcfg, "talker_config.code_predictor_config",
-                                                         10000.0)["rope_theta"])
+        # MoE with a shared expert; unlike the Thinker's, its router weights are not renormalized by default
+        text = Qwen3TextConfig.from_hf(cfg.get("text_config"), "talker_config.text_config", default_theta=10000.0,
+                                       defaults={**TEXT_DEFAULTS, "norm_topk_prob": False})
         speakers = cfg.get("speaker_id") or dict(SPEAKERS)
         if not isinstance(speakers, Mapping) or not all(_is_int(v) for v in speakers.values()):
             raise ConfigError("config.json: 'talker_config.speaker_id' must map voice names to codec ids")
-        talker = read_fields(cls, cfg, "talker_config", text=text, predictor=predictor,
-                             speaker_id={str(k).lower(): v for k, v in speakers.items()})
-        if talker.suppress_from < 0:
-            talker = attrs.evolve(talker, suppress_from=max(0, text.vocab_size - 1024))
-        ids = {k: getattr(talker, k) for k in ("codec_eos_token_id", "codec_nothink_id", "codec_think_bos_id",
-                                                "codec_think_eos_id", "codec_pad_id", "codec_bos_id")}
-        ids.update({f"speaker_id.{k}": v for k, v in talker.speaker_id.items()})
-        bad = [f"{k}={v}" for k, v in ids.items() if not 0 <= v < text.vocab_size]
-        if bad:
-            raise ConfigError(f"config.json: talker codec ids {bad} must be below the talker vocab "
-                              f"({text.vocab_size})")
-        if predictor.num_code_groups != talker.num_code_groups:
-            raise ConfigError("config.json: 'talker_config.num_code_groups' must equal the code predictor's")
-        return talker
+        return cls.read(cfg, "talker_config", text, speaker_id={str(k).lower(): v for k, v in speakers.items()})
+
+    def codec_ids(self) -> dict[str, Any]:
+        return {**super().codec_ids(), **{f"speaker_id.{k}": v for k, v in self.speaker_id.items()}}
 
 
 @attrs.frozen(kw_only=True)
-class Code2WavConfig:
-    codebook_size: int = 2048
+class Code2WavConfig(CodecDecoderConfig):
+    """`code2wav_config`: the shared codec sizes at Omni's widths; `head_dim` is derived (the key is not read)."""
+
     hidden_size: int = 1024
-    max_position_embeddings: int = 8000
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    attention_bias: bool = False
-    sliding_window: int = 72
     intermediate_size: int = 3072
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8000
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def samples_per_frame(self) -> int:
-        total = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            total *= r
-        return total
 
 
 @attrs.frozen(kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.checkpoint.presets import ensure_preset
+from mstar_core.checkpoint.presets import byte_level_bpe, ensure_preset
 from mstar_qwen_omni.checkpoint import QwenOmni, save_omni
 from mstar_qwen_omni.config import OmniConfig
 
@@ -63,17 +63,7 @@ PREPROCESSOR = {
 
 def build_tokenizer(vocab_size: int = 320) -> Any:
     """A byte-level BPE with Qwen's special tokens; the role names are whole tokens (the Talker finds turns by them)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS) - len(ROLES),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer)
-    tok.add_tokens([AddedToken(r, single_word=True) for r in ROLES])
-    tok.add_special_tokens(SPECIALS)
-    return tok
+    return byte_level_bpe(_CORPUS, SPECIALS, ROLES, vocab_size)
 
 
 def tiny_config(tok: Any) -> dict[str, Any]:

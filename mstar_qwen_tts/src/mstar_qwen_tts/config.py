@@ -9,35 +9,16 @@ config class does not declare them. RoPE: `rope_theta` + `rope_scaling` or `rope
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from mstar_core.config.hf import check, config_field, read_fields, section
+from mstar_core.config.hf import check, config_field, head_dim_from_heads, read_fields, section
 from mstar_core.errors import ConfigError
-from mstar_core.nn.code_predictor import CodePredictorConfig
+from mstar_core.nn.codec_vocoder import CodecDecoderConfig
+from mstar_core.nn.qwen3_talker import Qwen3TalkerConfig, Qwen3TextConfig
 
 MODEL_TYPES = ("custom_voice", "voice_design", "base")
-
-
-def _rope(cfg: Mapping[str, Any], where: str, default_theta: float) -> dict[str, Any]:
-    params: dict[str, Any] = {"rope_theta": cfg.get("rope_theta", default_theta)}
-    for key in ("rope_scaling", "rope_parameters"):
-        extra = cfg.get(key)
-        if extra is None:
-            continue
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"config.json: '{where}.{key}' must be an object or null")
-        params.update(extra)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(f"config.json: '{where}' rope_type {kind!r} is not supported (here: ['default'])")
-    params["rope_theta"] = check(params["rope_theta"], float, f"{where}.rope_theta", example=default_theta)
-    return params
-
-
-def _head_dim(values: dict[str, Any]) -> int:
-    return values["hidden_size"] // values["num_attention_heads"]
 
 
 def _ids(value: Any, key: str) -> dict[str, Any]:
@@ -48,95 +29,46 @@ def _ids(value: Any, key: str) -> dict[str, Any]:
     return {str(k).lower(): v for k, v in value.items()}
 
 
-@attrs.frozen(kw_only=True)
-class TalkerTextConfig:
-    """The Talker's dense Qwen3 decoder (the `mstar_core.nn.qwen3_decoder` sizes; no experts)."""
-
-    vocab_size: int = 3072
-    hidden_size: int = 1024
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 28
-    num_attention_heads: int = config_field(16, minimum=1)
-    num_key_value_heads: int = config_field(8, minimum=1)
-    head_dim: int = 128
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    max_position_embeddings: int = 32768
-    rope_theta: float = 1000000.0
-    mrope_section: tuple[int, ...] = (24, 20, 20)
-    # a dense stack: what `Qwen3DecoderLayer` reads to choose its MLP
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-
-    def is_moe_layer(self, i: int) -> bool:
-        return False
+# The Talker's decoder: a dense Qwen3 stack (no experts) with the published 0.6B sizes for absent keys
+TALKER_TEXT_DEFAULTS = {"vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                        "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                        "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False}
 
 
 @attrs.frozen(kw_only=True)
-class TalkerConfig:
-    text: TalkerTextConfig
-    predictor: CodePredictorConfig
-    num_code_groups: int = 16
+class TalkerConfig(Qwen3TalkerConfig):
+    """TTS's `talker_config`: flat (the decoder's sizes beside the codec ids), with the Talker's own text table
+    (`text_vocab_size` / `text_hidden_size`), a think id Omni's Talker lacks, and speakers, their dialects and
+    the languages as codec ids."""
+
+    CODEC_ID_KEYS: ClassVar[tuple[str, ...]] = (*Qwen3TalkerConfig.CODEC_ID_KEYS, "codec_think_id")
+
     text_vocab_size: int = 151936
     text_hidden_size: int = 2048
-    codec_eos_token_id: int = 2150
     codec_think_id: int = 2154
-    codec_nothink_id: int = 2155
-    codec_think_bos_id: int = 2156
-    codec_think_eos_id: int = 2157
-    codec_pad_id: int = 2148
-    codec_bos_id: int = 2149
     spk_id: dict = attrs.field(factory=dict)
     spk_is_dialect: dict = attrs.field(factory=dict)
     codec_language_id: dict = attrs.field(factory=dict)
-
-    @property
-    def suppress_from(self) -> int:
-        """Code 0 never takes an id at or above this but EOS (the published rule: the top 1024 ids)."""
-        return max(0, self.text.vocab_size - 1024)
 
     @classmethod
     def from_hf(cls, cfg: Any) -> TalkerConfig:
         where = "talker_config"
         cfg = section(cfg, where)
-        rope = _rope(cfg, where, 10000.0)
-        text = read_fields(TalkerTextConfig, cfg, where, defaults={"head_dim": _head_dim},
-                           rope_theta=rope["rope_theta"],
-                           mrope_section=check(rope.get("mrope_section", (24, 20, 20)), tuple[int, ...],
-                                               f"{where}.rope_scaling.mrope_section", example=(24, 20, 20)))
-        if 2 * sum(text.mrope_section) != text.head_dim:
-            raise ConfigError(f"config.json: '{where}' mrope_section {list(text.mrope_section)} must add up to "
-                              f"head_dim / 2 = {text.head_dim // 2}")
-        if text.num_attention_heads % text.num_key_value_heads:
-            raise ConfigError(f"config.json: '{where}.num_attention_heads' must be a multiple of num_key_value_heads")
-        pwhere = f"{where}.code_predictor_config"
-        pcfg = section(cfg.get("code_predictor_config"), pwhere)
-        predictor = read_fields(CodePredictorConfig, pcfg, pwhere, defaults={"head_dim": _head_dim},
-                                rope_theta=_rope(pcfg, pwhere, 10000.0)["rope_theta"])
-        talker = read_fields(cls, cfg, where, text=text, predictor=predictor,
-                             spk_id=_ids(cfg.get("spk_id"), f"{where}.spk_id"),
-                             spk_is_dialect=_ids(cfg.get("spk_is_dialect"), f"{where}.spk_is_dialect"),
-                             codec_language_id=_ids(cfg.get("codec_language_id"), f"{where}.codec_language_id"))
-        talker.check_ids()
-        if predictor.num_code_groups != talker.num_code_groups:
-            raise ConfigError(f"config.json: '{pwhere}.num_code_groups' must equal talker_config.num_code_groups")
+        # dense whatever the section says: the checkpoint has no expert weights
+        text = Qwen3TextConfig.from_hf(cfg, where, default_theta=10000.0, defaults=TALKER_TEXT_DEFAULTS,
+                                       num_experts=0, shared_expert_intermediate_size=0)
+        talker = cls.read(cfg, where, text,
+                          spk_id=_ids(cfg.get("spk_id"), f"{where}.spk_id"),
+                          spk_is_dialect=_ids(cfg.get("spk_is_dialect"), f"{where}.spk_is_dialect"),
+                          codec_language_id=_ids(cfg.get("codec_language_id"), f"{where}.codec_language_id"))
+        talker.check_speakers()
         return talker
 
-    def check_ids(self) -> None:
-        vocab = self.text.vocab_size
-        ids = {k: getattr(self, k) for k in ("codec_eos_token_id", "codec_think_id", "codec_nothink_id",
-                                              "codec_think_bos_id", "codec_think_eos_id", "codec_pad_id",
-                                              "codec_bos_id")}
-        ids.update({f"spk_id.{k}": v for k, v in self.spk_id.items()})
-        ids.update({f"codec_language_id.{k}": v for k, v in self.codec_language_id.items()})
-        bad = [f"{k}={v}" for k, v in ids.items() if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab]
-        if bad:
-            raise ConfigError(f"config.json: talker_config codec ids {bad} must be integers below the talker vocab "
-                              f"({vocab})")
+    def codec_ids(self) -> dict[str, Any]:
+        return {**super().codec_ids(), **{f"spk_id.{k}": v for k, v in self.spk_id.items()},
+                **{f"codec_language_id.{k}": v for k, v in self.codec_language_id.items()}}
+
+    def check_speakers(self) -> None:
         missing = [s for s in self.spk_id if s not in self.spk_is_dialect]
         if missing:
             raise ConfigError(f"config.json: 'talker_config.spk_is_dialect' needs an entry for every speaker; "
@@ -187,35 +119,15 @@ class TTSConfig:
 
 
 @attrs.frozen(kw_only=True)
-class SpeechDecoderConfig:
-    """`speech_tokenizer/config.json` `decoder_config`: split RVQ, causal conv, sliding transformer, vocoder."""
+class SpeechDecoderConfig(CodecDecoderConfig):
+    """`speech_tokenizer/config.json` `decoder_config`: the shared codec sizes at the tokenizer's widths, plus the
+    split RVQ's `codebook_dim` and the transformer's projection to and from `latent_dim` (Omni's has neither)."""
 
-    codebook_size: int = 2048
     codebook_dim: int = 512
     hidden_size: int = 512
     latent_dim: int = 1024
-    num_attention_heads: int = config_field(16, minimum=1)
-    num_key_value_heads: int = config_field(16, minimum=1)
     head_dim: int = 64
-    attention_bias: bool = False
-    sliding_window: int = 72
     intermediate_size: int = 1024
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    rope_theta: float = 10000.0
-
-    @property
-    def samples_per_frame(self) -> int:
-        total = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            total *= r
-        return total
 
     @classmethod
     def from_hf(cls, cfg: Any) -> SpeechDecoderConfig:
@@ -223,7 +135,7 @@ class SpeechDecoderConfig:
         top = section(cfg, "", file=file)
         where = "decoder_config"
         dec = section(top.get(where), where, file=file)
-        out = read_fields(cls, dec, where, file=file, defaults={"head_dim": _head_dim},
+        out = read_fields(cls, dec, where, file=file, defaults={"head_dim": head_dim_from_heads},
                           rope_theta=check(dec.get("rope_theta", 10000.0), float, f"{where}.rope_theta", file=file))
         rate = top.get("decode_upsample_rate")
         if rate is not None and rate != out.samples_per_frame:
@@ -293,7 +205,7 @@ class SpeechEncoderConfig:
                               f"transcript needs it)")
         rope = enc.get("rope_parameters") or {}
         theta = enc.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, Mapping) else 10000.0)
-        out = read_fields(cls, enc, where, file=file, defaults={"head_dim": _head_dim},
+        out = read_fields(cls, enc, where, file=file, defaults={"head_dim": head_dim_from_heads},
                           rope_theta=check(theta, float, f"{where}.rope_theta", file=file),
                           valid_quantizers=check(top.get("encoder_valid_num_quantizers", 16), int,
                                                  "encoder_valid_num_quantizers", file=file, minimum=1),

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mstar_core.checkpoint import save_hf_checkpoint
-from mstar_core.checkpoint.presets import ensure_preset
+from mstar_core.checkpoint.presets import byte_level_bpe, ensure_preset
 from mstar_qwen_tts.checkpoint import SPEECH_TOKENIZER, QwenTTS
 from mstar_qwen_tts.config import SpeechDecoderConfig, SpeechEncoderConfig, TTSConfig
 from mstar_qwen_tts.speech_decoder import SpeechDecoder
@@ -45,17 +45,7 @@ _CORPUS = [
 
 def build_tokenizer(vocab_size: int = 320) -> Any:
     """A byte-level BPE with Qwen's special tokens; the role names are whole tokens, as in Qwen's vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS) - len(ROLES),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer)
-    tok.add_tokens([AddedToken(r, single_word=True) for r in ROLES])
-    tok.add_special_tokens(SPECIALS)
-    return tok
+    return byte_level_bpe(_CORPUS, SPECIALS, ROLES, vocab_size)
 
 
 def tiny_config(tok: Any, kind: str = "custom_voice") -> dict[str, Any]:

@@ -18,15 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_core.nn.codec_vocoder import (
-    CausalConv1d,
-    CausalConvTranspose1d,
-    ConvNeXtBlock,
-    DecoderBlock,
-    PreTransformer,
-    SnakeBeta,
-    WindowDecoder,
-)
+from mstar_core.nn.codec_vocoder import CausalConv1d, CodecWaveDecoder, PreTransformer, WindowDecoder
 from mstar_core.streaming import Chunk
 from mstar_qwen_tts.config import SpeechDecoderConfig
 
@@ -89,60 +81,23 @@ class ProjectedTransformer(PreTransformer):
         return self.output_proj(super().forward(self.input_proj(x)))
 
 
-class SpeechDecoder(nn.Module):
-    """`forward(codes [B, Q, T])` -> waveform `[B, 1, T * samples_per_frame]` in [-1, 1]."""
+class SpeechDecoder(CodecWaveDecoder):
+    """The shared codec decoder over the split RVQ's sum, lifted to the latent width by a causal conv; unlike
+    Omni's, the transformer has latent projections and the transposed convolutions trim at the end only."""
+
+    offline_chunk = 300  # the upstream tokenizer's window
+    quantizer: SplitResidualVQ
+    pre_conv: CausalConv1d
 
     def __init__(self, cfg: SpeechDecoderConfig):
-        super().__init__()
-        self.config = cfg
-        self.samples_per_frame = cfg.samples_per_frame
-        self.quantizer = SplitResidualVQ(cfg)
-        self.pre_conv = CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3)
-        self.pre_transformer = ProjectedTransformer(cfg)
-        self.upsample = nn.ModuleList(
-            nn.ModuleList([CausalConvTranspose1d(cfg.latent_dim, cfg.latent_dim, f, f, trim_start=False),
-                           ConvNeXtBlock(cfg.latent_dim)])
-            for f in cfg.upsampling_ratios
-        )
-        out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
-        self.decoder = nn.ModuleList([
-            CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7),
-            *(DecoderBlock(cfg.decoder_dim, cfg.upsample_rates, i, trim_start=False)
-              for i in range(len(cfg.upsample_rates))),
-            SnakeBeta(out_dim),
-            CausalConv1d(out_dim, 1, 7),
-        ])
+        super().__init__(cfg, {
+            "quantizer": SplitResidualVQ(cfg),
+            "pre_conv": CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3),
+            "pre_transformer": ProjectedTransformer(cfg),
+        }, width=cfg.latent_dim, trim_start=False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.pre_conv.conv.weight.device
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        if codes.dim() != 3 or codes.shape[1] != cfg.num_quantizers:
-            raise ValueError(f"codes must be [batch, {cfg.num_quantizers}, frames], got {list(codes.shape)}")
-        hidden = self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)  # [B, T, latent]
-        hidden = torch.stack([self.pre_transformer(h) for h in hidden]).transpose(1, 2)
-        for stage in self.upsample:
-            for layer in stage:
-                hidden = layer(hidden)
-        for layer in self.decoder:
-            hidden = layer(hidden)
-        return hidden.clamp(-1, 1)
-
-    def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
-        """Decode `[B, Q, context + new]` frames and keep only the new frames' samples `[B, 1, new * spf]`."""
-        return self(codes)[..., context * self.samples_per_frame :]
-
-    def chunked_decode(self, codes: torch.Tensor, chunk: int = 300, left: int = 25) -> torch.Tensor:
-        """Offline decode in windows of `chunk` new frames with up to `left` frames of context (upstream: 300, 25)."""
-        out, start, total = [], 0, codes.shape[-1]
-        while start < total:
-            end = min(start + chunk, total)
-            context = min(left, start)
-            out.append(self.decode_window(codes[..., start - context : end], context))
-            start = end
-        return torch.cat(out, dim=-1)
+    def frames(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)  # [B, T, latent]
 
 
 class ClonedWindowDecoder(WindowDecoder):

@@ -12,38 +12,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar_core.nn.attention import AttentionContext
-from mstar_core.nn.code_predictor import CodePredictor, ResizeMLP
-from mstar_core.nn.qwen3_decoder import Qwen3Decoder
+from mstar_core.nn.code_predictor import ResizeMLP
+from mstar_core.nn.qwen3_talker import Qwen3Talker, Qwen3TalkerModel
 from mstar_qwen_tts.config import TalkerConfig
 
 
-class TalkerModel(Qwen3Decoder):
+class TalkerModel(Qwen3TalkerModel):
+    """The shared decoder and code-0 table, plus the Talker's own text table (Omni's Talker reads the Thinker's)."""
+
     def __init__(self, cfg: TalkerConfig):
-        super().__init__(cfg.text)
-        self.codec_embedding = nn.Embedding(cfg.text.vocab_size, cfg.text.hidden_size)
+        super().__init__(cfg)
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
 
 
-class Talker(nn.Module):
-    """`forward(None, positions, context, input_embeds=)` -> normed hidden `[T, H]`; `compute_logits` -> code 0 logits."""
+class Talker(Qwen3Talker):
+    """The shared Talker with the text projection; the code predictor takes its inputs in the Talker's width."""
+
+    model: TalkerModel
+    text_projection: ResizeMLP
 
     def __init__(self, cfg: TalkerConfig):
-        super().__init__()
-        self.talker_config = cfg
-        self.config = cfg.text
-        self.model = TalkerModel(cfg)
-        self.text_projection = ResizeMLP(cfg.text_hidden_size, cfg.text_hidden_size, cfg.text.hidden_size,
-                                         cfg.text.hidden_act)
-        self.codec_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
-        self.code_predictor = CodePredictor(cfg.predictor, cfg.text.hidden_size)
-        suppressed = torch.zeros(cfg.text.vocab_size, dtype=torch.bool, device="cpu")
-        suppressed[cfg.suppress_from:] = True
-        suppressed[cfg.codec_eos_token_id] = False
-        self.suppressed = suppressed  # derived from the config, not a weight
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.codec_embedding(ids)
+        super().__init__(cfg, TalkerModel(cfg), {
+            "text_projection": ResizeMLP(cfg.text_hidden_size, cfg.text_hidden_size, cfg.text.hidden_size,
+                                         cfg.text.hidden_act),
+        }, predictor_width=cfg.text.hidden_size)
 
     def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Text token ids -> their projected rows in the Talker's width."""
@@ -56,18 +48,3 @@ class Talker(nn.Module):
         for g, table in enumerate(self.code_predictor.model.codec_embedding):
             rows = rows + table(codes[:, g + 1])
         return rows
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        context: AttentionContext,
-        input_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = self.embed(input_ids) if input_embeds is None else input_embeds
-        hidden, _ = self.model.run(x, positions, context)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.codec_head(hidden)
-        return logits.masked_fill(self.suppressed.to(logits.device), float("-inf"))
