@@ -57,6 +57,7 @@ def test_prompt_chunked_beside_decode_rows_matches_transformers(llama_pair):
     assert chunks[:6] == [[("r0", 1), ("r1", 8)]] * 5 + [[("r0", 1), ("r1", 5)]]  # 45 = 5 x 8 + 5, r0 never waits
     _check(hf, out, prompts)
     assert engine.pool.num_used == 0
+    assert make_engine(ours, num_pages=8).scheduler.prefill_step_tokens == 256  # a CPU node's default
 
 
 def test_prefix_cache_hits_give_same_tokens(llama_pair):

@@ -144,3 +144,22 @@ def test_prefill_step_tokens_lets_a_block_that_cannot_be_chunked_run():
     assert [(s.request_id, n) for s, n in plan.work] == [("first", 1), ("block", 12)]
     with pytest.raises(ValueError, match="prefill_step_tokens"):
         Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=40, prefill_step_tokens=0)
+
+
+def test_prefill_step_tokens_setting_defaults_by_device_and_names_a_bad_value():
+    """Absent, the cap is 256 on a CPU node and the whole budget elsewhere; a given value holds anywhere; a bad one is
+    an error naming the setting."""
+    import torch
+    from mstar_kvcache.config import CPU_PREFILL_STEP_TOKENS, KVCacheSettings
+
+    from mstar_core.errors import ConfigError
+
+    default = KVCacheSettings.from_mapping({})
+    assert default.resolve_prefill_step_tokens(torch.device("cpu")) == CPU_PREFILL_STEP_TOKENS == 256
+    assert default.resolve_prefill_step_tokens(torch.device("cuda")) is None
+    given = KVCacheSettings.from_mapping({"prefill_step_tokens": 512})
+    assert given.resolve_prefill_step_tokens(torch.device("cpu")) == 512
+    assert given.resolve_prefill_step_tokens(torch.device("cuda")) == 512
+    for bad in (0, -3, 1.5, True, "256"):
+        with pytest.raises(ConfigError, match="'prefill_step_tokens'"):
+            KVCacheSettings.from_mapping({"prefill_step_tokens": bad})
