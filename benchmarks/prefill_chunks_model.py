@@ -6,7 +6,7 @@ requests, 32 in flight in a closed loop, prompts of 64-200 tokens, 128 output to
 the 2-core EPYC for the real SmolLM2-135M in fp32). So the figures are free of the box's load and say what the
 policy does, not what the machine does; `decode_load.py` measures the same settings on the model.
 
-    python benchmarks/prefill_chunks_model.py                     # prefill_step_tokens null, 64 ... 320
+    python benchmarks/prefill_chunks_model.py                     # no cap (the whole budget), then caps of 64 ... 320
     python benchmarks/prefill_chunks_model.py --shortest-first    # and waiting prompts admitted shortest first
 """
 
