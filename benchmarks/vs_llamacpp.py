@@ -14,6 +14,7 @@ inter-token time a decoder that reads every weight once per token can have; M*'s
 
     python benchmarks/vs_llamacpp.py            # full: 2 rounds, c=1/8/32, fp32 and bf16
     python benchmarks/vs_llamacpp.py --quick    # one round, c=1 and c=8, fp32 (same figures, fewer of them)
+    python benchmarks/vs_llamacpp.py --quick --concurrency 32    # the same, c=32 alone
 
 The final line is one JSON object: `tok_s_ratio_c{1,8,32}_{fp32,bf16}`, `ttft_p50_ratio_max`,
 `itl_floor_ratio_{fp32,bf16}`, `read_gb_s`, `cpu_flags`, ...
@@ -95,7 +96,7 @@ def llamacpp_server(binary: Path, gguf: Path, port: int, slots: int, workdir: Pa
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    levels = [1, 8] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     rounds = 1 if args.quick else args.rounds
     flags = cpu_flags()
@@ -169,7 +170,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, c=1 and c=8, fp32")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per dtype (default 2: A B, then B A)")
-    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--concurrency", default=None,
+                        help="levels, e.g. 32 (default 1,8,32; with --quick 1,8): --quick --concurrency 32 runs c=32 alone")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--waves", type=int, default=2, help="requests per level above 1, in multiples of the level")
     parser.add_argument("--no-install", action="store_true", help="fail instead of building llama-server when missing")

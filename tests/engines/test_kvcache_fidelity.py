@@ -30,6 +30,36 @@ def test_batch_mixed_lengths_chunked_prefill_across_pages(llama_pair):
     assert engine.pool.num_used == 0
 
 
+def test_prompt_chunked_beside_decode_rows_matches_transformers(llama_pair):
+    """A prompt arriving while another request decodes is prefilled `prefill_step_tokens` at a time beside its decode
+    row (the scheduler's cap), and both still decode exactly what transformers does."""
+    from mstar_core.runtime.engine import Invocation
+
+    hf, ours = llama_pair
+    prompts = _prompts([5, 45])
+    engine = make_engine(ours, num_pages=128, page_size=4, max_num_batched_tokens=64, prefill_step_tokens=8)
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *a: plans.append(schedule(*a)) or plans[-1]
+    out = {rid: [] for rid in prompts}
+    engine.add(Invocation("r0", "lm", {"input_ids": prompts["r0"]}, {}))
+    while engine.has_work():
+        for inv, res in engine.step():
+            assert not isinstance(res, BaseException), res
+            out[inv.request_id].append(res["next_token"])
+            if len(out[inv.request_id]) < STEPS:
+                engine.add(Invocation(inv.request_id, "lm", {"input_ids": res["next_token"]}, {}))
+            else:
+                engine.release(inv.request_id)
+            if inv.request_id == "r0" and len(out["r0"]) == 3:  # r1 arrives while r0 decodes
+                engine.add(Invocation("r1", "lm", {"input_ids": prompts["r1"]}, {}))
+    chunks = [[(s.request_id, n) for s, n in p.work] for p in plans if any(s.request_id == "r1" for s, _ in p.work)]
+    assert chunks[:6] == [[("r0", 1), ("r1", 8)]] * 5 + [[("r0", 1), ("r1", 5)]]  # 45 = 5 x 8 + 5, r0 never waits
+    _check(hf, out, prompts)
+    assert engine.pool.num_used == 0
+    assert make_engine(ours, num_pages=8).scheduler.prefill_step_tokens == 256  # a CPU node's default
+
+
 def test_prefix_cache_hits_give_same_tokens(llama_pair):
     hf, ours = llama_pair
     shared = [(5 * j + 3) % 256 for j in range(40)]

@@ -102,3 +102,64 @@ def test_background_rows_take_turns_beside_live_work():
     assert [(s.request_id, n) for s, n in plan.work] == [("line0", 1), ("line1", 1), ("line2", 2), ("line3", 2)]
     with pytest.raises(ValueError, match="background_step_rows"):
         Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=64, background_step_rows=0)
+
+
+def test_prefill_step_tokens_caps_prompt_chunks_beside_decode_rows():
+    """Beside decode rows a step takes at most `prefill_step_tokens` prompt tokens (the decoding streams' step stays
+    short and a burst of prompts finishes one after another); with no decode row a prompt takes the whole budget, and
+    decode rows are never held back by the cap."""
+    pool = PagePool(64, 4, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=40, prefill_step_tokens=10)
+    first = _seq("first", 30, 0)
+    plan = sched.schedule([first], lambda: [first])
+    assert [(s.request_id, n) for s, n in plan.work] == [("first", 30)]  # nothing decodes: the whole budget
+    _run(plan)
+    first.tokens.append(7)  # sampled its first token: now it decodes
+    a, b = _seq("a", 7, 1), _seq("b", 25, 2)
+    everyone = [first, a, b]
+    plan = sched.schedule(everyone, lambda: everyone)
+    assert [(s.request_id, n) for s, n in plan.work] == [("first", 1), ("a", 7), ("b", 3)]
+    _run(plan)
+    first.tokens.append(7)
+    a.tokens.append(7)
+    plan = sched.schedule(everyone, lambda: everyone)  # b's chunks go on, 10 prompt tokens a step
+    assert [(s.request_id, n) for s, n in plan.work] == [("first", 1), ("a", 1), ("b", 10)]
+    _run(plan)
+    for seq in (first, a):  # the decode rows leave: b takes what the budget holds
+        seq.pending = None
+    plan = sched.schedule([b], lambda: everyone)
+    assert [(s.request_id, n) for s, n in plan.work] == [("b", 12)]
+
+
+def test_prefill_step_tokens_lets_a_block_that_cannot_be_chunked_run():
+    """A non-causal block (not chunkable) larger than the cap still runs beside decode rows, within the budget."""
+    pool = PagePool(64, 4, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=40, prefill_step_tokens=4)
+    first = _seq("first", 4, 0)
+    _run(sched.schedule([first], lambda: [first]))
+    first.tokens.append(7)
+    block = _seq("block", 12, 1)
+    block.chunkable = False
+    plan = sched.schedule([first, block], lambda: [first, block])
+    assert [(s.request_id, n) for s, n in plan.work] == [("first", 1), ("block", 12)]
+    with pytest.raises(ValueError, match="prefill_step_tokens"):
+        Scheduler(BlockManager(pool), max_num_seqs=8, max_num_batched_tokens=40, prefill_step_tokens=0)
+
+
+def test_prefill_step_tokens_setting_defaults_by_device_and_names_a_bad_value():
+    """Absent, the cap is 256 on a CPU node and the whole budget elsewhere; a given value holds anywhere; a bad one is
+    an error naming the setting."""
+    import torch
+    from mstar_kvcache.config import CPU_PREFILL_STEP_TOKENS, KVCacheSettings
+
+    from mstar_core.errors import ConfigError
+
+    default = KVCacheSettings.from_mapping({})
+    assert default.resolve_prefill_step_tokens(torch.device("cpu")) == CPU_PREFILL_STEP_TOKENS == 256
+    assert default.resolve_prefill_step_tokens(torch.device("cuda")) is None
+    given = KVCacheSettings.from_mapping({"prefill_step_tokens": 512})
+    assert given.resolve_prefill_step_tokens(torch.device("cpu")) == 512
+    assert given.resolve_prefill_step_tokens(torch.device("cuda")) == 512
+    for bad in (0, -3, 1.5, True, "256"):
+        with pytest.raises(ConfigError, match="'prefill_step_tokens'"):
+            KVCacheSettings.from_mapping({"prefill_step_tokens": bad})

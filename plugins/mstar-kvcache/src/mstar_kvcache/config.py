@@ -20,6 +20,10 @@ DEFAULT_NUM_PAGES = 512
 DEFAULT_TOKENS_PER_SEQ = 1024
 DEFAULT_KV_CACHE_BYTES = 4 << 30
 OFFLOAD_RULES = ("auto", "always", "never")
+# prompt tokens a step with decode rows takes on a CPU node by default: a 512-token chunk beside 32 decode rows made
+# every stream's token wait ~0.7 s on a 2-core CPU (SmolLM2-135M fp32); 256 halves that at the same tokens/s. (Other
+# devices keep the whole budget: their steps' time grows far less with a chunk, and nothing was measured there.)
+CPU_PREFILL_STEP_TOKENS = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -72,6 +76,9 @@ class KVCacheSettings:
     background_step_tokens: int = 8
     # background sequences that may share a step live sequences have work in (scheduler.py)
     background_step_rows: int = 1
+    # prompt tokens a step may take while it carries decode rows (scheduler.py); None: CPU_PREFILL_STEP_TOKENS on a
+    # CPU node, the whole token budget elsewhere (a value >= max_num_batched_tokens is the whole budget anywhere)
+    prefill_step_tokens: int | None = None
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_batch_size: int | None = None
@@ -94,7 +101,7 @@ class KVCacheSettings:
     def from_mapping(cls, values: Mapping[str, Any]) -> KVCacheSettings:
         reject_unknown(values, (f.name for f in attrs.fields(cls)), "kvcache engine", what="setting")
         for key in ("num_pages", "kv_cache_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                    "background_step_tokens", "background_step_rows"):
+                    "background_step_tokens", "background_step_rows", "prefill_step_tokens"):
             value = values.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"kvcache engine: setting '{key}' must be a positive integer, got {value!r}")
@@ -120,6 +127,12 @@ class KVCacheSettings:
         if values.get("speculative") is not None:
             values = {**values, "speculative": SpeculativeSettings.from_mapping(values["speculative"])}
         return cls(**values)
+
+    def resolve_prefill_step_tokens(self, device: torch.device) -> int | None:
+        """The scheduler's cap on a step's prompt tokens beside decode rows (None: none) on `device`."""
+        if self.prefill_step_tokens is not None:
+            return self.prefill_step_tokens
+        return CPU_PREFILL_STEP_TOKENS if device.type == "cpu" else None
 
     def resolve_num_pages(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Pages to preallocate: explicit, from the memory budget, or the default (see DEFAULT_TOKENS_PER_SEQ)."""

@@ -99,7 +99,8 @@ class KVCacheEngine(Engine):
         self.offload = host_tier(self.settings.kv_offload, self.pool, node.name, self.ranks, self.share_with)
         self.blocks = BlockManager(self.pool, self.settings.enable_prefix_caching, salt=node.name, host=self.offload)
         self.scheduler = Scheduler(self.blocks, self.settings.max_num_seqs, self.settings.max_num_batched_tokens,
-                                   self.settings.background_step_tokens, self.settings.background_step_rows)
+                                   self.settings.background_step_tokens, self.settings.background_step_rows,
+                                   self.settings.resolve_prefill_step_tokens(self.device))
         backend = select_backend(self.settings.attention_backend, self.device, context.registry)
         self.quantized_linears = 0
         if self.settings.quantize is not None and isinstance(module, torch.nn.Module):

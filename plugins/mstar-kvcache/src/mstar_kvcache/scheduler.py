@@ -24,6 +24,11 @@ class Schedule:
         return sum(n for _, n in self.work)
 
 
+def _decodes(seq: Sequence) -> bool:
+    """Whether `seq`'s work is a decode: one new token, or one and the drafts speculative decoding guessed after it."""
+    return seq.remaining == 1 or (seq.speculation is not None and bool(seq.speculation.drafts))
+
+
 def _rank(seq: Sequence) -> tuple[float, float, int]:
     # higher priority first (a stream running dry), then the oldest request, then first come first served: a
     # request's later calls (a decode, a flow step's read-only branch) keep their request's place
@@ -39,10 +44,12 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 background_step_tokens: int = 8, background_step_rows: int = 1):
-        if min(max_num_seqs, max_num_batched_tokens, background_step_tokens, background_step_rows) < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens, background_step_tokens and background_step_rows "
-                             "must be >= 1")
+                 background_step_tokens: int = 8, background_step_rows: int = 1,
+                 prefill_step_tokens: int | None = None):
+        if min(max_num_seqs, max_num_batched_tokens, background_step_tokens, background_step_rows,
+               1 if prefill_step_tokens is None else prefill_step_tokens) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, background_step_tokens, background_step_rows "
+                             "and prefill_step_tokens must be >= 1")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,6 +60,11 @@ class Scheduler:
         #: background sequences that may share a step live ones have work in: each background decode row is one more
         #: row of the live rows' step (on a busy CPU, what it computes), so beside live work they take turns
         self.background_step_rows = background_step_rows
+        #: prompt tokens (prefills, their chunks, recomputes) a step may take while it carries decode rows; None: the
+        #: whole budget. A step's time grows with its prompt tokens, and every decoding stream waits for the step:
+        #: smaller prompt chunks keep the decode rows flowing, and a burst of arrivals gets its first tokens one
+        #: prompt after another instead of all at the end of one long step (TTFT p50 under load)
+        self.prefill_step_tokens = prefill_step_tokens
 
     def schedule(self, pending: Iterable[Sequence], holders: Callable[[], Iterable[Sequence]]) -> Schedule:
         """Plan a step over sequences with work (`pending`); `holders()` lists every sequence holding pages."""
@@ -63,13 +75,19 @@ class Scheduler:
         live = any(not is_background(s.priority) for s in ordered)
         background_left = [self.background_step_tokens if live else budget]  # tokens
         background_rows = [self.background_step_rows if live else self.max_num_seqs]
+        decoding = self.prefill_step_tokens is not None and any(s.pages and _decodes(s) for s in ordered)
+        prompt_left = [self.prefill_step_tokens if decoding else budget]  # tokens
 
         def room(seq: Sequence) -> int:  # the tokens `seq` may take now
+            # (a block that must run in one piece is held back by the step's budget only, or it would starve)
+            mine = budget if _decodes(seq) or not seq.chunkable else min(budget, max(0, prompt_left[0]))
             if not is_background(seq.priority):
-                return budget
-            return min(budget, background_left[0]) if background_rows[0] > 0 else 0
+                return mine
+            return min(mine, background_left[0]) if background_rows[0] > 0 else 0
 
         def took(seq: Sequence, n: int) -> None:
+            if not _decodes(seq):
+                prompt_left[0] -= n
             if is_background(seq.priority):
                 background_left[0] -= n
                 background_rows[0] -= 1

@@ -1,0 +1,213 @@
+"""Where M*'s wall time goes at c=32 (vs_llamacpp.py's workload, in-process): prefill, decode, and between steps.
+
+The real SmolLM2-135M directory `vs_llamacpp.py` exports (the benchmark cache; a run of vs_vllm.py or vs_llamacpp.py
+writes it) is served by an `AsyncEngine` with the `llama` preset's defaults; a closed-loop client keeps `--concurrency`
+requests in flight over `--waves` x c requests (prompts of 64-200 tokens, 128 output tokens, greedy, ignore_eos), as the
+HTTP benchmark does, without HTTP. Every kvcache step is timed (wall and the device thread's CPU time) and split into
+the forward (linears and paged attention), the LM head + sampling, and the rest of the step; steps are classed as
+decode-only (every row one token), mixed (decode rows and a prefill chunk) or prefill-only. The time between steps
+(the conductor, request handles, the event loop: the runtime's per-step cost) and the TTFT / inter-token figures come
+with them. CPU time is what the box's other jobs disturb least; read wall figures with the load printed beside them.
+
+    python benchmarks/decode_load.py --quick            # c=32, one wave, fp32
+    python benchmarks/decode_load.py --dtype bfloat16 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class StepLog:
+    """Per kvcache step: (decode rows, prefill tokens, wall s, thread CPU s, forward CPU s, head+sampling CPU s, started)."""
+
+    def __init__(self, ops: bool = False):
+        from mstar_kvcache import KVCacheEngine
+        from mstar_kvcache.answers import CallAnswers
+        from mstar_kvcache.step_inputs import StepForward
+
+        self.patched = [(KVCacheEngine, "step"), (KVCacheEngine, "_run"), (StepForward, "run"), (CallAnswers, "sample")]
+        self.saved = [getattr(cls, name) for cls, name in self.patched]
+        self.steps: list[dict[str, float]] = []
+        #: with `ops`, torch.profiler's op table over a few steps of each kind (decode-only and with a prefill chunk)
+        self.ops: dict[str, list] = {"decode": [], "prefill": []} if ops else {}
+        cur: dict[str, float] = {}
+        step0, run0, fwd0, sample0 = self.saved
+        log = self
+
+        def step(engine):
+            cur.clear()
+            cur.update(decode=0, prefill=0, forward=0.0, sample=0.0)
+            w, c = time.perf_counter(), time.thread_time()
+            profiling = bool(log.ops) and len(log.steps) > 8 and any(len(v) < 4 for v in log.ops.values())
+            if profiling:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                prof.__enter__()
+            results = step0(engine)
+            if profiling:
+                prof.__exit__(None, None, None)
+                kind = "prefill" if cur["prefill"] else "decode"
+                if len(log.ops[kind]) < 4 and (kind == "prefill" or cur["decode"] >= 28):
+                    log.ops[kind].append(prof.key_averages())
+            if cur["decode"] or cur["prefill"]:
+                log.steps.append({**cur, "wall": time.perf_counter() - w, "cpu": time.thread_time() - c, "start": w})
+            return results
+
+        def run(engine, work):
+            for _, n in work:
+                cur["decode" if n == 1 else "prefill"] += n
+            return run0(engine, work)
+
+        def timed(key, original):
+            def wrapper(*a, **k):
+                c = time.thread_time()
+                try:
+                    return original(*a, **k)
+                finally:
+                    cur[key] = cur.get(key, 0.0) + time.thread_time() - c
+            return wrapper
+
+        KVCacheEngine.step, KVCacheEngine._run = step, run
+        StepForward.run, CallAnswers.sample = timed("forward", fwd0), timed("sample", sample0)
+
+    def restore(self) -> None:
+        for (cls, name), original in zip(self.patched, self.saved, strict=True):
+            setattr(cls, name, original)
+
+
+def model_dir() -> Path:
+    import vllm_side
+
+    path = vllm_side.cache_dir() / "smollm2-135m-hf"
+    if not (path / "config.json").exists():
+        raise SystemExit(f"{path} is missing: run benchmarks/vs_vllm.py or vs_llamacpp.py once to export it")
+    return path
+
+
+async def drive(engine, prompts: list[list[int]], concurrency: int, output_tokens: int) -> dict[str, list[float]]:
+    queue = deque(range(len(prompts)))
+    ttft, itl = [], []
+
+    async def client() -> None:
+        while queue:
+            i = queue.popleft()
+            sent = last = time.perf_counter()
+            handle = engine.submit("llama", {"input_ids": prompts[i], "max_tokens": output_tokens, "ignore_eos": True})
+            first = True
+            async for out in handle:
+                if out.name != "next_token":
+                    continue
+                now = time.perf_counter()
+                (ttft.append(now - sent) if first else itl.append(now - last))
+                first, last = False, now
+
+    await asyncio.gather(*(client() for _ in range(min(concurrency, len(prompts)))))
+    return {"ttft": ttft, "itl": itl}
+
+
+def summarize(steps: list[dict[str, float]], wall: float, concurrency: int) -> dict[str, dict[str, float]]:
+    kinds = {"decode": lambda s: not s["prefill"], "mixed": lambda s: s["prefill"] and s["decode"],
+             "prefill": lambda s: s["prefill"] and not s["decode"]}
+    out = {}
+    for kind, test in kinds.items():
+        sel = [s for s in steps if test(s)]
+        if not sel:
+            continue
+        row = {"steps": len(sel), "wall_s": round(sum(s["wall"] for s in sel), 2),
+               "cpu_s": round(sum(s["cpu"] for s in sel), 2),
+               "forward_cpu_s": round(sum(s["forward"] for s in sel), 2),
+               "head_sample_cpu_s": round(sum(s["sample"] for s in sel), 2),
+               "mean_rows": round(statistics.mean(s["decode"] for s in sel), 1),
+               "mean_prefill_tokens": round(statistics.mean(s["prefill"] for s in sel), 1)}
+        full = [s for s in sel if s["decode"] >= concurrency * 7 // 8]
+        if kind == "decode" and full:
+            row["full_batch_steps"] = len(full)
+            row["full_batch_step_cpu_ms"] = round(1e3 * statistics.median(s["cpu"] for s in full), 2)
+            row["full_batch_step_wall_ms"] = round(1e3 * statistics.median(s["wall"] for s in full), 2)
+            row["full_batch_forward_cpu_ms"] = round(1e3 * statistics.median(s["forward"] for s in full), 2)
+            row["full_batch_head_sample_cpu_ms"] = round(1e3 * statistics.median(s["sample"] for s in full), 2)
+        out[kind] = row
+    inside = sum(s["wall"] for s in steps)
+    out["between_steps"] = {"wall_s": round(wall - inside, 2), "share": round((wall - inside) / wall, 3),
+                            "per_step_ms": round(1e3 * (wall - inside) / max(len(steps), 1), 2)}
+    return out
+
+
+async def main_async(args) -> dict:
+    from mstar_llm.model import load_llm
+    from vs_vllm import load, make_prompts
+
+    from mstar_core.model import LoadOptions
+    from mstar_core.runtime import AsyncEngine
+
+    path = model_dir()
+    loaded = load_llm(LoadOptions(checkpoint=str(path), dtype=args.dtype), progress=False)
+    engine = AsyncEngine()
+    await engine.add_model(loaded, settings={"lm": json.loads(args.settings)} if args.settings else None)
+    prompts = make_prompts(path, args.waves * args.concurrency, seed=args.concurrency)
+    log = StepLog(ops=args.ops)
+    try:
+        await drive(engine, make_prompts(path, 4, seed=99), 4, 8)  # warm-up (replays recorded, threads started)
+        log.steps.clear()
+        print(f"load before: {load()}", flush=True)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        lat = await drive(engine, prompts, args.concurrency, args.output_tokens)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        print(f"load after: {load()}", flush=True)
+    finally:
+        log.restore()
+        await engine.close()
+    for kind, tables in log.ops.items():
+        totals: dict[str, float] = {}
+        for table in tables:
+            for ev in table:
+                totals[ev.key] = totals.get(ev.key, 0.0) + ev.self_cpu_time_total / len(tables) / 1e3
+        print(f"-- {kind} step ({len(tables)} profiled): top ops by self CPU ms per step (all threads' dispatch)")
+        for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:18]:
+            print(f"   {ms:8.2f}  {key}")
+    tokens = len(lat["itl"]) + len(lat["ttft"])
+    out = {"benchmark": "decode_load", "dtype": args.dtype, "concurrency": args.concurrency,
+           "requests": len(prompts), "threads": torch.get_num_threads(), "settings": args.settings,
+           "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2), "tok_s": round(tokens / wall, 1),
+           "ttft_p50_ms": round(1e3 * statistics.median(lat["ttft"]), 1),
+           "ttft_max_ms": round(1e3 * max(lat["ttft"]), 1),
+           "itl_p50_ms": round(1e3 * statistics.median(lat["itl"]), 2),
+           "itl_p99_ms": round(1e3 * sorted(lat["itl"])[int(0.99 * (len(lat["itl"]) - 1))], 1),
+           **summarize(log.steps, wall, args.concurrency)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one wave")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--waves", type=int, default=2)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--settings", default=None, help="the lm node's kvcache settings as JSON (default: the preset's)")
+    parser.add_argument("--ops", action="store_true", help="torch.profiler's op table over a few steps of each kind")
+    args = parser.parse_args()
+    if args.quick:
+        args.waves = 1
+    out = asyncio.run(main_async(args))
+    print(f"tok/s {out['tok_s']}  TTFT p50 {out['ttft_p50_ms']} ms (max {out['ttft_max_ms']})  inter-token p50 "
+          f"{out['itl_p50_ms']} ms, p99 {out['itl_p99_ms']} ms  wall {out['wall_s']} s, process CPU {out['process_cpu_s']} s")
+    for key, value in out.items():
+        if isinstance(value, dict):
+            print(f"{key}: {value}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
