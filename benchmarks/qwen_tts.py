@@ -11,17 +11,21 @@ defaults on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M* over the baseline's
   request-by-request rate. Target >= 3.
 - `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
-  audio before it has played out, playback starting at the first chunk), with the walk's stream priority: every call
-  of a request's frame loop ranked by how close its listener is to running dry (`priority: true` in the JSON), and
-  the Talker and code predictor admitting `admitted_streams` requests at a time (the node setting
-  `max_active_requests`, sized to the throughput wave's audio seconds per second / `ADMIT_MARGIN` (2): the streams
-  this box speaks at twice real time; the rest wait for a slot, as a server sized to its machine does).
+  audio before it has played out, playback starting at the first chunk), with the walk's stream priority (every call
+  of a request's frame loop ranked by how close its listener is to running dry, `priority: true` in the JSON) and the
+  Talker's adaptive admission (node setting `admit_streams`, `ADMIT_STREAMS`): a new stream waits until the admitted
+  ones each stay ahead of their listeners at a measured speed with room for one more; a waiting stream has not
+  started playing, so it cannot run dry, its listener hears a later start (`crowd_ttfa_s`: p50 / p99 seconds from
+  submission to first audio in each crowd; `crowd_audio_per_s`: the crowd's audio seconds per wall second).
+  `viability_c32_fixed_admission`: a fixed admission instead, the Talker and code predictor admitting
+  `admitted_streams` requests at a time (`max_active_requests` sized to the throughput wave's audio seconds per
+  second / `ADMIT_MARGIN` (2), as an operator sizes it to one measurement of the machine).
   `viability_c32_unbounded`: the same with every stream admitted at once (32 streams share every step, so on a box
   that speaks fewer than 32 in real time all of them run dry).
 - `viability_c32_fifo`: the same crowd on the same weights served FIFO: the graph built with `priority=False` and
   the frame loop's kvcache nodes (Talker, code predictor) taking calls in submission order (`call_order: "fifo"`,
-  as Orpheus's benchmark defines FIFO), every stream admitted; `viability_c32_fifo_admitted`: FIFO with the same
-  admission as `viability_c32` (which of the two levers, priority or admission, holds the streams).
+  as Orpheus's benchmark defines FIFO), every stream admitted; `viability_c32_fifo_admitted`: FIFO with the fixed
+  admission (which of the two levers, priority or admission, holds the streams).
 - `clone_cached_speedup`: a cloned voice's request time with the stored x-vector (what `/v1/audio/voices` keeps)
   over the time with the speaker encoder run per request on the reference audio (what an uncached server does).
 - `clone_icl_cached_speedup`: the same for a voice created with its transcript (in-context cloning): the stored
@@ -34,6 +38,7 @@ each viability crowd; the keys keep their names, `concurrency` says what ran). T
 small shared CPU box are noisy; the ratios are what to read.
 
     python benchmarks/qwen_tts.py --quick
+    python benchmarks/qwen_tts.py --diagnose --trace crowds.json   # the admitted crowds alone, every chunk and step
 """
 
 from __future__ import annotations
