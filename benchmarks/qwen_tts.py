@@ -128,7 +128,7 @@ def reference_voice(seconds: float = 3.0) -> torch.Tensor:
 SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 TEXT = "Hello there, this is a benchmark of streaming speech."
 #: The Talker's `admit_streams` in the adaptive crowd: a new stream waits until the admitted ones are each a second
-#: ahead and would keep 1.25 x real time with it (see `mstar_core.runtime.stream_admission`)
+#: ahead of their listeners and measured at 1.25 x real time at least (see `mstar_core.runtime.stream_admission`)
 ADMIT_STREAMS = {"min_lead_s": 1.0, "min_speed": 1.25, "max_starting": 1}
 #: Real-time speed each admitted stream keeps in the crowd: the admitted count is the c=16 wave's audio seconds per
 #: second over this (fewer streams batch less well than 16, and a joining request's prefill slows the others)
