@@ -62,3 +62,17 @@ async def test_a_bad_admit_streams_setting_fails_the_load_naming_the_key(tiny_di
         with pytest.raises(ConfigError, match="admit_streams.min_lead'"):
             await engine.load_model("qwen3-tts", LoadOptions(preset="tiny"),
                                     settings={"talker": {"admit_streams": {"min_lead": 1}}})
+
+
+async def test_a_node_placed_in_a_worker_process_refuses_admit_streams():
+    """The calls' leads do not cross the wire yet: a worker refuses the setting instead of admitting blind."""
+    from mstar_core.cluster.hosted_engines import HostedEngines
+    from mstar_core.wire import LoadModel
+
+    host = HostedEngines("w")
+    try:
+        with pytest.raises(ConfigError, match="node 'talker': setting 'admit_streams' is not supported"):
+            await host.load(LoadModel(model="qwen3-tts", device="cpu", nodes=["talker"], preset="tiny",
+                                      settings={"talker": {"admit_streams": True}}))
+    finally:
+        host.stop_device_thread()
