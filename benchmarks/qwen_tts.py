@@ -127,10 +127,10 @@ def reference_voice(seconds: float = 3.0) -> torch.Tensor:
 
 SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 TEXT = "Hello there, this is a benchmark of streaming speech."
-#: The Talker's `admit_streams` in the adaptive crowd: a new stream waits until the admitted ones are each 1.5 s
-#: ahead of their listeners and measured at 1.5 x real time at least over spans of a second (see
-#: `mstar_core.runtime.stream_admission`). The defaults (1 s, 1.25 x, 0.5 s) admitted on half-second readings that
-#: the shared box's load then took back (run F in BENCHMARKS.md)
+#: The Talker's `admit_streams` in the adaptive crowd (the policy's defaults, spelled out): a new stream waits until
+#: the admitted ones are each 1.5 s ahead of their listeners and measured at 1.5 x real time at least over spans of a
+#: second (see `mstar_core.runtime.stream_admission`). 1 s, 1.25 x and 0.5 s admitted on half-second readings that the
+#: shared box's load then took back (run F in BENCHMARKS.md)
 ADMIT_STREAMS = {"min_lead_s": 1.5, "min_speed": 1.5, "max_starting": 1, "speed_window_s": 1.0}
 #: Real-time speed each admitted stream keeps in the crowd: the admitted count is the c=16 wave's audio seconds per
 #: second over this (fewer streams batch less well than 16, and a joining request's prefill slows the others)

@@ -46,13 +46,15 @@ class StreamAdmission:
     """The node setting `admit_streams` (`true` for these defaults, or a mapping of the fields to change)."""
 
     #: seconds of media every playing admitted stream must have ahead of its listener
-    min_lead_s: float = 1.0
+    min_lead_s: float = 1.5
     #: the speed (media seconds per wall second) every playing admitted stream must be measured at
-    min_speed: float = 1.25
+    min_speed: float = 1.5
     #: admitted requests allowed to be starting at once
     max_starting: int = 1
-    #: the shortest span of lead readings a speed is measured over (a shorter one is dominated by step jitter)
-    speed_window_s: float = 0.5
+    #: the shortest span of lead readings a speed is measured over (a shorter one is dominated by step jitter and
+    #: by the moments other work leaves the machine alone: 1.0 / 1.25x / 0.5 s admitted on readings the load took
+    #: back, BENCHMARKS.md's Qwen3-TTS run F)
+    speed_window_s: float = 1.0
 
     @classmethod
     def from_setting(cls, node: str, value: Any) -> StreamAdmission | None:
