@@ -11,17 +11,21 @@ defaults on both sides.
 - `throughput_ratio_c16`: audio seconds per wall second with 16 concurrent requests on M* over the baseline's
   request-by-request rate. Target >= 3.
 - `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
-  audio before it has played out, playback starting at the first chunk), with the walk's stream priority: every call
-  of a request's frame loop ranked by how close its listener is to running dry (`priority: true` in the JSON), and
-  the Talker and code predictor admitting `admitted_streams` requests at a time (the node setting
-  `max_active_requests`, sized to the throughput wave's audio seconds per second / `ADMIT_MARGIN` (2): the streams
-  this box speaks at twice real time; the rest wait for a slot, as a server sized to its machine does).
+  audio before it has played out, playback starting at the first chunk), with the walk's stream priority (every call
+  of a request's frame loop ranked by how close its listener is to running dry, `priority: true` in the JSON) and the
+  Talker's adaptive admission (node setting `admit_streams`, `ADMIT_STREAMS`): a new stream waits until the admitted
+  ones each stay ahead of their listeners at a measured speed with room for one more; a waiting stream has not
+  started playing, so it cannot run dry, its listener hears a later start (`crowd_ttfa_s`: p50 / p99 seconds from
+  submission to first audio in each crowd; `crowd_audio_per_s`: the crowd's audio seconds per wall second).
+  `viability_c32_fixed_admission`: a fixed admission instead, the Talker and code predictor admitting
+  `admitted_streams` requests at a time (`max_active_requests` sized to the throughput wave's audio seconds per
+  second / `ADMIT_MARGIN` (2), as an operator sizes it to one measurement of the machine).
   `viability_c32_unbounded`: the same with every stream admitted at once (32 streams share every step, so on a box
   that speaks fewer than 32 in real time all of them run dry).
 - `viability_c32_fifo`: the same crowd on the same weights served FIFO: the graph built with `priority=False` and
   the frame loop's kvcache nodes (Talker, code predictor) taking calls in submission order (`call_order: "fifo"`,
-  as Orpheus's benchmark defines FIFO), every stream admitted; `viability_c32_fifo_admitted`: FIFO with the same
-  admission as `viability_c32` (which of the two levers, priority or admission, holds the streams).
+  as Orpheus's benchmark defines FIFO), every stream admitted; `viability_c32_fifo_admitted`: FIFO with the fixed
+  admission (which of the two levers, priority or admission, holds the streams).
 - `clone_cached_speedup`: a cloned voice's request time with the stored x-vector (what `/v1/audio/voices` keeps)
   over the time with the speaker encoder run per request on the reference audio (what an uncached server does).
 - `clone_icl_cached_speedup`: the same for a voice created with its transcript (in-context cloning): the stored
@@ -34,6 +38,7 @@ each viability crowd; the keys keep their names, `concurrency` says what ran). T
 small shared CPU box are noisy; the ratios are what to read.
 
     python benchmarks/qwen_tts.py --quick
+    python benchmarks/qwen_tts.py --diagnose --trace crowds.json   # the admitted crowds alone, every chunk and step
 """
 
 from __future__ import annotations
@@ -122,6 +127,11 @@ def reference_voice(seconds: float = 3.0) -> torch.Tensor:
 
 SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 TEXT = "Hello there, this is a benchmark of streaming speech."
+#: The Talker's `admit_streams` in the adaptive crowd (the policy's defaults, spelled out): a new stream waits until
+#: the admitted ones are each 1.5 s ahead of their listeners and measured at 1.5 x real time at least over spans of a
+#: second (see `mstar_core.runtime.stream_admission`). 1 s, 1.25 x and 0.5 s admitted on half-second readings that the
+#: shared box's load then took back (run F in BENCHMARKS.md)
+ADMIT_STREAMS = {"min_lead_s": 1.5, "min_speed": 1.5, "max_starting": 1, "speed_window_s": 1.0}
 #: Real-time speed each admitted stream keeps in the crowd: the admitted count is the c=16 wave's audio seconds per
 #: second over this (fewer streams batch less well than 16, and a joining request's prefill slows the others)
 ADMIT_MARGIN = 2.0
@@ -155,17 +165,22 @@ async def mstar_one(engine, embedding: list[float], frames: int, seed: int, mode
             arrivals.append((time.perf_counter() - start, samples / 24000))
     await handle.result()
     return {"ttfa": arrivals[0][0], "total": time.perf_counter() - start, "audio": samples / 24000,
-            "arrivals": arrivals}
+            "arrivals": arrivals, "start": start, "request_id": handle.request_id}
 
 
 def viable(arrivals: list[tuple[float, float]]) -> bool:
     """Playback starts at the first chunk; chunk i must arrive before the audio of the chunks before it played."""
-    t0, played = arrivals[0][0], 0.0
-    for at, total in arrivals:
+    return not stalls(arrivals)
+
+
+def stalls(arrivals: list[tuple[float, float]]) -> list[tuple[int, float]]:
+    """(chunk index, seconds late) for each chunk that arrived after the audio before it had played out."""
+    t0, played, late = arrivals[0][0], 0.0, []
+    for i, (at, total) in enumerate(arrivals):
         if at - t0 > played + 1e-3:
-            return False
+            late.append((i, at - t0 - played))
         played = total
-    return True
+    return late
 
 
 async def stream_first_audio(engine, embedding: list[float], frames: int) -> float:
@@ -188,9 +203,53 @@ async def stream_first_audio(engine, embedding: list[float], frames: int) -> flo
     raise RuntimeError("no sentence ended")
 
 
-async def crowd_viability(engine, model: str, emb: list[float], frames: int, count: int, seed: int) -> float:
+class StepTrace:
+    """Records every step of a model's nodes (node, start, end, calls answered) and when each request's first call
+    reached each node's engine (its admission there) while installed."""
+
+    def __init__(self, engine, model: str):
+        self.steps: list[tuple[str, float, float, int]] = []
+        self.first_calls: dict[str, dict[str, float]] = {}  # node -> request id -> time
+        self._undo = []
+        for name, scheduler in engine.node_schedulers(model).items():
+            inner = scheduler.engine
+            step, add = inner.step, inner.add
+            firsts = self.first_calls.setdefault(name, {})
+
+            def traced(step=step, name=name):
+                began = time.perf_counter()
+                results = step()
+                self.steps.append((name, began, time.perf_counter(), len(results)))
+                return results
+
+            def added(invocation, add=add, firsts=firsts):
+                firsts.setdefault(invocation.request_id, time.perf_counter())
+                return add(invocation)
+
+            inner.step, inner.add = traced, added
+            self._undo.append(inner)
+
+    def remove(self) -> None:
+        for inner in self._undo:
+            del inner.step, inner.add  # (the instance attributes set above: the class's methods again)
+
+
+async def crowd_viability(engine, model: str, emb: list[float], frames: int, count: int, seed: int,
+                          trace: list | None = None) -> dict:
+    """The crowd's viability, its time-to-first-audio p50/p99 and wall time; with `trace`, each stream's arrivals
+    and every step of the model's nodes are appended to it."""
+    steps = StepTrace(engine, model) if trace is not None else None
+    began = time.perf_counter()
     crowd = await asyncio.gather(*(mstar_one(engine, emb, frames, seed + i, model) for i in range(count)))
-    return sum(viable(r["arrivals"]) for r in crowd) / len(crowd)
+    wall = time.perf_counter() - began
+    if steps is not None:
+        steps.remove()
+        trace.append({"model": model, "began": began, "streams": crowd, "steps": steps.steps,
+                      "admitted": steps.first_calls.get("talker", {})})
+    ttfa = sorted(r["ttfa"] for r in crowd)
+    return {"viability": sum(viable(r["arrivals"]) for r in crowd) / len(crowd),
+            "ttfa_p50": statistics.median(ttfa), "ttfa_p99": ttfa[min(len(ttfa) - 1, round(0.99 * (len(ttfa) - 1)))],
+            "wall": wall, "audio_per_s": sum(r["audio"] for r in crowd) / wall}
 
 
 async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
@@ -223,22 +282,34 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
         wave = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 100 + i) for i in range(args.cthroughput)))
         out["audio_per_s"] = sum(r["audio"] for r in wave) / (time.perf_counter() - start)
         log("throughput wave", time.perf_counter() - start)
-        # the crowd exceeds what the box speaks in real time: admit as many streams as the throughput wave showed it
-        # sustains at ADMIT_MARGIN x real time (the node setting an operator sizes to the machine), the rest wait
+        # the crowd exceeds what the box speaks in real time. Adaptive admission (the target figure): the Talker
+        # admits a new stream only while the admitted ones stay ahead of their listeners (`admit_streams`)
+        await engine.add_model(loaded, alias="qwen3-tts-adaptive", settings={"talker": {"admit_streams": ADMIT_STREAMS}})
+        trace = [] if args.trace else None
+        crowds = out["crowds"] = {}
+        crowds["adaptive"] = await crowd_viability(engine, "qwen3-tts-adaptive", emb, args.frames, args.cviable, 200,
+                                                   trace)
+        log("viability wave (priority, adaptive admission)", crowds["adaptive"])
+        # fixed admission: as many streams as the throughput wave showed the box sustains at ADMIT_MARGIN x real
+        # time (the node setting an operator sizes to the machine), the rest wait
         out["admitted"] = admitted = max(1, int(out["audio_per_s"] / ADMIT_MARGIN))
         admit = {node: {"max_active_requests": admitted} for node in ("talker", "code_predictor")}
         await engine.add_model(loaded, alias="qwen3-tts-admit", settings=admit)
-        out["viability"] = await crowd_viability(engine, "qwen3-tts-admit", emb, args.frames, args.cviable, 200)
-        log("viability wave (priority, admitting", admitted, ")", out["viability"])
-        out["viability_unbounded"] = await crowd_viability(engine, "qwen3-tts", emb, args.frames, args.cviable, 200)
-        log("viability wave (priority, every stream admitted)", out["viability_unbounded"])
-        out["viability_fifo"] = await crowd_viability(engine, "qwen3-tts-fifo", emb, args.frames, args.cviable, 200)
-        log("viability wave (fifo)", out["viability_fifo"])
+        crowds["fixed"] = await crowd_viability(engine, "qwen3-tts-admit", emb, args.frames, args.cviable, 200, trace)
+        log("viability wave (priority, admitting", admitted, ")", crowds["fixed"])
+        if args.trace:
+            write_trace(args.trace, trace)
+        if args.diagnose:
+            return out
+        crowds["unbounded"] = await crowd_viability(engine, "qwen3-tts", emb, args.frames, args.cviable, 200)
+        log("viability wave (priority, every stream admitted)", crowds["unbounded"])
+        crowds["fifo"] = await crowd_viability(engine, "qwen3-tts-fifo", emb, args.frames, args.cviable, 200)
+        log("viability wave (fifo)", crowds["fifo"])
         fifo_admit = {node: {**admit[node], "call_order": "fifo"} for node in admit}
         await engine.add_model(attrs.evolve(loaded, graph=fifo_graph), alias="qwen3-tts-fifo-admit", settings=fifo_admit)
-        out["viability_fifo_admitted"] = await crowd_viability(engine, "qwen3-tts-fifo-admit", emb, args.frames,
-                                                               args.cviable, 200)
-        log("viability wave (fifo, admitting", admitted, ")", out["viability_fifo_admitted"])
+        crowds["fifo_admitted"] = await crowd_viability(engine, "qwen3-tts-fifo-admit", emb, args.frames, args.cviable,
+                                                        200)
+        log("viability wave (fifo, admitting", admitted, ")", crowds["fifo_admitted"])
         cached, uncached = [], []
         for i in range(args.c1):
             cached.append((await mstar_one(engine, emb, args.clone_frames, 300 + i))["total"])
@@ -262,11 +333,29 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
     return out
 
 
+def write_trace(path: str, trace: list) -> None:
+    """Each crowd's streams (submitted, chunk arrivals and stalls, on the crowd's clock) and steps, as JSON."""
+    crowds = []
+    for crowd in trace:
+        began = crowd["began"]
+        streams = [{"request_id": r["request_id"], "submitted": r["start"] - began,
+                    "admitted": crowd["admitted"].get(r["request_id"], began) - began,
+                    "arrivals": [(r["start"] - began + at, audio) for at, audio in r["arrivals"]],
+                    "stalls": stalls(r["arrivals"])} for r in crowd["streams"]]
+        steps = [(node, t0 - began, t1 - began, calls) for node, t0, t1, calls in crowd["steps"]]
+        crowds.append({"model": crowd["model"], "streams": streams, "steps": steps})
+    Path(path).write_text(json.dumps(crowds))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--frames", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--trace", help="write each stream's chunk arrivals and every step of the admitted crowds here "
+                                   "(JSON), with the stalls found")
+    p.add_argument("--diagnose", action="store_true", help="only the throughput wave and the admitted crowds (with "
+                                                           "--trace: to explain stalls); no baseline")
     args = p.parse_args()
     args.c1, args.cthroughput, args.cviable, args.clone_frames = 3, 16, 32, 25
     if args.quick:
@@ -281,23 +370,32 @@ def main() -> None:
         directory = write_checkpoint(Path(tmp) / "qwen3-tts-bench")
         voice = reference_voice()
         mstar = asyncio.run(run_mstar(directory, args, voice))
+        if args.diagnose:
+            print(json.dumps({"audio_per_s": round(mstar["audio_per_s"], 2), "admitted": mstar["admitted"],
+                              "crowds": mstar["crowds"], "loadavg": os.getloadavg()[0]}))
+            return
         embedding = mstar["embedding"]
         ref, ref_decoder = load_reference(directory), load_reference_decoder(directory)
         ids = load_tokenizer(directory).encode(assistant_text(TEXT), add_special_tokens=False).ids
         log("baseline loaded")
         runs = [baseline(ref, ref_decoder, ids, embedding, args.frames) for _ in range(1 if args.quick else 2)]
         log("baseline", runs)
+    crowds = mstar["crowds"]
     base_ttfa = statistics.median(t for t, _ in runs)
     base_rate = sum(a for _, a in runs) / sum(t for t, _ in runs)
     result = {
         "ttfa_ratio_c1": round(mstar["ttfa_c1"] / base_ttfa, 3),
         # (the keys keep their names under --quick, which runs fewer concurrent requests: see "concurrency")
         "throughput_ratio_c16": round(mstar["audio_per_s"] / base_rate, 3),
-        "viability_c32": round(mstar["viability"], 3),
+        "viability_c32": round(crowds["adaptive"]["viability"], 3),
+        "viability_c32_fixed_admission": round(crowds["fixed"]["viability"], 3),
         "admitted_streams": mstar["admitted"],
-        "viability_c32_unbounded": round(mstar["viability_unbounded"], 3),
-        "viability_c32_fifo": round(mstar["viability_fifo"], 3),
-        "viability_c32_fifo_admitted": round(mstar["viability_fifo_admitted"], 3),
+        "viability_c32_unbounded": round(crowds["unbounded"]["viability"], 3),
+        "viability_c32_fifo": round(crowds["fifo"]["viability"], 3),
+        "viability_c32_fifo_admitted": round(crowds["fifo_admitted"]["viability"], 3),
+        # time to first audio in the c=32 crowds (admitted-late streams wait for a place), and audio seconds a second
+        "crowd_ttfa_s": {name: [round(c["ttfa_p50"], 2), round(c["ttfa_p99"], 2)] for name, c in crowds.items()},
+        "crowd_audio_per_s": {name: round(c["audio_per_s"], 2) for name, c in crowds.items()},
         "concurrency": {"throughput": args.cthroughput, "viability": args.cviable},
         "priority": True,
         "clone_cached_speedup": round(mstar["clone_cached_speedup"], 3),

@@ -17,6 +17,7 @@ from mstar_core.checkpoint.hub import resolve_options
 from mstar_core.checkpoint.partial import node_module, release_unhosted, resident_parameters
 from mstar_core.cluster.loop_host import LoopHostConductor
 from mstar_core.cluster.rank_follower import RankFollower, join_rank_group
+from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins.manager import default_registry
 from mstar_core.runtime.engine import EngineContext, active_limit, build_order, call_order
@@ -45,6 +46,10 @@ class HostedEngines:
 
     async def load(self, msg: LoadModel) -> None:
         """Build engines for the nodes `msg` places here (raises whatever loading raised)."""
+        for node_name, node_settings in msg.settings.items():  # before anything loads: the calls' leads stay home
+            if node_settings.get("admit_streams") not in (None, False):
+                raise ConfigError(f"node '{node_name}': setting 'admit_streams' is not supported on a node placed in "
+                                  "a worker process yet (its calls' stream leads do not cross the wire)")
         loop = asyncio.get_running_loop()
         registry = await self.registry()
         spec = registry.models.get(msg.model)
@@ -68,6 +73,7 @@ class HostedEngines:
             settings.pop("own_thread", None)  # a worker's nodes share its one device thread
             limit = active_limit(node_name, settings.pop("max_active_requests", None))
             order = call_order(node_name, settings.pop("call_order", None))
+            settings.pop("admit_streams", None)  # (refused above when set)
             engine_cls = registry.engines.get(node.engine)
             key = f"{msg.model}/{node_name}"
             ranks = RankGroup(split, self.rank_group[1], key) if split is not None else None

@@ -302,7 +302,7 @@ class StreamingGraphEdge:
 
 
 def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0, horizon: float = 30.0,
-                    start_lead: float = 0.0) -> Callable[[StreamProgress], float]:
+                    start_lead: float = 0.0) -> StreamPriority:
     """The producer's priority = how close the listener is to running dry (seconds behind; larger = sooner).
 
     `per_item` / `per_chunk`: seconds of media per released item / chunk (see
@@ -320,16 +320,41 @@ def stream_priority(per_item: float = 0.0, per_chunk: float = 0.0, horizon: floa
     The priority is computed when a call is submitted; a call keeps it while it queues. Re-ranking
     queued calls as they wait (earliest deadline first) was measured worse under overload: after
     `start_lead` every waiting stream outranks every playing one, all start, all run dry.
+
+    The returned object also tells the listener's lead (`StreamPriority.lead`), which the runtime stamps on each
+    ranked call (`Invocation.lead`) for the node setting `admit_streams`.
     """
+    return StreamPriority(per_item, per_chunk, horizon, start_lead)
 
-    def priority(progress: StreamProgress) -> float:
+
+@attrs.frozen
+class StreamPriority:
+    """`stream_priority`'s ranking (call it with a `StreamProgress`) and the listener's lead it is based on."""
+
+    per_item: float = 0.0
+    per_chunk: float = 0.0
+    horizon: float = 30.0
+    start_lead: float = 0.0
+
+    def __call__(self, progress: StreamProgress) -> float:
         if progress.first_release is None:
-            behind = progress.now - progress.started - start_lead
+            behind = progress.now - progress.started - self.start_lead
         else:
-            behind = -progress.seconds_ahead(per_item, per_chunk)
-        return max(-horizon, min(horizon, behind))
+            behind = -progress.seconds_ahead(self.per_item, self.per_chunk)
+        return max(-self.horizon, min(self.horizon, behind))
 
-    return priority
+    def lead(self, progress: StreamProgress) -> float | None:
+        """Seconds of media made for the listener beyond what has played (None before playback starts).
+
+        Unlike the ranking this counts the items made but not yet released in a chunk (at the media per item the
+        released chunks showed), so it moves smoothly with production instead of by whole windows: its slope is
+        the stream's speed over real time, less one.
+        """
+        if progress.first_release is None or progress.released == 0:
+            return None
+        released = progress.released * self.per_item + progress.chunks * self.per_chunk
+        made = released * progress.items / progress.released
+        return made - (progress.now - progress.first_release)
 
 
 @attrs.frozen(kw_only=True)

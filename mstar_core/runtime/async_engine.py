@@ -33,11 +33,12 @@ from mstar_core.runtime.lora import LORA_INPUT, AdapterHost, AdapterRegistry, Se
 from mstar_core.runtime.placing import PlacementStrategy, node_workers
 from mstar_core.runtime.request import RequestHandle
 from mstar_core.runtime.scheduler import NodeScheduler
+from mstar_core.runtime.stream_admission import StreamAdmission
 
 log = logging.getLogger("mstar.engine")
 
 #: Per-node settings the runtime itself reads; every other setting goes to the node's engine.
-RUNTIME_SETTINGS = ("own_thread", "max_active_requests", "call_order")
+RUNTIME_SETTINGS = ("own_thread", "max_active_requests", "call_order", "admit_streams")
 
 
 class _ModelRuntime:
@@ -289,6 +290,7 @@ class AsyncEngine:
             engine.own_thread = bool(runtime_settings.get("own_thread", False))
             engine.max_active_requests = active_limit(name, runtime_settings.get("max_active_requests"))
             engine.call_order = call_order(name, runtime_settings.get("call_order"))
+            engine.admit_streams = StreamAdmission.from_setting(name, runtime_settings.get("admit_streams"))
         return engines
 
     @property

@@ -19,7 +19,7 @@ from typing import Any
 
 from mstar_core.errors import RequestError
 from mstar_core.graph.graph import Graph
-from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, Walk
+from mstar_core.graph.walk import DynamicLoop, Loop, NodeCall, StreamProgress, Walk
 from mstar_core.runtime.engine import Invocation
 from mstar_core.runtime.request import Output
 from mstar_core.runtime.sites import (
@@ -340,17 +340,18 @@ class Conductor:
         options = site.options
         if site.dynamic:
             options = {**options, **{key: _option_value(site, key, ref.resolve(env)) for key, ref in site.dynamic}}
-        priority = state.priority
+        priority, lead = state.priority, None
         if site.prioritised and frame.streams:
             now = time.monotonic()
-            ranks = [s.edge.priority(s.progress(now)) for fed in frame.streams.values() for s in fed
-                     if s.edge.ranks(site.node)]
-            priority += float(max(ranks)) if ranks else 0.0
+            ranked = [(s.edge.priority, s.progress(now)) for fed in frame.streams.values() for s in fed
+                      if s.edge.ranks(site.node)]
+            priority += float(max(rank(progress) for rank, progress in ranked)) if ranked else 0.0
+            lead = _lead(ranked)
         scheduler = site.scheduler
         if state.holders.get(site.node) is not scheduler:  # first call, or a per-walk node changing workers
             await self.hold(state, site.node, scheduler)
         return await scheduler.submit(Invocation(state.request_id, site.node, inputs, options,
-                                                 self._count(state, site.node), priority, state.arrival))
+                                                 self._count(state, site.node), priority, state.arrival, lead))
 
     async def hold(self, state: RequestState, node: str, scheduler: Any) -> None:
         """Make `scheduler` the one holding the request's state for `node`, moving the state there if another held it.
@@ -411,6 +412,19 @@ async def _gather_all(coros) -> None:
         for t in tasks:
             t.cancel()
         raise
+
+
+def _lead(ranked: list[tuple[Any, StreamProgress]]) -> float | None:
+    """The listener's lead over a call's ranked streams: the one furthest behind; None until every one of them
+    plays (or where a priority function tells no lead)."""
+    leads = [getattr(rank, "lead", _no_lead)(progress) for rank, progress in ranked]
+    if not leads or any(lead is None for lead in leads):
+        return None
+    return min(leads)
+
+
+def _no_lead(progress: StreamProgress) -> None:
+    return None
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from mstar_core.graph.node import GraphNode
     from mstar_core.plugins.manager import Registry
+    from mstar_core.runtime.stream_admission import StreamAdmission
 
 
 @attrs.define(eq=False, slots=True)
@@ -49,6 +50,10 @@ class Invocation:
     #: the request's arrival (`time.monotonic()` in the serving process); on a node with `call_order="fifo"`
     #: the node's scheduler restamps each call with its submission instead (see `call_order`)
     arrival: float = 0.0
+    #: seconds of media the request's listener has ahead when the call was made (of its ranked streams, the one
+    #: furthest behind: `StreamPriority.lead`); None: no stream of it plays yet, or none is ranked. What the node
+    #: setting `admit_streams` reads (see `runtime.stream_admission`).
+    lead: float | None = None
 
     @property
     def urgency(self) -> tuple[float, float]:
@@ -148,6 +153,9 @@ class Engine(abc.ABC):
     #: Set by the runtime from the node setting `max_active_requests`: at most that many requests' calls
     #: reach the engine at once, admitted oldest first (None: no limit). See `runtime.scheduler`.
     max_active_requests: int | None = None
+    #: Set by the runtime from the node setting `admit_streams`: admit a new request only while the admitted ones'
+    #: streams stay ahead of real time (None: off). See `runtime.stream_admission`.
+    admit_streams: StreamAdmission | None = None
     #: Set by the runtime from the node setting `call_order`: with "fifo" the node's scheduler hands every call
     #: over at priority 0 stamped with its submission as `arrival`, so an engine that orders by `urgency` serves
     #: calls in submission order without knowing the setting. See `runtime.scheduler`.

@@ -5,6 +5,8 @@ once (the rest wait here: the most urgent `Invocation.priority` first, then the 
 `Invocation.arrival`), and, with `engine.max_active_requests`, from at most that many requests at a
 time (admitted oldest first, each until it is released or exports its state to another worker: so
 a few requests finish early instead of all of them late, and none waits behind a younger one). With
+`engine.admit_streams` it admits the oldest waiting request only while the admitted streams keep their
+listeners ahead (`runtime.stream_admission`: the leads the calls carry, read as they are submitted). With
 `engine.call_order == "fifo"` (plain fairness) calls go in submission order instead: each is handed
 over at priority 0, stamped with its submission as its arrival, so an engine that orders by
 `Invocation.urgency` follows it too.
@@ -35,6 +37,7 @@ import attrs
 
 from mstar_core.errors import NodeExecutionError
 from mstar_core.runtime.engine import Engine, Invocation, is_background
+from mstar_core.runtime.stream_admission import StreamLeads
 
 log = logging.getLogger("mstar.scheduler")
 
@@ -50,8 +53,9 @@ def _urgency(entry: tuple[Invocation, asyncio.Future]) -> tuple[float, float]:
 class NodeScheduler:
     """Feeds one engine and resolves each invocation's future when the engine finishes it."""
 
-    def __init__(self, engine: Engine, executor: Executor | None):
+    def __init__(self, engine: Engine, executor: Executor | None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
+        self._clock = clock  # when a call's lead was read (the conductor reads it on the same clock, just before)
         self.executor = executor
         self.inline = executor is None or engine.inline or bool(engine.node.options.get("inline", False))
         self._pending: deque[tuple[Invocation, asyncio.Future]] = deque()
@@ -63,9 +67,12 @@ class NodeScheduler:
         self._closed = False
         self._last_step_ok = False  # a step completed since the last crash (resets the restart backoff)
         limit = getattr(engine, "max_active_requests", None)
+        admit_streams = getattr(engine, "admit_streams", None)
+        #: the admitted requests' leads and speeds, when admission follows them (node setting `admit_streams`)
+        self._leads = StreamLeads(admit_streams) if admit_streams is not None else None
         #: requests whose calls may reach the engine (insertion order = admission order); None: no limit
-        self._admitted: dict[str, None] | None = {} if limit else None
-        self._limit = int(limit or 0)
+        self._admitted: dict[str, None] | None = {} if limit or self._leads is not None else None
+        self._limit = int(limit or 0)  # 0: no fixed limit
         # "fifo": plain fairness, calls in submission order (no stream priority, no request age); a counter, not a
         # clock, so two calls submitted in the same tick keep their order
         self._submissions = itertools.count() if getattr(engine, "call_order", "urgency") == "fifo" else None
@@ -89,6 +96,8 @@ class NodeScheduler:
         self._ensure_started()
         if self._submissions is not None:  # (a copy: the caller's invocation keeps its request's arrival)
             invocation = attrs.evolve(invocation, priority=0.0, arrival=float(next(self._submissions)))
+        if self._leads is not None:
+            self._leads.observe(invocation.request_id, invocation.lead, self._clock())
         future = asyncio.get_running_loop().create_future()
         self._pending.append((invocation, future))
         self._wakeup.set()
@@ -103,7 +112,7 @@ class NodeScheduler:
         wait instead of all finishing late.)
         """
         admitted = self._admitted
-        free = self._limit - len(admitted)
+        free = self._limit - len(admitted) if self._limit else len(self._pending)
         if free <= 0:
             return
         waiting: dict[str, tuple[bool, float]] = {}  # live requests before background ones, each class oldest first
@@ -111,12 +120,17 @@ class NodeScheduler:
             if inv.request_id not in admitted and not fut.done():
                 waiting.setdefault(inv.request_id, (is_background(inv.priority), inv.arrival))
         for rid in sorted(waiting, key=waiting.__getitem__)[:free]:
+            if self._leads is not None and not self._leads.may_admit(admitted):
+                break  # (strictly by age: a younger request never takes a place the oldest may not)
             admitted[rid] = None
+            log.debug("node %s: admitted request %s (%d admitted)", self.engine.node.name, rid, len(admitted))
 
     def release(self, request_id: str) -> None:
         """Forget a request: drop its queued invocations now, free engine state before the next step."""
         if self._admitted is not None:
             self._admitted.pop(request_id, None)
+        if self._leads is not None:
+            self._leads.forget(request_id)
         if any(inv.request_id == request_id for inv, _ in self._pending):
             self._pending = deque((i, f) for i, f in self._pending if i.request_id != request_id)
         self._releases.add(request_id)
@@ -288,6 +302,8 @@ class NodeScheduler:
                     # the request's state left with it (a per-walk move; the engine freed it): the place
                     # goes to the next request now, not when the request ends on the other worker
                     self._admitted.pop(inv.request_id, None)
+                    if self._leads is not None:
+                        self._leads.forget(inv.request_id)
         self._last_step_ok = True
         return ("stepped" if results else "empty"), len(held)
 

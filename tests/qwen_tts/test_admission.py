@@ -1,0 +1,78 @@
+"""Qwen3-TTS under `admit_streams` on its Talker: calls carry the listener's lead, and a second stream starts only once
+the first plays (exact order, no timing assumed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mstar_core.errors import ConfigError
+from mstar_core.model import LoadOptions
+from mstar_core.plugins import discover
+from mstar_core.runtime import AsyncEngine
+from mstar_core.runtime.scheduler import NodeScheduler
+
+# 28 frames: one 25-frame window plays while the Talker goes on
+REQUEST = {"input": "Hello there!", "voice": "ryan", "max_frames": 28, "ignore_eos": True}
+
+
+async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir):
+    talker_calls: list[tuple[str, float | None, float]] = []
+    original = NodeScheduler.submit
+
+    def spy(self, invocation):
+        if invocation.node == "talker":
+            talker_calls.append((invocation.request_id, invocation.lead, time.perf_counter()))
+        return original(self, invocation)
+
+    monkeypatch.setattr(NodeScheduler, "submit", spy)
+    async with AsyncEngine(discover()) as engine:
+        await engine.load_model("qwen3-tts", LoadOptions(preset="tiny"), settings={"talker": {"admit_streams": True}})
+        first_audio: dict[str, float] = {}
+        admitted: dict[str, float] = {}  # when each request's first call reached the Talker's engine
+        talker = engine.node_schedulers("qwen3-tts")["talker"].engine
+        add = talker.add
+
+        def add_spy(invocation):
+            admitted.setdefault(invocation.request_id, time.perf_counter())
+            return add(invocation)
+
+        monkeypatch.setattr(talker, "add", add_spy)
+
+        async def one(seed: int) -> str:
+            handle = engine.submit("qwen3-tts", {**REQUEST, "seed": seed})
+            async for out in handle:
+                if out.name == "audio":
+                    first_audio.setdefault(handle.request_id, time.perf_counter())
+            await handle.result()
+            return handle.request_id
+
+        a, b = await asyncio.gather(one(1), one(2))
+    assert admitted[a] < first_audio[a] < admitted[b]  # the second waited while the first was starting
+    leads = [lead for rid, lead, _ in talker_calls if rid == a]
+    assert leads[0] is None and leads[-1] is not None  # no lead before the first window plays, then one
+    first_lead = next(lead for lead in leads if lead is not None)
+    assert 0.0 < first_lead <= 2.1  # one 25-frame window (2 s) made, a little of it played
+
+
+async def test_a_bad_admit_streams_setting_fails_the_load_naming_the_key(tiny_dir):
+    async with AsyncEngine(discover()) as engine:
+        with pytest.raises(ConfigError, match="admit_streams.min_lead'"):
+            await engine.load_model("qwen3-tts", LoadOptions(preset="tiny"),
+                                    settings={"talker": {"admit_streams": {"min_lead": 1}}})
+
+
+async def test_a_node_placed_in_a_worker_process_refuses_admit_streams():
+    """The calls' leads do not cross the wire yet: a worker refuses the setting instead of admitting blind."""
+    from mstar_core.cluster.hosted_engines import HostedEngines
+    from mstar_core.wire import LoadModel
+
+    host = HostedEngines("w")
+    try:
+        with pytest.raises(ConfigError, match="node 'talker': setting 'admit_streams' is not supported"):
+            await host.load(LoadModel(model="qwen3-tts", device="cpu", nodes=["talker"], preset="tiny",
+                                      settings={"talker": {"admit_streams": True}}))
+    finally:
+        host.stop_device_thread()
