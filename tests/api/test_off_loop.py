@@ -225,3 +225,18 @@ def test_arenas_are_shared_unless_the_operator_set_malloc(monkeypatch):
 def test_json_text_in_pieces_is_json_dumps(monkeypatch, value):
     monkeypatch.setattr(pieces, "JSON_PIECE", 7)  # every long string cut into many pieces
     assert pieces.json_text(value) == json.dumps(value, ensure_ascii=False)
+
+
+def test_a_route_without_a_body_parameter_ignores_what_is_posted():
+    app = FastAPI()
+    install_error_handlers(app)
+    router = json_bodies.json_router()
+
+    @router.post("/cancel")
+    async def cancel():
+        return {"ok": True}
+
+    app.include_router(router)
+    with TestClient(app) as c:
+        r = c.post("/cancel", content=b"not json", headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json() == {"ok": True}

@@ -86,9 +86,11 @@ class OffLoopJsonRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None  # (a route without a body parameter never reads one)
 
         async def handle(request: Request) -> Response:
-            await parse_json_body(request)
+            if takes_body:
+                await parse_json_body(request)
             return await handler(request)
 
         return handle
