@@ -49,3 +49,26 @@ def speech(seconds: float, seed: int = 0) -> torch.Tensor:
     wave = sum(torch.sin(2 * torch.pi * f0 * k * t) / k for k in range(1, 6))
     env = 0.5 + 0.5 * torch.sin(2 * torch.pi * 3 * t)
     return (0.3 * wave * env + 0.01 * torch.randn(t.shape, generator=g)).float()
+
+
+async def serve(directory: Path, requests: list[dict]) -> list[tuple[list[int], dict]]:
+    """Each request's generated tokens and final env, served together from `directory` by a fresh engine; every
+    decoder page is back in the pool afterwards (asserted)."""
+    import asyncio
+
+    from mstar_core.model import LoadOptions
+    from mstar_core.runtime import AsyncEngine
+
+    engine = AsyncEngine()
+    await engine.load_model("whisper", LoadOptions(checkpoint=str(directory)), settings={"decoder": {"num_pages": 512}})
+    try:
+        async def one(inputs):
+            handle = engine.submit("whisper", inputs)
+            tokens = [o.value for o in [o async for o in handle] if o.name == "next_token"]
+            return tokens, await handle.result()
+        results = await asyncio.gather(*(one(r) for r in requests))
+        decoder = engine.node_engines("whisper")["decoder"]
+        assert decoder.stats()["kv_pages_used"] == 0 and not decoder.active_requests()
+        return results
+    finally:
+        await engine.close()

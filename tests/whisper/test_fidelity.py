@@ -9,9 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from mstar_core.model import LoadOptions
-from mstar_core.runtime import AsyncEngine
-from tests.whisper.helpers import LANGS, speech, write_reference
+from tests.whisper.helpers import LANGS, serve, speech, write_reference
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers' import and a 51865-token model's init: tens of seconds on a busy box
@@ -39,22 +37,6 @@ def test_features_match_the_feature_extractor(seconds):
     assert (got - want).abs().max().item() < 1e-4
 
 
-async def _serve(directory, requests):
-    engine = AsyncEngine()
-    await engine.load_model("whisper", LoadOptions(checkpoint=str(directory)), settings={"decoder": {"num_pages": 512}})
-    try:
-        async def one(inputs):
-            handle = engine.submit("whisper", inputs)
-            tokens = [o.value for o in [o async for o in handle] if o.name == "next_token"]
-            return tokens, await handle.result()
-        results = await asyncio.gather(*(one(r) for r in requests))
-        decoder = engine.node_engines("whisper")["decoder"]
-        assert decoder.stats()["kv_pages_used"] == 0 and not decoder.active_requests()
-        return results
-    finally:
-        await engine.close()
-
-
 def _hf_generate(model, audio, max_new_tokens, **kw):
     """The generated ids (transformers 5 returns them without the forced prompt)."""
     with torch.no_grad():
@@ -69,7 +51,7 @@ def test_greedy_ids_match_generate(reference):
              (clips[0], {"language": "en", "timestamps": True}), (clips[1], {"language": "fr", "timestamps": True}),
              (clips[0], {"language": "en", "timestamps": False, "task": "translate"})]
     requests = [{"audio": a, "max_tokens": 12, **kw} for a, kw in cases]
-    results = asyncio.run(_serve(directory, requests))
+    results = asyncio.run(serve(directory, requests))
     for (audio, kw), (tokens, env) in zip(cases, results, strict=True):
         want = _hf_generate(model, audio, 12, language=kw["language"], task=kw.get("task", "transcribe"),
                             return_timestamps=kw["timestamps"])
@@ -82,7 +64,7 @@ def test_greedy_ids_match_generate(reference):
 def test_language_detection_matches(reference):
     directory, model = reference
     clips = [speech(4.0, seed=s) for s in (3, 4, 5)]
-    results = asyncio.run(_serve(directory, [{"audio": a, "max_tokens": 6} for a in clips]))
+    results = asyncio.run(serve(directory, [{"audio": a, "max_tokens": 6} for a in clips]))
     for audio, (tokens, env) in zip(clips, results, strict=True):
         with torch.no_grad():
             detected = model.detect_language(_hf_features(audio))
@@ -107,7 +89,7 @@ def test_long_form_matches_generate(reference):
                              task="transcribe", return_timestamps=True, return_segments=True, do_sample=False,
                              num_beams=1, max_new_tokens=20)
     want = [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist()) for s in out["segments"][0]]
-    (tokens, env), = asyncio.run(_serve(directory, [{"audio": audio, "language": "en", "max_tokens": 20}]))
+    (tokens, env), = asyncio.run(serve(directory, [{"audio": audio, "language": "en", "max_tokens": 20}]))
     got = [(round(a, 2), round(b, 2), list(t)) for w in env["windows"] for a, b, t in w["segments"]]
     offsets = [w["offset"] for w in env["windows"]]
     assert len(offsets) >= 2 and offsets[1] % 30 != 0  # (the second window seeks after a timestamp pair)

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_core.model import LoadOptions
-from mstar_core.runtime import AsyncEngine
-from tests.whisper.helpers import LANGS, speech, write_reference
+from tests.whisper.helpers import LANGS, serve, speech, write_reference
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers' import and a 51865-token model's init: tens of seconds on a busy box
@@ -66,19 +64,6 @@ def test_token_times_match_generate(reference, ours, seconds, mask):
     assert want.max() > 0  # (a path that moves: the comparison is not all zeros)
 
 
-async def _serve(directory, requests):
-    engine = AsyncEngine()
-    await engine.load_model("whisper", LoadOptions(checkpoint=str(directory)), settings={"decoder": {"num_pages": 512}})
-    try:
-        async def one(inputs):
-            handle = engine.submit("whisper", inputs)
-            tokens = [o.value for o in [o async for o in handle] if o.name == "next_token"]
-            return tokens, await handle.result()
-        return await asyncio.gather(*(one(r) for r in requests))
-    finally:
-        await engine.close()
-
-
 def _openai_rows(ours, audio, text, frames):
     """openai-whisper's reading computed directly: rows <|notimestamps|>, text...; token k spans rows k to k + 1."""
     from mstar_whisper.alignment import alignment_weights, row_start_times
@@ -95,7 +80,7 @@ def test_served_token_times_cover_the_text_in_order(reference, ours):
     audio = speech(3.0, seed=1)
     requests = [{"audio": audio, "language": "en", "max_tokens": 12, "word_timestamps": True, "timestamps": t}
                 for t in (False, True)] + [{"audio": audio, "language": "en", "max_tokens": 12}]
-    (plain, env), (stamped, env_ts), (again, env_none) = asyncio.run(_serve(directory, requests))
+    (plain, env), (stamped, env_ts), (again, env_none) = asyncio.run(serve(directory, requests))
     assert again == plain and "token_times" not in env_none  # asking for times does not change the tokens
     for tokens, e in ((plain, env), (stamped, env_ts)):
         text = [t for t in tokens if t < EOT]
@@ -108,7 +93,7 @@ def test_served_token_times_cover_the_text_in_order(reference, ours):
 def test_long_form_aligns_each_window_kept_text(reference, ours):
     directory, _ = reference
     audio = torch.cat([speech(20.0, seed=6), speech(25.0, seed=7)])
-    (_, env), = asyncio.run(_serve(directory, [{"audio": audio, "language": "en", "max_tokens": 20,
+    (_, env), = asyncio.run(serve(directory, [{"audio": audio, "language": "en", "max_tokens": 20,
                                                 "word_timestamps": True}]))
     windows, times = env["windows"], env["window_token_times"]
     assert len(windows) == len(times) >= 2 and windows[1]["offset"] > 0
