@@ -263,7 +263,6 @@ class AsyncEngine:
         self._models[name] = _ModelRuntime(loaded, engines, schedulers, borrowed=set(loaded.graph.nodes) - own)
         return loaded
 
-
     def _part_runtime(self, name: str, role: str, model: str) -> _ModelRuntime:
         runtime = self._models.get(model)
         if runtime is None:
