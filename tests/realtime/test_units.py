@@ -168,3 +168,34 @@ def test_idle_and_lifetime_bounds_end_the_session_with_an_error_event():
     assert 0.25 < took < 2
     sent, closed, _ = asyncio.run(go(RealtimeLimits(idle_seconds=60, max_session_seconds=0.3)))
     assert sent[-1]["error"]["code"] == "session_expired" and closed == [1000]
+
+
+def test_tool_choice_names_one_function_or_is_refused_naming_the_field():
+    from mstar_core.api.realtime.config import FunctionChoice, SessionConfig, response_options, update_session
+
+    base = SessionConfig(model="m")
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    named = update_session(base, {"tools": [weather], "tool_choice": {"type": "function", "name": "get_weather"}},
+                           speaks=True, voices=[], voice_locked=False)
+    assert named.tool_choice == FunctionChoice("get_weather")
+    assert named.to_json("s")["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert response_options(named, {"tool_choice": "auto"}, speaks=True, voices=[]).tool_choice == "auto"
+    assert response_options(named, None, speaks=True, voices=[]).tool_choice == FunctionChoice("get_weather")
+    bad = [({"type": "function"}, "session.tool_choice.name"), ({"type": "function", "name": ""}, "session.tool_choice.name"),
+           ({"type": "function", "name": "f", "strict": True}, None), ({"type": "mcp"}, "session.tool_choice"),
+           ("always", "session.tool_choice"), (3, "session.tool_choice")]
+    for value, param in bad:
+        with pytest.raises(EventError) as info:
+            update_session(base, {"tool_choice": value}, speaks=True, voices=[], voice_locked=False)
+        if param is not None:
+            assert info.value.param == param, (value, info.value.param)
+        else:
+            assert "strict" in str(info.value), value
+    for data, param in [({"tool_choice": {"type": "function", "name": "get_time"}}, "session.tool_choice.name"),
+                        ({"tools": []}, "session.tool_choice.name")]:  # (dropping the tool it names)
+        with pytest.raises(EventError) as info:
+            update_session(named, data, speaks=True, voices=[], voice_locked=False)
+        assert info.value.param == param
+    with pytest.raises(EventError) as info:
+        response_options(named, {"tool_choice": {"type": "function", "name": "x"}}, speaks=True, voices=[])
+    assert info.value.param == "response.tool_choice.name"

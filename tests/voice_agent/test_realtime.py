@@ -340,3 +340,28 @@ def test_a_tool_call_round_trip_the_agent_calls_then_speaks_the_answer(agent_ser
     assert "response.output_audio.delta" in types(answered)
     # the second prompt is the first's, the call and its result: more than the call's arguments longer
     assert second.response.usage.input_tokens > first.response.usage.input_tokens + len(call.arguments) // 4
+
+
+TIME = {"type": "function", "name": "get_time", "description": "The time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                       "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_named_tool_choice_makes_the_agent_call_that_function(agent_server):
+    """`tool_choice: {type: function, name}` (OpenAI's realtime form) holds the reply to that one function of the
+    two offered; a name the tools lack is an error event naming `response.tool_choice.name`."""
+
+    async def go():
+        async with client(agent_server).realtime.connect(model="agent") as conn:
+            await _open(conn, output_modalities=["audio"], max_output_tokens=200, temperature=0, tools=[WEATHER, TIME],
+                        tool_choice={"type": "function", "name": "get_time"}, audio={"input": {"turn_detection": VAD}})
+            await conn.input_audio_buffer.append(audio=b64(np.concatenate([silence(0.3), speech(), silence(0.8)])))
+            first = await until(conn, "response.done")
+            await conn.response.create(response={"tool_choice": {"type": "function", "name": "get_date"}})
+            refused = await until(conn, "error")
+            return first, refused
+
+    first, refused = asyncio.run(asyncio.wait_for(go(), 120))
+    calls = [i for i in first.response.output if i.type == "function_call"]
+    assert [c.name for c in calls] == ["get_time"] and set(json.loads(calls[0].arguments)) == {"city"}
+    assert refused.error.param == "response.tool_choice.name" and "get_date" in refused.error.message

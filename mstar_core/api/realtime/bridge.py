@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mstar_core.api.media import resample
-from mstar_core.api.realtime.config import RATE, ResponseOptions
+from mstar_core.api.realtime.config import RATE, ResponseOptions, chosen_function
 from mstar_core.api.realtime.conversation import Item, render
 from mstar_core.api.realtime.protocol import EventError
 from mstar_core.api.requests import tools as tl
@@ -146,7 +146,9 @@ class ModelBridge:
         tools = self.tools(options)
         if not tools:
             return None
-        spec = tl.tool_grammar(tools, self.tool_format, options.tool_choice, None, parallel=False)
+        name = chosen_function(options.tool_choice)  # (one of the tools: checked when it was set)
+        mode = "function" if name is not None else options.tool_choice
+        spec = tl.tool_grammar(tools, self.tool_format, mode, name, parallel=False)
         return await prepared_grammar(self.adapter, self.model, spec, "tool_choice")
 
     @staticmethod

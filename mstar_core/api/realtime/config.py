@@ -18,6 +18,20 @@ MAX_OUTPUT_TOKENS = 4096
 
 
 @attrs.frozen
+class FunctionChoice:
+    """`tool_choice: {"type": "function", "name": NAME}`: the reply must call this one function."""
+
+    name: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"type": "function", "name": self.name}
+
+
+#: A session's or response's `tool_choice`: "auto", "none", "required", or one function.
+ToolChoice = str | FunctionChoice
+
+
+@attrs.frozen
 class TurnDetection:
     """`server_vad` settings (OpenAI's defaults)."""
 
@@ -43,7 +57,7 @@ class SessionConfig:
     max_output_tokens: int | None = None
     temperature: float | None = None
     tools: tuple[Mapping[str, Any], ...] = ()
-    tool_choice: str = "auto"
+    tool_choice: ToolChoice = "auto"
 
     def to_json(self, session_id: str) -> dict[str, Any]:
         return {
@@ -53,7 +67,9 @@ class SessionConfig:
                                 self.turn_detection.to_json(), "transcription": None, "noise_reduction": None},
                       "output": {"format": dict(PCM), "voice": self.voice, "speed": 1.0}},
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
-            "tools": [dict(t) for t in self.tools], "tool_choice": self.tool_choice, "tracing": None,
+            "tools": [dict(t) for t in self.tools],
+            "tool_choice": self.tool_choice.to_json() if isinstance(self.tool_choice, FunctionChoice) else self.tool_choice,
+            "tracing": None,
             "truncation": "auto", "prompt": None, "include": None,
         }
 
@@ -149,10 +165,23 @@ def tools(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
     return tuple(out)
 
 
-def tool_choice(value: Any, where: str) -> str:
-    if value not in ("auto", "none", "required"):
-        raise EventError(f"'{where}' must be auto, none or required", param=where)
-    return value
+def tool_choice(value: Any, where: str) -> ToolChoice:
+    """auto, none, required, or one function by name (`{type: function, name}`, as OpenAI's realtime API takes it)."""
+    if isinstance(value, str) and value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        _unknown(value, {"type", "name"}, where)
+        name = value.get("name")
+        if not isinstance(name, str) or not name:
+            raise EventError(f"'{where}.name' must be the name of one of the tools", param=f"{where}.name")
+        return FunctionChoice(name)
+    raise EventError(f"'{where}' must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}",
+                     param=where)
+
+
+def chosen_function(choice: ToolChoice) -> str | None:
+    """The function a named `tool_choice` asks for (None for auto, none and required)."""
+    return choice.name if isinstance(choice, FunctionChoice) else None
 
 
 def turn_detection(value: Any, where: str, current: TurnDetection | None) -> TurnDetection | None:
@@ -223,7 +252,7 @@ def update_session(config: SessionConfig, data: Any, *, speaks: bool, voices: Se
             raise EventError("the voice cannot change once the model has spoken in this session",
                              param="session.audio.output.voice", code="invalid_value")
         changes["voice"] = name
-    return attrs.evolve(config, **changes)
+    return _chosen_among_tools(attrs.evolve(config, **changes), "session")
 
 
 @attrs.frozen
@@ -236,7 +265,7 @@ class ResponseOptions:
     max_output_tokens: int | None
     temperature: float | None
     tools: tuple[Mapping[str, Any], ...]
-    tool_choice: str
+    tool_choice: ToolChoice
     conversation: str = "auto"  # "none": an out-of-band response, not added to the conversation
     input: tuple[Mapping[str, Any], ...] | None = None  # the items it reads instead of the conversation
     metadata: Mapping[str, Any] | None = None
@@ -273,7 +302,17 @@ def response_options(config: SessionConfig, data: Any, *, speaks: bool, voices: 
         changes["input"] = tuple(data["input"])
     if data.get("metadata") is not None:
         changes["metadata"] = dict(_mapping(data["metadata"], "response.metadata"))
-    return attrs.evolve(base, **changes)
+    return _chosen_among_tools(attrs.evolve(base, **changes), "response")
+
+
+def _chosen_among_tools(settings: Any, where: str) -> Any:
+    """`settings` (a session's or a response's) once a named `tool_choice` is known to name one of its tools."""
+    name = chosen_function(settings.tool_choice)
+    names = [t.get("name") for t in settings.tools]
+    if name is not None and name not in names:
+        raise EventError(f"'{where}.tool_choice.name' is {name!r}, not one of the tools ({', '.join(names) or 'none'})",
+                         param=f"{where}.tool_choice.name")
+    return settings
 
 
 def _reply_settings(data: dict[str, Any], where: str, speaks: bool) -> dict[str, Any]:
