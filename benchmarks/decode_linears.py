@@ -10,10 +10,15 @@ CPU has it:
     the prefill-sized 128 and 512;
   * fp32 on AVX2 or AVX-512 (`fp32_linear.linear`, its path for every row count): the same six row counts.
 Sides alternate per round; the median step of each is kept. Skips cleanly on a CPU with none.
+Then one row per shape (the bf16 panels and the fp32 kernel): each shape's weight in enough copies to stream
+from memory, one call a copy, the achieved GB/s of the kernel against a plain read of the same packed bytes by
+the same threads, one call a copy too (`read_rate.cpp`), and the rate of one large read.
 Final line: JSON (bf16: `step_ms_onednn_R`, `step_ms_amx_R` or `step_ms_panels_R`, `speedup_R`; fp32:
-`step_ms_onednn_fp32_R`, `step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; `cpu_flags`).
+`step_ms_onednn_fp32_R`, `step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; one row per shape:
+`shape_1_{bf16,fp32}_NxK` = [us a call, kernel GB/s, read GB/s, us a cache-hot call]; `read_gbs_large`;
+`cpu_flags`).
 
-    python benchmarks/decode_linears.py [--quick] [--threads N]
+    python benchmarks/decode_linears.py [--quick] [--one-row] [--threads N]
 """
 
 from __future__ import annotations
@@ -68,6 +73,58 @@ def step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out) -> N
         print(f"{dtype} {rows:3d} rows: oneDNN {a:7.2f} ms, {name} {b:7.2f} ms a step ({a / b:.2f}x)", flush=True)
 
 
+def read_rate():
+    """`read(tensor, threads)`: `read_rate.cpp`'s plain read of a tensor's bytes (None: no kernels here)."""
+    import ctypes
+    from pathlib import Path
+
+    from mstar_core.nn import native
+
+    entry = native.function(Path(__file__).with_name("read_rate.cpp").resolve(), "mstar_read_rate",
+                            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], ctypes.c_uint64)
+    if entry is None:
+        return None
+    return lambda t, threads: entry(t.data_ptr(), t.numel() * t.element_size() // 64 * 64, threads)
+
+
+def one_row_shapes(kernel, dtype, name, threads, rounds, gen, out) -> None:
+    """One row through each distinct shape of a step, against a plain read of the same bytes, into `out`.
+
+    The kernel runs through its runner, resolved once, as `PackedLinear` calls it in a served step. `hot`: the
+    same call over one copy, cache-resident for the layers' shapes (the head's 57-113 MB is not): what a call
+    costs besides streaming its weight from memory.
+    """
+    read, run = read_rate(), kernel.runner()
+    budget = (64 if rounds < 10 else 160) << 20  # bytes of copies a shape: well past the 32 MB L3
+    for n, k in sorted(set(LAYER + [HEAD]), key=lambda s: s[0] * s[1]):
+        copies = max(2, budget // (n * k * dtype.itemsize))
+        packed = [kernel.pack(torch.randn(n, k, generator=gen).to(dtype)) for _ in range(copies)]
+        x = torch.randn(1, k, generator=gen).to(dtype)
+        size = packed[0].numel() * packed[0].element_size()
+        sides = {"kernel": lambda w, x=x, n=n: run(x, w, n, None),
+                 "hot": lambda w, x=x, n=n, hot=packed[0]: run(x, hot, n, None)}
+        if read is not None:
+            sides["read"] = lambda w: read(w, threads)
+        times = {side: [] for side in sides}
+        for fn in sides.values():
+            for w in packed:
+                fn(w)
+        for _ in range(rounds):
+            for side, fn in sides.items():
+                started = time.perf_counter()
+                for w in packed:
+                    fn(w)
+                times[side].append((time.perf_counter() - started) / copies)
+        call, hot = statistics.median(times["kernel"]), statistics.median(times["hot"])
+        floor = statistics.median(times["read"]) if read is not None else float("nan")
+        out[f"shape_1_{name}_{n}x{k}"] = [round(call * 1e6, 1), round(size / call / 1e9, 1), round(size / floor / 1e9, 1),
+                                          round(hot * 1e6, 1)]
+        print(f"{name} 1 row {n:6d} x {k:5d} ({size / 1e6:5.1f} MB): {call * 1e6:7.1f} us a call, "
+              f"{size / call / 1e9:5.1f} GB/s (a plain read: {floor * 1e6:7.1f} us, {size / floor / 1e9:5.1f} GB/s; "
+              f"cache-hot call: {hot * 1e6:6.1f} us)", flush=True)
+        del packed
+
+
 def main(args: argparse.Namespace) -> dict:
     from vs_vllm import cpu_flags
 
@@ -95,13 +152,30 @@ def main(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         for dtype, kernel, rows_list, labels in sections:
             weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
-            step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out)
+            step_pair(shapes, weights, kernel, rows_list[:1] if args.one_row else rows_list, rounds, gen, labels, out)
             del weights
+        for dtype, kernel, _, _ in sections:
+            if kernel is not amx_linear:
+                one_row_shapes(kernel, dtype, "bf16" if dtype == torch.bfloat16 else "fp32", args.threads, rounds, gen, out)
+        read = read_rate()
+        if read is not None and not out.get("skipped"):
+            large = torch.ones(256 << 20, dtype=torch.uint8)
+            read(large, args.threads)
+            took = min(_timed(lambda: read(large, args.threads)) for _ in range(3))
+            out["read_gbs_large"] = round(large.numel() / took / 1e9, 1)
+            print(f"a plain read of 256 MB by {args.threads} threads: {out['read_gbs_large']} GB/s", flush=True)
     return out
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 rounds per row count instead of 15")
+    parser.add_argument("--one-row", action="store_true", help="the step at one row only (and the per-shape figures)")
     parser.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
     print(json.dumps(main(parser.parse_args())))
