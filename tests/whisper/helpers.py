@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
+
+from mstar_core.model import LoadOptions
+from mstar_core.runtime import AsyncEngine
 
 TINY = dict(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=80, vocab_size=51865, max_source_positions=1500,
@@ -54,11 +58,6 @@ def speech(seconds: float, seed: int = 0) -> torch.Tensor:
 async def serve(directory: Path, requests: list[dict]) -> list[tuple[list[int], dict]]:
     """Each request's generated tokens and final env, served together from `directory` by a fresh engine; every
     decoder page is back in the pool afterwards (asserted)."""
-    import asyncio
-
-    from mstar_core.model import LoadOptions
-    from mstar_core.runtime import AsyncEngine
-
     engine = AsyncEngine()
     await engine.load_model("whisper", LoadOptions(checkpoint=str(directory)), settings={"decoder": {"num_pages": 512}})
     try:

@@ -18,8 +18,8 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
 
-#: From this size a JSON body is parsed in the pool: orjson reads 64 KB in ~0.1 ms, but the check for integers
-#: past 64 bits walks the parsed values in Python (~1 ms for 64 KB of small values).
+#: From this size a JSON body is parsed in the pool. Measured on the 2-core EPYC for 62 KB of nested tool schemas:
+#: orjson 0.27 ms, and the check for integers past 64 bits (Python walking the parsed values) 0.7 ms more.
 POOL_BYTES = 64 * 1024
 
 #: The scope key where the guard middleware (`mstar_core.api.server.middleware`) leaves the body it read.
