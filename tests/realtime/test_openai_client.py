@@ -252,3 +252,32 @@ def test_llama_text_session_and_a_speaking_request_refused(rt_server):
     cached = u1.input_tokens + u1.output_token_details.text_tokens - 1
     assert u2.input_tokens > cached
     assert rows - (u2.output_token_details.text_tokens - 1) == u2.input_tokens - cached  # (the partial page reused)
+
+
+def test_a_chat_models_session_holds_tool_choice_by_grammar(rt_server):
+    """A text chat model's session (llama, random weights) is held to the tools' grammar as the chat route is:
+    `required` makes even random weights write a well-formed call, a named `tool_choice` calls that function."""
+    weather = {"type": "function", "name": "get_weather", "description": "weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                              "required": ["city"], "additionalProperties": False}}
+    clock = {**weather, "name": "get_time", "description": "the time in a city"}
+
+    async def go():
+        async with client(rt_server).realtime.connect(model="llama") as conn:
+            await _open(conn, output_modalities=["text"], tools=[weather, clock], tool_choice="required",
+                        max_output_tokens=120, temperature=0)
+            await _say(conn, "What is the weather in Paris?")
+            await conn.response.create()
+            required = await until(conn, "response.done")
+            await _say(conn, "And the time there?")  # (a call waits for its output: a new question instead)
+            await conn.response.create(response={"tool_choice": {"type": "function", "name": "get_time"}})
+            named = await until(conn, "response.done")
+            return required, named
+
+    required, named = asyncio.run(asyncio.wait_for(go(), 120))
+    for done, names in ((required, {"get_weather", "get_time"}), (named, {"get_time"})):
+        assert done.response.status == "completed", done.response.status_details
+        calls = [i for i in done.response.output if i.type == "function_call"]
+        assert calls and {c.name for c in calls} <= names
+        assert all(set(json.loads(c.arguments)) == {"city"} for c in calls)
+    assert [c.name for c in named.response.output if c.type == "function_call"] == ["get_time"]

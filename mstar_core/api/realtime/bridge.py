@@ -18,9 +18,10 @@ from mstar_core.api.realtime.conversation import Item, render
 from mstar_core.api.realtime.protocol import EventError
 from mstar_core.api.requests import tools as tl
 from mstar_core.api.requests.adapters import ApiAdapter
-from mstar_core.api.requests.formats import prepared_grammar
+from mstar_core.api.requests.formats import grammar_vocab, prepared_grammar
 from mstar_core.api.requests.pipeline import chat_request, sampling_fields
 from mstar_core.api.requests.tool_parser import CLOSE, OPEN
+from mstar_core.grammar.spec import GrammarSpec
 
 
 class ModelBridge:
@@ -104,7 +105,11 @@ class ModelBridge:
         if speak:
             body["modalities"] = ["text", "audio"]
             body["audio"] = {"voice": options.voice or self.voices[0], "format": "pcm16"}
-        inputs = await chat_request(self.state, self.adapter, self.model, body, turns=turns, call=self._call)
+        # held to the tools' grammar where the model decodes under one (a model that cannot still gets the tools in
+        # its prompt, as it did before: the chat route refuses tools there, a session already holding them goes on)
+        spec = self._tool_grammar_spec(options) if grammar_vocab(self.adapter) is not None else None
+        inputs = await chat_request(self.state, self.adapter, self.model, body, turns=turns, call=self._call,
+                                    response_format=spec, format_param="tool_choice")
         if previous is not None and not self.takes_tokens and options.input is None:
             inputs = self._exact_history(inputs, previous)
         return inputs
@@ -141,15 +146,18 @@ class ModelBridge:
         return {k: v for k, v in body.items() if v is not None}
 
     async def _tool_grammar(self, options: ResponseOptions) -> list[str] | None:
-        """A voice agent's chat model held to the tools' grammar, as chat's is: `required` must write a call, `auto`
-        may, and a call it opens is well formed (one call a response: the client answers it, then asks again)."""
+        """A voice agent's chat model held to the tools' grammar (compiled for it)."""
+        return await prepared_grammar(self.adapter, self.model, self._tool_grammar_spec(options), "tool_choice")
+
+    def _tool_grammar_spec(self, options: ResponseOptions) -> GrammarSpec | None:
+        """The tools' grammar, as chat's: `required` must write a call, `auto` may, a named function must call it,
+        and a call the model opens is well formed (one call a response: the client answers it, then asks again)."""
         tools = self.tools(options)
         if not tools:
             return None
         name = chosen_function(options.tool_choice)  # (one of the tools: checked when it was set)
         mode = "function" if name is not None else options.tool_choice
-        spec = tl.tool_grammar(tools, self.tool_format, mode, name, parallel=False)
-        return await prepared_grammar(self.adapter, self.model, spec, "tool_choice")
+        return tl.tool_grammar(tools, self.tool_format, mode, name, parallel=False)
 
     @staticmethod
     def tools(options: ResponseOptions) -> list[tl.Tool]:
