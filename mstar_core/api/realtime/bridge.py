@@ -96,8 +96,10 @@ class ModelBridge:
                     "response_format": "pcm", "stream_format": "audio", "model": self.model, **sampling}
             return self._call(self.adapter.speech_inputs, body)
         tools = self.tools(options)
-        turns, plain = render(items, options.instructions, tools, self.tool_format, takes_audio=self.takes_audio,
-                              takes_tokens=self.takes_tokens, takes_visual=self.takes_visual)
+        # off the loop: a long audio item's samples are converted here (a 119 s append held the loop ~40 ms)
+        turns, plain = await asyncio.to_thread(render, items, options.instructions, tools, self.tool_format,
+                                               takes_audio=self.takes_audio, takes_tokens=self.takes_tokens,
+                                               takes_visual=self.takes_visual)
         if not turns or turns[-1].role == "assistant":
             raise EventError("the conversation has nothing for the model to answer; add a user item first",
                              param="response", code="nothing_to_answer")
