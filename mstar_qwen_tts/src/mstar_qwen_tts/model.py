@@ -33,13 +33,18 @@ def load(options: LoadOptions) -> LoadedModel:
                if model.config.tts_model_type == "base" else None)
     prepare = Preparer(model.config, load_tokenizer(directory), read_generation_config(directory))
     pages = {"num_pages": 512, "page_size": 16}
+    # A speech server's streams run dry together once more start than the machine speaks in real time: by default
+    # the Talker admits a new stream only while the admitted ones keep their listeners ahead at a measured speed
+    # (`mstar_core.runtime.stream_admission`; `{"talker": {"admit_streams": false}}` turns it off). A Talker placed
+    # in a worker process drops this default (its calls' leads do not cross the wire yet).
+    talker = {**pages, "admit_streams": True}
     return LoadedModel(
         name="qwen3-tts",
         graph=build_graph(model, decoder),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,
-        engine_settings={"talker": dict(pages), "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
+        engine_settings={"talker": talker, "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
         extras={"model": model, "config": model.config, "decoder": decoder, "speech_encoder": encoder, "tokenizer": prepare.tokenizer,
                 "checkpoint": str(directory), "sample_rate": 24000, "voices": prepare.speakers},
     )
