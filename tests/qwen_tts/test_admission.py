@@ -57,11 +57,14 @@ async def two_streams(monkeypatch, settings: dict | None) -> tuple[list, dict, d
     return talker_calls, admitted, first_audio, tuple(ids), talker.admit_streams
 
 
-@pytest.mark.parametrize("settings", [None, {"talker": {"admit_streams": True}}], ids=["model default", "set"])
-async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir, settings):
+@pytest.mark.parametrize(("settings", "want"), [
+    (None, StreamAdmission(min_lead_s=3.0)),  # more than one 2-s window ahead, see `mstar_qwen_tts.model`
+    ({"talker": {"admit_streams": True}}, StreamAdmission()),
+], ids=["model default", "set"])
+async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir, settings, want):
     """Served as `mstar serve` loads it (no settings), Qwen3-TTS admits streams: the default comes from the model."""
     talker_calls, admitted, first_audio, (a, b), policy = await two_streams(monkeypatch, settings)
-    assert policy == StreamAdmission()
+    assert policy == want
     assert admitted[a] < first_audio[a] < admitted[b]  # the second waited while the first was starting
     leads = [lead for rid, lead, _ in talker_calls if rid == a]
     assert leads[0] is None and leads[-1] is not None  # no lead before the first window plays, then one

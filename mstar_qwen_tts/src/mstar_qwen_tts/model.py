@@ -8,6 +8,10 @@ from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_tts.prepare import EXAMPLE
 
 PRESETS = ("tiny", "tiny-design", "tiny-base")
+#: The Talker's default `admit_streams` (the policy's defaults but the lead): a stream's lead counts the frames of the
+#: 25-frame (2 s) window not yet decoded, so its listener holds its lead less up to 2 s; 3 s keeps every playing
+#: listener at least a second from running dry before another stream starts
+ADMIT_STREAMS = {"min_lead_s": 3.0}
 
 
 def load(options: LoadOptions) -> LoadedModel:
@@ -37,7 +41,7 @@ def load(options: LoadOptions) -> LoadedModel:
     # the Talker admits a new stream only while the admitted ones keep their listeners ahead at a measured speed
     # (`mstar_core.runtime.stream_admission`; `{"talker": {"admit_streams": false}}` turns it off). A Talker placed
     # in a worker process drops this default (its calls' leads do not cross the wire yet).
-    talker = {**pages, "admit_streams": True}
+    talker = {**pages, "admit_streams": ADMIT_STREAMS}
     return LoadedModel(
         name="qwen3-tts",
         graph=build_graph(model, decoder),
