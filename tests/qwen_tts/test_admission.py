@@ -7,13 +7,14 @@ import asyncio
 import time
 
 import pytest
+from mstar_qwen_tts.model import ADMIT_STREAMS
 
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.scheduler import NodeScheduler
-from mstar_core.runtime.stream_admission import StreamAdmission
+from mstar_core.runtime.stream_admission import StreamAdmission, StreamLeads
 
 # 28 frames: one 25-frame window plays while the Talker goes on
 REQUEST = {"input": "Hello there!", "voice": "ryan", "max_frames": 28, "ignore_eos": True}
@@ -112,3 +113,14 @@ async def test_a_talker_placed_in_a_worker_process_loads_without_the_model_defau
         assert getattr(engine, "admit_streams", None) is None
     finally:
         host.stop_device_thread()
+
+
+def test_the_default_holds_the_next_stream_until_the_first_is_a_window_and_a_second_ahead():
+    """A lead counts the frames of the window not yet decoded (2 s here): just after its first window a stream is
+    ~2 s ahead with nothing buffered beyond that window, so the next stream waits until it is 3 s ahead."""
+    leads = StreamLeads(StreamAdmission.from_setting("talker", ADMIT_STREAMS))
+    leads.observe("a", 2.0, 0.0)  # the first window landed
+    leads.observe("a", 2.8, 1.0)  # 1.8 x real time over a second
+    assert not leads.may_admit(["a"])  # fast enough, but under a second beyond its window
+    leads.observe("a", 3.6, 2.0)
+    assert leads.may_admit(["a"])
