@@ -13,7 +13,7 @@ defaults on both sides.
 - `viability_c32`: the share of 32 concurrent streams that never run dry once playing (each chunk arrives before the
   audio before it has played out, playback starting at the first chunk), with the walk's stream priority (every call
   of a request's frame loop ranked by how close its listener is to running dry, `priority: true` in the JSON) and the
-  Talker's adaptive admission (node setting `admit_streams`, `ADMIT_STREAMS`): a new stream waits until the admitted
+  Talker's adaptive admission (node setting `admit_streams`, on by default: the model as served): a new stream waits until the admitted
   ones each stay ahead of their listeners at a measured speed with room for one more; a waiting stream has not
   started playing, so it cannot run dry, its listener hears a later start (`crowd_ttfa_s`: p50 / p99 seconds from
   submission to first audio in each crowd; `crowd_audio_per_s`: the crowd's audio seconds per wall second).
@@ -127,11 +127,9 @@ def reference_voice(seconds: float = 3.0) -> torch.Tensor:
 
 SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 TEXT = "Hello there, this is a benchmark of streaming speech."
-#: The Talker's `admit_streams` in the adaptive crowd (the policy's defaults, spelled out): a new stream waits until
-#: the admitted ones are each 1.5 s ahead of their listeners and measured at 1.5 x real time at least over spans of a
-#: second (see `mstar_core.runtime.stream_admission`). 1 s, 1.25 x and 0.5 s admitted on half-second readings that the
-#: shared box's load then took back (run F in BENCHMARKS.md)
-ADMIT_STREAMS = {"min_lead_s": 1.5, "min_speed": 1.5, "max_starting": 1, "speed_window_s": 1.0}
+#: Every request admitted at once (the Talker's default `admit_streams` turned off): the throughput wave, the unbounded
+#: and the FIFO crowds
+ADMIT_ALL = {"talker": {"admit_streams": False}}
 #: Real-time speed each admitted stream keeps in the crowd: the admitted count is the c=16 wave's audio seconds per
 #: second over this (fewer streams batch less well than 16, and a joining request's prefill slows the others)
 ADMIT_MARGIN = 2.0
@@ -265,8 +263,9 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
         loaded = await engine.load_model("qwen3-tts", LoadOptions(checkpoint=str(directory)))
         # the same weights served FIFO: no stream priority, the frame loop's calls taken in submission order
         fifo_graph = build_graph(loaded.extras["model"], loaded.extras["decoder"], priority=False)
-        await engine.add_model(attrs.evolve(loaded, graph=fifo_graph), alias="qwen3-tts-fifo",
-                               settings={node: {"call_order": "fifo"} for node in ("talker", "code_predictor")})
+        fifo = {"talker": {"call_order": "fifo", "admit_streams": False}, "code_predictor": {"call_order": "fifo"}}
+        await engine.add_model(attrs.evolve(loaded, graph=fifo_graph), alias="qwen3-tts-fifo", settings=fifo)
+        await engine.add_model(loaded, alias="qwen3-tts-all", settings=ADMIT_ALL)
         encoder, codec_encoder = loaded.extras["model"].speaker_encoder, loaded.extras["speech_encoder"]
         out["embedding"] = encoder.embed(voice)  # the voice as `/v1/audio/voices` stores it
         emb = out["embedding"].tolist()
@@ -274,26 +273,35 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
         icl = {"ref_text": "A warm voice.", "ref_codes": codec_encoder.encode(voice).flatten().tolist()}
         await mstar_one(engine, emb, 4, 0)  # warm-up
         await mstar_one(engine, emb, 4, 0, "qwen3-tts-fifo")
+        await mstar_one(engine, emb, 4, 0, "qwen3-tts-all")
         log("loaded and warm")
         c1 = [await mstar_one(engine, emb, args.frames, i) for i in range(args.c1)]
         out["ttfa_c1"] = statistics.median(r["ttfa"] for r in c1)
         log("c1", c1[0]["ttfa"], c1[0]["total"])
         start = time.perf_counter()
-        wave = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 100 + i) for i in range(args.cthroughput)))
+        wave = await asyncio.gather(*(mstar_one(engine, emb, args.frames, 100 + i, "qwen3-tts-all")
+                                      for i in range(args.cthroughput)))
         out["audio_per_s"] = sum(r["audio"] for r in wave) / (time.perf_counter() - start)
         log("throughput wave", time.perf_counter() - start)
-        # the crowd exceeds what the box speaks in real time. Adaptive admission (the target figure): the Talker
-        # admits a new stream only while the admitted ones stay ahead of their listeners (`admit_streams`)
-        await engine.add_model(loaded, alias="qwen3-tts-adaptive", settings={"talker": {"admit_streams": ADMIT_STREAMS}})
+        # the crowd exceeds what the box speaks in real time. Adaptive admission (the target figure): the model as
+        # served, whose Talker admits a new stream only while the admitted ones stay ahead of their listeners (its
+        # default `admit_streams`; `--admit-streams` tries other margins)
+        adaptive = "qwen3-tts"
+        if args.admit_streams is not None:
+            adaptive = "qwen3-tts-adaptive"
+            await engine.add_model(loaded, alias=adaptive,
+                                   settings={"talker": {"admit_streams": json.loads(args.admit_streams)}})
         trace = [] if args.trace else None
         crowds = out["crowds"] = {}
-        crowds["adaptive"] = await crowd_viability(engine, "qwen3-tts-adaptive", emb, args.frames, args.cviable, 200,
-                                                   trace)
+        policy = engine.node_schedulers(adaptive)["talker"].engine.admit_streams
+        out["admit_streams"] = attrs.asdict(policy)
+        crowds["adaptive"] = await crowd_viability(engine, adaptive, emb, args.frames, args.cviable, 200, trace)
         log("viability wave (priority, adaptive admission)", crowds["adaptive"])
         # fixed admission: as many streams as the throughput wave showed the box sustains at ADMIT_MARGIN x real
         # time (the node setting an operator sizes to the machine), the rest wait
         out["admitted"] = admitted = max(1, int(out["audio_per_s"] / ADMIT_MARGIN))
-        admit = {node: {"max_active_requests": admitted} for node in ("talker", "code_predictor")}
+        admit = {"talker": {"max_active_requests": admitted, "admit_streams": False},
+                 "code_predictor": {"max_active_requests": admitted}}
         await engine.add_model(loaded, alias="qwen3-tts-admit", settings=admit)
         crowds["fixed"] = await crowd_viability(engine, "qwen3-tts-admit", emb, args.frames, args.cviable, 200, trace)
         log("viability wave (priority, admitting", admitted, ")", crowds["fixed"])
@@ -301,7 +309,7 @@ async def run_mstar(directory: Path, args, voice: torch.Tensor) -> dict:
             write_trace(args.trace, trace)
         if args.diagnose:
             return out
-        crowds["unbounded"] = await crowd_viability(engine, "qwen3-tts", emb, args.frames, args.cviable, 200)
+        crowds["unbounded"] = await crowd_viability(engine, "qwen3-tts-all", emb, args.frames, args.cviable, 200)
         log("viability wave (priority, every stream admitted)", crowds["unbounded"])
         crowds["fifo"] = await crowd_viability(engine, "qwen3-tts-fifo", emb, args.frames, args.cviable, 200)
         log("viability wave (fifo)", crowds["fifo"])
@@ -354,6 +362,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--trace", help="write each stream's chunk arrivals and every step of the admitted crowds here "
                                    "(JSON), with the stalls found")
+    p.add_argument("--admit-streams", help="the adaptive crowd's Talker `admit_streams` as JSON (default: the "
+                                           "model's own), e.g. '{\"max_starting\": 2}'")
     p.add_argument("--diagnose", action="store_true", help="only the throughput wave and the admitted crowds (with "
                                                            "--trace: to explain stalls); no baseline")
     args = p.parse_args()
@@ -372,6 +382,7 @@ def main() -> None:
         mstar = asyncio.run(run_mstar(directory, args, voice))
         if args.diagnose:
             print(json.dumps({"audio_per_s": round(mstar["audio_per_s"], 2), "admitted": mstar["admitted"],
+                              "admit_streams": mstar["admit_streams"],
                               "crowds": mstar["crowds"], "loadavg": os.getloadavg()[0]}))
             return
         embedding = mstar["embedding"]
@@ -390,6 +401,7 @@ def main() -> None:
         "viability_c32": round(crowds["adaptive"]["viability"], 3),
         "viability_c32_fixed_admission": round(crowds["fixed"]["viability"], 3),
         "admitted_streams": mstar["admitted"],
+        "admit_streams": mstar["admit_streams"],  # the adaptive crowd's policy (the model's default unless given)
         "viability_c32_unbounded": round(crowds["unbounded"]["viability"], 3),
         "viability_c32_fifo": round(crowds["fifo"]["viability"], 3),
         "viability_c32_fifo_admitted": round(crowds["fifo_admitted"]["viability"], 3),

@@ -73,7 +73,7 @@ class HostedEngines:
             settings.pop("own_thread", None)  # a worker's nodes share its one device thread
             limit = active_limit(node_name, settings.pop("max_active_requests", None))
             order = call_order(node_name, settings.pop("call_order", None))
-            settings.pop("admit_streams", None)  # (refused above when set)
+            settings.pop("admit_streams", None)  # (a user's setting is refused above; a model's default is dropped)
             engine_cls = registry.engines.get(node.engine)
             key = f"{msg.model}/{node_name}"
             ranks = RankGroup(split, self.rank_group[1], key) if split is not None else None

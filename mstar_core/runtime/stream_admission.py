@@ -11,7 +11,14 @@ carries its request's lead (`Invocation.lead`: seconds of media made beyond what
   waits until it plays and its speed shows what is left;
 - every playing admitted request is at least `min_lead_s` ahead of its listener; and
 - every playing admitted request's measured speed (media seconds made per wall second, over spans of at least
-  `speed_window_s`, smoothed) is at least `min_speed` with the requests admitted now.
+  `speed_window_s`) is at least `min_speed` with the requests admitted now. The reading is smoothed pessimistically:
+  a slower span counts at once, a faster one by half (a box shared with other work gives its share back in bursts,
+  and a stream admitted on the fast half of a burst runs dry in the slow half: BENCHMARKS.md's Qwen3-TTS runs F, H).
+
+The lead counts media made but not yet released to the listener (`StreamPriority.lead`): a stream released in
+windows holds up to one window back, so what its listener has buffered just before a window lands is its lead less
+one window. `min_lead_s` under one window does not tell a stream about to run dry from a safe one; a model sets it
+above its window (Qwen3-TTS: 2-s windows, `min_lead_s` 3.0 in its default).
 
 The speed is measured, not projected: on a CPU a step's cost is mostly its fixed part (one Talker step served one
 stream or two in about the same time in the Qwen3-TTS traces, BENCHMARKS.md), so a model of cost per request would
@@ -45,7 +52,8 @@ from mstar_core.errors import ConfigError
 class StreamAdmission:
     """The node setting `admit_streams` (`true` for these defaults, or a mapping of the fields to change)."""
 
-    #: seconds of media every playing admitted stream must have ahead of its listener
+    #: seconds of media every playing admitted stream must have ahead of its listener (made, released or not: set it
+    #: above the stream's release window, see the module's docstring)
     min_lead_s: float = 1.5
     #: the speed (media seconds per wall second) every playing admitted stream must be measured at
     min_speed: float = 1.5
@@ -123,7 +131,10 @@ class StreamLeads:
         if span >= self.policy.speed_window_s:
             # the lead grows by (speed - 1) seconds a second: media made minus media played
             speed = 1.0 + (lead - lead_then) / span
-            reading.speed = speed if reading.speed is None else 0.5 * (reading.speed + speed)
+            if reading.speed is None or speed < reading.speed:
+                reading.speed = speed  # a slowdown counts at once
+            else:
+                reading.speed = 0.5 * (reading.speed + speed)  # a speed-up by half: it may be a lull in other work
             reading.since = (now, lead)
 
     def forget(self, request_id: str) -> None:

@@ -53,8 +53,12 @@ def test_speed_is_the_slope_of_the_lead_plus_one_over_spans_of_the_window():
     assert leads.speed("a") is None
     leads.observe("a", 2.5, 1.5)  # +0.5 s of lead over 0.5 s: made 1.5 s of media in 0.5 s
     assert leads.speed("a") == pytest.approx(2.0)
-    leads.observe("a", 2.5, 2.0)  # the lead held still: real time exactly; smoothed with the last span
-    assert leads.speed("a") == pytest.approx(1.5)
+    leads.observe("a", 2.5, 2.0)  # the lead held still: real time exactly; a slowdown counts at once
+    assert leads.speed("a") == pytest.approx(1.0)
+    leads.observe("a", 3.5, 2.5)  # 3 x real time over this span: a speed-up counts by half
+    assert leads.speed("a") == pytest.approx(2.0)
+    leads.observe("a", 3.5, 3.0)  # and the next slow span brings it straight down again
+    assert leads.speed("a") == pytest.approx(1.0)
     leads.forget("a")
     assert leads.speed("a") is None
 

@@ -7,18 +7,23 @@ import asyncio
 import time
 
 import pytest
+from mstar_qwen_tts.model import ADMIT_STREAMS
 
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
 from mstar_core.plugins import discover
 from mstar_core.runtime import AsyncEngine
 from mstar_core.runtime.scheduler import NodeScheduler
+from mstar_core.runtime.stream_admission import StreamAdmission, StreamLeads
 
 # 28 frames: one 25-frame window plays while the Talker goes on
 REQUEST = {"input": "Hello there!", "voice": "ryan", "max_frames": 28, "ignore_eos": True}
 
 
-async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir):
+async def two_streams(monkeypatch, settings: dict | None) -> tuple[list, dict, dict, tuple[str, str], object]:
+    """Two concurrent requests on a tiny model loaded with `settings`: (the Talker's calls as (request, lead, time),
+    each request's first call reaching the Talker's engine, each request's first audio, their ids, the Talker's
+    `admit_streams` as built)."""
     talker_calls: list[tuple[str, float | None, float]] = []
     original = NodeScheduler.submit
 
@@ -29,7 +34,7 @@ async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monke
 
     monkeypatch.setattr(NodeScheduler, "submit", spy)
     async with AsyncEngine(discover()) as engine:
-        await engine.load_model("qwen3-tts", LoadOptions(preset="tiny"), settings={"talker": {"admit_streams": True}})
+        await engine.load_model("qwen3-tts", LoadOptions(preset="tiny"), settings=settings)
         first_audio: dict[str, float] = {}
         admitted: dict[str, float] = {}  # when each request's first call reached the Talker's engine
         talker = engine.node_schedulers("qwen3-tts")["talker"].engine
@@ -49,12 +54,29 @@ async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monke
             await handle.result()
             return handle.request_id
 
-        a, b = await asyncio.gather(one(1), one(2))
+        ids = await asyncio.gather(one(1), one(2))
+    return talker_calls, admitted, first_audio, tuple(ids), talker.admit_streams
+
+
+@pytest.mark.parametrize(("settings", "want"), [
+    (None, StreamAdmission(min_lead_s=3.0)),  # more than one 2-s window ahead, see `mstar_qwen_tts.model`
+    ({"talker": {"admit_streams": True}}, StreamAdmission()),
+], ids=["model default", "set"])
+async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir, settings, want):
+    """Served as `mstar serve` loads it (no settings), Qwen3-TTS admits streams: the default comes from the model."""
+    talker_calls, admitted, first_audio, (a, b), policy = await two_streams(monkeypatch, settings)
+    assert policy == want
     assert admitted[a] < first_audio[a] < admitted[b]  # the second waited while the first was starting
     leads = [lead for rid, lead, _ in talker_calls if rid == a]
     assert leads[0] is None and leads[-1] is not None  # no lead before the first window plays, then one
     first_lead = next(lead for lead in leads if lead is not None)
     assert 0.0 < first_lead <= 2.1  # one 25-frame window (2 s) made, a little of it played
+
+
+async def test_the_configuration_turns_the_default_admission_off(monkeypatch, tiny_dir):
+    _, admitted, first_audio, (a, b), policy = await two_streams(monkeypatch, {"talker": {"admit_streams": False}})
+    assert policy is None
+    assert admitted[b] < first_audio[a]  # both streams started at once
 
 
 async def test_a_bad_admit_streams_setting_fails_the_load_naming_the_key(tiny_dir):
@@ -76,3 +98,29 @@ async def test_a_node_placed_in_a_worker_process_refuses_admit_streams():
                                       settings={"talker": {"admit_streams": True}}))
     finally:
         host.stop_device_thread()
+
+
+async def test_a_talker_placed_in_a_worker_process_loads_without_the_model_default():
+    """The model's default `admit_streams` is dropped on a worker (no leads there), not refused: placing the Talker
+    elsewhere needs no setting turned off."""
+    from mstar_core.cluster.hosted_engines import HostedEngines
+    from mstar_core.wire import LoadModel
+
+    host = HostedEngines("w")
+    try:
+        await host.load(LoadModel(model="qwen3-tts", device="cpu", nodes=["talker"], preset="tiny", settings={}))
+        engine = host.schedulers["qwen3-tts/talker"].engine
+        assert getattr(engine, "admit_streams", None) is None
+    finally:
+        host.stop_device_thread()
+
+
+def test_the_default_holds_the_next_stream_until_the_first_is_a_window_and_a_second_ahead():
+    """A lead counts the frames of the window not yet decoded (2 s here): just after its first window a stream is
+    ~2 s ahead with nothing buffered beyond that window, so the next stream waits until it is 3 s ahead."""
+    leads = StreamLeads(StreamAdmission.from_setting("talker", ADMIT_STREAMS))
+    leads.observe("a", 2.0, 0.0)  # the first window landed
+    leads.observe("a", 2.8, 1.0)  # 1.8 x real time over a second
+    assert not leads.may_admit(["a"])  # fast enough, but under a second beyond its window
+    leads.observe("a", 3.6, 2.0)
+    assert leads.may_admit(["a"])

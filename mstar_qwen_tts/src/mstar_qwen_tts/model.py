@@ -8,6 +8,10 @@ from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_tts.prepare import EXAMPLE
 
 PRESETS = ("tiny", "tiny-design", "tiny-base")
+#: The Talker's default `admit_streams` (the policy's defaults but the lead): a stream's lead counts the frames of the
+#: 25-frame (2 s) window not yet decoded, so its listener holds its lead less up to 2 s; 3 s keeps every playing
+#: listener at least a second from running dry before another stream starts
+ADMIT_STREAMS = {"min_lead_s": 3.0}
 
 
 def load(options: LoadOptions) -> LoadedModel:
@@ -33,13 +37,18 @@ def load(options: LoadOptions) -> LoadedModel:
                if model.config.tts_model_type == "base" else None)
     prepare = Preparer(model.config, load_tokenizer(directory), read_generation_config(directory))
     pages = {"num_pages": 512, "page_size": 16}
+    # A speech server's streams run dry together once more start than the machine speaks in real time: by default
+    # the Talker admits a new stream only while the admitted ones keep their listeners ahead at a measured speed
+    # (`mstar_core.runtime.stream_admission`; `{"talker": {"admit_streams": false}}` turns it off). A Talker placed
+    # in a worker process drops this default (its calls' leads do not cross the wire yet).
+    talker = {**pages, "admit_streams": ADMIT_STREAMS}
     return LoadedModel(
         name="qwen3-tts",
         graph=build_graph(model, decoder),
         random_weights=preset is not None,
         prepare=prepare,
         request_schema=prepare.schema,
-        engine_settings={"talker": dict(pages), "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
+        engine_settings={"talker": talker, "code_predictor": dict(pages), "code2wav": {"max_batch_size": 64}},
         extras={"model": model, "config": model.config, "decoder": decoder, "speech_encoder": encoder, "tokenizer": prepare.tokenizer,
                 "checkpoint": str(directory), "sample_rate": 24000, "voices": prepare.speakers},
     )
