@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.nn import gelu
 from mstar_core.nn.cross_attention import CrossAttention
 from mstar_core.nn.packed import PackedLinear, pack_linears
 from mstar_core.nn.tied_head import TiedLMHead
@@ -21,8 +22,12 @@ from mstar_whisper.rules import WhisperLogitsRules
 
 def _gelu(h: torch.Tensor) -> torch.Tensor:
     """GELU of a fresh activation, in place when nothing records it for a backward pass (the encoder's [1500, ffn]
-    activations: one pass over memory instead of a read, a write and a new allocation's page faults)."""
-    return F.gelu(h) if torch.is_grad_enabled() else torch.ops.aten.gelu_(h)
+    activations: one pass over memory instead of a read, a write and a new allocation's page faults); a decode
+    step's few rows through `mstar_core.nn.gelu` (torch's op starts cold between the step's weight streams)."""
+    if torch.is_grad_enabled():
+        return F.gelu(h)
+    done = gelu.gelu_(h)
+    return done if done is not None else torch.ops.aten.gelu_(h)
 
 
 def _add_residual(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
