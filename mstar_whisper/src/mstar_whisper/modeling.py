@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_core.nn import cpu_elementwise, gelu
 from mstar_core.nn.cross_attention import CrossAttention
 from mstar_core.nn.packed import PackedLinear, pack_linears
 from mstar_core.nn.tied_head import TiedLMHead
@@ -21,13 +22,20 @@ from mstar_whisper.rules import WhisperLogitsRules
 
 def _gelu(h: torch.Tensor) -> torch.Tensor:
     """GELU of a fresh activation, in place when nothing records it for a backward pass (the encoder's [1500, ffn]
-    activations: one pass over memory instead of a read, a write and a new allocation's page faults)."""
-    return F.gelu(h) if torch.is_grad_enabled() else torch.ops.aten.gelu_(h)
+    activations: one pass over memory instead of a read, a write and a new allocation's page faults); a decode
+    step's few rows through `mstar_core.nn.gelu` (torch's op starts cold between the step's weight streams)."""
+    if torch.is_grad_enabled():
+        return F.gelu(h)
+    done = gelu.gelu_(h)
+    return done if done is not None else torch.ops.aten.gelu_(h)
 
 
 def _add_residual(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`x + delta`, written into `delta` (a linear's fresh output; the same sum, no new tensor) when not recording."""
-    return x + delta if torch.is_grad_enabled() else delta.add_(x)
+    """`x + delta`, written into `delta` (a linear's fresh output; the same sum, no new tensor) when not recording; a
+    decode step's rows by `cpu_elementwise.add_` (the same IEEE sums; torch's add starts cold there, as `_gelu`)."""
+    if torch.is_grad_enabled():
+        return x + delta
+    return delta if cpu_elementwise.add_(delta, x) else delta.add_(x)
 
 
 class _Projections(nn.Module):
@@ -50,8 +58,9 @@ class _MLP(nn.Module):
         return _add_residual(self.fc2(_gelu(self.fc1(self.final_layer_norm(x)))), x)
 
 
-class _EncoderProjections(_Projections):
-    """The encoder's projections, q, k and v run as one GEMM over a 30-second window's 1500 rows.
+class _FusedProjections(_Projections):
+    """Projections whose q, k and v run as one GEMM: the encoder's over a 30-second window's 1500 rows, the decoder's
+    self-attention's over a step's rows (one linear call instead of three).
 
     The checkpoint's three linears stay the module's parameters (names, loading, `state_dict`); `pack_own_linears`
     (called by `pack_linears` at load) derives one `[3d, d]` linear from them, k's missing bias as zeros, so each
@@ -89,7 +98,7 @@ class _EncoderProjections(_Projections):
 class EncoderLayer(_MLP):
     def __init__(self, d: int, heads: int, ffn: int):
         super().__init__(d, ffn)
-        self.self_attn = _EncoderProjections(d, heads)
+        self.self_attn = _FusedProjections(d, heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,17 +136,16 @@ class DecoderLayer(_MLP):
     def __init__(self, d: int, heads: int, ffn: int, index: int):
         super().__init__(d, ffn)
         self.index = index
-        self.self_attn = _Projections(d, heads)
+        self.self_attn = _FusedProjections(d, heads)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = CrossAttention(d, heads, index)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
         a, t = self.self_attn, x.shape[0]
-        h = self.self_attn_layer_norm(x)
-        q, k, v = (p(h).view(t, a.heads, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
-        x = x + a.out_proj(context.attend(self.index, q, k, v, a.head_dim**-0.5).reshape(t, -1))
-        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), context)
+        q, k, v = (p.view(t, a.heads, a.head_dim) for p in a.qkv(self.self_attn_layer_norm(x)))
+        x = _add_residual(a.out_proj(context.attend(self.index, q, k, v, a.head_dim**-0.5).reshape(t, -1)), x)
+        x = _add_residual(self.encoder_attn(self.encoder_attn_layer_norm(x), context), x)
         return self.mlp(x)
 
 
