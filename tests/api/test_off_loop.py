@@ -9,6 +9,8 @@ import base64
 import binascii
 import json
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -20,6 +22,7 @@ from fastapi.testclient import TestClient
 from mstar_core.api.http import json_bodies, off_loop, pieces
 from mstar_core.api.http.errors import install_error_handlers
 from mstar_core.api.server.loop_watch import LoopWatch
+from mstar_core.errors import ConfigError
 
 
 @pytest.mark.parametrize("size", [0, 5, pieces.B64_PIECE // 4 * 3, pieces.B64_PIECE // 4 * 3 + 1,
@@ -64,8 +67,6 @@ def test_the_pool_starts_every_thread_before_requests():
         finally:
             executor.shutdown(wait=True)
 
-    import sys
-
     interval = sys.getswitchinterval()
     try:
         started, ran, count = asyncio.run(go())
@@ -74,6 +75,37 @@ def test_the_pool_starts_every_thread_before_requests():
         sys.setswitchinterval(interval)
     assert len(started) == 3 and count == 3
     assert ran <= started  # the work ran in those threads; none was started on demand
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+def test_the_pools_threads_run_below_the_loop(monkeypatch):
+    """The pool's threads take `MSTAR_API_THREAD_NICENESS` steps of nice (default 5) over the loop's thread, which
+    keeps its own; a bad value is an error naming the variable."""
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        executor = off_loop.install_pool(loop, threads=2)
+        try:
+            return niceness(), set(await asyncio.gather(*(asyncio.to_thread(niceness) for _ in range(4))))
+        finally:
+            executor.shutdown(wait=True)
+
+    interval = sys.getswitchinterval()
+    try:
+        loop_nice, pool_nice = asyncio.run(go())
+        assert pool_nice == {loop_nice + off_loop.POOL_NICENESS} or loop_nice + off_loop.POOL_NICENESS > 19
+        monkeypatch.setenv(off_loop.POOL_NICENESS_ENV, "0")
+        loop_nice, pool_nice = asyncio.run(go())
+        assert pool_nice == {loop_nice}
+    finally:
+        sys.setswitchinterval(interval)
+    for bad in ("-3", "high", "20"):
+        monkeypatch.setenv(off_loop.POOL_NICENESS_ENV, bad)
+        with pytest.raises(ConfigError, match=off_loop.POOL_NICENESS_ENV):
+            off_loop.pool_niceness()
 
 
 def _app(seen: list[str], loop_thread: list[str]) -> FastAPI:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mstar_core.errors import ConfigError
 from mstar_core.strict import positive_number
 
 #: Bodies and texts from this size go to the pool (a JSON parse of 256 KB takes ~1-2 ms here).
@@ -78,13 +79,43 @@ def release_freed_memory() -> None:
 SWITCH_INTERVAL_S = 0.001
 
 
+#: How much lower the pool's threads run than the loop and the device threads (Linux nice steps, per thread;
+#: `MSTAR_API_THREAD_NICENESS`, 0 for none). On a machine with as many busy threads as cores, a 4096x4096 image
+#: decoding in the pool took the core the loop needed to answer /health (`no-cpu` stalls of 76-150 ms in
+#: chaos_media.py); a lower priority gives it the leftovers, and the loop and the other requests' steps come first.
+POOL_NICENESS_ENV, POOL_NICENESS = "MSTAR_API_THREAD_NICENESS", 5
+
+
+def pool_niceness() -> int:
+    """`MSTAR_API_THREAD_NICENESS` (0-19), else `POOL_NICENESS`."""
+    raw = os.environ.get(POOL_NICENESS_ENV, "").strip()
+    if not raw:
+        return POOL_NICENESS
+    if not raw.isdigit() or int(raw) > 19:
+        raise ConfigError(f"{POOL_NICENESS_ENV} must be a whole number from 0 to 19, got {raw!r}")
+    return int(raw)
+
+
+def _lower_this_thread(niceness: int) -> None:
+    """This thread's own priority lowered by `niceness` (Linux applies a thread id's nice to that thread only)."""
+    if niceness and sys.platform == "linux":
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+        except OSError:  # (a sandbox may refuse: the pool then runs as the loop does)
+            pass
+
+
 def install_pool(loop: asyncio.AbstractEventLoop, threads: int | None = None) -> ThreadPoolExecutor:
     """Make a pool of `threads` threads the loop's default executor, every thread started now (their malloc arenas
-    shared: `share_arenas`), and the GIL handed on sooner (`SWITCH_INTERVAL_S`) when the loop waits for it."""
+    shared: `share_arenas`) at a lower priority than the loop (`POOL_NICENESS`), and the GIL handed on sooner
+    (`SWITCH_INTERVAL_S`) when the loop waits for it."""
     share_arenas()
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     threads = threads or pool_size()
-    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mstar-off-loop")
+    niceness = pool_niceness()
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mstar-off-loop",
+                                  initializer=_lower_this_thread, initargs=(niceness,))
     gate = threading.Barrier(threads)
     # each task waits for the others, so no thread is idle when the next is submitted: every submit starts one
     started = [executor.submit(gate.wait, 60) for _ in range(threads)]
