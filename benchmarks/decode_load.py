@@ -37,10 +37,10 @@ class StepLog:
 
     def __init__(self, ops: bool = False, kernels: bool = False):
         from mstar_kvcache import KVCacheEngine
-
-        from mstar_core.nn import tape as tapes
         from mstar_kvcache.answers import CallAnswers
         from mstar_kvcache.step_inputs import StepForward
+
+        from mstar_core.nn import tape as tapes
 
         self.patched = [(KVCacheEngine, "step"), (KVCacheEngine, "_run"), (StepForward, "run"), (CallAnswers, "sample")]
         self.saved = [getattr(cls, name) for cls, name in self.patched]

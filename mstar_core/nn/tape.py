@@ -131,7 +131,7 @@ class Tape:
 
     def hint_next_weights(self, per_thread: int) -> None:
         """Have each recorded linear call fetch up to `per_thread` bytes a thread of the next one's weight (0: none)."""
-        for hint, (_, start, stride) in zip(self._hints or (), self._linears[1:]):
+        for hint, (_, start, stride) in zip(self._hints or (), self._linears[1:], strict=False):  # (the last: none)
             hint.start, hint.stride = start, stride
             hint.bytes = min(per_thread, stride)  # (a stride of 0: a kernel that takes no hint)
 
