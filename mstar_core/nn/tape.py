@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import struct
 import threading
 from collections.abc import Iterator
@@ -32,9 +33,20 @@ _CODES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c
 #: The C signatures a tape replays (result, then arguments: p pointer, q int64, i int, f float), as tape.cpp's `Kind`
 KINDS = {"i:pqpppqqqqip": 1, "i:pqppppqqqqip": 2, "v:pqppqqfi": 3, "v:ppqppqqfi": 4, "v:pqpqqi": 5, "v:pqqqqqppi": 6,
          "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9}
+#: The environment variable that sets `NEXT_WEIGHT_BYTES` (bytes, a whole number; 0 turns the hints off)
+NEXT_WEIGHT_ENV = "MSTAR_NEXT_WEIGHT_BYTES"
+
+
+def _next_weight_bytes() -> int:
+    text = os.environ.get(NEXT_WEIGHT_ENV, str(256 * 1024))
+    if not text.isdigit():
+        raise ValueError(f"{NEXT_WEIGHT_ENV} must be a whole number of bytes (0: no next-weight hints), got {text!r}")
+    return int(text)
+
+
 #: Bytes of the next linear's weight each thread of a linear call fetches into L2 near its end (at most the next
 #: call's first task a thread, and what a cache line an input step of the call's last task covers); 0: no hints
-NEXT_WEIGHT_BYTES = 256 * 1024
+NEXT_WEIGHT_BYTES = _next_weight_bytes()
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                 torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
 

@@ -80,6 +80,14 @@ def test_each_linear_call_fetches_the_next_ones_weight_and_keeps_the_bits(dtype,
             assert torch.equal(out[:1], mlp(fresh[:1]))  # (a row alone computes the same bits)
 
 
+def test_the_hint_size_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(tape.NEXT_WEIGHT_ENV, "0")
+    assert tape._next_weight_bytes() == 0
+    monkeypatch.setenv(tape.NEXT_WEIGHT_ENV, "64k")
+    with pytest.raises(ValueError, match=tape.NEXT_WEIGHT_ENV):
+        tape._next_weight_bytes()
+
+
 def test_a_timed_replay_names_each_call_and_gives_the_same_bits():
     run = _block(torch.float32)
     x = torch.randn(2, 64)
