@@ -99,7 +99,7 @@ void linear(const bf16 *x, int64_t x_row, const W *packed, const float *scale, c
             int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const mstar::NextWeight *next) {
     const int64_t steps = (k + 1) / 2;
     const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, steps, 2 * PANEL * static_cast<int64_t>(sizeof(W)),
-                                BLOCK_ROWS};
+                                BLOCK_ROWS, true};
     mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads, next,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;

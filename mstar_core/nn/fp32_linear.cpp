@@ -99,7 +99,8 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
 template <typename W>
 void linear(const float *x, int64_t x_row, const W *packed, const float *scale, const float *bias, float *out,
             int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const mstar::NextWeight *next) {
-    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(W)), BLOCK_ROWS};
+    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(W)), BLOCK_ROWS,
+                                false};
     mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads, next,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;

@@ -153,18 +153,23 @@ struct NextWeight {
 // atomic counter (a thread held up by the server's other threads holds up no one), and claims its next task as it
 // starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
 // one pass takes, those passes compute from L2 while the memory would sit idle. Over its last task a thread
-// fetches its share of the next call's weight instead (`NextWeight`).
+// fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
+// still runs, every thread's share (where `fetch_when_idle`).
 //
 // `rows_through_panel(r0, rows, p, ahead, ahead_step)` runs rows [r0, r0 + rows) through panel p, and when
 // `ahead_step` is nonzero prefetches `ahead + e * ahead_step` into L2 at input step e.
 struct PanelCall {
     int64_t m, panels, steps, step_bytes, block_rows;  // rows, panels, input steps a panel, bytes a step, rows a pass
+    // whether a thread out of tasks fetches the next call's weight while another still runs (measured per kernel:
+    // bf16 panels gain from it, fp32 panels, twice the bytes, lose more on the running thread than the next call gains)
+    bool fetch_when_idle;
 };
 
 constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passes every row through (in L2)
 constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
 constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
 constexpr int64_t NEXT_WEIGHT_LINE = 64;          // the next weight is fetched a cache line an input step, at most
+
 
 // body(std::integral_constant<int, R>{}) for the R of `rows` among R... (a block template's row count, chosen at run time)
 template <int... R, typename Body>
@@ -192,6 +197,7 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
     const bool hinted = next_weight != nullptr && next_weight->bytes > 0;
     const int team = tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
     int64_t claimed = team;  // (tasks 0 .. team - 1 are the threads' first)
+    int64_t working = team;  // threads not yet out of tasks
 #pragma omp parallel num_threads(team)
     {
 #if defined(_OPENMP)
@@ -227,6 +233,15 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
                 }
             }
             t = next;
+        }
+        // Out of tasks while another thread still runs its last: this core would wait at the barrier, so it fetches
+        // the next call's first tasks (every thread's) meanwhile; the last thread to finish fetches nothing.
+        if (__atomic_sub_fetch(&working, 1, __ATOMIC_RELAXED) > 0 && hinted && c.fetch_when_idle) {
+            for (int64_t off = 0; off < next_weight->bytes && __atomic_load_n(&working, __ATOMIC_RELAXED) > 0;
+                 off += 8 * NEXT_WEIGHT_LINE)
+                for (int64_t i = 0; i < team; ++i)
+                    for (int64_t line = 0; line < 8 * NEXT_WEIGHT_LINE; line += NEXT_WEIGHT_LINE)
+                        __builtin_prefetch(next_weight->start + i * next_weight->stride + off + line, 0, 2);
         }
     }
 }
