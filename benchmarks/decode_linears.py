@@ -92,7 +92,8 @@ def replay_hints(kernel, dtype, name, rounds, gen, out) -> None:
     if recorded.failure is not None:
         print(f"{name}: the step did not record ({recorded.failure})", flush=True)
         return
-    sides = {"plain": 0, "hinted": tapes.NEXT_WEIGHT_BYTES}
+    per_thread = tapes.NEXT_WEIGHT_BYTES or 256 * 1024  # (the hints are off by default: the size tried)
+    sides = {"plain": 0, "hinted": per_thread}
     times: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(2):  # warm-up
         recorded.replay()
@@ -108,7 +109,7 @@ def replay_hints(kernel, dtype, name, rounds, gen, out) -> None:
     out[f"step_ms_replay_least_{name}"] = [round(t, 2) for t in least]
     out[f"hint_speedup_{name}"] = round(plain / hinted, 3)
     print(f"{name} 1 row, the layers' 120 calls replayed: {plain:6.2f} ms, with next-weight hints "
-          f"({tapes.NEXT_WEIGHT_BYTES >> 10} KB a thread) {hinted:6.2f} ms ({plain / hinted:.3f}x; least of "
+          f"({per_thread >> 10} KB a thread) {hinted:6.2f} ms ({plain / hinted:.3f}x; least of "
           f"{len(times['plain'])}: {least[0]:6.2f} / {least[1]:6.2f} ms)", flush=True)
 
 

@@ -149,9 +149,9 @@ struct NextWeight {
 
 // The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
 // outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
-// is a run of panels that stays in L2; each thread starts on the task of its number and claims the rest from an
-// atomic counter (a thread held up by the server's other threads holds up no one), and claims its next task as it
-// starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
+// is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
+// server's other threads holds up no one; with a next-weight hint it starts on the task of its number), and claims
+// its next task as it starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
 // one pass takes, those passes compute from L2 while the memory would sit idle. Over its last task a thread
 // fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
 // still runs, every thread's share (where `fetch_when_idle`).
@@ -196,16 +196,18 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
     const int64_t task_bytes = per_task * panel_bytes, pass_bytes = (task_bytes + spread - 1) / spread;
     const bool hinted = next_weight != nullptr && next_weight->bytes > 0;
     const int team = tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
-    int64_t claimed = team;  // (tasks 0 .. team - 1 are the threads' first)
+    // A hinted call (a replayed step's linears, hints on) starts each thread on the task of its number, the part of
+    // the weight the call before fetched for it; otherwise every task is claimed, the first arrival taking task 0
+    int64_t claimed = hinted ? team : 0;
     int64_t working = team;  // threads not yet out of tasks
 #pragma omp parallel num_threads(team)
     {
 #if defined(_OPENMP)
-        int64_t t = omp_get_thread_num();
+        const int64_t me = omp_get_thread_num();
 #else
-        int64_t t = 0;
+        const int64_t me = 0;
 #endif
-        const int64_t me = t;
+        int64_t t = hinted ? me : __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (t < tasks) {
             const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             const int64_t first = t * per_task, last = first + per_task < c.panels ? first + per_task : c.panels;

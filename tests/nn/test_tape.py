@@ -66,10 +66,12 @@ def test_each_linear_call_fetches_the_next_ones_weight_and_keeps_the_bits(dtype,
     with torch.inference_mode(), recorded.recording():
         out = mlp(x)
     assert recorded.failure is None
+    assert all(fetched == min(tape.NEXT_WEIGHT_BYTES, stride) for _, fetched, stride in recorded.next_weight_hints())
+    recorded.hint_next_weights(256 << 10)
     (start, fetched, stride), last = recorded.next_weight_hints()
     assert start == mlp.down_proj._fast[6].data_ptr()  # gate/up's hint: down's weight; down's: none after it
-    assert 0 < fetched == min(tape.NEXT_WEIGHT_BYTES, stride) and last[1] == 0
-    for per_thread in (tape.NEXT_WEIGHT_BYTES, 0, 1 << 20):
+    assert 0 < fetched == min(256 << 10, stride) and last[1] == 0
+    for per_thread in (256 << 10, 0, 1 << 20):
         recorded.hint_next_weights(per_thread)
         fresh = torch.randn(rows, 256, generator=torch.Generator().manual_seed(per_thread)).to(dtype)
         x.copy_(fresh)
