@@ -140,8 +140,9 @@ namespace mstar {
 
 // The weight of the call that runs after this one (a step's linears run in a fixed order: a replayed step's tape
 // links each linear call to the next, tape.py). Thread i of a call fetches `bytes` from `start + i * stride` into
-// L2 over its last task, so that the next call's first tasks (thread i starts on task i, `stride` bytes each)
-// begin in cache instead of waiting for a cold stream to speed up. A hint changes no result, only what is cached.
+// L2 over its last task, so that the next call's first tasks (`stride` bytes each; the threads arrive and claim
+// them in about the order of their numbers) begin in cache instead of waiting for a cold stream to speed up. A
+// hint changes no result, only what is cached.
 struct NextWeight {
     const char *start;
     int64_t bytes, stride;  // bytes a thread fetches (0: none), bytes between threads' first tasks
@@ -150,8 +151,7 @@ struct NextWeight {
 // The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
 // outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
 // is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
-// server's other threads holds up no one; with a next-weight hint it starts on the task of its number), and claims
-// its next task as it starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
+// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
 // one pass takes, those passes compute from L2 while the memory would sit idle. Over its last task a thread
 // fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
 // still runs, every thread's share (where `fetch_when_idle`).
@@ -196,9 +196,9 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
     const int64_t task_bytes = per_task * panel_bytes, pass_bytes = (task_bytes + spread - 1) / spread;
     const bool hinted = next_weight != nullptr && next_weight->bytes > 0;
     const int team = tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
-    // A hinted call (a replayed step's linears, hints on) starts each thread on the task of its number, the part of
-    // the weight the call before fetched for it; otherwise every task is claimed, the first arrival taking task 0
-    int64_t claimed = hinted ? team : 0;
+    // (every task claimed, the first arrival taking task 0: starting each thread on the task of its number instead, so
+    // that a hint's share always met its thread, measured slower on a loaded box and no faster on a quiet one)
+    int64_t claimed = 0;
     int64_t working = team;  // threads not yet out of tasks
 #pragma omp parallel num_threads(team)
     {
@@ -207,7 +207,7 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
 #else
         const int64_t me = 0;
 #endif
-        int64_t t = hinted ? me : __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (t < tasks) {
             const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             const int64_t first = t * per_task, last = first + per_task < c.panels ? first + per_task : c.panels;
