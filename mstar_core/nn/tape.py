@@ -9,7 +9,8 @@ caller copies fresh inputs into the tensors it recorded with and reads the resul
 
 A recorded run's linears come in a fixed order, so each linear call is handed the next one's weight (a
 `mstar::NextWeight` hint, its last argument): its threads start fetching that weight's first tasks into L2 near the
-end of the call, and the next call starts on cached bytes instead of a cold stream (`NEXT_WEIGHT_BYTES` a thread).
+end of the call, and the next call starts on cached bytes instead of a cold stream (`NEXT_WEIGHT_BYTES` a thread;
+bf16 panels only, and off by default: see the setting).
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ NEXT_WEIGHT_ENV = "MSTAR_NEXT_WEIGHT_BYTES"
 
 
 def _next_weight_bytes() -> int:
-    text = os.environ.get(NEXT_WEIGHT_ENV, str(256 * 1024))
+    # (off by default: under the served process's OpenMP runtime the hints gained nothing, BENCHMARKS.md, issue 53)
+    text = os.environ.get(NEXT_WEIGHT_ENV, "0")
     if not text.isdigit():
         raise ValueError(f"{NEXT_WEIGHT_ENV} must be a whole number of bytes (0: no next-weight hints), got {text!r}")
     return int(text)
 
 
 #: Bytes of the next linear's weight each thread of a linear call fetches into L2 near its end (at most the next
-#: call's first task a thread, and what a cache line an input step of the call's last task covers); 0: no hints
+#: call's first task a thread, and what a cache line an input step of the call's last task covers); 0 (default): none
 NEXT_WEIGHT_BYTES = _next_weight_bytes()
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                 torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default}
