@@ -13,6 +13,9 @@ Sides alternate per round; the median step of each is kept. Skips cleanly on a C
 Then one row per shape (the bf16 panels and the fp32 kernel): each shape's weight in enough copies to stream
 from memory, one call a copy, the achieved GB/s of the kernel against a plain read of the same packed bytes by
 the same threads, one call a copy too (`read_rate.cpp`), and the rate of one large read.
+Then the 120 layer calls of one row replayed from a tape as a served step replays them (`mstar_core.nn.tape`),
+with and without each call fetching the next call's weight near its end (`step_ms_replay_{bf16,fp32}` =
+[no hints, hinted] ms, `hint_speedup_{bf16,fp32}`; alternated per round, medians).
 Final line: JSON (bf16: `step_ms_onednn_R`, `step_ms_amx_R` or `step_ms_panels_R`, `speedup_R`; fp32:
 `step_ms_onednn_fp32_R`, `step_ms_kernel_fp32_R`, `speedup_fp32_R`, per row count R; one row per shape:
 `shape_1_{bf16,fp32}_NxK` = [us a call, kernel GB/s, read GB/s, us a cache-hot call]; `read_gbs_large`;
@@ -71,6 +74,43 @@ def step_pair(shapes, weights, kernel, rows_list, rounds, gen, labels, out) -> N
         out[f"{onednn_key}_{rows}"], out[f"{own_key}_{rows}"] = round(a, 2), round(b, 2)
         out[f"{speedup_key}_{rows}"] = round(a / b, 3)
         print(f"{dtype} {rows:3d} rows: oneDNN {a:7.2f} ms, {name} {b:7.2f} ms a step ({a / b:.2f}x)", flush=True)
+
+
+def replay_hints(kernel, dtype, name, rounds, gen, out) -> None:
+    """The layers' one-row calls replayed from a tape, without and with next-weight hints, alternated, into `out`."""
+    from mstar_core.nn import tape as tapes
+
+    if not tapes.available():
+        return
+    shapes = LAYER * LAYERS
+    own = [kernel.pack(torch.randn(n, k, generator=gen).to(dtype)) for n, k in shapes]
+    xs = {k: torch.randn(1, k, generator=gen).to(dtype) for k in (576, 1536)}
+    recorded = tapes.Tape()
+    with recorded.recording():
+        for (n, k), packed in zip(shapes, own, strict=True):
+            kernel.linear(xs[k], packed, n, None)
+    if recorded.failure is not None:
+        print(f"{name}: the step did not record ({recorded.failure})", flush=True)
+        return
+    per_thread = tapes.NEXT_WEIGHT_BYTES or 256 * 1024  # (the hints are off by default: the size tried)
+    sides = {"plain": 0, "hinted": per_thread}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(2):  # warm-up
+        recorded.replay()
+    for _ in range(rounds * 5):  # (a replay takes a few ms: more rounds for the same time)
+        for side, per_thread in sides.items():
+            recorded.hint_next_weights(per_thread)
+            started = time.perf_counter()
+            recorded.replay()
+            times[side].append(time.perf_counter() - started)
+    plain, hinted = (statistics.median(times[side]) * 1e3 for side in sides)
+    least = [min(times[side]) * 1e3 for side in sides]  # (what a shared box disturbs least)
+    out[f"step_ms_replay_{name}"] = [round(plain, 2), round(hinted, 2)]
+    out[f"step_ms_replay_least_{name}"] = [round(t, 2) for t in least]
+    out[f"hint_speedup_{name}"] = round(plain / hinted, 3)
+    print(f"{name} 1 row, the layers' 120 calls replayed: {plain:6.2f} ms, with next-weight hints "
+          f"({per_thread >> 10} KB a thread) {hinted:6.2f} ms ({plain / hinted:.3f}x; least of "
+          f"{len(times['plain'])}: {least[0]:6.2f} / {least[1]:6.2f} ms)", flush=True)
 
 
 def read_rate():
@@ -156,7 +196,9 @@ def main(args: argparse.Namespace) -> dict:
             del weights
         for dtype, kernel, _, _ in sections:
             if kernel is not amx_linear:
-                one_row_shapes(kernel, dtype, "bf16" if dtype == torch.bfloat16 else "fp32", args.threads, rounds, gen, out)
+                name = "bf16" if dtype == torch.bfloat16 else "fp32"
+                replay_hints(kernel, dtype, name, rounds, gen, out)
+                one_row_shapes(kernel, dtype, name, args.threads, rounds, gen, out)
         read = read_rate()
         if read is not None and not out.get("skipped"):
             large = torch.ones(256 << 20, dtype=torch.uint8)

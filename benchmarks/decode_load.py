@@ -8,6 +8,9 @@ the forward (linears and paged attention), the LM head + sampling, and the rest 
 decode-only (every row one token), mixed (decode rows and a prefill chunk) or prefill-only. The time between steps
 (the conductor, request handles, the event loop: the runtime's per-step cost) and the TTFT / inter-token figures come
 with them. CPU time is what the box's other jobs disturb least; read wall figures with the load printed beside them.
+`--kernels` times every call of the replayed decode steps (`Tape.replay_timed`) and prints the replayed layers' wall
+time per step by kernel (linears, attention, norms, ...) beside the decode-only step's wall time: at c=1 the step
+less its linears is the time the issue-53 split asks for.
 
     python benchmarks/decode_load.py --quick            # c=32, one wave, fp32
     python benchmarks/decode_load.py --dtype bfloat16 --concurrency 8
@@ -32,14 +35,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 class StepLog:
     """Per kvcache step: (decode rows, prefill tokens, wall s, thread CPU s, forward CPU s, head+sampling CPU s, started)."""
 
-    def __init__(self, ops: bool = False):
+    def __init__(self, ops: bool = False, kernels: bool = False):
         from mstar_kvcache import KVCacheEngine
         from mstar_kvcache.answers import CallAnswers
         from mstar_kvcache.step_inputs import StepForward
 
+        from mstar_core.nn import tape as tapes
+
         self.patched = [(KVCacheEngine, "step"), (KVCacheEngine, "_run"), (StepForward, "run"), (CallAnswers, "sample")]
         self.saved = [getattr(cls, name) for cls, name in self.patched]
         self.steps: list[dict[str, float]] = []
+        #: with `kernels`: per kernel entry point, [ns, calls] over every replayed step; and the replays counted
+        self.kernels: dict[str, list[int]] = {}
+        self.replays = 0
         #: with `ops`, torch.profiler's op table over a few steps of each kind (decode-only and with a prefill chunk)
         self.ops: dict[str, list] = {"decode": [], "prefill": []} if ops else {}
         cur: dict[str, float] = {}
@@ -78,6 +86,18 @@ class StepLog:
                     cur[key] = cur.get(key, 0.0) + time.thread_time() - c
             return wrapper
 
+        def replay(tape):
+            for name, ns in tape.replay_timed():
+                entry = log.kernels.setdefault(name, [0, 0])
+                entry[0] += ns
+                entry[1] += 1
+                cur["replay"] = cur.get("replay", 0.0) + ns / 1e9
+            log.replays += 1
+
+        if kernels:
+            self.patched.append((tapes.Tape, "replay"))
+            self.saved.append(tapes.Tape.replay)
+            tapes.Tape.replay = replay
         KVCacheEngine.step, KVCacheEngine._run = step, run
         StepForward.run, CallAnswers.sample = timed("forward", fwd0), timed("sample", sample0)
 
@@ -156,10 +176,12 @@ async def main_async(args) -> dict:
     engine = AsyncEngine()
     await engine.add_model(loaded, settings={"lm": json.loads(args.settings)} if args.settings else None)
     prompts = make_prompts(path, args.waves * args.concurrency, seed=args.concurrency)
-    log = StepLog(ops=args.ops)
+    log = StepLog(ops=args.ops, kernels=args.kernels)
     try:
         await drive(engine, make_prompts(path, 4, seed=99), 4, 8)  # warm-up (replays recorded, threads started)
         log.steps.clear()
+        log.kernels.clear()
+        log.replays = 0
         print(f"load before: {load()}", flush=True)
         cpu0, t0 = time.process_time(), time.perf_counter()
         lat = await drive(engine, prompts, args.concurrency, args.output_tokens)
@@ -176,6 +198,21 @@ async def main_async(args) -> dict:
         print(f"-- {kind} step ({len(tables)} profiled): top ops by self CPU ms per step (all threads' dispatch)")
         for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:18]:
             print(f"   {ms:8.2f}  {key}")
+    kernels = {}
+    if log.replays:
+        decode = [st for st in log.steps if not st["prefill"] and st.get("replay")]
+        step_ms = 1e3 * statistics.median(st["wall"] for st in decode) if decode else float("nan")
+        outside = 1e3 * statistics.median(st["wall"] - st["replay"] for st in decode) if decode else float("nan")
+        total = sum(ns for ns, _ in log.kernels.values()) / log.replays / 1e6
+        print(f"-- replayed layers, {log.replays} steps: {total:.2f} ms a step (mean) by kernel; a decode-only step's "
+              f"wall p50 {step_ms:.2f} ms, of it outside the replay (p50 per step) {outside:.2f} ms")
+        for name, (ns, calls) in sorted(log.kernels.items(), key=lambda kv: -kv[1][0]):
+            ms = ns / log.replays / 1e6
+            kernels[name] = [round(ms, 3), calls // log.replays]
+            print(f"   {ms:8.3f} ms  {calls // log.replays:4d} calls  {name}")
+        kernels = {"replay_ms_per_step": round(total, 3), "decode_step_wall_p50_ms": round(step_ms, 3),
+                   "outside_replay_p50_ms": round(outside, 3),
+                   "by_kernel_ms_calls": kernels}
     tokens = len(lat["itl"]) + len(lat["ttft"])
     out = {"benchmark": "decode_load", "dtype": args.dtype, "concurrency": args.concurrency,
            "requests": len(prompts), "threads": torch.get_num_threads(), "settings": args.settings,
@@ -184,7 +221,7 @@ async def main_async(args) -> dict:
            "ttft_max_ms": round(1e3 * max(lat["ttft"]), 1),
            "itl_p50_ms": round(1e3 * statistics.median(lat["itl"]), 2),
            "itl_p99_ms": round(1e3 * sorted(lat["itl"])[int(0.99 * (len(lat["itl"]) - 1))], 1),
-           **summarize(log.steps, wall, args.concurrency)}
+           **summarize(log.steps, wall, args.concurrency), **({"replayed": kernels} if kernels else {})}
     return out
 
 
@@ -197,6 +234,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--settings", default=None, help="the lm node's kvcache settings as JSON (default: the preset's)")
     parser.add_argument("--ops", action="store_true", help="torch.profiler's op table over a few steps of each kind")
+    parser.add_argument("--kernels", action="store_true", help="time each call of the replayed steps, by kernel")
     args = parser.parse_args()
     if args.quick:
         args.waves = 1

@@ -104,9 +104,11 @@ void mstar_amx_pack(const void *w, int64_t w_row, int64_t n, int64_t k, void *pa
 }
 
 // out [rows, n] (row stride out_row) = x [rows, k] (row stride x_row) @ w^T + bias [n] (or null), w packed by
-// mstar_amx_pack; 0: done, 1: not built for AMX here, 2: no memory
+// mstar_amx_pack; 0: done, 1: not built for AMX here, 2: no memory. `next` (the next call's weight, the panel
+// kernels' mstar::NextWeight hint) is taken for the shared signature and not used: AMX tiles stream their own way
 int mstar_amx_linear(const void *x, int64_t x_row, const void *packed, const void *bias, void *out, int64_t out_row,
-                     int64_t rows, int64_t n, int64_t k, int threads) {
+                     int64_t rows, int64_t n, int64_t k, int threads, const void *next) {
+    (void)next;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
     if (!permitted()) return 1;
     const bf16 *ws = static_cast<const bf16 *>(packed), *bs = static_cast<const bf16 *>(bias);

@@ -22,7 +22,8 @@ _SIGNATURES = {
     "mstar_amx_linear_available": ([], ctypes.c_int),
     "mstar_amx_packed_bytes": ([_I64, _I64], _I64),
     "mstar_amx_pack": ([_PTR, _I64, _I64, _I64, _PTR], None),
-    "mstar_amx_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
+    # (the last argument, the panel kernels' next-weight hint, is taken for the shared signature and not used)
+    "mstar_amx_linear": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR], ctypes.c_int),
 }
 
 

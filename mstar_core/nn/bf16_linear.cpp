@@ -96,11 +96,11 @@ void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float 
 // out [m, n] = x [m, k] @ (weight * scale).T + bias over pair panels of W (scale null: 1)
 template <typename W>
 void linear(const bf16 *x, int64_t x_row, const W *packed, const float *scale, const bf16 *bias, bf16 *out,
-            int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
+            int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const mstar::NextWeight *next) {
     const int64_t steps = (k + 1) / 2;
     const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, steps, 2 * PANEL * static_cast<int64_t>(sizeof(W)),
-                                BLOCK_ROWS};
-    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
+                                BLOCK_ROWS, true};
+    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads, next,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
         mstar::for_rows<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>(rows, [&](auto r) {
@@ -150,29 +150,38 @@ void mstar_bf16_pack_int8(const int8_t *w, int64_t w_row, int64_t n, int64_t k, 
     pack(w, w_row, n, k, packed);
 }
 
-// out [m, n] (row stride out_row) = x [m, k] (row stride x_row) @ weight.T + bias (or none); nonzero: not built here
+// bytes between the first tasks of a call's threads over an [n, k] weight of `weight_bytes` an element (bf16 2,
+// int8 1): the `stride` of a hint naming that weight as the next call's (mstar::NextWeight)
+int64_t mstar_bf16_task_bytes(int64_t n, int64_t k, int64_t weight_bytes, int threads) {
+    return mstar::panel_task_bytes((n + PANEL - 1) / PANEL, (k + 1) / 2 * 2 * PANEL * weight_bytes, threads);
+}
+
+// out [m, n] (row stride out_row) = x [m, k] (row stride x_row) @ weight.T + bias (or none); `next`: the next
+// call's weight to start fetching (null: none); nonzero: not built here
 int mstar_bf16_linear(const void *x, int64_t x_row, const void *packed, const void *bias, void *out, int64_t out_row,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+                      int64_t m, int64_t n, int64_t k, int threads, const void *next) {
 #if defined(MSTAR_BF16_LINEAR)
     linear(static_cast<const bf16 *>(x), x_row, static_cast<const bf16 *>(packed), nullptr,
-           static_cast<const bf16 *>(bias), static_cast<bf16 *>(out), out_row, m, n, k, threads);
+           static_cast<const bf16 *>(bias), static_cast<bf16 *>(out), out_row, m, n, k, threads,
+           static_cast<const mstar::NextWeight *>(next));
     return 0;
 #else
     (void)x, (void)x_row, (void)packed, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k, (void)threads;
+    (void)next;
     return 1;
 #endif
 }
 
 // the same over int8 weights: out = x @ (weight * scale[:, None]).T + bias; nonzero: not built here
 int mstar_bf16_int8_linear(const void *x, int64_t x_row, const int8_t *packed, const float *scale, const void *bias,
-                           void *out, int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
+                           void *out, int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const void *next) {
 #if defined(MSTAR_BF16_LINEAR)
     linear(static_cast<const bf16 *>(x), x_row, packed, scale, static_cast<const bf16 *>(bias),
-           static_cast<bf16 *>(out), out_row, m, n, k, threads);
+           static_cast<bf16 *>(out), out_row, m, n, k, threads, static_cast<const mstar::NextWeight *>(next));
     return 0;
 #else
     (void)x, (void)x_row, (void)packed, (void)scale, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k;
-    (void)threads;
+    (void)threads, (void)next;
     return 1;
 #endif
 }

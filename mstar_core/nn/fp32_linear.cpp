@@ -98,9 +98,13 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
 // out [m, n] = x [m, k] @ (weight * scale).T + bias over panels of W (scale null: 1)
 template <typename W>
 void linear(const float *x, int64_t x_row, const W *packed, const float *scale, const float *bias, float *out,
-            int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
-    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(W)), BLOCK_ROWS};
-    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads,
+            int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const mstar::NextWeight *next) {
+    const mstar::PanelCall call{m, (n + PANEL - 1) / PANEL, k, PANEL * static_cast<int64_t>(sizeof(W)), BLOCK_ROWS,
+                                false};
+    // (the next-weight hint is taken and not used: on the served SmolLM2 step it made fp32's linears slower,
+    // 11-45 % in three alternated pairs, where bf16's gained; BENCHMARKS.md, issue 53)
+    (void)next;
+    mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads, nullptr,
                            [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
         mstar::for_rows<1, 2, 3, 4, 5, 6
@@ -152,27 +156,35 @@ void mstar_fp32_pack_int8(const int8_t *weight, int64_t w_row, int64_t n, int64_
     pack(weight, w_row, n, k, packed);
 }
 
-// out [m, n] (row stride out_row) = x [m, k] (row stride x_row) @ weight.T + bias (or none); nonzero: not built here
+// bytes between the first tasks of a call's threads over an [n, k] weight of `weight_bytes` an element (fp32 4,
+// int8 1): the `stride` of a hint naming that weight as the next call's (mstar::NextWeight)
+int64_t mstar_fp32_task_bytes(int64_t n, int64_t k, int64_t weight_bytes, int threads) {
+    return mstar::panel_task_bytes((n + PANEL - 1) / PANEL, k * PANEL * weight_bytes, threads);
+}
+
+// out [m, n] (row stride out_row) = x [m, k] (row stride x_row) @ weight.T + bias (or none); `next`: the next
+// call's weight to start fetching (null: none); nonzero: not built here
 int mstar_fp32_linear(const float *x, int64_t x_row, const float *packed, const float *bias, float *out, int64_t out_row,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+                      int64_t m, int64_t n, int64_t k, int threads, const void *next) {
 #if defined(MSTAR_FP32_LINEAR)
-    linear(x, x_row, packed, nullptr, bias, out, out_row, m, n, k, threads);
+    linear(x, x_row, packed, nullptr, bias, out, out_row, m, n, k, threads, static_cast<const mstar::NextWeight *>(next));
     return 0;
 #else
     (void)x, (void)x_row, (void)packed, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k, (void)threads;
+    (void)next;
     return 1;
 #endif
 }
 
 // the same over int8 weights: out = x @ (weight * scale[:, None]).T + bias; nonzero: not built here
 int mstar_fp32_int8_linear(const float *x, int64_t x_row, const int8_t *packed, const float *scale, const float *bias,
-                           float *out, int64_t out_row, int64_t m, int64_t n, int64_t k, int threads) {
+                           float *out, int64_t out_row, int64_t m, int64_t n, int64_t k, int threads, const void *next) {
 #if defined(MSTAR_FP32_LINEAR)
-    linear(x, x_row, packed, scale, bias, out, out_row, m, n, k, threads);
+    linear(x, x_row, packed, scale, bias, out, out_row, m, n, k, threads, static_cast<const mstar::NextWeight *>(next));
     return 0;
 #else
     (void)x, (void)x_row, (void)packed, (void)scale, (void)bias, (void)out, (void)out_row, (void)m, (void)n, (void)k;
-    (void)threads;
+    (void)threads, (void)next;
     return 1;
 #endif
 }

@@ -9,6 +9,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace mstar {
 
@@ -135,22 +138,38 @@ inline __m256 exp8(__m256 x) {
 
 namespace mstar {
 
+// The weight of the call that runs after this one (a step's linears run in a fixed order: a replayed step's tape
+// links each linear call to the next, tape.py). Thread i of a call fetches `bytes` from `start + i * stride` into
+// L2 over its last task, so that the next call's first tasks (`stride` bytes each; the threads arrive and claim
+// them in about the order of their numbers) begin in cache instead of waiting for a cold stream to speed up. A
+// hint changes no result, only what is cached.
+struct NextWeight {
+    const char *start;
+    int64_t bytes, stride;  // bytes a thread fetches (0: none), bytes between threads' first tasks
+};
+
 // The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
 // outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
 // is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
-// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's
-// panels into L2 behind the current task's later row passes: with more rows than one pass takes, those passes
-// compute from L2 while the memory would sit idle.
+// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
+// one pass takes, those passes compute from L2 while the memory would sit idle. Over its last task a thread
+// fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
+// still runs, every thread's share (where `fetch_when_idle`).
 //
 // `rows_through_panel(r0, rows, p, ahead, ahead_step)` runs rows [r0, r0 + rows) through panel p, and when
 // `ahead_step` is nonzero prefetches `ahead + e * ahead_step` into L2 at input step e.
 struct PanelCall {
     int64_t m, panels, steps, step_bytes, block_rows;  // rows, panels, input steps a panel, bytes a step, rows a pass
+    // whether a thread out of tasks fetches the next call's weight while another still runs (measured per kernel:
+    // bf16 panels gain from it, fp32 panels, twice the bytes, lose more on the running thread than the next call gains)
+    bool fetch_when_idle;
 };
 
 constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passes every row through (in L2)
 constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
 constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
+constexpr int64_t NEXT_WEIGHT_LINE = 64;          // the next weight is fetched a cache line an input step, at most
+
 
 // body(std::integral_constant<int, R>{}) for the R of `rows` among R... (a block template's row count, chosen at run time)
 template <int... R, typename Body>
@@ -158,20 +177,36 @@ void for_rows(int64_t rows, Body body) {
     (void)((rows == R && (body(std::integral_constant<int, R>{}), true)) || ...);
 }
 
-template <typename Body>
-void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, Body rows_through_panel) {
-    const int64_t panel_bytes = c.steps * c.step_bytes;
+// panels a task of a call over `panels` panels of `panel_bytes` each, by `threads` threads
+inline int64_t panels_per_task(int64_t panels, int64_t panel_bytes, int threads) {
     int64_t per_task = PANEL_TASK_BYTES / panel_bytes;
-    if (c.panels < 4 * threads * per_task) per_task = (c.panels + 4 * threads - 1) / (4 * threads);  // a few tasks a thread
-    per_task = per_task < 1 ? 1 : per_task;
+    if (panels < 4 * threads * per_task) per_task = (panels + 4 * threads - 1) / (4 * threads);  // a few tasks a thread
+    return per_task < 1 ? 1 : per_task;
+}
+
+template <typename Body>
+void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, const NextWeight *next_weight,
+                     Body rows_through_panel) {
+    const int64_t panel_bytes = c.steps * c.step_bytes;
+    const int64_t per_task = panels_per_task(c.panels, panel_bytes, threads);
     const int64_t tasks = (c.panels + per_task - 1) / per_task;
     const int64_t passes = (c.m + c.block_rows - 1) / c.block_rows;
     const int64_t spread = passes < PANEL_SPREAD ? passes : PANEL_SPREAD;
     const int64_t ahead_step = (c.step_bytes + spread - 1) / spread;  // the next task's bytes fetched per input step
     const int64_t task_bytes = per_task * panel_bytes, pass_bytes = (task_bytes + spread - 1) / spread;
+    const bool hinted = next_weight != nullptr && next_weight->bytes > 0;
+    const int team = tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
+    // (every task claimed, the first arrival taking task 0: starting each thread on the task of its number instead, so
+    // that a hint's share always met its thread, measured slower on a loaded box and no faster on a quiet one)
     int64_t claimed = 0;
-#pragma omp parallel num_threads(tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1)
+    int64_t working = team;  // threads not yet out of tasks
+#pragma omp parallel num_threads(team)
     {
+#if defined(_OPENMP)
+        const int64_t me = omp_get_thread_num();
+#else
+        const int64_t me = 0;
+#endif
         int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (t < tasks) {
             const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
@@ -179,14 +214,43 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
             // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes
             const bool fetch = next < tasks && passes > 1;
             const char *ahead = packed + (fetch ? next : t) * task_bytes;
-            for (int64_t r0 = 0, pass = 0; r0 < c.m; r0 += c.block_rows, ++pass)
-                for (int64_t p = first; p < last; ++p)
-                    rows_through_panel(r0, c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows, p,
-                                       ahead + pass * pass_bytes + (p - first) * c.steps * ahead_step,
-                                       fetch && pass < spread ? ahead_step : 0);
+            // this thread's last task: its share of the next call's weight, over the last pass's input steps
+            const bool fetch_next = next >= tasks && hinted;
+            const char *next_ahead = fetch_next ? next_weight->start + me * next_weight->stride : nullptr;
+            int64_t next_step = 0;
+            if (fetch_next) {
+                const int64_t task_steps = (last - first) * c.steps;
+                next_step = (next_weight->bytes + task_steps - 1) / task_steps;
+                next_step = next_step > NEXT_WEIGHT_LINE ? NEXT_WEIGHT_LINE : next_step;
+            }
+            for (int64_t r0 = 0, pass = 0; r0 < c.m; r0 += c.block_rows, ++pass) {
+                const bool last_pass = r0 + c.block_rows >= c.m;
+                for (int64_t p = first; p < last; ++p) {
+                    const int64_t rows = c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows;
+                    if (fetch_next && last_pass)
+                        rows_through_panel(r0, rows, p, next_ahead + (p - first) * c.steps * next_step, next_step);
+                    else
+                        rows_through_panel(r0, rows, p, ahead + pass * pass_bytes + (p - first) * c.steps * ahead_step,
+                                           fetch && pass < spread ? ahead_step : 0);
+                }
+            }
             t = next;
         }
+        // Out of tasks while another thread still runs its last: this core would wait at the barrier, so it fetches
+        // the next call's first tasks (every thread's) meanwhile; the last thread to finish fetches nothing.
+        if (__atomic_sub_fetch(&working, 1, __ATOMIC_RELAXED) > 0 && hinted && c.fetch_when_idle) {
+            for (int64_t off = 0; off < next_weight->bytes && __atomic_load_n(&working, __ATOMIC_RELAXED) > 0;
+                 off += 8 * NEXT_WEIGHT_LINE)
+                for (int64_t i = 0; i < team; ++i)
+                    for (int64_t line = 0; line < 8 * NEXT_WEIGHT_LINE; line += NEXT_WEIGHT_LINE)
+                        __builtin_prefetch(next_weight->start + i * next_weight->stride + off + line, 0, 2);
+        }
     }
+}
+
+// bytes between the first tasks of a call's threads (`NextWeight::stride` for a call to that weight)
+inline int64_t panel_task_bytes(int64_t panels, int64_t panel_bytes, int threads) {
+    return panels_per_task(panels, panel_bytes, threads) * panel_bytes;
 }
 
 }  // namespace mstar

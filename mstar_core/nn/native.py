@@ -92,12 +92,15 @@ def function(source: Path, name: str, argtypes: list, restype: Any, variant: str
     return fn
 
 
-def linear_runner(entry, dtype, label: str, scaled: bool = False):
+def linear_runner(entry, dtype, label: str, scaled: bool = False, task_bytes=None):
     """`run(rows, packed, out_features, bias) -> out` over a packed-linear entry point, resolved once (None: no entry).
 
     The entry points of `fp32_linear.cpp`, `bf16_linear.cpp` and `amx_linear.cpp` share one C signature; a
     `PackedLinear` keeps its runner, so the 121 calls of a decode step look nothing up. `scaled`: an int8 entry
-    point, which takes one fp32 scale per output after the packed weight (`run(..., bias, scale)`).
+    point, which takes one fp32 scale per output after the packed weight (`run(..., bias, scale)`). The last
+    argument, a hint naming the next call's weight, is null here: a tape recording the call fills it in
+    (`tape.py`), told the weight's address and `task_bytes(n, k, element bytes, threads)` (the panel kernels'; None:
+    the kernel takes no hint).
     """
     import torch  # (here: building and loading kernels needs no torch)
 
@@ -110,12 +113,13 @@ def linear_runner(entry, dtype, label: str, scaled: bool = False):
         out = empty((count, out_features), dtype=dtype)
         args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), *((scale.data_ptr(),) if scaled else ()),
                 None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, count, out_features, inner,
-                threads())
+                threads(), None)
         failed = entry(*args)
         if failed:
             raise RuntimeError(f"{label} refused the call (code {failed}: not built for this CPU, or no memory)")
         if RECORDER is not None:
-            RECORDER.record(entry, args)
+            stride = 0 if task_bytes is None else task_bytes(out_features, inner, packed.element_size(), args[-2])
+            RECORDER.record(entry, args, weight=(packed.data_ptr(), stride))
         return out
 
     return run

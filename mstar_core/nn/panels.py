@@ -2,7 +2,9 @@
 
 Both sources export one set of entry points under their own prefix P: `mstar_P_linear_available` (nonzero where
 built), `mstar_P_packed_elements` (elements of a packed `[n, k]` weight), `mstar_P_pack` and `mstar_P_pack_int8`,
-`mstar_P_linear` and `mstar_P_int8_linear` (int8 weights, one fp32 scale per output, after the weight).
+`mstar_P_linear` and `mstar_P_int8_linear` (int8 weights, one fp32 scale per output, after the weight), whose last
+argument is a hint naming the next call's weight (`mstar::NextWeight`, filled in by a tape: `tape.py`), and
+`mstar_P_task_bytes` (that hint's stride for a weight).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from mstar_core.nn import native
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_RUN = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]  # x, x_row, packed, bias, out, ...
+_RUN = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR]  # x, x_row, packed, bias, out, ...
 _SIGNATURES = {
     "linear_available": ([], ctypes.c_int),
     "packed_elements": ([_I64, _I64], _I64),
@@ -23,6 +25,7 @@ _SIGNATURES = {
     "pack_int8": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "linear": (_RUN, ctypes.c_int),
     "int8_linear": (_RUN[:3] + [_PTR] + _RUN[3:], ctypes.c_int),  # (the scales after the packed weight)
+    "task_bytes": ([_I64, _I64, _I64, ctypes.c_int], _I64),  # n, k, bytes a weight element, threads
 }
 
 
@@ -54,12 +57,13 @@ class PanelKernel:
 
     def runner(self, variant: str | None = None):
         """`run(rows, packed, out_features, bias)` with its entry point resolved now (None: not built here)."""
-        return native.linear_runner(self._function("linear", variant), self.dtype, f"{self.prefix} linear")
+        return native.linear_runner(self._function("linear", variant), self.dtype, f"{self.prefix} linear",
+                                    task_bytes=self._function("task_bytes", variant))
 
     def int8_runner(self, variant: str | None = None):
         """`run(rows, packed, out_features, bias, scale)` over int8 panels; None: not built here."""
         return native.linear_runner(self._function("int8_linear", variant), self.dtype, f"{self.prefix} int8 linear",
-                                    scaled=True)
+                                    scaled=True, task_bytes=self._function("task_bytes", variant))
 
     def linear(self, rows: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                variant: str | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:

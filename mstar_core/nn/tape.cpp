@@ -7,14 +7,15 @@
 // A call's arguments are int64 slots in the order of its C signature: pointers and integers as they are, a float
 // as its 32 bits. `kind` names the signature (tape.py maps each ctypes signature it records to one of these).
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
 enum Kind : int64_t {
-    LINEAR = 1,         // int (x, x_row, packed, bias, out, out_row, m, n, k, threads)
-    LINEAR_SCALED = 2,  // int (x, x_row, packed, scale, bias, out, out_row, m, n, k, threads)
+    LINEAR = 1,         // int (x, x_row, packed, bias, out, out_row, m, n, k, threads, next)
+    LINEAR_SCALED = 2,  // int (x, x_row, packed, scale, bias, out, out_row, m, n, k, threads, next)
     RMS_NORM = 3,       // void (x, x_row, weight, out, rows, dim, eps, threads)
     ADD_RMS_NORM = 4,   // void (delta, residual, res_row, weight, out, rows, dim, eps, threads)
     SILU_MUL = 5,       // void (gate_up, row, out, rows, width, threads)
@@ -24,7 +25,7 @@ enum Kind : int64_t {
     RMS_NORM_HEADS = 9, // void (x, row, head, rows, heads, dim, weight, out, eps, threads)
 };
 
-constexpr int MAX_ARGS = 11;
+constexpr int MAX_ARGS = 12;
 
 struct Op {
     void *fn;
@@ -53,11 +54,11 @@ int run(const Op &o) {
     const int64_t *a = o.a;
     switch (o.kind) {
         case LINEAR:
-            return as<int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, int>(o.fn)(p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]),
-                                                                                  a[5], a[6], a[7], a[8], n(a[9]));
+            return as<int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, int, ptr>(o.fn)(
+                p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]), a[5], a[6], a[7], a[8], n(a[9]), p(a[10]));
         case LINEAR_SCALED:
-            return as<int, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, int>(o.fn)(
-                p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]), p(a[5]), a[6], a[7], a[8], a[9], n(a[10]));
+            return as<int, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, int, ptr>(o.fn)(
+                p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]), p(a[5]), a[6], a[7], a[8], a[9], n(a[10]), p(a[11]));
         case RMS_NORM:
             as<void, ptr, i64, ptr, ptr, i64, i64, float, int>(o.fn)(p(a[0]), a[1], p(a[2]), p(a[3]), a[4], a[5], f(a[6]),
                                                                      n(a[7]));
@@ -99,6 +100,18 @@ int64_t mstar_tape_op_bytes() { return sizeof(Op); }
 int64_t mstar_tape_run(const Op *ops, int64_t count) {
     for (int64_t i = 0; i < count; ++i)
         if (run(ops[i]) != 0) return i + 1;
+    return 0;
+}
+
+// the same, each call's wall time in nanoseconds into ns[i] (a benchmark's split of a replayed step by kernel)
+int64_t mstar_tape_run_timed(const Op *ops, int64_t count, int64_t *ns) {
+    using clock = std::chrono::steady_clock;
+    for (int64_t i = 0; i < count; ++i) {
+        const auto started = clock::now();
+        const int failed = run(ops[i]);
+        ns[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started).count();
+        if (failed != 0) return i + 1;
+    }
     return 0;
 }
 

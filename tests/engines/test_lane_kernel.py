@@ -68,6 +68,26 @@ def test_kernel_matches_torch_attention(variant, dtype, head_dim, group, monkeyp
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_split_by_query_head_gives_the_bits_it_gets_in_a_batch(variant, dtype, monkeypatch):
+    """One decoding row's few KV groups run as a task a query head; a batch's rows as a task a group: same bits."""
+    monkeypatch.setenv(native.SWITCH_ENV, variant)
+    gen = torch.Generator().manual_seed(5)
+    store_k, store_v, q, k, v, plan = _case(dtype, 64, 3, gen)
+    batch_k, batch_v, batch_out = store_k.clone(), store_v.clone(), torch.zeros_like(q)
+    lane_kernel.LaneCall.for_plan(plan, batch_k)(q, k, v, batch_k, batch_v, batch_out, 0.17)
+    for i in range(len(plan.rows)):
+        one = LanePlan(plan.rows[i:i + 1], plan.lanes[i:i + 1], plan.pos[i:i + 1], 7, 40, None, False, None,
+                       plan.bound[i:i + 1])
+        alone_k, alone_v, alone_out = store_k.clone(), store_v.clone(), torch.zeros_like(q)
+        lane_kernel.LaneCall.for_plan(one, alone_k)(q, k, v, alone_k, alone_v, alone_out, 0.17)
+        row = plan.rows[i]
+        assert torch.equal(alone_out[row], batch_out[row])
+        lane, at = plan.lanes[i], plan.pos[i]
+        assert torch.equal(alone_k[lane, at], batch_k[lane, at]) and torch.equal(alone_v[lane, at], batch_v[lane, at])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_given_the_pool_stores_each_rows_key_and_value_in_its_slot(variant, dtype, monkeypatch):
     """With the paged pool passed, each packed row's new key and value land in its slot (others untouched), and
     the lanes and outputs are the same as without it."""

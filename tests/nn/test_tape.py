@@ -52,6 +52,59 @@ def test_replay_over_fresh_inputs_gives_the_eager_bits(dtype):
             assert torch.equal(out, run(fresh))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 13])  # (13: two row passes, the hint fetched over the last)
+def test_each_linear_call_fetches_the_next_ones_weight_and_keeps_the_bits(dtype, rows):
+    """A replayed linear is handed the next linear's weight to fetch near its end: only the cache changes, not a bit."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(256, 1024).to(dtype)  # (wide enough that a one-row call runs on every thread)
+    pack_linears(mlp)
+    if mlp.gate_up_proj._fast is None or mlp.gate_up_proj._fast[6] is None:
+        pytest.skip(f"no own {dtype} linear kernel on this CPU (oneDNN is a torch op)")
+    x = torch.randn(rows, 256).to(dtype)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        out = mlp(x)
+    assert recorded.failure is None
+    assert all(fetched == min(tape.NEXT_WEIGHT_BYTES, stride) for _, fetched, stride in recorded.next_weight_hints())
+    recorded.hint_next_weights(256 << 10)
+    (start, fetched, stride), last = recorded.next_weight_hints()
+    assert start == mlp.down_proj._fast[6].data_ptr()  # gate/up's hint: down's weight; down's: none after it
+    assert 0 < fetched == min(256 << 10, stride) and last[1] == 0
+    for per_thread in (256 << 10, 0, 1 << 20):
+        recorded.hint_next_weights(per_thread)
+        fresh = torch.randn(rows, 256, generator=torch.Generator().manual_seed(per_thread)).to(dtype)
+        x.copy_(fresh)
+        recorded.replay()
+        with torch.inference_mode():
+            expected = mlp(fresh)
+            assert torch.equal(out, expected)
+            assert torch.equal(out[:1], mlp(fresh[:1]))  # (a row alone computes the same bits)
+
+
+def test_the_hint_size_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(tape.NEXT_WEIGHT_ENV, "0")
+    assert tape._next_weight_bytes() == 0
+    monkeypatch.setenv(tape.NEXT_WEIGHT_ENV, "64k")
+    with pytest.raises(ValueError, match=tape.NEXT_WEIGHT_ENV):
+        tape._next_weight_bytes()
+
+
+def test_a_timed_replay_names_each_call_and_gives_the_same_bits():
+    run = _block(torch.float32)
+    x = torch.randn(2, 64)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        out = run(x)
+    x.copy_(torch.randn(2, 64))
+    timed = recorded.replay_timed()
+    assert [name for name, _ in timed] == ["mstar_rms_norm_f32", "mstar_fp32_linear", "mstar_silu_mul_f32",
+                                           "mstar_fp32_linear", "mstar_add_f32"]
+    assert all(ns > 0 for _, ns in timed)
+    with torch.inference_mode():
+        assert torch.equal(out, run(x.clone()))
+
+
 def test_a_torch_op_that_computes_spoils_the_recording():
     run = _block(torch.float32)
     x = torch.randn(2, 64)

@@ -351,37 +351,47 @@ void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const
     }
 }
 
+// Sequence i's new key and value for KV head h, into its lane (and the pool): before any query head reads them.
 template <typename T>
-void attend_one(const LanePlan &p, int64_t i, int64_t h, const T *q, const T *k_new, const T *v_new,
-                T *k_lanes, T *v_lanes, T *k_pool, T *v_pool, T *out, float *scores) {
-    const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, n = p.bound[i], row = p.rows[i];
+void store_new(const LanePlan &p, int64_t i, int64_t h, const T *k_new, const T *v_new, T *k_lanes, T *v_lanes,
+               T *k_pool, T *v_pool) {
+    const int64_t d = p.head_dim, row = p.rows[i];
     T *keys = k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     T *vals = v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
-    if (k_new != nullptr) {
-        const T *key = k_new + row * p.k_row + h * p.k_head, *val = v_new + row * p.v_row + h * p.v_head;
-        std::memcpy(keys + p.write_pos[i] * d, key, d * sizeof(T));
-        std::memcpy(vals + p.write_pos[i] * d, val, d * sizeof(T));
-        if (k_pool != nullptr) {  // (values have the keys' pool strides: two views of one pool)
-            const int64_t at = p.slots[row] * p.pool_slot + h * p.pool_head;
-            std::memcpy(k_pool + at, key, d * sizeof(T));
-            std::memcpy(v_pool + at, val, d * sizeof(T));
-        }
+    const T *key = k_new + row * p.k_row + h * p.k_head, *val = v_new + row * p.v_row + h * p.v_head;
+    std::memcpy(keys + p.write_pos[i] * d, key, d * sizeof(T));
+    std::memcpy(vals + p.write_pos[i] * d, val, d * sizeof(T));
+    if (k_pool != nullptr) {  // (values have the keys' pool strides: two views of one pool)
+        const int64_t at = p.slots[row] * p.pool_slot + h * p.pool_head;
+        std::memcpy(k_pool + at, key, d * sizeof(T));
+        std::memcpy(v_pool + at, val, d * sizeof(T));
     }
+}
+
+// Sequence i's query heads [g0, g0 + heads) of KV head h's group over its lane: each query head's scores, softmax
+// and weighted sum are its own, so a task of one query head computes the bits a task of the group does.
+template <typename T>
+void attend_one(const LanePlan &p, int64_t i, int64_t h, int64_t g0, int64_t heads, const T *q, const T *k_lanes,
+                const T *v_lanes, T *out, float *scores) {
+    const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, n = p.bound[i], row = p.rows[i];
+    const T *keys = k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
+    const T *vals = v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
+    const int64_t first = h * group + g0;  // the task's first query head
     if (n <= 0) {  // (a row always sees its own new key; nothing to attend to gives zeros, never garbage)
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t e = 0; e < d; ++e) narrow(0.0f, out + row * p.out_row + (h * group + g) * p.out_head + e);
+        for (int64_t g = 0; g < heads; ++g)
+            for (int64_t e = 0; e < d; ++e) narrow(0.0f, out + row * p.out_row + (first + g) * p.out_head + e);
         return;
     }
     float qf[MAX_GROUP][MAX_DIM];
-    for (int64_t g = 0; g < group; ++g) {
-        const T *src = q + row * p.q_row + (h * group + g) * p.q_head;
+    for (int64_t g = 0; g < heads; ++g) {
+        const T *src = q + row * p.q_row + (first + g) * p.q_head;
         for (int64_t e = 0; e < d; ++e) qf[g][e] = widen(src[e]) * p.scale;
     }
     float acc[MAX_GROUP][MAX_DIM];
-    if (!attend_vector<T>(d, group, qf, keys, vals, n, scores, acc))
-        attend_portable<T>(d, group, qf, keys, vals, n, scores, acc);
-    for (int64_t g = 0; g < group; ++g) {
-        T *dst = out + row * p.out_row + (h * group + g) * p.out_head;
+    if (!attend_vector<T>(d, heads, qf, keys, vals, n, scores, acc))
+        attend_portable<T>(d, heads, qf, keys, vals, n, scores, acc);
+    for (int64_t g = 0; g < heads; ++g) {
+        T *dst = out + row * p.out_row + (first + g) * p.out_head;
         for (int64_t e = 0; e < d; ++e) narrow(acc[g][e], dst + e);
     }
 }
@@ -393,16 +403,26 @@ int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v
     if (p.q_heads % p.kv_heads || p.q_heads / p.kv_heads > MAX_GROUP || p.head_dim > MAX_DIM) return 1;
     int64_t longest = 1;
     for (int64_t i = 0; i < p.count; ++i) longest = p.bound[i] > longest ? p.bound[i] : longest;
-    const int64_t tasks = p.count * p.kv_heads, group = p.q_heads / p.kv_heads;
+    const int64_t group = p.q_heads / p.kv_heads;
+    // A task is a sequence's KV head group, or a single query head where the groups are fewer than a few per thread
+    // (one decoding row: SmolLM2's 3 groups on 2 threads leave one idle a third of the call; 9 heads split 5 / 4)
+    const int64_t split = p.count * p.kv_heads < 4 * p.threads ? group : 1, heads = group / split;
+    const int64_t tasks = p.count * p.kv_heads * split;
     // one scores buffer per thread, [group, longest]
     float *scores = static_cast<float *>(std::malloc(sizeof(float) * p.threads * group * longest));
     if (scores == nullptr) return 2;
+    if (k_new != nullptr)  // (the new keys first: every query head of the group reads them)
+        for (int64_t t = 0; t < p.count * p.kv_heads; ++t)
+            store_new<T>(p, t / p.kv_heads, t % p.kv_heads, static_cast<const T *>(k_new), static_cast<const T *>(v_new),
+                         static_cast<T *>(k_lanes), static_cast<T *>(v_lanes), static_cast<T *>(k_pool),
+                         static_cast<T *>(v_pool));
 #pragma omp parallel for num_threads(p.threads) schedule(dynamic)  // (a held-up thread holds up no one)
-    for (int64_t t = 0; t < tasks; ++t)
-        attend_one<T>(p, t / p.kv_heads, t % p.kv_heads, static_cast<const T *>(q), static_cast<const T *>(k_new),
-                      static_cast<const T *>(v_new), static_cast<T *>(k_lanes), static_cast<T *>(v_lanes),
-                      static_cast<T *>(k_pool), static_cast<T *>(v_pool), static_cast<T *>(out),
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t pair = t / split;
+        attend_one<T>(p, pair / p.kv_heads, pair % p.kv_heads, t % split * heads, heads, static_cast<const T *>(q),
+                      static_cast<const T *>(k_lanes), static_cast<const T *>(v_lanes), static_cast<T *>(out),
                       scores + omp_get_thread_num() * group * longest);
+    }
     std::free(scores);
     return 0;
 }
