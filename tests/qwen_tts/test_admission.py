@@ -1,5 +1,5 @@
-"""Qwen3-TTS under `admit_streams` on its Talker: calls carry the listener's lead, and a second stream starts only once
-the first plays (exact order, no timing assumed)."""
+"""Qwen3-TTS under `admit_streams` on its Talker: calls carry the listener's lead, and a stream past `max_starting`
+starts only once one before it plays (exact order, no timing assumed)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from mstar_core.runtime.stream_admission import StreamAdmission, StreamLeads
 REQUEST = {"input": "Hello there!", "voice": "ryan", "max_frames": 28, "ignore_eos": True}
 
 
-async def two_streams(monkeypatch, settings: dict | None) -> tuple[list, dict, dict, tuple[str, str], object]:
-    """Two concurrent requests on a tiny model loaded with `settings`: (the Talker's calls as (request, lead, time),
+async def streams(monkeypatch, settings: dict | None, count: int = 2) -> tuple[list, dict, dict, tuple[str, ...], object]:
+    """`count` concurrent requests on a tiny model loaded with `settings`: (the Talker's calls as (request, lead, time),
     each request's first call reaching the Talker's engine, each request's first audio, their ids, the Talker's
     `admit_streams` as built)."""
     talker_calls: list[tuple[str, float | None, float]] = []
@@ -54,27 +54,31 @@ async def two_streams(monkeypatch, settings: dict | None) -> tuple[list, dict, d
             await handle.result()
             return handle.request_id
 
-        ids = await asyncio.gather(one(1), one(2))
+        ids = await asyncio.gather(*(one(seed) for seed in range(1, count + 1)))
     return talker_calls, admitted, first_audio, tuple(ids), talker.admit_streams
 
 
 @pytest.mark.parametrize(("settings", "want"), [
-    (None, StreamAdmission(min_lead_s=3.0)),  # more than one 2-s window ahead, see `mstar_qwen_tts.model`
+    # more than one 2-s window ahead, three starting at once: see `mstar_qwen_tts.model`
+    (None, StreamAdmission(min_lead_s=3.0, max_starting=3)),
     ({"talker": {"admit_streams": True}}, StreamAdmission()),
 ], ids=["model default", "set"])
-async def test_second_stream_reaches_the_talker_only_after_the_first_plays(monkeypatch, tiny_dir, settings, want):
-    """Served as `mstar serve` loads it (no settings), Qwen3-TTS admits streams: the default comes from the model."""
-    talker_calls, admitted, first_audio, (a, b), policy = await two_streams(monkeypatch, settings)
+async def test_a_stream_past_max_starting_reaches_the_talker_only_after_one_plays(monkeypatch, tiny_dir, settings,
+                                                                                   want):
+    """Served as `mstar serve` loads it (no settings), Qwen3-TTS admits streams: the default comes from the model.
+    `max_starting` streams start at once; the next waits until one of them plays."""
+    talker_calls, admitted, first_audio, ids, policy = await streams(monkeypatch, settings, want.max_starting + 1)
     assert policy == want
-    assert admitted[a] < first_audio[a] < admitted[b]  # the second waited while the first was starting
-    leads = [lead for rid, lead, _ in talker_calls if rid == a]
+    early, last = ids[:-1], ids[-1]
+    assert max(admitted[r] for r in early) < min(first_audio[r] for r in early) < admitted[last]
+    leads = [lead for rid, lead, _ in talker_calls if rid == ids[0]]
     assert leads[0] is None and leads[-1] is not None  # no lead before the first window plays, then one
     first_lead = next(lead for lead in leads if lead is not None)
     assert 0.0 < first_lead <= 2.1  # one 25-frame window (2 s) made, a little of it played
 
 
 async def test_the_configuration_turns_the_default_admission_off(monkeypatch, tiny_dir):
-    _, admitted, first_audio, (a, b), policy = await two_streams(monkeypatch, {"talker": {"admit_streams": False}})
+    _, admitted, first_audio, (a, b), policy = await streams(monkeypatch, {"talker": {"admit_streams": False}})
     assert policy is None
     assert admitted[b] < first_audio[a]  # both streams started at once
 

@@ -8,10 +8,12 @@ from mstar_core.model import LoadedModel, LoadOptions, ModelSpec
 from mstar_qwen_tts.prepare import EXAMPLE
 
 PRESETS = ("tiny", "tiny-design", "tiny-base")
-#: The Talker's default `admit_streams` (the policy's defaults but the lead): a stream's lead counts the frames of the
-#: 25-frame (2 s) window not yet decoded, so its listener holds its lead less up to 2 s; 3 s keeps every playing
-#: listener at least a second from running dry before another stream starts
-ADMIT_STREAMS = {"min_lead_s": 3.0}
+#: The Talker's default `admit_streams` (the policy's defaults but these two): a stream's lead counts the frames of
+#: the 25-frame (2 s) window not yet decoded, so its listener holds its lead less up to 2 s; 3 s keeps every playing
+#: listener at least a second from running dry before another stream starts. Three may start at once: with one, each
+#: admission waited for the last stream's first window and a second's speed reading, so 8-s streams ran ~2-3 at a
+#: time and a crowd got 4.7 audio-s/s of the box's ~12 (BENCHMARKS.md, Qwen3-TTS: 10.0 with three, viability 1.0)
+ADMIT_STREAMS = {"min_lead_s": 3.0, "max_starting": 3}
 
 
 def load(options: LoadOptions) -> LoadedModel:
