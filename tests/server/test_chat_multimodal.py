@@ -466,4 +466,9 @@ def test_image_decoding_details():
     buf = io.BytesIO()
     Image.fromarray(IMAGE[..., 0]).save(buf, format="PNG")  # greyscale comes out RGB
     assert decode_image(buf.getvalue(), "f", limits).mode == "RGB"
+    for orientation, upright in ((6, np.rot90(IMAGE, -1)), (3, IMAGE[::-1, ::-1])):  # turned in place: the same pixels
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        Image.fromarray(IMAGE).save(buf, format="PNG", exif=exif)
+        np.testing.assert_array_equal(np.asarray(decode_image(buf.getvalue(), "f", limits)), upright)
 
