@@ -151,8 +151,9 @@ struct NextWeight {
 // The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
 // outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
 // is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
-// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's panels into L2 behind the current task's later row passes: with more rows than
-// one pass takes, those passes compute from L2 while the memory would sit idle. Over its last task a thread
+// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's
+// panels into L2 behind the current task's later row passes: with more rows than one pass takes, those passes
+// compute from L2 while the memory would sit idle. Over its last task a thread
 // fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
 // still runs, every thread's share (where `fetch_when_idle`).
 //
@@ -169,7 +170,6 @@ constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passe
 constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
 constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
 constexpr int64_t NEXT_WEIGHT_LINE = 64;          // the next weight is fetched a cache line an input step, at most
-
 
 // body(std::integral_constant<int, R>{}) for the R of `rows` among R... (a block template's row count, chosen at run time)
 template <int... R, typename Body>

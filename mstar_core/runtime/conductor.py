@@ -416,15 +416,11 @@ async def _gather_all(coros) -> None:
 
 def _lead(ranked: list[tuple[Any, StreamProgress]]) -> float | None:
     """The listener's lead over a call's ranked streams: the one furthest behind; None until every one of them
-    plays (or where a priority function tells no lead)."""
-    leads = [getattr(rank, "lead", _no_lead)(progress) for rank, progress in ranked]
-    if not leads or any(lead is None for lead in leads):
+    plays (or where a priority function tells no lead: only `StreamPriority` and its like have a `lead`)."""
+    leads = [rank.lead(progress) if hasattr(rank, "lead") else None for rank, progress in ranked]
+    if not leads or None in leads:
         return None
     return min(leads)
-
-
-def _no_lead(progress: StreamProgress) -> None:
-    return None
 
 
 def _retrieved(task: asyncio.Task) -> None:

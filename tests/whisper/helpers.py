@@ -55,11 +55,11 @@ def speech(seconds: float, seed: int = 0) -> torch.Tensor:
     return (0.3 * wave * env + 0.01 * torch.randn(t.shape, generator=g)).float()
 
 
-async def serve(directory: Path, requests: list[dict]) -> list[tuple[list[int], dict]]:
-    """Each request's generated tokens and final env, served together from `directory` by a fresh engine; every
-    decoder page is back in the pool afterwards (asserted)."""
+async def serve_model(options: LoadOptions, requests: list[dict], settings: dict | None = None):
+    """`requests` served together by a fresh engine loading whisper with `options`: (the loaded model, each request's
+    generated tokens and final env, the decoder's stats and active requests once all have ended)."""
     engine = AsyncEngine()
-    await engine.load_model("whisper", LoadOptions(checkpoint=str(directory)), settings={"decoder": {"num_pages": 512}})
+    loaded = await engine.load_model("whisper", options, settings=settings)
     try:
         async def one(inputs):
             handle = engine.submit("whisper", inputs)
@@ -67,7 +67,15 @@ async def serve(directory: Path, requests: list[dict]) -> list[tuple[list[int], 
             return tokens, await handle.result()
         results = await asyncio.gather(*(one(r) for r in requests))
         decoder = engine.node_engines("whisper")["decoder"]
-        assert decoder.stats()["kv_pages_used"] == 0 and not decoder.active_requests()
-        return results
+        return loaded, results, decoder.stats(), decoder.active_requests()
     finally:
         await engine.close()
+
+
+async def serve(directory: Path, requests: list[dict]) -> list[tuple[list[int], dict]]:
+    """Each request's generated tokens and final env, served together from `directory` by a fresh engine; every
+    decoder page is back in the pool afterwards (asserted)."""
+    _, results, stats, active = await serve_model(LoadOptions(checkpoint=str(directory)), requests,
+                                                  {"decoder": {"num_pages": 512}})
+    assert stats["kv_pages_used"] == 0 and not active
+    return results

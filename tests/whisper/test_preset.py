@@ -7,30 +7,14 @@ import asyncio
 import pytest
 
 from mstar_core.model import LoadOptions
-from mstar_core.runtime import AsyncEngine
-from tests.whisper.helpers import speech
+from tests.whisper.helpers import serve_model, speech
 
 pytestmark = pytest.mark.slow  # a load, an engine start and ~170 decode steps: ~8 s on a busy 2-core box
 
 
-async def _run(requests):
-    engine = AsyncEngine()
-    loaded = await engine.load_model("whisper", LoadOptions(preset="tiny"))
-    try:
-        async def one(inputs):
-            handle = engine.submit("whisper", inputs)
-            tokens = [o.value for o in [o async for o in handle] if o.name == "next_token"]
-            return tokens, await handle.result()
-        results = await asyncio.gather(*(one(r) for r in requests))
-        decoder = engine.node_engines("whisper")["decoder"]
-        return loaded, results, decoder.stats()
-    finally:
-        await engine.close()
-
-
 def test_the_tiny_preset_transcribes_and_ends():
     requests = [{"audio": speech(2.0 + i, seed=i), "timestamps": bool(i % 2)} for i in range(3)]
-    loaded, results, stats = asyncio.run(_run(requests))
+    loaded, results, stats, _ = asyncio.run(serve_model(LoadOptions(preset="tiny"), requests))
     tokenizer, tokens = loaded.extras["tokenizer"], loaded.extras["tokens"]
     assert loaded.random_weights
     assert tokenizer.token_to_id("<|startoftranscript|>") == tokens.sot == 50258
