@@ -21,11 +21,20 @@ tcmalloc is not preloaded, though vLLM's CPU docs preload it: it replaces glibc'
 longer applies and no weight lands in a huge page. On a 2-core AMD EPYC (Zen 5, AVX512-BF16) a served SmolLM2
 step at c=1 read 11.2 ms in bf16 and 17.5 ms in fp32 with tcmalloc (0 kB of huge pages), 9.8-10.1 and 13.3-14.0
 ms without it (1.8 / 3.3 GB in 2 MiB pages).
+
+Huge pages pay for what loading puts in memory (weights, the KV pool), not for request-time buffers: with THP
+defrag in `madvise` mode a madvised fault may compact memory synchronously, and a 4096x4096 image's 48 MB
+buffers held the whole serving process for 130-320 ms at a time (`/health` stalls under chaos_media.py; none
+with the tunable off, BENCHMARKS.md issue 50). So once the models are in, the serving process turns THP off for
+its later faults (`prctl(PR_SET_THP_DISABLE)`: pages already huge stay huge; processes it starts after that
+inherit the setting). `MSTAR_HUGE_PAGES_AFTER_LOAD=1` keeps them on.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +43,10 @@ MODE_ENV = "MSTAR_OPENMP"  # "auto" (default) or "gnu"
 REEXEC_ENV = "MSTAR_OPENMP_PRELOADED"  # set on the re-executed process, so it never loops
 TUNABLES_ENV = "GLIBC_TUNABLES"
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # madvise(MADV_HUGEPAGE) on malloc's mmapped blocks
+AFTER_LOAD_ENV = "MSTAR_HUGE_PAGES_AFTER_LOAD"  # "1" keeps THP for faults after the models are loaded
+PR_SET_THP_DISABLE, PR_GET_THP_DISABLE = 41, 42
+
+log = logging.getLogger("mstar.openmp")
 
 
 def libraries() -> list[str]:
@@ -70,3 +83,25 @@ def reexec_with_intel_openmp(argv: Sequence[str]) -> None:
     if env is not None:
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "mstar_core.cli", *argv], env)
+
+
+def stop_huge_pages_after_load(environ: dict[str, str] | None = None) -> bool:
+    """Turn transparent huge pages off for this process's faults from now on; True where it did.
+
+    Called once the models are loaded: request-time buffers then fault in 4 KiB pages, never a synchronous
+    compaction, while the weights and the KV pool keep the huge pages they were loaded into."""
+    environ = os.environ if environ is None else environ
+    if environ.get(AFTER_LOAD_ENV, "0") == "1" or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        log.info("could not turn transparent huge pages off after loading (errno %d)", ctypes.get_errno())
+        return False
+    return True
+
+
+def huge_pages_stopped() -> bool:
+    """Whether this process has transparent huge pages turned off (`PR_GET_THP_DISABLE`)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1

@@ -58,3 +58,21 @@ def test_served_process_runs_on_intel_openmp_and_gnu_mode_keeps_torch_own():
     finally:
         intel.stop()
         gnu.stop()
+
+
+def test_huge_pages_stop_after_load_unless_kept():
+    assert openmp.stop_huge_pages_after_load({openmp.AFTER_LOAD_ENV: "1"}) is False
+
+
+@needs_iomp
+def test_a_served_process_loads_with_huge_pages_then_turns_them_off():
+    served, kept = Server(["toy-chat"], wait=False), Server(["toy-chat"], wait=False, MSTAR_HUGE_PAGES_AFTER_LOAD="1")
+    try:
+        served.wait_ready()
+        kept.wait_ready()
+        status = {s: Path(f"/proc/{s.proc.pid}/status").read_text() for s in (served, kept)}
+        assert "THP_enabled:\t0" in status[served]  # PR_SET_THP_DISABLE, set once the models were in
+        assert "THP_enabled:\t1" in status[kept]
+    finally:
+        served.stop()
+        kept.stop()

@@ -16,6 +16,7 @@ from mstar_core.api.server.app import ModelToServe, ServerConfig, create_app
 from mstar_core.config.lora import LoraSettings
 from mstar_core.errors import ConfigError
 from mstar_core.model import LoadOptions
+from mstar_core.openmp import stop_huge_pages_after_load
 
 API_KEY_ENV = "MSTAR_API_KEY"
 STATE_DIR_ENV = "MSTAR_STATE_DIR"
@@ -312,6 +313,7 @@ def serve(args: argparse.Namespace) -> int:
     app_box: list[Any] = []
 
     def on_ready() -> None:
+        stop_huge_pages_after_load()  # the weights are in: request buffers fault without compacting memory
         state = app_box[0].state.mstar
         routes = {name: state.routes_of(name) for name in state.engine.models}
         speech = {m: a for (m, r), a in state.adapters.items() if r == "speech"}
