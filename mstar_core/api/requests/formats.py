@@ -6,6 +6,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import BaseModel
+
 from mstar_core.api.http.errors import ApiError, from_request_error
 from mstar_core.errors import RequestError
 from mstar_core.grammar.check import check_json_schema
@@ -15,14 +17,19 @@ from mstar_core.grammar.spec import GrammarSpec
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def response_format_grammar(fmt: Mapping[str, Any] | None, where: str = "response_format") -> GrammarSpec | None:
+def response_format_grammar(fmt: Mapping[str, Any] | BaseModel | None, where: str = "response_format") -> GrammarSpec | None:
     """The grammar a `response_format` asks for (None for text); a 400 naming the field (and schema path) to fix.
+
+    A request body's model is dumped here, in the caller's thread: a schema of a few thousand properties takes ~10 ms
+    to dump, which the routes keep off the event loop with the rest of this work.
 
     `json_schema` takes OpenAI's `{name, schema, strict?, description?}`; `strict` is accepted either way: the
     output always follows the schema exactly (only its declared properties, every required one).
     """
     if fmt is None:
         return None
+    if isinstance(fmt, BaseModel):
+        fmt = fmt.model_dump()
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None

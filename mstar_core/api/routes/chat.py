@@ -42,7 +42,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     audio = check_audio_request(adapter, body.model, body)
     # schema and tool checks walk what the client sent (a few hundred KB): off the loop, as everything that scales
     grammar = await off_loop_when(body.response_format is not None, response_format_grammar,
-                                  None if body.response_format is None else body.response_format.model_dump())
+                                  body.response_format)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     ch.check_n(state, body.n)

@@ -71,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = split_prompts(body.prompt)
     payload = sampling_payload(body, ROUTE_FIELDS["completions"])
     grammar = await off_loop_when(body.response_format is not None, response_format_grammar,  # the schema's walk
-                                  None if body.response_format is None else body.response_format.model_dump())
+                                  body.response_format)
     inputs = await unless_disconnected(request, completion_requests(adapter, body.model, payload, prompts, grammar))
     started = time.perf_counter()
     try:
