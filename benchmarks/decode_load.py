@@ -169,12 +169,14 @@ async def main_async(args) -> dict:
     from vs_vllm import load, make_prompts
 
     from mstar_core.model import LoadOptions
+    from mstar_core.openmp import stop_huge_pages_after_load
     from mstar_core.runtime import AsyncEngine
 
     path = model_dir()
     loaded = load_llm(LoadOptions(checkpoint=str(path), dtype=args.dtype), progress=False)
     engine = AsyncEngine()
     await engine.add_model(loaded, settings={"lm": json.loads(args.settings)} if args.settings else None)
+    stop_huge_pages_after_load()  # as `mstar serve` does once its models are in (MSTAR_HUGE_PAGES_AFTER_LOAD=1 keeps them)
     prompts = make_prompts(path, args.waves * args.concurrency, seed=args.concurrency)
     log = StepLog(ops=args.ops, kernels=args.kernels)
     try:

@@ -44,7 +44,12 @@ Why `text_agreement` is 0 (measured, and printed beside it):
   under the fp32 rounding differences between the two encoders (~1e-4): about half of the tokens before the first
   difference at base size, 0.63 at tiny size.
 
-    python benchmarks/whisper.py [--quick] [--compute-type float32|int8] [--long-clips N]
+M* runs in this process as `mstar serve` runs it: the script re-executes itself once on Intel's OpenMP with malloc's
+huge pages (`mstar_core.openmp`, what the server does before loading torch), and turns huge pages off once the model
+is loaded; `--torch-openmp` keeps torch's own runtime. faster-whisper's process gets the caller's environment as it
+was (CTranslate2 brings its own OpenMP runtime).
+
+    python benchmarks/whisper.py [--quick] [--compute-type float32|int8] [--long-clips N] [--torch-openmp]
 
 Final line: JSON with `throughput_ratio_c8`, `latency_p50_ratio_c1`, `text_agreement`, `cpu_flags`, ...
 """
@@ -62,12 +67,23 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+from mstar_core import openmp
+
+#: the caller's values of what the re-execution changes, for faster-whisper's process
+CALLER_ENV = {"LD_PRELOAD": "MSTAR_BENCH_CALLER_LD_PRELOAD", openmp.TUNABLES_ENV: "MSTAR_BENCH_CALLER_TUNABLES"}
+if __name__ == "__main__" and "--torch-openmp" not in sys.argv:  # before torch loads: as `mstar serve` does
+    _served = openmp.preload_env(dict(os.environ))
+    if _served is not None:
+        _served.update({saved: os.environ.get(name, "") for name, saved in CALLER_ENV.items()})
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], _served)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_side import cache_dir
-from vs_vllm import cpu_flags
+from vllm_side import cache_dir  # noqa: E402
+from vs_vllm import cpu_flags  # noqa: E402
 
 FASTER_WHISPER = "faster-whisper==1.2.1"
 SIZES = {
@@ -239,6 +255,7 @@ async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quan
     engine = AsyncEngine()
     settings = {"decoder": {"num_pages": 1024, **({"quantize": quantize} if quantize else {})}}
     await engine.load_model("whisper", LoadOptions(checkpoint=str(checkpoint)), settings=settings)
+    openmp.stop_huge_pages_after_load()  # as the server does once its models are in
 
     async def one(a: np.ndarray) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
@@ -278,11 +295,28 @@ def _prefix_agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     return common / max(longest, 1)
 
 
+def caller_env() -> dict[str, str]:
+    """The environment this script was started with (before its re-execution for the M* side)."""
+    env = dict(os.environ)
+    if openmp.REEXEC_ENV not in env:
+        return env
+    for name, saved in CALLER_ENV.items():
+        value = env.pop(saved, "")
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
+    env.pop(openmp.REEXEC_ENV)
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="whisper-tiny size, 4 clips of 30 s, 16 tokens (under a minute once installed)")
     parser.add_argument("--compute-type", default="float32", choices=("float32", "int8"))
+    parser.add_argument("--torch-openmp", action="store_true",
+                        help="run the M* side on torch's own OpenMP runtime instead of the one `mstar serve` preloads")
     parser.add_argument("--long-clips", type=int, default=None,
                         help="clips of 5 minutes (Whisper's sequential long-form): 4 in the full run, none in --quick")
     args = parser.parse_args()
@@ -321,7 +355,7 @@ def main() -> None:
                 "prompt": MSTAR_PROMPT}
         t0 = time.perf_counter()
         run = subprocess.run([str(fw_python), "-c", FW_SCRIPT, json.dumps(spec)], capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                             env={**caller_env(), "OMP_NUM_THREADS": str(threads)})
         if run.returncode:
             raise SystemExit(f"faster-whisper failed:\n{run.stderr[-3000:]}")
         theirs = json.loads(run.stdout.strip().splitlines()[-1])
@@ -341,6 +375,8 @@ def main() -> None:
         "clip_seconds": seconds, "max_new_tokens": max_tokens, "threads": threads,
         "audio": "espeak-ng" if shutil.which("espeak-ng") else "synthetic harmonics (espeak-ng not installed)",
         "mstar": m, "faster_whisper": f,
+        "mstar_runtime": "torch's OpenMP" if args.torch_openmp or openmp.REEXEC_ENV not in os.environ
+        else "as served (Intel OpenMP, malloc huge pages while loading)",
         "faster_whisper_settings": {"beam_size": 1, "best_of": 1, "temperature": 0.0, "without_timestamps": True,
                                     "suppress_tokens": SPECIAL_SUPPRESS,
                                     "condition_on_previous_text": False, "vad_filter": False, "cpu_threads": threads,
