@@ -34,11 +34,10 @@ Why `text_agreement` is 0 (measured, and printed beside it):
   `WhisperFeatureExtractor`, and M* within 1e-4 of it, pads the *audio* to 30 s first) and end in silence (the last
   frame's STFT window reaches past the samples, where faster-whisper pads zeros and transformers reflects them).
   The two feature sets then agree within 3e-5 (measured on the benchmark's clips).
-- The prompt: faster-whisper runs the converted random checkpoint as English-only (CTranslate2 4.8.5 reports
-  `is_multilingual` False: it counts the vocabulary one entry short of the 51865 that marks a multilingual one), so
-  it ignores `language="en"` and prompts `[SOT, <|notimestamps|>]` (`faster_whisper_prompt`), where M* and
-  transformers prompt `[SOT, <|en|>, <|transcribe|>, <|notimestamps|>]`. From random weights different prompts give
-  different text from the first token on.
+- The prompt: both sides prompt `[SOT, <|en|>, <|transcribe|>, <|notimestamps|>]` (`faster_whisper_prompt`). Until
+  the random checkpoint's vocabulary had the multilingual one's empty text token (id 50256; preset version 3),
+  CTranslate2 4.7+ ran it as English-only, prompted `[SOT, <|notimestamps|>]`, wrote other text from the first token
+  on, and reached end-of-text after about half of M*'s tokens.
 - With M*'s prompt, CTranslate2's own greedy `generate` on faster-whisper's features (`text_agreement_ct2_same_prompt`,
   `token_prefix_agreement_ct2_same_prompt`) writes M*'s tokens until a near-tie (random weights have many) flips
   under the fp32 rounding differences between the two encoders (~1e-4): about half of the tokens before the first
@@ -165,9 +164,9 @@ def ensure_faster_whisper() -> Path:
 
 
 def ensure_checkpoint(size: str) -> Path:
-    from mstar_whisper.preset import TINY_CONFIG, write_random
+    from mstar_whisper.preset import PRESET_VERSION, TINY_CONFIG, write_random
 
-    directory = cache_dir() / f"whisper-{size}-random-v2"
+    directory = cache_dir() / f"whisper-{size}-random-v{PRESET_VERSION}"
     if not (directory / "config.json").is_file():
         log(f"writing the whisper-{size}-size random checkpoint to {directory}")
         tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
@@ -387,9 +386,9 @@ def main() -> None:
         # less swayed than wall time by other jobs on a shared box, which both runs share unevenly
         "cpu_time_ratio_c8": f["cpu_s_per_audio_min_c8"] / m["cpu_s_per_audio_min_c8"],
         "text_agreement": same / n,
-        # why it is what it is: faster-whisper's prompt for this checkpoint (CTranslate2 counts the converted
-        # vocabulary one short of a multilingual one's, so it runs it as English-only: no language or task token),
-        # and the agreement when CTranslate2's own greedy generate gets M*'s prompt on faster-whisper's features
+        # why it is what it is: faster-whisper's prompt for this checkpoint (multilingual by CTranslate2's test: the
+        # empty text token), and the agreement when CTranslate2's own greedy generate gets M*'s prompt on
+        # faster-whisper's features
         "faster_whisper_prompt": theirs["prompt"], "mstar_prompt": MSTAR_PROMPT,
         "faster_whisper_multilingual": theirs["multilingual"],
         "text_agreement_ct2_same_prompt": sum(a == b for a, b in zip(ours["short1"]["tokens"], theirs["same_prompt_tokens"],

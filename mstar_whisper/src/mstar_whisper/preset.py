@@ -13,7 +13,7 @@ import torch
 from mstar_core.checkpoint import save_hf_checkpoint
 from mstar_core.checkpoint.presets import ensure_preset
 
-PRESET_VERSION = 2  # 2: positions ramp toward end-of-text (replies end after ~55 tokens)
+PRESET_VERSION = 3  # 2: positions ramp toward end-of-text (replies end after ~55 tokens); 3: the empty text token
 #: Whisper's 99 multilingual language codes, in token order (ids 50259 on; v3 appends "yue").
 LANGUAGES = ("en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt "
              "la mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af "
@@ -44,7 +44,11 @@ def special_tokens() -> list[str]:
 
 def build_tokenizer() -> Any:
     """A byte-level BPE trained on a small corpus, its vocabulary filled to 50257 text tokens (unreachable by
-    encoding but decodable: strings over the byte alphabet), then Whisper's added tokens at their real ids."""
+    encoding but decodable: strings over the byte alphabet), then Whisper's added tokens at their real ids.
+
+    The last text token (50256) is the empty string, as in the multilingual checkpoints' vocabulary (the
+    tiktoken file's zero-byte entry): CTranslate2 4.7+ tells a multilingual vocabulary from an English-only one
+    by it, and without it runs the checkpoint as English-only (no language or task token in its prompt)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -58,19 +62,21 @@ def build_tokenizer() -> Any:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     letters = [c for c in alphabet if c.isalpha() and c.isascii()]
     n = 0
-    while len(vocab) < TEXT_TOKENS:  # "Ġ" + a deterministic letter string: a word of noise when decoded
+    while len(vocab) < TEXT_TOKENS - 1:  # "Ġ" + a deterministic letter string: a word of noise when decoded
         n += 1
         word, k = "", n
         while k:
             k, r = divmod(k, len(letters))
             word += letters[r]
         vocab.setdefault("Ġ" + word, len(vocab))
+    vocab[""] = TEXT_TOKENS - 1
     raw["model"]["vocab"] = vocab
     tok = Tokenizer.from_str(json.dumps(raw))
     specials = special_tokens()
     tok.add_special_tokens(specials[:-1501])
     tok.add_tokens(specials[-1501:])  # timestamps are added tokens but not special ones (as in Whisper's files)
     assert tok.token_to_id("<|endoftext|>") == TEXT_TOKENS and tok.token_to_id("<|30.00|>") == 51864
+    assert tok.token_to_id("") == TEXT_TOKENS - 1
     return tok
 
 
