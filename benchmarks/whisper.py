@@ -245,7 +245,7 @@ async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quan
         handle = engine.submit("whisper", {"audio": torch.from_numpy(a), "language": "en", "max_tokens": max_tokens})
         tokens = [int(o.value) for o in [o async for o in handle] if o.name == "next_token"]
         await handle.result()
-        return time.perf_counter() - t0, [t for t in tokens if t < 50257]
+        return time.perf_counter() - t0, [t for t in tokens if t < 50257], len(tokens)
 
     await one(phases[0]["audio"][0])  # warm-up
     out = {}
@@ -261,7 +261,8 @@ async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quan
                 c0, t0 = time.process_time(), time.perf_counter()
                 res = await asyncio.gather(*(limited(a) for a in phase["audio"]))
                 out[phase["label"] + str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                                                   "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+                                                   "latency": [r[0] for r in res], "tokens": [r[1] for r in res],
+                                                   "next_tokens": [r[2] for r in res]}
     finally:
         await engine.close()
     return out
@@ -361,6 +362,12 @@ def main() -> None:
         # tokens the two agree on before they first differ, over all clips' tokens (random weights leave near-ties
         # that fp32 rounding differences between the two encoders flip)
         "token_prefix_agreement_ct2_same_prompt": _prefix_agreement(ours["short1"]["tokens"], theirs["same_prompt_tokens"]),
+        # the decoder steps each side ran per clip at c=1 (is the latency race even?): the mean text tokens each wrote
+        # (neither counts its prompt; faster-whisper's segments hold text tokens only), and M*'s mean of every token
+        # it sampled (text, timestamps, the end-of-text that stops a clip before max_new_tokens)
+        "decode_tokens_c1": [float(np.mean([len(t) for t in ours["short1"]["tokens"]])),
+                             float(np.mean([len(t) for t in theirs["short1"]["tokens"]]))],
+        "mstar_sampled_tokens_c1": float(np.mean(ours["short1"]["next_tokens"])),
         "cpu_flags": cpu_flags(),
     }
     if len(phases) > 1:  # the long clips: the same figures, and the text tokens each side wrote (windows differ)
