@@ -14,6 +14,7 @@ from torch import nn
 
 from mstar_core.nn import cpu_elementwise, gelu
 from mstar_core.nn.cross_attention import CrossAttention
+from mstar_core.nn.layer_norm import layer_norm_rows
 from mstar_core.nn.packed import PackedLinear, pack_linears
 from mstar_core.nn.tied_head import TiedLMHead
 from mstar_whisper.config import WhisperConfig, WhisperTokens
@@ -142,11 +143,16 @@ class DecoderLayer(_MLP):
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+        # (every op here is a kernel call for a decode step's rows: a recorded step replays them, mstar_kvcache.replay)
         a, t = self.self_attn, x.shape[0]
-        q, k, v = (p.view(t, a.heads, a.head_dim) for p in a.qkv(self.self_attn_layer_norm(x)))
+        q, k, v = (p.view(t, a.heads, a.head_dim) for p in a.qkv(layer_norm_rows(self.self_attn_layer_norm, x)))
         x = _add_residual(a.out_proj(context.attend(self.index, q, k, v, a.head_dim**-0.5).reshape(t, -1)), x)
-        x = _add_residual(self.encoder_attn(self.encoder_attn_layer_norm(x), context), x)
+        x = _add_residual(self.encoder_attn(layer_norm_rows(self.encoder_attn_layer_norm, x), context), x)
         return self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """`_MLP.mlp` with a decode step's norm through the kernel (`layer_norm_rows`; the encoder keeps torch's)."""
+        return _add_residual(self.fc2(_gelu(self.fc1(layer_norm_rows(self.final_layer_norm, x)))), x)
 
 
 class WhisperDecoder(nn.Module):
@@ -180,10 +186,22 @@ class WhisperDecoder(nn.Module):
         return torch.stack([layer.encoder_attn.project_kv(states) for layer in self.layers], dim=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        return self.run_layers(self.layer_inputs(input_ids, positions), context)
+
+    def layer_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor]:
+        """The rows the layers start from: token plus position embeddings `[T, d]`.
+
+        With `run_layers` this splits `forward` where a recorded decode step starts (`mstar_kvcache.replay`): this runs
+        every step, the layers (kernel calls only, for a decode step's rows) may be replayed from C over its result.
+        """
+        return (self.embed_tokens(input_ids) + self.embed_positions(positions),)
+
+    def run_layers(self, inputs: tuple[torch.Tensor], context) -> torch.Tensor:
+        """The decoder layers and the final norm over `layer_inputs`' rows -> final hidden `[T, d]`."""
+        (x,) = inputs
         for layer in self.layers:
             x = layer(x, context)
-        return self.layer_norm(x)
+        return layer_norm_rows(self.layer_norm, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
