@@ -183,7 +183,18 @@ class WhisperDecoder(nn.Module):
     def cross_kv(self, states: torch.Tensor) -> torch.Tensor:
         """Encoder states `[B, F, d]` -> `[B, layers, 2, F, heads, head_dim]`, once per request and window."""
         states = states.to(self.embed_tokens.weight.dtype)
-        return torch.stack([layer.encoder_attn.project_kv(states) for layer in self.layers], dim=1)
+        if torch.is_grad_enabled():
+            return torch.stack([layer.encoder_attn.project_kv(states) for layer in self.layers], dim=1)
+        # each layer's keys and values written once into the result (stacking per layer, then over layers, copied
+        # the 37 MB of a base-size window twice)
+        first = self.layers[0].encoder_attn
+        out = states.new_empty(*states.shape[:-2], len(self.layers), 2, states.shape[-2], first.num_heads,
+                               first.head_dim)
+        for i, layer in enumerate(self.layers):
+            attn = layer.encoder_attn
+            out[..., i, 0, :, :, :] = attn.k_proj(states).unflatten(-1, (attn.num_heads, attn.head_dim))
+            out[..., i, 1, :, :, :] = attn.v_proj(states).unflatten(-1, (attn.num_heads, attn.head_dim))
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
         return self.run_layers(self.layer_inputs(input_ids, positions), context)
