@@ -85,19 +85,22 @@ def _by_position(rows: dict[tuple[str, int], torch.Tensor]) -> dict[tuple[int, i
 
 @pytest.mark.parametrize("seconds", [[4.0], [3.0, 11.0, 26.0]], ids=["one row", "three audio lengths"])
 def test_replayed_steps_give_the_eager_hidden_rows_bit_for_bit(checkpoint, seconds):
-    requests = [{"audio": speech(s, seed=i), "language": "en", "max_tokens": 10} for i, s in enumerate(seconds)]
+    # (each stops at its own length: the batch shrinks step by step, each row count recorded once)
+    requests = [{"audio": speech(s, seed=i), "language": "en", "max_tokens": 12 - 3 * i} for i, s in enumerate(seconds)]
     tokens, rows, replay, _ = asyncio.run(_decode(checkpoint, requests, True))
     eager_tokens, eager_rows, off, _ = asyncio.run(_decode(checkpoint, requests, False))
     assert off is None and replay is not None
     assert tokens == eager_tokens
     got, want = _by_position(rows), _by_position(eager_rows)
-    assert got.keys() == want.keys() and len(got) >= 10 * len(seconds)
+    assert got.keys() == want.keys() and len(got) >= 6 * len(seconds)
     assert all(torch.equal(got[key], want[key]) for key in want)
     # the decode steps did replay: recorded once per row count, replayed after (the first request's steps may run
     # alone while the others' prompts run, so a batch records each count it meets)
     assert replay.replayed >= 5 and 1 <= replay.recorded <= len(seconds) + 1
     if len(seconds) > 1:
         assert any(key[1] == len(seconds) for key in replay.programs)  # (a step of every request's rows replayed)
+        # one recording per row count, kept side by side: a batch that shrinks and grows again replays, not records
+        assert len(replay.programs) == replay.recorded >= 2
 
 
 def test_a_later_request_replays_the_recording_over_its_own_encoder_pages(checkpoint):

@@ -8,6 +8,10 @@ is recorded as it runs, and later ones copy their inputs into the recorded ones 
 each row's lane, position and slot) and replay the calls. The replay is the recorded step: the same kernels on
 the same sizes give the same bits (tested against eager steps).
 
+A context whose other calls read per-step tensors adds them to its layout (`replay_layout()` -> `(storage, tensors)`
+or `(storage, tensors, shape)`, `shape` what else a recording is made for: Whisper's cross-attention context adds its
+plan's span table and pages, and each span's rows and frames as the shape).
+
 A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
 `run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
 append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
@@ -86,11 +90,13 @@ class StepReplay:
         step = layout() if layout is not None else None
         if step is None:
             return None
-        storage, step_tensors = step
+        # (storage: what the recorded calls point into, whose change makes every recording stale; then the step's
+        # tensors a replay refreshes, and optionally what else fixes their shapes, e.g. a cross plan's spans)
+        storage, step_tensors, *shape = step
         rows = ids.shape[0]
         if rows in self.refused:
             return None
-        key = (storage, rows, torch.get_num_threads())
+        key = (storage, rows, torch.get_num_threads(), *shape)
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
         if program is not None and program.current():
