@@ -2,8 +2,8 @@
 recorded step (`tape.py`) needs a kernel it can replay.
 
 `layer_norm` returns None where it does not apply (not fp32 on the CPU, autograd, `torch.compile` tracing, no weight
-or bias, more than `MAX_ROWS` rows, no compiler here) and the caller runs torch's op, which is as fast for an encoder's
-thousands of rows. The statistics are summed in double and the output rounded as torch's CPU kernel rounds it: bitwise
+or bias, no compiler here) and the caller runs torch's op. It takes any number of rows (in parallel over rows past 8),
+so a decoder row gets the same bits in any step; an encoder's thousands of rows are as fast through torch's op. The statistics are summed in double and the output rounded as torch's CPU kernel rounds it: bitwise
 torch's where the two float statistics agree (most rows), within an ulp of them elsewhere (see the source).
 """
 
@@ -18,8 +18,6 @@ from torch import nn
 from mstar_core.nn import native
 
 SOURCE = Path(__file__).with_name("layer_norm.cpp")
-#: Most rows a call takes here: decode steps and short prompts; more run torch's op
-MAX_ROWS = 64
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -32,7 +30,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                variant: str | None = None) -> torch.Tensor | None:
     """`F.layer_norm(x, (dim,), weight, bias, eps)` of 2-D `x` (unit innermost stride); None: use torch's op."""
     if (weight is None or bias is None or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2
-            or x.stride(-1) != 1 or x.shape[0] > MAX_ROWS or weight.dtype is not torch.float32
+            or x.stride(-1) != 1 or weight.dtype is not torch.float32
             or bias.dtype is not torch.float32 or not weight.is_contiguous() or not bias.is_contiguous()
             or weight.shape != (x.shape[1],) or bias.shape != weight.shape
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
@@ -52,7 +50,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 
 def layer_norm_rows(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`: through the kernel where it applies (a decode step's rows), else torch's op."""
+    """`module(x)` (2-D rows): through the kernel where it applies, else torch's op."""
     if len(module.normalized_shape) == 1:
         done = layer_norm(x, module.weight, module.bias, module.eps)
         if done is not None:

@@ -114,3 +114,19 @@ def test_a_later_request_replays_the_recording_over_its_own_encoder_pages(checkp
     got, want = _by_position(rows), _by_position(eager_rows)
     assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)
     assert replay.recorded == 1 and replay.replayed >= 12  # (one layout: a row over 1500 frames)
+
+
+def test_a_decoder_row_gets_the_same_bits_in_a_step_of_any_size():
+    """The decoder's norms and GELU run the kernels at any row count (not torch's ops past some size): a decode row
+    batched with a long prompt's rows gets the bits it gets alone."""
+    from mstar_core.nn.packed import pack_linears
+    from mstar_whisper.modeling import DecoderLayer
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(64, 4, 256, 0)
+    pack_linears(layer, min_out=1)
+    x = torch.randn(200, 64)
+    with torch.inference_mode():
+        together = layer.mlp(x)
+        for i in (0, 150):
+            assert torch.equal(layer.mlp(x[i : i + 1]), together[i : i + 1])

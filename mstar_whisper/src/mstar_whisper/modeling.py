@@ -151,8 +151,12 @@ class DecoderLayer(_MLP):
         return self.mlp(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """`_MLP.mlp` with a decode step's norm through the kernel (`layer_norm_rows`; the encoder keeps torch's)."""
-        return _add_residual(self.fc2(_gelu(self.fc1(layer_norm_rows(self.final_layer_norm, x)))), x)
+        """`_MLP.mlp` with the norm and GELU through the kernels at any row count (the encoder keeps torch's ops): a
+        decode row shares steps with prompts, and its bits must not depend on how many rows a step has."""
+        h = self.fc1(layer_norm_rows(self.final_layer_norm, x))
+        done = None if torch.is_grad_enabled() else gelu.gelu_(h, max_rows=None)
+        h = done if done is not None else _gelu(h)
+        return _add_residual(self.fc2(h), x)
 
 
 class WhisperDecoder(nn.Module):
