@@ -119,8 +119,9 @@ def test_a_later_request_replays_the_recording_over_its_own_encoder_pages(checkp
 def test_a_decoder_row_gets_the_same_bits_in_a_step_of_any_size():
     """The decoder's norms and GELU run the kernels at any row count (not torch's ops past some size): a decode row
     batched with a long prompt's rows gets the bits it gets alone."""
-    from mstar_core.nn.packed import pack_linears
     from mstar_whisper.modeling import DecoderLayer
+
+    from mstar_core.nn.packed import pack_linears
 
     torch.manual_seed(0)
     layer = DecoderLayer(64, 4, 256, 0)
