@@ -47,6 +47,22 @@ async def _decode(checkpoint: Path, requests: list[dict], replay: bool, together
         return hidden
 
     decoder.forward.run = keep_rows
+    sample = decoder.answers.sample
+    head_calls = [0]
+    head = decoder.module.compute_logits
+
+    def keep_logits(seqs, last):
+        logits, picked = sample(seqs, last)
+        for seq, row in zip(seqs, logits, strict=True):
+            rows[seq.request_id, -1 - len(seq.generated)] = row.clone()  # (negative: logits, by tokens drawn)
+        return logits, picked
+
+    def count_head(hidden):
+        head_calls[0] += 1
+        return head(hidden)
+
+    decoder.answers.sample = keep_logits
+    decoder.module.compute_logits = count_head
     pages: list[list[int]] = []
     store = decoder.cross._store
 
@@ -72,6 +88,9 @@ async def _decode(checkpoint: Path, requests: list[dict], replay: bool, together
                 held += [decoder.pool.allocate() for _ in pages[-1]]
             for page in held:
                 decoder.pool.decref(page)
+        if decoder.replay is not None:  # (a replayed step's logits come with it: the head ran for the other steps and
+            # each request's no-speech probability alone)
+            assert head_calls[0] <= decoder.num_steps - decoder.replay.replayed + len(requests)
         return tokens, rows, decoder.replay, pages
     finally:
         await engine.close()
