@@ -105,11 +105,23 @@ from concurrent.futures import ThreadPoolExecutor
 from faster_whisper import WhisperModel
 args = json.loads(sys.argv[1])
 out = {}
+# faster-whisper's CTranslate2 model as it is, counting the tokens its generate calls return: the decoder steps it
+# ran (segments it then drops, e.g. as no speech, count too), an instrument that changes none of its settings
+class Counting:
+    def __init__(self, inner):
+        self.inner, self.generated = inner, 0
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+    def generate(self, *a, **k):
+        results = self.inner.generate(*a, **k)
+        self.generated += sum(len(r.sequences_ids[0]) for r in results)
+        return results
 for phase in args["phases"]:
     clips = [np.load(p) for p in phase["clips"]]
     for conc in phase["concurrency"]:
         model = WhisperModel(args["model"], device="cpu", compute_type=args["compute_type"], cpu_threads=args["threads"],
                              num_workers=conc)
+        model.model = Counting(model.model)
         def one(audio):
             t0 = time.perf_counter()
             segments, _ = model.transcribe(audio, language="en", task="transcribe", beam_size=1, best_of=1,
@@ -120,11 +132,13 @@ for phase in args["phases"]:
             segs = list(segments)
             return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
         one(clips[0][:480000])  # warm-up (one window)
+        model.model.generated = 0
         c0, t0 = time.process_time(), time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
             res = list(pool.map(one, clips))
         out[phase["label"] + str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                                           "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+                                           "latency": [r[0] for r in res], "tokens": [r[1] for r in res],
+                                           "generated": model.model.generated}
 clips = [np.load(p) for p in args["phases"][0]["clips"]]
 # the diagnostic: CTranslate2's own greedy generate on faster-whisper's features of each clip, with M*'s prompt
 from faster_whisper.transcribe import get_suppressed_tokens
@@ -261,7 +275,7 @@ async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quan
         handle = engine.submit("whisper", {"audio": torch.from_numpy(a), "language": "en", "max_tokens": max_tokens})
         tokens = [int(o.value) for o in [o async for o in handle] if o.name == "next_token"]
         await handle.result()
-        return time.perf_counter() - t0, [t for t in tokens if t < 50257]
+        return time.perf_counter() - t0, [t for t in tokens if t < 50257], len(tokens)
 
     await one(phases[0]["audio"][0])  # warm-up
     out = {}
@@ -277,7 +291,8 @@ async def mstar_side(checkpoint: Path, phases: list[dict], max_tokens: int, quan
                 c0, t0 = time.process_time(), time.perf_counter()
                 res = await asyncio.gather(*(limited(a) for a in phase["audio"]))
                 out[phase["label"] + str(conc)] = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                                                   "latency": [r[0] for r in res], "tokens": [r[1] for r in res]}
+                                                   "latency": [r[0] for r in res], "tokens": [r[1] for r in res],
+                                                   "next_tokens": [r[2] for r in res]}
     finally:
         await engine.close()
     return out
@@ -396,6 +411,12 @@ def main() -> None:
         # tokens the two agree on before they first differ, over all clips' tokens (random weights leave near-ties
         # that fp32 rounding differences between the two encoders flip)
         "token_prefix_agreement_ct2_same_prompt": _prefix_agreement(ours["short1"]["tokens"], theirs["same_prompt_tokens"]),
+        # is the c=1 latency race even? the mean text tokens each side wrote per clip (neither counts its prompt)
+        "decode_tokens_c1": [float(np.mean([len(t) for t in ours["short1"]["tokens"]])),
+                             float(np.mean([len(t) for t in theirs["short1"]["tokens"]]))],
+        # the decoder steps each ran per clip: every token M* sampled, every token CTranslate2's generate returned
+        # to faster-whisper (its text tokens above leave out the windows it drops as no speech)
+        "decode_steps_c1": [float(np.mean(ours["short1"]["next_tokens"])), theirs["short1"]["generated"] / n],
         "cpu_flags": cpu_flags(),
     }
     if len(phases) > 1:  # the long clips: the same figures, and the text tokens each side wrote (windows differ)

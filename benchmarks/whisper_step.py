@@ -69,6 +69,12 @@ def instrument(decoder_engine) -> None:
     decoder_engine.answers.finish = timed("answers.finish (head, rules, sampling, answers)",
                                           decoder_engine.answers.finish)
     decoder_engine.step = timed("decoder engine step", decoder_engine.step)
+    # (once a request: its encoder output projected to every layer's cross keys and values, stored in pool pages)
+    decoder_engine.cross.store_waiting = timed("cross K/V store (once a request, in a step)",
+                                               decoder_engine.cross.store_waiting)
+    replay = getattr(decoder_engine, "replay", None)
+    if replay is not None:  # (a replayed step runs none of the layer parts above: its kernels from C)
+        replay.forward = timed("StepReplay.forward (embeddings, layers replayed or recorded)", replay.forward)
 
 
 async def run(threads: int, count: int) -> None:
@@ -97,11 +103,14 @@ async def run(threads: int, count: int) -> None:
         latencies.append(await one(samples))
     recording[0] = False
     cpu = time.process_time() - cpu
+    replay = getattr(engine.node_engines("whisper")["decoder"], "replay", None)
+    replays = "no replay" if replay is None else f"{replay.replayed} steps replayed, {replay.recorded} recorded"
     await engine.close()
     steps = totals["decoder engine step"][2]
     print(f"threads {threads}, {count} requests at c=1: latency {', '.join(f'{x:.2f}' for x in latencies)} s, "
           f"process CPU {cpu / count:.2f} s a request, {steps} decoder steps (~{steps / count:.0f} a request: the "
-          "cross K/V store, language detection, prompt, then decode)")
+          "cross K/V store, language detection, prompt, then decode); "
+          f"{replays}")
     print(f"{'per step':52s} {'wall ms':>8s} {'thread CPU ms':>14s} {'calls/step':>10s}")
     for name, (wall, thread_cpu, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
         print(f"{name:52s} {wall * 1e3 / steps:8.2f} {thread_cpu * 1e3 / steps:14.2f} {calls / steps:10.1f}")

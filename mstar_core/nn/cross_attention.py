@@ -121,6 +121,9 @@ class PagedCrossKernel:
         self.table = torch.tensor(table, dtype=torch.int64).contiguous()
         self.pages = torch.tensor(pages, dtype=torch.int64).contiguous()
         self.count = len(spans)
+        #: each span's first row, rows and frames: with the page size these fix the plan's tensors' shapes and every
+        #: entry but the pages (what a recorded step's replay may refresh, see `mstar_kvcache.cross`)
+        self.spans_layout = tuple((row, rows, frames) for row, rows, frames, _ in spans)
         self.plan: _CrossPlan | None = None
 
     def fits(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

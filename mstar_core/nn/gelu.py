@@ -27,10 +27,15 @@ def _function(variant: str | None):
     return native.function(SOURCE, "mstar_gelu_f32", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], None, variant)
 
 
-def gelu_(x: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:
-    """`F.gelu(x)` written into `x` (contiguous fp32) and returned; None: not run here, use torch's op."""
+def gelu_(x: torch.Tensor, variant: str | None = None, max_rows: int | None = MAX_ROWS) -> torch.Tensor | None:
+    """`F.gelu(x)` written into `x` (contiguous fp32) and returned; None: not run here, use torch's op.
+
+    `max_rows` None: any number of rows (a caller whose rows must get the same bits whatever a step's size, as a
+    decoder whose decode rows share steps with prompts).
+    """
     if (x.dtype is not torch.float32 or not x.is_cpu or x.dim() < 1 or not x.is_contiguous()
-            or x.numel() > MAX_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)
+            or (max_rows is not None and x.numel() > max_rows * x.shape[-1])
+            or (torch.is_grad_enabled() and x.requires_grad)
             or torch.compiler.is_compiling()):
         return None
     fn = _function(variant)

@@ -1,6 +1,7 @@
 // A recorded run of CPU kernel calls, replayed without Python: built by native.py, driven by tape.py.
 //
-// A decode step of a small model is ~330 kernel calls (121 linears, norms, rotary, attention, adds); from Python
+// A decode step of a small model is ~330 kernel calls (121 linears, norms, rotary, attention, adds; Whisper's decoder
+// also LayerNorms, GELUs and cross-attention over its encoder keys); from Python
 // each costs its wrapper's checks, a ctypes call and an allocation, ~2.5 ms a SmolLM2 step against ~4.5 ms of
 // linears. Recorded once (every pointer and size as the kernel got it), the same calls replay here in one loop.
 //
@@ -23,6 +24,9 @@ enum Kind : int64_t {
     LANE = 7,           // int (plan, q, k, v, k_lanes, v_lanes, k_pool, v_pool, out)
     ADD = 8,            // void (acc, other, other_row, rows, dim, threads)
     RMS_NORM_HEADS = 9, // void (x, row, head, rows, heads, dim, weight, out, eps, threads)
+    GELU = 10,          // void (x, count, threads)
+    CROSS = 11,         // int (plan, q, keys, values, out)
+    LAYER_NORM = 12,    // void (x, x_row, weight, bias, out, rows, dim, eps, threads)
 };
 
 constexpr int MAX_ARGS = 12;
@@ -83,6 +87,15 @@ int run(const Op &o) {
         case RMS_NORM_HEADS:
             as<void, ptr, i64, i64, i64, i64, i64, ptr, ptr, float, int>(o.fn)(p(a[0]), a[1], a[2], a[3], a[4], a[5],
                                                                             p(a[6]), p(a[7]), f(a[8]), n(a[9]));
+            return 0;
+        case GELU:
+            as<void, ptr, i64, int>(o.fn)(p(a[0]), a[1], n(a[2]));
+            return 0;
+        case CROSS:
+            return as<int, ptr, ptr, ptr, ptr, ptr>(o.fn)(p(a[0]), p(a[1]), p(a[2]), p(a[3]), p(a[4]));
+        case LAYER_NORM:
+            as<void, ptr, i64, ptr, ptr, ptr, i64, i64, float, int>(o.fn)(p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]), a[5],
+                                                                          a[6], f(a[7]), n(a[8]));
             return 0;
         default:
             return -1;

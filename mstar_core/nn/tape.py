@@ -33,7 +33,7 @@ _ARGS = 12  # argument slots a call has (MAX_ARGS in tape.cpp)
 _CODES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f", None: "v"}
 #: The C signatures a tape replays (result, then arguments: p pointer, q int64, i int, f float), as tape.cpp's `Kind`
 KINDS = {"i:pqpppqqqqip": 1, "i:pqppppqqqqip": 2, "v:pqppqqfi": 3, "v:ppqppqqfi": 4, "v:pqpqqi": 5, "v:pqqqqqppi": 6,
-         "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9}
+         "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9, "v:pqi": 10, "i:ppppp": 11, "v:pqpppqqfi": 12}
 #: The environment variable that sets `NEXT_WEIGHT_BYTES` (bytes, a whole number; 0 turns the hints off)
 NEXT_WEIGHT_ENV = "MSTAR_NEXT_WEIGHT_BYTES"
 

@@ -211,3 +211,20 @@ def test_page_boundaries(frames):
     states = _states(frames, 7)
     got, _ = _decode(engine_for(module, NODE), {"a": (states, PROMPT)}, 3)
     assert got["a"] == _reference(module, states, PROMPT, 3)[0]
+
+
+def test_rows_written_into_consecutive_pages_equal_the_scattered_write():
+    """`PagePool.write_rows` copies straight into consecutive pages (a fresh cross label's): the same page contents,
+    the rows after the written ones zero, as the general path that stages a zeroed copy."""
+    from mstar_kvcache.pool import PagePool
+
+    kv = torch.randn(3, 2, 37, 2, 4, generator=torch.Generator().manual_seed(0))  # [layers, k/v, rows, heads, dim]
+    pools = [PagePool(12, 8, 3, 2, 4) for _ in range(2)]
+    for pool in pools:
+        pool.kv.fill_(7.0)  # (stale bytes where the tail must become zeros)
+    pools[0].write_rows([2, 3, 4, 5, 6], kv)
+    pools[1].write_rows([2, 3, 4, 6, 5], kv)  # (not consecutive: the general path)
+    slots = pools[0].kv[:, :, 2:7].flatten(2, 3)
+    assert torch.equal(slots[:, :, :37], kv) and not slots[:, :, 37:].any()
+    assert torch.equal(pools[0].read_rows([2, 3, 4, 5, 6], 40), pools[1].read_rows([2, 3, 4, 6, 5], 40))
+    assert torch.equal(pools[0].kv[:, :, 7:], pools[1].kv[:, :, 7:]) and (pools[0].kv[:, :, :2] == 7.0).all()

@@ -177,3 +177,37 @@ def test_a_signature_tapes_do_not_know_spoils_the_recording():
     with recorded.recording():
         recorded.record(probe, ())
     assert "signature" in recorded.failure
+
+
+def test_gelu_layer_norm_and_cross_attention_calls_replay_with_the_eager_bits():
+    """The calls a Whisper decoder step adds to a tape (issue 47): LayerNorm, GELU, the paged cross-attention."""
+    from mstar_core.nn import gelu
+    from mstar_core.nn.cross_attention import PagedCrossKernel
+    from mstar_core.nn.layer_norm import layer_norm
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    keys, values = torch.randn(2, 12 * 16, 4, 16, generator=g)  # [slots, kv heads, head dim] in 16-slot pages
+    table = [(0, 1, 40, [7, 2, 9]), (1, 1, 23, [4, 11])]
+    kernel = PagedCrossKernel.for_spans(table, 16)
+    if kernel is None or gelu._function(None) is None or layer_norm(keys[0, :1], w[:16], b[:16], 1e-5) is None:
+        pytest.skip("a kernel is not built here")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        h = layer_norm(x, w, b, 1e-5)
+        assert gelu.gelu_(h) is h
+        out = torch.empty(2, 4, 16)
+        kernel(h.view(2, 4, 16), keys, values, out, 0.25)
+        return out
+
+    x = torch.randn(2, 64, generator=g)
+    recorded = tape.Tape()
+    with torch.inference_mode(), recorded.recording():
+        out = run(x)
+    assert recorded.failure is None and recorded.count == 3
+    for seed in range(2):
+        fresh = torch.randn(2, 64, generator=torch.Generator().manual_seed(seed + 1))
+        x.copy_(fresh)
+        recorded.replay()
+        with torch.inference_mode():
+            assert torch.equal(out, run(fresh))

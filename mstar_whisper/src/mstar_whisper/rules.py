@@ -29,6 +29,15 @@ class WhisperLogitsRules:
         self.tokens = tokens
         self.language_ids = sorted(tokens.languages.values())  # (a list: the module may be built on the meta device)
         self.prompt_specials = {*tokens.languages.values(), *tokens.tasks.values(), tokens.no_timestamps}
+        # the suppressed ids as index tensors, made on first use (a Python list indexes through a new tensor every
+        # step: ~0.1 ms of a one-row decode step's ~0.26 ms of rules)
+        self._ids: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _index(self, name: str, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        index = self._ids.get((name, device))
+        if index is None:
+            index = self._ids[name, device] = torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)
+        return index
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
         out = None
@@ -67,9 +76,9 @@ class WhisperLogitsRules:
         """Mask one row's logits in place (`generated`: its tokens after the prompt)."""
         t = self.tokens
         if not generated and t.begin_suppress:
-            row[list(t.begin_suppress)] = NEG
+            row.index_fill_(0, self._index("begin_suppress", t.begin_suppress, row.device), NEG)
         if t.suppress:
-            row[list(t.suppress)] = NEG
+            row.index_fill_(0, self._index("suppress", t.suppress, row.device), NEG)
         if not timestamps:
             return
         begin = t.timestamp_begin

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import attrs
@@ -52,6 +52,9 @@ class CallAnswers:
         # a module's own logits rules (`process_logits(logits, histories)`, e.g. Whisper's timestamp rules): a pure
         # function of each row's tokens so far, so forks, preemption and replays see the same masks
         self.process_logits = getattr(module, "process_logits", None)
+        # the logits a replayed step computed for its hidden rows (`StepReplay.take_logits`, set by the engine where
+        # the module's head is replayed), else None: `sample` calls the head itself
+        self.replayed_logits: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def _per_token(self, rows: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Each call's `compute_<name>` outputs over its rows (one module call per output for all of them)."""
@@ -118,7 +121,9 @@ class CallAnswers:
     def sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
         """The logits of `last` (one row per sequence) and the tokens drawn from them."""
         with torch.inference_mode():
-            logits = self.module.compute_logits(last)
+            logits = self.replayed_logits(last) if self.replayed_logits is not None else None
+            if logits is None:
+                logits = self.module.compute_logits(last)
             if self.no_token is not None:  # ids no token stands for (a padded vocabulary) are never drawn
                 self.no_token.fill(logits)
             if self.process_logits is not None:

@@ -226,8 +226,27 @@ class CrossAttentionContext:
         self.spans = self.every_span if self.kernel is None else [s for s in self.every_span
                                                                   if not 1 <= s[1] <= KERNEL_MAX_ROWS]
 
-    def __getattr__(self, name: str) -> Any:  # what else the backend's context offers (replay layouts, ...)
+    def __getattr__(self, name: str) -> Any:  # what else the backend's context offers
         return getattr(self.inner, name)
+
+    def replay_layout(self) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
+        """The inner context's replay layout (`mstar_kvcache.replay`) with this step's cross plan added, where every row
+        of the step cross-attends through the kernel; None: the step cannot replay.
+
+        A recorded step's cross-attention calls point at its kernel's plan, whose span table and page list a replay
+        refreshes like the lanes' tensors (each sequence's pages change from request to request). So the layout's
+        shape names what fixes those tensors' shapes and the rest of the plan: each span's first row, rows and frames
+        (the page list's length follows from the frames), the page size, and the pool's keys (address and strides).
+        It is not part of the storage: recordings of other row counts stay (a batch shrinks and grows again).
+        """
+        inner = getattr(self.inner, "replay_layout", None)
+        step = inner() if inner is not None else None
+        kernel = self.kernel
+        if step is None or kernel is None or self.spans or self.covered != self.rows:
+            return None
+        storage, tensors, *shape = step
+        cross = (kernel.page_size, kernel.spans_layout, self.keys.data_ptr(), self.keys.stride())
+        return storage, (*tensors, kernel.table, kernel.pages), (*shape, cross)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return self.inner.attend(layer, q, k, v, scale)

@@ -147,6 +147,8 @@ class KVCacheEngine(Engine):
         no_token = NoTokenColumns.of(self.grammar_vocab, self.vocab_size, self.device)  # padding: never sampled
         self.answers = CallAnswers(node.name, self.module, node.outputs, rows, no_token, self.grammar_vocab,
                                    self.max_model_len, self.labels, self.readonly, self.intake, self.blocks)
+        if replay is not None and replay.head is not None and self.samples:
+            self.answers.replayed_logits = replay.take_logits  # (the replayed step's logits, see replay.py)
         self.transfer = CacheTransfer(node.name, self.labels, self.pool, self.blocks, self.leader, self.device)
         # speculative decoding (speculative.py), where configured on a sampling node that runs on one process
         spec = self.settings.speculative

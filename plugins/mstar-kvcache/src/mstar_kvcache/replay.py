@@ -8,6 +8,10 @@ is recorded as it runs, and later ones copy their inputs into the recorded ones 
 each row's lane, position and slot) and replay the calls. The replay is the recorded step: the same kernels on
 the same sizes give the same bits (tested against eager steps).
 
+A context whose other calls read per-step tensors adds them to its layout (`replay_layout()` -> `(storage, tensors)`
+or `(storage, tensors, shape)`, `shape` what else a recording is made for: Whisper's cross-attention context adds its
+plan's span table and pages, and each span's rows and frames as the shape).
+
 A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
 `run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
 append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
@@ -40,10 +44,11 @@ class _Program:
     """One recorded step: its tape, the tensors it read its inputs from, its output, and the weights it assumed."""
 
     def __init__(self, tape: tapes.Tape, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, context: Any,
-                 weights: WeightsGeneration):
+                 weights: WeightsGeneration, head: tuple[tapes.Tape, torch.Tensor] | None = None):
         self.tape, self.inputs, self.output = tape, inputs, output
         self.context = context  # (holds the lane plan the recorded attention calls point at)
-        self.nbytes = tape.nbytes()
+        self.head = head  # the logits' recording over `output` and the logits it writes (None: not recorded)
+        self.nbytes = tape.nbytes() + (head[0].nbytes() if head is not None else 0)
         # a replay trusts the weights as recorded: loading weights, assigning a parameter or repacking a packed
         # linear moves the module's generation, which sends the step back to a recording
         self.weights, self.generation = weights, weights.value
@@ -52,11 +57,16 @@ class _Program:
         """Whether the weights are still those recorded."""
         return self.weights.value == self.generation
 
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's hidden rows and, where the head was recorded, their logits (copies: the next replay overwrites
+        the recorded buffers)."""
         for recorded, fresh in zip(self.inputs, inputs, strict=True):
             recorded.copy_(fresh)
         self.tape.replay()
-        return self.output.clone()  # (the next replay overwrites the recorded output)
+        if self.head is None:
+            return self.output.clone(), None
+        self.head[0].replay()
+        return self.output.clone(), self.head[1].clone()
 
 
 class StepReplay:
@@ -66,6 +76,12 @@ class StepReplay:
         self.module, self.node = module, node
         self.weights = weights_generation(module)  # moves whenever the module's weights may have changed
         self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
+        # a module that says so (`replays_logits`) has its logits head recorded after the layers, into a tape of its
+        # own (a head whose call does not record leaves the layers' replay alone): a decode step samples every row,
+        # so the answers take the replayed logits (`take_logits`) instead of calling the head from Python
+        wants_head = getattr(module, "replays_logits", False) and self.finish is None
+        self.head = getattr(module, "compute_logits", None) if wants_head else None
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None  # the last replayed step's (hidden, logits)
         self.enabled = True  # False once the layers are known not to replay
         self.programs: OrderedDict[tuple, _Program] = OrderedDict()
         # row counts whose layers ran a torch op while recorded (a kernel may take only so many rows: AMX tiles take
@@ -86,20 +102,31 @@ class StepReplay:
         step = layout() if layout is not None else None
         if step is None:
             return None
-        storage, step_tensors = step
+        # (storage: what the recorded calls point into, whose change makes every recording stale; then the step's
+        # tensors a replay refreshes, and optionally what else fixes their shapes, e.g. a cross plan's spans)
+        storage, step_tensors, *shape = step
         rows = ids.shape[0]
         if rows in self.refused:
             return None
-        key = (storage, rows, torch.get_num_threads())
+        key = (storage, rows, torch.get_num_threads(), *shape)
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
+        self._logits = None
         if program is not None and program.current():
             self.programs.move_to_end(key)
             self.replayed += 1
-            hidden = program.run((*layer_inputs, *step_tensors))
+            hidden, logits = program.run((*layer_inputs, *step_tensors))
+            if logits is not None:
+                self._logits = (hidden, logits)
         else:
             hidden = self._record(key, layer_inputs, step_tensors, context)
         return hidden if self.finish is None else self.finish(hidden, layer_inputs)
+
+    def take_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `rows` when they are the hidden rows the last replay returned (that very tensor, so a subset
+        or any other rows compute their own), else None; each replay's logits are taken once."""
+        kept, self._logits = self._logits, None
+        return kept[1] if kept is not None and kept[0] is rows else None
 
     def _record(self, key: tuple, layer_inputs: tuple[torch.Tensor, ...], step_tensors: tuple[torch.Tensor, ...],
                 context: Any) -> torch.Tensor:
@@ -118,10 +145,21 @@ class StepReplay:
             if not self.recorded and len(self.refused) >= MAX_REFUSALS:
                 self.enabled = False
             return hidden
+        head = None
+        if self.head is not None:
+            head_tape = tapes.Tape()
+            with head_tape.recording():
+                logits = self.head(hidden)
+            if head_tape.failure is None:
+                head = (head_tape, logits)
+            else:
+                log.info("node %s: the logits head of replayed steps runs from Python (%s in it cannot be replayed)",
+                         self.node, head_tape.failure)
+                self.head = None
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
         for stale in [k for k in self.programs if k[0] != key[0]]:
             del self.programs[stale]
-        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.weights)
+        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.weights, head)
         self.recorded += 1
         while len(self.programs) > MAX_PROGRAMS or (
                 len(self.programs) > 1 and sum(p.nbytes for p in self.programs.values()) > MAX_PROGRAM_BYTES):
