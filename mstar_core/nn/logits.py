@@ -1,10 +1,20 @@
-"""Logits from an LM head's (or a tied embedding's) weight, completed over the vocabulary when that weight is split."""
+"""Logits from an LM head's (or a tied embedding's) weight, completed over the vocabulary when that weight is split;
+and the greedy token of each row of logits (`argmax.cpp`), read where the head wrote them."""
 
 from __future__ import annotations
+
+import ctypes
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar_core.nn import native
+
+ARGMAX_SOURCE = Path(__file__).with_name("argmax.cpp")
+_ARGMAX = {torch.float32: "mstar_argmax_rows_f32", torch.bfloat16: "mstar_argmax_rows_bf16"}
+_ARGMAX_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 
 
 def lm_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -16,3 +26,20 @@ def lm_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     logits = F.linear(hidden, head.weight)
     group = getattr(head, "group", None)
     return logits if group is None else group.all_gather_last(logits)
+
+
+def greedy_tokens(logits: torch.Tensor, variant: str | None = None) -> torch.Tensor | None:
+    """Each row's `max(-1).indices` of `[rows, vocab]` fp32 or bf16 CPU logits (the first NaN, else the first
+    maximum: torch's rule, bit for bit) as int64 `[rows]`, in one pass over the row as it is (no fp32 copy);
+    None where the kernel does not apply (another device or dtype, a non-unit column stride, no kernel built)."""
+    name = _ARGMAX.get(logits.dtype)
+    if (name is None or not logits.is_cpu or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]
+            or logits.requires_grad):
+        return None
+    fn = native.function(ARGMAX_SOURCE, name, _ARGMAX_ARGS, None, variant)
+    if fn is None:
+        return None
+    rows = logits.shape[0]
+    out = torch.empty(rows, dtype=torch.long)
+    fn(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out

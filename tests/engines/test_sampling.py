@@ -158,3 +158,24 @@ def test_logprob_output_only_when_declared_and_asked_for(llama_pair):
     assert all("logprob" not in outs[key] for key in ((3, False), (3, True), (4, False)))  # not declared, or not asked
     assert len({out["next_token"] for out in outs.values()}) == 1
     assert with_lp["logprob"] == pytest.approx(float(torch.log_softmax(with_lp["logits"], -1).max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_take_the_first_maximum_as_torch_does(dtype):
+    """All-greedy batches skip the fp32 copy (an argmax kernel over the head's own dtype), mixed ones keep the fp32
+    path: both give `max(-1).indices` of the fp32 logits, ties and NaN rows included."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4099, generator=gen).to(dtype)
+    logits[1] = logits[1].round()  # ties: the first maximum
+    logits[2, [7, 4000]] = float("nan")  # the first NaN
+    logits[3] = float("-inf")
+    want = logits.float().max(-1).indices.tolist()
+    rows = list(range(6))
+    got = sample(logits, [None] * 6, [None] * 6, [[1]] * 6, logprobs=False)
+    assert got.tokens == want and got.logprobs == [None] * 6 and got.top_logprobs == [None] * 6
+    mixed = [None, SamplingParams(temperature=1.0, seed=1), None, None, None, None]
+    gens = [None, torch.Generator().manual_seed(1), None, None, None, None]
+    got = sample(logits, mixed, gens, [[1]] * 6, logprobs=False).tokens
+    assert [got[i] for i in rows if i != 1] == [want[i] for i in rows if i != 1]
+    with_logprobs = sample(logits, [None] * 6, [None] * 6, [[1]] * 6, logprobs=True)
+    assert with_logprobs.tokens == want and with_logprobs.logprobs[0] is not None

@@ -11,7 +11,10 @@ the same sizes give the same bits (tested against eager steps).
 A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
 `run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
 append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
-step as before. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
+step as before. An engine that samples every row of such a step also has the module's `compute_logits` recorded
+over the recorded hidden rows, as a second tape replayed right after the layers': the LM head runs with no Python
+between it and the last layer, into a buffer the step's sampler reads (`logits`). A head that does not record (a
+torch op: an unpacked or vocabulary-split head) leaves the layers' replay as it was and is computed after the step. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
 runs that split alone (no hooks, no subclass overriding `forward` alone), and its weights' generation, which moves
 when its weights may have changed (a recording made under another generation records again).
 """
@@ -40,10 +43,11 @@ class _Program:
     """One recorded step: its tape, the tensors it read its inputs from, its output, and the weights it assumed."""
 
     def __init__(self, tape: tapes.Tape, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, context: Any,
-                 weights: WeightsGeneration):
+                 weights: WeightsGeneration, head: tuple[tapes.Tape, torch.Tensor] | None = None):
         self.tape, self.inputs, self.output = tape, inputs, output
+        self.head = head  # (the LM head's tape over `output`, the logits it writes), where recorded
         self.context = context  # (holds the lane plan the recorded attention calls point at)
-        self.nbytes = tape.nbytes()
+        self.nbytes = tape.nbytes() + (head[0].nbytes() if head is not None else 0)
         # a replay trusts the weights as recorded: loading weights, assigning a parameter or repacking a packed
         # linear moves the module's generation, which sends the step back to a recording
         self.weights, self.generation = weights, weights.value
@@ -56,14 +60,21 @@ class _Program:
         for recorded, fresh in zip(self.inputs, inputs, strict=True):
             recorded.copy_(fresh)
         self.tape.replay()
+        if self.head is not None:
+            self.head[0].replay()
         return self.output.clone()  # (the next replay overwrites the recorded output)
 
 
 class StepReplay:
     """An engine's recorded decode steps, one per row count over the current lane storage."""
 
-    def __init__(self, module: Any, node: str):
+    def __init__(self, module: Any, node: str, logits: bool = False):
         self.module, self.node = module, node
+        # record the LM head after the layers (the engine samples every row of a replayed step); the logits of the
+        # step just run when it did: the recorded buffer, which the next replay overwrites
+        self.heads = logits and getattr(module, "compute_logits", None) is not None
+        self.logits: torch.Tensor | None = None
+        self.head_refused = False  # a recording's head ran a torch op (logged once)
         self.weights = weights_generation(module)  # moves whenever the module's weights may have changed
         self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
         self.enabled = True  # False once the layers are known not to replay
@@ -74,14 +85,16 @@ class StepReplay:
         self.recorded = self.replayed = 0
 
     @classmethod
-    def for_module(cls, module: Any, node: str, device: torch.device) -> StepReplay | None:
-        """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here)."""
+    def for_module(cls, module: Any, node: str, device: torch.device, logits: bool = False) -> StepReplay | None:
+        """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here);
+        `logits`: record the LM head too (see the module docstring)."""
         if device.type != "cpu" or not isinstance(module, torch.nn.Module) or not splits_forward(module):
             return None
-        return cls(module, node) if tapes.available() else None
+        return cls(module, node, logits) if tapes.available() else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor | None:
         """The step's final hidden rows, replayed or recorded as they run; None: run this step eagerly."""
+        self.logits = None
         layout = getattr(context, "replay_layout", None) if self.enabled else None
         step = layout() if layout is not None else None
         if step is None:
@@ -97,6 +110,7 @@ class StepReplay:
             self.programs.move_to_end(key)
             self.replayed += 1
             hidden = program.run((*layer_inputs, *step_tensors))
+            self.logits = program.head[1] if program.head is not None else None
         else:
             hidden = self._record(key, layer_inputs, step_tensors, context)
         return hidden if self.finish is None else self.finish(hidden, layer_inputs)
@@ -118,12 +132,30 @@ class StepReplay:
             if not self.recorded and len(self.refused) >= MAX_REFUSALS:
                 self.enabled = False
             return hidden
+        head = None
+        if self.heads and self.finish is None:
+            head_tape, self.logits = self._record_head(hidden)
+            head = (head_tape, self.logits) if head_tape is not None else None
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
         for stale in [k for k in self.programs if k[0] != key[0]]:
             del self.programs[stale]
-        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.weights)
+        self.programs[key] = _Program(tape, (*layer_inputs, *step_tensors), hidden, context, self.weights, head)
         self.recorded += 1
         while len(self.programs) > MAX_PROGRAMS or (
                 len(self.programs) > 1 and sum(p.nbytes for p in self.programs.values()) > MAX_PROGRAM_BYTES):
             self.programs.popitem(last=False)
         return hidden.clone()
+
+    def _record_head(self, hidden: torch.Tensor) -> tuple[tapes.Tape | None, torch.Tensor]:
+        """The LM head over the recorded hidden rows, recorded as it runs: (its tape, or None where it does not
+        record, and the step's logits). Unrecorded, later steps' logits are computed after them, as before."""
+        tape = tapes.Tape()
+        with tape.recording():
+            logits = self.module.compute_logits(hidden)
+        if tape.failure is None:
+            return tape, logits
+        if not self.head_refused:
+            log.info("node %s: the LM head runs after the replayed layers (%s in it cannot be replayed)", self.node,
+                     tape.failure)
+        self.head_refused = True
+        return None, logits
