@@ -10,7 +10,10 @@ decode-only (every row one token), mixed (decode rows and a prefill chunk) or pr
 with them. CPU time is what the box's other jobs disturb least; read wall figures with the load printed beside them.
 `--kernels` times every call of the replayed decode steps (`Tape.replay_timed`) and prints the replayed layers' wall
 time per step by kernel (linears, attention, norms, ...) beside the decode-only step's wall time: at c=1 the step
-less its linears is the time the issue-53 split asks for.
+less its linears is the time the issue-53 split asks for. `--split` times the parts of each decode-only step (the step's
+batch and attention plan, the layer inputs, the replay, the LM head where it runs after the replay, the sampler, the
+answers) and the gap between steps, wall and device-thread CPU; `--temperature` / `--top-p` sample instead of greedy;
+`--head-after-step` runs the step as before the head joined the replay (an A/B in one build).
 
     python benchmarks/decode_load.py --quick            # c=32, one wave, fp32
     python benchmarks/decode_load.py --dtype bfloat16 --concurrency 8
@@ -68,6 +71,8 @@ class StepLog:
                 kind = "prefill" if cur["prefill"] else "decode"
                 if len(log.ops[kind]) < 4 and (kind == "prefill" or cur["decode"] >= 28):
                     log.ops[kind].append(prof.key_averages())
+            if cur.get("replay"):  # (a replayed step: its layers' tape and its LM head's)
+                log.replays += 1
             if cur["decode"] or cur["prefill"]:
                 log.steps.append({**cur, "wall": time.perf_counter() - w, "cpu": time.thread_time() - c, "start": w})
             return results
@@ -92,7 +97,6 @@ class StepLog:
                 entry[0] += ns
                 entry[1] += 1
                 cur["replay"] = cur.get("replay", 0.0) + ns / 1e9
-            log.replays += 1
 
         if kernels:
             self.patched.append((tapes.Tape, "replay"))
@@ -112,7 +116,8 @@ class StepSplit:
     of that call to the device thread). Per part: the median over the decode-only steps, in ms."""
 
     def __init__(self):
-        from mstar_kvcache import KVCacheEngine, answers, step_inputs
+        from mstar_attn_torch.backend import TorchPagedAttention
+        from mstar_kvcache import KVCacheEngine, answers, sampler, step_inputs
         from mstar_kvcache import replay as replays
         from mstar_kvcache.answers import CallAnswers
         from mstar_kvcache.scheduler import Scheduler
@@ -181,6 +186,8 @@ class StepSplit:
         patch(Scheduler, "schedule", timed("schedule"))
         patch(StepForward, "run", timed("forward"))
         patch(step_inputs, "build_batch", timed("forward.batch"))
+        patch(step_inputs, "rope_positions", timed("forward.positions"))
+        patch(TorchPagedAttention, "begin", timed("forward.attention_plan"))
         patch(LlamaForCausalLM, "layer_inputs", timed("forward.layer_inputs"))
         patch(tapes.Tape, "replay", timed("forward.replay"))
         patch(replays._Program, "run", timed("forward.program"))
@@ -188,6 +195,7 @@ class StepSplit:
         patch(LlamaForCausalLM, "compute_logits", timed("finish.head"))
         patch(answers, "sample_rows", timed("finish.sampler"))
         patch(CallAnswers, "_answer", timed("finish.answer"))
+        patch(sampler, "greedy_tokens", timed("finish.sampler.argmax"))
 
     def restore(self) -> None:
         for owner, name, original in reversed(self.patched):
@@ -270,6 +278,18 @@ async def main_async(args) -> dict:
     from mstar_core.model import LoadOptions
     from mstar_core.runtime import AsyncEngine
 
+    if args.head_after_step:  # the step as before issue 53's head replay: A/B in one build
+        from mstar_kvcache import replay as replays
+        from mstar_kvcache import sampler
+
+        plain_init = replays.StepReplay.__init__
+
+        def init(self, module, node, logits=False):
+            plain_init(self, module, node, False)
+
+        replays.StepReplay.__init__ = init
+        sampler.greedy_tokens = lambda logits: None
+        sampler.draws = lambda logits: False
     path = model_dir()
     loaded = load_llm(LoadOptions(checkpoint=str(path), dtype=args.dtype), progress=False)
     engine = AsyncEngine()
@@ -326,7 +346,7 @@ async def main_async(args) -> dict:
                    "outside_replay_p50_ms": round(outside, 3),
                    "by_kernel_ms_calls": kernels}
     tokens = len(lat["itl"]) + len(lat["ttft"])
-    out = {"benchmark": "decode_load", "dtype": args.dtype, "concurrency": args.concurrency,
+    out = {"benchmark": "decode_load", "dtype": args.dtype, "head_after_step": args.head_after_step, "concurrency": args.concurrency,
            "requests": len(prompts), "threads": torch.get_num_threads(), "settings": args.settings,
            "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2), "tok_s": round(tokens / wall, 1),
            "ttft_p50_ms": round(1e3 * statistics.median(lat["ttft"]), 1),
@@ -350,6 +370,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="time each call of the replayed steps, by kernel")
     parser.add_argument("--split", action="store_true",
                         help="time the parts of each decode-only step (head, sampler, ...) and the gap between steps")
+    parser.add_argument("--head-after-step", action="store_true",
+                        help="A/B: the LM head after the replayed step and tokens picked by torch ops, as before")
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     args = parser.parse_args()

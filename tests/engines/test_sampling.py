@@ -179,3 +179,18 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does(dtype):
     assert [got[i] for i in rows if i != 1] == [want[i] for i in rows if i != 1]
     with_logprobs = sample(logits, [None] * 6, [None] * 6, [[1]] * 6, logprobs=True)
     assert with_logprobs.tokens == want and with_logprobs.logprobs[0] is not None
+
+
+def test_a_row_at_a_temperature_alone_draws_the_same_token_alone_or_batched():
+    """Such rows are drawn by the CPU kernel whatever else the batch holds (top-p, top-k, greedy, penalised rows)."""
+    logits = torch.randn(5, 4099, generator=torch.Generator().manual_seed(2)) * 3
+    logits[0, :100] = float("-inf")  # (masked columns: never drawn)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.9, top_p=0.8), None,
+              SamplingParams(temperature=1.2, top_k=7), SamplingParams(temperature=1.0, repetition_penalty=1.2)]
+    for seed in range(20):
+        alone = sample(logits[0:1], params[0:1], [torch.Generator().manual_seed(seed)], [[1]]).tokens[0]
+        gens = [torch.Generator().manual_seed(s) for s in (seed, 5, 6, 7, 8)]
+        batch = sample(logits, params, gens, [[1], [2], [3], [4], [5, 6]]).tokens
+        assert batch[0] == alone and alone >= 100
+        last = sample(logits[4:5], params[4:5], [torch.Generator().manual_seed(8)], [[5, 6]]).tokens[0]
+        assert batch[4] == last  # (a penalised row at a temperature alone: the kernel too, after the penalty)
