@@ -11,12 +11,14 @@ the same sizes give the same bits (tested against eager steps).
 A module takes part by splitting its forward into `layer_inputs(ids, positions)` (computed every step),
 `run_layers(inputs, context)` (recorded) and optionally `layer_outputs(hidden, inputs)` (run after a replay, e.g. to
 append a column); one that does not, or whose layers run a torch op that computes (recording notes it), runs every
-step as before. An engine that samples every row of such a step also has the module's `compute_logits` recorded
-over the recorded hidden rows, as a second tape replayed right after the layers': the LM head runs with no Python
-between it and the last layer, into a buffer the step's sampler reads (`logits`). A head that does not record (a
-torch op: an unpacked or vocabulary-split head) leaves the layers' replay as it was and is computed after the step. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
+step as before. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
 runs that split alone (no hooks, no subclass overriding `forward` alone), and its weights' generation, which moves
 when its weights may have changed (a recording made under another generation records again).
+
+An engine that samples every row of such a step also has the module's `compute_logits` recorded over the recorded
+hidden rows, as a second tape replayed right after the layers': the LM head runs with no Python between it and the
+last layer, into a buffer the step's sampler reads (`logits`). A head that does not record (a torch op: an unpacked
+or vocabulary-split head) leaves the layers' replay as it was and is computed after the step.
 """
 
 from __future__ import annotations
