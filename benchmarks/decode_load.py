@@ -10,7 +10,10 @@ decode-only (every row one token), mixed (decode rows and a prefill chunk) or pr
 with them. CPU time is what the box's other jobs disturb least; read wall figures with the load printed beside them.
 `--kernels` times every call of the replayed decode steps (`Tape.replay_timed`) and prints the replayed layers' wall
 time per step by kernel (linears, attention, norms, ...) beside the decode-only step's wall time: at c=1 the step
-less its linears is the time the issue-53 split asks for.
+less its linears is the time the issue-53 split asks for. `--split` times the parts of each decode-only step (the step's
+batch and attention plan, the layer inputs, the replay, the LM head where it runs after the replay, the sampler, the
+answers) and the gap between steps, wall and device-thread CPU; `--temperature` / `--top-p` sample instead of greedy;
+`--head-after-step` runs the step as before the head joined the replay (an A/B in one build).
 
     python benchmarks/decode_load.py --quick            # c=32, one wave, fp32
     python benchmarks/decode_load.py --dtype bfloat16 --concurrency 8
@@ -68,6 +71,8 @@ class StepLog:
                 kind = "prefill" if cur["prefill"] else "decode"
                 if len(log.ops[kind]) < 4 and (kind == "prefill" or cur["decode"] >= 28):
                     log.ops[kind].append(prof.key_averages())
+            if cur.get("replay"):  # (a replayed step: its layers' tape and its LM head's)
+                log.replays += 1
             if cur["decode"] or cur["prefill"]:
                 log.steps.append({**cur, "wall": time.perf_counter() - w, "cpu": time.thread_time() - c, "start": w})
             return results
@@ -92,7 +97,6 @@ class StepLog:
                 entry[0] += ns
                 entry[1] += 1
                 cur["replay"] = cur.get("replay", 0.0) + ns / 1e9
-            log.replays += 1
 
         if kernels:
             self.patched.append((tapes.Tape, "replay"))
@@ -106,6 +110,107 @@ class StepLog:
             setattr(cls, name, original)
 
 
+class StepSplit:
+    """`--split`: each decode-only step's parts timed (wall and the device thread's CPU, nested), and the gap between
+    steps split at the engine's `add` (the step's answers through the conductor to the next call, then the hand-off
+    of that call to the device thread). Per part: the median over the decode-only steps, in ms."""
+
+    def __init__(self):
+        from mstar_attn_torch.backend import TorchPagedAttention
+        from mstar_kvcache import KVCacheEngine, answers, sampler, step_inputs
+        from mstar_kvcache import replay as replays
+        from mstar_kvcache.answers import CallAnswers
+        from mstar_kvcache.scheduler import Scheduler
+        from mstar_kvcache.step_inputs import StepForward
+
+        from mstar_core.nn import tape as tapes
+        from mstar_core.nn.llama import LlamaForCausalLM
+
+        self.steps: list[dict[str, float]] = []
+        self.gaps: list[tuple[float, float]] = []  # (step end -> next add, that add -> next step start) wall s
+        cur: dict[str, float] = {}
+        marks = {"end": None, "add": None}
+        self.patched = []
+        log = self
+
+        def patch(owner, name, wrapper_of):
+            original = getattr(owner, name)
+            self.patched.append((owner, name, original))
+            setattr(owner, name, wrapper_of(original))
+
+        def timed(label):
+            def wrap(original):
+                def wrapper(*a, **k):
+                    w, c = time.perf_counter(), time.thread_time()
+                    try:
+                        return original(*a, **k)
+                    finally:
+                        cur[label + ".wall"] = cur.get(label + ".wall", 0.0) + time.perf_counter() - w
+                        cur[label + ".cpu"] = cur.get(label + ".cpu", 0.0) + time.thread_time() - c
+                return wrapper
+            return wrap
+
+        def step_wrap(original):
+            def step(engine):
+                cur.clear()
+                w, c = time.perf_counter(), time.thread_time()
+                results = original(engine)
+                end = time.perf_counter()
+                if cur.get("rows") == "decode":
+                    cur["step.wall"], cur["step.cpu"] = end - w, time.thread_time() - c
+                    log.steps.append(dict(cur))
+                    if marks["end"] is not None and marks["add"] is not None and marks["add"] > marks["end"]:
+                        log.gaps.append((marks["add"] - marks["end"], w - marks["add"]))
+                    marks["end"], marks["add"] = end, None
+                else:
+                    marks["end"] = None
+                return results
+            return step
+
+        def run_wrap(original):
+            def run(engine, work):
+                cur["rows"] = "decode" if all(n == 1 for _, n in work) else "prefill"
+                return original(engine, work)
+            return run
+
+        def add_wrap(original):
+            def add(engine, invocation):
+                if marks["add"] is None:
+                    marks["add"] = time.perf_counter()
+                return original(engine, invocation)
+            return add
+
+        patch(KVCacheEngine, "step", step_wrap)
+        patch(KVCacheEngine, "_run", run_wrap)
+        patch(KVCacheEngine, "add", add_wrap)
+        patch(Scheduler, "schedule", timed("schedule"))
+        patch(StepForward, "run", timed("forward"))
+        patch(step_inputs, "build_batch", timed("forward.batch"))
+        patch(step_inputs, "rope_positions", timed("forward.positions"))
+        patch(TorchPagedAttention, "begin", timed("forward.attention_plan"))
+        patch(LlamaForCausalLM, "layer_inputs", timed("forward.layer_inputs"))
+        patch(tapes.Tape, "replay", timed("forward.replay"))
+        patch(replays._Program, "run", timed("forward.program"))
+        patch(CallAnswers, "finish", timed("finish"))
+        patch(LlamaForCausalLM, "compute_logits", timed("finish.head"))
+        patch(answers, "sample_rows", timed("finish.sampler"))
+        patch(CallAnswers, "_answer", timed("finish.answer"))
+        patch(sampler, "greedy_tokens", timed("finish.sampler.argmax"))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
+
+    def summary(self) -> dict[str, float]:
+        keys = sorted({k for s in self.steps for k in s if k != "rows"})
+        out = {k: round(1e3 * statistics.median(s.get(k, 0.0) for s in self.steps), 3) for k in keys}
+        if self.gaps:
+            out["gap_answer_to_add.wall"] = round(1e3 * statistics.median(g[0] for g in self.gaps), 3)
+            out["gap_add_to_step.wall"] = round(1e3 * statistics.median(g[1] for g in self.gaps), 3)
+        out["steps"] = len(self.steps)
+        return out
+
+
 def model_dir() -> Path:
     import vllm_side
 
@@ -115,7 +220,8 @@ def model_dir() -> Path:
     return path
 
 
-async def drive(engine, prompts: list[list[int]], concurrency: int, output_tokens: int) -> dict[str, list[float]]:
+async def drive(engine, prompts: list[list[int]], concurrency: int, output_tokens: int,
+                sampling: dict | None = None) -> dict[str, list[float]]:
     queue = deque(range(len(prompts)))
     ttft, itl = [], []
 
@@ -123,7 +229,8 @@ async def drive(engine, prompts: list[list[int]], concurrency: int, output_token
         while queue:
             i = queue.popleft()
             sent = last = time.perf_counter()
-            handle = engine.submit("llama", {"input_ids": prompts[i], "max_tokens": output_tokens, "ignore_eos": True})
+            handle = engine.submit("llama", {"input_ids": prompts[i], "max_tokens": output_tokens, "ignore_eos": True,
+                                             **(sampling or {})})
             first = True
             async for out in handle:
                 if out.name != "next_token":
@@ -172,26 +279,51 @@ async def main_async(args) -> dict:
     from mstar_core.openmp import stop_huge_pages_after_load
     from mstar_core.runtime import AsyncEngine
 
+    if args.head_after_step:  # the step as before issue 53's head replay: A/B in one build
+        from mstar_kvcache import replay as replays
+        from mstar_kvcache import sampler
+
+        plain_init = replays.StepReplay.__init__
+
+        def init(self, module, node, logits=False):
+            plain_init(self, module, node, False)
+
+        replays.StepReplay.__init__ = init
+        sampler.greedy_tokens = lambda logits: None
+        sampler.draws = lambda logits: False
     path = model_dir()
     loaded = load_llm(LoadOptions(checkpoint=str(path), dtype=args.dtype), progress=False)
     engine = AsyncEngine()
     await engine.add_model(loaded, settings={"lm": json.loads(args.settings)} if args.settings else None)
     stop_huge_pages_after_load()  # as `mstar serve` does once its models are in (MSTAR_HUGE_PAGES_AFTER_LOAD=1 keeps them)
     prompts = make_prompts(path, args.waves * args.concurrency, seed=args.concurrency)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("seed", 0))
+                if v is not None} if args.temperature is not None else None
     log = StepLog(ops=args.ops, kernels=args.kernels)
+    split = StepSplit() if args.split else None
     try:
-        await drive(engine, make_prompts(path, 4, seed=99), 4, 8)  # warm-up (replays recorded, threads started)
+        await drive(engine, make_prompts(path, 4, seed=99), 4, 8, sampling)  # warm-up (replays recorded, threads started)
         log.steps.clear()
         log.kernels.clear()
         log.replays = 0
+        if split is not None:
+            split.steps.clear()
+            split.gaps.clear()
         print(f"load before: {load()}", flush=True)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        lat = await drive(engine, prompts, args.concurrency, args.output_tokens)
+        lat = await drive(engine, prompts, args.concurrency, args.output_tokens, sampling)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         print(f"load after: {load()}", flush=True)
     finally:
+        if split is not None:
+            split.restore()
         log.restore()
         await engine.close()
+    if split is not None:
+        parts = split.summary()
+        print(f"-- decode-only steps split ({parts['steps']} steps, median ms; wall / device-thread CPU; nested):")
+        for key in sorted({k.rsplit(".", 1)[0] for k in parts if k.endswith((".wall", ".cpu"))}):
+            print(f"   {key:28s} {parts.get(key + '.wall', float('nan')):7.3f} / {parts.get(key + '.cpu', float('nan')):7.3f}")
     for kind, tables in log.ops.items():
         totals: dict[str, float] = {}
         for table in tables:
@@ -216,14 +348,15 @@ async def main_async(args) -> dict:
                    "outside_replay_p50_ms": round(outside, 3),
                    "by_kernel_ms_calls": kernels}
     tokens = len(lat["itl"]) + len(lat["ttft"])
-    out = {"benchmark": "decode_load", "dtype": args.dtype, "concurrency": args.concurrency,
+    out = {"benchmark": "decode_load", "dtype": args.dtype, "head_after_step": args.head_after_step, "concurrency": args.concurrency,
            "requests": len(prompts), "threads": torch.get_num_threads(), "settings": args.settings,
            "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2), "tok_s": round(tokens / wall, 1),
            "ttft_p50_ms": round(1e3 * statistics.median(lat["ttft"]), 1),
            "ttft_max_ms": round(1e3 * max(lat["ttft"]), 1),
            "itl_p50_ms": round(1e3 * statistics.median(lat["itl"]), 2),
            "itl_p99_ms": round(1e3 * sorted(lat["itl"])[int(0.99 * (len(lat["itl"]) - 1))], 1),
-           **summarize(log.steps, wall, args.concurrency), **({"replayed": kernels} if kernels else {})}
+           **summarize(log.steps, wall, args.concurrency), **({"replayed": kernels} if kernels else {}),
+           **({"split": parts} if split is not None else {}), **({"sampling": sampling} if sampling else {})}
     return out
 
 
@@ -237,6 +370,12 @@ def main() -> None:
     parser.add_argument("--settings", default=None, help="the lm node's kvcache settings as JSON (default: the preset's)")
     parser.add_argument("--ops", action="store_true", help="torch.profiler's op table over a few steps of each kind")
     parser.add_argument("--kernels", action="store_true", help="time each call of the replayed steps, by kernel")
+    parser.add_argument("--split", action="store_true",
+                        help="time the parts of each decode-only step (head, sampler, ...) and the gap between steps")
+    parser.add_argument("--head-after-step", action="store_true",
+                        help="A/B: the LM head after the replayed step and tokens picked by torch ops, as before")
+    parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     args = parser.parse_args()
     if args.quick:
         args.waves = 1

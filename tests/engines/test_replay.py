@@ -55,6 +55,40 @@ def test_bf16_steps_replay_the_same_tokens(llama_pair):
                                                              replaying.pool.kv.data_ptr())}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replayed_steps_run_the_lm_head_in_the_tape(llama_pair, dtype):
+    """A sampling node's recordings take the LM head after the layers (no Python between the last layer and the
+    head): every step's logits equal the eager step's head, bit for bit, forks, peeks and refills included."""
+    _, ours = llama_pair
+    model = copy.deepcopy(ours).to(dtype)
+    replaying = _engine(model, True)
+    got = _scenario(replaying)
+    ref = _scenario(_engine(model, True, replay_steps=False))
+    assert len(got) == len(ref) > 100
+    assert torch.equal(torch.stack(got), torch.stack(ref))
+    if not _replays(model):
+        pytest.skip("no own linear kernel on this CPU: every step ran eagerly")
+    programs = list(replaying.replay.programs.values())
+    assert programs and all(p.head is not None for p in programs)
+    assert replaying.replay.replayed >= 20
+
+
+def test_a_head_with_a_torch_op_runs_after_the_replayed_layers(llama_pair, caplog):
+    _, ours = llama_pair
+    model = copy.deepcopy(ours)
+    plain = model.compute_logits
+    model.compute_logits = lambda hidden: plain(hidden) * 1.0  # a multiply no kernel does
+    prompts = {"a": [1, 2, 3], "b": [4, 5]}
+    engine = make_engine(model, num_pages=64, page_size=4)
+    with caplog.at_level(logging.INFO, logger="mstar.kvcache.replay"):
+        got = generate(engine, prompts, 10)
+    assert got == generate(make_engine(model, num_pages=64, page_size=4, replay_steps=False), prompts, 10)
+    if _replays(model):
+        assert engine.replay.replayed >= 6  # the layers still replay
+        assert all(p.head is None for p in engine.replay.programs.values())
+        assert "runs after the replayed layers" in caplog.text and "aten.mul" in caplog.text
+
+
 def test_changed_weights_are_not_replayed(llama_pair):
     """After `load_state_dict` a replay would run the packed copies of the old weights: the step runs anew."""
     _, ours = llama_pair

@@ -158,3 +158,39 @@ def test_logprob_output_only_when_declared_and_asked_for(llama_pair):
     assert all("logprob" not in outs[key] for key in ((3, False), (3, True), (4, False)))  # not declared, or not asked
     assert len({out["next_token"] for out in outs.values()}) == 1
     assert with_lp["logprob"] == pytest.approx(float(torch.log_softmax(with_lp["logits"], -1).max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_take_the_first_maximum_as_torch_does(dtype):
+    """All-greedy batches skip the fp32 copy (an argmax kernel over the head's own dtype), mixed ones keep the fp32
+    path: both give `max(-1).indices` of the fp32 logits, ties and NaN rows included."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4099, generator=gen).to(dtype)
+    logits[1] = logits[1].round()  # ties: the first maximum
+    logits[2, [7, 4000]] = float("nan")  # the first NaN
+    logits[3] = float("-inf")
+    want = logits.float().max(-1).indices.tolist()
+    rows = list(range(6))
+    got = sample(logits, [None] * 6, [None] * 6, [[1]] * 6, logprobs=False)
+    assert got.tokens == want and got.logprobs == [None] * 6 and got.top_logprobs == [None] * 6
+    mixed = [None, SamplingParams(temperature=1.0, seed=1), None, None, None, None]
+    gens = [None, torch.Generator().manual_seed(1), None, None, None, None]
+    got = sample(logits, mixed, gens, [[1]] * 6, logprobs=False).tokens
+    assert [got[i] for i in rows if i != 1] == [want[i] for i in rows if i != 1]
+    with_logprobs = sample(logits, [None] * 6, [None] * 6, [[1]] * 6, logprobs=True)
+    assert with_logprobs.tokens == want and with_logprobs.logprobs[0] is not None
+
+
+def test_a_row_at_a_temperature_alone_draws_the_same_token_alone_or_batched():
+    """Such rows are drawn by the CPU kernel whatever else the batch holds (top-p, top-k, greedy, penalised rows)."""
+    logits = torch.randn(5, 4099, generator=torch.Generator().manual_seed(2)) * 3
+    logits[0, :100] = float("-inf")  # (masked columns: never drawn)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.9, top_p=0.8), None,
+              SamplingParams(temperature=1.2, top_k=7), SamplingParams(temperature=1.0, repetition_penalty=1.2)]
+    for seed in range(20):
+        alone = sample(logits[0:1], params[0:1], [torch.Generator().manual_seed(seed)], [[1]]).tokens[0]
+        gens = [torch.Generator().manual_seed(s) for s in (seed, 5, 6, 7, 8)]
+        batch = sample(logits, params, gens, [[1], [2], [3], [4], [5, 6]]).tokens
+        assert batch[0] == alone and alone >= 100
+        last = sample(logits[4:5], params[4:5], [torch.Generator().manual_seed(8)], [[5, 6]]).tokens[0]
+        assert batch[4] == last  # (a penalised row at a temperature alone: the kernel too, after the penalty)

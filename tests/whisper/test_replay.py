@@ -51,8 +51,8 @@ async def _decode(checkpoint: Path, requests: list[dict], replay: bool, together
     head_calls = [0]
     head = decoder.module.compute_logits
 
-    def keep_logits(seqs, last):
-        logits, picked = sample(seqs, last)
+    def keep_logits(seqs, last, *step_logits):
+        logits, picked = sample(seqs, last, *step_logits)
         for seq, row in zip(seqs, logits, strict=True):
             rows[seq.request_id, -1 - len(seq.generated)] = row.clone()  # (negative: logits, by tokens drawn)
         return logits, picked

@@ -166,10 +166,6 @@ class WhisperDecoder(nn.Module):
     tokens so far; `compute_no_speech` is P(<|nospeech|>) from a row's raw logits (read at start-of-transcript).
     """
 
-    #: A replayed decode step runs the tied head too (`mstar_kvcache.replay`): one 51865-row kernel call a step,
-    #: whose Python and fresh output took ~0.15 ms of a one-row step's device thread (4.40 vs 4.25 ms, one thread)
-    replays_logits = True
-
     def __init__(self, config: WhisperConfig, tokens: WhisperTokens | None = None):
         super().__init__()
         d = config.d_model

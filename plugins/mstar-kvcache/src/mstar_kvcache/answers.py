@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -52,9 +52,6 @@ class CallAnswers:
         # a module's own logits rules (`process_logits(logits, histories)`, e.g. Whisper's timestamp rules): a pure
         # function of each row's tokens so far, so forks, preemption and replays see the same masks
         self.process_logits = getattr(module, "process_logits", None)
-        # the logits a replayed step computed for its hidden rows (`StepReplay.take_logits`, set by the engine where
-        # the module's head is replayed), else None: `sample` calls the head itself
-        self.replayed_logits: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def _per_token(self, rows: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Each call's `compute_<name>` outputs over its rows (one module call per output for all of them)."""
@@ -82,9 +79,11 @@ class CallAnswers:
             results.append(self._complete(seq, out))
         return results
 
-    def finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Result]:
+    def finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor,
+               step_logits: torch.Tensor | None = None) -> list[Result]:
         """Sampled outputs of the calls in `done` (each with its row of `hidden`); a `decode_steps` call going on
-        gives none."""
+        gives none. `step_logits`: the logits of every row of `hidden`, where the step computed them (a replay that
+        ran the LM head: a buffer the next step overwrites)."""
         # per-token outputs of the calls that asked, computed before sampling (a failure there fails them alone)
         asked = [(s, r) for s, r in done if s.collected]
         extras: dict[int, dict[str, torch.Tensor]] = {}
@@ -95,13 +94,21 @@ class CallAnswers:
             except Exception as exc:
                 failed = [self.fail(s, exc) for s, _ in asked]
                 rest = [(s, r) for s, r in done if not any(s is a for a, _ in asked)]
-                return failed + (self.finish(rest, hidden) if rest else [])
+                return failed + (self.finish(rest, hidden, step_logits) if rest else [])
         rows = [r for _, r in done]
         # every row of the step, in order (a decode step): the rows themselves, no index tensor and copy
-        last = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=hidden.device)]
+        logits = step_logits
+        if rows == list(range(hidden.shape[0])):
+            last = hidden
+        else:
+            index = torch.tensor(rows, device=hidden.device)
+            last = hidden[index]
+            logits = None if logits is None else logits[index]
+        if logits is not None and self.returns_logits:  # (answered as they are: a copy the next step keeps off)
+            logits = logits.clone()
         seqs = [s for s, _ in done]
         try:
-            logits, picked = self.sample(seqs, last)
+            logits, picked = self.sample(seqs, last, logits)
         except Exception:
             # One row's parameters broke the batched sampling: sample each row alone so only it fails.
             # (The sampler draws last, so no row's generator advanced before the failure.)
@@ -118,10 +125,10 @@ class CallAnswers:
             return self.fail(seq, exc)
         return self._answer(seq, 0, logits, picked, last, extras)
 
-    def sample(self, seqs: list[Sequence], last: torch.Tensor) -> tuple[torch.Tensor, Sampled]:
-        """The logits of `last` (one row per sequence) and the tokens drawn from them."""
+    def sample(self, seqs: list[Sequence], last: torch.Tensor,
+               logits: torch.Tensor | None = None) -> tuple[torch.Tensor, Sampled]:
+        """The logits of `last` (one row per sequence; `logits`: already computed) and the tokens drawn from them."""
         with torch.inference_mode():
-            logits = self.replayed_logits(last) if self.replayed_logits is not None else None
             if logits is None:
                 logits = self.module.compute_logits(last)
             if self.no_token is not None:  # ids no token stands for (a padded vocabulary) are never drawn

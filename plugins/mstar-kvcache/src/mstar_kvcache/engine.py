@@ -116,7 +116,8 @@ class KVCacheEngine(Engine):
         forward_fn = module if not self.settings.compile else self._compiled(module)
         replay = None
         if self.settings.replay_steps is not False and not self.settings.compile and self.ranks is None:
-            replay = StepReplay.for_module(module, node.name, self.device)
+            # a sampling node's replayed steps run the LM head too (every row of a lane step samples)
+            replay = StepReplay.for_module(module, node.name, self.device, logits=self.samples)
         if self.settings.compile and self.ranks is not None and "routing" not in node.all_inputs:
             # a split node compiles every bucket now, while its worker loads: compiling mid-serving (tens of
             # seconds of Python) starved a loaded rank's heartbeats and its group was replaced. Every rank
@@ -147,8 +148,6 @@ class KVCacheEngine(Engine):
         no_token = NoTokenColumns.of(self.grammar_vocab, self.vocab_size, self.device)  # padding: never sampled
         self.answers = CallAnswers(node.name, self.module, node.outputs, rows, no_token, self.grammar_vocab,
                                    self.max_model_len, self.labels, self.readonly, self.intake, self.blocks)
-        if replay is not None and replay.head is not None and self.samples:
-            self.answers.replayed_logits = replay.take_logits  # (the replayed step's logits, see replay.py)
         self.transfer = CacheTransfer(node.name, self.labels, self.pool, self.blocks, self.leader, self.device)
         # speculative decoding (speculative.py), where configured on a sampling node that runs on one process
         spec = self.settings.speculative
@@ -468,4 +467,6 @@ class KVCacheEngine(Engine):
         verified = self.speculator.verify(guessed, hidden) if guessed else []
         if not done:
             return verified
-        return verified + (self.answers.finish(done, hidden) if self.samples else self.answers.finish_rows(done))
+        if not self.samples:
+            return verified + self.answers.finish_rows(done)
+        return verified + self.answers.finish(done, hidden, self.forward.logits)

@@ -18,6 +18,11 @@ append a column); one that does not, or whose layers run a torch op that compute
 step as before. What a replay assumes of the module it asks `mstar_core.nn.replayable`: whether calling the module
 runs that split alone (no hooks, no subclass overriding `forward` alone), and its weights' generation, which moves
 when its weights may have changed (a recording made under another generation records again).
+
+An engine that samples every row of such a step also has the module's `compute_logits` recorded over the recorded
+hidden rows, as a second tape replayed right after the layers': the LM head runs with no Python between it and the
+last layer, into a buffer the step's sampler reads (`logits`). A head that does not record (a torch op: an unpacked
+or vocabulary-split head) leaves the layers' replay as it was and is computed after the step.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ class _Program:
     def __init__(self, tape: tapes.Tape, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, context: Any,
                  weights: WeightsGeneration, head: tuple[tapes.Tape, torch.Tensor] | None = None):
         self.tape, self.inputs, self.output = tape, inputs, output
+        self.head = head  # (the LM head's tape over `output`, the logits it writes), where recorded
         self.context = context  # (holds the lane plan the recorded attention calls point at)
-        self.head = head  # the logits' recording over `output` and the logits it writes (None: not recorded)
         self.nbytes = tape.nbytes() + (head[0].nbytes() if head is not None else 0)
         # a replay trusts the weights as recorded: loading weights, assigning a parameter or repacking a packed
         # linear moves the module's generation, which sends the step back to a recording
@@ -57,31 +62,27 @@ class _Program:
         """Whether the weights are still those recorded."""
         return self.weights.value == self.generation
 
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's hidden rows and, where the head was recorded, their logits (copies: the next replay overwrites
-        the recorded buffers)."""
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         for recorded, fresh in zip(self.inputs, inputs, strict=True):
             recorded.copy_(fresh)
         self.tape.replay()
-        if self.head is None:
-            return self.output.clone(), None
-        self.head[0].replay()
-        return self.output.clone(), self.head[1].clone()
+        if self.head is not None:
+            self.head[0].replay()
+        return self.output.clone()  # (the next replay overwrites the recorded output)
 
 
 class StepReplay:
     """An engine's recorded decode steps, one per row count over the current lane storage."""
 
-    def __init__(self, module: Any, node: str):
+    def __init__(self, module: Any, node: str, logits: bool = False):
         self.module, self.node = module, node
+        # record the LM head after the layers (the engine samples every row of a replayed step); the logits of the
+        # step just run when it did: the recorded buffer, which the next replay overwrites
+        self.heads = logits and getattr(module, "compute_logits", None) is not None
+        self.logits: torch.Tensor | None = None
+        self.head_refused = False  # a recording's head ran a torch op (logged once)
         self.weights = weights_generation(module)  # moves whenever the module's weights may have changed
         self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
-        # a module that says so (`replays_logits`) has its logits head recorded after the layers, into a tape of its
-        # own (a head whose call does not record leaves the layers' replay alone): a decode step samples every row,
-        # so the answers take the replayed logits (`take_logits`) instead of calling the head from Python
-        wants_head = getattr(module, "replays_logits", False) and self.finish is None
-        self.head = getattr(module, "compute_logits", None) if wants_head else None
-        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None  # the last replayed step's (hidden, logits)
         self.enabled = True  # False once the layers are known not to replay
         self.programs: OrderedDict[tuple, _Program] = OrderedDict()
         # row counts whose layers ran a torch op while recorded (a kernel may take only so many rows: AMX tiles take
@@ -90,14 +91,16 @@ class StepReplay:
         self.recorded = self.replayed = 0
 
     @classmethod
-    def for_module(cls, module: Any, node: str, device: torch.device) -> StepReplay | None:
-        """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here)."""
+    def for_module(cls, module: Any, node: str, device: torch.device, logits: bool = False) -> StepReplay | None:
+        """Replay for `module` on `device`, or None (not a CPU, no split forward, hooks on it, no replay loop here);
+        `logits`: record the LM head too (see the module docstring)."""
         if device.type != "cpu" or not isinstance(module, torch.nn.Module) or not splits_forward(module):
             return None
-        return cls(module, node) if tapes.available() else None
+        return cls(module, node, logits) if tapes.available() else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor | None:
         """The step's final hidden rows, replayed or recorded as they run; None: run this step eagerly."""
+        self.logits = None
         layout = getattr(context, "replay_layout", None) if self.enabled else None
         step = layout() if layout is not None else None
         if step is None:
@@ -111,22 +114,14 @@ class StepReplay:
         key = (storage, rows, torch.get_num_threads(), *shape)
         layer_inputs = self.module.layer_inputs(ids, positions)
         program = self.programs.get(key)
-        self._logits = None
         if program is not None and program.current():
             self.programs.move_to_end(key)
             self.replayed += 1
-            hidden, logits = program.run((*layer_inputs, *step_tensors))
-            if logits is not None:
-                self._logits = (hidden, logits)
+            hidden = program.run((*layer_inputs, *step_tensors))
+            self.logits = program.head[1] if program.head is not None else None
         else:
             hidden = self._record(key, layer_inputs, step_tensors, context)
         return hidden if self.finish is None else self.finish(hidden, layer_inputs)
-
-    def take_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """The logits of `rows` when they are the hidden rows the last replay returned (that very tensor, so a subset
-        or any other rows compute their own), else None; each replay's logits are taken once."""
-        kept, self._logits = self._logits, None
-        return kept[1] if kept is not None and kept[0] is rows else None
 
     def _record(self, key: tuple, layer_inputs: tuple[torch.Tensor, ...], step_tensors: tuple[torch.Tensor, ...],
                 context: Any) -> torch.Tensor:
@@ -146,16 +141,9 @@ class StepReplay:
                 self.enabled = False
             return hidden
         head = None
-        if self.head is not None:
-            head_tape = tapes.Tape()
-            with head_tape.recording():
-                logits = self.head(hidden)
-            if head_tape.failure is None:
-                head = (head_tape, logits)
-            else:
-                log.info("node %s: the logits head of replayed steps runs from Python (%s in it cannot be replayed)",
-                         self.node, head_tape.failure)
-                self.head = None
+        if self.heads and self.finish is None:
+            head_tape, self.logits = self._record_head(hidden)
+            head = (head_tape, self.logits) if head_tape is not None else None
         # recordings over lane storage that has since grown would pin the old storage (up to the pool's size)
         for stale in [k for k in self.programs if k[0] != key[0]]:
             del self.programs[stale]
@@ -165,3 +153,17 @@ class StepReplay:
                 len(self.programs) > 1 and sum(p.nbytes for p in self.programs.values()) > MAX_PROGRAM_BYTES):
             self.programs.popitem(last=False)
         return hidden.clone()
+
+    def _record_head(self, hidden: torch.Tensor) -> tuple[tapes.Tape | None, torch.Tensor]:
+        """The LM head over the recorded hidden rows, recorded as it runs: (its tape, or None where it does not
+        record, and the step's logits). Unrecorded, later steps' logits are computed after them, as before."""
+        tape = tapes.Tape()
+        with tape.recording():
+            logits = self.module.compute_logits(hidden)
+        if tape.failure is None:
+            return tape, logits
+        if not self.head_refused:
+            log.info("node %s: the LM head runs after the replayed layers (%s in it cannot be replayed)", self.node,
+                     tape.failure)
+        self.head_refused = True
+        return None, logits

@@ -9,6 +9,11 @@ tokens in vocabulary order, so a seeded request gets the same tokens whatever sh
 A row with a small top-k does all of this over its k candidates only (`candidates`), drawing the
 token the whole-vocabulary pass would.
 
+A batch whose rows are all greedy, with nothing to adjust or report, takes each row's argmax where the logits lie
+(`mstar_core.nn.logits.greedy_tokens`: one pass over each row as the head wrote it, bf16 included). On a CPU a row at a
+temperature alone (no top-k, top-p or min-p) is drawn by a kernel (`drawn_tokens`: three passes over the row, the same
+distribution; by the row's own uniform number, whatever shares its batch) instead of the filters below.
+
 Before all that, `adjust_logits` applies the rows' logit biases and penalties (see `SamplingParams`);
 a batch in which no row sets one skips it after one look at the parameters.
 """
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from mstar_core.nn.logits import drawn_tokens, draws, greedy_tokens
 from mstar_core.sampling import GREEDY, SamplingParams
 from mstar_kvcache import candidates
 from mstar_kvcache import grammar as grammar_masks
@@ -249,6 +255,25 @@ def draw_with(probs: torch.Tensor, keep: torch.Tensor | None, u: torch.Tensor) -
     return picks
 
 
+def _temperature_only(params: SamplingParams, vocab: int) -> bool:
+    """Whether a stochastic row draws from its softmax at a temperature alone (no top-k, top-p or min-p filter)."""
+    return (params.top_k == 0 or params.top_k >= vocab) and params.top_p >= 1.0 and params.min_p == 0
+
+
+def _draw_at_temperature(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Rows that filter nothing, drawn by the CPU kernel (`drawn_tokens`: three passes over a row, not ten torch ops;
+    `draws(logits)` first), each by its `u`; a row whose maximum is not finite by `filtered` and `draw_with`, alone
+    (so a row's token never depends on its batch)."""
+    drawn = drawn_tokens(logits, [max(p.temperature, _MIN_TEMPERATURE) for p in params], u)
+    if drawn is None:  # (`draws` said it would: only no memory for the weights stops it)
+        raise MemoryError("no memory for the sampling kernel's weights")
+    odd = (drawn < 0).nonzero().flatten().tolist()
+    for i in odd:
+        probs, keep = filtered(logits[i : i + 1], [params[i]], for_draw=True)
+        drawn[i] = draw_with(probs, keep, u[i : i + 1])[0]
+    return drawn
+
+
 def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per (stochastic) row: top-k rows over their candidates (`candidates`), the others over the vocabulary.
 
@@ -259,12 +284,18 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
     dev = logits.device
     by_k: dict[int, list[int]] = {}
     wide: list[int] = []
+    plain: list[int] = []  # rows at a temperature alone, drawn by the CPU kernel (a rule of the row, never its batch)
+    drawable = draws(logits)
     for i, p in enumerate(params):
         if candidates.narrows(p, vocab):
             by_k.setdefault(p.top_k, []).append(i)
+        elif drawable and _temperature_only(p, vocab):
+            plain.append(i)
         else:
             wide.append(i)
-    if not by_k:  # every row over the whole vocabulary (no top-k): no per-group index bookkeeping
+    if len(plain) == n:  # the usual sampled batch: every row at a temperature alone, all drawn by the kernel
+        return _draw_at_temperature(logits, params, uniforms(generators, dev))
+    if not by_k and not plain:  # every row over the whole vocabulary (no top-k): no per-group index bookkeeping
         probs, keep = filtered(logits, params, for_draw=True)
         return draw_with(probs, keep, uniforms(generators, dev))
     narrow = []  # (rows, candidate ids, weights) per top-k
@@ -283,13 +314,16 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
         index = torch.tensor(wide, device=dev)
         full = (index, *filtered(logits if len(wide) == n else logits[index], [params[i] for i in wide], for_draw=True))
     u = uniforms(generators, dev)
-    if full is None and len(narrow) == 1 and narrow[0][1]:  # the usual batch: one top-k, every row narrow
+    if full is None and not plain and len(narrow) == 1 and narrow[0][1]:  # the usual batch: one top-k, every row narrow
         _, _, ids, weights = narrow[0]
         return ids.gather(1, draw_with(weights, None, u).unsqueeze(1)).squeeze(1)
     chosen = torch.empty(n, dtype=torch.long, device=dev)
     if full is not None:
         index, probs, keep = full
         chosen[index] = draw_with(probs, keep, u[index])
+    if plain:
+        index = torch.tensor(plain, device=dev)
+        chosen[index] = _draw_at_temperature(logits[index], [params[i] for i in plain], u[index])
     for rows, _, ids, weights in narrow:
         if rows:
             index = torch.tensor(rows, device=dev)
@@ -314,8 +348,14 @@ def sample(
     after the adjustments, and takes the chosen token once every row has one; rows without one are untouched. `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a
     row asks for top ones. Log-probabilities are the model's, before any adjustment.
     """
-    logits = logits.float()
     params = [p or GREEDY for p in params]
+    if not logprobs and grammars is None and all(p.greedy and not p.logprobs and not p.adjusts_logits for p in params):
+        # every row greedy and nothing to adjust or report: each row's argmax, read as the head wrote it (one pass,
+        # no fp32 copy; the same index as `max(-1).indices` of the fp32 logits, NaN and ties included)
+        ids = greedy_tokens(logits)
+        if ids is not None:
+            return Sampled(ids.tolist(), [None] * len(params), [None] * len(params))
+    logits = logits.float()
     vocab = logits.shape[1]
     wanted = [min(p.logprobs or 0, vocab) for p in params]  # asking for more than the vocabulary gets all of it
     # logprob of the pick = logit - logsumexp: avoids materialising a full log-softmax every step
@@ -338,9 +378,11 @@ def sample(
     if len(stochastic) == len(params):
         chosen = pick(logits, params, generators)
     else:
-        # max's indices: the same first-maximum (and NaN-first) rule as argmax, ~2.8x faster on CPU
-        # (32 x 49,152 fp32 logits: 0.44 vs 1.22 ms, 2 threads)
-        chosen = logits.max(-1).indices
+        # the argmax kernel on CPU; elsewhere max's indices: the same first-maximum (and NaN-first) rule as argmax,
+        # ~2.8x faster on CPU (32 x 49,152 fp32 logits: 0.44 vs 1.22 ms, 2 threads)
+        chosen = greedy_tokens(logits)
+        if chosen is None:
+            chosen = logits.max(-1).indices
         if stochastic:
             rows = torch.tensor(stochastic, device=logits.device)
             chosen[rows] = pick(logits[rows], [params[i] for i in stochastic], [generators[i] for i in stochastic])

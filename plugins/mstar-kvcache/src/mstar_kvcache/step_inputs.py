@@ -43,6 +43,9 @@ class StepForward:
         self.leader = leader  # rank 0 of a split node: every rank runs each step (ranks.py)
         self.cross = cross  # cross-attention labels the step's sequences may attend to (cross.py)
         self.adapters: NodeAdapters | None = None  # the node's LoRA adapters, once enabled (lora.py)
+        #: the step's logits `[rows, vocab]` where its replay ran the LM head too (the replay's buffer: valid until
+        #: the next step); None: the answers compute them
+        self.logits: torch.Tensor | None = None
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order."""
@@ -56,6 +59,7 @@ class StepForward:
 
     def _run(self, work: list[tuple[Sequence, int]], adapted: bool) -> torch.Tensor:
         """`run`; with `adapted`, eagerly (the module itself, never a replay or the compiled forward)."""
+        self.logits = None
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
         kwargs = self.module_inputs(work, batch)
@@ -71,6 +75,7 @@ class StepForward:
                 if self.replay is not None and not kwargs and not adapted:
                     hidden = self.replay.forward(ids, positions, context)
                     if hidden is not None:  # (a decode step replayed, or recorded as it ran)
+                        self.logits = self.replay.logits
                         return hidden
                 return forward_fn(ids, positions, context, **kwargs)
             return forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
