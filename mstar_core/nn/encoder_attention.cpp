@@ -244,8 +244,10 @@ int mstar_encoder_attention_f32(const float *q, const float *k, const float *v, 
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (tasks > 1)
     {
         Scratch scratch(frames, dim);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; ++t) {  // (blocks innermost: a thread's tasks share a head's keys in L2)
+        // (claimed one at a time: a thread the server's other threads hold up holds up no one; blocks innermost,
+        // so a thread's next task mostly shares its head's keys and values in L2)
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
             const int64_t b = t / (heads * blocks), h = t / blocks % heads, block = t % blocks;
             const Operand qo{q + b * strides[0] + h * dim, strides[0], strides[1]};
             const Operand ko{k + b * strides[2] + h * dim, strides[2], strides[3]};

@@ -130,7 +130,9 @@ class WhisperEncoder(nn.Module):
         if input_features.shape[-1] != self.frames:
             raise ValueError(f"whisper's encoder takes {self.frames} mel frames (30 s), got {input_features.shape[-1]}")
         x = _gelu(self.conv2(_gelu(self.conv1(input_features.to(self.conv1.weight.dtype)))))
-        x = x.transpose(1, 2) + self.embed_positions.weight
+        # (a blocked transposing copy, then the positions added in place: the same sums; torch's add straight from the
+        # transposed view ran ~2.1 ms a window against ~0.8, reading across rows)
+        x = x.transpose(1, 2).contiguous().add_(self.embed_positions.weight)
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)
