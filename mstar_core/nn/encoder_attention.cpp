@@ -17,7 +17,8 @@
 //
 // The softmax is exact two-pass (the true maximum first, no rescaling as an online softmax does); sums run in
 // key order within a chunk, then chunk by chunk. Within ~1e-6 relative of torch's scaled_dot_product_attention (its
-// products summed in another order); against float64 at Whisper-base's shape 7.6e-7 of the largest output, torch's 7.2e-7.
+// products summed in another order); against float64 at Whisper-base's shape 7.6e-7 of the largest output (torch's
+// 7.2e-7).
 // A task's result depends only on its own rows, so a window gets the same bits alone or batched, on any thread count.
 //
 // No torch headers: plain C ABI over raw pointers, called through ctypes (native.py).
@@ -213,7 +214,8 @@ void attend_block(const Operand &q, const Operand &k, const Operand &v, float *o
     for (int w = 0; w < QV; ++w) vstore(total + w * LANES, sum[w]);
     for (int64_t i = 0; i < rows; ++i) {
         const vec t = vset(total[i]);
-        for (int64_t c = 0; c < dim; c += LANES) vstore(out + (row0 + i) * out_row + c, vdiv(vload(s.out + i * dim + c), t));
+        for (int64_t c = 0; c < dim; c += LANES)
+            vstore(out + (row0 + i) * out_row + c, vdiv(vload(s.out + i * dim + c), t));
     }
 }
 #endif

@@ -7,7 +7,8 @@ and reads q, k and v in place from the projections' output (the chunks of the fu
 `[windows, frames, heads x head dim]`, the out projection's input, directly: no transposes or copies around it.
 
 `attend` returns None where the kernel does not apply (not fp32 on the CPU, autograd, `torch.compile` tracing, a head
-dim it does not take, no compiler, a build below AVX-512 unless asked for by name) and the caller runs torch's attention.
+dim it does not take, no compiler, a build below AVX-512 unless asked for by name) and the caller runs torch's
+attention.
 """
 
 from __future__ import annotations
