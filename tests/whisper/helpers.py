@@ -18,11 +18,12 @@ TINY = dict(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_he
 LANGS = {"<|en|>": 50259, "<|de|>": 50261, "<|fr|>": 50265}
 
 
-def write_reference(directory: Path, seed: int = 0, eot_bias: float = 0.0):
-    """The HF model (eval, fp32) saved to `directory` with its generation config; returns the model."""
+def write_reference(directory: Path, seed: int = 0, eot_bias: float = 0.0, **widths):
+    """The HF model (eval, fp32) saved to `directory` with its generation config; returns the model. `widths`
+    override TINY's (e.g. a head dim of 64, the real models', which M*'s encoder attention kernel takes)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**TINY)).eval()
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**{**TINY, **widths})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layer_norm" not in name and "embed_positions" not in name:

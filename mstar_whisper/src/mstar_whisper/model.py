@@ -14,6 +14,11 @@ from mstar_whisper.request import EXAMPLE, WhisperRequest
 
 #: KV pages per decoder: a 30-second window's 1500 encoder frames take 94 pages of 16 per request.
 DECODER_SETTINGS = {"page_size": 16, "num_pages": 2048}
+#: One 30-second window an encoder step: its activations then stay in L3 (whisper-base: a [1500, 2048] fc1 output is
+#: 12 MB, 98 MB for 8 windows), and its GEMMs are compute-bound at 1500 rows already. Whisper-base on the 2-core EPYC,
+#: alternated: 896-939 CPU ms a window at 1 against 982-1041 at 8 (1 thread); 16 clips served at c=8 took 23.0-26.3 CPU
+#: s against 24.8-27.6 (BENCHMARKS.md, issue 47). Requests that arrive together take turns, a window a step.
+ENCODER_SETTINGS = {"max_batch_size": 1}
 
 
 def load(options: LoadOptions, *, progress: bool = True) -> LoadedModel:
@@ -32,7 +37,7 @@ def load(options: LoadOptions, *, progress: bool = True) -> LoadedModel:
         random_weights=preset is not None,
         prepare=request,
         request_schema=request.schema,
-        engine_settings={"decoder": dict(DECODER_SETTINGS), "encoder": {"max_batch_size": 8}},
+        engine_settings={"decoder": dict(DECODER_SETTINGS), "encoder": dict(ENCODER_SETTINGS)},
         extras={"tokenizer": load_tokenizer(directory), "tokens": tokens, "features": features,
                 "sample_rate": features.sampling_rate, "checkpoint": str(directory)},
     )
