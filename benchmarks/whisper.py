@@ -9,7 +9,11 @@ the converter runs under this interpreter, which has transformers and torch, wit
 
 Both sides decode greedily (faster-whisper's `beam_size=1, best_of=1`, `temperature=0`, no fallback, no VAD,
 `without_timestamps=True`, `condition_on_previous_text=False`: its documented knobs set to what M* runs; listed in
-the output), with the same `max_new_tokens`. faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
+the output), each decoding up to the same number of tokens a window: CTranslate2 decodes at most half of its
+`max_length` (openai-whisper's `sample_len` rule: `min(max_length // 2, max_length - prompt)`), and faster-whisper
+sets `max_length` to its prompt plus `max_new_tokens`, so it is given `max_new_tokens` = 2 x N - its prompt's length
+to decode up to the N tokens M* does (given N, it decoded at most (N + 4) // 2: 50 of 96, before this; `decode_steps_c1`
+shows each side's steps). faster-whisper gets `cpu_threads` = the cores and `num_workers` = the
 concurrency (its documented way to run parallel `transcribe` calls). Clips are 30 s of espeak-ng speech (sentences,
 voices and speeds varied by clip; speech-like harmonics where espeak-ng is missing) ending in 0.1 s of silence.
 The full run adds 4 clips of 5 minutes (`--long-clips N` sets how many, in `--quick` too): Whisper's sequential long-form on both
@@ -127,7 +131,7 @@ for phase in args["phases"]:
             segments, _ = model.transcribe(audio, language="en", task="transcribe", beam_size=1, best_of=1,
                                            temperature=0.0, without_timestamps=not phase["timestamps"],
                                            condition_on_previous_text=False, vad_filter=False,
-                                           max_new_tokens=args["max_new_tokens"], suppress_blank=True,
+                                           max_new_tokens=phase["max_new_tokens"], suppress_blank=True,
                                            log_progress=False, suppress_tokens=args["suppress_tokens"])
             segs = list(segments)
             return time.perf_counter() - t0, [t for s in segs for t in s.tokens]
@@ -149,7 +153,7 @@ same_prompt = []
 for audio in clips:
     features = model.feature_extractor(audio)[:, :3000]
     encoded = model.encode(features)
-    res = model.model.generate(encoded, [args["prompt"]], beam_size=1, max_length=len(args["prompt"]) + args["max_new_tokens"],
+    res = model.model.generate(encoded, [args["prompt"]], beam_size=1, max_length=2 * args["max_new_tokens"],
                                suppress_blank=True, suppress_tokens=suppress)
     same_prompt.append([t for t in res[0].sequences_ids[0] if t < tokenizer.eot])
 out["same_prompt_tokens"] = same_prompt
@@ -309,6 +313,14 @@ def _prefix_agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     return common / max(longest, 1)
 
 
+def fw_max_new_tokens(tokens: int, timestamps: bool) -> int:
+    """faster-whisper's `max_new_tokens` for decoding up to `tokens` a window, as M* does: CTranslate2 decodes at most
+    `min(max_length // 2, max_length - prompt)` where faster-whisper's `max_length` is its prompt plus this value
+    (its prompt: SOT, language, task, and <|notimestamps|> when timestamps are off)."""
+    prompt = 3 if timestamps else 4
+    return 2 * tokens - prompt
+
+
 def caller_env() -> dict[str, str]:
     """The environment this script was started with (before its re-execution for the M* side)."""
     env = dict(os.environ)
@@ -363,7 +375,8 @@ def main() -> None:
                 paths.append(str(Path(tmp) / f"{phase['label']}{i}.npy"))
                 np.save(paths[-1], a)
             fw_phases.append({"label": phase["label"], "clips": paths, "concurrency": phase["concurrency"],
-                              "timestamps": phase["timestamps"]})
+                              "timestamps": phase["timestamps"],
+                              "max_new_tokens": fw_max_new_tokens(max_tokens, phase["timestamps"])})
         spec = {"model": str(ct2), "phases": fw_phases, "compute_type": args.compute_type,
                 "threads": threads, "max_new_tokens": max_tokens, "suppress_tokens": SPECIAL_SUPPRESS,
                 "prompt": MSTAR_PROMPT}
@@ -394,7 +407,8 @@ def main() -> None:
         "faster_whisper_settings": {"beam_size": 1, "best_of": 1, "temperature": 0.0, "without_timestamps": True,
                                     "suppress_tokens": SPECIAL_SUPPRESS,
                                     "condition_on_previous_text": False, "vad_filter": False, "cpu_threads": threads,
-                                    "num_workers": "= concurrency", "compute_type": args.compute_type},
+                                    "num_workers": "= concurrency", "compute_type": args.compute_type,
+                                    "max_new_tokens": fw_max_new_tokens(max_tokens, False)},
         "throughput_ratio_c8": m["audio_s_per_wall_s_c8"] / f["audio_s_per_wall_s_c8"],
         "latency_p50_ratio_c1": m["latency_p50_c1"] / f["latency_p50_c1"],
         # the CPU seconds each side's process spent on the c=8 run, faster-whisper's over M*'s (higher: M* cheaper):
