@@ -27,7 +27,8 @@ defrag in `madvise` mode a madvised fault may compact memory synchronously, and 
 buffers held the whole serving process for 130-320 ms at a time (`/health` stalls under chaos_media.py; none
 with the tunable off, BENCHMARKS.md issue 50). So once the models are in, the serving process turns THP off for
 its later faults (`prctl(PR_SET_THP_DISABLE)`: pages already huge stay huge; processes it starts after that
-inherit the setting). `MSTAR_HUGE_PAGES_AFTER_LOAD=1` keeps them on.
+inherit the setting, so a worker process turns them back on before it loads: `allow_huge_pages`).
+`MSTAR_HUGE_PAGES_AFTER_LOAD=1` keeps them on.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def stop_huge_pages_after_load(environ: dict[str, str] | None = None) -> bool:
         log.info("could not turn transparent huge pages off after loading (errno %d)", ctypes.get_errno())
         return False
     return True
+
+
+def allow_huge_pages() -> None:
+    """Turn transparent huge pages back on for this process: a worker the server starts after loading its models
+    (a replacement) inherits their being off across fork and exec, and its weights should load into them."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0)
 
 
 def huge_pages_stopped() -> bool:

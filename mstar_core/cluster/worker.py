@@ -27,6 +27,7 @@ from mstar_core.cluster.hosted_engines import HostedEngines
 from mstar_core.cluster.peer_mailbox import PeerMailbox
 from mstar_core.cluster.peer_streams import StreamLines
 from mstar_core.cluster.worker_requests import WorkerRequests
+from mstar_core.openmp import allow_huge_pages
 from mstar_core.runtime.host_memory import keep_freed_memory
 from mstar_core.wire import (
     ErrorReport,
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mstar worker {args.name}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(max(1, int(os.environ.get("MSTAR_WORKER_THREADS", torch.get_num_threads()))))
+    allow_huge_pages()  # (a worker started after the server loaded its models inherits them off)
     try:
         while True:  # a hand-joined worker declared lost (a network partition healed) joins again, fresh
             worker = Worker(args.name, args.join, secret, args.parent_pid,

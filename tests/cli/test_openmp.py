@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,13 @@ def test_a_served_process_loads_with_huge_pages_then_turns_them_off():
     finally:
         served.stop()
         kept.stop()
+
+
+def test_a_process_started_after_loading_inherits_huge_pages_off_and_a_worker_turns_them_back_on():
+    # (in a child: the flag is the whole process's, and survives fork and exec, as for a replacement worker)
+    code = ("import subprocess, sys; from mstar_core import openmp; openmp.stop_huge_pages_after_load({}); "
+            "probe = 'from mstar_core import openmp; a = openmp.huge_pages_stopped(); openmp.allow_huge_pages(); "
+            "print(a, openmp.huge_pages_stopped())'; "
+            "print(subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True).stdout.strip())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
