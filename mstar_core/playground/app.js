@@ -299,8 +299,10 @@ async function runPolicy() {
 // --- walks --------------------------------------------------------------------------------------------------
 
 async function loadWalks() {
-  if (!model()) return;
-  const g = await (await api(`/v1/graphs/${encodeURIComponent(model())}`)).json();
+  const name = model();
+  if (!name) return;
+  const g = await (await api(`/v1/graphs/${encodeURIComponent(name)}`)).json();
+  if (name !== model()) return;  // another model was chosen meanwhile: its own answer draws (this one came back late)
   $("walks").replaceChildren(...Object.entries(g.walks).map(([name, w]) => {
     const div = document.createElement("div"), h = document.createElement("h3"), p = document.createElement("p");
     const details = document.createElement("details"), summary = document.createElement("summary"), pre = document.createElement("pre");
