@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mstar_attn_torch import lane_kernel
+from mstar_attn_torch import lane_kernel, prefill_kernel
 from mstar_attn_torch.lanes import DecodeLanes
 
 
@@ -98,6 +98,12 @@ def _key_span(batch: Any, i: int, length: int) -> torch.Tensor | slice:
     if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
         return slice(pages[0] * batch.page_size, pages[0] * batch.page_size + length)
     return _key_slots(batch, [i], length)[0][0]
+
+
+def _continues(bound: torch.Tensor, kv_len: int) -> bool:
+    """Whether a chunk's key bounds are plain causal after the sequence's earlier keys: kv_len - n + 1, ..., kv_len."""
+    n = bound.shape[0]
+    return int(bound[0]) == kv_len - n + 1 and (n == 1 or bool((bound[1:] - bound[:-1] == 1).all()))
 
 
 def _bounds(batch: Any, seqs: list[int], rows: torch.Tensor) -> torch.Tensor:
@@ -193,7 +199,7 @@ class TorchPagedContext:
             self.decode = (rows, table.reshape(-1), width, mask)
         # longer chunks (prefills) run one sequence at a time: few per step, and no padding waste
         limits = batch.limits
-        self.prefill: list[tuple[int, int, torch.Tensor | slice | None, torch.Tensor | None, bool]] = []
+        self.prefill: list[tuple[int, int, torch.Tensor | slice | None, torch.Tensor | None, bool, Any, int | None]] = []
         for i, n in enumerate(batch.q_lens):
             if n == 1 or i in readonly:
                 continue
@@ -204,13 +210,16 @@ class TorchPagedContext:
             )
             slots = None if fresh else _key_span(batch, i, kv_len)
             mask = runs = None
+            prefix = 0 if fresh and causal else None  # (row r sees keys [0, prefix + r]: the prefill kernel's case)
             if not (fresh and causal):
                 bound = limits[start : start + n] if limits is not None else batch.positions[start : start + n] + 1
                 if causal or int(bound.min()) < kv_len:  # else every row sees every key (a block at the end)
                     runs = None if causal else _block_runs(bound)
                     if runs is None:
                         mask = torch.arange(kv_len, device=device)[None, :] < bound[:, None]
-            self.prefill.append((start, n, slots, mask, fresh and causal, runs))
+                        if causal and _continues(bound, kv_len):  # a chunk after its sequence's cached keys
+                            prefix = kv_len - n
+            self.prefill.append((start, n, slots, mask, fresh and causal, runs, prefix))
         # read-only sequences: frozen context keys (gathered) then their own keys, which are never stored
         self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in sorted(readonly):
@@ -296,12 +305,16 @@ class TorchPagedContext:
             self._attend_lanes(layer, q, k, v, scale, gqa, out)
         if self.decode is not None:
             self._attend_gathered(layer, q, scale, gqa, out)
-        for start, n, slots, mask, is_causal, runs in self.prefill:
-            qh = q[start : start + n].transpose(0, 1)
+        for start, n, slots, mask, is_causal, runs, prefix in self.prefill:
             if slots is None:
-                keys, vals = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
+                keys, vals = k[start : start + n], v[start : start + n]
             else:
-                keys, vals = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+                keys, vals = k_cache[slots], v_cache[slots]
+            if prefix is not None and prefill_kernel.attend(q[start : start + n], keys, vals, out[start : start + n],
+                                                            prefix, scale):
+                continue
+            qh = q[start : start + n].transpose(0, 1)
+            keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             # 4-D (a batch of one): CPU's flash kernel takes only 4-D inputs; 3-D falls back to the math path (~4x slower)
             for lo, hi, bound in runs or ((0, n, None),):  # a block mask: each run of rows sees keys [0, bound)
                 res = F.scaled_dot_product_attention(

@@ -1,0 +1,251 @@
+// Causal attention of one prompt chunk (a prefill) on a CPU: built by prefill_kernel.py.
+//
+// torch's CPU flash kernel is sized for long sequences: on a 94-token prompt with 9 query heads of 64 (SmolLM2-135M)
+// it takes ~0.45 ms a layer, ~20 GFLOP/s, a tenth of a short prompt's time to first token. Here a task is one KV
+// head's query heads over a block of rows. Its scores are a small GEMM against the keys, transposed once per call
+// into fp32 (each FMA one query element broadcast against 16 keys, the accumulators in registers); the softmax is
+// exact over each row's causal keys; the output is a second small GEMM over the values (each FMA one probability
+// broadcast against 16 of a value's dimensions). fp32 accumulation; queries, keys, values and the output in the
+// chunk's dtype (fp32 or bf16).
+//
+// No torch headers: plain C ABI, called through ctypes with raw pointers. Only the AVX-512 build computes; the
+// others answer `mstar_prefill_vectorized() == 0` and the caller keeps torch's kernel.
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include <omp.h>
+
+#include "mstar_native.h"  // (mstar_core/nn: bf16, widen / narrow, load16, exp16)
+
+using mstar::bf16;
+
+extern "C" {
+
+// One chunk's call (prefill_kernel.py builds it per layer).
+struct PrefillPlan {
+    int64_t rows;    // query rows of the chunk
+    int64_t prefix;  // keys before the chunk's first row: row i attends to keys [0, prefix + i]
+    int64_t q_heads, kv_heads, head_dim;
+    int64_t q_row, q_head;  // strides (elements) of the queries [rows, q heads, D]
+    int64_t k_row, k_head;  // of the keys [prefix + rows, kv heads, D]
+    int64_t v_row, v_head;  // of the values
+    int64_t out_row, out_head;
+    float scale;
+    int32_t threads;
+};
+
+}  // extern "C"
+
+#if defined(__AVX512F__)
+namespace {
+
+using mstar::exp16;
+using mstar::load16;
+using mstar::narrow;
+using mstar::widen;
+
+constexpr int64_t MAX_VECTORS = 24;  // query vectors (rows x the group's heads) a task takes at most
+constexpr int64_t SCORE_VECTORS = 8;  // query vectors per score tile (x 32 keys: 16 accumulators)
+constexpr int64_t KEYS = 32;         // keys per score tile
+constexpr int64_t OUT_VECTORS = 4;   // query vectors per output tile (x 64 dimensions: 16 accumulators)
+constexpr int64_t DIMS = 64;         // dimensions per output tile
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// scores[v][0, 32) = sum over d of q[v][d] * keys_t[d][0, 32), for v < NV (keys_t: [D][ld], transposed keys)
+template <int NV>
+void score_tile(const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
+    __m512 acc[NV][2];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < d_len; ++d) {
+        const __m512 k0 = _mm512_loadu_ps(keys_t + d * ld), k1 = _mm512_loadu_ps(keys_t + d * ld + 16);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const __m512 x = _mm512_set1_ps(q[v * d_len + d]);
+            acc[v][0] = _mm512_fmadd_ps(x, k0, acc[v][0]);
+            acc[v][1] = _mm512_fmadd_ps(x, k1, acc[v][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(scores + v * ld_s, acc[v][0]);
+        _mm512_storeu_ps(scores + v * ld_s + 16, acc[v][1]);
+    }
+}
+
+void scores_for(int64_t nv, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
+    switch (nv) {
+        case 1: return score_tile<1>(q, d_len, keys_t, ld, scores, ld_s);
+        case 2: return score_tile<2>(q, d_len, keys_t, ld, scores, ld_s);
+        case 3: return score_tile<3>(q, d_len, keys_t, ld, scores, ld_s);
+        case 4: return score_tile<4>(q, d_len, keys_t, ld, scores, ld_s);
+        case 5: return score_tile<5>(q, d_len, keys_t, ld, scores, ld_s);
+        case 6: return score_tile<6>(q, d_len, keys_t, ld, scores, ld_s);
+        case 7: return score_tile<7>(q, d_len, keys_t, ld, scores, ld_s);
+        default: return score_tile<8>(q, d_len, keys_t, ld, scores, ld_s);
+    }
+}
+
+// out[v][0, 64) = inv[v] * sum over j < n of p[v][j] * vals[j][0, 64), for v < NV
+template <int NV, typename T>
+void output_tile(const float *p, int64_t ld_p, int64_t n, const T *vals, int64_t v_row, const float *inv, T *const *out) {
+    __m512 acc[NV][4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        const T *row = vals + j * v_row;
+        const __m512 x0 = load16(row), x1 = load16(row + 16), x2 = load16(row + 32), x3 = load16(row + 48);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+            const __m512 w = _mm512_set1_ps(p[v * ld_p + j]);
+            acc[v][0] = _mm512_fmadd_ps(w, x0, acc[v][0]);
+            acc[v][1] = _mm512_fmadd_ps(w, x1, acc[v][1]);
+            acc[v][2] = _mm512_fmadd_ps(w, x2, acc[v][2]);
+            acc[v][3] = _mm512_fmadd_ps(w, x3, acc[v][3]);
+        }
+    }
+    alignas(64) float tmp[DIMS];
+    for (int v = 0; v < NV; ++v) {
+        const __m512 s = _mm512_set1_ps(inv[v]);
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[v][c], s));
+        for (int64_t e = 0; e < DIMS; ++e) narrow(tmp[e], out[v] + e);
+    }
+}
+
+template <typename T>
+void output_for(int64_t nv, const float *p, int64_t ld_p, int64_t n, const T *vals, int64_t v_row, const float *inv,
+                T *const *out) {
+    switch (nv) {
+        case 1: return output_tile<1, T>(p, ld_p, n, vals, v_row, inv, out);
+        case 2: return output_tile<2, T>(p, ld_p, n, vals, v_row, inv, out);
+        case 3: return output_tile<3, T>(p, ld_p, n, vals, v_row, inv, out);
+        default: return output_tile<4, T>(p, ld_p, n, vals, v_row, inv, out);
+    }
+}
+
+// Row v's probabilities in place over its keys [0, len) (zero from len to `upto`); 1 / their sum
+float softmax_row(float *s, int64_t len, int64_t upto) {
+    __m512 top = _mm512_set1_ps(-3.0e38f);
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 keep = len - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
+        top = _mm512_mask_max_ps(top, keep, top, _mm512_loadu_ps(s + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 keep = len - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+        _mm512_storeu_ps(s + j, e);  // (zeros past len: the tile after this one starts at a multiple of 16)
+        total = _mm512_add_ps(total, e);
+    }
+    for (int64_t j = round_up(len, 16); j < upto; ++j) s[j] = 0.0f;
+    return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+template <typename T>
+int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
+    const int64_t d_len = p.head_dim, group = p.q_heads / p.kv_heads, keys = p.prefix + p.rows;
+    if (p.q_heads % p.kv_heads || group > MAX_VECTORS || d_len % DIMS || p.rows <= 0) return 1;
+    const int64_t ld = round_up(keys, KEYS);  // (transposed keys padded with zeros to whole tiles)
+    float *keys_t = static_cast<float *>(std::aligned_alloc(64, sizeof(float) * p.kv_heads * d_len * ld));
+    if (keys_t == nullptr) return 2;
+    const int64_t rows_per_task = MAX_VECTORS / group;
+    const int64_t blocks = (p.rows + rows_per_task - 1) / rows_per_task, tasks = blocks * p.kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(p.threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < p.kv_heads; ++h) {
+            float *dst = keys_t + h * d_len * ld;
+            for (int64_t j = 0; j < keys; ++j) {
+                const T *src = k + j * p.k_row + h * p.k_head;
+                for (int64_t d = 0; d < d_len; ++d) dst[d * ld + j] = widen(src[d]);
+            }
+            for (int64_t d = 0; d < d_len; ++d) std::memset(dst + d * ld + keys, 0, sizeof(float) * (ld - keys));
+        }
+        // per thread: its tasks' queries (scaled, fp32), scores / probabilities and 1 / their sums
+        float *qs = static_cast<float *>(std::aligned_alloc(64, sizeof(float) * MAX_VECTORS * (d_len + ld + 1)));
+        if (qs == nullptr) {
+#pragma omp atomic write
+            failed = 2;
+        }
+        float *scores = qs + MAX_VECTORS * d_len, *inv = scores + MAX_VECTORS * ld;
+        int64_t length[MAX_VECTORS];
+        T *dst[MAX_VECTORS];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+            if (qs == nullptr) continue;
+            const int64_t block = blocks - 1 - t / p.kv_heads, h = t % p.kv_heads;  // (the longest rows first)
+            const int64_t r0 = block * rows_per_task, r1 = r0 + rows_per_task < p.rows ? r0 + rows_per_task : p.rows;
+            const int64_t nv = (r1 - r0) * group;
+            for (int64_t i = 0; i < nv; ++i) {  // vector i: row r0 + i / group, query head h * group + i % group
+                const int64_t r = r0 + i / group, head = h * group + i % group;
+                const T *src = q + r * p.q_row + head * p.q_head;
+                for (int64_t d = 0; d < d_len; ++d) qs[i * d_len + d] = widen(src[d]) * p.scale;
+                length[i] = p.prefix + r + 1;
+                dst[i] = out + r * p.out_row + head * p.out_head;
+            }
+            const float *kt = keys_t + h * d_len * ld;
+            for (int64_t i = 0; i < nv; i += SCORE_VECTORS) {
+                const int64_t n = nv - i < SCORE_VECTORS ? nv - i : SCORE_VECTORS, upto = length[i + n - 1];
+                for (int64_t j = 0; j < upto; j += KEYS)
+                    scores_for(n, qs + i * d_len, d_len, kt + j, ld, scores + i * ld + j, ld);
+            }
+            const int64_t longest = length[nv - 1];
+            for (int64_t i = 0; i < nv; ++i) inv[i] = softmax_row(scores + i * ld, length[i], longest);
+            const T *vals = v + h * p.v_head;
+            for (int64_t i = 0; i < nv; i += OUT_VECTORS) {
+                const int64_t n = nv - i < OUT_VECTORS ? nv - i : OUT_VECTORS;
+                for (int64_t c = 0; c < d_len; c += DIMS) {
+                    T *at[OUT_VECTORS];
+                    for (int64_t u = 0; u < n; ++u) at[u] = dst[i + u] + c;
+                    output_for<T>(n, scores + i * ld, ld, length[i + n - 1], vals + c, p.v_row, inv + i, at);
+                }
+            }
+        }
+        std::free(qs);
+    }
+    std::free(keys_t);
+    return failed;
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 where this build computes (AVX-512); 0: the entry points refuse every call
+int mstar_prefill_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// 0 on success; 1: a shape it does not take (head dim not a multiple of 64, too many query heads a KV head, or not
+// vectorized here); 2: out of memory
+int mstar_prefill_attend_f32(const PrefillPlan *plan, const void *q, const void *k, const void *v, void *out) {
+#if defined(__AVX512F__)
+    return attend<float>(*plan, static_cast<const float *>(q), static_cast<const float *>(k),
+                         static_cast<const float *>(v), static_cast<float *>(out));
+#else
+    (void)plan, (void)q, (void)k, (void)v, (void)out;
+    return 1;
+#endif
+}
+
+int mstar_prefill_attend_bf16(const PrefillPlan *plan, const void *q, const void *k, const void *v, void *out) {
+#if defined(__AVX512F__)
+    return attend<bf16>(*plan, static_cast<const bf16 *>(q), static_cast<const bf16 *>(k),
+                        static_cast<const bf16 *>(v), static_cast<bf16 *>(out));
+#else
+    (void)plan, (void)q, (void)k, (void)v, (void)out;
+    return 1;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,82 @@
+"""The CPU prefill attention kernel (mstar_attn_torch/prefill_attention.cpp) against dense causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mstar_attn_torch import TorchPagedAttention, prefill_kernel
+from mstar_kvcache.batch import build_batch
+from mstar_kvcache.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(prefill_kernel.kernel_for(torch.float32) is None,
+                                reason="the prefill kernel computes on AVX-512 builds only")
+
+
+def _dense(q, k, v, prefix, scale):
+    """Row r of `q` over keys [0, prefix + r], in fp32."""
+    n, group = q.shape[0], q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1).transpose(0, 1)
+    vals = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * scale
+    seen = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(n))[:, None]
+    return (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ vals).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows,prefix,heads,kv_heads,dim", [
+    (1, 0, 9, 3, 64),      # one row: a single key
+    (5, 0, 9, 3, 64),      # fewer rows than a task's block
+    (94, 0, 9, 3, 64),     # SmolLM2's shape: tasks of 8 rows, a ragged last one
+    (33, 17, 8, 2, 128),   # after cached keys; two output tiles of dimensions
+    (200, 40, 4, 4, 64),   # no grouping; many key tiles
+    (70, 0, 24, 1, 64),    # one KV head for 24 query heads: one row a task
+])
+def test_kernel_matches_dense_causal_attention(dtype, tol, rows, prefix, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(rows + prefix)
+    # q, k and v as views of one fused projection's output, as a layer hands them over (rows strided)
+    fused = torch.randn(prefix + rows, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    q, k, v = fused[prefix:, :heads], fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+    out = torch.full((rows, heads, dim), float("nan"), dtype=dtype)
+    assert prefill_kernel.attend(q, k, v, out, prefix, dim**-0.5)
+    torch.testing.assert_close(out.float(), _dense(q, k, v, prefix, dim**-0.5), atol=tol, rtol=tol)
+
+
+def test_kernel_refuses_what_it_does_not_take():
+    q, kv = torch.randn(4, 4, 32), torch.randn(4, 2, 32)
+    assert not prefill_kernel.attend(q, kv, kv, torch.empty_like(q), 0, 1.0)  # head dim not a multiple of 64
+    q, kv = torch.randn(4, 4, 64), torch.randn(4, 2, 64)
+    assert not prefill_kernel.attend(q, kv, kv, torch.empty_like(q), 1, 1.0)  # keys are not prefix + rows
+    assert not prefill_kernel.attend(q, kv.half(), kv.half(), torch.empty_like(q), 0, 1.0)  # mixed dtypes
+    assert not prefill_kernel.attend(q.half(), kv.half(), kv.half(), torch.empty_like(q).half(), 0, 1.0)  # fp16
+
+
+PAGE, HQ, HKV, DIM = 16, 6, 2, 64
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("before,new", [([0, 0], [37, 20]), ([21, 0, 5], [40, 9, 1])])
+def test_backend_prefills_through_the_kernel(monkeypatch, dtype, tol, before, new):
+    """Fresh prompts and chunks after cached keys (scattered pages) take the kernel and match dense attention."""
+    taken = []
+    attend = prefill_kernel.attend
+    monkeypatch.setattr(prefill_kernel, "attend", lambda *a, **kw: taken.append(attend(*a, **kw)) or taken[-1])
+    pages = torch.randperm(32, generator=torch.Generator().manual_seed(0)).tolist()
+    work = []
+    for i, (old, n) in enumerate(zip(before, new, strict=True)):
+        seq = Sequence(f"r{i}", "main", tokens=[1] * (old + n), num_computed=old, order=i)
+        seq.pages = [pages.pop() for _ in range(-(-(old + n) // PAGE))]
+        work.append((seq, n))
+    gen = torch.Generator().manual_seed(1)
+    full = [[torch.randn(s.num_computed + n, h, DIM, generator=gen).to(dtype) for h in (HQ, HKV, HKV)] for s, n in work]
+    kv = torch.zeros(1, 2, 32, PAGE, HKV, DIM, dtype=dtype)
+    for (seq, _), (_, k, v) in zip(work, full, strict=True):  # the earlier tokens' keys already in their pages
+        for p in range(seq.num_computed):
+            kv[0, 0, seq.pages[p // PAGE], p % PAGE], kv[0, 1, seq.pages[p // PAGE], p % PAGE] = k[p], v[p]
+    _, batch = build_batch(work, PAGE, torch.device("cpu"))
+    q, k, v = (torch.cat([f[j][s.num_computed :] for (s, _), f in zip(work, full, strict=True)]) for j in range(3))
+    out = TorchPagedAttention("cpu").begin(batch, kv).attend(0, q, k, v, DIM**-0.5)
+    ref = torch.cat([_dense(fq[s.num_computed :], fk, fv, s.num_computed, DIM**-0.5)
+                     for (s, _), (fq, fk, fv) in zip(work, full, strict=True)])
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert taken and all(taken), taken  # every chunk of more than one row ran the kernel
+    assert len(taken) == sum(1 for n in new if n > 1)
