@@ -1,6 +1,7 @@
 """Builds the attention kernels (lane_attention.cpp, prefill_attention.cpp) with the package, once per
-instruction-set level, with mstar-core's builder (mstar_core/nn/native_build.py: from this checkout, else from the installed mstar-core;
-without either the kernel is built on first use, as before). The rest of the configuration is in pyproject.toml."""
+instruction-set level, with mstar-core's builder (mstar_core/nn/native_build.py: from this checkout, else from the
+installed mstar-core; without either the kernels are built on first use, as before). The rest of the configuration
+is in pyproject.toml."""
 
 import importlib.util
 import sys
