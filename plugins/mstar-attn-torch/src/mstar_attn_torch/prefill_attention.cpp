@@ -1,12 +1,12 @@
 // Causal attention of one prompt chunk (a prefill) on a CPU: built by prefill_kernel.py.
 //
 // torch's CPU flash kernel is sized for long sequences: on a 94-token prompt with 9 query heads of 64 (SmolLM2-135M)
-// it takes ~0.45 ms a layer, ~20 GFLOP/s, a tenth of a short prompt's time to first token. Here a task is one KV
-// head's query heads over a block of rows. Its scores are a small GEMM against the keys, transposed once per call
-// into fp32 (each FMA one query element broadcast against 16 keys, the accumulators in registers); the softmax is
-// exact over each row's causal keys; the output is a second small GEMM over the values (each FMA one probability
-// broadcast against 16 of a value's dimensions). fp32 accumulation; queries, keys, values and the output in the
-// chunk's dtype (fp32 or bf16).
+// it takes ~0.2-0.45 ms a layer, ~20-50 GFLOP/s, up to a tenth of a short prompt's time to first token. Here a task
+// is one KV head's query heads over a block of rows. It transposes the keys its rows see into fp32; its scores are a
+// small GEMM against them (each FMA one query element broadcast against 16 keys, the accumulators in registers); the
+// softmax is exact over each row's causal keys; the output is a second small GEMM over the values (each FMA one
+// probability broadcast against 16 of a value's dimensions). fp32 accumulation; queries, keys, values and the output
+// in the chunk's dtype (fp32 or bf16).
 //
 // No torch headers: plain C ABI, called through ctypes with raw pointers. Only the AVX-512 build computes; the
 // others answer `mstar_prefill_vectorized() == 0` and the caller keeps torch's kernel.
@@ -145,42 +145,50 @@ float softmax_row(float *s, int64_t len, int64_t upto) {
     return 1.0f / _mm512_reduce_add_ps(total);
 }
 
+// keys_t[d][j] = key j's dimension d (fp32) for j < n, zero for j in [n, round_up(n, KEYS))
+template <typename T>
+void transpose_keys(const T *k, int64_t k_row, int64_t n, int64_t d_len, float *keys_t, int64_t ld) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < d_len; ++d) keys_t[d * ld + j] = widen(k[j * k_row + d]);
+    const int64_t end = round_up(n, KEYS);
+    for (int64_t d = 0; d < d_len; ++d) std::memset(keys_t + d * ld + n, 0, sizeof(float) * (end - n));
+}
+
 template <typename T>
 int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
     const int64_t d_len = p.head_dim, group = p.q_heads / p.kv_heads, keys = p.prefix + p.rows;
     if (p.q_heads % p.kv_heads || group > MAX_VECTORS || d_len % DIMS || p.rows <= 0) return 1;
     const int64_t ld = round_up(keys, KEYS);  // (transposed keys padded with zeros to whole tiles)
-    float *keys_t = static_cast<float *>(std::aligned_alloc(64, sizeof(float) * p.kv_heads * d_len * ld));
-    if (keys_t == nullptr) return 2;
     const int64_t rows_per_task = MAX_VECTORS / group;
     const int64_t blocks = (p.rows + rows_per_task - 1) / rows_per_task, tasks = blocks * p.kv_heads;
     int failed = 0;
+    // One parallel loop and no barrier inside it: each thread transposes the keys its tasks see itself rather than
+    // waiting for a shared transpose, so a thread the OS holds up holds up no one until the end.
 #pragma omp parallel num_threads(p.threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < p.kv_heads; ++h) {
-            float *dst = keys_t + h * d_len * ld;
-            for (int64_t j = 0; j < keys; ++j) {
-                const T *src = k + j * p.k_row + h * p.k_head;
-                for (int64_t d = 0; d < d_len; ++d) dst[d * ld + j] = widen(src[d]);
-            }
-            for (int64_t d = 0; d < d_len; ++d) std::memset(dst + d * ld + keys, 0, sizeof(float) * (ld - keys));
-        }
-        // per thread: its tasks' queries (scaled, fp32), scores / probabilities and 1 / their sums
-        float *qs = static_cast<float *>(std::aligned_alloc(64, sizeof(float) * MAX_VECTORS * (d_len + ld + 1)));
-        if (qs == nullptr) {
+        // per thread: its task's transposed keys, queries (scaled, fp32), scores / probabilities and 1 / their sums
+        float *keys_t = static_cast<float *>(
+            std::aligned_alloc(64, sizeof(float) * round_up(d_len * ld + MAX_VECTORS * (d_len + ld + 1), 16)));
+        if (keys_t == nullptr) {
 #pragma omp atomic write
             failed = 2;
         }
-        float *scores = qs + MAX_VECTORS * d_len, *inv = scores + MAX_VECTORS * ld;
+        float *qs = keys_t + d_len * ld, *scores = qs + MAX_VECTORS * d_len, *inv = scores + MAX_VECTORS * ld;
         int64_t length[MAX_VECTORS];
         T *dst[MAX_VECTORS];
+        int64_t have_head = -1, have = 0;  // the KV head whose keys [0, have) this thread's keys_t holds
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
-            if (qs == nullptr) continue;
-            const int64_t block = blocks - 1 - t / p.kv_heads, h = t % p.kv_heads;  // (the longest rows first)
+            if (keys_t == nullptr) continue;
+            // a head's blocks in turn, the longest rows first: a thread's next task is mostly its last one's head
+            // over fewer keys, whose transpose it already holds
+            const int64_t h = t / blocks, block = blocks - 1 - t % blocks;
             const int64_t r0 = block * rows_per_task, r1 = r0 + rows_per_task < p.rows ? r0 + rows_per_task : p.rows;
-            const int64_t nv = (r1 - r0) * group;
+            const int64_t nv = (r1 - r0) * group, longest = p.prefix + r1;
+            if (h != have_head || longest > have) {
+                transpose_keys(k + h * p.k_head, p.k_row, longest, d_len, keys_t, ld);
+                have_head = h, have = longest;
+            }
             for (int64_t i = 0; i < nv; ++i) {  // vector i: row r0 + i / group, query head h * group + i % group
                 const int64_t r = r0 + i / group, head = h * group + i % group;
                 const T *src = q + r * p.q_row + head * p.q_head;
@@ -188,13 +196,11 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
                 length[i] = p.prefix + r + 1;
                 dst[i] = out + r * p.out_row + head * p.out_head;
             }
-            const float *kt = keys_t + h * d_len * ld;
             for (int64_t i = 0; i < nv; i += SCORE_VECTORS) {
                 const int64_t n = nv - i < SCORE_VECTORS ? nv - i : SCORE_VECTORS, upto = length[i + n - 1];
                 for (int64_t j = 0; j < upto; j += KEYS)
-                    scores_for(n, qs + i * d_len, d_len, kt + j, ld, scores + i * ld + j, ld);
+                    scores_for(n, qs + i * d_len, d_len, keys_t + j, ld, scores + i * ld + j, ld);
             }
-            const int64_t longest = length[nv - 1];
             for (int64_t i = 0; i < nv; ++i) inv[i] = softmax_row(scores + i * ld, length[i], longest);
             const T *vals = v + h * p.v_head;
             for (int64_t i = 0; i < nv; i += OUT_VECTORS) {
@@ -206,9 +212,8 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
                 }
             }
         }
-        std::free(qs);
+        std::free(keys_t);
     }
-    std::free(keys_t);
     return failed;
 }
 
