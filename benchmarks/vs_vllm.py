@@ -19,13 +19,13 @@ M* / vLLM, medians over rounds. The greedy c=1 texts of both sides are compared.
 bf16 figure is a speed claim only where they include bf16 units (avx512_bf16 or amx_bf16).
 
     python benchmarks/vs_vllm.py            # full: 2 rounds, c=1/8/32, fp32 and bf16, every vLLM layout
-    python benchmarks/vs_vllm.py --quick    # one round, c=8, fp32, one wave, every vLLM layout
+    python benchmarks/vs_vllm.py --quick    # one round, c=8, fp32, one wave, 64 tokens, every vLLM layout
 
 The final line is one JSON object: `tok_s_ratio_c{1,8,32}_{fp32,bf16}` and `ttft_p50_ratio_c{c}_{dtype}` (against
 vLLM's fastest layout at that level and dtype), `ttft_p50_ratio_max`, `startup_ratio` (vLLM's quickest layout),
 `{figure}_c{c}_{dtype}` ({"mstar", "vllm"}: vLLM's best), per layout `vllm_layouts_c{c}_{fp32,bf16}` (each
 layout's figures and M*'s ratios to them), `vllm_layout_used_c{c}_{fp32,bf16}` (which layout each ratio is
-against), `vllm_startup_s_{fp32,bf16}`, `cpu_flags`, ...
+against), `vllm_startup_s_{fp32,bf16}`, `measure_s` (seconds under load, start-ups aside), `cpu_flags`, ...
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ from mstar_core import openmp  # the runtime the mstar command re-executes on (p
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUTPUT_TOKENS = 128
+#: `--quick`'s output tokens: its one wave at c=8 stays under a minute of measuring with every layout, even where
+#: one of vLLM's layouts collapses to ~17-19 tok/s (OpenMP bound to both cores of a loaded 2-core VM)
+QUICK_OUTPUT_TOKENS = 64
 PROMPT_TOKENS = (64, 200)
 #: Requests per level: c=1 gets 3; higher levels `--waves` x c (default 2: the closed loop reaches its steady state).
 C1_REQUESTS = 3
@@ -211,7 +214,7 @@ async def step_seconds(client: Any, node: str = "lm") -> float | None:
 
 
 async def run_side(server: Server, levels: list[int], prompts: dict[int, list[list[int]]], warm: list[list[int]],
-                   start_timeout: float) -> dict[str, Any]:
+                   start_timeout: float, output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """Start one server, warm it up, run every load level, stop it. Figures per level plus the c=1 texts."""
     import httpx
 
@@ -223,7 +226,7 @@ async def run_side(server: Server, levels: list[int], prompts: dict[int, list[li
             out: dict[str, Any] = {"startup_s": startup, "levels": {}}
             for c in levels:
                 cpu0, busy0 = server.cpu_s(), await step_seconds(client)
-                results, wall = await closed_loop(client, prompts[c], c, OUTPUT_TOKENS)
+                results, wall = await closed_loop(client, prompts[c], c, output_tokens)
                 figures = summarize(results, wall)
                 figures["cpu_s_per_1k_tok"] = (server.cpu_s() - cpu0) / figures["tokens"] * 1e3
                 busy1 = await step_seconds(client)
@@ -415,6 +418,12 @@ def side_order(layouts: list[str], round_index: int) -> list[str | None]:
     return [None, *layouts[turn:], *layouts[:turn]]
 
 
+def measuring_seconds(runs: list[dict]) -> float:
+    """Wall seconds the load levels took over `runs` (every server, round and level: the part `--quick` keeps under a
+    minute where the machine allows; start-ups and warm-ups come on top)."""
+    return sum(figures.get("wall_s", 0.0) for r in runs for figures in r.get("levels", {}).values())
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     levels = [8] if args.quick else [int(c) for c in args.concurrency.split(",")]
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
@@ -428,6 +437,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"vLLM {version} from {python}" + (f" (installed now in {install_s:.0f} s)" if install_s else ""))
     model_dir = export_smollm2(cache)
     waves = 1 if args.quick else args.waves
+    output_tokens = args.output_tokens or (QUICK_OUTPUT_TOKENS if args.quick else OUTPUT_TOKENS)
     prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
     warm = make_prompts(model_dir, 4, seed=99)
     cores = os.cpu_count() or 1
@@ -438,7 +448,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"vLLM settings, layout {name!r}: env {venv_env}, flags {extra} --dtype <dtype>")
     print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'} (it preloads "
           f"{':'.join(openmp.libraries()) or 'nothing'} itself unless MSTAR_OPENMP=gnu)")
-    print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
+    print(f"workload: {output_tokens} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
           f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (M* then every vLLM layout, "
           "their order turned each round)")
     mstar_runs: dict[str, list] = {d: [] for d in dtypes}
@@ -457,7 +467,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         label, into = f"vllm {side!r}", vllm_runs[dtype][side]
                     t0 = time.perf_counter()
                     try:
-                        res = await run_side(server, levels, prompts, warm, args.start_timeout)
+                        res = await run_side(server, levels, prompts, warm, args.start_timeout, output_tokens)
                     except Exception as exc:  # one side failing is a figure missing, not the run lost
                         tail = server.log.read_text(errors="replace")[-1500:] if server.log.exists() else ""
                         res = {"error": f"{label} {dtype} round {r}: {exc}"}
@@ -467,8 +477,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"round {r} {dtype} {label}: start-up {res.get('startup_s', float('nan')):.1f} s, "
                           f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
     out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version,
-                           "vllm_threads": None if cuda else list(layouts)}
+                           "vllm_threads": None if cuda else list(layouts), "output_tokens": output_tokens}
     summarize_layouts(out, mstar_runs, vllm_runs, dtypes, levels, "vllm")
+    every_run = [*(r for d in dtypes for r in mstar_runs[d]), *(r for d in dtypes for rs in vllm_runs[d].values()
+                                                                 for r in rs)]
+    out["measure_s"] = round(measuring_seconds(every_run), 1)
     out["cpu_flags"] = flags
     out["bf16_claimable"] = flags["bf16_units"]
     out["install_s"] = round(install_s, 1)
@@ -478,7 +491,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one round, c=8, fp32, one wave (every layout)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"one round, c=8, fp32, one wave, {QUICK_OUTPUT_TOKENS} output tokens (every layout)")
+    parser.add_argument("--output-tokens", type=int, default=None,
+                        help=f"output tokens per request (default {OUTPUT_TOKENS}; {QUICK_OUTPUT_TOKENS} with --quick)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per dtype (default 2: A B A B)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")

@@ -21,7 +21,7 @@ def _round(levels: dict[int, tuple[float, float]], startup: float = 10.0, texts=
     """One server's round: per level (tok/s, TTFT p50 ms); the other figures derived so each is traceable."""
     out = {"startup_s": startup, "levels": {
         c: {"tok_s": tok, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 2, "itl_p50_ms": 1000 / tok,
-            "cpu_s_per_1k_tok": tok / 10} for c, (tok, ttft) in levels.items()}}
+            "cpu_s_per_1k_tok": tok / 10, "wall_s": 1000 / tok} for c, (tok, ttft) in levels.items()}}
     if texts is not None:
         out["texts"] = texts
     return out
@@ -129,11 +129,13 @@ def test_main_serves_every_layout_at_every_level_and_dtype(monkeypatch, tmp_path
     """The run itself with the servers faked: per round and dtype M* then each layout (order turned), each at every
     level, and the JSON's ratios against the faster layout."""
     served: list[tuple[str, str]] = []
+    asked: list[tuple[tuple[int, ...], int]] = []
     speed = {"mstar": 300.0, "vllm all": 200.0, "vllm default": 100.0}
 
-    async def fake_run_side(server, levels, prompts, warm, start_timeout):
+    async def fake_run_side(server, levels, prompts, warm, start_timeout, output_tokens):
         dtype = server.cmd[server.cmd.index("--dtype") + 1]
         served.append((server.name, dtype))
+        asked.append((tuple(levels), output_tokens))
         boost = 3.0 if (server.name == "vllm default" and dtype == "bfloat16") else 1.0  # bf16: 'default' wins
         return _round({c: (speed[server.name] * boost / (1 + c / 100), 100.0) for c in levels}, 5.0)
 
@@ -145,13 +147,16 @@ def test_main_serves_every_layout_at_every_level_and_dtype(monkeypatch, tmp_path
     monkeypatch.setattr(vs_vllm, "load", lambda: "load")
     args = argparse.Namespace(quick=False, concurrency="1,8", dtypes="float32,bfloat16", rounds=2, waves=1,
                               device="cpu", no_install=True, kv_gib=4, vllm_threads="every", mstar_env=[],
-                              start_timeout=1.0)
+                              start_timeout=1.0, output_tokens=None)
     out = asyncio.run(vs_vllm.main(args))
     assert served == [("mstar", "float32"), ("vllm all", "float32"), ("vllm default", "float32"),
                       ("mstar", "bfloat16"), ("vllm all", "bfloat16"), ("vllm default", "bfloat16"),
                       ("mstar", "float32"), ("vllm default", "float32"), ("vllm all", "float32"),
                       ("mstar", "bfloat16"), ("vllm default", "bfloat16"), ("vllm all", "bfloat16")]
-    assert out["vllm_threads"] == ["all", "default"]
+    assert out["vllm_threads"] == ["all", "default"] and set(asked) == {((1, 8), 128)}
+    walls = [1000 / (speed[n] * (3.0 if (n, d) == ("vllm default", "bfloat16") else 1.0) / (1 + c / 100))
+             for n, d in served for c in (1, 8)]
+    assert out["measure_s"] == round(sum(walls), 1)  # every server's levels, start-ups not counted
     for c in (1, 8):
         assert out[f"tok_s_ratio_c{c}_fp32"] == 1.5 and out[f"vllm_layout_used_c{c}_fp32"]["tok_s"] == "all"
         assert out[f"tok_s_ratio_c{c}_bf16"] == 1.0 and out[f"vllm_layout_used_c{c}_bf16"]["tok_s"] == "default"
@@ -161,3 +166,10 @@ def test_main_serves_every_layout_at_every_level_and_dtype(monkeypatch, tmp_path
     args.vllm_threads, args.rounds, args.dtypes = "all", 1, "float32"
     out = asyncio.run(vs_vllm.main(args))
     assert served == [("mstar", "float32"), ("vllm all", "float32")] and out["vllm_threads"] == ["all"]
+
+    served.clear(), asked.clear()  # --quick: fewer levels and tokens, the same comparison (every layout)
+    args.vllm_threads, args.quick = "every", True
+    out = asyncio.run(vs_vllm.main(args))
+    assert served == [("mstar", "float32"), ("vllm all", "float32"), ("vllm default", "float32")]
+    assert set(asked) == {((8,), vs_vllm.QUICK_OUTPUT_TOKENS)} and out["output_tokens"] == vs_vllm.QUICK_OUTPUT_TOKENS
+    assert out["tok_s_ratio_c8_fp32"] == 1.5 and out["vllm_layout_used_c8_fp32"]["tok_s"] == "all"
