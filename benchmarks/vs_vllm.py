@@ -495,7 +495,7 @@ if __name__ == "__main__":
                         help=f"one round, c=8, fp32, one wave, {QUICK_OUTPUT_TOKENS} output tokens (every layout)")
     parser.add_argument("--output-tokens", type=int, default=None,
                         help=f"output tokens per request (default {OUTPUT_TOKENS}; {QUICK_OUTPUT_TOKENS} with --quick)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per dtype (default 2: A B A B)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per dtype, each M* then every vLLM layout (default 2)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--waves", type=int, default=2, help="requests per level above 1, in multiples of the level")
