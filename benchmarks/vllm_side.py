@@ -85,8 +85,8 @@ def _system_lib(name: str) -> str | None:
     return None
 
 
-#: vLLM's CPU thread layouts the benchmark can serve with: OpenMP bound to every core, or vLLM's own default (one
-#: core left to the frontend and engine processes)
+#: vLLM's CPU thread layouts the benchmark serves with, each at every level and dtype: OpenMP bound to every core, and
+#: vLLM's own default (one core left to the frontend and engine processes)
 THREAD_LAYOUTS = ("all", "default")
 
 
@@ -99,7 +99,8 @@ def cpu_settings(python: Path, cores: int, kv_gib: int, max_num_seqs: int,
     box halves the model's threads), `"default"` keeps vLLM's own layout. Which is faster depends on the machine:
     on a VM where a TLB shootdown to a busy vCPU is slow, vLLM's worker with a second OpenMP thread spinning runs
     ~20x slower (CPython returns a frame-stack chunk with munmap on every crossing of a chunk edge, thousands a
-    token), so the benchmark measures both and keeps the faster (`vs_vllm.py --vllm-threads`).
+    token), and on a box where binding wins at c=8 it may still lose at c=1 or in bf16, so the benchmark serves every
+    layout at every level and dtype and compares with the fastest each time (`vs_vllm.py --vllm-threads` pins one).
     """
     if threads not in THREAD_LAYOUTS:
         raise ValueError(f"threads must be one of {THREAD_LAYOUTS}, got {threads!r}")

