@@ -44,7 +44,10 @@ def greedy_tokens(logits: torch.Tensor, variant: str | None = None) -> torch.Ten
         return None
     rows = logits.shape[0]
     out = torch.empty(rows, dtype=torch.long)
-    fn(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], out.data_ptr(), torch.get_num_threads())
+    args = (logits.data_ptr(), logits.stride(0), rows, logits.shape[1], out.data_ptr(), torch.get_num_threads())
+    fn(*args)
+    if native.RECORDER is not None:  # (a tape recording this thread's kernel calls: a replayed head's tokens, tape.py)
+        native.RECORDER.record(fn, args)
     return out
 
 

@@ -53,6 +53,10 @@ def _llama3(params: Mapping[str, Any], dim: int) -> tuple[torch.Tensor, float]:
     return scaled, 1.0
 
 
+#: Rows of the cached CPU tables: the first size, and the largest (positions beyond it are computed each time)
+MIN_TABLE_ROWS = 1024
+MAX_TABLE_ROWS = 1 << 17
+
 ROPE_INIT: dict[str, RopeInit] = {"default": _default, "linear": _linear, "llama3": _llama3}
 
 
@@ -85,12 +89,43 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = ROPE_INIT[kind](params, self.rotary_dim)
         self.inv_freq = inv_freq
         self.rope_type = kind
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of CPU positions 0..n-1: see `_rows`
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1 and positions.is_cpu and positions.dtype == torch.long:
+            return self._rows(positions)
+        return self._tables_at(positions)
+
+    def _tables_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rows of `positions`, computed."""
         inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU positions' rows read from tables computed once for positions 0..n-1 (grown as positions grow).
+
+        A decode step's rotary tables were ten torch ops a step (on a CPU, right after a replayed step has streamed
+        every weight through the caches: ~0.1 ms at one row); here two row gathers. Every CPU step, eager, recorded or
+        replayed, reads the same table, so they agree bit for bit; positions past `MAX_TABLE_ROWS` (or negative) are
+        computed, as before.
+        """
+        table = self._table
+        if table is not None:
+            try:
+                return table[0].index_select(0, positions), table[1].index_select(0, positions)
+            except IndexError:  # (a position past the table: grow it below)
+                pass
+        if not positions.numel():
+            return self._tables_at(positions)
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= MAX_TABLE_ROWS:
+            return self._tables_at(positions)
+        rows = max(MIN_TABLE_ROWS, 1 << high.bit_length())  # (doubling: a long prompt grows it a few times at most)
+        with torch.inference_mode(False):  # (a plain tensor: read from inference mode and outside it alike)
+            self._table = table = self._tables_at(torch.arange(min(rows, MAX_TABLE_ROWS)))
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, rope_type={self.rope_type}"

@@ -27,6 +27,7 @@ enum Kind : int64_t {
     GELU = 10,          // void (x, count, threads)
     CROSS = 11,         // int (plan, q, keys, values, out)
     LAYER_NORM = 12,    // void (x, x_row, weight, bias, out, rows, dim, eps, threads)
+    ARGMAX = 13,        // void (x, row, rows, width, out, threads): greedy tokens of logits (next_token.cpp)
 };
 
 constexpr int MAX_ARGS = 12;
@@ -96,6 +97,9 @@ int run(const Op &o) {
         case LAYER_NORM:
             as<void, ptr, i64, ptr, ptr, ptr, i64, i64, float, int>(o.fn)(p(a[0]), a[1], p(a[2]), p(a[3]), p(a[4]), a[5],
                                                                           a[6], f(a[7]), n(a[8]));
+            return 0;
+        case ARGMAX:
+            as<void, ptr, i64, i64, i64, ptr, int>(o.fn)(p(a[0]), a[1], a[2], a[3], p(a[4]), n(a[5]));
             return 0;
         default:
             return -1;

@@ -33,7 +33,8 @@ _ARGS = 12  # argument slots a call has (MAX_ARGS in tape.cpp)
 _CODES = {ctypes.c_void_p: "p", ctypes.c_int64: "q", ctypes.c_int: "i", ctypes.c_float: "f", None: "v"}
 #: The C signatures a tape replays (result, then arguments: p pointer, q int64, i int, f float), as tape.cpp's `Kind`
 KINDS = {"i:pqpppqqqqip": 1, "i:pqppppqqqqip": 2, "v:pqppqqfi": 3, "v:ppqppqqfi": 4, "v:pqpqqi": 5, "v:pqqqqqppi": 6,
-         "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9, "v:pqi": 10, "i:ppppp": 11, "v:pqpppqqfi": 12}
+         "i:ppppppppp": 7, "v:ppqqqi": 8, "v:pqqqqqppfi": 9, "v:pqi": 10, "i:ppppp": 11, "v:pqpppqqfi": 12,
+         "v:pqqqpi": 13}
 #: The environment variable that sets `NEXT_WEIGHT_BYTES` (bytes, a whole number; 0 turns the hints off)
 NEXT_WEIGHT_ENV = "MSTAR_NEXT_WEIGHT_BYTES"
 
@@ -89,6 +90,8 @@ class Tape:
         self.keep: list[torch.Tensor] = []  # every tensor allocated while recording
         self.failure: str | None = None  # what made the recording unusable (None: usable)
         self._array = None
+        self._address = 0  # the recorded calls' address, and the C loop that replays them (set when recorded)
+        self._runner = None
         # per linear call in order: (where its hint argument sits in `calls`, its weight's address, its hint stride)
         self._linears: list[tuple[int, int, int]] = []
         self._hints = None  # the linears' NextWeight hints, which the replayed calls point into
@@ -141,6 +144,8 @@ class Tape:
             for i, (slot, _, _) in enumerate(self._linears):  # (the last linear has none after it: its hint stays 0)
                 self.calls[slot] = ctypes.addressof(self._hints) + i * ctypes.sizeof(NextWeight)
             self._array = (ctypes.c_int64 * len(self.calls))(*self.calls)
+            self._address = ctypes.addressof(self._array)
+            self._runner = _runner()  # (resolved once: a replay is one C call, and little Python after a cold step)
             self.hint_next_weights(NEXT_WEIGHT_BYTES)
 
     def hint_next_weights(self, per_thread: int) -> None:
@@ -157,7 +162,7 @@ class Tape:
         """Run the recorded calls again, in order, from C (the GIL released)."""
         if self._array is None:
             raise RuntimeError(f"this tape does not replay: {self.failure or 'not recorded'}")
-        failed = _runner()(ctypes.addressof(self._array), self.count)
+        failed = self._runner(self._address, self.count)
         if failed:
             raise RuntimeError(f"replayed kernel call {failed - 1} refused (not built for this CPU, or no memory)")
 

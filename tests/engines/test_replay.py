@@ -187,3 +187,73 @@ def test_qwen3_qk_norm_layers_replay_too(tmp_path):
     assert got == generate(make_engine(model, num_pages=128, page_size=4, replay_steps=False), prompts, 16)
     if _replays(model):
         assert replaying.replay.enabled and replaying.replay.replayed >= 12
+
+
+def _hidden_node():
+    from mstar_core.graph import GraphNode
+
+    return GraphNode("lm", inputs=("input_ids",), outputs=("next_token", "finish_reason", "hidden"), engine="kvcache",
+                     optional_inputs=("sampling",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_replayed_steps_pick_their_tokens_with_the_head(llama_pair, dtype, monkeypatch):
+    """A step whose rows are all greedy replays the argmax after the head (no sampler call): the same tokens as eager
+    steps; a step with a sampled row leaves the tokens to the sampler, and its seeded draws are unchanged."""
+    from mstar_kvcache import sampler
+
+    from mstar_core.sampling import SamplingParams
+
+    _, ours = llama_pair
+    model = copy.deepcopy(ours).to(dtype)
+    prompts = {"a": [1, 2, 3, 4], "b": [9, 8, 7], "c": list(range(20, 31))}
+    picked = [0]
+    plain = sampler.greedy_tokens
+
+    def counted(logits):
+        picked[0] += 1
+        return plain(logits)
+
+    monkeypatch.setattr(sampler, "greedy_tokens", counted)
+    eager = generate(make_engine(model, num_pages=256, page_size=4, replay_steps=False), prompts, 16)
+    eager_picks, picked[0] = picked[0], 0
+    replaying = make_engine(model, num_pages=256, page_size=4)
+    assert generate(replaying, prompts, 16) == eager
+    if not _replays(model):
+        pytest.skip("no own linear kernel on this CPU: every step ran eagerly")
+    assert any(p.tokens for p in replaying.replay.programs.values())
+    # every replayed step took the head's tokens: the sampler picked only the recorded and eager steps' tokens
+    assert replaying.replay.replayed >= 10 and picked[0] == eager_picks - replaying.replay.replayed
+    # a sampled row in the batch: the sampler draws every row, as without a replay
+    params = {"a": {"sampling": SamplingParams(temperature=0.9, seed=3, max_tokens=64)}}
+    drawn = generate(make_engine(model, num_pages=256, page_size=4), prompts, 16, inputs=params)
+    assert drawn == generate(make_engine(model, num_pages=256, page_size=4, replay_steps=False), prompts, 16,
+                             inputs=params)
+
+
+def test_returned_hidden_rows_are_not_overwritten_by_later_replays(llama_pair):
+    """A replayed step hands out its own buffer only where nothing reads it after the step: returned hidden rows are
+    copies, each equal to the eager step's."""
+    from mstar_kvcache import KVCacheEngine
+
+    from mstar_core.runtime.engine import EngineContext
+
+    _, ours = llama_pair
+
+    def run(replay: bool) -> list[torch.Tensor]:
+        engine = KVCacheEngine(_hidden_node(), ours, EngineContext("test", torch.device("cpu"),
+                                                                   {"num_pages": 96, "page_size": 4,
+                                                                    "replay_steps": replay}))
+        rows = []
+        engine.add(Invocation("r", "lm", {"input_ids": [5, 6, 7]}, {}))
+        while engine.has_work():
+            for _, out in engine.step():
+                rows.append(out["hidden"])
+                if len(rows) < 12:
+                    engine.add(Invocation("r", "lm", {"input_ids": out["next_token"]}, {}))
+        return rows
+
+    got, ref = run(True), run(False)
+    assert len(got) == len(ref) == 12
+    assert torch.equal(torch.stack(got), torch.stack(ref))
+    assert len({t.data_ptr() for t in got}) == len(got)

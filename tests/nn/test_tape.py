@@ -211,3 +211,24 @@ def test_gelu_layer_norm_and_cross_attention_calls_replay_with_the_eager_bits():
         recorded.replay()
         with torch.inference_mode():
             assert torch.equal(out, run(fresh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_replay_over_fresh_logits(dtype):
+    """The argmax of `next_token.cpp` records like any kernel: a replay picks each row's index of the logits now in
+    the recorded buffer (torch's first-maximum rule, as eager)."""
+    from mstar_core.nn.logits import greedy_tokens
+
+    logits = torch.randn(3, 1000).to(dtype)
+    recorded = tape.Tape()
+    with recorded.recording():
+        tokens = greedy_tokens(logits)
+    if tokens is None:
+        pytest.skip("no C++ compiler here")
+    assert recorded.failure is None and recorded.count == 1
+    for seed in range(3):
+        fresh = torch.randn(3, 1000, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        fresh[1] = fresh[1].round()  # ties: the first maximum
+        logits.copy_(fresh)
+        recorded.replay()
+        assert torch.equal(tokens, fresh.float().max(-1).indices)

@@ -79,11 +79,31 @@ class CallAnswers:
             results.append(self._complete(seq, out))
         return results
 
+    def reads_hidden_later(self, work: list[tuple[Sequence, int]]) -> bool:
+        """Whether a step's hidden rows are read after the step's answers (returned, or gathered over several steps):
+        if not, a replayed step may hand out its own buffer, which the next step overwrites."""
+        return (self.returns_hidden or not self.rows.samples or bool(self.rows.extra_outputs)
+                or any(seq.gathers or seq.speculation is not None and seq.speculation.drafts for seq, _ in work))
+
+    def takes_argmax(self, work: list[tuple[Sequence, int]]) -> bool:
+        """Whether every row of a step will be its logits' argmax as the head wrote them (greedy, nothing adjusting
+        or masking the logits, no log-probabilities): a replayed step may then pick the tokens with its head."""
+        if self.no_token is not None or self.process_logits is not None:
+            return False
+        for seq, _ in work:
+            params = seq.sampling
+            if seq.grammar is not None or params is not None and (
+                    not params.greedy or params.logprobs is not None or params.adjusts_logits
+                    or params.grammar is not None):
+                return False
+        return True
+
     def finish(self, done: list[tuple[Sequence, int]], hidden: torch.Tensor,
-               step_logits: torch.Tensor | None = None) -> list[Result]:
+               step_logits: torch.Tensor | None = None, step_tokens: torch.Tensor | None = None) -> list[Result]:
         """Sampled outputs of the calls in `done` (each with its row of `hidden`); a `decode_steps` call going on
         gives none. `step_logits`: the logits of every row of `hidden`, where the step computed them (a replay that
-        ran the LM head: a buffer the next step overwrites)."""
+        ran the LM head: a buffer the next step overwrites); `step_tokens`: each row's argmax over them, where the
+        step picked those too (`takes_argmax`)."""
         # per-token outputs of the calls that asked, computed before sampling (a failure there fails them alone)
         asked = [(s, r) for s, r in done if s.collected]
         extras: dict[int, dict[str, torch.Tensor]] = {}
@@ -97,18 +117,19 @@ class CallAnswers:
                 return failed + (self.finish(rest, hidden, step_logits) if rest else [])
         rows = [r for _, r in done]
         # every row of the step, in order (a decode step): the rows themselves, no index tensor and copy
-        logits = step_logits
+        logits, tokens = step_logits, None if step_logits is None else step_tokens
         if rows == list(range(hidden.shape[0])):
             last = hidden
         else:
             index = torch.tensor(rows, device=hidden.device)
             last = hidden[index]
             logits = None if logits is None else logits[index]
+            tokens = None if tokens is None else tokens[index]
         if logits is not None and self.returns_logits:  # (answered as they are: a copy the next step keeps off)
             logits = logits.clone()
         seqs = [s for s, _ in done]
         try:
-            logits, picked = self.sample(seqs, last, logits)
+            logits, picked = self.sample(seqs, last, logits, tokens)
         except Exception:
             # One row's parameters broke the batched sampling: sample each row alone so only it fails.
             # (The sampler draws last, so no row's generator advanced before the failure.)
@@ -125,9 +146,10 @@ class CallAnswers:
             return self.fail(seq, exc)
         return self._answer(seq, 0, logits, picked, last, extras)
 
-    def sample(self, seqs: list[Sequence], last: torch.Tensor,
-               logits: torch.Tensor | None = None) -> tuple[torch.Tensor, Sampled]:
-        """The logits of `last` (one row per sequence; `logits`: already computed) and the tokens drawn from them."""
+    def sample(self, seqs: list[Sequence], last: torch.Tensor, logits: torch.Tensor | None = None,
+               argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, Sampled]:
+        """The logits of `last` (one row per sequence; `logits`: already computed, `argmax`: their rows' argmax, as
+        computed with them) and the tokens drawn from them."""
         with torch.inference_mode():
             if logits is None:
                 logits = self.module.compute_logits(last)
@@ -140,9 +162,11 @@ class CallAnswers:
             grammars = None
             if any(s.sampling is not None and s.sampling.grammar is not None or s.grammar is not None for s in seqs):
                 grammars = attach_grammars(self.node, self.grammar_vocab, seqs)
+            if argmax is not None and (self.no_token is not None or self.process_logits is not None):
+                argmax = None  # (taken before the logits were masked)
             picked = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                                  [penalty_history(s) for s in seqs], logprobs=wanted,
-                                 generated=[s.generated for s in seqs], grammars=grammars)
+                                 generated=[s.generated for s in seqs], grammars=grammars, argmax=argmax)
         return logits, picked
 
     def _answer(self, seq: Sequence, i: int, logits: torch.Tensor, picked: Sampled, last: torch.Tensor,

@@ -426,6 +426,9 @@ class KVCacheEngine(Engine):
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Result]:
         """Forward `work`, advance its sequences, and answer those whose input is now all computed."""
+        # (a replayed step then hands out its hidden rows as they lie, and picks greedy rows' tokens with its head)
+        self.forward.expect(keep=self.answers.reads_hidden_later(work),
+                            greedy=self.samples and self.answers.takes_argmax(work))
         try:
             hidden = self.forward.run(work)
         except Exception as exc:
@@ -469,4 +472,4 @@ class KVCacheEngine(Engine):
             return verified
         if not self.samples:
             return verified + self.answers.finish_rows(done)
-        return verified + self.answers.finish(done, hidden, self.forward.logits)
+        return verified + self.answers.finish(done, hidden, self.forward.logits, self.forward.tokens)

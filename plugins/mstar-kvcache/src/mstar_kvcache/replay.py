@@ -22,7 +22,14 @@ when its weights may have changed (a recording made under another generation rec
 An engine that samples every row of such a step also has the module's `compute_logits` recorded over the recorded
 hidden rows, as a second tape replayed right after the layers': the LM head runs with no Python between it and the
 last layer, into a buffer the step's sampler reads (`logits`). A head that does not record (a torch op: an unpacked
-or vocabulary-split head) leaves the layers' replay as it was and is computed after the step.
+or vocabulary-split head) leaves the layers' replay as it was and is computed after the step. A step whose rows are
+all greedy (the engine says so: `forward(..., greedy=True)`) also replays each row's argmax over those logits
+(`mstar_core.nn.logits.greedy_tokens`, a third tape recorded the first time a step asks), into `tokens`: after a
+replay has streamed every weight through the caches, the sampler's Python around that one kernel cost as much as the
+kernel's own pass over the row.
+
+A replayed step's final hidden rows are the recording's buffer, which the next replay overwrites: `forward` hands out
+a copy unless the caller says it reads them only before the next step (`keep=False`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from mstar_core.nn import tape as tapes
+from mstar_core.nn.logits import greedy_tokens
 from mstar_core.nn.replayable import WeightsGeneration, splits_forward, weights_generation
 
 log = logging.getLogger("mstar.kvcache.replay")
@@ -52,6 +60,9 @@ class _Program:
                  weights: WeightsGeneration, head: tuple[tapes.Tape, torch.Tensor] | None = None):
         self.tape, self.inputs, self.output = tape, inputs, output
         self.head = head  # (the LM head's tape over `output`, the logits it writes), where recorded
+        # (the argmax's tape over the head's logits, the tokens it writes): recorded when a greedy step first asks;
+        # False where it does not record (no kernel built here)
+        self.tokens: tuple[tapes.Tape, torch.Tensor] | None | bool = None
         self.context = context  # (holds the lane plan the recorded attention calls point at)
         self.nbytes = tape.nbytes() + (head[0].nbytes() if head is not None else 0)
         # a replay trusts the weights as recorded: loading weights, assigning a parameter or repacking a packed
@@ -62,13 +73,30 @@ class _Program:
         """Whether the weights are still those recorded."""
         return self.weights.value == self.generation
 
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def run(self, inputs: tuple[torch.Tensor, ...], keep: bool = True, greedy: bool = False) -> torch.Tensor:
+        """The step's hidden rows (`keep`: a copy; else the recorded buffer); the head's logits and, with `greedy`,
+        their argmax are in `head` and `tokens` after it."""
         for recorded, fresh in zip(self.inputs, inputs, strict=True):
             recorded.copy_(fresh)
         self.tape.replay()
         if self.head is not None:
             self.head[0].replay()
-        return self.output.clone()  # (the next replay overwrites the recorded output)
+            if greedy:
+                if self.tokens is None:
+                    self.tokens = self._record_tokens()
+                elif self.tokens:
+                    self.tokens[0].replay()
+        return self.output.clone() if keep else self.output  # (the next replay overwrites the recorded output)
+
+    def _record_tokens(self) -> tuple[tapes.Tape, torch.Tensor] | bool:
+        """Each row's argmax over the head's logits, recorded as it runs (over this step's logits); False where it
+        does not record."""
+        tape = tapes.Tape()
+        with tape.recording():
+            tokens = greedy_tokens(self.head[1])
+        if tokens is None or tape.failure is not None:
+            return False
+        return tape, tokens
 
 
 class StepReplay:
@@ -80,6 +108,7 @@ class StepReplay:
         # step just run when it did: the recorded buffer, which the next replay overwrites
         self.heads = logits and getattr(module, "compute_logits", None) is not None
         self.logits: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None  # each row's argmax over `logits`, where a greedy step asked for them
         self.head_refused = False  # a recording's head ran a torch op (logged once)
         self.weights = weights_generation(module)  # moves whenever the module's weights may have changed
         self.finish = getattr(module, "layer_outputs", None)  # (what forward adds after the layers, if anything)
@@ -98,9 +127,15 @@ class StepReplay:
             return None
         return cls(module, node, logits) if tapes.available() else None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor | None:
-        """The step's final hidden rows, replayed or recorded as they run; None: run this step eagerly."""
-        self.logits = None
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any, keep: bool = True,
+                greedy: bool = False) -> torch.Tensor | None:
+        """The step's final hidden rows, replayed or recorded as they run; None: run this step eagerly.
+
+        `keep=False`: the caller reads the rows only before the next step (a replay may hand out its buffer);
+        `greedy`: every row takes its argmax, nothing adjusting the logits first (a replay that ran the head puts them
+        in `tokens`).
+        """
+        self.logits = self.tokens = None
         layout = getattr(context, "replay_layout", None) if self.enabled else None
         step = layout() if layout is not None else None
         if step is None:
@@ -117,8 +152,11 @@ class StepReplay:
         if program is not None and program.current():
             self.programs.move_to_end(key)
             self.replayed += 1
-            hidden = program.run((*layer_inputs, *step_tensors))
-            self.logits = program.head[1] if program.head is not None else None
+            hidden = program.run((*layer_inputs, *step_tensors), keep or self.finish is not None, greedy)
+            if program.head is not None:
+                self.logits = program.head[1]
+                if greedy and program.tokens:
+                    self.tokens = program.tokens[1]
         else:
             hidden = self._record(key, layer_inputs, step_tensors, context)
         return hidden if self.finish is None else self.finish(hidden, layer_inputs)

@@ -339,6 +339,7 @@ def sample(
     logprobs: bool = True,
     generated: list[list[int]] | None = None,
     grammars: list[grammar_masks.RowGrammar | None] | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> Sampled:
     """Pick one token per row of `logits` `[N, vocab]`.
 
@@ -346,13 +347,14 @@ def sample(
     row sampled) the presence and frequency penalties; a caller that passes no `generated` has them
     count over `history`. A row's grammar (`grammars[i]`, see `grammar.py`) masks the tokens it cannot take
     after the adjustments, and takes the chosen token once every row has one; rows without one are untouched. `logprobs=False` skips the chosen tokens' log-probabilities (None) unless a
-    row asks for top ones. Log-probabilities are the model's, before any adjustment.
+    row asks for top ones. Log-probabilities are the model's, before any adjustment. `argmax`: each row's
+    `greedy_tokens` of these `logits`, where the caller already has them (a replayed step's head picked them).
     """
     params = [p or GREEDY for p in params]
     if not logprobs and grammars is None and all(p.greedy and not p.logprobs and not p.adjusts_logits for p in params):
         # every row greedy and nothing to adjust or report: each row's argmax, read as the head wrote it (one pass,
         # no fp32 copy; the same index as `max(-1).indices` of the fp32 logits, NaN and ties included)
-        ids = greedy_tokens(logits)
+        ids = greedy_tokens(logits) if argmax is None else argmax
         if ids is not None:
             return Sampled(ids.tolist(), [None] * len(params), [None] * len(params))
     logits = logits.float()

@@ -46,20 +46,36 @@ class StepForward:
         #: the step's logits `[rows, vocab]` where its replay ran the LM head too (the replay's buffer: valid until
         #: the next step); None: the answers compute them
         self.logits: torch.Tensor | None = None
+        #: each row's argmax over `logits` where the step was run `greedy` and its replay computed them (the replay's
+        #: buffer, as `logits`); None: the sampler picks the tokens
+        self.tokens: torch.Tensor | None = None
+        self._keep, self._greedy = True, False  # how the next run's results are used (`expect`)
+
+    def expect(self, keep: bool, greedy: bool) -> None:
+        """How the caller uses the next `run`'s results (that run only; then the defaults, `keep` and not `greedy`).
+
+        `keep=False`: it reads the hidden rows only before the step after (a replayed step hands out its own buffer,
+        not a copy); `greedy`: every row takes its argmax over unadjusted logits (a replay that runs the LM head then
+        picks them too: `tokens`). (Told ahead, not as arguments of `run`, which tests and benchmarks wrap.)
+        """
+        self._keep, self._greedy = keep, greedy
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """The final hidden rows of `work`'s rows, in order."""
+        """The final hidden rows of `work`'s rows, in order (see `expect`)."""
+        keep, greedy = self._keep, self._greedy
+        self._keep, self._greedy = True, False
         if self.adapters is None:
-            return self._run(work, False)
+            return self._run(work, False, keep, greedy)
         try:  # rows under LoRA adapters: a compiled step, or a replay where the deltas are torch ops, would drop them
             eager = self.adapters.begin(work) or (self.compiled and self.adapters.has_rows)
-            return self._run(work, eager)
+            return self._run(work, eager, keep, greedy)
         finally:
             self.adapters.end()
 
-    def _run(self, work: list[tuple[Sequence, int]], adapted: bool) -> torch.Tensor:
+    def _run(self, work: list[tuple[Sequence, int]], adapted: bool, keep: bool = True,
+             greedy: bool = False) -> torch.Tensor:
         """`run`; with `adapted`, eagerly (the module itself, never a replay or the compiled forward)."""
-        self.logits = None
+        self.logits = self.tokens = None
         ids, batch = build_batch(work, self.pool.page_size, self.device)
         positions = rope_positions(work, batch, self.axes)
         kwargs = self.module_inputs(work, batch)
@@ -73,9 +89,9 @@ class StepForward:
         with torch.inference_mode():
             if embeds is None:
                 if self.replay is not None and not kwargs and not adapted:
-                    hidden = self.replay.forward(ids, positions, context)
+                    hidden = self.replay.forward(ids, positions, context, keep, greedy)
                     if hidden is not None:  # (a decode step replayed, or recorded as it ran)
-                        self.logits = self.replay.logits
+                        self.logits, self.tokens = self.replay.logits, self.replay.tokens
                         return hidden
                 return forward_fn(ids, positions, context, **kwargs)
             return forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
