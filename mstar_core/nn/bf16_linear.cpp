@@ -4,8 +4,9 @@
 // The fp32 panel kernel's shape (fp32_linear.cpp) over bf16 weights, which halve the bytes a decode step
 // streams: each panel is 32 outputs, its inputs taken in pairs ([panels][K/2][32][2]), and `vdpbf16ps` adds one
 // pair's two products into each output's fp32 sum, so one 64-byte load feeds 16 outputs two inputs each. A call
-// is mstar::run_panel_tasks' loop, BLOCK_ROWS rows a pass. oneDNN's bf16 GEMM here costs ~25 us of setup a call
-// (121 calls a SmolLM2 step) and reads the weights below the memory's speed.
+// passes its rows through every panel, BLOCK_ROWS rows a pass, each thread over a contiguous range of panels of its
+// own (`run_panel_ranges`). oneDNN's bf16 GEMM here costs ~25 us of setup a call (121 calls a SmolLM2 step) and
+// reads the weights below the memory's speed.
 //
 // int8 weights take the same pair panels at a byte an element, widened to bf16 as they are loaded (exact: every
 // int8 value is a bf16 value), and an output's sum is multiplied by its channel's scale before the bias.
