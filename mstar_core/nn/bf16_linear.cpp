@@ -32,6 +32,9 @@ using mstar::bf16;
 constexpr int64_t PANEL = 32;       // outputs per panel: two vectors of 16 fp32 sums
 constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors, broadcasts: 32 registers
 constexpr int64_t PREFETCH = 2048;  // bytes ahead the weight stream is fetched
+// a pass of fewer rows runs at vdpbf16ps' latency (2 chains a row, a 6-cycle add), not its rate: a call's last pass
+// shares the rows of the one before it rather than run so few
+constexpr int64_t MIN_PASS_ROWS = 3;
 
 #if defined(MSTAR_BF16_LINEAR)
 // inputs 2e and 2e + 1 of a row in every 32-bit lane (one broadcast load)
@@ -104,8 +107,9 @@ void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float 
 // within a panel of each other. A thread out of its range takes the back half of another's (work stealing) and
 // goes on through it front to back, so a thread the machine holds up is relieved as before, by forward streams.
 //
-// A call's rows split into passes of near-equal size (113 rows: 3 of 12 and 7 of 11, not 9 of 12 and one of 5; a
-// pass of one or two rows is held by vdpbf16ps' 6-cycle latency over 2-4 chains): a row's sums are the same in any pass.
+// A call's rows split into passes of BLOCK_ROWS, and a last pass of one or two rows shares the rows of the one before
+// (25 rows: 12, 7 and 6; a pass of 1-2 rows is held by vdpbf16ps' 6-cycle latency over 2-4 chains, and passes of 11
+// rows instead of 12 measured 1-3 % slower on one core): a row's sums are the same in any pass.
 struct RangeCall {
     int64_t m, panels, steps, step_bytes;  // rows, panels, input steps a panel, bytes an input step
 };
@@ -158,7 +162,9 @@ void run_panel_ranges(const RangeCall &c, const char *packed, int64_t macs, int 
                       Body rows_through_panel) {
     const int64_t panel_bytes = c.steps * c.step_bytes;
     const int64_t passes = (c.m + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    const int64_t pass_rows = c.m / passes, longer = c.m % passes;  // the first `longer` passes take one row more
+    // full passes, but a last pass of one or two rows shares the rows of the one before it (12 + 1 -> 7 + 6)
+    const int64_t short_rows = c.m - (passes - 1) * BLOCK_ROWS;
+    const int64_t even_tail = passes > 1 && short_rows < MIN_PASS_ROWS ? BLOCK_ROWS + short_rows : 0;
     // a run: the panels every pass goes through before the next run (L2-sized where later passes reuse them; one
     // panel for a single pass, so that a thread out of work can take the very last panels)
     const int64_t run = passes > 1 ? mstar::panels_per_task(c.panels, panel_bytes, threads) : 1;
@@ -206,7 +212,8 @@ void run_panel_ranges(const RangeCall &c, const char *packed, int64_t macs, int 
             const char *ahead = packed + (next_own ? after_first : first) * panel_bytes;
             const int64_t pass_bytes = ((next_own ? after_last - after_first : last - first) * panel_bytes + spread - 1) / spread;
             for (int64_t pass = 0, r0 = 0; pass < passes; ++pass) {
-                const int64_t rows = pass_rows + (pass < longer ? 1 : 0);
+                const int64_t rows = even_tail == 0 ? (pass < passes - 1 ? BLOCK_ROWS : short_rows)
+                                                    : (pass < passes - 2 ? BLOCK_ROWS : pass == passes - 2 ? even_tail - even_tail / 2 : even_tail / 2);
                 const bool last_pass = pass == passes - 1;
                 for (int64_t p = first; p < last; ++p) {
                     if (hinted && last_pass && !next_own && p >= tail_start && p < own_end)  // the end of its own share
