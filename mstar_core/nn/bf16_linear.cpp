@@ -203,7 +203,7 @@ void run_panel_ranges(const RangeCall &c, const char *packed, int64_t macs, int 
                 if (steal_back(ranges[victim], taken_first, taken_last)) {
                     __atomic_store_n(&own.bounds, bounds(taken_first, taken_last), __ATOMIC_RELEASE);
                     have = claim_front(own, run, first, last);
-                    tried = 0;  // (a thief of its own may have emptied it already: look again, from this victim on)
+                    tried = 0;  // (another thief may have emptied it already: every other range is tried again)
                 }
             }
             if (!have) break;
