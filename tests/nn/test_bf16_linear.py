@@ -66,3 +66,29 @@ def test_packed_bf16_linears_run_every_row_count_on_the_kernel_without_a_onednn_
 def test_no_panels_for_other_dtypes_or_layouts():
     assert bf16_linear.pack(torch.randn(32, 32)) is None
     assert bf16_linear.pack(torch.randn(32, 32).bfloat16().t()) is None  # (a transposed view: rows not contiguous)
+
+
+@pytest.mark.parametrize("threads", [3, 17])  # (17: more threads than cores and than the ranges kept inline)
+@pytest.mark.parametrize("out_features,in_features,rows", [(960, 576, 1), (3072, 576, 5), (576, 1536, 37), (64, 96, 113)])
+def test_any_thread_count_gives_the_one_thread_bits(out_features, in_features, rows, threads):
+    """Each thread's own range of panels, the back of another's taken when out of work: the bits of one thread.
+
+    Oversubscribed (more threads than cores), threads are held up and take panels from one another's ranges; fewer
+    panels than threads leaves threads without a range (64 outputs: 2 panels).
+    """
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = bf16_linear.pack(weight)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = bf16_linear.linear(x, packed, out_features, b)
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            assert torch.equal(bf16_linear.linear(x, packed, out_features, b), alone)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(alone.double(), F.linear(x.double(), weight.double(), b.double()),
+                               atol=1e-5 * in_features ** 0.5, rtol=2 ** -8)
