@@ -31,6 +31,7 @@ class LanePlan(ctypes.Structure):
         ("lane_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
         ("slots", ctypes.c_void_p), ("pool_slot", ctypes.c_int64), ("pool_head", ctypes.c_int64),
+        ("span", ctypes.c_int64),
     ]
 
 
