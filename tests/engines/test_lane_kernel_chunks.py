@@ -146,3 +146,37 @@ def test_the_kernel_picks_its_chunks_by_key_count(monkeypatch):
     case = _case(torch.float32, 64, 3, 3, [200], seed=2)
     assert torch.equal(_run(case, VARIANTS[0], span=0)[3], _run(case, VARIANTS[0], span=112)[3])
     assert not torch.equal(_run(case, VARIANTS[0], span=0)[3], _run(case, VARIANTS[0], span=1 << 20)[3])
+
+
+def test_a_decode_steps_plan_is_one_index_tensor_and_builds_no_views_for_the_kernel():
+    """The backend's per-step plan: each row's packed row, lane, write position and bound in one int64 tensor (the
+    kernel's and a replay's), and the lanes' window views built only where torch ops attend (never for the kernel)."""
+    from mstar_attn_torch.backend import TorchPagedAttention
+    from mstar_kvcache.batch import PagedBatch
+
+    page, kv = 4, torch.randn(2, 2, 64, 4, 2, 16)  # [layers, k/v, pages, page size, kv heads, dim] (room for lanes)
+    backend = TorchPagedAttention("cpu")
+
+    def step(kv_lens, page_lists):
+        count = len(kv_lens)
+        slots = [pages[(n - 1) // page] * page + (n - 1) % page for pages, n in zip(page_lists, kv_lens, strict=True)]
+        table = torch.tensor([pages + [0] * (3 - len(pages)) for pages in page_lists])
+        batch = PagedBatch(page_size=page, q_lens=[1] * count, kv_lens=kv_lens, q_start=torch.arange(count + 1),
+                           positions=torch.tensor([n - 1 for n in kv_lens]), slot_mapping=torch.tensor(slots),
+                           page_table=table, page_lists=page_lists, seq_ids=[10 + i for i in range(count)],
+                           row_starts=list(range(count + 1)))
+        return backend.begin(batch, kv)
+
+    ctx = step([5, 9, 3], [[0, 1], [2, 3, 4], [5]])
+    assert ctx.kernel is not None and ctx.replay_layout() is not None
+    want = torch.tensor([[0, 1, 2], [0, 1, 2], [4, 8, 2], [5, 9, 3]])
+    assert torch.equal(ctx.kernel.index, want) and ctx.kernel.index.dtype == torch.int64
+    assert ctx._windows is None
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    out = ctx.attend(0, q, k, v, 0.25)
+    assert out.shape == q.shape and ctx._windows is None  # (the kernel took the layer: no views)
+    window_k, window_v = ctx.lane_windows  # (the torch path's: built on demand, over the plan's lanes and width)
+    assert window_k.shape == (2, 3, 2, 9, 16) and torch.equal(window_k[0, 1, :, 8], k[1])
+    assert torch.equal(window_v[0, 1, :, 8], v[1])
+    after = step([6, 10], [[0, 1], [2, 3, 4]])  # (the next step: new lengths; the third sequence left)
+    assert torch.equal(after.kernel.index, torch.tensor([[0, 1], [0, 1], [5, 9], [6, 10]]))

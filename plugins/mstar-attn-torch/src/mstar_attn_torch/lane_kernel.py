@@ -55,7 +55,10 @@ class LaneCall:
     def __init__(self, kernel, plan):
         self.kernel = kernel
         # row, lane, write position and bound of every row, kept alive for the struct's pointers
-        self.index = torch.stack((plan.rows, plan.lanes, plan.pos, plan.bound)).to(torch.int64).contiguous()
+        index = getattr(plan, "index", None)  # (a backend plan builds them as one tensor)
+        if index is None or index.dtype != torch.int64 or not index.is_contiguous():
+            index = torch.stack((plan.rows, plan.lanes, plan.pos, plan.bound)).to(torch.int64).contiguous()
+        self.index = index
         self.count = int(plan.rows.shape[0])
         self.plan: LanePlan | None = None
         self.layout: tuple | None = None
