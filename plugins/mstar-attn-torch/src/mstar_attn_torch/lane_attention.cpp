@@ -395,30 +395,47 @@ inline int64_t part_floats(int64_t group, int64_t d) { return group * (d + 2); }
 inline int64_t top_at(int64_t group, int64_t d, int64_t g) { return group * d + g; }
 inline int64_t total_at(int64_t group, int64_t d, int64_t g) { return group * (d + 1) + g; }
 
-// Sequence i's KV head h from its chunks' parts, in chunk order: each query head's exponentials rescaled to the
-// highest top score, summed, and normalized once.
+// A query head's softmax over the chunks seen so far: the top score, the sum of e^(score - top), and the values
+// weighted by them. Chunks fold in in chunk order, whichever thread computed them and whether or not their parts
+// went through memory, with the same arithmetic: the same bits either way.
+struct Running {
+    float top, total;
+    float acc[MAX_DIM];
+
+    void start(float chunk_top, float chunk_total, const float *chunk_acc, int64_t d) {
+        top = chunk_top, total = chunk_total;
+        std::memcpy(acc, chunk_acc, d * sizeof(float));
+    }
+
+    void fold(float chunk_top, float chunk_total, const float *chunk_acc, int64_t d) {
+        const float peak = chunk_top > top ? chunk_top : top;
+        const float mine = mstar::exp_approx(top - peak), theirs = mstar::exp_approx(chunk_top - peak);
+        top = peak, total = mine * total + theirs * chunk_total;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) acc[e] = mine * acc[e] + theirs * chunk_acc[e];
+    }
+
+    template <typename T>
+    void write(T *dst, int64_t d) const {
+        const float inv = 1.0f / total;
+        for (int64_t e = 0; e < d; ++e) narrow(acc[e] * inv, dst + e);
+    }
+};
+
+// Sequence i's KV head h from its chunks' parts (written by other tasks), folded in chunk order.
 template <typename T>
 void merge_chunks(const LanePlan &p, int64_t i, int64_t h, int64_t chunks, const float *parts, T *out) {
     const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, stride = part_floats(group, d);
     for (int64_t g = 0; g < group; ++g) {
-        float peak = -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c) {
-            const float t = parts[c * stride + top_at(group, d, g)];
-            peak = t > peak ? t : peak;
-        }
-        float acc[MAX_DIM], sum = 0.0f;
-        for (int64_t e = 0; e < d; ++e) acc[e] = 0.0f;
+        Running run;
         for (int64_t c = 0; c < chunks; ++c) {
             const float *part = parts + c * stride;
-            const float w = mstar::exp_approx(part[top_at(group, d, g)] - peak);
-            sum += w * part[total_at(group, d, g)];
-            const float *src = part + g * d;
-#pragma omp simd
-            for (int64_t e = 0; e < d; ++e) acc[e] += w * src[e];
+            if (c == 0)
+                run.start(part[top_at(group, d, g)], part[total_at(group, d, g)], part + g * d, d);
+            else
+                run.fold(part[top_at(group, d, g)], part[total_at(group, d, g)], part + g * d, d);
         }
-        T *dst = out + p.rows[i] * p.out_row + (h * group + g) * p.out_head;
-        const float inv = 1.0f / sum;
-        for (int64_t e = 0; e < d; ++e) narrow(acc[e] * inv, dst + e);
+        run.write(out + p.rows[i] * p.out_row + (h * group + g) * p.out_head, d);
     }
 }
 
@@ -442,9 +459,9 @@ struct Tensors {
 
 // One task: chunks [from, to) of the `chunks` of sequence i's KV head h. It stores the new key and value first when
 // they fall in its chunks (the chunk holding the write position, or the last one: no other task reads them), then
-// attends the group's query heads over each chunk's keys. A sequence's only chunk writes the output; else each
-// chunk writes its part (`parts`: the group's, chunk 0 first), and whichever task completes the group (`done`
-// counts its chunks finished) merges them.
+// attends the group's query heads over each chunk's keys. A task of all the chunks folds them as it goes and
+// writes the output; a task of some writes each chunk's part (`parts`: the group's, chunk 0 first), and whichever
+// task completes the group (`done` counts its chunks finished) merges them.
 template <typename T>
 void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h, int64_t from, int64_t to, int64_t chunks,
                    float *parts, int32_t *done) {
@@ -470,6 +487,8 @@ void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h,
     const T *lane_vals = x.v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     // each chunk's keys and values asked for one chunk ahead of their reads (the task's first before it starts)
     prefetch_keys(lane_keys + from * span * d, lane_vals + from * span * d, (n - from * span < span ? n - from * span : span) * d);
+    const bool whole = to - from == chunks;
+    Running runs[MAX_GROUP];
     for (int64_t c = from; c < to; ++c) {
         const int64_t l0 = c * span, m = n - l0 < span ? n - l0 : span;
         const T *keys = lane_keys + l0 * d, *vals = lane_vals + l0 * d;
@@ -477,22 +496,24 @@ void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h,
         float scores[MAX_GROUP * MAX_SPAN], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
         if (!chunk_vector<T>(d, group, qf, keys, vals, m, scores, acc, top, total))
             chunk_portable<T>(d, group, qf, keys, vals, m, scores, acc, top, total);
-        if (chunks == 1) {
-            for (int64_t g = 0; g < group; ++g) {
-                T *dst = x.out + row * p.out_row + (first + g) * p.out_head;
-                const float inv = 1.0f / total[g];
-                for (int64_t e = 0; e < d; ++e) narrow(acc[g][e] * inv, dst + e);
-            }
-            return;
-        }
-        float *part = parts + c * stride;
         for (int64_t g = 0; g < group; ++g) {
-            std::memcpy(part + g * d, acc[g], d * sizeof(float));
-            part[top_at(group, d, g)] = top[g], part[total_at(group, d, g)] = total[g];
+            if (!whole) {
+                float *part = parts + c * stride;
+                std::memcpy(part + g * d, acc[g], d * sizeof(float));
+                part[top_at(group, d, g)] = top[g], part[total_at(group, d, g)] = total[g];
+            } else if (c == 0) {
+                runs[g].start(top[g], total[g], acc[g], d);
+            } else {
+                runs[g].fold(top[g], total[g], acc[g], d);
+            }
         }
     }
+    if (whole) {
+        for (int64_t g = 0; g < group; ++g) runs[g].write(x.out + row * p.out_row + (first + g) * p.out_head, d);
+        return;
+    }
     // acquire-release: the task that completes the group sees the parts the others wrote before they counted them
-    if (to - from == chunks || __atomic_add_fetch(done, static_cast<int32_t>(to - from), __ATOMIC_ACQ_REL) == chunks)
+    if (__atomic_add_fetch(done, static_cast<int32_t>(to - from), __ATOMIC_ACQ_REL) == chunks)
         merge_chunks<T>(p, i, h, chunks, parts, x.out);
 }
 
