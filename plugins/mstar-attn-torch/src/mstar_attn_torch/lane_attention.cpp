@@ -371,15 +371,16 @@ void store_new(const LanePlan &p, int64_t i, int64_t h, const T *k_new, const T 
 
 // Keys in a chunk: a function of the sequence's key count alone, so a row's result has the same bits in any batch
 // and on any number of threads (a row alone or beside others; the tests compare them): each chunk's part of the
-// softmax is computed alike and the parts merge in chunk order, whichever thread ran them. An even number of
-// chunks of about 128 keys or fewer, a multiple of 16 keys each (whole vector blocks), at most MAX_CHUNKS until
-// MAX_SPAN: one decoding row's 3 KV groups at 200 keys are 6 tasks of 112 or 88 keys, which 2 threads share
-// evenly, each reading its keys once.
+// softmax is computed alike and folds in in chunk order, whichever thread ran it. An even number of chunks of about
+// 256 keys or fewer, a multiple of 16 keys each (whole vector blocks), at most MAX_CHUNKS until MAX_SPAN: one
+// decoding row's 3 KV groups at 200 keys are 6 tasks of 112 or 88 keys, which 2 threads share evenly, each reading
+// its keys once. (Chunks of at most 128 keys cost more on one thread at 300 keys, alone and at c=32, for no better
+// balance on two: each chunk has its reductions, its part and its fold.)
 constexpr int64_t MAX_CHUNKS = 16, MAX_SPAN = 512;
 
 inline int64_t span_for(int64_t n, int64_t asked) {
     if (asked > 0) return asked < MAX_SPAN ? asked : MAX_SPAN;
-    const int64_t pairs = (n + 255) / 256, chunks = 2 * pairs < MAX_CHUNKS ? 2 * pairs : MAX_CHUNKS;
+    const int64_t pairs = (n + 511) / 512, chunks = 2 * pairs < MAX_CHUNKS ? 2 * pairs : MAX_CHUNKS;
     const int64_t even = ((n + chunks - 1) / chunks + 15) / 16 * 16;
     return even > MAX_SPAN ? MAX_SPAN : even;
 }
