@@ -31,6 +31,7 @@ class LanePlan(NamedTuple):
     whole: bool  # every row of the step decodes in a lane, and those lanes are exactly 0..count-1
     order: torch.Tensor | None  # with `whole`: the row serving each lane, unless lane l serves row l
     bound: torch.Tensor  # keys each row attends over, [0, bound) (the lane kernel's mask)
+    index: torch.Tensor | None = None  # rows, lanes, pos and bound as one int64 tensor [4, rows] (theirs are its views)
 
 
 class TorchPagedAttention:
@@ -174,16 +175,13 @@ class TorchPagedContext:
         decode = [i for i, n in enumerate(batch.q_lens) if n == 1 and i not in readonly]
         self.in_lanes = None
         self.kernel: lane_kernel.LaneCall | None = None
+        self._windows: tuple[torch.Tensor, torch.Tensor] | None = None  # (built where torch ops attend: see `lane_windows`)
         self._storing: tuple | None = None  # the layout the lane kernel took at this step's first storing layer
         if decode and lanes is not None:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
                                [batch.kv_lens[i] for i in decode])
             self.in_lanes = self._lane_plan(batch, starts, [(i, g) for i, g in zip(decode, got, strict=True) if g is not None])
-            if self.in_lanes is not None:  # every layer's lane stores and the window attended, as views
-                count, width = self.in_lanes.count, self.in_lanes.width
-                store_k, store_v = lanes.kv[:, 0], lanes.kv[:, 1]
-                self.lane_views = (store_k, store_v, store_k[:, :count, :width].transpose(2, 3),
-                                   store_v[:, :count, :width].transpose(2, 3))
+            if self.in_lanes is not None:
                 self.kernel = lane_kernel.LaneCall.for_plan(self.in_lanes, lanes.kv)
             decode = [i for i, g in zip(decode, got, strict=True) if g is None]
         self.decode: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
@@ -243,6 +241,16 @@ class TorchPagedContext:
         store = self.lanes.kv
         return (store.data_ptr(), tuple(store.shape), self.kv.data_ptr()), (self.kernel.index, self.slots)
 
+    @property
+    def lane_windows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's lane keys and values the step attends over through torch ops, `[layers, lanes, kv heads, width,
+        dim]` views; built on first use (the kernel never needs them, and a replayed step builds nothing)."""
+        if self._windows is None:
+            count, width = self.in_lanes.count, self.in_lanes.width
+            kv = self.lanes.kv[:, :, :count, :width].transpose(3, 4)
+            self._windows = (kv[:, 0], kv[:, 1])
+        return self._windows
+
     @staticmethod
     def _lane_plan(batch: Any, starts: list[int], picked: list[tuple[int, int]]) -> LanePlan | None:
         """The plan for the rows decoding in lanes (`picked`: sequence index, lane)."""
@@ -251,10 +259,13 @@ class TorchPagedContext:
         device = batch.slot_mapping.device
         seqs, lane_ids = [i for i, _ in picked], [g for _, g in picked]
         row_list = [starts[i] for i in seqs]
-        rows = torch.tensor(row_list, device=device)
-        lane_t = torch.tensor(lane_ids, device=device)
         kv_lens = batch.kv_lens
-        pos = torch.tensor([kv_lens[i] - 1 for i in seqs], device=device)
+        # rows, lanes, write positions and (without limits) bounds in one tensor: what the lane kernel reads, and what
+        # a replayed step copies (a decode step builds it; one tensor op, not four and a stack)
+        plain = batch.limits is None
+        index = torch.tensor([row_list, lane_ids, [kv_lens[i] - 1 for i in seqs], [kv_lens[i] for i in seqs] if plain
+                              else [0] * len(seqs)], dtype=torch.int64, device=device)
+        rows, lane_t, pos, row_bound = index.unbind()
         count = max(lane_ids) + 1
         # every row of the step decodes in a lane and the lanes in use are packed: the rows are a
         # permutation of lanes 0..count-1, so keys go in straight from k/v and only q is reordered
@@ -264,16 +275,14 @@ class TorchPagedContext:
         if whole and lane_ids != list(range(count)):
             order = torch.empty(count, dtype=torch.long, device=device)
             order[lane_t] = rows
-        if batch.limits is None:  # (the usual decode step: the bounds are the lengths, known here)
-            row_bounds = [kv_lens[i] for i in seqs]
+        if plain:  # (the usual decode step: the bounds are the lengths, known here)
             bounds = [1] * count  # lanes idle this step see one key
-            for (_, lane), seen in zip(picked, row_bounds, strict=True):
-                bounds[lane] = seen
+            for (i, lane) in picked:
+                bounds[lane] = kv_lens[i]
             width = max(bounds)
             bound = torch.tensor(bounds, device=device) if min(bounds) != width else None
-            row_bound = torch.tensor(row_bounds, device=device)
         else:
-            row_bound = _bounds(batch, seqs, rows)
+            row_bound.copy_(_bounds(batch, seqs, rows))
             bound = torch.ones(count, dtype=torch.long, device=device)
             bound[lane_t] = row_bound
             width = int(bound.max())
@@ -281,7 +290,7 @@ class TorchPagedContext:
         mask = None
         if bound is not None:
             mask = (torch.arange(width, device=device)[None, :] < bound[:, None])[:, None, None, :]
-        return LanePlan(rows, lane_t, pos, count, width, mask, whole, order, row_bound)
+        return LanePlan(rows, lane_t, pos, count, width, mask, whole, order, row_bound, index)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Write this step's keys/values into their pages, then attend each query to its sequence's keys."""
@@ -343,7 +352,7 @@ class TorchPagedContext:
             self.kernel.call(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_lanes + layer * layer_bytes,
                              v_lanes + layer * layer_bytes, k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
             return out
-        store_k, store_v = self.lane_views[0], self.lane_views[1]
+        store_k, store_v = self.lanes.kv[:, 0], self.lanes.kv[:, 1]
         if self.kernel is None or k_cache.dtype != k.dtype or k_cache.stride(-1) != 1 or not self.kernel.fits(q, k, v, store_k[layer]):
             return None
         out = q.new_empty(q.shape)
@@ -355,9 +364,8 @@ class TorchPagedContext:
 
     def _attend_lanes(self, layer, q, k, v, scale, gqa, out):
         """Append each lane row's new key/value to its lane, then attend over the lanes (the kernel, else torch ops)."""
-        rows, lane_t, pos, count, width, mask, whole, order, _ = self.in_lanes
-        store_k, store_v, window_k, window_v = self.lane_views
-        store_k, store_v = store_k[layer], store_v[layer]
+        rows, lane_t, pos, count, width, mask, whole, order, *_ = self.in_lanes
+        store_k, store_v = self.lanes.kv[layer, 0], self.lanes.kv[layer, 1]
         if self.kernel is not None and self.kernel.fits(q, k, v, store_k):
             if out is None:
                 out = q.new_empty(q.shape)
@@ -372,6 +380,7 @@ class TorchPagedContext:
             store_v.index_put_((lane_t, pos), v[rows].to(store_v.dtype))
             ql = q.new_zeros(count, q.shape[1], q.shape[2])
             ql[lane_t] = q[rows]
+        window_k, window_v = self.lane_windows
         keys = window_k[layer]  # [count, kv heads, width, dim], rows contiguous
         vals = window_v[layer]
         res = decode_attention(ql.to(keys.dtype), keys, vals, mask, scale)

@@ -1,18 +1,23 @@
-// Decode attention over decode lanes, one pass per (sequence, KV head): built by lane_kernel.py.
+// Decode attention over decode lanes, in chunks of keys with a partial softmax each: built by lane_kernel.py.
 //
 // A decode step's attention on a CPU is memory-bound: every key and value of every decoding sequence
 // is read once per layer. As torch ops (two batched matmuls, a scale, a mask, a softmax) a bf16 lane
-// must be widened to fp32 first and the scores make several passes; here each task reads its lane's
-// keys and values once in their own dtype, accumulates in fp32, and handles the query heads that
-// share the KV head together (grouped-query attention reads each key once). It also appends the
-// step's new key and value to the lane, and, given the paged pool, stores them in their pool slots,
-// so a layer's whole decode attention is one call.
+// must be widened to fp32 first and the scores make several passes; here each key and value is read
+// once in its own dtype, accumulates in fp32, and serves every query head that shares its KV head
+// (grouped-query attention). A sequence's keys split into chunks (a function of their count: the
+// bits never depend on the batch or the threads), each chunk's softmax kept unnormalized with its top
+// score and sum, merged once per KV head: a lone decoding row's few KV heads are spread over the
+// threads by chunk, each thread reading its share of the keys once (flash-decoding), while a batch's
+// task is a whole KV head. Each task also appends the step's new key and value to the lane, and,
+// given the paged pool, stores them in their pool slots, so a layer's whole decode attention is one
+// call, with no allocation (per-thread scratch kept between calls).
 //
 // No torch headers: the library is plain C ABI, compiled once per machine in about a second, and
 // called through ctypes with raw pointers. OpenMP resolves to the runtime torch already loaded.
 
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 
 #include <omp.h>
@@ -40,6 +45,7 @@ struct LanePlan {
     int32_t threads;
     const int64_t *slots;      // pool slot of each packed row's new key and value (with a pool passed)
     int64_t pool_slot, pool_head;  // strides of a layer's pool keys (and values): [slots, kv heads, head dim]
+    int64_t span;              // keys a task reads; 0: the kernel's choice, by each sequence's key count (span_for)
 };
 
 }  // extern "C"
@@ -172,32 +178,30 @@ template <>
 void weighted16<bf16, 256>(const float *w, const bf16 *vals, int64_t n, float *out) { weighted32<256>(w, vals, n, out); }
 
 
-// softmax of s[0..n) in place, vectorized (the same reduction and polynomial as the portable loop)
-inline void softmax16(float *s, int64_t n) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
+// s[0..n) -> e^(s - top) in place, top their maximum, total the sum of the exponentials (a chunk's part of a
+// softmax: normalized once the chunks are merged), vectorized (the same reduction and polynomial as the portable loop)
+inline void exps16(float *s, int64_t n, float &top, float &total) {
+    __m512 peak = _mm512_set1_ps(-INFINITY);
     for (int64_t l = 0; l < n; l += 16) {
         const __mmask16 m = n - l < 16 ? static_cast<__mmask16>((1u << (n - l)) - 1u) : static_cast<__mmask16>(0xFFFF);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, m, s + l));
+        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, m, s + l));
     }
-    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
+    top = _mm512_reduce_max_ps(peak);
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
     for (int64_t l = 0; l < n; l += 16) {
         const __mmask16 m = n - l < 16 ? static_cast<__mmask16>((1u << (n - l)) - 1u) : static_cast<__mmask16>(0xFFFF);
-        const __m512 e = _mm512_maskz_mov_ps(m, mstar::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), peak)));
-        total = _mm512_add_ps(total, e);
+        const __m512 e = _mm512_maskz_mov_ps(m, mstar::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), shift)));
+        sum = _mm512_add_ps(sum, e);
         _mm512_mask_storeu_ps(s + l, m, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int64_t l = 0; l < n; l += 16) {
-        const __mmask16 m = n - l < 16 ? static_cast<__mmask16>((1u << (n - l)) - 1u) : static_cast<__mmask16>(0xFFFF);
-        _mm512_mask_storeu_ps(s + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + l), inv));
-    }
+    total = _mm512_reduce_add_ps(sum);
 }
 
 // this build's vector kernels, by one name (the dispatch below is written once for both paths)
 template <typename T, int D>
 inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores16<T, D>(qf, keys, n, s); }
-inline void vector_softmax(float *s, int64_t n) { softmax16(s, n); }
+inline void vector_exps(float *s, int64_t n, float &top, float &total) { exps16(s, n, top, total); }
 template <typename T, int D>
 inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted16<T, D>(w, vals, n, out); }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -256,46 +260,44 @@ inline float reduce8(__m256 v, bool take_max) {
     return r;
 }
 
-// softmax of s[0..n) in place, 8 lanes at a time
-inline void softmax8(float *s, int64_t n) {
-    __m256 top = _mm256_set1_ps(-INFINITY);
+// exps16's work, 8 lanes at a time
+inline void exps8(float *s, int64_t n, float &top, float &total) {
+    __m256 peak = _mm256_set1_ps(-INFINITY);
     for (int64_t l = 0; l < n; l += 8) {
         const __m256i m = first8(n - l);
-        top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_maskload_ps(s + l, m), _mm256_castsi256_ps(m)));
+        peak = _mm256_max_ps(peak, _mm256_blendv_ps(peak, _mm256_maskload_ps(s + l, m), _mm256_castsi256_ps(m)));
     }
-    const __m256 peak = _mm256_set1_ps(reduce8(top, true));
-    __m256 total = _mm256_setzero_ps();
+    top = reduce8(peak, true);
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
     for (int64_t l = 0; l < n; l += 8) {
         const __m256i m = first8(n - l);
-        const __m256 e = _mm256_and_ps(mstar::exp8(_mm256_sub_ps(_mm256_maskload_ps(s + l, m), peak)), _mm256_castsi256_ps(m));
-        total = _mm256_add_ps(total, e);
+        const __m256 e = _mm256_and_ps(mstar::exp8(_mm256_sub_ps(_mm256_maskload_ps(s + l, m), shift)), _mm256_castsi256_ps(m));
+        sum = _mm256_add_ps(sum, e);
         _mm256_maskstore_ps(s + l, m, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / reduce8(total, false));
-    for (int64_t l = 0; l < n; l += 8) {
-        const __m256i m = first8(n - l);
-        _mm256_maskstore_ps(s + l, m, _mm256_mul_ps(_mm256_maskload_ps(s + l, m), inv));
-    }
+    total = reduce8(sum, false);
 }
 
 template <typename T, int D>
 inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores8<T, D>(qf, keys, n, s); }
-inline void vector_softmax(float *s, int64_t n) { softmax8(s, n); }
+inline void vector_exps(float *s, int64_t n, float &top, float &total) { exps8(s, n, top, total); }
 template <typename T, int D>
 inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted8<T, D>(w, vals, n, out); }
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The whole attention of one task through the vector kernels; false: not for this head dim.
+// One task's chunk of keys through the vector kernels, each query head of the group in turn (the chunk's keys
+// and values stay in L1 between them); false: not for this head dim.
 template <typename T>
-bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
-                   float *scores, float (*acc)[MAX_DIM]) {
+bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
+                  float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
     switch (d) {
 #define MSTAR_DIM(D)                                                  \
     case D:                                                           \
         for (int64_t g = 0; g < group; ++g) {                         \
             vector_scores<T, D>(qf[g], keys, n, scores);              \
-            vector_softmax(scores, n);                                \
+            vector_exps(scores, n, top[g], total[g]);                 \
             vector_weighted<T, D>(scores, vals, n, acc[g]);           \
         }                                                             \
         return true;
@@ -309,15 +311,16 @@ bool attend_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T
 }
 #else
 template <typename T>
-bool attend_vector(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, float *, float (*)[MAX_DIM]) {
+bool chunk_vector(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, float *, float (*)[MAX_DIM],
+                  float *, float *) {
     return false;
 }
 #endif
 
 // The same in portable loops (any head dim, any x86 or other CPU), the group's query heads together.
 template <typename T>
-void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
-                     float *scores, float (*acc)[MAX_DIM]) {
+void chunk_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
+                    float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
     for (int64_t l = 0; l < n; ++l) {
         const T *key = keys + l * d;
         for (int64_t g = 0; g < group; ++g) {
@@ -328,17 +331,15 @@ void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const
         }
     }
     for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * n, top = s[0], total = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t l = 1; l < n; ++l) top = s[l] > top ? s[l] : top;
-#pragma omp simd reduction(+ : total)
+        float *s = scores + g * n, peak = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : peak)
+        for (int64_t l = 1; l < n; ++l) peak = s[l] > peak ? s[l] : peak;
+#pragma omp simd reduction(+ : sum)
         for (int64_t l = 0; l < n; ++l) {
-            s[l] = mstar::exp_approx(s[l] - top);
-            total += s[l];
+            s[l] = mstar::exp_approx(s[l] - peak);
+            sum += s[l];
         }
-        const float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t l = 0; l < n; ++l) s[l] *= inv;
+        top[g] = peak, total[g] = sum;
         for (int64_t e = 0; e < d; ++e) acc[g][e] = 0.0f;
     }
     for (int64_t l = 0; l < n; ++l) {
@@ -351,7 +352,7 @@ void attend_portable(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const
     }
 }
 
-// Sequence i's new key and value for KV head h, into its lane (and the pool): before any query head reads them.
+// Sequence i's new key and value for KV head h, into its lane (and the pool).
 template <typename T>
 void store_new(const LanePlan &p, int64_t i, int64_t h, const T *k_new, const T *v_new, T *k_lanes, T *v_lanes,
                T *k_pool, T *v_pool) {
@@ -368,62 +369,215 @@ void store_new(const LanePlan &p, int64_t i, int64_t h, const T *k_new, const T 
     }
 }
 
-// Sequence i's query heads [g0, g0 + heads) of KV head h's group over its lane: each query head's scores, softmax
-// and weighted sum are its own, so a task of one query head computes the bits a task of the group does.
+// Keys in a chunk: a function of the sequence's key count alone, so a row's result has the same bits in any batch
+// and on any number of threads (a row alone or beside others; the tests compare them): each chunk's part of the
+// softmax is computed alike and folds in in chunk order, whichever thread ran it. An even number of chunks of about
+// 256 keys or fewer, a multiple of 16 keys each (whole vector blocks), at most MAX_CHUNKS until MAX_SPAN: one
+// decoding row's 3 KV groups at 200 keys are 6 tasks of 112 or 88 keys, which 2 threads share evenly, each reading
+// its keys once. (Chunks of at most 128 keys cost more on one thread at 300 keys, alone and at c=32, for no better
+// balance on two: each chunk has its reductions, its part and its fold.)
+constexpr int64_t MAX_CHUNKS = 16, MAX_SPAN = 512;
+
+inline int64_t span_for(int64_t n, int64_t asked) {
+    if (asked > 0) return asked < MAX_SPAN ? asked : MAX_SPAN;
+    const int64_t pairs = (n + 511) / 512, chunks = 2 * pairs < MAX_CHUNKS ? 2 * pairs : MAX_CHUNKS;
+    const int64_t even = ((n + chunks - 1) / chunks + 15) / 16 * 16;
+    return even > MAX_SPAN ? MAX_SPAN : even;
+}
+
+inline int64_t chunks_for(int64_t bound, int64_t asked) {
+    const int64_t n = bound > 1 ? bound : 1, span = span_for(n, asked);
+    return (n + span - 1) / span;
+}
+
+// A chunk's part of one KV group's attention, kept until its group's chunks merge: each query head's weighted sum
+// of values by e^(score - top) [group][d], then its top score [group], then the sum of its exponentials [group].
+inline int64_t part_floats(int64_t group, int64_t d) { return group * (d + 2); }
+inline int64_t top_at(int64_t group, int64_t d, int64_t g) { return group * d + g; }
+inline int64_t total_at(int64_t group, int64_t d, int64_t g) { return group * (d + 1) + g; }
+
+// A query head's softmax over the chunks seen so far: the top score, the sum of e^(score - top), and the values
+// weighted by them. Chunks fold in in chunk order, whichever thread computed them and whether or not their parts
+// went through memory, with the same arithmetic: the same bits either way.
+struct Running {
+    float top, total;
+    float acc[MAX_DIM];
+
+    void start(float chunk_top, float chunk_total, const float *chunk_acc, int64_t d) {
+        top = chunk_top, total = chunk_total;
+        std::memcpy(acc, chunk_acc, d * sizeof(float));
+    }
+
+    void fold(float chunk_top, float chunk_total, const float *chunk_acc, int64_t d) {
+        const float peak = chunk_top > top ? chunk_top : top;
+        const float mine = mstar::exp_approx(top - peak), theirs = mstar::exp_approx(chunk_top - peak);
+        top = peak, total = mine * total + theirs * chunk_total;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) acc[e] = mine * acc[e] + theirs * chunk_acc[e];
+    }
+
+    template <typename T>
+    void write(T *dst, int64_t d) const {
+        const float inv = 1.0f / total;
+        for (int64_t e = 0; e < d; ++e) narrow(acc[e] * inv, dst + e);
+    }
+};
+
+// Sequence i's KV head h from its chunks' parts (written by other tasks), folded in chunk order.
 template <typename T>
-void attend_one(const LanePlan &p, int64_t i, int64_t h, int64_t g0, int64_t heads, const T *q, const T *k_lanes,
-                const T *v_lanes, T *out, float *scores) {
+void merge_chunks(const LanePlan &p, int64_t i, int64_t h, int64_t chunks, const float *parts, T *out) {
+    const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, stride = part_floats(group, d);
+    for (int64_t g = 0; g < group; ++g) {
+        Running run;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float *part = parts + c * stride;
+            if (c == 0)
+                run.start(part[top_at(group, d, g)], part[total_at(group, d, g)], part + g * d, d);
+            else
+                run.fold(part[top_at(group, d, g)], part[total_at(group, d, g)], part + g * d, d);
+        }
+        run.write(out + p.rows[i] * p.out_row + (h * group + g) * p.out_head, d);
+    }
+}
+
+// Keys and values [0, count) asked for from memory ahead of their reads, the keys nearer (read first). A chunk's
+// streams are short: left to the hardware prefetcher they cost ~10 % more on one thread than one long stream per
+// KV head did.
+template <typename T>
+inline void prefetch_keys(const T *keys, const T *vals, int64_t count) {
+    for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char *>(keys) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char *>(vals) + b, 0, 2);
+    }
+}
+
+// The pointers of one call, typed.
+template <typename T>
+struct Tensors {
+    const T *q, *k_new, *v_new;
+    T *k_lanes, *v_lanes, *k_pool, *v_pool, *out;
+};
+
+// One task: chunks [from, to) of the `chunks` of sequence i's KV head h. It stores the new key and value first when
+// they fall in its chunks (the chunk holding the write position, or the last one: no other task reads them), then
+// attends the group's query heads over each chunk's keys. A task of all the chunks folds them as it goes and
+// writes the output; a task of some writes each chunk's part (`parts`: the group's, chunk 0 first), and whichever
+// task completes the group (`done` counts its chunks finished) merges them.
+template <typename T>
+void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h, int64_t from, int64_t to, int64_t chunks,
+                   float *parts, int32_t *done) {
     const int64_t d = p.head_dim, group = p.q_heads / p.kv_heads, n = p.bound[i], row = p.rows[i];
-    const T *keys = k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
-    const T *vals = v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
-    const int64_t first = h * group + g0;  // the task's first query head
+    const int64_t span = span_for(n > 1 ? n : 1, p.span);
+    if (x.k_new != nullptr) {
+        const int64_t holds = p.write_pos[i] / span, at = holds < chunks - 1 ? holds : chunks - 1;
+        if (from <= at && at < to) store_new<T>(p, i, h, x.k_new, x.v_new, x.k_lanes, x.v_lanes, x.k_pool, x.v_pool);
+    }
+    const int64_t first = h * group;  // the group's first query head
     if (n <= 0) {  // (a row always sees its own new key; nothing to attend to gives zeros, never garbage)
-        for (int64_t g = 0; g < heads; ++g)
-            for (int64_t e = 0; e < d; ++e) narrow(0.0f, out + row * p.out_row + (first + g) * p.out_head + e);
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t e = 0; e < d; ++e) narrow(0.0f, x.out + row * p.out_row + (first + g) * p.out_head + e);
         return;
     }
     float qf[MAX_GROUP][MAX_DIM];
-    for (int64_t g = 0; g < heads; ++g) {
-        const T *src = q + row * p.q_row + (first + g) * p.q_head;
+    for (int64_t g = 0; g < group; ++g) {
+        const T *src = x.q + row * p.q_row + (first + g) * p.q_head;
         for (int64_t e = 0; e < d; ++e) qf[g][e] = widen(src[e]) * p.scale;
     }
-    float acc[MAX_GROUP][MAX_DIM];
-    if (!attend_vector<T>(d, heads, qf, keys, vals, n, scores, acc))
-        attend_portable<T>(d, heads, qf, keys, vals, n, scores, acc);
-    for (int64_t g = 0; g < heads; ++g) {
-        T *dst = out + row * p.out_row + (first + g) * p.out_head;
-        for (int64_t e = 0; e < d; ++e) narrow(acc[g][e], dst + e);
+    const int64_t stride = part_floats(group, d);
+    const T *lane_keys = x.k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
+    const T *lane_vals = x.v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
+    // each chunk's keys and values asked for one chunk ahead of their reads (the task's first before it starts)
+    prefetch_keys(lane_keys + from * span * d, lane_vals + from * span * d, (n - from * span < span ? n - from * span : span) * d);
+    const bool whole = to - from == chunks;
+    Running runs[MAX_GROUP];
+    for (int64_t c = from; c < to; ++c) {
+        const int64_t l0 = c * span, m = n - l0 < span ? n - l0 : span;
+        const T *keys = lane_keys + l0 * d, *vals = lane_vals + l0 * d;
+        if (c + 1 < to) prefetch_keys(keys + m * d, vals + m * d, (n - l0 - m < span ? n - l0 - m : span) * d);
+        float scores[MAX_GROUP * MAX_SPAN], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
+        if (!chunk_vector<T>(d, group, qf, keys, vals, m, scores, acc, top, total))
+            chunk_portable<T>(d, group, qf, keys, vals, m, scores, acc, top, total);
+        for (int64_t g = 0; g < group; ++g) {
+            if (!whole) {
+                float *part = parts + c * stride;
+                std::memcpy(part + g * d, acc[g], d * sizeof(float));
+                part[top_at(group, d, g)] = top[g], part[total_at(group, d, g)] = total[g];
+            } else if (c == 0) {
+                runs[g].start(top[g], total[g], acc[g], d);
+            } else {
+                runs[g].fold(top[g], total[g], acc[g], d);
+            }
+        }
     }
+    if (whole) {
+        for (int64_t g = 0; g < group; ++g) runs[g].write(x.out + row * p.out_row + (first + g) * p.out_head, d);
+        return;
+    }
+    // acquire-release: the task that completes the group sees the parts the others wrote before they counted them
+    if (__atomic_add_fetch(done, static_cast<int32_t>(to - from), __ATOMIC_ACQ_REL) == chunks)
+        merge_chunks<T>(p, i, h, chunks, parts, x.out);
 }
+
+// Per-thread scratch of the calling thread, kept between calls (a decode step calls once per layer: no allocation
+// per call): each sequence's first chunk, each KV group's count of chunks done, then the chunks' parts.
+struct Scratch {
+    void *data = nullptr;
+    size_t bytes = 0;
+    ~Scratch() { std::free(data); }
+    void *at_least(size_t want) {
+        if (want > bytes) {
+            std::free(data);
+            bytes = want + want / 2;
+            data = std::malloc(bytes);
+            if (data == nullptr) bytes = 0;
+        }
+        return data;
+    }
+};
+thread_local Scratch scratch;
 
 template <typename T>
 int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v_new, void *k_lanes, void *v_lanes,
            void *k_pool, void *v_pool, void *out) {
     const LanePlan &p = *plan;
     if (p.q_heads % p.kv_heads || p.q_heads / p.kv_heads > MAX_GROUP || p.head_dim > MAX_DIM) return 1;
-    int64_t longest = 1;
-    for (int64_t i = 0; i < p.count; ++i) longest = p.bound[i] > longest ? p.bound[i] : longest;
-    const int64_t group = p.q_heads / p.kv_heads;
-    // A task is a sequence's KV head group, or a single query head where the groups are fewer than a few per thread
-    // (one decoding row: SmolLM2's 3 groups on 2 threads leave one idle a third of the call; 9 heads split 5 / 4)
-    const int64_t split = p.count * p.kv_heads < 4 * p.threads ? group : 1, heads = group / split;
-    const int64_t tasks = p.count * p.kv_heads * split;
-    // one scores buffer per thread, [group, longest]
-    float *scores = static_cast<float *>(std::malloc(sizeof(float) * p.threads * group * longest));
-    if (scores == nullptr) return 2;
-    if (k_new != nullptr)  // (the new keys first: every query head of the group reads them)
-        for (int64_t t = 0; t < p.count * p.kv_heads; ++t)
-            store_new<T>(p, t / p.kv_heads, t % p.kv_heads, static_cast<const T *>(k_new), static_cast<const T *>(v_new),
-                         static_cast<T *>(k_lanes), static_cast<T *>(v_lanes), static_cast<T *>(k_pool),
-                         static_cast<T *>(v_pool));
+    const Tensors<T> x{static_cast<const T *>(q), static_cast<const T *>(k_new), static_cast<const T *>(v_new),
+                       static_cast<T *>(k_lanes), static_cast<T *>(v_lanes), static_cast<T *>(k_pool),
+                       static_cast<T *>(v_pool), static_cast<T *>(out)};
+    const int64_t count = p.count, heads = p.kv_heads, pairs = count * heads;
+    const int64_t stride = part_floats(p.q_heads / heads, p.head_dim);
+    int64_t chunks_total = 0;
+    for (int64_t i = 0; i < count; ++i) chunks_total += heads * chunks_for(p.bound[i], p.span);
+    int64_t *first = static_cast<int64_t *>(scratch.at_least(
+        sizeof(int64_t) * (count + 1) + sizeof(int32_t) * (pairs + 1) + sizeof(float) * chunks_total * stride));
+    if (first == nullptr) return 2;
+    int32_t *done = reinterpret_cast<int32_t *>(first + count + 1);
+    float *parts = reinterpret_cast<float *>(done + pairs + 1);
+    first[0] = 0;  // sequence i's chunks are [first[i], first[i + 1]), KV head major
+    for (int64_t i = 0; i < count; ++i) first[i + 1] = first[i] + heads * chunks_for(p.bound[i], p.span);
+    // A task is a sequence's whole KV group where there are a few groups per thread; else a single chunk of one, so
+    // that a lone decoding row's keys are split between the threads (SmolLM2's 3 groups on 2 threads: one thread
+    // idle a third of the call). Either way the same chunks compute the same bits.
+    if (pairs >= 4 * p.threads) {
 #pragma omp parallel for num_threads(p.threads) schedule(dynamic)  // (a held-up thread holds up no one)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t pair = t / split;
-        attend_one<T>(p, pair / p.kv_heads, pair % p.kv_heads, t % split * heads, heads, static_cast<const T *>(q),
-                      static_cast<const T *>(k_lanes), static_cast<const T *>(v_lanes), static_cast<T *>(out),
-                      scores + omp_get_thread_num() * group * longest);
+        for (int64_t u = 0; u < pairs; ++u) {
+            const int64_t i = u / heads, h = u % heads, chunks = (first[i + 1] - first[i]) / heads;
+            attend_chunks<T>(p, x, i, h, 0, chunks, chunks, parts + (first[i] + h * chunks) * stride, nullptr);
+        }
+        return 0;
     }
-    std::free(scores);
+    std::memset(done, 0, sizeof(int32_t) * pairs);
+#pragma omp parallel for num_threads(p.threads) schedule(dynamic) if (chunks_total > 1)
+    for (int64_t t = 0; t < chunks_total; ++t) {
+        int64_t i = 0, hi = count;  // the sequence whose chunks hold t: first[i] <= t < first[i + 1]
+        while (hi - i > 1) {
+            const int64_t mid = (i + hi) / 2;
+            (first[mid] <= t ? i : hi) = mid;
+        }
+        const int64_t chunks = (first[i + 1] - first[i]) / heads, h = (t - first[i]) / chunks;
+        const int64_t c = (t - first[i]) % chunks;
+        attend_chunks<T>(p, x, i, h, c, c + 1, chunks, parts + (first[i] + h * chunks) * stride, done + i * heads + h);
+    }
     return 0;
 }
 

@@ -31,6 +31,7 @@ class LanePlan(ctypes.Structure):
         ("lane_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
         ("slots", ctypes.c_void_p), ("pool_slot", ctypes.c_int64), ("pool_head", ctypes.c_int64),
+        ("span", ctypes.c_int64),
     ]
 
 
@@ -54,7 +55,10 @@ class LaneCall:
     def __init__(self, kernel, plan):
         self.kernel = kernel
         # row, lane, write position and bound of every row, kept alive for the struct's pointers
-        self.index = torch.stack((plan.rows, plan.lanes, plan.pos, plan.bound)).to(torch.int64).contiguous()
+        index = getattr(plan, "index", None)  # (a backend plan builds them as one tensor)
+        if index is None or index.dtype != torch.int64 or not index.is_contiguous():
+            index = torch.stack((plan.rows, plan.lanes, plan.pos, plan.bound)).to(torch.int64).contiguous()
+        self.index = index
         self.count = int(plan.rows.shape[0])
         self.plan: LanePlan | None = None
         self.layout: tuple | None = None
