@@ -81,6 +81,13 @@ def available() -> bool:
     return size is not None and size() == 8 * (2 + _ARGS)
 
 
+def warm_recording() -> None:
+    """Pay a recording's one-off cost now: torch imports `torch._dynamo` the first time a dispatch mode runs an op
+    (1-3 s of imports on a 2-core box), which otherwise lands in the first request's first decode step."""
+    with _Guard(Tape()):
+        torch.empty(0)
+
+
 class Tape:
     """Kernel calls recorded in order, the tensors they write kept alive, and whether a replay may stand for the run."""
 

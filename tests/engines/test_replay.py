@@ -257,3 +257,21 @@ def test_returned_hidden_rows_are_not_overwritten_by_later_replays(llama_pair):
     assert len(got) == len(ref) == 12
     assert torch.equal(torch.stack(got), torch.stack(ref))
     assert len({t.data_ptr() for t in got}) == len(got)
+
+
+def test_a_replaying_engine_pays_the_recordings_one_off_imports_while_it_is_built():
+    """The first recording's dispatch mode imports torch._dynamo (seconds on a 2-core box): building a replay does it
+    up front, so the first request's step does not (a fresh interpreter: this one may have imported it already)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from mstar_kvcache.replay import StepReplay\n"
+            "from mstar_core.nn.llama import LlamaForCausalLM\n"
+            "m = LlamaForCausalLM({'vocab_size': 64, 'hidden_size': 32, 'intermediate_size': 64, 'num_hidden_layers': 1,"
+            " 'num_attention_heads': 2, 'num_key_value_heads': 1, 'max_position_embeddings': 64})\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "assert StepReplay.for_module(m, 'lm', torch.device('cpu')) is not None\n"
+            "assert 'torch._dynamo' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -163,3 +163,16 @@ def test_a_compile_past_its_memory_limit_is_killed(monkeypatch):
     with pytest.raises(RequestError, match="more than 1 MB"):
         job.future.result(timeout=30)
     assert pool.killed == 1
+
+
+def test_a_waited_warm_up_leaves_the_vocabularys_tokenizer_info_built(monkeypatch):
+    """The server waits for it before it is ready (xgrammar builds it holding the GIL, which held the first
+    requests' steps up by seconds when it ran in the background)."""
+    class NoPool:
+        def warm(self):
+            pass
+
+    monkeypatch.setattr(gc, "pool", lambda: NoPool())
+    vocab = GrammarVocab(PIECES + (b"warm",), (0,), len(PIECES) + 1)
+    gc.warm(vocab, background=False)
+    assert gc._fingerprint(vocab) in gc._infos

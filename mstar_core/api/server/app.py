@@ -219,7 +219,11 @@ class ServerState:
             log.info("loaded %s in %.1fs%s", item.name, time.perf_counter() - t0,
                      " -- RANDOM WEIGHTS: output is noise" if loaded.random_weights else "")
             if (loaded.extras or {}).get("grammar_vocab") is not None:  # compile processes start now, not on the
-                warm_grammars(loaded.extras["grammar_vocab"])  # first structured request
+                # first structured request; ready waits for the vocabulary's TokenizerInfo (see `warm`)
+                try:
+                    await asyncio.to_thread(warm_grammars, loaded.extras["grammar_vocab"], False)
+                except Exception:  # (structured outputs then build it on first use, as they would have)
+                    log.warning("grammar warm-up for %s failed", item.name, exc_info=True)
             self.bind_adapters(item.name, loaded, item.media)
             if item.lora is not None:  # the nodes that take adapters get their slots, the named adapters load
                 await self.engine.enable_lora(item.name, item.lora)

@@ -125,7 +125,10 @@ class StepReplay:
         `logits`: record the LM head too (see the module docstring)."""
         if device.type != "cpu" or not isinstance(module, torch.nn.Module) or not splits_forward(module):
             return None
-        return cls(module, node, logits) if tapes.available() else None
+        if not tapes.available():
+            return None
+        tapes.warm_recording()  # (while the model loads, not in the first request's step)
+        return cls(module, node, logits)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Any, keep: bool = True,
                 greedy: bool = False) -> torch.Tensor | None:
