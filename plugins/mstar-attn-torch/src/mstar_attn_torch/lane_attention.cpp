@@ -61,8 +61,8 @@ constexpr int64_t MAX_DIM = 256;
 
 #if defined(__AVX512F__)
 // The AVX-512 path for head dims that are a multiple of 16: each query head's scores for 16 keys at a
-// time (16 dot products summed across their lanes at once, no per-key horizontal sum), then its
-// output from the probabilities with the accumulators in registers.
+// time (16 dot products summed across their lanes at once, no per-key horizontal sum), then the
+// group's outputs from the probabilities, several query heads at once with the accumulators in registers.
 
 using mstar::load16;
 
@@ -374,10 +374,13 @@ inline void vector_weighted(const float *w, int64_t w_stride, const T *vals, int
 }
 #endif
 
-// Bytes of keys (and of values) asked for from memory ahead of the key being scored: enough in flight to cover the
-// memory's latency at the read rate, while the compute goes on (a whole chunk asked for at once stalled the core
-// until its lines came, then computed from L2: reads and arithmetic one after the other, not overlapped).
-constexpr int64_t AHEAD_BYTES = 8192;
+// Bytes of keys (and of values) asked for from memory ahead of the block being scored, one block's worth at a time
+// (a whole chunk asked for at once stalls the core on its lines, then computes from L2). Measured at a c=32 step's
+// shapes on one Zen 4 thread (benchmarks/lane_attention.py): 4 KB 15.0-15.2 GB/s; 2, 3, 6 and 8 KB 13.6-14.3; the
+// next chunk asked for at once (before) 13.8-14.0. Values are asked for with the keys, while the scores are computed
+// (asking for them while they are weighted, or keys and values in one pass with an online softmax, did worse:
+// 10-11.5 GB/s).
+constexpr int64_t AHEAD_BYTES = 4096;
 
 // Keys and values [0, count) elements from `keys` and `vals` asked for from memory (the keys nearer: read first).
 template <typename T>
@@ -399,24 +402,70 @@ inline void prefetch_block(const T *keys, const T *vals) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The group's query heads as a chunk's score kernel takes them (fp32, the softmax scale applied).
+template <typename T, int D>
+struct Queries {
+    const float (*qf)[MAX_DIM];
+    Queries(const float (*q)[MAX_DIM], int64_t, float) : qf(q) {}
+    void scores(int64_t g, const T *keys, int64_t m, float *s) const { vector_scores<T, D>(qf[g], keys, m, s); }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 keys on a CPU with AVX512-BF16: each key's products with the query head in bf16 pairs by vdpbf16ps (each
+// product exact in fp32 and added as an FMA adds it, two per 32-bit lane), half the instructions of widening the keys
+// to fp32 first. The head is the query row itself (fp32 / scale gives its bf16 back exactly: the scaled fp32 is
+// within an fp32 rounding of it), and the scale multiplies each score instead.
+template <int D>
+struct Queries<bf16, D> {
+    static constexpr int C = D / 32;
+    __m512bh q[MAX_GROUP][C];
+    float scale;
+    Queries(const float (*qf)[MAX_DIM], int64_t group, float scale_) : scale(scale_) {
+        const __m512 by = _mm512_set1_ps(scale);
+        for (int64_t g = 0; g < group; ++g)
+            for (int c = 0; c < C; ++c)
+                q[g][c] = _mm512_cvtne2ps_pbh(_mm512_div_ps(_mm512_loadu_ps(qf[g] + 32 * c + 16), by),
+                                              _mm512_div_ps(_mm512_loadu_ps(qf[g] + 32 * c), by));
+    }
+    void scores(int64_t g, const bf16 *keys, int64_t n, float *s) const {
+        for (int64_t l0 = 0; l0 < n; l0 += 16) {
+            const int64_t m = n - l0 < 16 ? n - l0 : 16;
+            __m512 a[16];
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+            if (m == 16) {
+                for (int c = 0; c < C; ++c)
+                    for (int j = 0; j < 16; ++j)
+                        a[j] = _mm512_dpbf16_ps(a[j], q[g][c], (__m512bh)_mm512_loadu_si512(keys + (l0 + j) * D + 32 * c));
+            } else {
+                for (int j = 0; j < m; ++j)
+                    for (int c = 0; c < C; ++c)
+                        a[j] = _mm512_dpbf16_ps(a[j], q[g][c], (__m512bh)_mm512_loadu_si512(keys + (l0 + j) * D + 32 * c));
+            }
+            _mm512_mask_storeu_ps(s + l0, static_cast<__mmask16>((1u << m) - 1u), _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+        }
+    }
+};
+#endif
+
 // One task's chunk of keys through the vector kernels; false: not for this head dim. Scores 16 keys at a time for
 // every query head of the group (the 16 keys stay in L1 between heads), asking for the keys and values AHEAD_BYTES on
 // (no further than `readable` keys from the chunk's first: the task's), then each head's exponentials, then the
 // heads' weighted sums together (each value read once for all of them).
 template <typename T>
-bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
-                  int64_t readable, float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
+bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], float scale, const T *keys, const T *vals,
+                  int64_t n, int64_t readable, float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
     switch (d) {
 #define MSTAR_DIM(D)                                                                                     \
     case D: {                                                                                            \
         const int64_t stride = (n + 15) / 16 * 16, ahead = AHEAD_BYTES / (D * sizeof(T));                \
+        const Queries<T, D> queries(qf, group, scale);                                                   \
         for (int64_t l0 = 0; l0 < n; l0 += 16) {                                                         \
             const int64_t m = n - l0 < 16 ? n - l0 : 16, next = l0 + ahead;                              \
             if (next + 16 <= readable)                                                                   \
                 prefetch_block<T, D>(keys + next * D, vals + next * D);                                  \
             else if (next < readable)                                                                    \
                 prefetch_keys(keys + next * D, vals + next * D, (readable - next) * D);                  \
-            for (int64_t g = 0; g < group; ++g) vector_scores<T, D>(qf[g], keys + l0 * D, m, scores + g * stride + l0); \
+            for (int64_t g = 0; g < group; ++g) queries.scores(g, keys + l0 * D, m, scores + g * stride + l0); \
         }                                                                                                \
         for (int64_t g = 0; g < group; ++g) vector_exps(scores + g * stride, n, top[g], total[g]);       \
         vector_weighted<T, D>(scores, stride, vals, n, group, acc);                                      \
@@ -432,7 +481,7 @@ bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T 
 }
 #else
 template <typename T>
-bool chunk_vector(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, int64_t, float *,
+bool chunk_vector(int64_t, int64_t, const float (*)[MAX_DIM], float, const T *, const T *, int64_t, int64_t, float *,
                   float (*)[MAX_DIM], float *, float *) {
     return false;
 }
@@ -605,7 +654,7 @@ void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h,
         const int64_t l0 = c * span, m = n - l0 < span ? n - l0 : span;
         const T *keys = lane_keys + l0 * d, *vals = lane_vals + l0 * d;
         float scores[MAX_GROUP * MAX_SPAN], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
-        if (!chunk_vector<T>(d, group, qf, keys, vals, m, end - l0, scores, acc, top, total)) {
+        if (!chunk_vector<T>(d, group, qf, p.scale, keys, vals, m, end - l0, scores, acc, top, total)) {
             if (c + 1 < to) prefetch_keys(keys + m * d, vals + m * d, (end - l0 - m < span ? end - l0 - m : span) * d);
             chunk_portable<T>(d, group, qf, keys, vals, m, scores, acc, top, total);
         }
