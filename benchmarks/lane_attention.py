@@ -6,11 +6,14 @@ kernel call a layer (each also stores the row's new key and value in its lane an
 bytes of keys and values the step attends over divided by the step's time (the median of `--rounds`), beside a
 plain read of the same bytes by the same threads (`read_rate.cpp`, one call a layer's lanes). `--against SRC`:
 another build of the kernel (a copy of lane_attention.cpp under another name, e.g. main's) alternated with this one
-round by round, the same step (its results compared too). `--rows 1`: the c=1 call at `--keys` keys.
+round by round, the same step (its results compared too). `--rows 1`: the c=1 call at `--keys` keys. `--threads 1`
+times the calling thread's CPU time (what the box's other jobs disturb least); more threads, the wall time.
+`--layers 1 --rows 2`: the arithmetic alone (the lanes stay in cache).
 
     python benchmarks/lane_attention.py [--quick] [--dtype bfloat16] [--rows 32] [--against /tmp/lane_main.cpp]
 
-Final line: JSON (`step_ms`, `gbs`, `read_gbs`, with `--against`: `step_ms_against`, `gbs_against`, `speedup`).
+Final line: JSON (`step_ms` median, `best_ms`, `gbs`, `read_gbs`; per `--against` build, by its file's stem S:
+`step_ms_S`, `best_ms_S`, `gbs_S`, `speedup_S` = its step over this one's, `max_abs_diff_S` of the outputs).
 """
 
 from __future__ import annotations
@@ -29,17 +32,17 @@ from mstar_attn_torch.backend import LanePlan
 from mstar_core.nn import native
 
 LAYERS, KV_HEADS, GROUP, DIM = 30, 3, 3, 64
-LAYER_COPIES = LAYERS  # layers of lanes in memory (fewer: calls reuse them, from cache)
 READ_SOURCE = Path(__file__).with_name("read_rate.cpp")
 
 
-def build_step(rows: int, keys: int | None, dtype: torch.dtype, seed: int = 0):
-    """Lanes `[layers, 2, lanes, kv heads, capacity, dim]` (head-major, as `DecodeLanes` keeps them), the step's
-    q/k/v/out, its pool and slots, and the plan of `rows` rows (each a lane of 64-400 keys, or `keys`)."""
+def build_step(rows: int, keys: int | None, dtype: torch.dtype, copies: int = LAYERS, seed: int = 0):
+    """Lanes `[copies, 2, lanes, kv heads, capacity, dim]` (head-major, as `DecodeLanes` keeps them; layer i reads
+    copy i % copies), the step's q/k/v, its pool and slots, and the plan of `rows` rows (each a lane of 64-400 keys,
+    or `keys`)."""
     gen = torch.Generator().manual_seed(seed)
     bound = torch.full((rows,), keys) if keys else torch.randint(64, 401, (rows,), generator=gen)
     capacity = (int(bound.max()) + 15) // 16 * 16
-    lanes = torch.randn(LAYER_COPIES, 2, rows, KV_HEADS, capacity, DIM, generator=gen).to(dtype)
+    lanes = torch.randn(copies, 2, rows, KV_HEADS, capacity, DIM, generator=gen).to(dtype)
     q = torch.randn(rows, KV_HEADS * GROUP, DIM, generator=gen).to(dtype)
     k = torch.randn(rows, KV_HEADS, DIM, generator=gen).to(dtype)
     v = torch.randn(rows, KV_HEADS, DIM, generator=gen).to(dtype)
@@ -57,12 +60,13 @@ def step_runner(kernel, step, scale: float):
     call = lane_kernel.LaneCall(kernel, plan)
     outs = torch.empty(LAYERS, *q.shape, dtype=q.dtype)
     store_k, store_v = kv[:, 0], kv[:, 1]
+    copies = kv.shape[0]
     assert call.fits(q, k, v, store_k[0])
     call.prepare(q, k, v, store_k[0], outs[0], scale, (pool[0, 0], pool[0, 1], slots))
     layer_bytes = store_k.stride(0) * store_k.element_size()
     pool_bytes = pool.stride(0) * pool.element_size()
-    args = [(q.data_ptr(), k.data_ptr(), v.data_ptr(), store_k.data_ptr() + i % LAYER_COPIES * layer_bytes,
-             store_v.data_ptr() + i % LAYER_COPIES * layer_bytes, pool.data_ptr() + i * pool_bytes,
+    args = [(q.data_ptr(), k.data_ptr(), v.data_ptr(), store_k.data_ptr() + i % copies * layer_bytes,
+             store_v.data_ptr() + i % copies * layer_bytes, pool.data_ptr() + i * pool_bytes,
              pool[0, 1].data_ptr() + i * pool_bytes, outs[i].data_ptr()) for i in range(LAYERS)]
 
     def run():
@@ -82,12 +86,10 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=0, help="every row's key count (0: 64-400, random)")
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=LAYERS, help="layers of lanes (1: the same lanes every call, cache-hot)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="copies of the lanes in memory (layer i reads copy i %% layers; 1 with few --rows: from cache)")
     parser.add_argument("--against", type=Path, action="append", default=[],
                         help="another lane_attention.cpp (a copy under another name; repeatable)")
     args = parser.parse_args()
-    if args.layers != LAYERS:  # (every call still a layer of the step: the lanes of layer i % layers)
-        globals()["LAYER_COPIES"] = args.layers
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -102,7 +104,7 @@ def main() -> None:
                                                [ctypes.POINTER(lane_kernel.LanePlan)] + [ctypes.c_void_p] * 8, ctypes.c_int)
     runs = {}
     for name, fn in kernels.items():
-        step = build_step(args.rows, args.keys, dtype)
+        step = build_step(args.rows, args.keys, dtype, args.layers)
         runs[name] = step_runner(fn, step, scale)
     bound = build_step(args.rows, args.keys, dtype)[-1].bound
     step_bytes = LAYERS * 2 * KV_HEADS * DIM * int(bound.sum()) * torch.empty((), dtype=dtype).element_size()
@@ -128,13 +130,13 @@ def main() -> None:
             result["max_abs_diff_" + name] = (runs["own"][1].float() - runs[name][1].float()).abs().max().item()
     read = native.function(READ_SOURCE, "mstar_read_rate", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], ctypes.c_uint64)
     if read is not None:  # the same bytes read plainly: each layer's lanes (whole capacity) in one call
-        lanes = build_step(args.rows, args.keys, dtype)[0]
+        lanes = build_step(args.rows, args.keys, dtype, args.layers)[0]
         layer = lanes[0].numel() * lanes.element_size()
         ts = []
         for _ in range(rounds):
             start = time.perf_counter()
             for i in range(LAYERS):
-                read(lanes[i % LAYER_COPIES].data_ptr(), layer // 64 * 64, torch.get_num_threads())
+                read(lanes[i % args.layers].data_ptr(), layer // 64 * 64, torch.get_num_threads())
             ts.append(time.perf_counter() - start)
         result["read_gbs"] = round(LAYERS * layer / statistics.median(ts) / 1e9, 2)
     print(json.dumps(result))
