@@ -91,6 +91,20 @@ def test_any_split_of_the_keys_matches_torch_attention(variant, dtype, head_dim,
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 5), (64, 4), (128, 3), (256, 2)])
+def test_query_heads_weighted_together_match_torch_attention(variant, dtype, head_dim, group):
+    """The vector kernels weight the values for several of a group's query heads at once (up to 4 at head dim 64,
+    3 at 128, 1 at 256): groups that fill those tiles, and groups split over them (4 + 1, 1 + 1), over key counts
+    that end mid-block, each head within the reference's tolerance."""
+    case = _case(dtype, head_dim, 2, group, [1, 37, 300], seed=head_dim * group)
+    want = _reference(*case[:6])
+    plan = case[5]
+    for span in (0, 1 << 20):
+        _close(_run(case, variant, span=span)[3][plan.rows].float(), want, dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_and_unsplit_agree_with_each_other(variant, dtype):
     """The merge of a row's chunks gives what one pass over all its keys gives (to rounding)."""
     case = _case(dtype, 64, 3, 3, [200, 129, 330], seed=9)

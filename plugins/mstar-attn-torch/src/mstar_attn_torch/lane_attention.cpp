@@ -61,8 +61,8 @@ constexpr int64_t MAX_DIM = 256;
 
 #if defined(__AVX512F__)
 // The AVX-512 path for head dims that are a multiple of 16: each query head's scores for 16 keys at a
-// time (16 dot products summed across their lanes at once, no per-key horizontal sum), then its
-// output from the probabilities with the accumulators in registers.
+// time (16 dot products summed across their lanes at once, no per-key horizontal sum), then the
+// group's outputs from the probabilities, several query heads at once with the accumulators in registers.
 
 using mstar::load16;
 
@@ -94,7 +94,15 @@ void scores16(const float *qf, const T *keys, int64_t n, float *s) {
     constexpr int C = D / 16;
     __m512 qv[C];
     for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + 16 * c);
-    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+    int64_t l0 = 0;
+    for (; l0 + 16 <= n; l0 += 16) {  // whole blocks: no test per key, so the 16 sums stay in registers
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv[c], load16(keys + (l0 + j) * D + 16 * c), a[j]);
+        _mm512_storeu_ps(s + l0, sum16(a));
+    }
+    for (; l0 < n; l0 += 16) {
         const int64_t m = n - l0 < 16 ? n - l0 : 16;
         __m512 a[16];
         for (int j = 0; j < 16; ++j) {
@@ -118,6 +126,57 @@ void weighted16(const float *w, const T *vals, int64_t n, float *out) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
+// weighted16 for G query heads at once (their weights w + g * w_stride): each value vector is loaded once and
+// serves all G (a KV group's heads read their values once, not G times), with G * D / 16 accumulators in registers.
+// Each head's sums are in weighted16's order: the same bits.
+template <int D, int G>
+void weighted16_heads(const float *w, int64_t w_stride, const float *vals, int64_t n, float (*out)[MAX_DIM]) {
+    constexpr int C = D / 16;
+    __m512 acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; ++l) {
+        __m512 wl[G];
+        for (int g = 0; g < G; ++g) wl[g] = _mm512_set1_ps(w[g * w_stride + l]);
+        for (int c = 0; c < C; ++c) {
+            const __m512 v = _mm512_loadu_ps(vals + l * D + 16 * c);
+            for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(wl[g], v, acc[g][c]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + 16 * c, acc[g][c]);
+}
+
+// bf16 values, the even/odd halves of each 32 (weighted32's order, for G heads at once)
+template <int D, int G>
+void weighted16_heads(const float *w, int64_t w_stride, const bf16 *vals, int64_t n, float (*out)[MAX_DIM]) {
+    constexpr int C = D / 32;
+    __m512 acc_e[G][C], acc_o[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc_e[g][c] = _mm512_setzero_ps(), acc_o[g][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; ++l) {
+        __m512 wl[G];
+        for (int g = 0; g < G; ++g) wl[g] = _mm512_set1_ps(w[g * w_stride + l]);
+        for (int c = 0; c < C; ++c) {
+            __m512 even, odd;
+            load32(vals + l * D + 32 * c, even, odd);
+            for (int g = 0; g < G; ++g) {
+                acc_e[g][c] = _mm512_fmadd_ps(wl[g], even, acc_e[g][c]);
+                acc_o[g][c] = _mm512_fmadd_ps(wl[g], odd, acc_o[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        alignas(64) float split[2][C][16];
+        for (int c = 0; c < C; ++c) _mm512_store_ps(split[0][c], acc_e[g][c]), _mm512_store_ps(split[1][c], acc_o[g][c]);
+        for (int c = 0; c < C; ++c)
+            for (int i = 0; i < 16; ++i) out[g][32 * c + 2 * i] = split[0][c][i], out[g][32 * c + 2 * i + 1] = split[1][c][i];
+    }
+}
+
+// query heads weighted16_heads takes at once at head dim D (its accumulators and broadcasts in 32 registers)
+constexpr int heads_at_once(int d) { return d <= 64 ? 4 : d <= 128 ? 3 : 1; }
+
 
 template <int D>
 void scores32(const float *qf, const bf16 *keys, int64_t n, float *s) {
@@ -127,7 +186,19 @@ void scores32(const float *qf, const bf16 *keys, int64_t n, float *s) {
         for (int i = 0; i < 16; ++i) split[0][c][i] = qf[32 * c + 2 * i], split[1][c][i] = qf[32 * c + 2 * i + 1];
     __m512 qe[C], qo[C];
     for (int c = 0; c < C; ++c) qe[c] = _mm512_load_ps(split[0][c]), qo[c] = _mm512_load_ps(split[1][c]);
-    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+    int64_t l0 = 0;
+    for (; l0 + 16 <= n; l0 += 16) {  // whole blocks: no test per key, so the 16 sums stay in registers
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+            for (int j = 0; j < 16; ++j) {
+                __m512 even, odd;
+                load32(keys + (l0 + j) * D + 32 * c, even, odd);
+                a[j] = _mm512_fmadd_ps(qo[c], odd, _mm512_fmadd_ps(qe[c], even, a[j]));
+            }
+        _mm512_storeu_ps(s + l0, sum16(a));
+    }
+    for (; l0 < n; l0 += 16) {
         const int64_t m = n - l0 < 16 ? n - l0 : 16;
         __m512 a[16];
         for (int j = 0; j < 16; ++j) {
@@ -202,8 +273,23 @@ inline void exps16(float *s, int64_t n, float &top, float &total) {
 template <typename T, int D>
 inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores16<T, D>(qf, keys, n, s); }
 inline void vector_exps(float *s, int64_t n, float &top, float &total) { exps16(s, n, top, total); }
+// the group's G query heads' weighted sums (head g's weights at w + g * w_stride), as many heads at once as fit
 template <typename T, int D>
-inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted16<T, D>(w, vals, n, out); }
+inline void vector_weighted(const float *w, int64_t w_stride, const T *vals, int64_t n, int64_t group, float (*out)[MAX_DIM]) {
+    constexpr int most = heads_at_once(D);
+    for (int64_t g = 0; g < group;) {
+        const int64_t take = group - g < most ? group - g : most;
+        const float *wg = w + g * w_stride;
+        if constexpr (most >= 4)
+            if (take == 4) weighted16_heads<D, 4>(wg, w_stride, vals, n, out + g);
+        if constexpr (most >= 3)
+            if (take == 3) weighted16_heads<D, 3>(wg, w_stride, vals, n, out + g);
+        if constexpr (most >= 2)
+            if (take == 2) weighted16_heads<D, 2>(wg, w_stride, vals, n, out + g);
+        if (take == 1) weighted16<T, D>(wg, vals, n, out[g]);
+        g += take;
+    }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX2 path, the AVX-512 one's shape at 8 lanes: each query head's scores for 8 keys at a time (8 dot
 // products summed across their lanes at once), then its output from the probabilities in registers.
@@ -283,24 +369,108 @@ template <typename T, int D>
 inline void vector_scores(const float *qf, const T *keys, int64_t n, float *s) { scores8<T, D>(qf, keys, n, s); }
 inline void vector_exps(float *s, int64_t n, float &top, float &total) { exps8(s, n, top, total); }
 template <typename T, int D>
-inline void vector_weighted(const float *w, const T *vals, int64_t n, float *out) { weighted8<T, D>(w, vals, n, out); }
+inline void vector_weighted(const float *w, int64_t w_stride, const T *vals, int64_t n, int64_t group, float (*out)[MAX_DIM]) {
+    for (int64_t g = 0; g < group; ++g) weighted8<T, D>(w + g * w_stride, vals, n, out[g]);
+}
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// One task's chunk of keys through the vector kernels, each query head of the group in turn (the chunk's keys
-// and values stay in L1 between them); false: not for this head dim.
+// Bytes of keys (and of values) asked for from memory ahead of the block being scored, one block's worth at a time
+// (a whole chunk asked for at once stalls the core on its lines, then computes from L2). Measured at a c=32 step's
+// shapes on one Zen 4 thread (benchmarks/lane_attention.py): 4 KB 15.0-15.2 GB/s; 2, 3, 6 and 8 KB 13.6-14.3; the
+// next chunk asked for at once (before) 13.8-14.0. Values are asked for with the keys, while the scores are computed
+// (asking for them while they are weighted, or keys and values in one pass with an online softmax, did worse:
+// 10-11.5 GB/s).
+constexpr int64_t AHEAD_BYTES = 4096;
+
+// Keys and values [0, count) elements from `keys` and `vals` asked for from memory (the keys nearer: read first).
 template <typename T>
-bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T *keys, const T *vals, int64_t n,
-                  float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
+inline void prefetch_keys(const T *keys, const T *vals, int64_t count) {
+    for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char *>(keys) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char *>(vals) + b, 0, 2);
+    }
+}
+
+// prefetch_keys for a whole block of 16 keys of head dim D (a count known here: the loop unrolls)
+template <typename T, int D>
+inline void prefetch_block(const T *keys, const T *vals) {
+    constexpr int64_t bytes = 16 * D * static_cast<int64_t>(sizeof(T));
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char *>(keys) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char *>(vals) + b, 0, 2);
+    }
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The group's query heads as a chunk's score kernel takes them (fp32, the softmax scale applied).
+template <typename T, int D>
+struct Queries {
+    const float (*qf)[MAX_DIM];
+    Queries(const float (*q)[MAX_DIM], int64_t, float) : qf(q) {}
+    void scores(int64_t g, const T *keys, int64_t m, float *s) const { vector_scores<T, D>(qf[g], keys, m, s); }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 keys on a CPU with AVX512-BF16: each key's products with the query head in bf16 pairs by vdpbf16ps (each
+// product exact in fp32 and added as an FMA adds it, two per 32-bit lane), half the instructions of widening the keys
+// to fp32 first. The head is the query row itself (fp32 / scale gives its bf16 back exactly: the scaled fp32 is
+// within an fp32 rounding of it), and the scale multiplies each score instead.
+template <int D>
+struct Queries<bf16, D> {
+    static constexpr int C = D / 32;
+    __m512bh q[MAX_GROUP][C];
+    float scale;
+    Queries(const float (*qf)[MAX_DIM], int64_t group, float scale_) : scale(scale_) {
+        const __m512 by = _mm512_set1_ps(scale);
+        for (int64_t g = 0; g < group; ++g)
+            for (int c = 0; c < C; ++c)
+                q[g][c] = _mm512_cvtne2ps_pbh(_mm512_div_ps(_mm512_loadu_ps(qf[g] + 32 * c + 16), by),
+                                              _mm512_div_ps(_mm512_loadu_ps(qf[g] + 32 * c), by));
+    }
+    void scores(int64_t g, const bf16 *keys, int64_t n, float *s) const {
+        for (int64_t l0 = 0; l0 < n; l0 += 16) {
+            const int64_t m = n - l0 < 16 ? n - l0 : 16;
+            __m512 a[16];
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+            if (m == 16) {
+                for (int c = 0; c < C; ++c)
+                    for (int j = 0; j < 16; ++j)
+                        a[j] = _mm512_dpbf16_ps(a[j], q[g][c], (__m512bh)_mm512_loadu_si512(keys + (l0 + j) * D + 32 * c));
+            } else {
+                for (int j = 0; j < m; ++j)
+                    for (int c = 0; c < C; ++c)
+                        a[j] = _mm512_dpbf16_ps(a[j], q[g][c], (__m512bh)_mm512_loadu_si512(keys + (l0 + j) * D + 32 * c));
+            }
+            _mm512_mask_storeu_ps(s + l0, static_cast<__mmask16>((1u << m) - 1u), _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+        }
+    }
+};
+#endif
+
+// One task's chunk of keys through the vector kernels; false: not for this head dim. Scores 16 keys at a time for
+// every query head of the group (the 16 keys stay in L1 between heads), asking for the keys and values AHEAD_BYTES on
+// (no further than `readable` keys from the chunk's first: the task's), then each head's exponentials, then the
+// heads' weighted sums together (each value read once for all of them).
+template <typename T>
+bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], float scale, const T *keys, const T *vals,
+                  int64_t n, int64_t readable, float *scores, float (*acc)[MAX_DIM], float *top, float *total) {
     switch (d) {
-#define MSTAR_DIM(D)                                                  \
-    case D:                                                           \
-        for (int64_t g = 0; g < group; ++g) {                         \
-            vector_scores<T, D>(qf[g], keys, n, scores);              \
-            vector_exps(scores, n, top[g], total[g]);                 \
-            vector_weighted<T, D>(scores, vals, n, acc[g]);           \
-        }                                                             \
-        return true;
+#define MSTAR_DIM(D)                                                                                     \
+    case D: {                                                                                            \
+        const int64_t stride = (n + 15) / 16 * 16, ahead = AHEAD_BYTES / (D * sizeof(T));                \
+        const Queries<T, D> queries(qf, group, scale);                                                   \
+        for (int64_t l0 = 0; l0 < n; l0 += 16) {                                                         \
+            const int64_t m = n - l0 < 16 ? n - l0 : 16, next = l0 + ahead;                              \
+            if (next + 16 <= readable)                                                                   \
+                prefetch_block<T, D>(keys + next * D, vals + next * D);                                  \
+            else if (next < readable)                                                                    \
+                prefetch_keys(keys + next * D, vals + next * D, (readable - next) * D);                  \
+            for (int64_t g = 0; g < group; ++g) queries.scores(g, keys + l0 * D, m, scores + g * stride + l0); \
+        }                                                                                                \
+        for (int64_t g = 0; g < group; ++g) vector_exps(scores + g * stride, n, top[g], total[g]);       \
+        vector_weighted<T, D>(scores, stride, vals, n, group, acc);                                      \
+        return true;                                                                                     \
+    }
         MSTAR_DIM(64)
         MSTAR_DIM(128)
         MSTAR_DIM(256)
@@ -311,8 +481,8 @@ bool chunk_vector(int64_t d, int64_t group, const float (*qf)[MAX_DIM], const T 
 }
 #else
 template <typename T>
-bool chunk_vector(int64_t, int64_t, const float (*)[MAX_DIM], const T *, const T *, int64_t, float *, float (*)[MAX_DIM],
-                  float *, float *) {
+bool chunk_vector(int64_t, int64_t, const float (*)[MAX_DIM], float, const T *, const T *, int64_t, int64_t, float *,
+                  float (*)[MAX_DIM], float *, float *) {
     return false;
 }
 #endif
@@ -440,17 +610,6 @@ void merge_chunks(const LanePlan &p, int64_t i, int64_t h, int64_t chunks, const
     }
 }
 
-// Keys and values [0, count) asked for from memory ahead of their reads, the keys nearer (read first). A chunk's
-// streams are short: left to the hardware prefetcher they cost ~10 % more on one thread than one long stream per
-// KV head did.
-template <typename T>
-inline void prefetch_keys(const T *keys, const T *vals, int64_t count) {
-    for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char *>(keys) + b, 0, 3);
-        __builtin_prefetch(reinterpret_cast<const char *>(vals) + b, 0, 2);
-    }
-}
-
 // The pointers of one call, typed.
 template <typename T>
 struct Tensors {
@@ -486,17 +645,19 @@ void attend_chunks(const LanePlan &p, const Tensors<T> &x, int64_t i, int64_t h,
     const int64_t stride = part_floats(group, d);
     const T *lane_keys = x.k_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
     const T *lane_vals = x.v_lanes + p.lanes[i] * p.lane_stride + h * p.head_stride;
-    // each chunk's keys and values asked for one chunk ahead of their reads (the task's first before it starts)
-    prefetch_keys(lane_keys + from * span * d, lane_vals + from * span * d, (n - from * span < span ? n - from * span : span) * d);
+    // the task's first keys and values asked for before it starts (the vector kernels ask for the rest as they go)
+    const int64_t end = to * span < n ? to * span : n, head = AHEAD_BYTES / (d * static_cast<int64_t>(sizeof(T)));
+    prefetch_keys(lane_keys + from * span * d, lane_vals + from * span * d, (end - from * span < head ? end - from * span : head) * d);
     const bool whole = to - from == chunks;
     Running runs[MAX_GROUP];
     for (int64_t c = from; c < to; ++c) {
         const int64_t l0 = c * span, m = n - l0 < span ? n - l0 : span;
         const T *keys = lane_keys + l0 * d, *vals = lane_vals + l0 * d;
-        if (c + 1 < to) prefetch_keys(keys + m * d, vals + m * d, (n - l0 - m < span ? n - l0 - m : span) * d);
         float scores[MAX_GROUP * MAX_SPAN], acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
-        if (!chunk_vector<T>(d, group, qf, keys, vals, m, scores, acc, top, total))
+        if (!chunk_vector<T>(d, group, qf, p.scale, keys, vals, m, end - l0, scores, acc, top, total)) {
+            if (c + 1 < to) prefetch_keys(keys + m * d, vals + m * d, (end - l0 - m < span ? end - l0 - m : span) * d);
             chunk_portable<T>(d, group, qf, keys, vals, m, scores, acc, top, total);
+        }
         for (int64_t g = 0; g < group; ++g) {
             if (!whole) {
                 float *part = parts + c * stride;
