@@ -31,7 +31,7 @@ namespace {
 #if MSTAR_FP32_LINEAR == 512
 typedef __m512 vec;
 constexpr int64_t LANES = 16;
-constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors, broadcasts: 32 registers
+constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors (the rows' floats broadcast inside the FMAs)
 inline vec zero() { return _mm512_setzero_ps(); }
 inline vec load(const float *p) { return _mm512_loadu_ps(p); }
 inline vec load(const int8_t *p) {
