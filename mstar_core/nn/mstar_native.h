@@ -159,10 +159,12 @@ struct NextWeight {
 // ~80 us at a prompt chunk's 120 rows. A run split between threads is read by both (the other core's L2 or L3), a
 // small price near the end only. A row's sums never depend on the split: every pass starts at a multiple of
 // `block_rows` and each output is one chain over its inputs.
-// A thread claims its next chunk as it starts one and, when that chunk is another run and this one has passes to
-// spare, fetches its panels into L2 behind this chunk's later passes: those passes compute from L2 while the memory
-// would sit idle. Over its last chunk a thread fetches its share of the next call's weight instead (`NextWeight`),
-// and out of work, while another thread still runs, every thread's share (where `fetch_when_idle`).
+// A thread starting a whole run of several passes claims its next chunk at once and, when that is another run,
+// fetches its panels into L2 behind this run's later passes: those passes compute from L2 while the memory would
+// sit idle (other chunks, near the end, claim the next when done, leaving it to whichever thread is free first).
+// With a hint (`NextWeight`) every chunk claims early: over its last chunk a thread fetches its share of the next
+// call's weight instead, and out of work, while another thread still runs, every thread's share (where
+// `fetch_when_idle`).
 //
 // `rows_through_panel(r0, rows, p, ahead, ahead_step)` runs rows [r0, r0 + rows) through panel p, and when
 // `ahead_step` is nonzero prefetches `ahead + e * ahead_step` into L2 at input step e.
@@ -228,9 +230,13 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
         int64_t u0 = 0, u1 = 0, next0 = 0, next1 = 0;
         bool have = claim(u0, u1);
         while (have) {
-            const bool more = claim(next0, next1);
             const int64_t run = u0 / passes, first_pass = u0 % passes, chunk_passes = u1 - u0;
             const int64_t first = run * per_run, last = first + per_run < c.panels ? first + per_run : c.panels;
+            // the next chunk claimed now where this one may fetch it (a whole run of several passes) or a hint needs to
+            // know its last chunk; else once this one is done: a chunk claimed early near the end is one another
+            // thread, out of work, could have taken
+            const bool early = hinted || (chunk_passes == passes && passes > 1);
+            bool more = early && claim(next0, next1);
             // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes, and
             // only another run (this one's panels are in L2 already)
             const bool fetch = more && chunk_passes > 1 && next0 / passes != run;
@@ -239,7 +245,7 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
             const int64_t pass_bytes = (run_bytes + spread - 1) / spread;
             const char *ahead = packed + (fetch ? next0 / passes : run) * run_bytes;
             // this thread's last chunk: its share of the next call's weight, over the chunk's last pass
-            const bool fetch_next = !more && hinted;
+            const bool fetch_next = hinted && !more;
             const char *next_ahead = fetch_next ? next_weight->start + me * next_weight->stride : nullptr;
             int64_t next_step = 0;
             if (fetch_next) {
@@ -257,6 +263,7 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
                                            fetch && i < spread ? ahead_step : 0);
                 }
             }
+            if (!early) more = claim(next0, next1);
             u0 = next0, u1 = next1, have = more;
         }
         // Out of work while another thread still runs its last: this core would wait at the barrier, so it fetches
