@@ -5,8 +5,10 @@
 // oneDNN's GEMM, called through torch, streams a step's 121 weights well below the memory's speed (most of the
 // calls are a few MB each, and each pays its setup), and one row runs as two (its one-row kernel sums in another
 // order). Here the weight is packed once into panels of PANEL outputs, each panel its K inputs in order
-// ([panels][K][PANEL]), and a call is mstar::run_panel_tasks' loop: tasks of panels that stay in L2, every input
-// row passed through each panel BLOCK_ROWS rows at a time (two vectors of accumulators a row).
+// ([panels][K][PANEL]), and a call is mstar::run_panel_tasks' loop: runs of panels that stay in L2, every input
+// row passed through each panel BLOCK_ROWS rows at a time (two vectors of accumulators a row; near a call's end the
+// threads share a run's passes). At a prompt chunk's rows a call is FMA-bound, so each row's float is broadcast
+// inside its FMAs on AVX-512 (`fma_splat`) and the sums stored straight from the accumulators.
 //
 // int8 weights take the same panels at a byte an element: each is widened to fp32 (exact) as it is loaded, and
 // an output's sum is multiplied by its channel's scale before the bias: a quarter of the bytes a step streams.
@@ -31,14 +33,21 @@ namespace {
 #if MSTAR_FP32_LINEAR == 512
 typedef __m512 vec;
 constexpr int64_t LANES = 16;
-constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors, broadcasts: 32 registers
+constexpr int64_t BLOCK_ROWS = 12;  // 24 accumulators, 2 weight vectors (the rows' floats broadcast inside the FMAs)
 inline vec zero() { return _mm512_setzero_ps(); }
 inline vec load(const float *p) { return _mm512_loadu_ps(p); }
 inline vec load(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
 }
-inline vec splat(const float *p) { return _mm512_set1_ps(*p); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+// acc + w * x[0] (x's one float in every lane) with the float broadcast by the FMA's own load (AVX-512's embedded
+// broadcast): bit for bit fma(set1(*x), w, acc), one instruction. gcc keeps a splat two FMAs use in a register of its
+// own, 12 vbroadcastss a step beside 24 FMAs: a block of 12 rows then ran at ~90-95 % of the FMA rate on one Zen 4
+// core, with the broadcasts inside the FMAs at ~100 % (K 576 and 1536, 120 rows; the issue-53 fp32lin probe)
+inline vec fma_splat(const float *x, vec w, vec acc) {
+    asm("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*x), "v"(w));
+    return acc;
+}
 #elif MSTAR_FP32_LINEAR == 256
 typedef __m256 vec;
 constexpr int64_t LANES = 8;
@@ -50,6 +59,7 @@ inline vec load(const int8_t *p) {
 }
 inline vec splat(const float *p) { return _mm256_broadcast_ss(p); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec fma_splat(const float *x, vec w, vec acc) { return fma(splat(x), w, acc); }  // (AVX2: no embedded broadcast)
 #else
 constexpr int64_t LANES = 8;
 #endif
@@ -76,16 +86,31 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
         if (ahead_step) _mm_prefetch(ahead + e * ahead_step, _MM_HINT_T1);
 #define MSTAR_ROW(r)                                                                \
     if constexpr (R > r) {                                                          \
-        const vec v = splat(x##r + e);                                              \
-        a##r##l = fma(v, lo, a##r##l), a##r##h = fma(v, hi, a##r##h);               \
+        a##r##l = fma_splat(x##r + e, lo, a##r##l);                                 \
+        a##r##h = fma_splat(x##r + e, hi, a##r##h);                                 \
     }
         MSTAR_ROW(0) MSTAR_ROW(1) MSTAR_ROW(2) MSTAR_ROW(3) MSTAR_ROW(4) MSTAR_ROW(5)
         MSTAR_ROW(6) MSTAR_ROW(7) MSTAR_ROW(8) MSTAR_ROW(9) MSTAR_ROW(10) MSTAR_ROW(11)
 #undef MSTAR_ROW
     }
-    alignas(64) float sums[12][PANEL];
     const vec acc[12][2] = {{a0l, a0h}, {a1l, a1h}, {a2l, a2h}, {a3l, a3h}, {a4l, a4h},   {a5l, a5h},
                             {a6l, a6h}, {a7l, a7h}, {a8l, a8h}, {a9l, a9h}, {a10l, a10h}, {a11l, a11h}};
+#if MSTAR_FP32_LINEAR == 512
+    // straight from the accumulators, masked past `outs` (the scalar loop below, 16 lanes at once: the same
+    // multiply, then add, each rounded once)
+    for (int64_t h = 0; h < 2 && h * LANES < outs; ++h) {
+        const int64_t width = outs - h * LANES < LANES ? outs - h * LANES : LANES;
+        const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+        const vec s = scale ? _mm512_maskz_loadu_ps(keep, scale + h * LANES) : zero();
+        const vec b = bias ? _mm512_maskz_loadu_ps(keep, bias + h * LANES) : zero();
+        for (int r = 0; r < R; ++r) {
+            vec sum = scale ? _mm512_mul_ps(acc[r][h], s) : acc[r][h];
+            if (bias) sum = _mm512_add_ps(sum, b);
+            _mm512_mask_storeu_ps(out + r * out_row + h * LANES, keep, sum);
+        }
+    }
+#else
+    alignas(64) float sums[12][PANEL];
     for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) __builtin_memcpy(sums[r] + h * LANES, &acc[r][h], sizeof(vec));
     for (int r = 0; r < R; ++r)
@@ -93,6 +118,7 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
             const float sum = scale ? sums[r][j] * scale[j] : sums[r][j];
             out[r * out_row + j] = bias ? sum + bias[j] : sum;
         }
+#endif
 }
 
 // out [m, n] = x [m, k] @ (weight * scale).T + bias over panels of W (scale null: 1)

@@ -148,14 +148,23 @@ struct NextWeight {
     int64_t bytes, stride;  // bytes a thread fetches (0: none), bytes between threads' first tasks
 };
 
-// The task loop of the panel linears (fp32_linear.cpp, bf16_linear.cpp): a weight packed into panels of a few
-// outputs, each panel its input steps in order, and a call that passes every row through every panel. A task
-// is a run of panels that stays in L2; each thread claims tasks from an atomic counter (a thread held up by the
-// server's other threads holds up no one), and claims its next task as it starts one, fetching that task's
-// panels into L2 behind the current task's later row passes: with more rows than one pass takes, those passes
-// compute from L2 while the memory would sit idle. Over its last task a thread
-// fetches its share of the next call's weight instead (`NextWeight`), and out of tasks, while another thread
-// still runs, every thread's share (where `fetch_when_idle`).
+// The task loop of the fp32 panel linears (fp32_linear.cpp; bf16_linear.cpp splits the same work its own way): a
+// weight packed into panels of a few outputs, each panel its input steps in order, and a call that passes every row
+// through every panel, `block_rows` rows a pass. A run is a few panels that stay in L2; the call's work is its
+// units, (run, pass), in order run by run, and each thread claims a chunk of consecutive units from one atomic
+// counter (a thread held up by the server's other threads holds up no one). A chunk is the rest of a run while
+// plenty is left, and near the end a share of what is left (half a thread's, at least one pass), so that
+// the threads finish within about a pass of each other: whole runs dealt out alone left a call of an odd run count
+// (SmolLM2's qkv 15 runs, o 9, down 18 less whatever a held-up thread lost) with one thread idle for up to a run,
+// ~80 us at a prompt chunk's 120 rows. A run split between threads is read by both (the other core's L2 or L3), a
+// small price near the end only. A row's sums never depend on the split: every pass starts at a multiple of
+// `block_rows` and each output is one chain over its inputs.
+// A thread starting a whole run of several passes claims its next chunk at once and, when that is another run,
+// fetches its panels into L2 behind this run's later passes: those passes compute from L2 while the memory would
+// sit idle (other chunks, near the end, claim the next when done, leaving it to whichever thread is free first).
+// With a hint (`NextWeight`) every chunk claims early: over its last chunk a thread fetches its share of the next
+// call's weight instead, and out of work, while another thread still runs, every thread's share (where
+// `fetch_when_idle`).
 //
 // `rows_through_panel(r0, rows, p, ahead, ahead_step)` runs rows [r0, r0 + rows) through panel p, and when
 // `ahead_step` is nonzero prefetches `ahead + e * ahead_step` into L2 at input step e.
@@ -188,18 +197,29 @@ template <typename Body>
 void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, const NextWeight *next_weight,
                      Body rows_through_panel) {
     const int64_t panel_bytes = c.steps * c.step_bytes;
-    const int64_t per_task = panels_per_task(c.panels, panel_bytes, threads);
-    const int64_t tasks = (c.panels + per_task - 1) / per_task;
+    const int64_t per_run = panels_per_task(c.panels, panel_bytes, threads);
+    const int64_t runs = (c.panels + per_run - 1) / per_run, run_bytes = per_run * panel_bytes;
     const int64_t passes = (c.m + c.block_rows - 1) / c.block_rows;
-    const int64_t spread = passes < PANEL_SPREAD ? passes : PANEL_SPREAD;
-    const int64_t ahead_step = (c.step_bytes + spread - 1) / spread;  // the next task's bytes fetched per input step
-    const int64_t task_bytes = per_task * panel_bytes, pass_bytes = (task_bytes + spread - 1) / spread;
+    const int64_t units = runs * passes;
     const bool hinted = next_weight != nullptr && next_weight->bytes > 0;
-    const int team = tasks > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
-    // (every task claimed, the first arrival taking task 0: starting each thread on the task of its number instead, so
-    // that a hint's share always met its thread, measured slower on a loaded box and no faster on a quiet one)
-    int64_t claimed = 0;
-    int64_t working = team;  // threads not yet out of tasks
+    const int team = units > 1 && macs >= PANEL_PARALLEL_MACS ? threads : 1;
+    // (every chunk claimed, the first arrival taking the first: starting each thread on the task of its number instead,
+    // so that a hint's share always met its thread, measured slower on a loaded box and no faster on a quiet one)
+    int64_t claimed = 0;     // units handed out
+    int64_t working = team;  // threads not yet out of work
+    // the next chunk [u0, u1) of units: the rest of its run, or near the end half a thread's share of what is left
+    const auto claim = [&](int64_t &u0, int64_t &u1) {
+        int64_t u = __atomic_load_n(&claimed, __ATOMIC_RELAXED);
+        for (;;) {
+            if (u >= units) return false;
+            const int64_t rest_of_run = passes - u % passes, share = (units - u + 2 * team - 1) / (2 * team);
+            const int64_t take = share < rest_of_run ? share : rest_of_run;
+            if (__atomic_compare_exchange_n(&claimed, &u, u + take, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                u0 = u, u1 = u + take;
+                return true;
+            }
+        }
+    };
 #pragma omp parallel num_threads(team)
     {
 #if defined(_OPENMP)
@@ -207,37 +227,47 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
 #else
         const int64_t me = 0;
 #endif
-        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-        while (t < tasks) {
-            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            const int64_t first = t * per_task, last = first + per_task < c.panels ? first + per_task : c.panels;
-            // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes
-            const bool fetch = next < tasks && passes > 1;
-            const char *ahead = packed + (fetch ? next : t) * task_bytes;
-            // this thread's last task: its share of the next call's weight, over the last pass's input steps
-            const bool fetch_next = next >= tasks && hinted;
+        int64_t u0 = 0, u1 = 0, next0 = 0, next1 = 0;
+        bool have = claim(u0, u1);
+        while (have) {
+            const int64_t run = u0 / passes, first_pass = u0 % passes, chunk_passes = u1 - u0;
+            const int64_t first = run * per_run, last = first + per_run < c.panels ? first + per_run : c.panels;
+            // the next chunk claimed now where this one may fetch it (a whole run of several passes) or a hint needs to
+            // know its last chunk; else once this one is done: a chunk claimed early near the end is one another
+            // thread, out of work, could have taken
+            const bool early = hinted || (chunk_passes == passes && passes > 1);
+            bool more = early && claim(next0, next1);
+            // one pass streams its own panels at the memory's speed already: fetch ahead only behind later passes, and
+            // only another run (this one's panels are in L2 already)
+            const bool fetch = more && chunk_passes > 1 && next0 / passes != run;
+            const int64_t spread = chunk_passes < PANEL_SPREAD ? chunk_passes : PANEL_SPREAD;
+            const int64_t ahead_step = (c.step_bytes + spread - 1) / spread;  // the next run's bytes fetched per input step
+            const int64_t pass_bytes = (run_bytes + spread - 1) / spread;
+            const char *ahead = packed + (fetch ? next0 / passes : run) * run_bytes;
+            // this thread's last chunk: its share of the next call's weight, over the chunk's last pass
+            const bool fetch_next = hinted && !more;
             const char *next_ahead = fetch_next ? next_weight->start + me * next_weight->stride : nullptr;
             int64_t next_step = 0;
             if (fetch_next) {
-                const int64_t task_steps = (last - first) * c.steps;
-                next_step = (next_weight->bytes + task_steps - 1) / task_steps;
+                const int64_t run_steps = (last - first) * c.steps;
+                next_step = (next_weight->bytes + run_steps - 1) / run_steps;
                 next_step = next_step > NEXT_WEIGHT_LINE ? NEXT_WEIGHT_LINE : next_step;
             }
-            for (int64_t r0 = 0, pass = 0; r0 < c.m; r0 += c.block_rows, ++pass) {
-                const bool last_pass = r0 + c.block_rows >= c.m;
+            for (int64_t i = 0; i < chunk_passes; ++i) {
+                const int64_t r0 = (first_pass + i) * c.block_rows, rows = c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows;
                 for (int64_t p = first; p < last; ++p) {
-                    const int64_t rows = c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows;
-                    if (fetch_next && last_pass)
+                    if (fetch_next && i == chunk_passes - 1)
                         rows_through_panel(r0, rows, p, next_ahead + (p - first) * c.steps * next_step, next_step);
                     else
-                        rows_through_panel(r0, rows, p, ahead + pass * pass_bytes + (p - first) * c.steps * ahead_step,
-                                           fetch && pass < spread ? ahead_step : 0);
+                        rows_through_panel(r0, rows, p, ahead + i * pass_bytes + (p - first) * c.steps * ahead_step,
+                                           fetch && i < spread ? ahead_step : 0);
                 }
             }
-            t = next;
+            if (!early) more = claim(next0, next1);
+            u0 = next0, u1 = next1, have = more;
         }
-        // Out of tasks while another thread still runs its last: this core would wait at the barrier, so it fetches
-        // the next call's first tasks (every thread's) meanwhile; the last thread to finish fetches nothing.
+        // Out of work while another thread still runs its last: this core would wait at the barrier, so it fetches
+        // the next call's first runs (every thread's) meanwhile; the last thread to finish fetches nothing.
         if (__atomic_sub_fetch(&working, 1, __ATOMIC_RELAXED) > 0 && hinted && c.fetch_when_idle) {
             for (int64_t off = 0; off < next_weight->bytes && __atomic_load_n(&working, __ATOMIC_RELAXED) > 0;
                  off += 8 * NEXT_WEIGHT_LINE)

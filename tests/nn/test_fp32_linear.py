@@ -42,6 +42,30 @@ def test_matches_float64_and_a_row_is_the_same_whatever_the_row_count(variant, o
     assert torch.equal(got, alone)
 
 
+@native_only
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_call_split_between_threads_computes_every_row_once_with_the_bits_of_one_thread(threads):
+    """Near a call's end the threads split runs of panels by row passes (run_panel_tasks): odd run counts (15, 9),
+    prompt-sized and decode-sized row counts with a short last pass; every output written once, the same bits as
+    one thread's call."""
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((960, 576), (576, 576), (576, 1536), (48, 40)):
+            weight = torch.randn(n, k, generator=gen)
+            packed = fp32_linear.pack(weight)
+            for rows in (13, 32, 119, 121):
+                x = torch.randn(rows, k, generator=gen)
+                torch.set_num_threads(1)
+                one = fp32_linear.linear(x, packed, n, None)
+                torch.set_num_threads(threads)
+                for _ in range(3):  # (which thread takes which chunk varies from call to call)
+                    assert torch.equal(fp32_linear.linear(x, packed, n, None), one), (n, k, rows)
+            torch.testing.assert_close(one.double(), x.double() @ weight.double().T, atol=1e-5 * k ** 0.5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(len(VARIANTS) < 2, reason="one build of the kernel here")
 def test_the_avx2_and_avx512_builds_agree_bit_for_bit():
     """One FMA chain per output whatever the vector width: packed differently, the same floats out."""
