@@ -34,6 +34,12 @@ struct PrefillPlan {
     int64_t out_row, out_head;
     float scale;
     int32_t threads;
+    // where not null, the chunk's own keys and values (the last `rows` of k and v) are stored in the pool as well: row
+    // i's at slot store_slots[i] of k_store / v_store ([slots, kv heads, D] views with these strides), each task its
+    // rows of its KV head (a prompt step's page writes, two single-threaded torch ops a layer before)
+    const int64_t *store_slots;
+    void *k_store, *v_store;
+    int64_t store_row, store_head;
 };
 
 }  // extern "C"
@@ -188,6 +194,13 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
             if (h != have_head || longest > have) {
                 transpose_keys(k + h * p.k_head, p.k_row, longest, d_len, keys_t, ld);
                 have_head = h, have = longest;
+            }
+            if (p.store_slots != nullptr) {
+                for (int64_t r = r0; r < r1; ++r) {
+                    const int64_t slot = p.store_slots[r], at = slot * p.store_row + h * p.store_head;
+                    std::memcpy(static_cast<T *>(p.k_store) + at, k + (p.prefix + r) * p.k_row + h * p.k_head, sizeof(T) * d_len);
+                    std::memcpy(static_cast<T *>(p.v_store) + at, v + (p.prefix + r) * p.v_row + h * p.v_head, sizeof(T) * d_len);
+                }
             }
             for (int64_t i = 0; i < nv; ++i) {  // vector i: row r0 + i / group, query head h * group + i % group
                 const int64_t r = r0 + i / group, head = h * group + i % group;
