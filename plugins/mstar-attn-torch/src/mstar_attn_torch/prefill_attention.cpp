@@ -17,7 +17,7 @@
 
 #include <omp.h>
 
-#include "mstar_native.h"  // (mstar_core/nn: bf16, widen / narrow, load16, exp16)
+#include "mstar_native.h"  // (mstar_core/nn: bf16, widen, load16 / round16 / store16, exp16)
 
 using mstar::bf16;
 
@@ -49,7 +49,8 @@ namespace {
 
 using mstar::exp16;
 using mstar::load16;
-using mstar::narrow;
+using mstar::round16;
+using mstar::store16;
 using mstar::widen;
 
 constexpr int64_t MAX_VECTORS = 24;  // query vectors (rows x the group's heads) a task takes at most
@@ -113,11 +114,9 @@ void output_tile(const float *p, int64_t ld_p, int64_t n, const T *vals, int64_t
             acc[v][3] = _mm512_fmadd_ps(w, x3, acc[v][3]);
         }
     }
-    alignas(64) float tmp[DIMS];
-    for (int v = 0; v < NV; ++v) {
+    for (int v = 0; v < NV; ++v) {  // (16 lanes at a time: rounded as `narrow` rounds, NaN stays NaN)
         const __m512 s = _mm512_set1_ps(inv[v]);
-        for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[v][c], s));
-        for (int64_t e = 0; e < DIMS; ++e) narrow(tmp[e], out[v] + e);
+        for (int c = 0; c < 4; ++c) store16(round16(_mm512_mul_ps(acc[v][c], s), out[v]), out[v] + 16 * c);
     }
 }
 
