@@ -75,7 +75,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, out: torch.T
     if (not rows or keys.shape[0] != prefix + rows or vals.shape != keys.shape or out.shape != q.shape
             or heads % kv_heads or keys.shape[2] != dim or dim % 64
             or not q.dtype == keys.dtype == vals.dtype == out.dtype
-            or any(t.stride(-1) != 1 for t in (q, keys, vals, out))):
+            or q.stride(-1) != 1 or keys.stride(-1) != 1 or vals.stride(-1) != 1 or out.stride(-1) != 1):
         return False
     kernel = kernel_for(q.dtype, variant)
     if kernel is None:
