@@ -55,45 +55,52 @@ using mstar::widen;
 
 constexpr int64_t MAX_VECTORS = 24;  // query vectors (rows x the group's heads) a task takes at most
 constexpr int64_t SCORE_VECTORS = 8;  // query vectors per score tile (x 32 keys: 16 accumulators)
-constexpr int64_t KEYS = 32;         // keys per score tile
+constexpr int64_t KEYS = 32;         // keys per score tile (16 for the last keys of a group where no more remain)
 constexpr int64_t OUT_VECTORS = 4;   // query vectors per output tile (x 64 dimensions: 16 accumulators)
 constexpr int64_t DIMS = 64;         // dimensions per output tile
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// scores[v][0, 32) = sum over d of q[v][d] * keys_t[d][0, 32), for v < NV (keys_t: [D][ld], transposed keys)
-template <int NV>
+// scores[v][0, 16 * NK) = sum over d of q[v][d] * keys_t[d][0, 16 * NK), for v < NV (keys_t: [D][ld], transposed keys)
+template <int NV, int NK>
 void score_tile(const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
-    __m512 acc[NV][2];
+    __m512 acc[NV][NK];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+        for (int h = 0; h < NK; ++h) acc[v][h] = _mm512_setzero_ps();
     for (int64_t d = 0; d < d_len; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(keys_t + d * ld), k1 = _mm512_loadu_ps(keys_t + d * ld + 16);
+        __m512 k[NK];
+        for (int h = 0; h < NK; ++h) k[h] = _mm512_loadu_ps(keys_t + d * ld + 16 * h);
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
             const __m512 x = _mm512_set1_ps(q[v * d_len + d]);
-            acc[v][0] = _mm512_fmadd_ps(x, k0, acc[v][0]);
-            acc[v][1] = _mm512_fmadd_ps(x, k1, acc[v][1]);
+            for (int h = 0; h < NK; ++h) acc[v][h] = _mm512_fmadd_ps(x, k[h], acc[v][h]);
         }
     }
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-        _mm512_storeu_ps(scores + v * ld_s, acc[v][0]);
-        _mm512_storeu_ps(scores + v * ld_s + 16, acc[v][1]);
+    for (int v = 0; v < NV; ++v)
+        for (int h = 0; h < NK; ++h) _mm512_storeu_ps(scores + v * ld_s + 16 * h, acc[v][h]);
+}
+
+// a tile of 32 keys (`wide`), or of 16: a group's last keys when no more than 16 remain (half the tile's FMAs)
+template <int NK>
+void scores_over(int64_t nv, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
+    switch (nv) {
+        case 1: return score_tile<1, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 2: return score_tile<2, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 3: return score_tile<3, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 4: return score_tile<4, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 5: return score_tile<5, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 6: return score_tile<6, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 7: return score_tile<7, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        default: return score_tile<8, NK>(q, d_len, keys_t, ld, scores, ld_s);
     }
 }
 
-void scores_for(int64_t nv, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
-    switch (nv) {
-        case 1: return score_tile<1>(q, d_len, keys_t, ld, scores, ld_s);
-        case 2: return score_tile<2>(q, d_len, keys_t, ld, scores, ld_s);
-        case 3: return score_tile<3>(q, d_len, keys_t, ld, scores, ld_s);
-        case 4: return score_tile<4>(q, d_len, keys_t, ld, scores, ld_s);
-        case 5: return score_tile<5>(q, d_len, keys_t, ld, scores, ld_s);
-        case 6: return score_tile<6>(q, d_len, keys_t, ld, scores, ld_s);
-        case 7: return score_tile<7>(q, d_len, keys_t, ld, scores, ld_s);
-        default: return score_tile<8>(q, d_len, keys_t, ld, scores, ld_s);
-    }
+void scores_for(int64_t nv, bool wide, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores,
+                int64_t ld_s) {
+    if (wide) return scores_over<2>(nv, q, d_len, keys_t, ld, scores, ld_s);
+    return scores_over<1>(nv, q, d_len, keys_t, ld, scores, ld_s);
 }
 
 // out[v][0, 64) = inv[v] * sum over j < n of p[v][j] * vals[j][0, 64), for v < NV
@@ -211,7 +218,7 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
             for (int64_t i = 0; i < nv; i += SCORE_VECTORS) {
                 const int64_t n = nv - i < SCORE_VECTORS ? nv - i : SCORE_VECTORS, upto = length[i + n - 1];
                 for (int64_t j = 0; j < upto; j += KEYS)
-                    scores_for(n, qs + i * d_len, d_len, keys_t + j, ld, scores + i * ld + j, ld);
+                    scores_for(n, upto - j > KEYS / 2, qs + i * d_len, d_len, keys_t + j, ld, scores + i * ld + j, ld);
             }
             for (int64_t i = 0; i < nv; ++i) inv[i] = softmax_row(scores + i * ld, length[i], longest);
             const T *vals = v + h * p.v_head;
