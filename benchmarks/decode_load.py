@@ -371,8 +371,9 @@ async def main_async(args) -> dict:
            "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2), "tok_s": round(tokens / wall, 1),
            "ttft_p50_ms": round(1e3 * statistics.median(lat["ttft"]), 1),
            "ttft_max_ms": round(1e3 * max(lat["ttft"]), 1),
-           "itl_p50_ms": round(1e3 * statistics.median(lat["itl"]), 2),
-           "itl_p99_ms": round(1e3 * sorted(lat["itl"])[int(0.99 * (len(lat["itl"]) - 1))], 1),
+           # (none with --output-tokens 1: a run of prompt steps only)
+           "itl_p50_ms": round(1e3 * statistics.median(lat["itl"]), 2) if lat["itl"] else None,
+           "itl_p99_ms": round(1e3 * sorted(lat["itl"])[int(0.99 * (len(lat["itl"]) - 1))], 1) if lat["itl"] else None,
            **summarize(log.steps, wall, args.concurrency), **({"replayed": kernels} if kernels else {}),
            **({"split": parts} if split is not None else {}), **({"sampling": sampling} if sampling else {})}
     return out

@@ -18,6 +18,7 @@ from mstar_core.nn.attention import AttentionContext
 from mstar_core.nn.llama_config import LlamaConfig
 from mstar_core.nn.mlp import GatedMLP
 from mstar_core.nn.norm import RMSNorm
+from mstar_core.nn.replayable import has_forward_hooks
 from mstar_core.nn.rotary import RotaryEmbedding
 from mstar_core.nn.self_attention import GroupedQueryAttention
 from mstar_core.nn.tied_head import TiedLMHead
@@ -48,6 +49,17 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, context), x)
         out = self.mlp(h)  # (this call's own tensor: the residual is added into it where the CPU kernel runs)
         return out if cpu_elementwise.add_(out, x) else x + out
+
+    def forward_normed(self, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       context: AttentionContext, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` over `h = input_layernorm(x)` given, ending in the next norm: `(out, next_norm(out))`.
+
+        The block's closing residual add and the norm after it (the next layer's input norm, or the final norm) are
+        one pass where the CPU kernel runs (`add_forward`), not an add and a norm: one kernel call and one read of
+        the rows fewer a layer. The same roundings as `forward` then `next_norm`.
+        """
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, context), x)
+        return next_norm.add_forward(self.mlp(h), x)
 
 
 class LlamaModel(nn.Module):
@@ -108,9 +120,18 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, inputs: tuple[torch.Tensor, ...], context: AttentionContext) -> torch.Tensor:
         """The decoder layers and the final norm over `layer_inputs`' tensors -> final hidden `[T, H]`."""
         x, cos, sin = inputs
-        for layer in self.model.layers:
-            x = layer(x, (cos, sin), context)
-        return self.model.norm(x)
+        layers, final = self.model.layers, self.model.norm
+        if not len(layers) or has_forward_hooks(final) or any(has_forward_hooks(layer) for layer in layers):
+            # (a hook sees each layer's and the final norm's own call)
+            for layer in layers:
+                x = layer(x, (cos, sin), context)
+            return final(x)
+        # each layer's closing add joined to the norm after it (see `LlamaDecoderLayer.forward_normed`)
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            x, h = layer.forward_normed(x, h, (cos, sin), context, layers[i + 1].input_layernorm if i + 1 < len(layers)
+                                        else final)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden `[N, H]` -> logits `[N, vocab]`."""

@@ -51,14 +51,29 @@ _loaded: dict[tuple, Any] = {}
 _how: dict[tuple[str, str], tuple[str, str]] = {}
 
 
+# os.environ's own table (bytes to bytes on POSIX), read directly: the kernel wrappers ask for the setting on every call
+# (ten times a layer of a prompt step), and os.environ.get's key encoding and value decoding took ~1 us of it each
+_ENVIRON_TABLE = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_SWITCH_KEY = os.fsencode(SWITCH_ENV)
+_variants: dict = {}  # the setting as read -> its variant (a valid one: checked on its first read)
+
+
 def variant_from_env() -> str | None:
     """The build variant $MSTAR_NATIVE_KERNELS asks for, or None when kernels are off."""
+    raw = _ENVIRON_TABLE.get(_SWITCH_KEY) if _ENVIRON_TABLE is not None else os.environ.get(SWITCH_ENV)
+    try:
+        return _variants[raw]
+    except KeyError:
+        pass
     setting = os.environ.get(SWITCH_ENV, "native")
     if setting == "0":
-        return None
-    if setting not in FLAGS:
+        variant = None
+    elif setting not in FLAGS:
         raise ValueError(f"{SWITCH_ENV} must be 0, native, jit, {', '.join(native_build.BY_NAME)}, got {setting!r}")
-    return setting
+    else:
+        variant = setting
+    _variants[raw] = variant
+    return variant
 
 
 def load(source: Path, variant: str | None = None) -> ctypes.CDLL | None:

@@ -97,3 +97,53 @@ def test_bf16_kernel_is_nearer_exact_attention_than_torchs():
                                            enable_gqa=True)[0].transpose(0, 1)
     ours_err, theirs_err = ((o.double() - exact).abs().mean().item() for o in (out, theirs))
     assert ours_err <= theirs_err, (ours_err, theirs_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,prefix", [(1, 0), (37, 0), (21, 9)])
+def test_kernel_stores_the_chunks_keys_and_values_at_their_slots(dtype, rows, prefix):
+    """With `store`, the chunk's own keys and values (the last `rows`) land at their pool slots, bit for bit, and no
+    other slot is touched; the attention is the same as without it."""
+    gen = torch.Generator().manual_seed(rows)
+    fused = torch.randn(prefix + rows, 9 + 2 * 3, 64, generator=gen).to(dtype)
+    q, k, v = fused[prefix:, :9], fused[:, 9:12], fused[:, 12:]
+    pool = torch.full((2, 80, 3, 64), float("nan"), dtype=dtype)
+    slots = torch.randperm(80, generator=gen)[:rows]
+    out, plain = torch.empty(rows, 9, 64, dtype=dtype), torch.empty(rows, 9, 64, dtype=dtype)
+    assert prefill_kernel.attend(q, k, v, out, prefix, 0.125, store=(pool[0], pool[1], slots))
+    assert prefill_kernel.attend(q, k, v, plain, prefix, 0.125)
+    assert torch.equal(out, plain)
+    assert torch.equal(pool[0, slots], k[prefix:]) and torch.equal(pool[1, slots], v[prefix:])
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots] = False
+    assert pool[:, untouched].isnan().all()
+    # a pool it cannot write (another dtype, or slots of another length): refused, nothing written
+    other = torch.zeros(2, 80, 3, 64, dtype=torch.float16)
+    assert not prefill_kernel.attend(q, k, v, out, prefix, 0.125, store=(other[0], other[1], slots))
+    assert not prefill_kernel.attend(q, k, v, out, prefix, 0.125, store=(pool[0], pool[1], slots[:-1] if rows > 1
+                                                                         else slots.repeat(2)))
+    assert not other.any()
+
+
+@pytest.mark.parametrize("declined", [False, True])
+def test_a_prompt_step_writes_every_key_and_value_to_its_page(monkeypatch, declined):
+    """A step of fresh prompts stores keys and values through the kernel (no page write before it); where the kernel
+    declines a chunk, the backend writes it: either way each row's key and value are at its slot, bit for bit."""
+    attend = prefill_kernel.attend
+    monkeypatch.setattr(prefill_kernel, "attend", (lambda *a, **kw: False) if declined else attend)
+    work = []
+    pages = torch.randperm(32, generator=torch.Generator().manual_seed(4)).tolist()
+    for i, n in enumerate([29, 40]):
+        seq = Sequence(f"r{i}", "main", tokens=[1] * n, num_computed=0, order=i)
+        seq.pages = [pages.pop() for _ in range(-(-n // PAGE))]
+        work.append((seq, n))
+    _, batch = build_batch(work, PAGE, torch.device("cpu"))
+    fused = torch.randn(69, HQ + 2 * HKV, DIM, generator=torch.Generator().manual_seed(5))
+    q, k, v = fused[:, :HQ], fused[:, HQ : HQ + HKV], fused[:, HQ + HKV :]
+    kv = torch.full((1, 2, 32, PAGE, HKV, DIM), float("nan"))
+    context = TorchPagedAttention("cpu").begin(batch, kv)
+    assert context.prompts_only
+    context.attend(0, q, k, v, DIM**-0.5)
+    flat = kv.view(2, -1, HKV, DIM)
+    assert torch.equal(flat[0, batch.slot_mapping], k) and torch.equal(flat[1, batch.slot_mapping], v)
+    assert flat.isnan().all(-1).all(-1).sum() == flat.shape[0] * flat.shape[1] - 2 * 69  # nothing else written

@@ -110,7 +110,7 @@ def test_silu_mul_rounds_as_the_torch_ops(variant, dtype, rows, width):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,heads,dim,rot", [(1, 12, 64, 64), (33, 5, 128, 64), (300, 4, 96, 96)])
+@pytest.mark.parametrize("rows,heads,dim,rot", [(1, 12, 64, 64), (33, 5, 128, 64), (300, 4, 96, 96), (7, 3, 64, 40)])
 def test_rotary_in_place_rounds_as_the_torch_ops(variant, dtype, rows, heads, dim, rot):
     """Bitwise apply_rotary's result (products and sum each rounded), into strided heads, partial rotary passing the rest."""
     gen = torch.Generator().manual_seed(rows * heads)

@@ -86,3 +86,35 @@ def test_dtype_conversion(tmp_path):
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
     hidden = ours(torch.tensor([1, 2, 3]), torch.arange(3), DenseAttention())
     assert hidden.dtype == torch.bfloat16 and torch.isfinite(hidden).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_chained_through_their_norms_give_the_per_layer_bits(dtype, tmp_path):
+    """`run_layers` joins each layer's closing add to the norm after it (one kernel): the same bits as each layer's
+    own call then the final norm (the path a forward hook on the final norm keeps)."""
+    from mstar_core.nn import cpu_elementwise, llama
+
+    hf = make_hf("llama-gqa4-llama3")
+    save_hf_checkpoint(hf, tmp_path, hf.config.to_dict())
+    ours = load_llama(tmp_path, dtype=dtype, progress=False)
+    ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2))
+    calls = []
+    fused = cpu_elementwise.add_rms_norm_
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    with torch.inference_mode():
+        llama.cpu_elementwise.add_rms_norm_ = counted  # (norm.py's module object: the same one)
+        try:
+            chained = ours(ids, torch.arange(37), DenseAttention())
+        finally:
+            llama.cpu_elementwise.add_rms_norm_ = fused
+        handle = ours.model.norm.register_forward_hook(lambda module, args, out: None)
+        try:
+            per_layer = ours(ids, torch.arange(37), DenseAttention())
+        finally:
+            handle.remove()
+    assert len(calls) == 2 * ours.num_layers  # the post-attention norm and the closing add's, each layer
+    assert torch.equal(chained, per_layer)

@@ -218,6 +218,10 @@ class TorchPagedContext:
                         if causal and _continues(bound, kv_len):  # a chunk after its sequence's cached keys
                             prefix = kv_len - n
             self.prefill.append((start, n, slots, mask, fresh and causal, runs, prefix))
+        # a prompt step: every row is in a fresh causal chunk the prefill kernel may take, and the kernel stores each
+        # chunk's keys and values in the pool as it reads them (two single-threaded torch ops a layer fewer)
+        self.prompts_only = (self.in_lanes is None and self.decode is None and not readonly and self.write_rows is None
+                             and all(fresh and prefix == 0 for _, _, _, _, fresh, _, prefix in self.prefill))
         # read-only sequences: frozen context keys (gathered) then their own keys, which are never stored
         self.readonly: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in sorted(readonly):
@@ -300,10 +304,11 @@ class TorchPagedContext:
             out = self._attend_lanes_storing(layer, q, k, v, scale, k_cache, v_cache)
             if out is not None:  # (a decode-only step: pool stores, lane stores and attention in one kernel call)
                 return out
-        if self.write_rows is None:
+        stored = self.prompts_only and k_cache.dtype == k.dtype  # (each chunk's keys stored by the kernel, or below)
+        if self.write_rows is None and not stored:
             k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
             v_cache.index_copy_(0, self.slots, v.to(v_cache.dtype))
-        elif self.slots.numel():
+        elif self.write_rows is not None and self.slots.numel():
             k_cache.index_copy_(0, self.slots, k[self.write_rows].to(k_cache.dtype))
             v_cache.index_copy_(0, self.slots, v[self.write_rows].to(v_cache.dtype))
         gqa = q.shape[1] != hkv
@@ -319,9 +324,13 @@ class TorchPagedContext:
                 keys, vals = k[start : start + n], v[start : start + n]
             else:
                 keys, vals = k_cache[slots], v_cache[slots]
+            store = (k_cache, v_cache, self.slots[start : start + n]) if stored else None
             if prefix is not None and prefill_kernel.attend(q[start : start + n], keys, vals, out[start : start + n],
-                                                            prefix, scale):
+                                                            prefix, scale, store=store):
                 continue
+            if stored:  # (the kernel did not take the chunk: its keys and values go in here)
+                k_cache.index_copy_(0, store[2], keys)
+                v_cache.index_copy_(0, store[2], vals)
             qh = q[start : start + n].transpose(0, 1)
             keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
             # 4-D (a batch of one): CPU's flash kernel takes only 4-D inputs; 3-D falls back to the math path (~4x slower)

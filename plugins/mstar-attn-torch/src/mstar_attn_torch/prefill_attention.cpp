@@ -17,7 +17,7 @@
 
 #include <omp.h>
 
-#include "mstar_native.h"  // (mstar_core/nn: bf16, widen / narrow, load16, exp16)
+#include "mstar_native.h"  // (mstar_core/nn: bf16, widen, load16 / round16 / store16, exp16)
 
 using mstar::bf16;
 
@@ -34,6 +34,12 @@ struct PrefillPlan {
     int64_t out_row, out_head;
     float scale;
     int32_t threads;
+    // where not null, the chunk's own keys and values (the last `rows` of k and v) are stored in the pool as well: row
+    // i's at slot store_slots[i] of k_store / v_store ([slots, kv heads, D] views with these strides), each task its
+    // rows of its KV head (a prompt step's page writes, two single-threaded torch ops a layer before)
+    const int64_t *store_slots;
+    void *k_store, *v_store;
+    int64_t store_row, store_head;
 };
 
 }  // extern "C"
@@ -43,50 +49,58 @@ namespace {
 
 using mstar::exp16;
 using mstar::load16;
-using mstar::narrow;
+using mstar::round16;
+using mstar::store16;
 using mstar::widen;
 
 constexpr int64_t MAX_VECTORS = 24;  // query vectors (rows x the group's heads) a task takes at most
 constexpr int64_t SCORE_VECTORS = 8;  // query vectors per score tile (x 32 keys: 16 accumulators)
-constexpr int64_t KEYS = 32;         // keys per score tile
+constexpr int64_t KEYS = 32;         // keys per score tile (16 for the last keys of a group where no more remain)
 constexpr int64_t OUT_VECTORS = 4;   // query vectors per output tile (x 64 dimensions: 16 accumulators)
 constexpr int64_t DIMS = 64;         // dimensions per output tile
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// scores[v][0, 32) = sum over d of q[v][d] * keys_t[d][0, 32), for v < NV (keys_t: [D][ld], transposed keys)
-template <int NV>
+// scores[v][0, 16 * NK) = sum over d of q[v][d] * keys_t[d][0, 16 * NK), for v < NV (keys_t: [D][ld], transposed keys)
+template <int NV, int NK>
 void score_tile(const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
-    __m512 acc[NV][2];
+    __m512 acc[NV][NK];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+        for (int h = 0; h < NK; ++h) acc[v][h] = _mm512_setzero_ps();
     for (int64_t d = 0; d < d_len; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(keys_t + d * ld), k1 = _mm512_loadu_ps(keys_t + d * ld + 16);
+        __m512 k[NK];
+        for (int h = 0; h < NK; ++h) k[h] = _mm512_loadu_ps(keys_t + d * ld + 16 * h);
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
             const __m512 x = _mm512_set1_ps(q[v * d_len + d]);
-            acc[v][0] = _mm512_fmadd_ps(x, k0, acc[v][0]);
-            acc[v][1] = _mm512_fmadd_ps(x, k1, acc[v][1]);
+            for (int h = 0; h < NK; ++h) acc[v][h] = _mm512_fmadd_ps(x, k[h], acc[v][h]);
         }
     }
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-        _mm512_storeu_ps(scores + v * ld_s, acc[v][0]);
-        _mm512_storeu_ps(scores + v * ld_s + 16, acc[v][1]);
+    for (int v = 0; v < NV; ++v)
+        for (int h = 0; h < NK; ++h) _mm512_storeu_ps(scores + v * ld_s + 16 * h, acc[v][h]);
+}
+
+// a tile of 32 keys (`wide`), or of 16: a group's last keys when no more than 16 remain (half the tile's FMAs)
+template <int NK>
+void scores_over(int64_t nv, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
+    switch (nv) {
+        case 1: return score_tile<1, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 2: return score_tile<2, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 3: return score_tile<3, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 4: return score_tile<4, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 5: return score_tile<5, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 6: return score_tile<6, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        case 7: return score_tile<7, NK>(q, d_len, keys_t, ld, scores, ld_s);
+        default: return score_tile<8, NK>(q, d_len, keys_t, ld, scores, ld_s);
     }
 }
 
-void scores_for(int64_t nv, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores, int64_t ld_s) {
-    switch (nv) {
-        case 1: return score_tile<1>(q, d_len, keys_t, ld, scores, ld_s);
-        case 2: return score_tile<2>(q, d_len, keys_t, ld, scores, ld_s);
-        case 3: return score_tile<3>(q, d_len, keys_t, ld, scores, ld_s);
-        case 4: return score_tile<4>(q, d_len, keys_t, ld, scores, ld_s);
-        case 5: return score_tile<5>(q, d_len, keys_t, ld, scores, ld_s);
-        case 6: return score_tile<6>(q, d_len, keys_t, ld, scores, ld_s);
-        case 7: return score_tile<7>(q, d_len, keys_t, ld, scores, ld_s);
-        default: return score_tile<8>(q, d_len, keys_t, ld, scores, ld_s);
-    }
+void scores_for(int64_t nv, bool wide, const float *q, int64_t d_len, const float *keys_t, int64_t ld, float *scores,
+                int64_t ld_s) {
+    if (wide) return scores_over<2>(nv, q, d_len, keys_t, ld, scores, ld_s);
+    return scores_over<1>(nv, q, d_len, keys_t, ld, scores, ld_s);
 }
 
 // out[v][0, 64) = inv[v] * sum over j < n of p[v][j] * vals[j][0, 64), for v < NV
@@ -107,11 +121,9 @@ void output_tile(const float *p, int64_t ld_p, int64_t n, const T *vals, int64_t
             acc[v][3] = _mm512_fmadd_ps(w, x3, acc[v][3]);
         }
     }
-    alignas(64) float tmp[DIMS];
-    for (int v = 0; v < NV; ++v) {
+    for (int v = 0; v < NV; ++v) {  // (16 lanes at a time: rounded as `narrow` rounds, NaN stays NaN)
         const __m512 s = _mm512_set1_ps(inv[v]);
-        for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[v][c], s));
-        for (int64_t e = 0; e < DIMS; ++e) narrow(tmp[e], out[v] + e);
+        for (int c = 0; c < 4; ++c) store16(round16(_mm512_mul_ps(acc[v][c], s), out[v]), out[v] + 16 * c);
     }
 }
 
@@ -189,6 +201,13 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
                 transpose_keys(k + h * p.k_head, p.k_row, longest, d_len, keys_t, ld);
                 have_head = h, have = longest;
             }
+            if (p.store_slots != nullptr) {
+                for (int64_t r = r0; r < r1; ++r) {
+                    const int64_t slot = p.store_slots[r], at = slot * p.store_row + h * p.store_head;
+                    std::memcpy(static_cast<T *>(p.k_store) + at, k + (p.prefix + r) * p.k_row + h * p.k_head, sizeof(T) * d_len);
+                    std::memcpy(static_cast<T *>(p.v_store) + at, v + (p.prefix + r) * p.v_row + h * p.v_head, sizeof(T) * d_len);
+                }
+            }
             for (int64_t i = 0; i < nv; ++i) {  // vector i: row r0 + i / group, query head h * group + i % group
                 const int64_t r = r0 + i / group, head = h * group + i % group;
                 const T *src = q + r * p.q_row + head * p.q_head;
@@ -199,7 +218,7 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
             for (int64_t i = 0; i < nv; i += SCORE_VECTORS) {
                 const int64_t n = nv - i < SCORE_VECTORS ? nv - i : SCORE_VECTORS, upto = length[i + n - 1];
                 for (int64_t j = 0; j < upto; j += KEYS)
-                    scores_for(n, qs + i * d_len, d_len, keys_t + j, ld, scores + i * ld + j, ld);
+                    scores_for(n, upto - j > KEYS / 2, qs + i * d_len, d_len, keys_t + j, ld, scores + i * ld + j, ld);
             }
             for (int64_t i = 0; i < nv; ++i) inv[i] = softmax_row(scores + i * ld, length[i], longest);
             const T *vals = v + h * p.v_head;

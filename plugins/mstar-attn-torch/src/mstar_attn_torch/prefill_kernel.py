@@ -29,13 +29,27 @@ class PrefillPlan(ctypes.Structure):
         ("q_row", ctypes.c_int64), ("q_head", ctypes.c_int64), ("k_row", ctypes.c_int64), ("k_head", ctypes.c_int64),
         ("v_row", ctypes.c_int64), ("v_head", ctypes.c_int64), ("out_row", ctypes.c_int64), ("out_head", ctypes.c_int64),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
+        ("store_slots", ctypes.c_void_p), ("k_store", ctypes.c_void_p), ("v_store", ctypes.c_void_p),
+        ("store_row", ctypes.c_int64), ("store_head", ctypes.c_int64),
     ]
+
+
+# entry points by (dtype, variant): looked up once, not twice a layer (two library lookups and a probe call, ~4 us)
+_kernels: dict[tuple[torch.dtype, str | None], object] = {}
 
 
 def kernel_for(dtype: torch.dtype, variant: str | None = None):
     """The entry point for chunks of `dtype` where this machine's build computes (`variant`: see `native.load`), or
     None."""
-    if dtype not in _ENTRY_POINTS:
+    variant = native.variant_from_env() if variant is None else variant
+    key = (dtype, variant)
+    if key not in _kernels:
+        _kernels[key] = _lookup(dtype, variant)
+    return _kernels[key]
+
+
+def _lookup(dtype: torch.dtype, variant: str | None):
+    if dtype not in _ENTRY_POINTS or variant is None:
         return None
     vectorized = native.function(SOURCE, "mstar_prefill_vectorized", [], ctypes.c_int, variant)
     if vectorized is None or not vectorized():
@@ -45,11 +59,14 @@ def kernel_for(dtype: torch.dtype, variant: str | None = None):
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, out: torch.Tensor, prefix: int, scale: float,
-           variant: str | None = None) -> bool:
+           variant: str | None = None, store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Causal attention of a chunk's rows into `out`, where the kernel takes them; False: run torch's instead.
 
     `q` and `out` are `[rows, q heads, D]`, `keys` and `vals` `[prefix + rows, kv heads, D]` (the chunk's own keys
-    last): row i attends to keys `[0, prefix + i]`. Every tensor one dtype, unit innermost stride.
+    last): row i attends to keys `[0, prefix + i]`. Every tensor one dtype, unit innermost stride. `store`: the
+    pool's keys and values (`[slots, kv heads, D]`) and the chunk's rows' slots (int64 `[rows]`): where the kernel
+    runs it also writes the chunk's own keys and values there (False: the caller writes them; the same values over
+    any the kernel wrote before it gave up).
     """
     if native.RECORDER is not None or q.device.type != "cpu":  # (a tape recording a step replays only what it saw)
         return False
@@ -58,11 +75,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, out: torch.T
     if (not rows or keys.shape[0] != prefix + rows or vals.shape != keys.shape or out.shape != q.shape
             or heads % kv_heads or keys.shape[2] != dim or dim % 64
             or not q.dtype == keys.dtype == vals.dtype == out.dtype
-            or any(t.stride(-1) != 1 for t in (q, keys, vals, out))):
+            or q.stride(-1) != 1 or keys.stride(-1) != 1 or vals.stride(-1) != 1 or out.stride(-1) != 1):
         return False
     kernel = kernel_for(q.dtype, variant)
     if kernel is None:
         return False
     plan = PrefillPlan(rows, prefix, heads, kv_heads, dim, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
                        vals.stride(0), vals.stride(1), out.stride(0), out.stride(1), scale, torch.get_num_threads())
+    if store is not None:
+        k_store, v_store, slots = store
+        if (k_store.dtype != q.dtype or v_store.dtype != q.dtype or k_store.shape[1:] != (kv_heads, dim)
+                or v_store.shape != k_store.shape or v_store.stride() != k_store.stride() or k_store.stride(-1) != 1
+                or slots.dtype != torch.int64 or slots.shape != (rows,) or slots.stride(0) != 1):
+            return False
+        plan.store_slots, plan.k_store, plan.v_store = slots.data_ptr(), k_store.data_ptr(), v_store.data_ptr()
+        plan.store_row, plan.store_head = k_store.stride(0), k_store.stride(1)
     return kernel(ctypes.byref(plan), q.data_ptr(), keys.data_ptr(), vals.data_ptr(), out.data_ptr()) == 0
