@@ -100,9 +100,10 @@ void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float 
 // The call's task loop: mstar::run_panel_tasks' work (every row through every panel, BLOCK_ROWS rows a pass, the
 // next run of panels fetched into L2 behind a run's later passes, the next call's weight near the end) split another
 // way. run_panel_tasks deals out runs of panels from one counter, so a thread's runs lie apart in memory (thread 0
-// reads runs 0, 2, 4, ..., each a stream that starts cold) and a call's last run can leave one thread alone for a
-// whole run (SmolLM2's qkv, 30 panels in runs of 4: 16 panels against 14; gate/up 50 against 46; at a prefill
-// chunk's 113 rows a run of 4 panels is ~75 us). Here each thread owns a contiguous range of panels, an equal
+// reads runs 0, 2, 4, ..., each a stream that starts cold); when this loop was written its call's last run could also
+// leave one thread alone for a whole run (SmolLM2's qkv, 30 panels in runs of 4: 16 panels against 14; gate/up 50
+// against 46; at a prefill chunk's 113 rows a run of 4 panels is ~75 us), which it now splits into passes near the
+// end. Here each thread owns a contiguous range of panels, an equal
 // share, and takes runs from its front: one unbroken stream a thread, and on a quiet machine both threads done
 // within a panel of each other. A thread out of its range takes the back half of another's (work stealing) and
 // goes on through it front to back, so a thread the machine holds up is relieved as before, by forward streams.
