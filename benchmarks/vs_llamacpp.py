@@ -11,6 +11,8 @@ streamed `/v1/completions`, token-id prompts of 64-200 tokens, temperature 0, 12
 The floor: before the servers start, the box's read bandwidth with every core (the best of several full reads of a
 buffer the size of the weights, at torch's default threads), the weights' bytes in each dtype, and so the shortest
 inter-token time a decoder that reads every weight once per token can have; M*'s inter-token p50 at c=1 beside it.
+The compute roof (compute_roof.py): the output tokens/s and the TTFT at c=1 the machine's peak arithmetic allows for
+each level's requests, and the share of it each side reached and each target needs.
 
     python benchmarks/vs_llamacpp.py            # full: 2 rounds, c=1/8/32, fp32 and bf16
     python benchmarks/vs_llamacpp.py --quick    # one round, c=1 and c=8, fp32 (same figures, fewer of them)
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import compute_roof
 import llamacpp_side
 import vllm_side  # (the benchmark cache's location)
 from vs_vllm import (
@@ -52,6 +55,10 @@ from vs_vllm import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: The issue's targets against llama.cpp: tokens/s ratio per level, TTFT p50 ratio (for the compute roof's shares)
+TOK_S_TARGETS = {1: 1.3, 8: 2.0, 32: 2.0}
+TTFT_TARGET = 0.6
 
 #: Each llama.cpp slot's context: the longest prompt, the output and a margin
 CTX_PER_SLOT = 512
@@ -116,6 +123,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"read bandwidth (every core, best of 9 reads of {max(bytes_by_dtype.values()) / 1e6:.0f} MB): "
           f"{gb_s:.1f} GB/s; weights {({SHORT_DTYPE[d]: round(b / 1e6) for d, b in bytes_by_dtype.items()})} MB; "
           f"floor inter-token {({SHORT_DTYPE[d]: round(v, 2) for d, v in floor.items()})} ms")
+    peaks = compute_roof.machine_peaks()
+    print(f"compute peak (cpu_ceilings.c, every core): {peaks} GFLOP/s")
 
     waves = 1 if args.quick else args.waves
     prompts = {c: make_prompts(model_dir, C1_REQUESTS if c == 1 else waves * c, seed=c) for c in levels}
@@ -159,6 +168,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         out[f"llamacpp_itl_floor_ratio_{SHORT_DTYPE[dtype]}"] = ratio(peer_itl, floor[dtype])
         print(f"{dtype}: inter-token p50 at c=1: M* {itl} ms, llama.cpp {peer_itl} ms, floor {floor[dtype]:.2f} ms "
               f"(M*/floor {out[f'itl_floor_ratio_{SHORT_DTYPE[dtype]}']})")
+    if isinstance(peaks, dict):
+        sides = ("mstar", "llamacpp")
+        tok_s = {d: {c: {side: med(runs[d][side], c, "tok_s") for side in sides} for c in levels} for d in dtypes}
+        ttft = {d: {side: med(runs[d][side], 1, "ttft_p50_ms") for side in sides} for d in dtypes} if 1 in levels else {}
+        out["roof"] = compute_roof.summary(compute_roof.model_dims(model_dir), peaks, prompts, OUTPUT_TOKENS, tok_s,
+                                           ttft, TOK_S_TARGETS, TTFT_TARGET, SHORT_DTYPE)
+        print(f"compute roof (output tok/s with every FLOP at the peak; shares of it): {out['roof']}")
+    else:
+        out["roof"] = peaks
     out["cpu_flags"] = flags
     out["bf16_claimable"] = flags["bf16_units"]
     out["build_s"] = round(build_s, 1)
