@@ -157,13 +157,39 @@ float softmax_row(float *s, int64_t len, int64_t upto) {
     return 1.0f / _mm512_reduce_add_ps(total);
 }
 
-// keys_t[d][j] = key j's dimension d (fp32) for j < n, zero for j in [n, round_up(n, KEYS))
+// keys_t[d][j] = key j's dimension d (fp32) for j < n, zero for j in [n, round_up(n, KEYS)). Sixteen keys at a time,
+// gathered: a dimension of each (fp32), or a pair of dimensions (bf16: one 32-bit lane holds dimensions d and d + 1,
+// split by a shift and a mask); the scalar loop it replaces was ~15 % of a 94-token prompt's attention
+inline void store_keys(float *keys_t, int64_t ld, int64_t d, int64_t j, __m512i pairs, const bf16 *) {
+    _mm512_storeu_ps(keys_t + d * ld + j, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+    _mm512_storeu_ps(keys_t + (d + 1) * ld + j,
+                     _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+}
+
 template <typename T>
 void transpose_keys(const T *k, int64_t k_row, int64_t n, int64_t d_len, float *keys_t, int64_t ld) {
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < d_len; ++d) keys_t[d * ld + j] = widen(k[j * k_row + d]);
-    const int64_t end = round_up(n, KEYS);
-    for (int64_t d = 0; d < d_len; ++d) std::memset(keys_t + d * ld + n, 0, sizeof(float) * (end - n));
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(k_row * sizeof(T))));
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 keep = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+        const T *rows = k + j * k_row;
+        if constexpr (sizeof(T) == sizeof(float)) {
+            for (int64_t d = 0; d < d_len; ++d)
+                _mm512_storeu_ps(keys_t + d * ld + j, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, offsets, rows + d, 1));
+        } else {
+            for (int64_t d = 0; d < d_len; d += 2)
+                store_keys(keys_t, ld, d, j, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, offsets, rows + d, 1), rows);
+        }
+    }
+    const int64_t from = round_up(n, 16), end = round_up(n, KEYS);  // (the gathers zeroed the keys up to `from`)
+    for (int64_t d = 0; d < d_len && from < end; ++d) std::memset(keys_t + d * ld + from, 0, sizeof(float) * (end - from));
+}
+
+// the scaled queries in fp32 (as widen(x) * scale, 16 dimensions at a time)
+template <typename T>
+void scale_query(const T *src, int64_t d_len, float scale, float *dst) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t d = 0; d < d_len; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(src + d), s));
 }
 
 template <typename T>
@@ -211,7 +237,7 @@ int attend(const PrefillPlan &p, const T *q, const T *k, const T *v, T *out) {
             for (int64_t i = 0; i < nv; ++i) {  // vector i: row r0 + i / group, query head h * group + i % group
                 const int64_t r = r0 + i / group, head = h * group + i % group;
                 const T *src = q + r * p.q_row + head * p.q_head;
-                for (int64_t d = 0; d < d_len; ++d) qs[i * d_len + d] = widen(src[d]) * p.scale;
+                scale_query(src, d_len, p.scale, qs + i * d_len);
                 length[i] = p.prefix + r + 1;
                 dst[i] = out + r * p.out_row + head * p.out_head;
             }
