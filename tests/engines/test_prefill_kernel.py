@@ -12,12 +12,12 @@ pytestmark = pytest.mark.skipif(prefill_kernel.kernel_for(torch.float32) is None
                                 reason="the prefill kernel computes on AVX-512 builds only")
 
 
-def _dense(q, k, v, prefix, scale):
-    """Row r of `q` over keys [0, prefix + r], in fp32."""
+def _dense(q, k, v, prefix, scale, dtype=torch.float32):
+    """Row r of `q` over keys [0, prefix + r], in fp32 (or `dtype`)."""
     n, group = q.shape[0], q.shape[1] // k.shape[1]
-    keys = k.float().repeat_interleave(group, 1).transpose(0, 1)
-    vals = v.float().repeat_interleave(group, 1).transpose(0, 1)
-    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * scale
+    keys = k.to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    vals = v.to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.to(dtype).transpose(0, 1) @ keys.transpose(1, 2) * scale
     seen = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(n))[:, None]
     return (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ vals).transpose(0, 1)
 
@@ -192,3 +192,25 @@ def test_prompt_calls_are_each_layers_per_chunk_calls(dtype):
             start += n
         assert torch.equal(got, want)
     assert torch.equal(kv.isnan(), want_kv.isnan()) and torch.equal(kv.nan_to_num(), want_kv.nan_to_num())
+
+
+@pytest.mark.parametrize("rows,prefix,heads,kv_heads,dim", [(94, 0, 9, 3, 64), (33, 17, 8, 2, 128), (200, 0, 4, 4, 64)])
+def test_bf16_scores_from_pairs_stay_within_a_rounding_of_the_fp32_tiles(rows, prefix, heads, kv_heads, dim):
+    """Where AVX512-BF16 is built a bf16 chunk's scores add pairs of exact products (`vdpbf16ps`) instead of one FMA a
+    dimension: its outputs are the fp32 tiles' over the same (widened) inputs, rounded to bf16, in all but a few
+    elements, those about a rounding step apart, and as near attention in float64."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    fused = (torch.randn(prefix + rows, heads + 2 * kv_heads, dim, generator=gen) * 2).bfloat16()
+    q, k, v = fused[prefix:, :heads], fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+    out = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
+    wide = torch.empty(rows, heads, dim)
+    assert prefill_kernel.attend(q, k, v, out, prefix, dim**-0.5)
+    assert prefill_kernel.attend(q.float(), k.float(), v.float(), wide, prefix, dim**-0.5)
+    want = wide.bfloat16()
+    apart = out != want
+    assert apart.float().mean() <= 0.005
+    # a rounding step at each value, or (outputs near zero, where the rows' weighted values cancel) 2^-12 of inputs of
+    # unit scale
+    assert ((out.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 2**-12).all()
+    exact = _dense(q, k, v, prefix, dim**-0.5, torch.float64)
+    assert (out.double() - exact).abs().mean() <= (want.double() - exact).abs().mean() * 1.01
