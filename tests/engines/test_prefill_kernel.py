@@ -12,12 +12,12 @@ pytestmark = pytest.mark.skipif(prefill_kernel.kernel_for(torch.float32) is None
                                 reason="the prefill kernel computes on AVX-512 builds only")
 
 
-def _dense(q, k, v, prefix, scale):
-    """Row r of `q` over keys [0, prefix + r], in fp32."""
+def _dense(q, k, v, prefix, scale, dtype=torch.float32):
+    """Row r of `q` over keys [0, prefix + r], in fp32 (or `dtype`)."""
     n, group = q.shape[0], q.shape[1] // k.shape[1]
-    keys = k.float().repeat_interleave(group, 1).transpose(0, 1)
-    vals = v.float().repeat_interleave(group, 1).transpose(0, 1)
-    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) * scale
+    keys = k.to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    vals = v.to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.to(dtype).transpose(0, 1) @ keys.transpose(1, 2) * scale
     seen = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(n))[:, None]
     return (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ vals).transpose(0, 1)
 
@@ -60,6 +60,14 @@ def test_backend_prefills_through_the_kernel(monkeypatch, dtype, tol, before, ne
     taken = []
     attend = prefill_kernel.attend
     monkeypatch.setattr(prefill_kernel, "attend", lambda *a, **kw: taken.append(attend(*a, **kw)) or taken[-1])
+    call = prefill_kernel.PromptCalls.__call__
+
+    def prompt_calls(self, *a):  # (a step of fresh prompts only: every chunk through the first layer's plans)
+        out = call(self, *a)
+        taken.extend([out is not None] * len(self.calls))
+        return out
+
+    monkeypatch.setattr(prefill_kernel.PromptCalls, "__call__", prompt_calls)
     pages = torch.randperm(32, generator=torch.Generator().manual_seed(0)).tolist()
     work = []
     for i, (old, n) in enumerate(zip(before, new, strict=True)):
@@ -131,6 +139,8 @@ def test_a_prompt_step_writes_every_key_and_value_to_its_page(monkeypatch, decli
     declines a chunk, the backend writes it: either way each row's key and value are at its slot, bit for bit."""
     attend = prefill_kernel.attend
     monkeypatch.setattr(prefill_kernel, "attend", (lambda *a, **kw: False) if declined else attend)
+    if declined:
+        monkeypatch.setattr(prefill_kernel.PromptCalls, "build", lambda *a, **kw: None)
     work = []
     pages = torch.randperm(32, generator=torch.Generator().manual_seed(4)).tolist()
     for i, n in enumerate([29, 40]):
@@ -147,3 +157,60 @@ def test_a_prompt_step_writes_every_key_and_value_to_its_page(monkeypatch, decli
     flat = kv.view(2, -1, HKV, DIM)
     assert torch.equal(flat[0, batch.slot_mapping], k) and torch.equal(flat[1, batch.slot_mapping], v)
     assert flat.isnan().all(-1).all(-1).sum() == flat.shape[0] * flat.shape[1] - 2 * 69  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_calls_are_each_layers_per_chunk_calls(dtype):
+    """A prompt step's layers after the first reuse its plans (`PromptCalls`): every layer's output and page writes
+    bitwise what `attend` gives chunk by chunk, each layer into its own pool; a layer laid out otherwise (another
+    stride) gets plans of its own."""
+    lengths = [29, 40, 2]
+    work, pages = [], torch.randperm(32, generator=torch.Generator().manual_seed(6)).tolist()
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"r{i}", "main", tokens=[1] * n, num_computed=0, order=i)
+        seq.pages = [pages.pop() for _ in range(-(-n // PAGE))]
+        work.append((seq, n))
+    _, batch = build_batch(work, PAGE, torch.device("cpu"))
+    layers, rows = 3, sum(lengths)
+    kv = torch.full((layers, 2, 32, PAGE, HKV, DIM), float("nan"), dtype=dtype)
+    want_kv = kv.clone()
+    context = TorchPagedAttention("cpu").begin(batch, kv)
+    assert context.prompts_only
+    gen = torch.Generator().manual_seed(7)
+    for layer in range(layers):
+        width = HQ + 2 * HKV + (1 if layer == 2 else 0)  # (the last layer's rows further apart: its own plans)
+        fused = torch.randn(rows, width, DIM, generator=gen).to(dtype)
+        q, k, v = fused[:, :HQ], fused[:, HQ : HQ + HKV], fused[:, HQ + HKV : HQ + 2 * HKV]
+        got = context.attend(layer, q, k, v, DIM**-0.5)
+        want = torch.empty(rows, HQ, DIM, dtype=dtype)
+        flat = want_kv[layer].view(2, -1, HKV, DIM)
+        start = 0
+        for n in lengths:
+            chunk = slice(start, start + n)
+            assert prefill_kernel.attend(q[chunk], k[chunk], v[chunk], want[chunk], 0, DIM**-0.5,
+                                         store=(flat[0], flat[1], batch.slot_mapping[chunk]))
+            start += n
+        assert torch.equal(got, want)
+    assert torch.equal(kv.isnan(), want_kv.isnan()) and torch.equal(kv.nan_to_num(), want_kv.nan_to_num())
+
+
+@pytest.mark.parametrize("rows,prefix,heads,kv_heads,dim", [(94, 0, 9, 3, 64), (33, 17, 8, 2, 128), (200, 0, 4, 4, 64)])
+def test_bf16_scores_from_pairs_stay_within_a_rounding_of_the_fp32_tiles(rows, prefix, heads, kv_heads, dim):
+    """Where AVX512-BF16 is built a bf16 chunk's scores add pairs of exact products (`vdpbf16ps`) instead of one FMA a
+    dimension: its outputs are the fp32 tiles' over the same (widened) inputs, rounded to bf16, in all but a few
+    elements, those about a rounding step apart, and as near attention in float64."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    fused = (torch.randn(prefix + rows, heads + 2 * kv_heads, dim, generator=gen) * 2).bfloat16()
+    q, k, v = fused[prefix:, :heads], fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+    out = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
+    wide = torch.empty(rows, heads, dim)
+    assert prefill_kernel.attend(q, k, v, out, prefix, dim**-0.5)
+    assert prefill_kernel.attend(q.float(), k.float(), v.float(), wide, prefix, dim**-0.5)
+    want = wide.bfloat16()
+    apart = out != want
+    assert apart.float().mean() <= 0.005
+    # a rounding step at each value, or (outputs near zero, where the rows' weighted values cancel) 2^-12 of inputs of
+    # unit scale
+    assert ((out.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 2**-12).all()
+    exact = _dense(q, k, v, prefix, dim**-0.5, torch.float64)
+    assert (out.double() - exact).abs().mean() <= (want.double() - exact).abs().mean() * 1.01

@@ -177,6 +177,9 @@ class TorchPagedContext:
         self.kernel: lane_kernel.LaneCall | None = None
         self._windows: tuple[torch.Tensor, torch.Tensor] | None = None  # (built where torch ops attend: see `lane_windows`)
         self._storing: tuple | None = None  # the layout the lane kernel took at this step's first storing layer
+        # a prompt step's kernel calls, as (the layout they were built for, the calls or None where the kernel does not
+        # take them), built at its first layer
+        self._prompts: tuple[tuple, prefill_kernel.PromptCalls | None] | None = None
         if decode and lanes is not None:
             got = lanes.assign(kv, [batch.seq_ids[i] for i in decode], [batch.page_lists[i] for i in decode],
                                [batch.kv_lens[i] for i in decode])
@@ -304,6 +307,10 @@ class TorchPagedContext:
             out = self._attend_lanes_storing(layer, q, k, v, scale, k_cache, v_cache)
             if out is not None:  # (a decode-only step: pool stores, lane stores and attention in one kernel call)
                 return out
+        if self.prompts_only:
+            out = self._attend_prompts(q, k, v, scale, k_cache, v_cache)
+            if out is not None:  # (a prompt step: every chunk's stores and attention through the kernel's first plans)
+                return out
         stored = self.prompts_only and k_cache.dtype == k.dtype  # (each chunk's keys stored by the kernel, or below)
         if self.write_rows is None and not stored:
             k_cache.index_copy_(0, self.slots, k.to(k_cache.dtype))
@@ -349,6 +356,17 @@ class TorchPagedContext:
             )[0]
             out[start : start + n] = res.transpose(0, 1).to(q.dtype)
         return out
+
+    def _attend_prompts(self, q, k, v, scale, k_cache, v_cache):
+        """Every row is in a fresh causal chunk: the kernel's calls built at the first layer (then only the layout
+        checked and pointers passed, a few microseconds a layer); None: the kernel does not take them."""
+        layout = prefill_kernel.PromptCalls.layout_of(q, k, v, k_cache, scale)
+        seen = self._prompts
+        if seen is None or seen[0] != layout:
+            calls = prefill_kernel.PromptCalls.build(q, k, v, k_cache, v_cache, self.slots,
+                                                     [(start, n) for start, n, *_ in self.prefill], scale)
+            seen = self._prompts = (layout, calls)
+        return None if seen[1] is None else seen[1](q, k, v, k_cache, v_cache)
 
     def _attend_lanes_storing(self, layer, q, k, v, scale, k_cache, v_cache):
         """Every row decodes in a lane: the kernel stores its new key and value in the pool and its lane and attends; None: it cannot."""

@@ -91,3 +91,73 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, out: torch.T
         plan.store_slots, plan.k_store, plan.v_store = slots.data_ptr(), k_store.data_ptr(), v_store.data_ptr()
         plan.store_row, plan.store_head = k_store.stride(0), k_store.stride(1)
     return kernel(ctypes.byref(plan), q.data_ptr(), keys.data_ptr(), vals.data_ptr(), out.data_ptr()) == 0
+
+
+class PromptCalls:
+    """A prompt step's fresh chunks through the kernel at every layer: the plans built at the first layer, then one call
+    a chunk with the layer's pointers.
+
+    `attend`'s checks, its plan and its keyword arguments cost ~20 us a layer in Python, about a tenth of what the
+    kernel itself takes over a 94-token prompt (two threads); every layer of a step hands over tensors laid out alike
+    (views of the fused projection's output at the same strides, the pool's per-layer views), so the checks and the
+    plans are the first layer's, and a later layer's caller only compares its `layout_of` with the first one's.
+    """
+
+    def __init__(self, kernel, slots: torch.Tensor, calls: list):
+        self.kernel = kernel
+        self.slots = slots  # (kept alive: the plans point at it)
+        self.calls = calls  # per chunk: (plan, its byref, byte offsets of the chunk's first q, k, v and out row)
+
+    @staticmethod
+    def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, scale: float) -> tuple:
+        """What a layer's tensors must share with the first layer's for its plans to hold."""
+        return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, k_store.dtype,
+                k_store.shape[1:], k_store.stride(), scale, torch.get_num_threads())
+
+    @classmethod
+    def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+              slots: torch.Tensor, chunks: list[tuple[int, int]], scale: float,
+              variant: str | None = None) -> PromptCalls | None:
+        """The calls for fresh causal chunks `(start, rows)` of packed `q` `[T, q heads, D]`, `k` and `v` `[T, kv heads,
+        D]`, each chunk's keys and values stored at its rows' `slots` of `k_store` / `v_store`; None where the kernel
+        does not take them all (`attend`'s conditions)."""
+        rows, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        if (q.device.type != "cpu" or not chunks or k.shape[0] != rows or v.shape != k.shape or heads % kv_heads
+                or k.shape[2] != dim or dim % 64 or not q.dtype == k.dtype == v.dtype == k_store.dtype == v_store.dtype
+                or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+                or k_store.shape[1:] != (kv_heads, dim) or v_store.shape != k_store.shape
+                or v_store.stride() != k_store.stride() or k_store.stride(-1) != 1
+                or slots.dtype != torch.int64 or slots.shape != (rows,) or slots.stride(0) != 1
+                or any(n <= 0 or start < 0 or start + n > rows for start, n in chunks)):
+            return None
+        kernel = kernel_for(q.dtype, variant)
+        if kernel is None:
+            return None
+        size = q.element_size()
+        out_row, out_head = heads * dim, dim  # (the contiguous output `__call__` is given)
+        calls = []
+        for start, n in chunks:
+            plan = PrefillPlan(n, 0, heads, kv_heads, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                               v.stride(0), v.stride(1), out_row, out_head, scale, torch.get_num_threads())
+            plan.store_slots = slots.data_ptr() + start * 8
+            plan.store_row, plan.store_head = k_store.stride(0), k_store.stride(1)
+            calls.append((plan, ctypes.byref(plan), start * q.stride(0) * size, start * k.stride(0) * size,
+                          start * v.stride(0) * size, start * out_row * size))
+        return cls(kernel, slots, calls)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
+                 v_store: torch.Tensor) -> torch.Tensor | None:
+        """Every chunk's attention, into a new contiguous `[T, q heads, D]`, for tensors laid out as the first layer's
+        (the same `layout_of`); None: the kernel did not run them (the caller's path then writes every output and store again)."""
+        if native.RECORDER is not None:  # (a tape recording a step replays only what it saw)
+            return None
+        out = torch.empty(q.shape, dtype=q.dtype)
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        ks, vs = k_store.data_ptr(), v_store.data_ptr()
+        kernel = self.kernel
+        for plan, ref, dq, dk, dv, do in self.calls:
+            plan.k_store, plan.v_store = ks, vs
+            if kernel(ref, qp + dq, kp + dk, vp + dv, op + do) != 0:
+                return None
+        return out
