@@ -55,12 +55,15 @@ def run_on_device(loop: asyncio.AbstractEventLoop, executor: Executor, fn: Calla
     the loop itself (one `call_soon_threadsafe`), with no `concurrent.futures.Future` chained to an asyncio one.
 
     A step's result reaches the loop once per token at c=1; the chained futures cost a condition variable, a
-    callback list and two loop callbacks on top of the wake-up. (A future cancelled meanwhile drops the result; a
-    loop closed meanwhile too.)
+    callback list and two loop callbacks on top of the wake-up. As there, a call whose future was cancelled before
+    the thread reached it does not run (a scheduler closed with a step queued); one cancelled while it runs finishes
+    and its result is dropped, as is one whose loop closed meanwhile.
     """
     future = loop.create_future()
 
     def run() -> None:
+        if future.cancelled():  # (read across threads: a stale "not yet" only runs the call, as a started one would)
+            return
         try:
             result = fn()
         except BaseException as exc:  # (handed to the awaiting task, as run_in_executor hands it)
