@@ -126,6 +126,7 @@ class StepSplit:
 
         from mstar_core.nn import tape as tapes
         from mstar_core.nn.llama import LlamaForCausalLM
+        from mstar_core.runtime import scheduler as node_scheduler
 
         self.steps: list[dict[str, float]] = []
         # (step end -> the event loop sees its result, -> next add, that add -> next step start) wall s
@@ -194,7 +195,14 @@ class StepSplit:
                 return future
             return run_in_executor
 
+        def device_wrap(original):  # (the scheduler's own hand-off to the device thread, where it has one)
+            def run_on_device(loop, executor, fn):
+                return executor_wrap(lambda _loop, ex, f, *args: original(loop, ex, f))(loop, executor, fn)
+            return run_on_device
+
         patch(asyncio.BaseEventLoop, "run_in_executor", executor_wrap)
+        if hasattr(node_scheduler, "run_on_device"):
+            patch(node_scheduler, "run_on_device", device_wrap)
         patch(KVCacheEngine, "step", step_wrap)
         patch(KVCacheEngine, "_run", run_wrap)
         patch(KVCacheEngine, "add", add_wrap)

@@ -50,6 +50,45 @@ def _urgency(entry: tuple[Invocation, asyncio.Future]) -> tuple[float, float]:
     return entry[0].urgency
 
 
+def run_on_device(loop: asyncio.AbstractEventLoop, executor: Executor, fn: Callable[[], Any]) -> asyncio.Future:
+    """`fn()` on the executor's thread, as `loop.run_in_executor` runs it, for less: the thread hands its result to
+    the loop itself (one `call_soon_threadsafe`), with no `concurrent.futures.Future` chained to an asyncio one.
+
+    A step's result reaches the loop once per token at c=1; the chained futures cost a condition variable, a
+    callback list and two loop callbacks on top of the wake-up. As there, a call whose future was cancelled before
+    the thread reached it does not run (a scheduler closed with a step queued); one cancelled while it runs finishes
+    and its result is dropped, as is one whose loop closed meanwhile.
+    """
+    future = loop.create_future()
+
+    def run() -> None:
+        if future.cancelled():  # (read across threads: a stale "not yet" only runs the call, as a started one would)
+            return
+        try:
+            result = fn()
+        except BaseException as exc:  # (handed to the awaiting task, as run_in_executor hands it)
+            settle = (_set_exception, future, exc)
+        else:
+            settle = (_set_result, future, result)
+        try:
+            loop.call_soon_threadsafe(*settle)
+        except RuntimeError:  # the loop closed while the step ran: nobody awaits it
+            pass
+
+    executor.submit(run)
+    return future
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
 class NodeScheduler:
     """Feeds one engine and resolves each invocation's future when the engine finishes it."""
 
@@ -276,7 +315,7 @@ class NodeScheduler:
             if self.inline or engine.answers_only():  # (answers found without a forward: no device-thread hop)
                 results = engine.step()
             else:
-                results = await asyncio.get_running_loop().run_in_executor(self.executor, engine.step)
+                results = await run_on_device(asyncio.get_running_loop(), self.executor, engine.step)
         except Exception as exc:  # the whole step failed: fail what was in flight, keep serving
             log.exception("node %s: step failed", engine.node.name)
             self._fail_inflight(exc)
