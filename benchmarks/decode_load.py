@@ -7,7 +7,8 @@ HTTP benchmark does, without HTTP. Every kvcache step is timed (wall and the dev
 the forward (linears and paged attention), the LM head + sampling, and the rest of the step; steps are classed as
 decode-only (every row one token), mixed (decode rows and a prefill chunk) or prefill-only. The time between steps
 (the conductor, request handles, the event loop: the runtime's per-step cost) and the TTFT / inter-token figures come
-with them. CPU time is what the box's other jobs disturb least; read wall figures with the load printed beside them.
+with them, and the event loop thread's CPU per output token. CPU time is what the box's other jobs disturb least; read
+wall figures with the load printed beside them.
 `--kernels` times every call of the replayed decode steps (`Tape.replay_timed`) and prints the replayed layers' wall
 time per step by kernel (linears, attention, norms, ...) beside the decode-only step's wall time: at c=1 the step
 less its linears is the time the issue-53 split asks for. `--split` times the parts of each decode-only step (the step's
@@ -336,9 +337,10 @@ async def main_async(args) -> dict:
             split.steps.clear()
             split.gaps.clear()
         print(f"load before: {load()}", flush=True)
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        cpu0, t0, loop0 = time.process_time(), time.perf_counter(), time.thread_time()
         lat = await drive(engine, prompts, args.concurrency, args.output_tokens, sampling)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        loop_cpu = time.thread_time() - loop0  # (the event loop's thread: conductor, scheduler passes, the client)
         print(f"load after: {load()}", flush=True)
     finally:
         if split is not None:
@@ -377,6 +379,9 @@ async def main_async(args) -> dict:
     out = {"benchmark": "decode_load", "dtype": args.dtype, "head_after_step": args.head_after_step, "concurrency": args.concurrency,
            "requests": len(prompts), "threads": torch.get_num_threads(), "settings": args.settings,
            "wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2), "tok_s": round(tokens / wall, 1),
+           # the loop thread's CPU per output token: on 2 cores it is taken from the forward's threads even where it
+           # overlaps a step, so it counts against the inter-token time about as the step's own Python does
+           "loop_cpu_per_token_us": round(1e6 * loop_cpu / max(len(lat["itl"]) + len(lat["ttft"]), 1), 1),
            "ttft_p50_ms": round(1e3 * statistics.median(lat["ttft"]), 1),
            "ttft_max_ms": round(1e3 * max(lat["ttft"]), 1),
            # (none with --output-tokens 1: a run of prompt steps only)
@@ -408,7 +413,8 @@ def main() -> None:
         args.waves = 1
     out = asyncio.run(main_async(args))
     print(f"tok/s {out['tok_s']}  TTFT p50 {out['ttft_p50_ms']} ms (max {out['ttft_max_ms']})  inter-token p50 "
-          f"{out['itl_p50_ms']} ms, p99 {out['itl_p99_ms']} ms  wall {out['wall_s']} s, process CPU {out['process_cpu_s']} s")
+          f"{out['itl_p50_ms']} ms, p99 {out['itl_p99_ms']} ms  wall {out['wall_s']} s, process CPU {out['process_cpu_s']} s, "
+          f"loop thread CPU {out['loop_cpu_per_token_us']} us a token")
     for key, value in out.items():
         if isinstance(value, dict):
             print(f"{key}: {value}")

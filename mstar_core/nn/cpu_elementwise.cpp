@@ -16,14 +16,11 @@ namespace {
 using namespace mstar;
 
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 16;  // below this a row loop on one thread beats waking the team
-// the norms cost ~0.6 ns an element on one core (two passes, a row's sum between them): a prompt's 94 rows of 576
-// (54k elements) took ~35 us on one thread, ~20 on two, twice a layer; a decode step's rows (32 x 576 at most) stay on one
-constexpr int64_t NORM_PARALLEL_ELEMENTS = 1 << 15;
 constexpr int64_t MAX_VECTOR_ROT = 512;  // rotary widths the vector loop takes (its rounded tables on the stack)
 
 template <typename T>
 void rms_norm(const T *x, int64_t x_row, const T *weight, T *out, int64_t rows, int64_t dim, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= NORM_PARALLEL_ELEMENTS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         const T *src = x + r * x_row;
         T *dst = out + r * dim;
@@ -41,7 +38,7 @@ void rms_norm(const T *x, int64_t x_row, const T *weight, T *out, int64_t rows, 
 template <typename T>
 void rms_norm_heads(const T *x, int64_t row, int64_t head, int64_t rows, int64_t heads, int64_t dim, const T *weight,
                     T *out, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * dim >= NORM_PARALLEL_ELEMENTS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) rms_norm(x + r * row, head, weight, out + r * heads * dim, heads, dim, eps, 1);
 }
 
@@ -49,7 +46,7 @@ void rms_norm_heads(const T *x, int64_t row, int64_t head, int64_t rows, int64_t
 template <typename T>
 void add_rms_norm(T *delta, const T *residual, int64_t res_row, const T *weight, T *out, int64_t rows, int64_t dim,
                   float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= NORM_PARALLEL_ELEMENTS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         T *sum = delta + r * dim;
         const T *res = residual + r * res_row;

@@ -97,7 +97,7 @@ class PromptCalls:
     """A prompt step's fresh chunks through the kernel at every layer: the plans built at the first layer, then one call
     a chunk with the layer's pointers.
 
-    `attend`'s checks, its plan and its keyword arguments cost ~20 us a layer in Python, about a tenth of what the
+    `attend`'s checks, its plan and its keyword arguments cost ~15-20 us a layer in Python, a fifth to a quarter of what the
     kernel itself takes over a 94-token prompt (two threads); every layer of a step hands over tensors laid out alike
     (views of the fused projection's output at the same strides, the pool's per-layer views), so the checks and the
     plans are the first layer's, and a later layer's caller only compares its `layout_of` with the first one's.
