@@ -51,14 +51,18 @@ class LlamaDecoderLayer(nn.Module):
         return out if cpu_elementwise.add_(out, x) else x + out
 
     def forward_normed(self, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                       context: AttentionContext, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                       context: AttentionContext, next_norm: RMSNorm,
+                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` over `h = input_layernorm(x)` given, ending in the next norm: `(out, next_norm(out))`.
 
         The block's closing residual add and the norm after it (the next layer's input norm, or the final norm) are
         one pass where the CPU kernel runs (`add_forward`), not an add and a norm: one kernel call and one read of
-        the rows fewer a layer. The same roundings as `forward` then `next_norm`.
+        the rows fewer a layer. The same roundings as `forward` then `next_norm`. With `rows` (a last layer whose
+        caller reads only those rows), every row's keys and values reach the cache and the rest of the block runs
+        over `rows` alone: each of its ops computes a row by itself, so those rows come out with the same bits.
         """
-        x, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, context), x)
+        attended = self.self_attn(h, rope, context, rows)
+        x, h = self.post_attention_layernorm.add_forward(attended, x if rows is None else x[rows])
         return next_norm.add_forward(self.mlp(h), x)
 
 
@@ -75,6 +79,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder the engines run: `forward` on packed tokens -> hidden `[T, H]`; `compute_logits` on chosen rows."""
+
+    #: `forward` takes `rows=` (the kvcache engine's optional declaration: see `mstar_kvcache.contract`)
+    forward_rows = True
 
     def __init__(self, cfg: LlamaConfig | Mapping[str, Any]):
         super().__init__()
@@ -100,9 +107,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         context: AttentionContext,
         input_embeds: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed `input_ids` `[T]` (or `input_embeds` `[T, H]`) at `positions` `[T]` -> final hidden `[T, H]`."""
-        return self.run_layers(self.layer_inputs(input_ids, positions, input_embeds), context)
+        """Packed `input_ids` `[T]` (or `input_embeds` `[T, H]`) at `positions` `[T]` -> final hidden `[T, H]`
+        (with `rows`, indices into T: those rows' alone, `[len(rows), H]`; see `run_layers`)."""
+        return self.run_layers(self.layer_inputs(input_ids, positions, input_embeds), context, rows)
 
     def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                      input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -117,20 +126,27 @@ class LlamaForCausalLM(nn.Module):
             input_embeds = self.embed(input_ids)
         return (input_embeds, *self.model.rotary_emb(positions))
 
-    def run_layers(self, inputs: tuple[torch.Tensor, ...], context: AttentionContext) -> torch.Tensor:
-        """The decoder layers and the final norm over `layer_inputs`' tensors -> final hidden `[T, H]`."""
+    def run_layers(self, inputs: tuple[torch.Tensor, ...], context: AttentionContext,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers and the final norm over `layer_inputs`' tensors -> final hidden `[T, H]`.
+
+        `rows` (indices into T): the rows the caller reads (a prompt's last row, to sample from). Every token still
+        goes through every layer's attention, so its keys and values reach the cache; after the last layer's
+        attention only `rows` go on (output projection, MLP, final norm), and `[len(rows), H]` comes out.
+        """
         x, cos, sin = inputs
         layers, final = self.model.layers, self.model.norm
         if not len(layers) or has_forward_hooks(final) or any(has_forward_hooks(layer) for layer in layers):
             # (a hook sees each layer's and the final norm's own call)
             for layer in layers:
                 x = layer(x, (cos, sin), context)
-            return final(x)
+            return final(x) if rows is None else final(x)[rows]
         # each layer's closing add joined to the norm after it (see `LlamaDecoderLayer.forward_normed`)
         h = layers[0].input_layernorm(x)
+        last = len(layers) - 1
         for i, layer in enumerate(layers):
-            x, h = layer.forward_normed(x, h, (cos, sin), context, layers[i + 1].input_layernorm if i + 1 < len(layers)
-                                        else final)
+            x, h = layer.forward_normed(x, h, (cos, sin), context, layers[i + 1].input_layernorm if i < last else final,
+                                        rows if i == last else None)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

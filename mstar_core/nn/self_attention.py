@@ -50,8 +50,12 @@ class GroupedQueryAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         context: AttentionContext,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`x` `[T, hidden]`, `rope` = `(cos, sin)` for these tokens' positions -> `[T, hidden]`."""
+        """`x` `[T, hidden]`, `rope` = `(cos, sin)` for these tokens' positions -> `[T, hidden]`.
+
+        With `rows` (indices into T) only those rows come out, `[len(rows), hidden]`: every token's keys and values
+        still reach the cache, the output projection runs over the rows asked for alone."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -67,5 +71,5 @@ class GroupedQueryAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:  # (here q and k are the qk-norm's fresh outputs: rotated in place)
                 q, k = apply_rotary_(q, *rope), apply_rotary_(k, *rope)
-        out = context.attend(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = context.attend(self.layer_idx, q, k, v, self.scale).reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(out if rows is None else out[rows])

@@ -85,6 +85,21 @@ class CallAnswers:
         return (self.returns_hidden or not self.rows.samples or bool(self.rows.extra_outputs)
                 or any(seq.gathers or seq.speculation is not None and seq.speculation.drafts for seq, _ in work))
 
+    def rows_read(self, work: list[tuple[Sequence, int]]) -> list[int] | None:
+        """The only rows of a step's hidden states its answers read: the last row of each call the step completes
+        (a decode row, or a prompt's final chunk); None where others may be read (`reads_hidden_later`) or where
+        those are every row (a decode step). A prompt chunk that does not end its prompt has no row read at all."""
+        if self.reads_hidden_later(work):
+            return None
+        rows, row = [], 0
+        for seq, n in work:
+            row += n
+            if seq.pending is not None and seq.remaining == n:  # (the engine answers it after this step)
+                rows.append(row - 1)
+        if not rows:  # (nothing read: one row keeps the last layer's shapes non-empty)
+            rows.append(row - 1)
+        return None if len(rows) == row else rows
+
     def takes_argmax(self, work: list[tuple[Sequence, int]]) -> bool:
         """Whether every row of a step will be its logits' argmax as the head wrote them (greedy, nothing adjusting
         or masking the logits, no log-probabilities): a replayed step may then pick the tokens with its head."""

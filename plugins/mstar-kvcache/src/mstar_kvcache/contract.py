@@ -40,7 +40,10 @@ class KVCacheModule(Protocol):
     sequence whose call lacks one gets zeros, so zeros must mean "absent" to the module, or its routing
     must ignore those rows; a tensor no call of the step has is not passed at all), and `compute_<name>(hidden) -> [N, ...]` for each
     output `<name>` the node declares beyond the built-in ones (velocities from hidden states). A
-    node with input `routing` gets `routing=` `[T]` integer expert ids in `forward`.
+    node with input `routing` gets `routing=` `[T]` integer expert ids in `forward`. `forward_rows = True`:
+    `forward` takes `rows=` `[N]` (indices into T) and returns those rows' hidden states alone `[N, H]`, with
+    every token's keys and values in the cache as without it; the engine passes it on a step whose only rows read
+    are those it samples (a prompt's last row beside decode rows), never on a replayed or split step.
 
     Encoder-decoder modules (`cross.py`): `cross_kv(states [B, F, H]) -> [B, layers, 2, F, kv_heads, head_dim]` turns
     a call's `cross_states` into the keys and values of a cross label, which each layer reads with

@@ -428,7 +428,7 @@ class KVCacheEngine(Engine):
         """Forward `work`, advance its sequences, and answer those whose input is now all computed."""
         # (a replayed step then hands out its hidden rows as they lie, and picks greedy rows' tokens with its head)
         self.forward.expect(keep=self.answers.reads_hidden_later(work),
-                            greedy=self.samples and self.answers.takes_argmax(work))
+                            greedy=self.samples and self.answers.takes_argmax(work), rows=self.answers.rows_read(work))
         try:
             hidden = self.forward.run(work)
         except Exception as exc:

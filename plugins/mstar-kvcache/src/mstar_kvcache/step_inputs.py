@@ -50,30 +50,35 @@ class StepForward:
         #: buffer, as `logits`); None: the sampler picks the tokens
         self.tokens: torch.Tensor | None = None
         self._keep, self._greedy = True, False  # how the next run's results are used (`expect`)
+        self._rows: list[int] | None = None
+        #: the module's `forward` takes `rows=` (its optional declaration `forward_rows`: see contract.py)
+        self.forward_rows = bool(getattr(module, "forward_rows", False))
 
-    def expect(self, keep: bool, greedy: bool) -> None:
+    def expect(self, keep: bool, greedy: bool, rows: list[int] | None = None) -> None:
         """How the caller uses the next `run`'s results (that run only; then the defaults, `keep` and not `greedy`).
 
         `keep=False`: it reads the hidden rows only before the step after (a replayed step hands out its own buffer,
         not a copy); `greedy`: every row takes its argmax over unadjusted logits (a replay that runs the LM head then
-        picks them too: `tokens`). (Told ahead, not as arguments of `run`, which tests and benchmarks wrap.)
+        picks them too: `tokens`); `rows`: the only rows it reads (None: any). (Told ahead, not as arguments of
+        `run`, which tests and benchmarks wrap.)
         """
-        self._keep, self._greedy = keep, greedy
+        self._keep, self._greedy, self._rows = keep, greedy, rows
 
     def run(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The final hidden rows of `work`'s rows, in order (see `expect`)."""
-        keep, greedy = self._keep, self._greedy
-        self._keep, self._greedy = True, False
+        keep, greedy, rows = self._keep, self._greedy, self._rows
+        self._keep, self._greedy, self._rows = True, False, None
         if self.adapters is None:
-            return self._run(work, False, keep, greedy)
+            return self._run(work, False, keep, greedy, rows)
         try:  # rows under LoRA adapters: a compiled step, or a replay where the deltas are torch ops, would drop them
             eager = self.adapters.begin(work) or (self.compiled and self.adapters.has_rows)
-            return self._run(work, eager, keep, greedy)
+            # (and every row runs every layer: the adapters' deltas are laid out over the step's rows)
+            return self._run(work, eager, keep, greedy, None)
         finally:
             self.adapters.end()
 
     def _run(self, work: list[tuple[Sequence, int]], adapted: bool, keep: bool = True,
-             greedy: bool = False) -> torch.Tensor:
+             greedy: bool = False, rows: list[int] | None = None) -> torch.Tensor:
         """`run`; with `adapted`, eagerly (the module itself, never a replay or the compiled forward)."""
         self.logits = self.tokens = None
         ids, batch = build_batch(work, self.pool.page_size, self.device)
@@ -93,6 +98,14 @@ class StepForward:
                     if hidden is not None:  # (a decode step replayed, or recorded as it ran)
                         self.logits, self.tokens = self.replay.logits, self.replay.tokens
                         return hidden
+            if rows is not None and self.forward_rows and forward_fn is self.module and self.leader is None:
+                # only the rows read go past the last layer's attention; the others are NaN, should one be read
+                index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                kept = forward_fn(None if embeds is not None else ids, positions, context, input_embeds=embeds,
+                                  rows=index, **kwargs)
+                hidden = kept.new_full((ids.shape[0], kept.shape[1]), float("nan"))
+                return hidden.index_copy_(0, index, kept)
+            if embeds is None:
                 return forward_fn(ids, positions, context, **kwargs)
             return forward_fn(None, positions, context, input_embeds=embeds, **kwargs)
 
