@@ -179,9 +179,11 @@ struct PanelCall {
 // lane attention (lane_attention.cpp) names the next layer's keys and values, which its next call would otherwise
 // stream at the memory's speed while the cores wait, and the four linears between the two calls (compute-bound at a
 // batch's rows, the memory half idle) fetch them a cache line every few input steps of their blocks. The record
-// lives in the linear kernel's library (`mstar_fp32_side_fetch` gives its address); the attention fills it before
-// its own threads start, and the linears' threads, in calls that run after it, each walk spans of their own (span
-// s belongs to thread s % team), so no two threads share a cursor. A fetch changes no result, only what is cached.
+// lives in each panel kernel's library (`mstar_fp32_side_fetch`, `mstar_bf16_side_fetch` give its address); the
+// attention fills it before its own threads start, and the linears' threads, in calls that run after it, each walk
+// spans of their own (span s belongs to thread s % team), so no two threads share a cursor. A fetch changes no
+// result, only what is cached (two engines' device threads in one process sharing a record fetch useless lines,
+// never out of bounds: every index stays within the record).
 struct SideFetch {
     static constexpr int64_t MAX_SPANS = 2048, MAX_THREADS = 64;
     int64_t spans = 0, team = 1;

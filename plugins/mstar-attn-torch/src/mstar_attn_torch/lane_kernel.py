@@ -43,11 +43,12 @@ def side_fetch_for(dtype: torch.dtype, rows: int, variant: str | None = None) ->
     has room for the next layer's keys and values beside the weights; at a few rows the linears stream their weights
     at the memory's speed already, and fetching more beside them would slow them.
     """
-    if rows < SIDE_FETCH_ROWS or dtype != torch.float32:
+    if rows < SIDE_FETCH_ROWS or dtype not in (torch.float32, torch.bfloat16):
         return None
-    from mstar_core.nn import fp32_linear
+    from mstar_core.nn import bf16_linear, fp32_linear
 
-    entry = native.function(fp32_linear.SOURCE, "mstar_fp32_side_fetch", [], ctypes.c_void_p, variant)
+    source, prefix = (fp32_linear.SOURCE, "fp32") if dtype == torch.float32 else (bf16_linear.SOURCE, "bf16")
+    entry = native.function(source, f"mstar_{prefix}_side_fetch", [], ctypes.c_void_p, variant)
     return None if entry is None else entry()
 
 
