@@ -36,6 +36,9 @@ constexpr int64_t PREFETCH = 2048;  // bytes ahead the weight stream is fetched
 // shares the rows of the one before it rather than run so few
 constexpr int64_t MIN_PASS_ROWS = 3;
 
+// what a decode step's lane attention asks this library's next calls to fetch (mstar::SideFetch)
+mstar::SideFetch side_fetch;
+
 #if defined(MSTAR_BF16_LINEAR)
 // inputs 2e and 2e + 1 of a row in every 32-bit lane (one broadcast load)
 inline __m512i pair(const bf16 *x, int64_t e) {
@@ -61,7 +64,7 @@ inline __m512i weights(const int8_t *w) {
 // see fp32_linear.cpp)
 template <int R, typename W>
 void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float *scale, const bf16 *bias, bf16 *out,
-           int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
+           int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step, const char *side, int64_t side_lines) {
 #define MSTAR_ACC(r) __m512 a##r##l = _mm512_setzero_ps(), a##r##h = a##r##l; const bf16 *x##r = x + (R > r ? r : 0) * x_row;
     MSTAR_ACC(0) MSTAR_ACC(1) MSTAR_ACC(2) MSTAR_ACC(3) MSTAR_ACC(4) MSTAR_ACC(5)
     MSTAR_ACC(6) MSTAR_ACC(7) MSTAR_ACC(8) MSTAR_ACC(9) MSTAR_ACC(10) MSTAR_ACC(11)
@@ -73,6 +76,8 @@ void block(const bf16 *x, int64_t x_row, const W *panel, int64_t k, const float 
         const char *next = reinterpret_cast<const char *>(w) + PREFETCH;
         for (int64_t line = 0; line < 2 * PANEL * static_cast<int64_t>(sizeof(W)); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
         if (ahead_step) _mm_prefetch(ahead + e * ahead_step, _MM_HINT_T1);
+        if (e % mstar::SIDE_FETCH_STEPS == 0 && e / mstar::SIDE_FETCH_STEPS < side_lines)
+            _mm_prefetch(side + e / mstar::SIDE_FETCH_STEPS * 64, _MM_HINT_T1);
 #define MSTAR_ROW(r)                                                                \
     if constexpr (R > r) {                                                          \
         const __m512i v = e < full ? pair(x##r, e) : last(x##r, k);                 \
@@ -160,7 +165,7 @@ inline int64_t range_start(int64_t panels, int64_t team, int64_t me) { return pa
 
 template <typename Body>
 void run_panel_ranges(const RangeCall &c, const char *packed, int64_t macs, int threads, const mstar::NextWeight *next_weight,
-                      Body rows_through_panel) {
+                      Body rows_through_panel, mstar::SideFetch *side) {
     const int64_t panel_bytes = c.steps * c.step_bytes;
     const int64_t passes = (c.m + BLOCK_ROWS - 1) / BLOCK_ROWS;
     // full passes, but a last pass of one or two rows shares the rows of the one before it (12 + 1 -> 7 + 6)
@@ -217,11 +222,14 @@ void run_panel_ranges(const RangeCall &c, const char *packed, int64_t macs, int 
                                                     : (pass < passes - 2 ? BLOCK_ROWS : pass == passes - 2 ? even_tail - even_tail / 2 : even_tail / 2);
                 const bool last_pass = pass == passes - 1;
                 for (int64_t p = first; p < last; ++p) {
+                    const char *side_at = nullptr;  // (the lines a lane attention named: mstar::SideFetch)
+                    const int64_t side_lines = side != nullptr ? side->take(me, c.steps / mstar::SIDE_FETCH_STEPS, side_at) : 0;
                     if (hinted && last_pass && !next_own && p >= tail_start && p < own_end)  // the end of its own share
-                        rows_through_panel(r0, rows, p, next_ahead + (p - tail_start) * c.steps * next_step, next_step);
+                        rows_through_panel(r0, rows, p, next_ahead + (p - tail_start) * c.steps * next_step, next_step,
+                                           side_at, side_lines);
                     else
                         rows_through_panel(r0, rows, p, ahead + pass * pass_bytes + (p - first) * c.steps * ahead_step,
-                                           next_own && pass < spread ? ahead_step : 0);
+                                           next_own && pass < spread ? ahead_step : 0, side_at, side_lines);
                 }
                 r0 += rows;
             }
@@ -248,14 +256,15 @@ void linear(const bf16 *x, int64_t x_row, const W *packed, const float *scale, c
     const int64_t steps = (k + 1) / 2;
     const RangeCall call{m, (n + PANEL - 1) / PANEL, steps, 2 * PANEL * static_cast<int64_t>(sizeof(W))};
     run_panel_ranges(call, reinterpret_cast<const char *>(packed), m * n * k, threads, next,
-                     [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
+                     [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step, const char *side,
+                         int64_t side_lines) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
         mstar::for_rows<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>(rows, [&](auto r) {
             block<decltype(r)::value>(x + r0 * x_row, x_row, packed + p * steps * 2 * PANEL, k, scale ? scale + first : nullptr,
                                       bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead,
-                                      ahead_step);
+                                      ahead_step, side, side_lines);
         });
-    });
+    }, side_fetch.spans > 0 ? &side_fetch : nullptr);
 }
 #endif
 
@@ -285,6 +294,9 @@ int mstar_bf16_linear_available() {
     return 0;
 #endif
 }
+
+// the record of what the next calls fetch while they compute (mstar::SideFetch: a lane attention call fills it)
+void *mstar_bf16_side_fetch() { return &side_fetch; }
 
 // elements of the packed layout of an [n, k] weight (bf16, or bytes for int8)
 int64_t mstar_bf16_packed_elements(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * ((k + 1) / 2 * 2); }

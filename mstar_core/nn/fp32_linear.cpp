@@ -64,6 +64,9 @@ inline vec fma_splat(const float *x, vec w, vec acc) { return fma(splat(x), w, a
 constexpr int64_t LANES = 8;
 #endif
 
+// what a decode step's lane attention asks this library's next calls to fetch (mstar::SideFetch)
+mstar::SideFetch side_fetch;
+
 constexpr int64_t PANEL = 2 * LANES;  // outputs per panel: two vectors
 constexpr int64_t PREFETCH = 2048;    // bytes ahead the weight stream is fetched
 
@@ -73,7 +76,7 @@ constexpr int64_t PREFETCH = 2048;    // bytes ahead the weight stream is fetche
 // `ahead`: where this block fetches the next task's panels into L2, `ahead_step` bytes further each input (0: none).
 template <int R, typename W>
 void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float *scale, const float *bias, float *out,
-           int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step) {
+           int64_t out_row, int64_t outs, const char *ahead, int64_t ahead_step, const char *side, int64_t side_lines) {
 #define MSTAR_ACC(r) vec a##r##l = zero(), a##r##h = a##r##l; const float *x##r = x + (R > r ? r : 0) * x_row;
     MSTAR_ACC(0) MSTAR_ACC(1) MSTAR_ACC(2) MSTAR_ACC(3) MSTAR_ACC(4) MSTAR_ACC(5)
     MSTAR_ACC(6) MSTAR_ACC(7) MSTAR_ACC(8) MSTAR_ACC(9) MSTAR_ACC(10) MSTAR_ACC(11)
@@ -84,6 +87,8 @@ void block(const float *x, int64_t x_row, const W *panel, int64_t k, const float
         const char *next = reinterpret_cast<const char *>(w) + PREFETCH;
         for (int64_t line = 0; line < PANEL * static_cast<int64_t>(sizeof(W)); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
         if (ahead_step) _mm_prefetch(ahead + e * ahead_step, _MM_HINT_T1);
+        if (e % mstar::SIDE_FETCH_STEPS == 0 && e / mstar::SIDE_FETCH_STEPS < side_lines)
+            _mm_prefetch(side + e / mstar::SIDE_FETCH_STEPS * 64, _MM_HINT_T1);
 #define MSTAR_ROW(r)                                                                \
     if constexpr (R > r) {                                                          \
         a##r##l = fma_splat(x##r + e, lo, a##r##l);                                 \
@@ -131,7 +136,8 @@ void linear(const float *x, int64_t x_row, const W *packed, const float *scale, 
     // 11-45 % in three alternated pairs, where bf16's gained; BENCHMARKS.md, issue 53)
     (void)next;
     mstar::run_panel_tasks(call, reinterpret_cast<const char *>(packed), m * n * k, threads, nullptr,
-                           [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step) {
+                           [&](int64_t r0, int64_t rows, int64_t p, const char *ahead, int64_t ahead_step, const char *side,
+                               int64_t side_lines) {
         const int64_t outs = n - p * PANEL < PANEL ? n - p * PANEL : PANEL, first = p * PANEL;
         mstar::for_rows<1, 2, 3, 4, 5, 6
 #if MSTAR_FP32_LINEAR == 512
@@ -140,9 +146,9 @@ void linear(const float *x, int64_t x_row, const W *packed, const float *scale, 
                         >(rows, [&](auto r) {
             block<decltype(r)::value>(x + r0 * x_row, x_row, packed + p * k * PANEL, k, scale ? scale + first : nullptr,
                                       bias ? bias + first : nullptr, out + r0 * out_row + first, out_row, outs, ahead,
-                                      ahead_step);
+                                      ahead_step, side, side_lines);
         });
-    });
+    }, side_fetch.spans > 0 ? &side_fetch : nullptr);
 }
 #endif
 
@@ -170,6 +176,9 @@ int mstar_fp32_linear_available() {
     return 0;
 #endif
 }
+
+// the record of what the next calls fetch while they compute (mstar::SideFetch: a lane attention call fills it)
+void *mstar_fp32_side_fetch() { return &side_fetch; }
 
 // elements of the packed layout of an [n, k] weight (floats, or bytes for int8)
 int64_t mstar_fp32_packed_elements(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * PANEL * k; }

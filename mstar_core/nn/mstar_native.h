@@ -175,6 +175,52 @@ struct PanelCall {
     bool fetch_when_idle;
 };
 
+// Memory another kernel asks the linears that run after it to fetch into L2 while they compute: a decode step's
+// lane attention (lane_attention.cpp) names the next layer's keys and values, which its next call would otherwise
+// stream at the memory's speed while the cores wait, and the four linears between the two calls (compute-bound at a
+// batch's rows, the memory half idle) fetch them a cache line every few input steps of their blocks. The record
+// lives in each panel kernel's library (`mstar_fp32_side_fetch`, `mstar_bf16_side_fetch` give its address); the
+// attention fills it before its own threads start, and the linears' threads, in calls that run after it, each walk
+// spans of their own (span s belongs to thread s % team), so no two threads share a cursor. A fetch changes no
+// result, only what is cached (two engines' device threads in one process sharing a record fetch useless lines,
+// never out of bounds: every index stays within the record).
+struct SideFetch {
+    static constexpr int64_t MAX_SPANS = 2048, MAX_THREADS = 64;
+    int64_t spans = 0, team = 1;
+    const char *start[MAX_SPANS];
+    int64_t lines[MAX_SPANS];  // cache lines from `start`
+    struct alignas(64) Cursor {
+        int64_t span, line;
+    } cursor[MAX_THREADS];
+
+    // a fresh list of `count` spans (starts and bytes), shared by `threads` threads
+    void reset(int64_t count, int64_t threads) {
+        spans = count < MAX_SPANS ? count : MAX_SPANS;
+        team = threads < 1 ? 1 : (threads < MAX_THREADS ? threads : MAX_THREADS);
+        for (int64_t t = 0; t < team; ++t) cursor[t].span = t, cursor[t].line = 0;
+    }
+
+    // thread `me`'s next lines, at most `most` of one span: their first byte in `at`, their count returned (0: none left)
+    int64_t take(int64_t me, int64_t most, const char *&at) {
+        if (me >= team || most <= 0) return 0;
+        Cursor &c = cursor[me];
+        while (c.span < spans) {
+            const int64_t left = lines[c.span] - c.line;
+            if (left > 0) {
+                const int64_t n = left < most ? left : most;
+                at = start[c.span] + c.line * 64;
+                c.line += n;
+                return n;
+            }
+            c.span += team, c.line = 0;
+        }
+        return 0;
+    }
+};
+
+// input steps of a panel block per cache line of a SideFetch span it fetches
+constexpr int64_t SIDE_FETCH_STEPS = 4;
+
 constexpr int64_t PANEL_TASK_BYTES = 192 * 1024;  // weight bytes one task passes every row through (in L2)
 constexpr int64_t PANEL_SPREAD = 8;               // passes over which the next task's panels are fetched, at most
 constexpr int64_t PANEL_PARALLEL_MACS = 1 << 15;  // smaller calls run on the calling thread
@@ -195,7 +241,7 @@ inline int64_t panels_per_task(int64_t panels, int64_t panel_bytes, int threads)
 
 template <typename Body>
 void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int threads, const NextWeight *next_weight,
-                     Body rows_through_panel) {
+                     Body rows_through_panel, SideFetch *side = nullptr) {
     const int64_t panel_bytes = c.steps * c.step_bytes;
     const int64_t per_run = panels_per_task(c.panels, panel_bytes, threads);
     const int64_t runs = (c.panels + per_run - 1) / per_run, run_bytes = per_run * panel_bytes;
@@ -256,11 +302,14 @@ void run_panel_tasks(const PanelCall &c, const char *packed, int64_t macs, int t
             for (int64_t i = 0; i < chunk_passes; ++i) {
                 const int64_t r0 = (first_pass + i) * c.block_rows, rows = c.m - r0 < c.block_rows ? c.m - r0 : c.block_rows;
                 for (int64_t p = first; p < last; ++p) {
+                    const char *side_at = nullptr;
+                    const int64_t side_lines = side != nullptr ? side->take(me, c.steps / SIDE_FETCH_STEPS, side_at) : 0;
                     if (fetch_next && i == chunk_passes - 1)
-                        rows_through_panel(r0, rows, p, next_ahead + (p - first) * c.steps * next_step, next_step);
+                        rows_through_panel(r0, rows, p, next_ahead + (p - first) * c.steps * next_step, next_step,
+                                           side_at, side_lines);
                     else
                         rows_through_panel(r0, rows, p, ahead + i * pass_bytes + (p - first) * c.steps * ahead_step,
-                                           fetch && i < spread ? ahead_step : 0);
+                                           fetch && i < spread ? ahead_step : 0, side_at, side_lines);
                 }
             }
             if (!early) more = claim(next0, next1);

@@ -46,6 +46,8 @@ struct LanePlan {
     const int64_t *slots;      // pool slot of each packed row's new key and value (with a pool passed)
     int64_t pool_slot, pool_head;  // strides of a layer's pool keys (and values): [slots, kv heads, head dim]
     int64_t span;              // keys a task reads; 0: the kernel's choice, by each sequence's key count (span_for)
+    void *side;                // a linear kernel's mstar::SideFetch to name the next layer's lanes in, or null
+    const char *lanes_end;     // the end of the lane store (every layer's): the last layer has no next one
 };
 
 }  // extern "C"
@@ -697,6 +699,31 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
+// The next layer's keys and values of every row (a layer's lane store is its keys' then its values' [lanes, kv heads,
+// capacity, head dim], so the next layer's keys begin twice the keys-to-values distance on), as spans for the linears
+// between this call and the next to fetch while they compute (mstar::SideFetch): the next call reads them from cache
+// instead of at the memory's speed. The rows attend over the same keys there (one step). None past the store's end.
+template <typename T>
+void name_next_layer(const LanePlan &p, const T *k_lanes, const T *v_lanes) {
+    auto &side = *static_cast<mstar::SideFetch *>(p.side);
+    const int64_t layer = 2 * (v_lanes - k_lanes), d = p.head_dim;
+    const T *k_next = k_lanes + layer, *v_next = v_lanes + layer;
+    int64_t count = 0;
+    for (int64_t i = 0; i < p.count && count + 2 <= mstar::SideFetch::MAX_SPANS; ++i) {
+        const int64_t bytes = p.bound[i] * d * static_cast<int64_t>(sizeof(T));
+        for (int64_t h = 0; h < p.kv_heads && count + 2 <= mstar::SideFetch::MAX_SPANS; ++h) {
+            const int64_t at = p.lanes[i] * p.lane_stride + h * p.head_stride;
+            const char *keys = reinterpret_cast<const char *>(k_next + at), *vals = reinterpret_cast<const char *>(v_next + at);
+            if (vals + bytes > p.lanes_end || bytes <= 0) continue;
+            // (a span from its first byte's line: one line more where it does not start on one)
+            const int64_t lines = (bytes + (reinterpret_cast<uintptr_t>(keys) & 63) + 63) / 64;
+            side.start[count] = keys, side.lines[count++] = lines;
+            side.start[count] = vals, side.lines[count++] = lines;
+        }
+    }
+    side.reset(count, p.threads);
+}
+
 template <typename T>
 int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v_new, void *k_lanes, void *v_lanes,
            void *k_pool, void *v_pool, void *out) {
@@ -707,6 +734,7 @@ int attend(const LanePlan *plan, const void *q, const void *k_new, const void *v
                        static_cast<T *>(v_pool), static_cast<T *>(out)};
     const int64_t count = p.count, heads = p.kv_heads, pairs = count * heads;
     const int64_t stride = part_floats(p.q_heads / heads, p.head_dim);
+    if (p.side != nullptr) name_next_layer<T>(p, x.k_lanes, x.v_lanes);
     int64_t chunks_total = 0;
     for (int64_t i = 0; i < count; ++i) chunks_total += heads * chunks_for(p.bound[i], p.span);
     int64_t *first = static_cast<int64_t *>(scratch.at_least(

@@ -31,8 +31,29 @@ class LanePlan(ctypes.Structure):
         ("lane_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int32),
         ("slots", ctypes.c_void_p), ("pool_slot", ctypes.c_int64), ("pool_head", ctypes.c_int64),
-        ("span", ctypes.c_int64),
+        ("span", ctypes.c_int64), ("side", ctypes.c_void_p), ("lanes_end", ctypes.c_void_p),
     ]
+
+
+def side_fetch_for(dtype: torch.dtype, rows: int, variant: str | None = None) -> int | None:
+    """The address of the record the linears of `dtype` fetch from while they compute (`mstar::SideFetch`), where a
+    step of `rows` lane rows should name its next layer's lanes there; else None.
+
+    Only a batch's worth of rows: their linears are compute-bound (a weight read serves 2 x rows FLOPs), so the memory
+    has room for the next layer's keys and values beside the weights; at a few rows the linears stream their weights
+    at the memory's speed already, and fetching more beside them would slow them.
+    """
+    if rows < SIDE_FETCH_ROWS or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from mstar_core.nn import bf16_linear, fp32_linear
+
+    source, prefix = (fp32_linear.SOURCE, "fp32") if dtype == torch.float32 else (bf16_linear.SOURCE, "bf16")
+    entry = native.function(source, f"mstar_{prefix}_side_fetch", [], ctypes.c_void_p, variant)
+    return None if entry is None else entry()
+
+
+#: fewest lane rows a step has for its lane attention to name the next layer's lanes to the linears (side_fetch_for)
+SIDE_FETCH_ROWS = 24
 
 
 def kernel_for(dtype: torch.dtype, variant: str | None = None):
@@ -96,6 +117,9 @@ class LaneCall:
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  out.stride(0), out.stride(1),
                                  store_k.stride(0), store_k.stride(2), scale, torch.get_num_threads())
+            storage = store_k.untyped_storage()
+            self.plan.side = side_fetch_for(store_k.dtype, self.count)
+            self.plan.lanes_end = storage.data_ptr() + storage.nbytes()
         self.plan.scale = scale
         self.plan_ref = ctypes.byref(self.plan)
         if pool is None:
