@@ -18,7 +18,7 @@ from mstar_core.nn import bf16_linear, fp32_linear
 # each lane dtype with the panel kernel its model's linears run on, where both are built here
 LINEARS = {torch.float32: fp32_linear, torch.bfloat16: bf16_linear}
 DTYPES = [d for d, kernel in LINEARS.items() if lane_kernel.kernel_for(d) is not None and kernel.available()
-          and lane_kernel.side_fetch_for(d, 1 << 20) is not None]
+          and lane_kernel.side_fetch_record(d) is not None]
 pytestmark = pytest.mark.skipif(not DTYPES, reason="no C++ compiler (or no AVX2/FMA): the kernels cannot be built here")
 
 LAYERS, LANES, KV_HEADS, GROUP, CAPACITY, DIM = 3, 6, 3, 3, 48, 64
@@ -26,7 +26,7 @@ LAYERS, LANES, KV_HEADS, GROUP, CAPACITY, DIM = 3, 6, 3, 3, 48, 64
 
 def _spans(dtype) -> int:
     """Spans the record of `dtype`'s linears names now (its first field)."""
-    return ctypes.c_int64.from_address(lane_kernel.side_fetch_for(dtype, 1 << 20)).value
+    return ctypes.c_int64.from_address(lane_kernel.side_fetch_record(dtype)).value
 
 
 def _step(gen, dtype):
@@ -44,6 +44,7 @@ def _step(gen, dtype):
 def _attend_every_layer(kv, q, k, v, plan, side_rows, monkeypatch):
     """Each layer's call in order, the linears' record set as `side_rows` allows; the outputs and spans named after each."""
     monkeypatch.setattr(lane_kernel, "SIDE_FETCH_ROWS", side_rows)
+    monkeypatch.setattr(lane_kernel, "SIDE_FETCH_DTYPES", (q.dtype,))  # (the kernels of every dtype walk it)
     call = lane_kernel.LaneCall.for_plan(plan, kv[:, 0])
     outs, spans = [], []
     for layer in range(LAYERS):

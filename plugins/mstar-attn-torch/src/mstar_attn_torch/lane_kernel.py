@@ -41,9 +41,17 @@ def side_fetch_for(dtype: torch.dtype, rows: int, variant: str | None = None) ->
 
     Only a batch's worth of rows: their linears are compute-bound (a weight read serves 2 x rows FLOPs), so the memory
     has room for the next layer's keys and values beside the weights; at a few rows the linears stream their weights
-    at the memory's speed already, and fetching more beside them would slow them.
+    at the memory's speed already, and fetching more beside them would slow them. Only the dtypes in
+    `SIDE_FETCH_DTYPES`.
     """
-    if rows < SIDE_FETCH_ROWS or dtype not in (torch.float32, torch.bfloat16):
+    if rows < SIDE_FETCH_ROWS or dtype not in SIDE_FETCH_DTYPES:
+        return None
+    return side_fetch_record(dtype, variant)
+
+
+def side_fetch_record(dtype: torch.dtype, variant: str | None = None) -> int | None:
+    """The address of the `mstar::SideFetch` record the panel linears of `dtype` walk (None: no such kernel here)."""
+    if dtype not in (torch.float32, torch.bfloat16):
         return None
     from mstar_core.nn import bf16_linear, fp32_linear
 
@@ -51,6 +59,11 @@ def side_fetch_for(dtype: torch.dtype, rows: int, variant: str | None = None) ->
     entry = native.function(source, f"mstar_{prefix}_side_fetch", [], ctypes.c_void_p, variant)
     return None if entry is None else entry()
 
+
+#: lane dtypes whose steps name the next layer's lanes to the linears. Not fp32: there a c=32 step's linears ran
+#: slower by more than its attention gained (decode step 64.9 / 67.1 ms without, 69.7 / 71.0 ms with, alternated, on
+#: the 2-core EPYC), where bf16's (half the linears' time, half the lanes' bytes) ran as fast or faster
+SIDE_FETCH_DTYPES = (torch.bfloat16,)
 
 #: fewest lane rows a step has for its lane attention to name the next layer's lanes to the linears (side_fetch_for)
 SIDE_FETCH_ROWS = 24
