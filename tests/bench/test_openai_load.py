@@ -85,3 +85,33 @@ def test_vllm_cpu_settings_bind_every_core_and_preload_only_what_exists(tmp_path
     assert all(Path(p).exists() for p in env.get("LD_PRELOAD", "").split(":") if p)
     cmd = vllm_side.server_command(python, "/m", 8001, "bfloat16", flags)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--dtype" in cmd and "bfloat16" in cmd
+
+
+def test_a_request_the_server_dropped_unanswered_goes_once_more_and_counts_its_lost_time():
+    """A connection closed with no response (httpx's RemoteProtocolError) is retried once, its TTFT from the first
+    send; a second drop, or one after text arrived, still fails the request."""
+    in_flight, peak = [0], [0]
+    answer = _server(2, in_flight, peak)
+    drops = [1]
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        if drops[0]:
+            drops[0] -= 1
+            await asyncio.sleep(0.05)
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return await answer(request)
+
+    async def main(transport):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(transport), base_url="http://test") as client:
+            return await closed_loop(client, [[5]], 1, 4)
+
+    results, _ = asyncio.run(main(flaky))
+    assert results[0].text == "<5:0><5:1>" and results[0].ttft >= 0.05
+
+    drops[0] = 2
+    try:
+        asyncio.run(main(flaky))
+    except httpx.RemoteProtocolError:
+        pass
+    else:
+        raise AssertionError("a second drop must fail the request")
