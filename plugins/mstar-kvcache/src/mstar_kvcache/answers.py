@@ -86,11 +86,10 @@ class CallAnswers:
                 or any(seq.gathers or seq.speculation is not None and seq.speculation.drafts for seq, _ in work))
 
     def rows_read(self, work: list[tuple[Sequence, int]]) -> list[int] | None:
-        """The only rows of a step's hidden states its answers read: the last row of each call the step completes
-        (a decode row, or a prompt's final chunk); None where others may be read (`reads_hidden_later`) or where
-        those are every row (a decode step). A prompt chunk that does not end its prompt has no row read at all."""
-        if self.reads_hidden_later(work):
-            return None
+        """The only rows of a step's hidden states its answers read, where nothing reads them later
+        (`reads_hidden_later` false, which the caller checks): the last row of each call the step completes (a
+        decode row, or a prompt's final chunk); None where those are every row (a decode step). A prompt chunk that
+        does not end its prompt has no row read at all."""
         rows, row = [], 0
         for seq, n in work:
             row += n

@@ -427,8 +427,9 @@ class KVCacheEngine(Engine):
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Result]:
         """Forward `work`, advance its sequences, and answer those whose input is now all computed."""
         # (a replayed step then hands out its hidden rows as they lie, and picks greedy rows' tokens with its head)
-        self.forward.expect(keep=self.answers.reads_hidden_later(work),
-                            greedy=self.samples and self.answers.takes_argmax(work), rows=self.answers.rows_read(work))
+        later = self.answers.reads_hidden_later(work)
+        self.forward.expect(keep=later, greedy=self.samples and self.answers.takes_argmax(work),
+                            rows=None if later else self.answers.rows_read(work))
         try:
             hidden = self.forward.run(work)
         except Exception as exc:
