@@ -29,41 +29,47 @@ class Result:
 
 async def complete(client: Any, prompt: list[int], max_tokens: int) -> Result:
     """One streamed greedy completion of `max_tokens` tokens (EOS ignored) of a token-id prompt."""
-    body = {"model": "llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
     import httpx
 
+    body = {"model": "llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
     pieces: list[str] = []
-    tokens = None
-    for attempt in range(2):
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if event.get("usage"):
-                        tokens = event["usage"].get("completion_tokens")
-                    for choice in event.get("choices", []):
-                        if choice.get("text"):
-                            stamps.append(time.perf_counter())
-                            pieces.append(choice["text"])
-            break
-        except httpx.RemoteProtocolError:
-            # "Server disconnected without sending a response": a kept-alive connection the server had closed as
-            # the request went out (llama.cpp's server, now and then in its first minute). Nothing was answered,
-            # so it goes once more, on a fresh connection; the time lost counts against the request (t0 stays).
-            if stamps or pieces or attempt:
-                raise
+    try:
+        tokens = await _stream(client, body, stamps, pieces)
+    except httpx.RemoteProtocolError:
+        # "Server disconnected without sending a response": a kept-alive connection the server had closed as the
+        # request went out (llama.cpp's server, now and then in its first minute). Nothing was answered, so it goes
+        # once more, on a fresh connection; the time lost counts against the request (t0 stays).
+        if stamps:
+            raise
+        tokens = await _stream(client, body, stamps, pieces)
     if not stamps:
         raise RuntimeError("the stream carried no text")
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return Result(stamps[0] - t0, gaps, int(tokens if tokens is not None else len(stamps)), "".join(pieces),
                   time.perf_counter() - t0)
+
+
+async def _stream(client: Any, body: dict[str, Any], stamps: list[float], pieces: list[str]) -> int | None:
+    """Send `body` and read its stream: each text chunk's arrival time and text appended; the completion tokens the
+    usage chunk reports (None: no usage chunk)."""
+    tokens = None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    stamps.append(time.perf_counter())
+                    pieces.append(choice["text"])
+    return tokens
 
 
 async def closed_loop(client: Any, prompts: list[list[int]], concurrency: int, max_tokens: int

@@ -130,9 +130,10 @@ class LaneCall:
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  out.stride(0), out.stride(1),
                                  store_k.stride(0), store_k.stride(2), scale, torch.get_num_threads())
-            storage = store_k.untyped_storage()
             self.plan.side = side_fetch_for(store_k.dtype, self.count)
-            self.plan.lanes_end = storage.data_ptr() + storage.nbytes()
+            if self.plan.side:  # (the end of the lanes' memory: the kernel names no span past it)
+                storage = store_k.untyped_storage()
+                self.plan.lanes_end = storage.data_ptr() + storage.nbytes()
         self.plan.scale = scale
         self.plan_ref = ctypes.byref(self.plan)
         if pool is None:
